@@ -1,0 +1,3 @@
+from daemon.cli import main
+
+raise SystemExit(main())

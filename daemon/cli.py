@@ -1,0 +1,176 @@
+"""The one `cosyedge` command line. It only parses and dispatches: every
+subcommand lives in its own module, imported when it is chosen, so that
+`cosyedge run` on a board never imports torch, the build side or the cloud
+side."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Callable, Sequence
+
+# subcommand -> "module:function"; the function takes the parsed arguments
+# and returns the process exit status.
+_HANDLERS: dict[str, str] = {
+    "run": "daemon.service_main:run_command",
+    "say": "daemon.say_client:say_command",
+    "synth": "models.synth_cli:synth_command",
+    "build": "edge_build.cli:build_command",
+    "vad": "daemon.vad_cli:vad_command",
+    "bench": "models.bench_cli:bench_command",
+    "bridge": "cloud_bridge.bridge_main:bridge_command",
+    "triton": "cloud_bridge.triton_launcher:triton_command",
+    "doctor": "daemon.doctor:doctor_command",
+    "voice": "models.voice_cli:voice_command",
+}
+
+
+def _add_run(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("run", help="run the daemon in the foreground (systemd runs this)")
+    p.add_argument("--config", help="TOML config file (optional; flags override it)")
+    p.add_argument("--broker", help="MQTT broker URL, e.g. mqtt://localhost:1883 or mqtts://host:8883")
+    p.add_argument("--device-id", help="device id; the topic prefix is cosyedge/<device-id>")
+    p.add_argument("--bundle", help="model bundle directory (default: the tiny bundle, built on first use)")
+    p.add_argument("--audio", help="audio device: none, default or a device name")
+
+
+def _add_say(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("say", help="send one request to a running daemon over MQTT")
+    p.add_argument("text")
+    p.add_argument("--broker", help="MQTT broker URL (default mqtt://localhost:1883)")
+    p.add_argument("--device-id", help="device id of the daemon")
+    p.add_argument("--out", help="write the audio to this WAV file instead of playing it")
+    p.add_argument("--voice")
+    p.add_argument("--route", choices=["auto", "local", "cloud"], default="auto")
+    p.add_argument("--mode", choices=["sft", "zero_shot", "cross_lingual", "instruct"])
+    p.add_argument("--instruct-text")
+    p.add_argument("--timeout-s", type=float, default=120.0)
+
+
+def _add_synth(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("synth", help="offline synthesis: no daemon, no broker")
+    p.add_argument("text")
+    p.add_argument("--bundle", required=True)
+    p.add_argument("--out", required=True, help="output WAV file")
+    p.add_argument("--stream", action="store_true", help="synthesize in streaming chunks")
+    p.add_argument("--voice")
+    p.add_argument("--mode", choices=["sft", "zero_shot", "cross_lingual", "instruct"], default=None)
+    p.add_argument("--instruct-text")
+    p.add_argument("--prompt-wav", help="voice reference audio for zero_shot / cross_lingual")
+    p.add_argument("--prompt-text", help="transcript of --prompt-wav (zero_shot)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--backend", default="ort", help="inference backend: ort or trt")
+
+
+def _add_build(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("build", help="build side: tiny checkpoint, export, quantize, engines, validate")
+    bs = p.add_subparsers(dest="build_cmd", required=True)
+    t = bs.add_parser("tiny", help="write a randomly initialised CosyVoice 2 checkpoint (official layout)")
+    t.add_argument("--out", required=True)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--size", choices=["tiny", "full"], default="tiny")
+    e = bs.add_parser("export", help="export a CosyVoice 2 checkpoint to an ONNX bundle")
+    e.add_argument("--model-dir", required=True)
+    e.add_argument("--out", required=True)
+    q = bs.add_parser("quantize", help="INT8 / FP16 Q/DQ bundle with an accuracy gate")
+    q.add_argument("--bundle", required=True)
+    q.add_argument("--out", required=True)
+    q.add_argument("--precision", choices=["int8", "fp16"], default="int8")
+    q.add_argument("--calibration-size", type=int, default=None)
+    q.add_argument("--force", action="store_true", help="write the bundle even if it misses the budget")
+    g = bs.add_parser("engines", help="build TensorRT engines for a bundle (on the board)")
+    g.add_argument("--bundle", required=True)
+    v = bs.add_parser("validate", help="check a bundle against its source checkpoint")
+    v.add_argument("--bundle", required=True)
+    v.add_argument("--model-dir", help="source checkpoint (default: the path in the manifest)")
+
+
+def _add_vad(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("vad", help="run the daemon's VAD segmentation on a recording")
+    p.add_argument("wav")
+    p.add_argument("--aggressiveness", type=int, choices=[0, 1, 2, 3])
+    p.add_argument("--frame-ms", type=int, choices=[10, 20, 30])
+    p.add_argument("--config", help="TOML config file whose [vad] section to use")
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="engine and end-to-end benchmarks")
+    p.add_argument("--bundle", required=True)
+    p.add_argument("--reference", action="store_true",
+                   help="also run the official PyTorch pipeline on the same checkpoint")
+    p.add_argument("--concurrency", default="1", help="comma-separated request concurrency, e.g. 1,2,4")
+    p.add_argument("--json", help="write the results to this JSON file")
+    p.add_argument("--backend", default="ort")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--text", help="benchmark text (default: a built-in sentence)")
+
+
+def _add_bridge(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bridge", help="the cloud bridge service (MQTT <-> Triton)")
+    p.add_argument("--config")
+    p.add_argument("--broker")
+    p.add_argument("--triton", help="Triton gRPC URL, e.g. localhost:8001")
+
+
+def _add_triton(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("triton", help="a local Triton server on the repository in cloud_bridge/")
+    p.add_argument("--bundle", required=True)
+    p.add_argument("--grpc-port", type=int, default=8001)
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--metrics-port", type=int, default=8002)
+
+
+def _add_doctor(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("doctor", help="check GPU, TensorRT, engines, audio devices and broker")
+    p.add_argument("--config")
+    p.add_argument("--bundle")
+    p.add_argument("--broker")
+
+
+def _add_voice(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("voice", help="manage the voices of a bundle")
+    vs = p.add_subparsers(dest="voice_cmd", required=True)
+    a = vs.add_parser("add", help="add a voice from a reference recording")
+    a.add_argument("name")
+    a.add_argument("--bundle", required=True)
+    a.add_argument("--wav", required=True)
+    a.add_argument("--text", required=True, help="transcript of the recording")
+    ls = vs.add_parser("list", help="list the voices of a bundle")
+    ls.add_argument("--bundle", required=True)
+
+
+_ADDERS: Sequence[Callable[[argparse._SubParsersAction], None]] = (
+    _add_run, _add_say, _add_synth, _add_build, _add_vad, _add_bench,
+    _add_bridge, _add_triton, _add_doctor, _add_voice,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cosyedge", description=__doc__.split("\n\n")[0])
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in _ADDERS:
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    level = logging.WARNING - 10 * min(args.verbose, 2) if args.command not in ("run", "bridge") else (
+        logging.DEBUG if args.verbose >= 2 else logging.INFO)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    module_name, func_name = _HANDLERS[args.command].split(":")
+    try:
+        handler = getattr(importlib.import_module(module_name), func_name)
+        return int(handler(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # a clean message for expected errors, not a traceback
+        from models.errors import CosyEdgeError
+
+        if isinstance(exc, CosyEdgeError):
+            print(f"cosyedge {args.command}: {exc}", file=sys.stderr)
+            return 2
+        raise

@@ -1,0 +1,93 @@
+"""The engine interface that the daemon, the cloud bridge and the benchmarks
+use. Everything above the engine depends on these types only, so the same
+code runs on onnxruntime (CPU here), TensorRT (the board) or espeak-ng (the
+fallback voice)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+import numpy as np
+
+Mode = Literal["sft", "zero_shot", "cross_lingual", "instruct"]
+MODES: tuple[Mode, ...] = ("sft", "zero_shot", "cross_lingual", "instruct")
+
+
+@dataclass(frozen=True)
+class PromptAudio:
+    """A voice reference given with the request (zero-shot cloning)."""
+
+    pcm: np.ndarray  # float32 mono in [-1, 1]
+    sample_rate: int
+    text: str = ""  # transcript; required for zero_shot, unused for cross_lingual
+
+
+@dataclass(frozen=True)
+class SynthesisRequest:
+    text: str
+    mode: Mode = "sft"
+    voice: str | None = None  # a voice of the bundle; None: the bundle's default
+    instruct_text: str | None = None
+    prompt: PromptAudio | None = None
+    stream: bool = True
+    seed: int | None = None  # None: a fresh random seed
+    speed: float = 1.0
+
+
+@dataclass
+class StageTimes:
+    """Wall time spent per stage for one request, in milliseconds."""
+
+    frontend_ms: float = 0.0
+    llm_ms: float = 0.0
+    flow_ms: float = 0.0
+    vocoder_ms: float = 0.0
+    first_audio_ms: float | None = None
+    llm_tokens: int = 0
+
+    def as_dict(self) -> dict[str, float | int | None]:
+        return {
+            "frontend_ms": round(self.frontend_ms, 2),
+            "llm_ms": round(self.llm_ms, 2),
+            "flow_ms": round(self.flow_ms, 2),
+            "vocoder_ms": round(self.vocoder_ms, 2),
+            "first_audio_ms": None if self.first_audio_ms is None else round(self.first_audio_ms, 2),
+            "llm_tokens": self.llm_tokens,
+        }
+
+
+@dataclass
+class AudioChunk:
+    pcm: np.ndarray  # float32 mono in [-1, 1]
+    sample_rate: int
+    index: int  # 0, 1, 2, ... within the request
+    last: bool
+    times: StageTimes = field(default_factory=StageTimes)  # cumulative up to this chunk
+
+
+class Engine(Protocol):
+    """A speech synthesizer. `synthesize` may be called from several threads
+    at once; each call carries its own streaming state."""
+
+    name: str  # "cosyvoice-ort", "cosyvoice-trt", "espeak-ng", ...
+    sample_rate: int
+
+    def voices(self) -> list[str]: ...
+
+    def modes(self) -> tuple[Mode, ...]: ...
+
+    def validate(self, request: SynthesisRequest) -> None:
+        """Raise RequestError (code and message) if the request cannot be served."""
+        ...
+
+    def synthesize(
+        self, request: SynthesisRequest, cancel: threading.Event | None = None
+    ) -> Iterator[AudioChunk]:
+        """Yield audio chunks as they are ready; the last has last=True. Stops
+        early (without error) when `cancel` is set."""
+        ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,63 @@
+"""Shared fixtures: the tiny checkpoint and bundle (built once per run and
+cached under .cache/ keyed by the build code), and a real Mosquitto broker."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support.broker import Broker, mosquitto_binary, running_broker
+
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = Path(os.environ.get("COSYEDGE_TEST_CACHE", ROOT / ".cache" / "tests"))
+
+
+def _code_hash(*packages: str) -> str:
+    h = hashlib.sha256()
+    for pkg in packages:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            h.update(path.relative_to(ROOT).as_posix().encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _cached_dir(name: str, key: str, build) -> Path:  # type: ignore[no-untyped-def]
+    """Build into CACHE/name-key once; a finished build is marked by .done."""
+    out = CACHE / f"{name}-{key}"
+    if (out / ".done").exists():
+        return out
+    if out.exists():
+        shutil.rmtree(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    build(out)
+    (out / ".done").write_text("ok")
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    from edge_build.tiny import build_tiny_checkpoint
+
+    key = _code_hash("edge_build")
+    return _cached_dir("tiny-ckpt", key, lambda out: build_tiny_checkpoint(out, seed=0, size="tiny"))
+
+
+@pytest.fixture(scope="session")
+def tiny_bundle(tiny_model_dir: Path) -> Path:
+    from edge_build.export import export_bundle
+
+    key = _code_hash("edge_build", "models")
+    return _cached_dir("tiny-bundle", key, lambda out: export_bundle(tiny_model_dir, out))
+
+
+@pytest.fixture()
+def broker() -> Iterator[Broker]:
+    if mosquitto_binary() is None:
+        pytest.skip("mosquitto is not installed (apt-get install mosquitto); .ci/setup installs it")
+    with running_broker() as b:
+        yield b
