@@ -81,7 +81,7 @@ class CosyVoiceEngine:
         self.sample_rate = bundle.sample_rate
         self._sessions: list[Session] = []
         load = self._load
-        self.lm = SpeechTokenLM(bundle, load("llm_prefill"), load("llm_decode"))
+        self.lm = SpeechTokenLM(bundle, backend, load("llm_prefill"), load("llm_decode"))
         self.flow = FlowDecoder(bundle, load("flow_encoder"), load("flow_estimator"))
         self.vocoder = HiftVocoder(bundle, load("hift_source"), load("hift_decoder"))
         self.tokenizer = TextTokenizer.from_file(bundle.file("tokenizer"))

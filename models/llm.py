@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from models.backends.base import Session
+from models.backends.base import Backend, DecodeLoop, Session
 from models.bundle import Bundle, LlmConfig
 from models.sampling import TokenSampler
 
@@ -43,8 +43,9 @@ class SpeechTokenLM:
     """Owns the embedding tables and the two LLM sessions. One instance per
     worker thread (sessions are used from the thread that owns them)."""
 
-    def __init__(self, bundle: Bundle, prefill: Session, decode: Session) -> None:
+    def __init__(self, bundle: Bundle, backend: Backend, prefill: Session, decode: Session) -> None:
         self.config = bundle.llm
+        self.backend = backend
         self.prefill_session = prefill
         self.decode_session = decode
         # Memory-mapped: only the rows of tokens actually used are paged in.
@@ -63,16 +64,8 @@ class SpeechTokenLM:
         parts = [self.sos_eos[None], text, self.task_id[None], speech.reshape(-1, self.config.hidden_size)]
         return np.concatenate(parts, axis=0)[None].astype(np.float32, copy=False)
 
-    def prefill(self, embeds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        mask = np.ones(embeds.shape[:2], dtype=np.int64)
-        out = self.prefill_session.run({"inputs_embeds": embeds, "attention_mask": mask})
-        return out["logp"], out["present_kv"]
-
-    def decode(self, embed: np.ndarray, past_kv: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        past_len = past_kv.shape[4]
-        mask = np.ones((embed.shape[0], past_len + 1), dtype=np.int64)
-        out = self.decode_session.run({"inputs_embeds": embed, "attention_mask": mask, "past_kv": past_kv})
-        return out["logp"], out["present_kv"]
+    def decode_loop(self) -> DecodeLoop:
+        return self.backend.decode_loop(self.prefill_session, self.decode_session)
 
     def generate(self, inp: LlmInput, sampler: TokenSampler, stats: LlmStats | None = None) -> Iterator[int]:
         """Yield speech tokens one by one until EOS or the maximum length."""
@@ -80,25 +73,29 @@ class SpeechTokenLM:
         min_len, max_len = inp.length_limits(self.config)
         eos = self.config.eos_token
         embeds = self.prompt_embeds(inp)
-        t0 = time.perf_counter()
-        logp, kv = self.prefill(embeds)
-        stats.prefill_ms += (time.perf_counter() - t0) * 1e3
-        last_input = embeds[:, -1:]
-        out = stats.tokens
-        for i in range(max_len):
-            if i > 0:
-                t0 = time.perf_counter()
-                logp, kv = self.decode(last_input, kv)
-                stats.decode_ms += (time.perf_counter() - t0) * 1e3
-            stats.steps += 1
-            token = sampler.sample(logp[0], out, ignore_eos=i < min_len)
-            if token == eos:
-                break
-            if token > eos:
-                # A fill token: upstream does not emit it and feeds the same
-                # input again at the next position. (At step 0 upstream would
-                # re-feed the whole prompt; we re-feed its last position.)
-                continue
-            out.append(token)
-            yield token
-            last_input = self.speech_embedding[token][None, None]
+        loop = self.decode_loop()
+        try:
+            t0 = time.perf_counter()
+            logp = loop.prefill(embeds)
+            stats.prefill_ms += (time.perf_counter() - t0) * 1e3
+            last_input = embeds[:, -1:]
+            out = stats.tokens
+            for i in range(max_len):
+                if i > 0:
+                    t0 = time.perf_counter()
+                    logp = loop.step(last_input)
+                    stats.decode_ms += (time.perf_counter() - t0) * 1e3
+                stats.steps += 1
+                token = sampler.sample(logp[0], out, ignore_eos=i < min_len)
+                if token == eos:
+                    break
+                if token > eos:
+                    # A fill token: upstream does not emit it and feeds the same
+                    # input again at the next position. (At step 0 upstream would
+                    # re-feed the whole prompt; we re-feed its last position.)
+                    continue
+                out.append(token)
+                yield token
+                last_input = self.speech_embedding[token][None, None]
+        finally:
+            loop.close()

@@ -32,14 +32,69 @@ class Session(Protocol):
     def close(self) -> None: ...
 
 
+class DecodeLoop(Protocol):
+    """The LLM's prefill + decode steps for one request, with the KV cache kept
+    where the backend computes (host memory for ONNX Runtime on the CPU, device
+    memory for CUDA/TensorRT) so that no cache crosses to the host per token.
+    Only the log-probabilities come back (the sampler runs on the CPU)."""
+
+    def prefill(self, inputs_embeds: np.ndarray) -> np.ndarray:
+        """inputs_embeds [1, T, D] -> logp [1, V]; starts a new cache."""
+        ...
+
+    def step(self, inputs_embeds: np.ndarray) -> np.ndarray:
+        """inputs_embeds [1, 1, D] -> logp [1, V]; appends one position to the cache."""
+        ...
+
+    @property
+    def cache_len(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
 class Backend(Protocol):
     name: str
 
     def load(self, stage: str, path: Path, *, threads: int | None = None) -> Session: ...
 
+    def decode_loop(self, prefill: Session, decode: Session) -> DecodeLoop:
+        """A per-request decode loop over two sessions this backend loaded."""
+        ...
+
     def describe(self) -> dict[str, str]:
         """Versions and devices, for logs, `doctor` and benchmark reports."""
         ...
+
+
+class HostDecodeLoop:
+    """DecodeLoop over plain `Session.run` calls: the cache is a host array
+    (right for ONNX Runtime on the CPU, where host memory is the device)."""
+
+    def __init__(self, prefill: Session, decode: Session) -> None:
+        self._prefill = prefill
+        self._decode = decode
+        self._kv: np.ndarray | None = None
+
+    def prefill(self, inputs_embeds: np.ndarray) -> np.ndarray:
+        mask = np.ones(inputs_embeds.shape[:2], dtype=np.int64)
+        out = self._prefill.run({"inputs_embeds": inputs_embeds, "attention_mask": mask})
+        self._kv = out["present_kv"]
+        return out["logp"]
+
+    def step(self, inputs_embeds: np.ndarray) -> np.ndarray:
+        if self._kv is None:
+            raise RuntimeError("step() before prefill()")
+        mask = np.ones((inputs_embeds.shape[0], self._kv.shape[4] + 1), dtype=np.int64)
+        out = self._decode.run({"inputs_embeds": inputs_embeds, "attention_mask": mask, "past_kv": self._kv})
+        self._kv = out["present_kv"]
+        return out["logp"]
+
+    @property
+    def cache_len(self) -> int:
+        return 0 if self._kv is None else int(self._kv.shape[4])
+
+    def close(self) -> None:
+        self._kv = None
 
 
 def create_backend(name: str, *, device_id: int = 0) -> Backend:

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from models.backends.base import HostDecodeLoop
 from models.errors import BundleError, EngineError
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,9 @@ class OrtBackend:
             env = os.environ.get("COSYEDGE_ORT_THREADS")
             threads = int(env) if env else None
         return OrtSession(stage, path, self.providers, self.device_id, threads)
+
+    def decode_loop(self, prefill: OrtSession, decode: OrtSession) -> HostDecodeLoop:  # type: ignore[override]
+        return HostDecodeLoop(prefill, decode)
 
     def describe(self) -> dict[str, str]:
         return {
