@@ -69,7 +69,7 @@ _SLANEY_MIN_LOG_MEL = _SLANEY_MIN_LOG_HZ / _SLANEY_F_SP
 _SLANEY_LOG_STEP = np.log(6.4) / 27.0
 
 
-def hz_to_mel_slaney(hz: np.ndarray) -> np.ndarray:
+def hz_to_mel_slaney(hz: np.ndarray | float) -> np.ndarray:
     """Slaney's mel scale: linear below 1 kHz, logarithmic above."""
     hz = np.asarray(hz, dtype=np.float64)
     linear = hz / _SLANEY_F_SP
@@ -78,7 +78,7 @@ def hz_to_mel_slaney(hz: np.ndarray) -> np.ndarray:
     return np.where(hz >= _SLANEY_MIN_LOG_HZ, log, linear)
 
 
-def mel_to_hz_slaney(mel: np.ndarray) -> np.ndarray:
+def mel_to_hz_slaney(mel: np.ndarray | float) -> np.ndarray:
     mel = np.asarray(mel, dtype=np.float64)
     linear = mel * _SLANEY_F_SP
     log = _SLANEY_MIN_LOG_HZ * np.exp(_SLANEY_LOG_STEP * (mel - _SLANEY_MIN_LOG_MEL))
@@ -140,7 +140,8 @@ def whisper_log_mel(audio16k: np.ndarray, n_mels: int = 128) -> np.ndarray:
     if x.size <= pad:
         raise ValueError(f"whisper_log_mel needs more than {pad} samples, got {x.size}")
     if n_mels not in _WHISPER_FILTERS:
-        _WHISPER_FILTERS[n_mels] = slaney_mel_filters(WHISPER_SAMPLE_RATE, WHISPER_N_FFT, n_mels).astype(np.float64)
+        filters = slaney_mel_filters(WHISPER_SAMPLE_RATE, WHISPER_N_FFT, n_mels)
+        _WHISPER_FILTERS[n_mels] = filters.astype(np.float64)
     frames = _frames(np.pad(x, pad, mode="reflect"), WHISPER_N_FFT, WHISPER_HOP)[:-1]
     spectrum = np.fft.rfft(frames * hann_window(WHISPER_N_FFT), axis=-1)
     power = spectrum.real**2 + spectrum.imag**2
@@ -211,7 +212,8 @@ def matcha_mel(
         raise ValueError(f"matcha_mel needs more than {pad} samples, got {x.size}")
     key = (sampling_rate, n_fft, num_mels, fmin, fmax)
     if key not in _MATCHA_FILTERS:
-        _MATCHA_FILTERS[key] = slaney_mel_filters(sampling_rate, n_fft, num_mels, fmin, fmax).astype(np.float64)
+        filters = slaney_mel_filters(sampling_rate, n_fft, num_mels, fmin, fmax)
+        _MATCHA_FILTERS[key] = filters.astype(np.float64)
     # torch.stft centres a shorter window inside the n_fft frame
     window = np.zeros(n_fft)
     offset = (n_fft - win_size) // 2
@@ -232,7 +234,9 @@ def prompt_mel(pcm24k: np.ndarray) -> np.ndarray:
 
 
 def _need(package: str, pin: str, purpose: str) -> CosyEdgeError:
-    return CosyEdgeError(f"{purpose} needs the Python package '{package}'; install it with: pip install '{pin}'")
+    return CosyEdgeError(
+        f"{purpose} needs the Python package '{package}'; install it with: pip install '{pin}'"
+    )
 
 
 def resample(pcm: np.ndarray, from_rate: int, to_rate: int) -> np.ndarray:

@@ -134,7 +134,8 @@ class PromptFeatures:
                 missing = [k for k in _VOICE_KEYS if k not in data.files]
                 if missing:
                     raise BundleError(
-                        f"voice file {path} lacks {', '.join(missing)}; a voice npz holds {', '.join(_VOICE_KEYS)}"
+                        f"voice file {path} lacks {', '.join(missing)}; "
+                        f"a voice npz holds {', '.join(_VOICE_KEYS)}"
                     )
                 arrays = {k: data[k] for k in _VOICE_KEYS}
         except BundleError:

@@ -48,7 +48,8 @@ UNITS: dict[str, tuple[str, str]] = {
     "oz": ("ounce", "ounces"), "ml": ("milliliter", "milliliters"), "mL": ("milliliter", "milliliters"),
     "L": ("liter", "liters"), "ms": ("millisecond", "milliseconds"), "sec": ("second", "seconds"),
     "min": ("minute", "minutes"), "h": ("hour", "hours"), "hr": ("hour", "hours"), "hrs": ("hour", "hours"),
-    "km/h": ("kilometer per hour", "kilometers per hour"), "kph": ("kilometer per hour", "kilometers per hour"),
+    "km/h": ("kilometer per hour", "kilometers per hour"),
+    "kph": ("kilometer per hour", "kilometers per hour"),
     "mph": ("mile per hour", "miles per hour"), "m/s": ("meter per second", "meters per second"),
     "Hz": ("hertz", "hertz"), "kHz": ("kilohertz", "kilohertz"), "MHz": ("megahertz", "megahertz"),
     "GHz": ("gigahertz", "gigahertz"), "W": ("watt", "watts"), "kW": ("kilowatt", "kilowatts"),
@@ -73,7 +74,10 @@ ABBREVIATIONS: dict[str, tuple[str, bool]] = {
     "Corp.": ("corporation", True), "Co.": ("company", True), "Ave.": ("avenue", True),
 }
 
-MONTHS = ("January February March April May June July August September October November December").split()
+MONTHS = (
+    "January", "February", "March", "April", "May", "June",
+    "July", "August", "September", "October", "November", "December",
+)
 _MONTH_ABBREVIATIONS = {m[:3]: m for m in MONTHS} | {"Sept": "September"}
 _MONTH = f"(?:{alternation(MONTHS)}|(?:{alternation(_MONTH_ABBREVIATIONS)})\\.?)"
 _DAY = r"(?:[12]\d|3[01]|0?[1-9])"
@@ -212,11 +216,13 @@ RULES: tuple[Rule, ...] = (
          _money),
     rule("percent", f"(?<![\\w.])(?P<num>-?{NUM})\\s?[%％]",
          lambda m: f"{en.number(m['num'])} percent"),
-    rule("measure", f"(?<![\\w.])(?P<num>-?{NUM})\\s?(?P<unit>{alternation(UNITS)})(?![A-Za-z0-9])", _measure),
+    rule("measure", f"(?<![\\w.])(?P<num>-?{NUM})\\s?(?P<unit>{alternation(UNITS)})(?![A-Za-z0-9])",
+         _measure),
     rule("clock", r"(?<![\d:.])(?P<h>[01]?\d|2[0-3]):(?P<m>[0-5]\d)(?::(?P<s>[0-5]\d))?(?![\d:])"
                   r"(?:\s?(?P<ap>[AaPp]\.?[Mm])\b(?P<dot>\.)?)?", _clock),
     rule("hour_ampm", r"(?<![\w.:])(?P<h>1[0-2]|0?[1-9])\s?(?P<ap>[AaPp]\.?[Mm])\b(?P<dot>\.)?", _hour_ampm),
-    rule("month_day", f"(?<!\\w)(?P<mon>{_MONTH})\\s+(?P<d>{_DAY})(?:st|nd|rd|th)?\\b(?:,?\\s+(?P<y>\\d{{4}})\\b)?",
+    rule("month_day", f"(?<!\\w)(?P<mon>{_MONTH})\\s+(?P<d>{_DAY})(?:st|nd|rd|th)?\\b"
+                      r"(?:,?\s+(?P<y>\d{4})\b)?",
          lambda m: _date_words(MONTHS.index(_month(m["mon"])) + 1, int(m["d"]), m["y"])),
     rule("day_month", f"(?<![\\w.])(?P<d>{_DAY})(?:st|nd|rd|th)?\\s+(?:of\\s+)?(?P<mon>{_MONTH})(?!\\w)"
                       r"(?:,?\s+(?P<y>\d{4})\b)?",
@@ -228,16 +234,19 @@ RULES: tuple[Rule, ...] = (
     rule("short_decades", r"['‘’](?P<d>[2-9]0)s\b", lambda m: en.plural(en.cardinal(int(m["d"])))),
     rule("era", r"(?<![\w.])(?P<y>\d{1,4})\s?(?P<era>BCE|BC|CE|AD)\b",
          lambda m: f"{en.year(int(m['y']))} {' '.join(m['era'])}"),
-    rule("year_range", r"(?<![\w.,-])(?P<a>1[1-9]\d\d|20\d\d)\s?[-–]\s?(?P<b>1[1-9]\d\d|20\d\d)(?![\w-]|[.,]\d)",
+    rule("year_range", r"(?<![\w.,-])(?P<a>1[1-9]\d\d|20\d\d)\s?[-–]\s?(?P<b>1[1-9]\d\d|20\d\d)"
+                       r"(?![\w-]|[.,]\d)",
          _year_range),
     rule("year_after_context", f"\\b(?P<ctx>{_YEAR_CONTEXT})\\s+(?P<y>1\\d{{3}}|20\\d\\d)(?!\\w|[.,]\\d)",
          lambda m: f"{m['ctx']} {en.year(int(m['y']))}"),
-    rule("bare_year", r"(?<![\w.,$€£¥-])(?P<y>19\d\d|20\d\d)(?!\w|[.,]\d|-\d)", lambda m: en.year(int(m["y"]))),
+    rule("bare_year", r"(?<![\w.,$€£¥-])(?P<y>19\d\d|20\d\d)(?!\w|[.,]\d|-\d)",
+         lambda m: en.year(int(m["y"]))),
     rule("ordinal", r"(?<![\w.])(?P<n>\d+)(?:st|nd|rd|th|ST|ND|RD|TH)\b", lambda m: en.ordinal(int(m["n"]))),
     rule("fraction", r"(?<![\w./])(?P<a>\d+)/(?P<b>\d+)(?![\w/]|\.\d)",
          lambda m: en.fraction(int(m["a"]), int(m["b"]))),
     rule("digit_groups", r"(?<![\w.-])\d{3}-\d{3,4}(?:-\d{4})?(?![\w-])", _digit_groups),
-    rule("range", r"(?<![\w.,-])(?P<a>[1-9]\d{0,3}(?:\.\d+)?)\s?[-–~]\s?(?P<b>[1-9]\d{0,3}(?:\.\d+)?)(?![\w-]|\.\d)",
+    rule("range", r"(?<![\w.,-])(?P<a>[1-9]\d{0,3}(?:\.\d+)?)\s?[-–~]\s?(?P<b>[1-9]\d{0,3}(?:\.\d+)?)"
+                  r"(?![\w-]|\.\d)",
          _range),
     rule("negative", r"(?<![\w.,])[-−](?=\d)", lambda m: "minus "),
     rule("plus", r"\+(?=\s?\d)|(?<=\d)\s?\+|(?<=\s)\+(?=\s)", lambda m: " plus "),

@@ -21,7 +21,7 @@ def digits(s: str) -> str:
 
 def _section(n: int) -> str:
     """0 < n < 10000 -> '一千零一十' etc., without the leading-一十 rule."""
-    out = []
+    out: list[str] = []
     pending_zero = False
     for place, digit in zip(_PLACES, f"{n:04d}", strict=True):
         d = int(digit)

@@ -93,7 +93,9 @@ def split_sentences(text: str, marks: Sequence[str], terminal: str) -> list[str]
     return sentences
 
 
-def _break(text: str, limit: int, length: Callable[[str], int], cuts: Sequence[re.Pattern[str] | None]) -> list[str]:
+def _break(
+    text: str, limit: int, length: Callable[[str], int], cuts: Sequence[re.Pattern[str] | None]
+) -> list[str]:
     """Cut `text` into pieces of at most `limit` where possible, preferring
     the cut points of `cuts` in order (None: between any two characters).
     The pieces concatenate to `text`."""

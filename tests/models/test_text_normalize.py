@@ -46,9 +46,16 @@ def test_ordinal_matches_inflect() -> None:
 @pytest.mark.parametrize(
     ("value", "words"),
     [
-        (1990, "nineteen ninety"), (1905, "nineteen oh five"), (2000, "two thousand"),
-        (2007, "two thousand seven"), (2010, "twenty ten"), (2025, "twenty twenty-five"),
-        (1900, "nineteen hundred"), (1066, "ten sixty-six"), (3000, "three thousand"), (999, "nine hundred ninety-nine"),
+        (1990, "nineteen ninety"),
+        (1905, "nineteen oh five"),
+        (2000, "two thousand"),
+        (2007, "two thousand seven"),
+        (2010, "twenty ten"),
+        (2025, "twenty twenty-five"),
+        (1900, "nineteen hundred"),
+        (1066, "ten sixty-six"),
+        (3000, "three thousand"),
+        (999, "nine hundred ninety-nine"),
     ],
 )
 def test_year(value: int, words: str) -> None:
@@ -101,10 +108,26 @@ def _parse_zh(text: str) -> int:
 @pytest.mark.parametrize(
     ("value", "words"),
     [
-        (0, "零"), (10, "十"), (15, "十五"), (20, "二十"), (100, "一百"), (101, "一百零一"), (110, "一百一十"),
-        (1001, "一千零一"), (1010, "一千零一十"), (10000, "一万"), (10010, "一万零一十"), (100000, "十万"),
-        (100001, "十万零一"), (1000000, "一百万"), (100000000, "一亿"), (100010000, "一亿零一万"),
-        (120000000, "一亿二千万"), (2025, "二千零二十五"), (-5, "负五"), (1_0000_0000_0000, "一万亿"),
+        (0, "零"),
+        (10, "十"),
+        (15, "十五"),
+        (20, "二十"),
+        (100, "一百"),
+        (101, "一百零一"),
+        (110, "一百一十"),
+        (1001, "一千零一"),
+        (1010, "一千零一十"),
+        (10000, "一万"),
+        (10010, "一万零一十"),
+        (100000, "十万"),
+        (100001, "十万零一"),
+        (1000000, "一百万"),
+        (100000000, "一亿"),
+        (100010000, "一亿零一万"),
+        (120000000, "一亿二千万"),
+        (2025, "二千零二十五"),
+        (-5, "负五"),
+        (1_0000_0000_0000, "一万亿"),
     ],
 )
 def test_zh_cardinal_table(value: int, words: str) -> None:
@@ -132,20 +155,32 @@ def test_zh_misc() -> None:
 # --- the rule tables ---------------------------------------------------------------
 
 EN_CASES = [
-    ("Dr. Smith paid $5.20 for 3 apples.", "doctor Smith paid five dollars and twenty cents for three apples."),
+    (
+        "Dr. Smith paid $5.20 for 3 apples.",
+        "doctor Smith paid five dollars and twenty cents for three apples.",
+    ),
     ("It costs $1, €3bn or £0.50.", "It costs one dollar, three billion euros or fifty pence."),
     ("$2.5 million", "two point five million dollars"),
     ("Prices rose 50% and 3.5%.", "Prices rose fifty percent and three point five percent."),
-    ("We walked 3.5 km and 1 mi with 2 kg.", "We walked three point five kilometers and one mile with two kilograms."),
+    (
+        "We walked 3.5 km and 1 mi with 2 kg.",
+        "We walked three point five kilometers and one mile with two kilograms.",
+    ),
     ("It was 5°C, or 41 °F.", "It was five degrees Celsius, or forty-one degrees Fahrenheit."),
     ("Meet at 10:30 am or 7:05.", "Meet at ten thirty a m or seven oh five."),
     ("At 10:00 we start.", "At ten o'clock we start."),
     ("Come at 5 p.m. Then eat.", "Come at five p m. Then eat."),
     ("Born on January 5, 2025 here.", "Born on January fifth, twenty twenty-five here."),
     ("On 5 May 2020 it rained.", "On the fifth of May twenty twenty it rained."),
-    ("Due 2025-01-15 or 1/15/2025.", "Due January fifteenth, twenty twenty-five or January fifteenth, twenty twenty-five."),
+    (
+        "Due 2025-01-15 or 1/15/2025.",
+        "Due January fifteenth, twenty twenty-five or January fifteenth, twenty twenty-five.",
+    ),
     ("The 1990s and the '80s.", "The nineteen nineties and the eighties."),
-    ("In 1066 and by 1850, then 1999 and 2024.", "In ten sixty-six and by eighteen fifty, then nineteen ninety-nine and twenty twenty-four."),
+    (
+        "In 1066 and by 1850, then 1999 and 2024.",
+        "In ten sixty-six and by eighteen fifty, then nineteen ninety-nine and twenty twenty-four.",
+    ),
     ("From 1990-2000.", "From nineteen ninety to two thousand."),
     ("The 1st, 2nd, 3rd and 22nd.", "The first, second, third and twenty-second."),
     ("Add 1/2 cup and 3/4 spoon, 24/7.", "Add one half cup and three quarters spoon, twenty-four seven."),
@@ -156,7 +191,10 @@ EN_CASES = [
     ("An mp3 of CosyVoice2 with 0.5B params.", "An mp three of CosyVoice two with zero point five B params."),
     ("Agent 007 has 1500 rounds.", "Agent zero zero seven has one thousand five hundred rounds."),
     ("Apples, pears etc. Then more.", "Apples, pears et cetera. Then more."),
-    ("Mr. and Mrs. Lee vs. Ms. Park, e.g. today.", "mister and missus Lee versus miz Park, for example today."),
+    (
+        "Mr. and Mrs. Lee vs. Ms. Park, e.g. today.",
+        "mister and missus Lee versus miz Park, for example today.",
+    ),
     ("Main St. is near St. Paul.", "Main street is near saint Paul."),
     ("2 + 2 = 4", "two plus two equals four"),
     ("No numbers here.", "No numbers here."),
@@ -227,7 +265,10 @@ def test_full_width_and_cleaning() -> None:
     assert normalize_text("Ｈｅｌｌｏ，ｗｏｒｌｄ！ １２") == ("Hello, world! twelve", "en")
     assert normalize_text("价格１２３元")[0] == "价格一百二十三元"
     assert clean_characters("a\u200bb\ufeff\tc\r\nd\x07e\u3000f") == "ab c\nde f"
-    assert normalize_text("Title line\nNext line\ncontinues here.", "en")[0] == "Title line. Next line continues here."
+    assert (
+        normalize_text("Title line\nNext line\ncontinues here.", "en")[0]
+        == "Title line. Next line continues here."
+    )
 
 
 def test_language_detection() -> None:
@@ -241,7 +282,8 @@ def test_language_detection() -> None:
 
 
 @pytest.mark.parametrize(
-    "text", ["你好 世界", "a b c", "中 a b 文", "hello  world", "你 好", "x - y", "中 文 a", "a  b", "1 2 好 3"]
+    "text",
+    ["你好 世界", "a b c", "中 a b 文", "hello  world", "你 好", "x - y", "中 文 a", "a  b", "1 2 好 3"],
 )
 def test_helpers_match_upstream(text: str) -> None:
     upstream = pytest.importorskip("cosyvoice.utils.frontend_utils")

@@ -35,10 +35,25 @@ EN = [
     "One sentence only",
     "Numbers like three point five are fine. So are [breath] special tokens. <strong>Really</strong>.",
 ]
-SENTENCES_ZH = ["今天天气很好", "我们一起去公园散步吧", "收到好友从远方寄来的生日礼物", "那份意外的惊喜", "好",
-                "CosyVoice是一个模型", "他说“走吧”", "一二三四五六七八九十" * 3]
-SENTENCES_EN = ["Hello world", "this is fine", "The quick brown fox jumps over the lazy dog", "Yes",
-                "we will see what happens when the text gets longer and longer", 'he said "hi', "ok"]
+SENTENCES_ZH = [
+    "今天天气很好",
+    "我们一起去公园散步吧",
+    "收到好友从远方寄来的生日礼物",
+    "那份意外的惊喜",
+    "好",
+    "CosyVoice是一个模型",
+    "他说“走吧”",
+    "一二三四五六七八九十" * 3,
+]
+SENTENCES_EN = [
+    "Hello world",
+    "this is fine",
+    "The quick brown fox jumps over the lazy dog",
+    "Yes",
+    "we will see what happens when the text gets longer and longer",
+    'he said "hi',
+    "ok",
+]
 MARKS_ZH = ["。", "？", "！", "；", "：", "、", "，", ".", "?", "!", "!!", "。”", '."', ""]
 MARKS_EN = [".", "?", "!", ";", ":", ",", "...", '."', "?”", "", " "]
 
@@ -98,7 +113,24 @@ def test_where_upstream_raises() -> None:
 
 @pytest.mark.parametrize(
     "text",
-    ["", "。", "，。！？", "...", "!?", "“”", "——", "$%^&*", "[]", "。 ", "a", "好。", "1", "[breath]", "🎉", "～"],
+    [
+        "",
+        "。",
+        "，。！？",
+        "...",
+        "!?",
+        "“”",
+        "——",
+        "$%^&*",
+        "[]",
+        "。 ",
+        "a",
+        "好。",
+        "1",
+        "[breath]",
+        "🎉",
+        "～",
+    ],
 )
 def test_is_only_punctuation_matches_upstream(text: str) -> None:
     assert is_only_punctuation(text) == upstream.is_only_punctuation(text)
@@ -118,9 +150,15 @@ def test_first_segment_is_short(text_tokenizer: TextTokenizer) -> None:
     assert len(text_tokenizer.encode(segs[0])) <= 12
     assert segs[0].startswith("Hi.") and "Okay." in segs[0]
     # the short tail is not merged back into the quick first segment
-    assert split_paragraph("一二三四五，六七。八。", len, "zh", first_segment_max_n=6) == ["一二三四五，", "六七。八。"]
+    assert split_paragraph("一二三四五，六七。八。", len, "zh", first_segment_max_n=6) == [
+        "一二三四五，",
+        "六七。八。",
+    ]
     # a first sentence without pause marks stays whole
-    assert split_paragraph("一二三四五六七八九十。好的。", len, "zh", first_segment_max_n=4)[0] == "一二三四五六七八九十。"
+    assert (
+        split_paragraph("一二三四五六七八九十。好的。", len, "zh", first_segment_max_n=4)[0]
+        == "一二三四五六七八九十。"
+    )
 
 
 def test_max_segment_caps_unpunctuated_text(text_tokenizer: TextTokenizer) -> None:
