@@ -179,7 +179,11 @@ def speech_tokenizer_runner(session: OrtSessionLike) -> SpeechTokenizerRun:
 
 
 def _checked_audio(pcm: np.ndarray, sample_rate: int, max_seconds: float, min_seconds: float) -> np.ndarray:
-    if not isinstance(sample_rate, int | np.integer) or sample_rate < MIN_PROMPT_SAMPLE_RATE:
+    if isinstance(sample_rate, bool) or not isinstance(sample_rate, int | np.integer):
+        raise RequestError(
+            INVALID_PROMPT_AUDIO, f"prompt sample rate must be a whole number of Hz, got {sample_rate!r}"
+        )
+    if sample_rate < MIN_PROMPT_SAMPLE_RATE:
         raise RequestError(
             INVALID_PROMPT_AUDIO,
             f"prompt audio must be sampled at {MIN_PROMPT_SAMPLE_RATE} Hz or more, got {sample_rate!r}",

@@ -157,6 +157,7 @@ def test_stereo_and_plain_tokenizer(
         (np.zeros(16000 * 31, np.float32), 16000, "prompt_too_long", "31.0 s long; the limit is 30 s"),
         (np.zeros(4000, np.float32), 16000, "prompt_too_short", "at least 0.5 s"),
         (np.zeros(16000, np.float32), 8000, "invalid_prompt_audio", "16000 Hz or more"),
+        (np.zeros(16000, np.float32), 16000.0, "invalid_prompt_audio", "whole number of Hz"),
         (np.full(16000, np.nan, np.float32), 16000, "invalid_prompt_audio", "NaN"),
         (np.zeros((2, 3, 16000), np.float32), 16000, "invalid_prompt_audio", "shape"),
     ],

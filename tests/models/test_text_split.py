@@ -186,3 +186,12 @@ def test_settings_validation_and_split_with(text_tokenizer: TextTokenizer) -> No
     assert split_with(EN[0], text_tokenizer.encode, "en", SplitSettings()) == upstream.split_paragraph(
         EN[0], text_tokenizer.encode, "en"
     )
+
+
+def test_other_scripts_split_on_full_width_marks(text_tokenizer: TextTokenizer) -> None:
+    text = "こんにちは。げんきですか？はい、げんきです！Привет. Как дела?"
+    segments = split_paragraph(
+        text, text_tokenizer.encode, "other", token_max_n=5, token_min_n=1, merge_len=1
+    )
+    assert segments[:3] == ["こんにちは。", "げんきですか？", "はい、げんきです！"]
+    assert "".join(segments) == text  # it already ends in a mark
