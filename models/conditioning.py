@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -25,11 +24,9 @@ from models.backends.base import Backend, Session
 from models.bundle import Bundle
 from models.errors import RequestError
 from models.flow import FlowPrompt
-from models.prompt import PromptFeatures, extract_prompt, load_voice
+from models.prompt import PromptFeatures, extract_prompt
 from models.text.frontend import TextFrontend
 from models.text.tokenizer import TextTokenizer
-
-ENDOFPROMPT = "<|endofprompt|>"
 
 
 @dataclass(frozen=True)
@@ -95,13 +92,12 @@ class ConditioningBuilder:
             return Conditioning(voice.prompt_text.tolist(), voice.prompt_speech_token.tolist(), full_flow)
         if request.mode == "cross_lingual":
             return Conditioning([], [], full_flow)
-        instruct = self.frontend.normalize_prompt(request.instruct_text or "") + ENDOFPROMPT
-        return Conditioning(self.tokenizer.encode(instruct), [], full_flow)
+        return Conditioning(self.frontend.prepare_instruct(request.instruct_text or "").tolist(), [], full_flow)
 
     def _voice(self, name: str) -> PromptFeatures:
         with self._lock:
             if name not in self._voices:
-                self._voices[name] = load_voice(self.bundle.voices[name])
+                self._voices[name] = PromptFeatures.load(self.bundle.voices[name])
             return self._voices[name]
 
     def _sessions(self) -> tuple[Session, Session]:
@@ -126,10 +122,6 @@ class ConditioningBuilder:
             names = speech_tokenizer.input_names
             return next(iter(speech_tokenizer.run({names[0]: feat, names[1]: length}).values()))
 
-        transcript = self.frontend.normalize_prompt(request.prompt.text) if request.prompt.text else ""
+        transcript = request.prompt.text if request.mode != "cross_lingual" else ""
         return extract_prompt(request.prompt.pcm, request.prompt.sample_rate, transcript,
-                              run_campplus, run_tokenizer, self.tokenizer)
-
-
-def voice_path(bundle: Bundle, name: str) -> Path:
-    return bundle.root / "voices" / f"{name}.npz"
+                              run_campplus, run_tokenizer, self.frontend)

@@ -113,7 +113,7 @@ class CosyVoiceEngine:
     def synthesize(self, request: SynthesisRequest, cancel: threading.Event | None = None) -> Iterator[AudioChunk]:
         started = time.perf_counter()
         self.validate(request)
-        seed = request.seed if request.seed is not None else int(np.random.SeedSequence().entropy % (1 << 63))
+        seed = request.seed if request.seed is not None else int(np.random.default_rng().integers(1 << 62))
         sampler_seq, noise_seq = np.random.SeedSequence(seed).spawn(2)
         state = _RequestState(
             sampler=TokenSampler(self.bundle.llm.sampling, self.bundle.llm.eos_token,
@@ -129,7 +129,8 @@ class CosyVoiceEngine:
         state.times.frontend_ms += (time.perf_counter() - t0) * 1e3
         for i, segment in enumerate(segments):
             last_segment = i == len(segments) - 1
-            llm_in = LlmInput(text=segment.tokens, prompt_text=cond.prompt_text, prompt_speech=cond.prompt_speech)
+            llm_in = LlmInput(text=segment.token_ids.tolist(), prompt_text=cond.prompt_text,
+                              prompt_speech=cond.prompt_speech)
             pieces = self._stream_segment(llm_in, cond, state) if request.stream else self._offline_segment(
                 llm_in, cond, state, request.speed)
             for pcm, final in pieces:

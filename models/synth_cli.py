@@ -6,11 +6,12 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import soundfile as sf
 
-from models.api import PromptAudio, SynthesisRequest
+from models.api import Mode, PromptAudio, SynthesisRequest
 from models.engine import EngineSettings, load_engine
 
 
@@ -21,8 +22,8 @@ def synth_command(args: argparse.Namespace) -> int:
         prompt = PromptAudio(pcm=pcm.mean(axis=1), sample_rate=int(sr), text=args.prompt_text or "")
     mode = args.mode or ("zero_shot" if prompt is not None and args.prompt_text else
                          "cross_lingual" if prompt is not None else "sft")
-    request = SynthesisRequest(text=args.text, mode=mode, voice=args.voice, instruct_text=args.instruct_text,
-                               prompt=prompt, stream=args.stream, seed=args.seed)
+    request = SynthesisRequest(text=args.text, mode=cast(Mode, mode), voice=args.voice,
+                               instruct_text=args.instruct_text, prompt=prompt, stream=args.stream, seed=args.seed)
     t0 = time.perf_counter()
     engine = load_engine(args.bundle, settings=EngineSettings(backend=args.backend))
     load_s = time.perf_counter() - t0

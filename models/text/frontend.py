@@ -89,6 +89,10 @@ class TextFrontend:
                 )
         return text
 
+    def check(self, text: object) -> None:
+        """The cheap admission checks of `prepare` (type, empty, length, control characters)."""
+        self._validate(text, "text", self.max_text_chars)
+
     def normalize(self, text: str) -> tuple[str, Language]:
         """Normalized text (not split) and its language."""
         if not self.normalize_enabled:
