@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -72,7 +72,15 @@ def linear_resize(mel: np.ndarray, frames: int) -> np.ndarray:
     return (mel[..., lo] * (1 - w) + mel[..., hi] * w).astype(np.float32)
 
 
+def default_noise(seq: np.random.SeedSequence) -> NoiseSource:
+    return np.random.default_rng(seq)
+
+
 class CosyVoiceEngine:
+    # The vocoder's random source per request; parity tests swap in one that
+    # draws exactly what upstream's torch code draws.
+    noise_factory: Callable[[np.random.SeedSequence], NoiseSource] = staticmethod(default_noise)
+
     def __init__(self, bundle: Bundle, backend: Backend, settings: EngineSettings) -> None:
         self.bundle = bundle
         self.settings = settings
@@ -118,7 +126,7 @@ class CosyVoiceEngine:
         state = _RequestState(
             sampler=TokenSampler(self.bundle.llm.sampling, self.bundle.llm.eos_token,
                                  np.random.default_rng(sampler_seq)),
-            noise=np.random.default_rng(noise_seq),
+            noise=self.noise_factory(noise_seq),
             times=StageTimes(),
             started=started,
             cancel=cancel,
