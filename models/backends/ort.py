@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from models.backends.base import HostDecodeLoop
+from models.backends.base import HostDecodeLoop, Session
 from models.errors import BundleError, EngineError
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ class OrtBackend:
             threads = int(env) if env else None
         return OrtSession(stage, path, self.providers, self.device_id, threads)
 
-    def decode_loop(self, prefill: OrtSession, decode: OrtSession) -> HostDecodeLoop:  # type: ignore[override]
+    def decode_loop(self, prefill: Session, decode: Session) -> HostDecodeLoop:
         return HostDecodeLoop(prefill, decode)
 
     def describe(self) -> dict[str, str]:
