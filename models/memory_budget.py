@@ -25,8 +25,10 @@ Assumptions (also printed with every report):
   weights, fp16 for the layers kept in higher precision, scales).
 * Activations: TensorRT's measured device memory if built; else per-stage
   estimates from the contract's shapes (LLM MLP width 5.5 x hidden as in
-  Qwen2-0.5B; flow estimator working set 16x its largest I/O tensor; HiFT
-  decoder 48x its audio tensor), fp32 4 bytes, fp16 2, int8 graphs 2.
+  Qwen2-0.5B; flow encoder and estimator: 8 attention heads over all frames,
+  512 / 256 channels as upstream; HiFT decoder 48x its audio tensor), plus
+  32 MiB of tactic scratch per execution context; fp32 4 bytes, fp16 2,
+  int8 graphs 2.
 * 10% of usable memory is kept free (fragmentation, page cache, spikes).
 """
 
@@ -70,6 +72,7 @@ BOARDS: dict[str, Board] = {b.key: b for b in (
 HEADROOM = 0.10
 CPU_BASE_BYTES = int(0.4 * GIB)
 TEXT_EMBEDDING_RESIDENT = 64 * MIB
+SCRATCH_BYTES = 32 * MIB
 
 
 @dataclass
@@ -170,9 +173,10 @@ def stage_shapes(stage: str, manifest: Mapping[str, Any], shapes: Mapping[str, t
         io += b * mel * 2 * t + b * mel
         return io, b * 2 * t * 512 * 8 + b * 8 * (2 * t) ** 2
     if stage == "flow_estimator":
+        # upstream CausalConditionalDecoder: 256 channels, 8 attention heads over all frames
         n, c, t = shapes["x"]
         io += n * c * t
-        return io, 16 * n * c * t
+        return io, n * (8 * t * t + 8 * 256 * t)
     if stage == "hift_source":
         b, samples, h = shapes["noise"]
         io += b * samples
@@ -209,7 +213,7 @@ def bundle_budget(root: Path, manifest: Mapping[str, Any], precision: str) -> Bu
         activation = plan.get("device_memory_bytes")
         act_source = "measured" if activation is not None else "estimate"
         if activation is None:
-            activation = act_elems * act_bytes
+            activation = act_elems * act_bytes + SCRATCH_BYTES
         io = 2 * io_elems * act_bytes  # device buffer + pinned host twin
         contexts = 1
         if stage == "llm_decode":

@@ -87,11 +87,11 @@ class _Driver(Protocol):
 
     def init(self, flags: int = 0) -> None: ...
 
-    def Device(self, ordinal: int) -> _Device: ...  # noqa: N802 (pycuda's name)
+    def Device(self, ordinal: int) -> _Device: ...
 
-    def Stream(self, flags: int = 0) -> _Stream: ...  # noqa: N802
+    def Stream(self, flags: int = 0) -> _Stream: ...
 
-    def Memcpy2D(self) -> _Memcpy2D: ...  # noqa: N802
+    def Memcpy2D(self) -> _Memcpy2D: ...
 
     def mem_alloc(self, nbytes: int) -> _Allocation: ...
 
@@ -104,6 +104,8 @@ class _Driver(Protocol):
     def memcpy_dtoh_async(self, dest: np.ndarray, src: int, stream: _Stream | None = None) -> None: ...
 
     def memcpy_dtod_async(self, dest: int, src: int, size: int, stream: _Stream | None = None) -> None: ...
+
+    def memset_d8_async(self, dest: int, data: int, count: int, stream: _Stream | None = None) -> None: ...
 
 
 _driver_lock = threading.Lock()
@@ -195,6 +197,9 @@ class ThreadCuda:
 
     def dtod(self, dst_ptr: int, src_ptr: int, nbytes: int) -> None:
         driver().memcpy_dtod_async(dst_ptr, src_ptr, nbytes, self.stream)
+
+    def zero(self, dst_ptr: int, nbytes: int) -> None:
+        driver().memset_d8_async(dst_ptr, 0, nbytes, self.stream)
 
     def copy_2d(self, dst_ptr: int, dst_pitch: int, src_ptr: int, src_pitch: int, width: int, height: int) -> None:
         """`height` rows of `width` bytes between device buffers (cuMemcpy2DAsync)."""

@@ -143,6 +143,11 @@ class TrtDecodeLoop:
         ones_host[:] = 1
         cuda = self._dst.cuda
         cuda.htod(res.ones.ptr, ones_host)
+        # Bucket padding is masked, but 0 x NaN is NaN: the caches must never
+        # hold NaN/Inf bit patterns, so they start zeroed (afterwards only KV
+        # values are ever written into them).
+        for buf in res.kv.values():
+            cuda.zero(buf.ptr, buf.nbytes)
         cuda.synchronize()
         self._dst.extras["decode"] = res
         return res
