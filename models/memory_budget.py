@@ -13,10 +13,11 @@ Assumptions (also printed with every report):
 * The OS takes 1.0 GiB (headless JetPack: no desktop; a desktop adds ~0.8 GiB).
 * CUDA + TensorRT runtime (context, loaded kernels and libraries, lazy module
   loading on) take 0.6 GiB.
-* The CPU side of cosyedge (Python, numpy, onnxruntime for campplus and the
-  speech tokenizer, the tokenizer, paho, audio) takes 0.4 GiB plus the arrays
-  it loads (speech embedding, carried ONNX models with a 1.3x arena factor)
-  and 64 MiB of the memory-mapped text embedding (only used rows are paged in).
+* The CPU side of cosyedge (Python, numpy, onnxruntime, the tokenizer, paho,
+  audio) takes 0.4 GiB plus the arrays it loads (speech embedding, campplus
+  with a 1.3x arena factor) and 64 MiB of the memory-mapped text embedding
+  (only used rows are paged in); the speech tokenizer (loaded only for
+  requests with prompt audio) is listed in the notes.
 * One worker thread per stage group (LLM, flow, vocoder): one execution
   context each, plus one per decode bucket (CUDA graphs).
 * Engine weights: the plan size if built, else the ONNX file size (it stores
@@ -225,6 +226,11 @@ def bundle_budget(root: Path, manifest: Mapping[str, Any], precision: str) -> Bu
         out.append(StageBudget(stage, int(weights), int(activation), int(io), contexts, source, act_source))
     if {"llm_prefill", "llm_decode"} <= set(stages_meta):
         notes.append("llm_prefill and llm_decode each hold a copy of the LLM weights as separate engines")
+    tok = (manifest.get("carried") or {}).get("speech_tokenizer")
+    size = _file_bytes(root, tok.get("file") if isinstance(tok, Mapping) else tok) if tok else None
+    if size:
+        notes.append(f"+{size * 1.3 / MIB:.0f} MiB on the CPU side while the speech tokenizer is loaded "
+                     "(requests with prompt audio)")
     return BundleBudget(precision, out, cpu_side_bytes(root, manifest), notes)
 
 
@@ -233,7 +239,9 @@ def cpu_side_bytes(root: Path, manifest: Mapping[str, Any]) -> int:
     llm = manifest.get("llm", {})
     if "hidden_size" in llm and "speech_token_size" in llm:
         total += (int(llm["speech_token_size"]) + 3) * int(llm["hidden_size"]) * 4
-    for entry in (manifest.get("carried") or {}).values():
+    for name, entry in (manifest.get("carried") or {}).items():
+        if "speech_tokenizer" in name:
+            continue  # loaded only for requests with prompt audio (see the notes)
         rel = entry.get("file") if isinstance(entry, Mapping) else entry
         size = _file_bytes(root, rel)
         if size:

@@ -100,7 +100,7 @@ class TrtDecodeLoop:
             raise EngineError("llm_prefill and llm_decode disagree on the KV cache dtype; rebuild the engines")
         self._kv_dtype = kv_spec.dtype
         past = decode.profiles[0]["past_kv"]
-        self._kv_shape = past.max  # [L, 2, B, Hkv, Pmax, hd]
+        self._kv_shape = past.max  # [L, 2, B, Hkv, Pmax, hd]; the loop runs B = 1
         layers, two, _, heads, _, head_dim = self._kv_shape
         self._p_max = max(decode.profiles[i]["past_kv"].max[4] for i in range(len(decode.profiles)))
         p_min = min(decode.profiles[i]["past_kv"].min[4] for i in range(len(decode.profiles)))
@@ -202,7 +202,8 @@ class TrtDecodeLoop:
         res, st, sess, plan = self._res, self._dst, self._dec, self.plan
         d = inputs_embeds.shape[-1]
         pd = plan.past_dim
-        kv_shape = (*self._kv_shape[:4], pd, self._kv_shape[5])
+        layers, two, _, heads, _, head_dim = self._kv_shape
+        kv_shape = (layers, two, 1, heads, pd, head_dim)
         profile = choose_profile(sess.profiles, {"inputs_embeds": (1, 1, d), "attention_mask": (1, pd + 1),
                                                  "past_kv": kv_shape}, sess.name)
         emb = res.step_embeds.view(sess.specs["inputs_embeds"].dtype, (1, 1, d))
