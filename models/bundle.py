@@ -10,7 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from models.errors import BundleError
+from models.backends.engine_meta import EngineIdentity, check_engines
+from models.errors import BundleError, CosyEdgeError
 
 FORMAT = "cosyedge-bundle"
 FORMAT_VERSION = 1
@@ -91,6 +92,8 @@ class Bundle:
     stages: dict[str, StageInfo]
     voices: dict[str, Path]
     default_voice: str | None
+    backend: str = "ort"
+    engines: dict[str, Any] | None = field(default=None, repr=False)  # the manifest's engines section, if trt
 
     def file(self, key: str) -> Path:
         """A file listed under `arrays` or the tokenizer."""
@@ -140,10 +143,17 @@ def _require(section: dict[str, Any], key: str, where: str) -> Any:
     return section[key]
 
 
-def load_bundle(root: Path | str, precision: str | None = None) -> Bundle:
+def load_bundle(root: Path | str, precision: str | None = None, *, backend: str = "ort", device_id: int = 0,
+                identity: EngineIdentity | None = None) -> Bundle:
     """Read and check `root/manifest.json`. `precision` picks a stage variant
     (`fp32`, `fp16`, `int8`) when the bundle lists several; by default the
-    bundle's own precision."""
+    bundle's own precision.
+
+    With `backend="trt"` the stages are the TensorRT plans of the manifest's
+    `engines` section, checked against this device (`identity`, by default
+    probed: GPU name, compute capability, TensorRT version); plans built for
+    another GPU or TensorRT version are refused with a BundleError that says
+    to rebuild them with `cosyedge build engines`."""
     root = Path(root)
     manifest_path = root / "manifest.json"
     if not root.is_dir():
@@ -182,9 +192,14 @@ def load_bundle(root: Path | str, precision: str | None = None) -> Bundle:
         elif chosen != entry.get("precision", "fp32") and precision is not None:
             raise BundleError(f"{root}: stage {name} has no {chosen} variant (have: {sorted(variants) or ['fp32']})")
         path = root / entry["file"]
-        if not path.exists():
+        if backend != "trt" and not path.exists():
             raise BundleError(f"{root}: stage file {entry['file']} is missing")
         stages[name] = StageInfo(name, path, entry.get("precision", chosen), entry.get("sha256"), entry)
+
+    engines = None
+    if backend == "trt":
+        engines = _engine_stages(root, manifest, stages, precision, device_id, identity)
+        chosen = str(engines.get("precision", chosen))
 
     voices = {name: root / rel for name, rel in manifest.get("voices", {}).items()}
     return Bundle(
@@ -229,4 +244,31 @@ def load_bundle(root: Path | str, precision: str | None = None) -> Bundle:
         stages=stages,
         voices=voices,
         default_voice=manifest.get("default_voice"),
+        backend=backend,
+        engines=engines,
     )
+
+
+def _engine_stages(root: Path, manifest: dict[str, Any], stages: dict[str, StageInfo], precision: str | None,
+                   device_id: int, identity: EngineIdentity | None) -> dict[str, Any]:
+    """Replace `stages` with the TensorRT plans, after checking they fit this device."""
+    if identity is None:
+        from models.backends.gpu_probe import local_identity
+
+        try:
+            identity = local_identity(device_id)
+        except CosyEdgeError as exc:
+            raise BundleError(f"{root}: cannot use TensorRT engines here: {exc}") from exc
+    engines = check_engines(manifest, root, identity)
+    built = str(engines.get("precision", "?"))
+    if precision is not None and precision != built:
+        raise BundleError(f"{root}: the TensorRT engines were built from the {built} stages, not {precision}; "
+                          f"rebuild them with: cosyedge build engines --bundle {root} --precision {precision}")
+    for name in STAGES:
+        entry = engines["stages"].get(name)
+        if entry is None:
+            raise BundleError(f"{root}: the TensorRT engines lack stage {name}; "
+                              f"rebuild them with: cosyedge build engines --bundle {root}")
+        stages[name] = StageInfo(name, root / entry["file"], str(entry.get("precision", built)),
+                                 entry.get("sha256"), entry)
+    return engines

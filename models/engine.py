@@ -231,5 +231,6 @@ def load_engine(bundle_dir: Path | str, backend: str = "ort",
                 settings: EngineSettings | None = None) -> CosyVoiceEngine:
     """Load a bundle and its sessions; raises BundleError with what to do."""
     settings = settings or EngineSettings(backend=backend)
-    bundle = load_bundle(bundle_dir, precision=settings.precision)
+    # The trt backend loads the bundle's TensorRT plans, checked against this GPU.
+    bundle = load_bundle(bundle_dir, precision=settings.precision, backend="trt" if backend == "trt" else "ort")
     return CosyVoiceEngine(bundle, create_backend(backend), settings)

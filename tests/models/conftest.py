@@ -1,10 +1,16 @@
 """Fixtures for the model-runtime tests: a Qwen2-style tokenizer built here
 the way upstream builds CosyVoice's (a byte-level BPE saved as a
 Qwen2Tokenizer directory, loaded with transformers' AutoTokenizer, plus
-QwenTokenizer's special tokens), saved as the bundle's tokenizer.json."""
+QwenTokenizer's special tokens), saved as the bundle's tokenizer.json.
+
+TensorRT backend tests (`pytest -m gpu`) run only where a GPU, a real
+TensorRT and pycuda exist; the check never imports tensorrt on a machine
+without a GPU (that can segfault) and does not take the type-stub package
+(an importable but empty `tensorrt`) for TensorRT."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -103,3 +109,31 @@ def text_tokenizer(tokenizer_json: Path) -> Any:
     from models.text.tokenizer import TextTokenizer
 
     return TextTokenizer.from_file(tokenizer_json)
+
+
+
+
+
+def trt_unavailable_reason() -> str | None:
+    from models.backends.gpu_probe import probe_gpu, probe_tensorrt
+
+    gpu = probe_gpu()
+    if not gpu.available:
+        return f"no GPU ({gpu.reason})"
+    trt = probe_tensorrt()
+    if not trt.available:
+        return f"no TensorRT ({trt.reason})"
+    if importlib.util.find_spec("pycuda") is None:
+        return "pycuda is not installed (pip install pycuda==2025.1.2 on the GPU machine)"
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    trt_items = [i for i in items if i.get_closest_marker("gpu") and "trt" in i.nodeid]
+    if not trt_items:
+        return
+    reason = trt_unavailable_reason()
+    if reason:
+        skip = pytest.mark.skip(reason=f"TensorRT backend tests need a GPU with TensorRT: {reason}")
+        for item in trt_items:
+            item.add_marker(skip)
