@@ -90,7 +90,9 @@ def run_reference(bundle: Bundle, tokenizer: Any, text: str, repeats: int = 3,
     voice = PromptFeatures.load(bundle.voices[voice_name])
     inputs = model_inputs(voice, tokenizer.encode(text))
     threads = torch.get_num_threads()
-    rtfs, firsts, audio = [], [], 0.0
+    rtfs: list[float] = []
+    firsts: list[float] = []
+    audio = 0.0
     list(synthesize(model, inputs, stream=True))  # warm-up
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -99,10 +101,10 @@ def run_reference(bundle: Bundle, tokenizer: Any, text: str, repeats: int = 3,
         audio = samples / bundle.sample_rate
         rtfs.append(total / audio)
         t0 = time.perf_counter()
-        first = None
+        first: float | None = None
         for _chunk in synthesize(model, inputs, stream=True):  # consumed whole: its LLM thread must end
             first = first if first is not None else (time.perf_counter() - t0) * 1e3
-        firsts.append(first)
+        firsts.append(first if first is not None else float("nan"))
     return {"rtf": round(statistics.median(rtfs), 4), "first_audio_ms": round(statistics.median(firsts), 1),
             "audio_s": round(audio, 2), "torch": torch.__version__, "torch_threads": threads,
             "model_dir": str(src)}
