@@ -22,19 +22,21 @@ torch = pytest.importorskip("torch")
 reference_pipeline = pytest.importorskip("edge_build.reference_pipeline")
 
 TEXT = "Hello from the tiny model, one two three."
-SEED = 1234
+SEED = 3
 
 
 class TorchNoise:
     """Draws what upstream's SineGen2 + SourceModuleHnNSF2 draw per HiFT call,
-    in the same order, from torch's global generator."""
+    in the same order, from torch's global generator. SineGen2's sine tensor
+    [B, T*U, H] is a transposed view of a [B, H, T*U] buffer, and randn_like
+    fills it in that memory order."""
 
     def standard_normal(self, size: tuple[int, ...], dtype: type[np.float32]) -> np.ndarray:
         b, n, h = size
         torch.rand(b, h)  # SineGen2's random initial phase (never reaches the output)
-        noise = torch.randn(b, n, h)
-        torch.randn(b, n, 1)  # the noise branch, unused at inference
-        return noise.numpy().astype(dtype)
+        noise = torch.randn(b, h, n).transpose(1, 2)
+        torch.randn(b, 1, n)  # the noise branch, unused at inference
+        return np.ascontiguousarray(noise.numpy(), dtype=dtype)
 
 
 def snr_db(ref: np.ndarray, test: np.ndarray) -> float:
