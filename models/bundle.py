@@ -16,6 +16,8 @@ from models.errors import BundleError, CosyEdgeError
 FORMAT = "cosyedge-bundle"
 FORMAT_VERSION = 1
 FAMILIES = ("cosyvoice2",)
+# Files carried as shipped in a CosyVoice 2 directory (upstream's names).
+CARRIED_FILES = {"campplus": "campplus.onnx", "speech_tokenizer": "speech_tokenizer_v2.onnx"}
 STAGES = ("llm_prefill", "llm_decode", "flow_encoder", "flow_estimator", "hift_source", "hift_decoder")
 
 
@@ -114,8 +116,8 @@ class Bundle:
 
     def carried(self, name: str) -> Path:
         """campplus / speech_tokenizer ONNX files carried as shipped."""
-        entry = self.manifest.get("carried", {}).get(name)
-        path = self.root / (entry["file"] if isinstance(entry, dict) else (entry or f"{name}.onnx"))
+        entry = self.manifest.get("carried", {}).get(name) or CARRIED_FILES.get(name, f"{name}.onnx")
+        path = self.root / (entry["file"] if isinstance(entry, dict) else entry)
         if not path.exists():
             raise BundleError(f"{self.root}: missing {path.name}; re-export the bundle")
         return path

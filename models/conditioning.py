@@ -81,7 +81,7 @@ class ConditioningBuilder:
                                                        "zero_shot; use cross_lingual")
 
     def build(self, request: SynthesisRequest) -> Conditioning:
-        voice = self._from_prompt(request) if request.prompt is not None else self._voice(self.voice_name(request))
+        voice = self.prompt_features(request) if request.prompt is not None else self._voice(self.voice_name(request))
         empty_feat = np.zeros((0, self.bundle.mel_bins), dtype=np.float32)
         empty_tokens = np.zeros(0, dtype=np.int64)
         full_flow = FlowPrompt(voice.prompt_speech_token.astype(np.int64), voice.prompt_feat.astype(np.float32),
@@ -111,7 +111,8 @@ class ConditioningBuilder:
                 self._speech_tokenizer = cpu.load("speech_tokenizer", self.bundle.carried("speech_tokenizer"))
             return self._campplus, self._speech_tokenizer
 
-    def _from_prompt(self, request: SynthesisRequest) -> PromptFeatures:
+    def prompt_features(self, request: SynthesisRequest) -> PromptFeatures:
+        """Features of the reference recording the request carries."""
         assert request.prompt is not None
         campplus, speech_tokenizer = self._sessions()
 
