@@ -25,6 +25,7 @@ device's response topic as it arrives (protocol: cloud_bridge/protocol.py).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import socket
@@ -51,6 +52,7 @@ from cloud_bridge.protocol import (
     encode_error,
     now_unix_ms,
     parse_request,
+    peek_request_id,
 )
 from cloud_bridge.settings import BridgeSettings
 from cloud_bridge.triton_stream import SynthesisFailed, TritonStreamer
@@ -73,23 +75,30 @@ class Job:
 
 def _set_nodelay(_client: mqtt.Client, _userdata: Any, sock: Any) -> None:
     # Without it every small publish waits for Nagle's delayed ACK (~40-90 ms on loopback).
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    except (OSError, AttributeError):
-        pass
 
 
 class BridgeService:
-    def __init__(self, settings: BridgeSettings, streamer: Any = None, metrics: BridgeMetrics | None = None,
-                 selector: VersionSelector | None = None) -> None:
+    def __init__(
+        self,
+        settings: BridgeSettings,
+        streamer: Any = None,
+        metrics: BridgeMetrics | None = None,
+        selector: VersionSelector | None = None,
+    ) -> None:
         self.settings = settings
         t, lim = settings.triton, settings.limits
         self.topics = CloudTopics(settings.mqtt.topic_root)
         self.metrics = metrics or BridgeMetrics()
         self.streamer = streamer if streamer is not None else TritonStreamer(t)
         self.selector = selector or VersionSelector(
-            t.default_version, t.canary_version, t.canary_share, t.allowed_versions,
-            seed=None if t.canary_seed < 0 else t.canary_seed)
+            t.default_version,
+            t.canary_version,
+            t.canary_share,
+            t.allowed_versions,
+            seed=None if t.canary_seed < 0 else t.canary_seed,
+        )
         self.admission = Admission(lim.max_in_flight + lim.max_queued, lim.dedup_window)
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._running: dict[Key, Job] = {}
@@ -105,8 +114,9 @@ class BridgeService:
     # --- MQTT ---------------------------------------------------------------------------------
     def _make_client(self) -> mqtt.Client:
         m = self.settings.mqtt
-        client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=m.client_id, protocol=mqtt.MQTTv5,
-                             manual_ack=True)
+        client = mqtt.Client(
+            CallbackAPIVersion.VERSION2, client_id=m.client_id, protocol=mqtt.MQTTv5, manual_ack=True
+        )
         client.on_socket_open = _set_nodelay
         client.on_connect = self._on_connect
         client.on_disconnect = self._on_disconnect
@@ -116,8 +126,11 @@ class BridgeService:
         if m.username:
             client.username_pw_set(m.username, password)
         if m.tls:
-            client.tls_set(ca_certs=m.tls_ca_file or None, certfile=m.tls_cert_file or None,
-                           keyfile=m.tls_key_file or None)
+            client.tls_set(
+                ca_certs=m.tls_ca_file or None,
+                certfile=m.tls_cert_file or None,
+                keyfile=m.tls_key_file or None,
+            )
         client.reconnect_delay_set(min_delay=1, max_delay=30)
         return client
 
@@ -133,16 +146,24 @@ class BridgeService:
             return
         self.metrics.connected.set(1)
         self._connected.set()
-        log.info("connected to %s as %s (session present: %s)", self.settings.mqtt.broker,
-                 self.settings.mqtt.client_id, flags.session_present)
+        log.info(
+            "connected to %s as %s (session present: %s)",
+            self.settings.mqtt.broker,
+            self.settings.mqtt.client_id,
+            flags.session_present,
+        )
         if not self.admission.draining:
             filt = self.topics.shared_request_filter(self.settings.mqtt.share_group)
             client.subscribe(filt, options=SubscribeOptions(qos=1))
 
     def _on_subscribe(self, _c: mqtt.Client, _u: Any, _mid: int, reasons: list[Any], _p: Any) -> None:
         if any(r.is_failure for r in reasons):
-            log.error("the broker refused the request subscription: %s (check the bridge user's ACL: "
-                      "topic read %s)", reasons, self.topics.request_filter())
+            log.error(
+                "the broker refused the request subscription: %s (check the bridge user's ACL: "
+                "topic read %s)",
+                reasons,
+                self.topics.request_filter(),
+            )
             return
         self._subscribed.set()
 
@@ -157,8 +178,9 @@ class BridgeService:
         if qos > 0:
             self._client.ack(mid, qos)
 
-    def _publish(self, topic: str, payload: bytes, user_props: list[tuple[str, str]],
-                 correlation: bytes | None = None) -> None:
+    def _publish(
+        self, topic: str, payload: bytes, user_props: list[tuple[str, str]], correlation: bytes | None = None
+    ) -> None:
         props = Properties(PacketTypes.PUBLISH)
         props.MessageExpiryInterval = self.settings.mqtt.response_expiry_s
         props.UserProperty = user_props
@@ -170,8 +192,14 @@ class BridgeService:
             while self._pubs and self._pubs[0].is_published():
                 self._pubs.popleft()
 
-    def _reply_error(self, device_id: str, request_id: str | None, code: str, message: str,
-                     correlation: bytes | None = None) -> None:
+    def _reply_error(
+        self,
+        device_id: str,
+        request_id: str | None,
+        code: str,
+        message: str,
+        correlation: bytes | None = None,
+    ) -> None:
         payload, props = encode_error(request_id, code, message)
         self._publish(self.topics.response(device_id, request_id or "_"), payload, props, correlation)
 
@@ -193,26 +221,43 @@ class BridgeService:
         correlation = getattr(props, "CorrelationData", None)
         limits = self.settings.limits
         if len(msg.payload) > limits.max_payload_bytes:
-            self._reject(msg, device, None, "too_large", f"request of {len(msg.payload)} bytes; the limit is "
-                                                         f"{limits.max_payload_bytes}", correlation)
+            self._reject(
+                msg,
+                device,
+                peek_request_id(bytes(msg.payload)),
+                "too_large",
+                f"request of {len(msg.payload)} bytes; the limit is {limits.max_payload_bytes}",
+                correlation,
+            )
             return
         try:
-            request = parse_request(msg.payload, max_text_chars=limits.max_text_chars)
+            request = parse_request(bytes(msg.payload), max_text_chars=limits.max_text_chars)
         except ProtocolError as exc:
             self._reject(msg, device, exc.request_id, exc.code, str(exc), correlation)
             return
         if request.device_id is not None and request.device_id != device:
-            self._reject(msg, device, request.id, "device_mismatch",
-                         f"device_id {request.device_id!r} in the request is not the device of its topic "
-                         f"({device!r})", correlation)
+            self._reject(
+                msg,
+                device,
+                request.id,
+                "device_mismatch",
+                f"device_id {request.device_id!r} in the request is not the device of its topic ({device!r})",
+                correlation,
+            )
             return
         now = time.monotonic()
         first_chunk_by = self._first_chunk_by(request, props, now)
         if first_chunk_by is not None and first_chunk_by <= now:
             late_ms = (now - first_chunk_by) * 1e3
-            self._reject(msg, device, request.id, "expired",
-                         f"the request's deadline passed {late_ms:.0f} ms before the bridge received it; "
-                         "not synthesized", correlation)
+            self._reject(
+                msg,
+                device,
+                request.id,
+                "expired",
+                f"the request's deadline passed {late_ms:.0f} ms before the bridge received it; "
+                "not synthesized",
+                correlation,
+            )
             return
         key = (device, request.id)
         verdict = self.admission.offer(key, msg.mid)
@@ -225,14 +270,26 @@ class BridgeService:
             self.metrics.duplicates.inc()
             self._ack(msg.mid, msg.qos)
         elif verdict is Verdict.FULL:
-            self._reject(msg, device, request.id, "busy", f"the bridge holds {self.admission.capacity} "
-                                                          "requests already; try again or serve locally",
-                         correlation)
+            self._reject(
+                msg,
+                device,
+                request.id,
+                "busy",
+                f"the bridge holds {self.admission.capacity} requests already; try again or serve locally",
+                correlation,
+            )
         else:
             self._reject(msg, device, request.id, "draining", "the bridge is shutting down", correlation)
 
-    def _reject(self, msg: mqtt.MQTTMessage, device: str, request_id: str | None, code: str, message: str,
-                correlation: bytes | None) -> None:
+    def _reject(
+        self,
+        msg: mqtt.MQTTMessage,
+        device: str,
+        request_id: str | None,
+        code: str,
+        message: str,
+        correlation: bytes | None,
+    ) -> None:
         log.info("rejected request %s/%s: %s: %s", device, request_id or "_", code, message)
         self.metrics.rejected.labels(code).inc()
         self._reply_error(device, request_id, code, message, correlation)
@@ -275,8 +332,10 @@ class BridgeService:
         try:
             if job.first_chunk_by is not None and time.monotonic() >= job.first_chunk_by:
                 self.metrics.rejected.labels("expired").inc()
-                raise SynthesisFailed("expired", "the request's deadline passed while it was queued at the "
-                                                 "bridge; not synthesized")
+                raise SynthesisFailed(
+                    "expired",
+                    "the request's deadline passed while it was queued at the bridge; not synthesized",
+                )
             choice = self.selector.choose(req.model_version, req.id)
             version_label = choice.version or "default"
             self.metrics.choices.labels(version_label, choice.reason).inc()
@@ -287,11 +346,20 @@ class BridgeService:
                 attempts += 1
                 try:
                     tag = f"{job.device_id}/{req.id}/{attempts}"
-                    for chunk in self.streamer.stream(req, choice.version, tag, job.cancel, job.first_chunk_by):
+                    for chunk in self.streamer.stream(
+                        req, choice.version, tag, job.cancel, job.first_chunk_by
+                    ):
                         if chunk.model_version:
                             version_label = chunk.model_version
-                        payload, props = encode_audio(req.id, chunk.pcm, chunk.sample_rate, seq, chunk.last,
-                                                      chunk.model_version, req.audio_header)
+                        payload, props = encode_audio(
+                            req.id,
+                            chunk.pcm,
+                            chunk.sample_rate,
+                            seq,
+                            chunk.last,
+                            chunk.model_version,
+                            req.audio_header,
+                        )
                         self._publish(topic, payload, props, job.correlation)
                         if first_at is None:
                             first_at = time.monotonic()
@@ -305,27 +373,45 @@ class BridgeService:
                         raise
                     self.metrics.retries.labels(version_label).inc()
                     delay = t.retry_backoff_ms / 1e3 * 2 ** (attempts - 1)
-                    log.info("request %s/%s: %s; retry %d in %.2f s", job.device_id, req.id, exc, attempts, delay)
+                    log.info(
+                        "request %s/%s: %s; retry %d in %.2f s", job.device_id, req.id, exc, attempts, delay
+                    )
                     if job.cancel.wait(delay):
                         break
             if job.cancel.is_set():
                 raise SynthesisFailed("draining", "the bridge shut down before the request finished")
             done_at = time.monotonic()
             summary = {
-                "model": t.model, "model_version": version_label, "version_reason": choice.reason,
-                "chunks": seq, "audio_seconds": round(audio_s, 3),
+                "model": t.model,
+                "model_version": version_label,
+                "version_reason": choice.reason,
+                "chunks": seq,
+                "audio_seconds": round(audio_s, 3),
                 "first_chunk_ms": None if first_at is None else round((first_at - job.received) * 1e3, 1),
-                "total_ms": round((done_at - job.received) * 1e3, 1), "attempts": attempts,
-                "redelivered": job.redelivered, "times": times, "bridge": self.settings.mqtt.client_id,
+                "total_ms": round((done_at - job.received) * 1e3, 1),
+                "attempts": attempts,
+                "redelivered": job.redelivered,
+                "times": times,
+                "bridge": self.settings.mqtt.client_id,
             }
             payload, props = encode_done(req.id, summary)
             self._publish(topic, payload, props, job.correlation)
             self.metrics.requests.labels(version_label, "done").inc()
             self.metrics.latency.labels(version_label).observe(done_at - job.received)
             self.metrics.audio_seconds.labels(version_label).inc(audio_s)
-            log.info("request %s/%s done: version %s (%s), %d chunks, %.2f s audio, first chunk %s ms, "
-                     "total %.0f ms, %d attempt(s)", job.device_id, req.id, version_label, choice.reason, seq,
-                     audio_s, summary["first_chunk_ms"], summary["total_ms"], attempts)
+            log.info(
+                "request %s/%s done: version %s (%s), %d chunks, %.2f s audio, first chunk %s ms, "
+                "total %.0f ms, %d attempt(s)",
+                job.device_id,
+                req.id,
+                version_label,
+                choice.reason,
+                seq,
+                audio_s,
+                summary["first_chunk_ms"],
+                summary["total_ms"],
+                attempts,
+            )
         except (SynthesisFailed, ProtocolError) as exc:
             self._fail(job, version_label, exc.code, str(exc))
         except Exception as exc:  # a bug here answers this request and keeps the worker alive
@@ -348,7 +434,9 @@ class BridgeService:
     def start(self, connect_timeout_s: float | None = None) -> None:
         m, lim = self.settings.mqtt, self.settings.limits
         if self.settings.metrics.port:
-            self._metrics_server = self.metrics.serve(self.settings.metrics.port, self.settings.metrics.address)
+            self._metrics_server = self.metrics.serve(
+                self.settings.metrics.port, self.settings.metrics.address
+            )
         for i in range(lim.max_in_flight):
             worker = threading.Thread(target=self._work, name=f"bridge-worker-{i}", daemon=True)
             worker.start()
@@ -356,11 +444,16 @@ class BridgeService:
         props = Properties(PacketTypes.CONNECT)
         props.SessionExpiryInterval = m.session_expiry_s
         props.ReceiveMaximum = self._receive_maximum()
-        self._client.connect_async(m.host, m.port, keepalive=m.keepalive_s, clean_start=False, properties=props)
+        self._client.connect_async(
+            m.host, m.port, keepalive=m.keepalive_s, clean_start=False, properties=props
+        )
         self._client.loop_start()
         if connect_timeout_s is not None and not self._subscribed.wait(connect_timeout_s):
-            log.warning("not subscribed to %s after %.0f s; still trying", self.topics.request_filter(),
-                        connect_timeout_s)
+            log.warning(
+                "not subscribed to %s after %.0f s; still trying",
+                self.topics.request_filter(),
+                connect_timeout_s,
+            )
 
     def wait_subscribed(self, timeout_s: float) -> bool:
         return self._subscribed.wait(timeout_s)

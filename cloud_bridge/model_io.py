@@ -39,12 +39,28 @@ def _bytes_tensor(value: str) -> np.ndarray:
     return np.array([[value.encode("utf-8")]], dtype=np.object_)
 
 
-def request_tensors(text: str, *, mode: str = "sft", voice: str | None = None,
-                    instruct_text: str | None = None, prompt_pcm: np.ndarray | None = None,
-                    prompt_sample_rate: int | None = None, prompt_text: str = "",
-                    seed: int | None = None, speed: float = 1.0, stream: bool = True) -> dict[str, np.ndarray]:
-    params = {"mode": mode, "voice": voice, "instruct_text": instruct_text, "prompt_text": prompt_text,
-              "seed": seed, "speed": speed, "stream": stream}
+def request_tensors(
+    text: str,
+    *,
+    mode: str = "sft",
+    voice: str | None = None,
+    instruct_text: str | None = None,
+    prompt_pcm: np.ndarray | None = None,
+    prompt_sample_rate: int | None = None,
+    prompt_text: str = "",
+    seed: int | None = None,
+    speed: float = 1.0,
+    stream: bool = True,
+) -> dict[str, np.ndarray]:
+    params = {
+        "mode": mode,
+        "voice": voice,
+        "instruct_text": instruct_text,
+        "prompt_text": prompt_text,
+        "seed": seed,
+        "speed": speed,
+        "stream": stream,
+    }
     tensors = {"TEXT": _bytes_tensor(text), "PARAMS": _bytes_tensor(json.dumps(params))}
     if prompt_pcm is not None:
         if prompt_sample_rate is None:
@@ -87,13 +103,21 @@ def synthesis_request(tensors: dict[str, np.ndarray]) -> SynthesisRequest:
         rate = tensors.get("PROMPT_SAMPLE_RATE")
         if rate is None or rate.size != 1:
             raise BadTensors("PROMPT_PCM needs PROMPT_SAMPLE_RATE")
-        prompt = PromptAudio(pcm=np.ascontiguousarray(pcm.reshape(-1), dtype=np.float32),
-                             sample_rate=int(rate.reshape(-1)[0]), text=str(params.get("prompt_text") or ""))
+        prompt = PromptAudio(
+            pcm=np.ascontiguousarray(pcm.reshape(-1), dtype=np.float32),
+            sample_rate=int(rate.reshape(-1)[0]),
+            text=str(params.get("prompt_text") or ""),
+        )
     seed = params.get("seed")
     return SynthesisRequest(
-        text=text, mode=mode, voice=params.get("voice"), instruct_text=params.get("instruct_text"),
-        prompt=prompt, stream=bool(params.get("stream", True)),
-        seed=None if seed is None else int(seed), speed=float(params.get("speed", 1.0)),
+        text=text,
+        mode=mode,
+        voice=params.get("voice"),
+        instruct_text=params.get("instruct_text"),
+        prompt=prompt,
+        stream=bool(params.get("stream", True)),
+        seed=None if seed is None else int(seed),
+        speed=float(params.get("speed", 1.0)),
     )
 
 
@@ -107,8 +131,9 @@ class ModelChunk:
     model_version: str = ""
 
 
-def response_tensors(pcm: np.ndarray, sample_rate: int, index: int, last: bool,
-                     times: dict[str, Any]) -> dict[str, np.ndarray]:
+def response_tensors(
+    pcm: np.ndarray, sample_rate: int, index: int, last: bool, times: dict[str, Any]
+) -> dict[str, np.ndarray]:
     return {
         "AUDIO": np.asarray(pcm, dtype=np.float32).reshape(1, -1),
         "SAMPLE_RATE": np.array([[sample_rate]], dtype=np.int32),

@@ -98,10 +98,16 @@ class CloudTopics:
     root: str = "cosyedge"
 
     def __post_init__(self) -> None:
-        if not self.root or any(c in self.root for c in "+#") or self.root.startswith(("$", "/")) \
-                or self.root.endswith("/"):
-            raise ValueError(f"topic root {self.root!r} must be a plain topic prefix without wildcards, "
-                             "leading '$' or '/', or trailing '/'")
+        if (
+            not self.root
+            or any(c in self.root for c in "+#")
+            or self.root.startswith(("$", "/"))
+            or self.root.endswith("/")
+        ):
+            raise ValueError(
+                f"topic root {self.root!r} must be a plain topic prefix without wildcards, "
+                "leading '$' or '/', or trailing '/'"
+            )
 
     def request(self, device_id: str) -> str:
         return f"{self.root}/{device_id}/cloud/request"
@@ -124,14 +130,14 @@ class CloudTopics:
         tail = "/cloud/request"
         if not (topic.startswith(head) and topic.endswith(tail)):
             return None
-        device = topic[len(head):-len(tail)]
+        device = topic[len(head) : -len(tail)]
         return device if valid_name(device) else None
 
     def request_of_response(self, device_id: str, topic: str) -> str | None:
         prefix = f"{self.root}/{device_id}/cloud/response/"
         if not topic.startswith(prefix):
             return None
-        rid = topic[len(prefix):]
+        rid = topic[len(prefix) :]
         return rid if rid == NO_ID or valid_name(rid) else None
 
 
@@ -162,10 +168,23 @@ class CloudRequest:
     sent_unix_ms: int | None = None
 
     def to_json(self) -> bytes:
-        doc: dict[str, Any] = {"v": PROTOCOL_VERSION, "id": self.id, "text": self.text, "mode": self.mode,
-                               "stream": self.stream, "speed": self.speed}
-        for key in ("voice", "instruct_text", "model_version", "deadline_unix_ms", "seed", "device_id",
-                    "sent_unix_ms"):
+        doc: dict[str, Any] = {
+            "v": PROTOCOL_VERSION,
+            "id": self.id,
+            "text": self.text,
+            "mode": self.mode,
+            "stream": self.stream,
+            "speed": self.speed,
+        }
+        for key in (
+            "voice",
+            "instruct_text",
+            "model_version",
+            "deadline_unix_ms",
+            "seed",
+            "device_id",
+            "sent_unix_ms",
+        ):
             value = getattr(self, key)
             if value is not None:
                 doc[key] = value
@@ -180,8 +199,9 @@ class CloudRequest:
         return json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
-def _field(doc: dict[str, Any], key: str, kind: type | tuple[type, ...], rid: str | None,
-           default: Any = None) -> Any:
+def _field(
+    doc: dict[str, Any], key: str, kind: type | tuple[type, ...], rid: str | None, default: Any = None
+) -> Any:
     value = doc.get(key, default)
     if value is None:
         return default
@@ -189,8 +209,9 @@ def _field(doc: dict[str, Any], key: str, kind: type | tuple[type, ...], rid: st
     if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
         raise ProtocolError("bad_request", f"field '{key}' must be {_kind_name(kind)}, got a boolean", rid)
     if not isinstance(value, kind):
-        raise ProtocolError("bad_request", f"field '{key}' must be {_kind_name(kind)}, "
-                                           f"got {type(value).__name__}", rid)
+        raise ProtocolError(
+            "bad_request", f"field '{key}' must be {_kind_name(kind)}, got {type(value).__name__}", rid
+        )
     return value
 
 
@@ -198,6 +219,16 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
     names = {str: "a string", int: "an integer", float: "a number", bool: "a boolean", dict: "an object"}
     kinds = kind if isinstance(kind, tuple) else (kind,)
     return " or ".join(names.get(k, k.__name__) for k in kinds)
+
+
+_PEEK_ID_RE = re.compile(rb'"id"\s*:\s*"([A-Za-z0-9_.:@-]{1,128})"')
+
+
+def peek_request_id(payload: bytes) -> str | None:
+    """The id of a request too large to parse, from its first bytes (the
+    device's encoder writes it first), so the error can still name it."""
+    m = _PEEK_ID_RE.search(payload[:512])
+    return m.group(1).decode() if m else None
 
 
 def parse_request(payload: bytes, *, max_text_chars: int = 5000) -> CloudRequest:
@@ -214,28 +245,42 @@ def parse_request(payload: bytes, *, max_text_chars: int = 5000) -> CloudRequest
     raw_id = doc.get("id")
     rid = raw_id if isinstance(raw_id, str) and valid_name(raw_id) else None
     if rid is None:
-        raise ProtocolError("bad_request", "field 'id' is required: 1-128 characters of A-Z a-z 0-9 _ . : @ -")
+        raise ProtocolError(
+            "bad_request", "field 'id' is required: 1-128 characters of A-Z a-z 0-9 _ . : @ -"
+        )
     version = doc.get("v", PROTOCOL_VERSION)
     if version != PROTOCOL_VERSION:
-        raise ProtocolError("bad_request", f"protocol version {version!r} is not supported "
-                                           f"(this bridge speaks v={PROTOCOL_VERSION})", rid)
+        raise ProtocolError(
+            "bad_request",
+            f"protocol version {version!r} is not supported (this bridge speaks v={PROTOCOL_VERSION})",
+            rid,
+        )
     text = _field(doc, "text", str, rid)
     if text is None or not text.strip():
         raise ProtocolError("bad_request", "field 'text' is required and must not be empty", rid)
     if len(text) > max_text_chars:
-        raise ProtocolError("too_large", f"text has {len(text)} characters; the limit is {max_text_chars}", rid)
+        raise ProtocolError(
+            "too_large", f"text has {len(text)} characters; the limit is {max_text_chars}", rid
+        )
     mode = _field(doc, "mode", str, rid, "sft")
     if mode not in MODES:
-        raise ProtocolError("bad_request", f"field 'mode' must be one of {', '.join(MODES)}, got {mode!r}", rid)
+        raise ProtocolError(
+            "bad_request", f"field 'mode' must be one of {', '.join(MODES)}, got {mode!r}", rid
+        )
     instruct_text = _field(doc, "instruct_text", str, rid)
     if mode == "instruct" and not instruct_text:
         raise ProtocolError("bad_request", "mode 'instruct' needs field 'instruct_text'", rid)
     model_version = doc.get("model_version")
     if isinstance(model_version, int) and not isinstance(model_version, bool):
         model_version = str(model_version)
-    if model_version is not None and (not isinstance(model_version, str) or not _VERSION_RE.match(model_version)):
-        raise ProtocolError("bad_request", f"field 'model_version' must be a positive version number such as "
-                                           f"\"2\", got {model_version!r}", rid)
+    if model_version is not None and (
+        not isinstance(model_version, str) or not _VERSION_RE.match(model_version)
+    ):
+        raise ProtocolError(
+            "bad_request",
+            f"field 'model_version' must be a positive version number such as \"2\", got {model_version!r}",
+            rid,
+        )
     speed = _field(doc, "speed", (int, float), rid, 1.0)
     if not 0.5 <= float(speed) <= 2.0:
         raise ProtocolError("bad_request", f"field 'speed' must be between 0.5 and 2.0, got {speed}", rid)
@@ -244,14 +289,17 @@ def parse_request(payload: bytes, *, max_text_chars: int = 5000) -> CloudRequest
         raise ProtocolError("bad_request", "field 'seed' must be between 0 and 2**63 - 1", rid)
     device_id = _field(doc, "device_id", str, rid)
     return CloudRequest(
-        id=rid, text=text, mode=mode,
+        id=rid,
+        text=text,
+        mode=mode,
         voice=_field(doc, "voice", str, rid),
         instruct_text=instruct_text,
         prompt=_parse_prompt(doc.get("prompt"), mode, rid),
         model_version=model_version,
         deadline_unix_ms=_field(doc, "deadline_unix_ms", int, rid),
         stream=_field(doc, "stream", bool, rid, True),
-        seed=seed, speed=float(speed),
+        seed=seed,
+        speed=float(speed),
         audio_header=_field(doc, "audio_header", bool, rid, False),
         device_id=device_id,
         sent_unix_ms=_field(doc, "sent_unix_ms", int, rid),
@@ -261,33 +309,51 @@ def parse_request(payload: bytes, *, max_text_chars: int = 5000) -> CloudRequest
 def _parse_prompt(raw: Any, mode: str, rid: str) -> CloudPrompt | None:
     if raw is None:
         if mode in ("zero_shot", "cross_lingual"):
-            raise ProtocolError("bad_request", f"mode '{mode}' needs field 'prompt' "
-                                               "({audio_b64, sample_rate, text})", rid)
+            raise ProtocolError(
+                "bad_request", f"mode '{mode}' needs field 'prompt' ({{audio_b64, sample_rate, text}})", rid
+            )
         return None
     if not isinstance(raw, dict):
-        raise ProtocolError("bad_request", "field 'prompt' must be an object {audio_b64, sample_rate, text}", rid)
+        raise ProtocolError(
+            "bad_request", "field 'prompt' must be an object {audio_b64, sample_rate, text}", rid
+        )
     audio = raw.get("audio_b64")
     rate = raw.get("sample_rate")
     text = raw.get("text", "")
-    if not isinstance(audio, str) or not isinstance(rate, int) or isinstance(rate, bool) or not 8000 <= rate <= 96000:
-        raise ProtocolError("bad_request", "field 'prompt' needs 'audio_b64' (base64 PCM16 LE mono) and "
-                                           "'sample_rate' (an integer from 8000 to 96000)", rid)
+    if (
+        not isinstance(audio, str)
+        or not isinstance(rate, int)
+        or isinstance(rate, bool)
+        or not 8000 <= rate <= 96000
+    ):
+        raise ProtocolError(
+            "bad_request",
+            "field 'prompt' needs 'audio_b64' (base64 PCM16 LE mono) and "
+            "'sample_rate' (an integer from 8000 to 96000)",
+            rid,
+        )
     if not isinstance(text, str):
         raise ProtocolError("bad_request", "field 'prompt.text' must be a string", rid)
     if mode == "zero_shot" and not text:
-        raise ProtocolError("bad_request", "mode 'zero_shot' needs the prompt's transcript in 'prompt.text'", rid)
+        raise ProtocolError(
+            "bad_request", "mode 'zero_shot' needs the prompt's transcript in 'prompt.text'", rid
+        )
     try:
         data = base64.b64decode(audio, validate=True)
     except ValueError:
         raise ProtocolError("bad_request", "field 'prompt.audio_b64' is not valid base64", rid) from None
     if len(data) < 2 or len(data) % 2:
-        raise ProtocolError("bad_request", "field 'prompt.audio_b64' must hold PCM16 samples (an even, "
-                                           "non-zero number of bytes)", rid)
+        raise ProtocolError(
+            "bad_request",
+            "field 'prompt.audio_b64' must hold PCM16 samples (an even, non-zero number of bytes)",
+            rid,
+        )
     pcm = np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768.0
     return CloudPrompt(pcm=pcm, sample_rate=rate, text=text)
 
 
 # --- responses -------------------------------------------------------------------------------------
+
 
 def pcm16_bytes(pcm: np.ndarray) -> bytes:
     return (np.clip(pcm, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
@@ -324,13 +390,20 @@ ResponseMessage = AudioMessage | DoneMessage | ErrorMessage
 Properties = list[tuple[str, str]]
 
 
-def encode_audio(request_id: str, pcm: np.ndarray, sample_rate: int, seq: int, last: bool,
-                 model_version: str, header: bool) -> tuple[bytes, Properties]:
+def encode_audio(
+    request_id: str, pcm: np.ndarray, sample_rate: int, seq: int, last: bool, model_version: str, header: bool
+) -> tuple[bytes, Properties]:
     """(payload, v5 user properties). With header=True the payload carries
     the CEA1 header too (MQTT v3.1.1 receivers lose the properties)."""
     body = pcm16_bytes(pcm)
-    props = [("type", "audio"), ("id", request_id), ("seq", str(seq)), ("last", "true" if last else "false"),
-             ("sample_rate", str(sample_rate)), ("model_version", model_version)]
+    props = [
+        ("type", "audio"),
+        ("id", request_id),
+        ("seq", str(seq)),
+        ("last", "true" if last else "false"),
+        ("sample_rate", str(sample_rate)),
+        ("model_version", model_version),
+    ]
     if header:
         props.append(("header", "true"))
         body = AUDIO_HEADER.pack(AUDIO_MAGIC, sample_rate, seq, 1 if last else 0, 0) + body
@@ -349,23 +422,30 @@ def encode_error(request_id: str | None, code: str, message: str) -> tuple[bytes
     return json.dumps(doc, separators=(",", ":")).encode(), [("type", "error"), ("id", rid)]
 
 
-def decode_response(payload: bytes, user_properties: Properties | None,
-                    request_id: str = NO_ID) -> ResponseMessage:
+def decode_response(
+    payload: bytes, user_properties: Properties | None, request_id: str = NO_ID
+) -> ResponseMessage:
     """One response message, from v5 user properties or (v3.1.1) the payload
     alone. Raises ProtocolError on anything else."""
     props = dict(user_properties or [])
     kind: Literal["audio", "done", "error"] | str | None = props.get("type")
     if kind == "audio":
         if payload[:4] == AUDIO_MAGIC and len(payload) >= AUDIO_HEADER.size and props.get("header") == "true":
-            payload = payload[AUDIO_HEADER.size:]
+            payload = payload[AUDIO_HEADER.size :]
         try:
-            return AudioMessage(props.get("id", request_id), payload, int(props["sample_rate"]), int(props["seq"]),
-                                props["last"] == "true", props.get("model_version", ""))
+            return AudioMessage(
+                props.get("id", request_id),
+                payload,
+                int(props["sample_rate"]),
+                int(props["seq"]),
+                props["last"] == "true",
+                props.get("model_version", ""),
+            )
         except (KeyError, ValueError) as exc:
             raise ProtocolError("bad_request", f"audio chunk with bad user properties: {exc}") from None
     if kind is None and payload[:4] == AUDIO_MAGIC and len(payload) >= AUDIO_HEADER.size:
         _, rate, seq, flags, _ = AUDIO_HEADER.unpack_from(payload)
-        return AudioMessage(request_id, payload[AUDIO_HEADER.size:], rate, seq, bool(flags & 1))
+        return AudioMessage(request_id, payload[AUDIO_HEADER.size :], rate, seq, bool(flags & 1))
     try:
         doc = json.loads(payload.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError):

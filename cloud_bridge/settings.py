@@ -62,8 +62,14 @@ class SettingsError(CosyEdgeError):
     """A setting with a wrong value; the message names the field."""
 
 
-def setting(default: Any, doc: str, *, min: float | None = None, max: float | None = None,
-            choices: tuple[str, ...] | None = None) -> Any:
+def setting(
+    default: Any,
+    doc: str,
+    *,
+    min: float | None = None,
+    max: float | None = None,
+    choices: tuple[str, ...] | None = None,
+) -> Any:
     return field(default=default, metadata={"doc": doc, "min": min, "max": max, "choices": choices})
 
 
@@ -86,8 +92,9 @@ class MqttSettings:
     def __post_init__(self) -> None:
         url = urlparse(self.broker)
         if url.scheme not in ("mqtt", "mqtts", "tcp", "ssl") or not url.hostname:
-            raise SettingsError(f"mqtt.broker must look like mqtt://host:1883 or mqtts://host:8883, "
-                                f"got {self.broker!r}")
+            raise SettingsError(
+                f"mqtt.broker must look like mqtt://host:1883 or mqtts://host:8883, got {self.broker!r}"
+            )
         for name in ("client_id", "share_group"):
             value = getattr(self, name)
             if not value or any(c in value for c in "/+#"):
@@ -113,7 +120,9 @@ class MqttSettings:
             try:
                 return Path(self.password_file).read_text().splitlines()[0]
             except (OSError, IndexError) as exc:
-                raise SettingsError(f"mqtt.password_file {self.password_file!r} cannot be read: {exc}") from None
+                raise SettingsError(
+                    f"mqtt.password_file {self.password_file!r} cannot be read: {exc}"
+                ) from None
         return self.password or None
 
 
@@ -139,10 +148,12 @@ class TritonSettings:
         for name in ("default_version", "canary_version"):
             value = getattr(self, name)
             if value and not (value.isdigit() and int(value) > 0):
-                raise SettingsError(f"triton.{name} must be empty or a version number like \"2\", got {value!r}")
+                raise SettingsError(
+                    f'triton.{name} must be empty or a version number like "2", got {value!r}'
+                )
         for v in self.allowed_versions:
             if not (v.isdigit() and int(v) > 0):
-                raise SettingsError(f"triton.allowed_versions must hold version numbers like \"2\", got {v!r}")
+                raise SettingsError(f'triton.allowed_versions must hold version numbers like "2", got {v!r}')
         if self.canary_share > 0 and not self.canary_version:
             raise SettingsError("triton.canary_share > 0 needs triton.canary_version")
 
@@ -151,8 +162,9 @@ class TritonSettings:
 class LimitSettings:
     max_in_flight: int = setting(8, "concurrent Triton streams", min=1, max=1024)
     max_queued: int = setting(16, "accepted requests waiting for a stream", min=0, max=100000)
-    overflow: str = setting("busy", "when full: 'busy' answers busy; 'wait' lets the broker hold them",
-                            choices=("busy", "wait"))
+    overflow: str = setting(
+        "busy", "when full: 'busy' answers busy; 'wait' lets the broker hold them", choices=("busy", "wait")
+    )
     max_payload_bytes: int = setting(4_000_000, "largest request payload", min=1024, max=256_000_000)
     max_text_chars: int = setting(5000, "longest text", min=1, max=1_000_000)
     drain_timeout_s: float = setting(30.0, "on SIGTERM, time to finish in-flight requests", min=0, max=3600)
@@ -173,8 +185,12 @@ class BridgeSettings:
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
 
 
-_SECTIONS: dict[str, type] = {"mqtt": MqttSettings, "triton": TritonSettings, "limits": LimitSettings,
-                              "metrics": MetricsSettings}
+_SECTIONS: dict[str, type] = {
+    "mqtt": MqttSettings,
+    "triton": TritonSettings,
+    "limits": LimitSettings,
+    "metrics": MetricsSettings,
+}
 
 
 def _coerce(section: str, cls: type, name: str, value: Any) -> Any:
@@ -196,7 +212,9 @@ def _coerce(section: str, cls: type, name: str, value: Any) -> Any:
         if not isinstance(value, str):
             raise SettingsError(f"{where} must be a string, got {value!r}")
     else:  # tuple[str, ...]
-        if isinstance(value, str) or not all(isinstance(v, (str, int)) and not isinstance(v, bool) for v in value):
+        if isinstance(value, str) or not all(
+            isinstance(v, (str, int)) and not isinstance(v, bool) for v in value
+        ):
             raise SettingsError(f"{where} must be a list of strings, got {value!r}")
         value = tuple(str(v) for v in value)
     if meta.get("choices") and value not in meta["choices"]:
@@ -221,15 +239,18 @@ def build_settings(doc: dict[str, Any]) -> BridgeSettings:
         names = [f.name for f in dataclasses.fields(cls)]
         bad = sorted(set(values) - set(names))
         if bad:
-            raise SettingsError(f"unknown key(s) {', '.join(section + '.' + b for b in bad)}; "
-                                f"allowed in [{section}]: {', '.join(names)}")
+            raise SettingsError(
+                f"unknown key(s) {', '.join(section + '.' + b for b in bad)}; "
+                f"allowed in [{section}]: {', '.join(names)}"
+            )
         kwargs = {k: _coerce(section, cls, k, v) for k, v in values.items()}
         parts[section] = cls(**kwargs)
     return BridgeSettings(**parts)
 
 
-def load_settings(path: str | Path | None = None, *, broker: str | None = None,
-                  triton_url: str | None = None) -> BridgeSettings:
+def load_settings(
+    path: str | Path | None = None, *, broker: str | None = None, triton_url: str | None = None
+) -> BridgeSettings:
     """The TOML file (optional) with the command line flags on top."""
     doc: dict[str, Any] = {}
     if path is not None:

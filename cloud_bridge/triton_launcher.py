@@ -74,7 +74,9 @@ print(json.dumps({"pytriton": list(spec.submodule_search_locations) if spec else
 
 def _pytriton_dist(python: Path, origin: str) -> ServerDist | None:
     try:
-        out = subprocess.run([str(python), "-c", _PROBE], capture_output=True, text=True, timeout=60, check=True)
+        out = subprocess.run(
+            [str(python), "-c", _PROBE], capture_output=True, text=True, timeout=60, check=True
+        )
         info = json.loads(out.stdout)
     except (OSError, subprocess.SubprocessError, json.JSONDecodeError):
         return None
@@ -87,13 +89,23 @@ def _pytriton_dist(python: Path, origin: str) -> ServerDist | None:
     if not binary.exists():
         return None
     if not stub.exists():
-        raise TritonError(f"nvidia-pytriton in {origin} has no Python backend stub for Python {info['version']}")
+        raise TritonError(
+            f"nvidia-pytriton in {origin} has no Python backend stub for Python {info['version']}"
+        )
     if not info["shared"]:
-        raise TritonError(f"the Python of {origin} is not a shared-library build (no libpython): the Triton "
-                          "Python backend cannot run on it")
+        raise TritonError(
+            f"the Python of {origin} is not a shared-library build (no libpython): the Triton "
+            "Python backend cannot run on it"
+        )
     libs = [Path(info["libdir"]), pkg.parent / "nvidia_pytriton.libs"]
-    return ServerDist(binary=binary, backends_src=server / "backends", python_stub=stub,
-                      lib_dirs=tuple(p for p in libs if p.is_dir()), bin_dir=Path(info["bin"]), origin=origin)
+    return ServerDist(
+        binary=binary,
+        backends_src=server / "backends",
+        python_stub=stub,
+        lib_dirs=tuple(p for p in libs if p.is_dir()),
+        bin_dir=Path(info["bin"]),
+        origin=origin,
+    )
 
 
 def find_server() -> ServerDist:
@@ -113,8 +125,10 @@ def find_server() -> ServerDist:
             dist = _pytriton_dist(python, origin)
             if dist is not None:
                 return dist
-    raise TritonError("no tritonserver: none on PATH and no nvidia-pytriton in $COSYEDGE_TRITON_VENV, "
-                      f"{CHECKOUT / '.venv-triton'} or this Python; run .ci/setup.d/triton.sh (or .ci/setup)")
+    raise TritonError(
+        "no tritonserver: none on PATH and no nvidia-pytriton in $COSYEDGE_TRITON_VENV, "
+        f"{CHECKOUT / '.venv-triton'} or this Python; run .ci/setup.d/triton.sh (or .ci/setup)"
+    )
 
 
 @dataclass(frozen=True)
@@ -145,8 +159,10 @@ class LaunchSettings:
         bundles = ([self.bundle] if self.bundle else []) + list(self.version_bundles.values())
         for bundle in bundles:
             if not Path(bundle).is_dir():
-                raise BundleError(f"model bundle {bundle} is not a directory (build one with "
-                                  "`cosyedge build export`, or `cosyedge build tiny` then export)")
+                raise BundleError(
+                    f"model bundle {bundle} is not a directory (build one with "
+                    "`cosyedge build export`, or `cosyedge build tiny` then export)"
+                )
 
 
 def prepare_repository(settings: LaunchSettings, target: Path) -> Path:
@@ -176,8 +192,10 @@ def set_parameters(config: str, parameters: dict[str, str]) -> str:
     for key, value in parameters.items():
         line = f'parameters: {{ key: "{key}" value: {{ string_value: {json.dumps(value)} }} }}'
         pattern = re.compile(r'^parameters:\s*\{\s*key:\s*"' + re.escape(key) + r'".*$', re.M)
-        config, n = pattern.subn(lambda _m, line=line: line, config)
-        if n == 0:
+        if pattern.search(config):
+            # a replacement string: its backslashes (from JSON escapes) must be doubled
+            config = pattern.sub(line.replace("\\", "\\\\"), config)
+        else:
             config += "\n" + line + "\n"
     return config
 
@@ -203,8 +221,11 @@ class TritonServer:
         self.settings = settings
         self.dist = dist or find_server()
         self._own_workdir = settings.workdir is None
-        self.workdir = Path(tempfile.mkdtemp(prefix="cosyedge-triton-")) if settings.workdir is None \
+        self.workdir = (
+            Path(tempfile.mkdtemp(prefix="cosyedge-triton-"))
+            if settings.workdir is None
             else settings.workdir
+        )
         self.proc: subprocess.Popen[bytes] | None = None
         self._log: TextIO | None = None
         self.repository: Path | None = None
@@ -223,11 +244,21 @@ class TritonServer:
 
     def command(self, backends: Path | None) -> list[str]:
         s = self.settings
-        cmd = [str(self.dist.binary), f"--model-repository={self.repository}", "--model-control-mode=explicit",
-               f"--grpc-address={s.address}", f"--grpc-port={s.grpc_port}",
-               f"--http-address={s.address}", f"--http-port={s.http_port}",
-               f"--metrics-address={s.address}", f"--metrics-port={s.metrics_port}", "--allow-metrics=true",
-               "--allow-gpu-metrics=false", f"--exit-timeout-secs={s.exit_timeout_s}", "--strict-readiness=true"]
+        cmd = [
+            str(self.dist.binary),
+            f"--model-repository={self.repository}",
+            "--model-control-mode=explicit",
+            f"--grpc-address={s.address}",
+            f"--grpc-port={s.grpc_port}",
+            f"--http-address={s.address}",
+            f"--http-port={s.http_port}",
+            f"--metrics-address={s.address}",
+            f"--metrics-port={s.metrics_port}",
+            "--allow-metrics=true",
+            "--allow-gpu-metrics=false",
+            f"--exit-timeout-secs={s.exit_timeout_s}",
+            "--strict-readiness=true",
+        ]
         if backends is not None:
             cmd.append(f"--backend-directory={backends}")
         return cmd
@@ -235,8 +266,9 @@ class TritonServer:
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
         if self.dist.lib_dirs:
-            parts = [str(p) for p in self.dist.lib_dirs] + ([env["LD_LIBRARY_PATH"]] if env.get("LD_LIBRARY_PATH")
-                                                            else [])
+            parts = [str(p) for p in self.dist.lib_dirs] + (
+                [env["LD_LIBRARY_PATH"]] if env.get("LD_LIBRARY_PATH") else []
+            )
             env["LD_LIBRARY_PATH"] = ":".join(parts)
         if self.dist.bin_dir is not None:
             env["PATH"] = f"{self.dist.bin_dir}:{env.get('PATH', '')}"
@@ -252,8 +284,13 @@ class TritonServer:
         if self.settings.log_file is not None:
             self._log = self.settings.log_file.open("a")
             out = self._log
-        self.proc = subprocess.Popen(cmd, env=self.environment(), stdout=out, stderr=subprocess.STDOUT if out
-                                     else None, start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            env=self.environment(),
+            stdout=out,
+            stderr=subprocess.STDOUT if out else None,
+            start_new_session=True,
+        )
         try:
             self._wait_live()
             if self.settings.load_model:
@@ -273,8 +310,10 @@ class TritonServer:
         while time.monotonic() < deadline:
             assert self.proc is not None
             if self.proc.poll() is not None:
-                raise TritonError(f"tritonserver exited with status {self.proc.returncode} while starting"
-                                  + self._log_tail())
+                raise TritonError(
+                    f"tritonserver exited with status {self.proc.returncode} while starting"
+                    + self._log_tail()
+                )
             try:
                 with urllib.request.urlopen(f"{self.http_url}/v2/health/live", timeout=1.0) as resp:
                     if resp.status == 200:
@@ -282,7 +321,9 @@ class TritonServer:
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(0.2)
-        raise TritonError(f"tritonserver not live after {self.settings.ready_timeout_s:.0f} s" + self._log_tail())
+        raise TritonError(
+            f"tritonserver not live after {self.settings.ready_timeout_s:.0f} s" + self._log_tail()
+        )
 
     def client(self) -> Any:
         try:
@@ -316,8 +357,10 @@ class TritonServer:
         client = client or self.client()
         try:
             index = client.get_model_repository_index(as_json=True).get("models", [])
-            return sorted((m.get("version", "") for m in index if m.get("name") == model
-                           and m.get("state") == "READY"), key=lambda v: int(v) if v.isdigit() else 0)
+            return sorted(
+                (m.get("version", "") for m in index if m.get("name") == model and m.get("state") == "READY"),
+                key=lambda v: int(v) if v.isdigit() else 0,
+            )
         finally:
             if own:
                 client.close()
@@ -361,8 +404,10 @@ def _version_bundles(values: list[str] | None) -> dict[str, Path]:
 
 def triton_command(args: argparse.Namespace) -> int:
     settings = LaunchSettings(
-        bundle=Path(args.bundle), version_bundles=_version_bundles(getattr(args, "version_bundle", None)),
-        grpc_port=args.grpc_port, http_port=args.http_port,
+        bundle=Path(args.bundle),
+        version_bundles=_version_bundles(getattr(args, "version_bundle", None)),
+        grpc_port=args.grpc_port,
+        http_port=args.http_port,
         metrics_port=getattr(args, "metrics_port", 8002),
         address=getattr(args, "address", None) or "127.0.0.1",
         workdir=Path(args.workdir) if getattr(args, "workdir", None) else None,
@@ -379,8 +424,11 @@ def triton_command(args: argparse.Namespace) -> int:
     server.start()
     try:
         versions = server.ready_versions(settings.model)
-        print(f"Triton ready: gRPC {server.grpc_url}, HTTP {server.http_url}, metrics {server.metrics_url}; "
-              f"model {settings.model} versions {', '.join(versions) or 'none'}", flush=True)
+        print(
+            f"Triton ready: gRPC {server.grpc_url}, HTTP {server.http_url}, metrics {server.metrics_url}; "
+            f"model {settings.model} versions {', '.join(versions) or 'none'}",
+            flush=True,
+        )
         while not stop.wait(1.0):
             code = server.poll()
             if code is not None:

@@ -41,8 +41,12 @@ from models.errors import CosyEdgeError, RequestError
 DEFAULT_FACTORY = "models.engine:load_engine"
 
 
-def resolve_bundle(model_dir: Path, version: str, params: dict[str, str],
-                   environ: dict[str, str] | os._Environ[str] = os.environ) -> Path:
+def resolve_bundle(
+    model_dir: Path,
+    version: str,
+    params: dict[str, str],
+    environ: dict[str, str] | os._Environ[str] = os.environ,
+) -> Path:
     link = model_dir / version / "bundle"
     if link.exists():
         return link.resolve()
@@ -52,7 +56,8 @@ def resolve_bundle(model_dir: Path, version: str, params: dict[str, str],
         return Path(environ["COSYEDGE_BUNDLE"])
     raise CosyEdgeError(
         f"no model bundle for {model_dir.name} version {version}: link it at {link}, set the model "
-        "parameter BUNDLE_DIR, or the environment variable COSYEDGE_BUNDLE (cosyedge triton --bundle does the first)"
+        "parameter BUNDLE_DIR, or the environment variable COSYEDGE_BUNDLE "
+        "(cosyedge triton --bundle does the first)"
     )
 
 
@@ -74,8 +79,9 @@ class TritonPythonModel:
         self.log = pb_utils.Logger
         config: dict[str, Any] = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(config):
-            raise CosyEdgeError("cosyvoice2 streams chunks: its config needs model_transaction_policy "
-                                "{ decoupled: true }")
+            raise CosyEdgeError(
+                "cosyvoice2 streams chunks: its config needs model_transaction_policy { decoupled: true }"
+            )
         params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
         self.version = args["model_version"]
         bundle = resolve_bundle(Path(args["model_repository"]), self.version, params)
@@ -83,10 +89,14 @@ class TritonPythonModel:
         factory = load_factory(params.get("ENGINE_FACTORY") or DEFAULT_FACTORY)
         started = time.perf_counter()
         self.engine = factory(bundle, backend=backend)
-        self.log.log_info(f"cosyvoice2 v{self.version}: {self.engine.name} from {bundle} "
-                          f"({self.engine.sample_rate} Hz) in {time.perf_counter() - started:.1f} s")
-        self.pool = ThreadPoolExecutor(max_workers=max(1, int(config.get("max_batch_size") or 1)),
-                                       thread_name_prefix=f"cosyvoice2-v{self.version}")
+        self.log.log_info(
+            f"cosyvoice2 v{self.version}: {self.engine.name} from {bundle} "
+            f"({self.engine.sample_rate} Hz) in {time.perf_counter() - started:.1f} s"
+        )
+        self.pool = ThreadPoolExecutor(
+            max_workers=max(1, int(config.get("max_batch_size") or 1)),
+            thread_name_prefix=f"cosyvoice2-v{self.version}",
+        )
 
     def execute(self, requests: list[Any]) -> None:
         futures = [self.pool.submit(self._serve, request) for request in requests]
@@ -103,8 +113,9 @@ class TritonPythonModel:
 
     def _error(self, sender: Any, kind: str, code: str, text: str) -> None:
         error = self.pb.TritonError(error_message(kind, code, text))
-        sender.send(self.pb.InferenceResponse(error=error),
-                    flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        sender.send(
+            self.pb.InferenceResponse(error=error), flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        )
 
     def _serve(self, request: Any) -> None:
         pb = self.pb
@@ -116,9 +127,12 @@ class TritonPythonModel:
                 if request.is_cancelled():
                     cancel.set()  # the client went away: stop the engine, no more responses
                     break
-                tensors = response_tensors(chunk.pcm, chunk.sample_rate, chunk.index, chunk.last,
-                                           chunk.times.as_dict())
-                sender.send(pb.InferenceResponse(output_tensors=[pb.Tensor(k, v) for k, v in tensors.items()]))
+                tensors = response_tensors(
+                    chunk.pcm, chunk.sample_rate, chunk.index, chunk.last, chunk.times.as_dict()
+                )
+                sender.send(
+                    pb.InferenceResponse(output_tensors=[pb.Tensor(k, v) for k, v in tensors.items()])
+                )
             sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         except BadTensors as exc:
             self._error(sender, "request", "bad_tensors", str(exc))

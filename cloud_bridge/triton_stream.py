@@ -60,9 +60,21 @@ def classify(error: Exception, pinned: bool) -> SynthesisFailed:
         return SynthesisFailed("deadline_exceeded", f"Triton queue timeout: {message}")
     if pinned and ("unknown model" in low or "version" in low and ("not found" in low or "not ready" in low)):
         return SynthesisFailed("unknown_version", f"Triton: {message}")
-    transient_marks = ("unavailable", "failed to connect", "connection refused", "socket closed",
-                       "not ready", "unknown model", "exceeds maximum queue size", "stream removed",
-                       "broken pipe", "connection reset", "goaway", "cancelled")
+    transient_marks = (
+        "unavailable",
+        "failed to connect",
+        "connection refused",
+        "socket closed",
+        "not ready",
+        "unknown model",
+        "exceeds maximum queue size",
+        "stream removed",
+        "broken pipe",
+        "connection reset",
+        "goaway",
+        "cancelled",
+        "no longer in valid state",
+    )
     if "UNAVAILABLE" in status or any(m in low for m in transient_marks):
         return SynthesisFailed("unavailable", f"Triton: {message}", transient=True)
     return SynthesisFailed("model_error", f"Triton: {message}")
@@ -101,22 +113,35 @@ class TritonStreamer:
     def _inputs(self, request: CloudRequest) -> list[Any]:
         prompt = request.prompt
         tensors = request_tensors(
-            request.text, mode=request.mode, voice=request.voice, instruct_text=request.instruct_text,
+            request.text,
+            mode=request.mode,
+            voice=request.voice,
+            instruct_text=request.instruct_text,
             prompt_pcm=None if prompt is None else prompt.pcm,
             prompt_sample_rate=None if prompt is None else prompt.sample_rate,
             prompt_text="" if prompt is None else prompt.text,
-            seed=request.seed, speed=request.speed, stream=request.stream,
+            seed=request.seed,
+            speed=request.speed,
+            stream=request.stream,
         )
         inputs = []
         for name, array in tensors.items():
-            datatype = "BYTES" if array.dtype == np.object_ else ("INT32" if array.dtype == np.int32 else "FP32")
+            datatype = (
+                "BYTES" if array.dtype == np.object_ else ("INT32" if array.dtype == np.int32 else "FP32")
+            )
             tensor = self._grpc.InferInput(name, list(array.shape), datatype)
             tensor.set_data_from_numpy(array)
             inputs.append(tensor)
         return inputs
 
-    def stream(self, request: CloudRequest, version: str, tag: str, cancel: threading.Event,
-               first_chunk_by: float | None = None) -> Iterator[ModelChunk]:
+    def stream(
+        self,
+        request: CloudRequest,
+        version: str,
+        tag: str,
+        cancel: threading.Event,
+        first_chunk_by: float | None = None,
+    ) -> Iterator[ModelChunk]:
         """Chunks of one request. `first_chunk_by` (time.monotonic) tightens
         the first-chunk timeout to the request's deadline. Raises
         SynthesisFailed; cancelling (the flag, or closing the generator)
@@ -137,7 +162,10 @@ class TritonStreamer:
         try:
             client.start_stream(callback=on_response, stream_timeout=s.request_timeout_s)
             client.async_stream_infer(
-                s.model, self._inputs(request), model_version=version, request_id=tag,
+                s.model,
+                self._inputs(request),
+                model_version=version,
+                request_id=tag,
                 outputs=[self._grpc.InferRequestedOutput(n) for n in OUTPUTS],
                 enable_empty_final_response=True,
                 timeout=queue_timeout_us or None,
@@ -156,18 +184,24 @@ class TritonStreamer:
                         return
                     if time.monotonic() >= wait_until:
                         if not got_first and first_chunk_by is not None and wait_until >= first_chunk_by:
-                            raise SynthesisFailed("deadline_exceeded", "no audio from Triton by the deadline") \
-                                from None
-                        raise SynthesisFailed("timeout", f"no {'further ' if got_first else ''}audio from "
-                                                         f"Triton within {limit:g} s") from None
+                            raise SynthesisFailed(
+                                "deadline_exceeded", "no audio from Triton by the deadline"
+                            ) from None
+                        raise SynthesisFailed(
+                            "timeout",
+                            f"no {'further ' if got_first else ''}audio from Triton within {limit:g} s",
+                        ) from None
                     continue
                 if error is not None:
                     failure = classify(error, pinned=bool(version))
                     broken = failure.transient
                     raise failure
                 response = result.get_response()
-                final = response.parameters["triton_final_response"].bool_param \
-                    if "triton_final_response" in response.parameters else False
+                final = (
+                    response.parameters["triton_final_response"].bool_param
+                    if "triton_final_response" in response.parameters
+                    else False
+                )
                 if response.outputs:
                     try:
                         chunk = model_chunk({n: result.as_numpy(n) for n in OUTPUTS}, response.model_version)
@@ -185,7 +219,12 @@ class TritonStreamer:
             raise
         except Exception as exc:  # start_stream / async_stream_infer raise InferenceServerException
             broken = True
-            raise classify(exc, pinned=bool(version)) from None
+            # "the stream is no longer in valid state": the cause went to the callback
+            try:
+                _, cause = responses.get(timeout=1.0)
+            except queue.Empty:
+                cause = None
+            raise classify(cause if cause is not None else exc, pinned=bool(version)) from None
         finally:
             try:
                 client.stop_stream(cancel_requests=not finished)

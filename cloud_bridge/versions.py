@@ -18,8 +18,14 @@ class VersionChoice:
 
 
 class VersionSelector:
-    def __init__(self, default_version: str = "", canary_version: str = "", canary_share: float = 0.0,
-                 allowed_versions: tuple[str, ...] = (), seed: int | None = None) -> None:
+    def __init__(
+        self,
+        default_version: str = "",
+        canary_version: str = "",
+        canary_share: float = 0.0,
+        allowed_versions: tuple[str, ...] = (),
+        seed: int | None = None,
+    ) -> None:
         if not 0.0 <= canary_share <= 1.0:
             raise ValueError(f"canary_share must be in [0, 1], got {canary_share}")
         self.default_version = default_version
@@ -32,8 +38,12 @@ class VersionSelector:
     def choose(self, pinned: str | None, request_id: str | None = None) -> VersionChoice:
         if pinned is not None:
             if self.allowed_versions and pinned not in self.allowed_versions:
-                raise ProtocolError("unknown_version", f"model version {pinned} may not be pinned here; "
-                                                       f"allowed: {', '.join(self.allowed_versions)}", request_id)
+                raise ProtocolError(
+                    "unknown_version",
+                    f"model version {pinned} may not be pinned here; "
+                    f"allowed: {', '.join(self.allowed_versions)}",
+                    request_id,
+                )
             return VersionChoice(pinned, "pinned")
         if self.canary_share > 0.0:
             with self._lock:

@@ -34,8 +34,12 @@ def triton() -> Iterator[TritonServer]:
             bundle=write_sine_bundle(root / "v1", V1_HZ),
             version_bundles={"2": write_sine_bundle(root / "v2", V2_HZ)},
             parameters={"ENGINE_FACTORY": SINE_FACTORY},
-            grpc_port=free_port(), http_port=free_port(), metrics_port=free_port(),
-            workdir=root / "work", log_file=root / "tritonserver.log", exit_timeout_s=2,
+            grpc_port=free_port(),
+            http_port=free_port(),
+            metrics_port=free_port(),
+            workdir=root / "work",
+            log_file=root / "tritonserver.log",
+            exit_timeout_s=2,
         )
         server = TritonServer(settings, dist)
         try:
@@ -49,10 +53,10 @@ def triton() -> Iterator[TritonServer]:
             server.stop()
 
 
-def bridge_settings(broker: Broker, triton: TritonServer, **sections: dict) -> BridgeSettings:  # type: ignore[type-arg]
+def bridge_settings(broker: Broker, server: TritonServer, **sections: dict) -> BridgeSettings:  # type: ignore[type-arg]
     doc: dict = {  # type: ignore[type-arg]
         "mqtt": {"broker": broker.url, "client_id": f"bridge-{broker.port}"},
-        "triton": {"url": triton.grpc_url, "first_chunk_timeout_s": 20.0, "chunk_timeout_s": 20.0},
+        "triton": {"url": server.grpc_url, "first_chunk_timeout_s": 20.0, "chunk_timeout_s": 20.0},
         "limits": {"drain_timeout_s": 10.0},
         "metrics": {"port": 0},
     }

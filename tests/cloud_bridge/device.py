@@ -41,9 +41,19 @@ class Answer:
 
 
 class Device:
-    def __init__(self, broker_url: str, device_id: str, *, username: str | None = None,
-                 password: str | None = None, client_id: str | None = None, protocol: int = mqtt.MQTTv5,
-                 clean: bool = True, subscribe: bool = True, topics: CloudTopics | None = None) -> None:
+    def __init__(
+        self,
+        broker_url: str,
+        device_id: str,
+        *,
+        username: str | None = None,
+        password: str | None = None,
+        client_id: str | None = None,
+        protocol: int = mqtt.MQTTv5,
+        clean: bool = True,
+        subscribe: bool = True,
+        topics: CloudTopics | None = None,
+    ) -> None:
         self.device_id = device_id
         self.topics = topics or CloudTopics()
         self.protocol = protocol
@@ -54,14 +64,18 @@ class Device:
         self._connected = threading.Event()
         self._subscribed = threading.Event()
         self._subscribe_own = subscribe
+        self.refused: str | None = None
         host, port = broker_url.removeprefix("mqtt://").rsplit(":", 1)
-        kwargs: dict[str, Any] = {"client_id": client_id or f"dev-{device_id}-{time.monotonic_ns()}",
-                                  "protocol": protocol}
+        kwargs: dict[str, Any] = {
+            "client_id": client_id or f"dev-{device_id}-{time.monotonic_ns()}",
+            "protocol": protocol,
+        }
         if protocol != mqtt.MQTTv5:
             kwargs["clean_session"] = clean
         self.client = mqtt.Client(CallbackAPIVersion.VERSION2, **kwargs)
-        self.client.on_socket_open = lambda _c, _u, sock: sock.setsockopt(socket.IPPROTO_TCP,
-                                                                         socket.TCP_NODELAY, 1)
+        self.client.on_socket_open = lambda _c, _u, sock: sock.setsockopt(
+            socket.IPPROTO_TCP, socket.TCP_NODELAY, 1
+        )
         self.client.on_connect = self._on_connect
         self.client.on_message = self._on_message
         self.client.on_subscribe = self._on_subscribe
@@ -75,15 +89,20 @@ class Device:
             self.client.connect(host, int(port))
         self.client.loop_start()
         if not self._connected.wait(10):
+            self.client.loop_stop()
             raise TimeoutError(f"device {device_id} did not connect")
+        if self.refused is not None:
+            self.client.loop_stop()
+            raise ConnectionRefusedError(f"device {device_id}: {self.refused}")
         if subscribe and not self._subscribed.wait(10):
             raise TimeoutError(f"device {device_id} did not subscribe")
 
     def _on_connect(self, client: mqtt.Client, _u: Any, _f: Any, reason: Any, _p: Any) -> None:
-        if not reason.is_failure:
-            self._connected.set()
-            if self._subscribe_own:
-                client.subscribe(self.topics.response_filter(self.device_id), qos=1)
+        if reason.is_failure:
+            self.refused = str(reason)
+        self._connected.set()
+        if not reason.is_failure and self._subscribe_own:
+            client.subscribe(self.topics.response_filter(self.device_id), qos=1)
 
     def _on_subscribe(self, _c: mqtt.Client, _u: Any, _mid: int, reasons: list[Any], _p: Any) -> None:
         self.sub_results.append(reasons)
@@ -117,8 +136,14 @@ class Device:
         self._subscribed.wait(timeout_s)
         return self.sub_results[-1]
 
-    def send(self, request: CloudRequest | bytes, *, request_id: str | None = None, expiry_s: int | None = None,
-             topic: str | None = None) -> Answer:
+    def send(
+        self,
+        request: CloudRequest | bytes,
+        *,
+        request_id: str | None = None,
+        expiry_s: int | None = None,
+        topic: str | None = None,
+    ) -> Answer:
         payload = request.to_json() if isinstance(request, CloudRequest) else request
         rid = request.id if isinstance(request, CloudRequest) else (request_id or "_")
         with self._lock:
@@ -127,15 +152,18 @@ class Device:
         if self.protocol == mqtt.MQTTv5 and expiry_s is not None:
             props = Properties(PacketTypes.PUBLISH)
             props.MessageExpiryInterval = expiry_s
-        info = self.client.publish(topic or self.topics.request(self.device_id), payload, qos=1, properties=props)
+        info = self.client.publish(
+            topic or self.topics.request(self.device_id), payload, qos=1, properties=props
+        )
         info.wait_for_publish(5)
         return answer
 
     def ask(self, request: CloudRequest, timeout_s: float = 30.0, **kw: Any) -> Answer:
         answer = self.send(request, **kw)
         if not answer.finished.wait(timeout_s):
-            raise TimeoutError(f"no done/error for {request.id} within {timeout_s} s "
-                               f"({len(answer.audio)} chunks so far)")
+            raise TimeoutError(
+                f"no done/error for {request.id} within {timeout_s} s ({len(answer.audio)} chunks so far)"
+            )
         return answer
 
     def close(self) -> None:

@@ -45,10 +45,16 @@ class SineEngine:
         if not request.text.strip():
             raise RequestError("empty_text", "text is empty")
 
-    def synthesize(self, request: SynthesisRequest, cancel: threading.Event | None = None) -> Iterator[AudioChunk]:
+    def synthesize(
+        self, request: SynthesisRequest, cancel: threading.Event | None = None
+    ) -> Iterator[AudioChunk]:
         self.validate(request)
         opts = {k: int(v) for k, v in _DIRECTIVE.findall(request.text)}
-        chunks, delay_s, fail_at = opts.get("chunks", 3), opts.get("delay_ms", 20) / 1e3, opts.get("fail_at", -1)
+        chunks, delay_s, fail_at = (
+            opts.get("chunks", 3),
+            opts.get("delay_ms", 20) / 1e3,
+            opts.get("fail_at", -1),
+        )
         freq = self.frequency_hz * (2.0 if request.voice == "bright" else 1.0)
         started = time.perf_counter()
         times = StageTimes()
@@ -62,7 +68,9 @@ class SineEngine:
             pcm = (0.5 * np.sin(2 * np.pi * freq * t)).astype(np.float32)
             if times.first_audio_ms is None:
                 times.first_audio_ms = (time.perf_counter() - started) * 1e3
-            yield AudioChunk(pcm=pcm, sample_rate=self.sample_rate, index=i, last=i == chunks - 1, times=times)
+            yield AudioChunk(
+                pcm=pcm, sample_rate=self.sample_rate, index=i, last=i == chunks - 1, times=times
+            )
 
     def close(self) -> None:
         pass
