@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -58,7 +59,9 @@ def classify(error: Exception, pinned: bool) -> SynthesisFailed:
         return SynthesisFailed("timeout", f"Triton: {message}", transient=False)
     if "timeout" in low and "queue" in low:
         return SynthesisFailed("deadline_exceeded", f"Triton queue timeout: {message}")
-    if pinned and ("unknown model" in low or "version" in low and ("not found" in low or "not ready" in low)):
+    # "Request for unknown model: 'm' version 9 is not found": that version is not loaded (a bad pin);
+    # without "version" the whole model is not loaded (being reloaded?): transient, below
+    if pinned and re.search(r"version \d+ is not (found|ready|at ready state)", low):
         return SynthesisFailed("unknown_version", f"Triton: {message}")
     transient_marks = (
         "unavailable",
