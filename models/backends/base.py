@@ -1,0 +1,122 @@
+"""The backend interface and the factory that picks an implementation."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from models.errors import BundleError
+
+BACKENDS = ("ort", "ort-cuda", "ort-trt", "trt")
+
+
+class Session(Protocol):
+    """One loaded stage graph. `run` is safe to call from the thread that owns
+    the session; GPU sessions are created per worker thread."""
+
+    name: str
+    input_names: tuple[str, ...]
+    output_names: tuple[str, ...]
+
+    def run(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        """Run the graph; returns the requested outputs (all by default) as host arrays."""
+        ...
+
+    def memory_bytes(self) -> int:
+        """Best-effort size of what this session holds (weights + arena)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class DecodeLoop(Protocol):
+    """The LLM's prefill + decode steps for one request, with the KV cache kept
+    where the backend computes (host memory for ONNX Runtime on the CPU, device
+    memory for CUDA/TensorRT) so that no cache crosses to the host per token.
+    Only the log-probabilities come back (the sampler runs on the CPU)."""
+
+    def prefill(self, inputs_embeds: np.ndarray) -> np.ndarray:
+        """inputs_embeds [1, T, D] -> logp [1, V]; starts a new cache."""
+        ...
+
+    def step(self, inputs_embeds: np.ndarray) -> np.ndarray:
+        """inputs_embeds [1, 1, D] -> logp [1, V]; appends one position to the cache."""
+        ...
+
+    @property
+    def cache_len(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
+class Backend(Protocol):
+    name: str
+
+    def load(self, stage: str, path: Path, *, threads: int | None = None) -> Session: ...
+
+    def decode_loop(self, prefill: Session, decode: Session) -> DecodeLoop:
+        """A per-request decode loop over two sessions this backend loaded."""
+        ...
+
+    def describe(self) -> dict[str, str]:
+        """Versions and devices, for logs, `doctor` and benchmark reports."""
+        ...
+
+
+class HostDecodeLoop:
+    """DecodeLoop over plain `Session.run` calls: the cache is a host array
+    (right for ONNX Runtime on the CPU, where host memory is the device)."""
+
+    def __init__(self, prefill: Session, decode: Session) -> None:
+        self._prefill = prefill
+        self._decode = decode
+        self._kv: np.ndarray | None = None
+
+    def prefill(self, inputs_embeds: np.ndarray) -> np.ndarray:
+        mask = np.ones(inputs_embeds.shape[:2], dtype=np.int64)
+        out = self._prefill.run({"inputs_embeds": inputs_embeds, "attention_mask": mask})
+        self._kv = out["present_kv"]
+        return out["logp"]
+
+    def step(self, inputs_embeds: np.ndarray) -> np.ndarray:
+        if self._kv is None:
+            raise RuntimeError("step() before prefill()")
+        mask = np.ones((inputs_embeds.shape[0], self._kv.shape[4] + 1), dtype=np.int64)
+        out = self._decode.run({"inputs_embeds": inputs_embeds, "attention_mask": mask, "past_kv": self._kv})
+        self._kv = out["present_kv"]
+        return out["logp"]
+
+    @property
+    def cache_len(self) -> int:
+        return 0 if self._kv is None else int(self._kv.shape[4])
+
+    def close(self) -> None:
+        self._kv = None
+
+
+def create_backend(name: str, *, device_id: int = 0) -> Backend:
+    """`ort`: ONNX Runtime on the CPU; `ort-cuda` / `ort-trt`: ONNX Runtime with
+    the CUDA / TensorRT execution provider; `trt`: TensorRT engines (.plan)."""
+    if name == "ort":
+        from models.backends.ort import OrtBackend
+
+        return OrtBackend(providers=("CPUExecutionProvider",))
+    if name == "ort-cuda":
+        from models.backends.ort import OrtBackend
+
+        return OrtBackend(providers=("CUDAExecutionProvider", "CPUExecutionProvider"), device_id=device_id)
+    if name == "ort-trt":
+        from models.backends.ort import OrtBackend
+
+        return OrtBackend(
+            providers=("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"),
+            device_id=device_id,
+        )
+    if name == "trt":
+        from models.backends.trt import TrtBackend
+
+        return TrtBackend(device_id=device_id)
+    raise BundleError(f"unknown backend {name!r}; allowed: {', '.join(BACKENDS)}")

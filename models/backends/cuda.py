@@ -1,0 +1,279 @@
+"""The one place that calls CUDA: contexts, streams, device and pinned
+buffers, copies (pycuda), and CUDA graph capture (the driver API through
+ctypes, because pycuda has no graph API).
+
+Contexts: every worker thread makes the device's *primary* context current
+and owns its own stream. The primary context is the one the CUDA runtime, and
+so TensorRT, uses; engines deserialized once are then valid on every worker
+thread, while each thread enqueues on its own stream. (A separate
+`make_context()` per thread would isolate the threads but would need every
+engine, with its weights, deserialized once per thread: too much memory on an
+8 GB Jetson.)
+
+pycuda ships no type information, so the calls used here are described by the
+Protocols below and the module is cast to them: mypy checks our use of them.
+pycuda is not a PyPI dependency of cosyedge (it builds only against a real
+libcuda); on the board: pip install pycuda==2025.1.2 (README, Jetson)."""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, cast
+
+import numpy as np
+
+from models.backends.gpu_probe import probe_gpu
+from models.errors import EngineError, MissingExtraError
+
+log = logging.getLogger(__name__)
+
+
+class _Stream(Protocol):
+    handle: int
+
+    def synchronize(self) -> None: ...
+
+
+class _Allocation(Protocol):
+    def __int__(self) -> int: ...
+
+    def free(self) -> None: ...
+
+
+class _Context(Protocol):
+    def push(self) -> None: ...
+
+    def detach(self) -> None: ...
+
+
+class _ContextClass(Protocol):
+    def pop(self) -> None: ...
+
+
+class _Device(Protocol):
+    def name(self) -> str: ...
+
+    def compute_capability(self) -> tuple[int, int]: ...
+
+    def total_memory(self) -> int: ...
+
+    def retain_primary_context(self) -> _Context: ...
+
+
+class _Memcpy2D(Protocol):
+    src_x_in_bytes: int
+    src_pitch: int
+    dst_x_in_bytes: int
+    dst_pitch: int
+    width_in_bytes: int
+    height: int
+
+    def set_src_device(self, ptr: int) -> None: ...
+
+    def set_dst_device(self, ptr: int) -> None: ...
+
+    def __call__(self, stream: _Stream) -> None: ...
+
+
+class _Driver(Protocol):
+    """The subset of pycuda.driver that cosyedge uses."""
+
+    Context: _ContextClass
+
+    def init(self, flags: int = 0) -> None: ...
+
+    def Device(self, ordinal: int) -> _Device: ...
+
+    def Stream(self, flags: int = 0) -> _Stream: ...
+
+    def Memcpy2D(self) -> _Memcpy2D: ...
+
+    def mem_alloc(self, nbytes: int) -> _Allocation: ...
+
+    def mem_get_info(self) -> tuple[int, int]: ...
+
+    def pagelocked_empty(self, shape: Sequence[int], dtype: Any) -> np.ndarray: ...
+
+    def memcpy_htod_async(self, dest: int, src: np.ndarray, stream: _Stream | None = None) -> None: ...
+
+    def memcpy_dtoh_async(self, dest: np.ndarray, src: int, stream: _Stream | None = None) -> None: ...
+
+    def memcpy_dtod_async(self, dest: int, src: int, size: int, stream: _Stream | None = None) -> None: ...
+
+    def memset_d8_async(self, dest: int, data: int, count: int, stream: _Stream | None = None) -> None: ...
+
+
+_driver_lock = threading.Lock()
+_driver: _Driver | None = None
+_primary: dict[int, _Context] = {}
+
+
+def driver() -> _Driver:
+    """pycuda.driver, initialised once (only after the GPU probe said yes)."""
+    global _driver
+    with _driver_lock:
+        if _driver is None:
+            gpu = probe_gpu()
+            if not gpu.available:
+                raise EngineError(f"no usable GPU: {gpu.reason}")
+            try:
+                mod = importlib.import_module("pycuda.driver")
+            except ImportError as exc:
+                raise MissingExtraError("pycuda", "jetson", "the TensorRT backend") from exc
+            drv = cast(_Driver, mod)
+            drv.init()
+            _driver = drv
+        return _driver
+
+
+def _primary_context(device_id: int) -> _Context:
+    drv = driver()
+    with _driver_lock:
+        ctx = _primary.get(device_id)
+        if ctx is None:
+            ctx = drv.Device(device_id).retain_primary_context()
+            _primary[device_id] = ctx
+        return ctx
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    name: str
+    compute_capability: str
+    total_memory_bytes: int
+
+
+def device_info(device_id: int) -> DeviceInfo:
+    dev = driver().Device(device_id)
+    major, minor = dev.compute_capability()
+    return DeviceInfo(dev.name(), f"{major}.{minor}", int(dev.total_memory()))
+
+
+class DeviceBuffer:
+    """Device memory of a fixed size, freed by close()."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = max(int(nbytes), 1)
+        self._alloc: _Allocation | None = driver().mem_alloc(self.nbytes)
+        self.ptr = int(self._alloc)
+
+    def close(self) -> None:
+        if self._alloc is not None:
+            self._alloc.free()
+            self._alloc = None
+
+
+def pinned_empty(nbytes: int) -> np.ndarray:
+    """Page-locked host bytes (async copies need them; on Jetson the same DRAM)."""
+    return driver().pagelocked_empty((max(int(nbytes), 1),), np.uint8)
+
+
+class ThreadCuda:
+    """What one worker thread owns: the primary context made current on it and
+    its own stream. Create it on the thread that uses it."""
+
+    def __init__(self, device_id: int) -> None:
+        self.device_id = device_id
+        self._ctx = _primary_context(device_id)
+        self._ctx.push()
+        self.thread = threading.get_ident()
+        self.stream = driver().Stream()
+        self.graphs = GraphApi()
+
+    @property
+    def handle(self) -> int:
+        return int(self.stream.handle)
+
+    def htod(self, dst_ptr: int, src: np.ndarray) -> None:
+        driver().memcpy_htod_async(dst_ptr, src, self.stream)
+
+    def dtoh(self, dst: np.ndarray, src_ptr: int) -> None:
+        driver().memcpy_dtoh_async(dst, src_ptr, self.stream)
+
+    def dtod(self, dst_ptr: int, src_ptr: int, nbytes: int) -> None:
+        driver().memcpy_dtod_async(dst_ptr, src_ptr, nbytes, self.stream)
+
+    def zero(self, dst_ptr: int, nbytes: int) -> None:
+        driver().memset_d8_async(dst_ptr, 0, nbytes, self.stream)
+
+    def copy_2d(self, dst_ptr: int, dst_pitch: int, src_ptr: int, src_pitch: int, width: int, height: int) -> None:
+        """`height` rows of `width` bytes between device buffers (cuMemcpy2DAsync)."""
+        if width == 0 or height == 0:
+            return
+        if width == src_pitch == dst_pitch:
+            self.dtod(dst_ptr, src_ptr, width * height)
+            return
+        cp = driver().Memcpy2D()
+        cp.set_src_device(src_ptr)
+        cp.set_dst_device(dst_ptr)
+        cp.src_pitch, cp.dst_pitch = src_pitch, dst_pitch
+        cp.width_in_bytes, cp.height = width, height
+        cp(self.stream)
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+    def close(self) -> None:
+        """Pop the context from this thread (call on the owning thread)."""
+        if threading.get_ident() == self.thread:
+            self.synchronize()
+            driver().Context.pop()
+
+
+class CudaGraph:
+    """An instantiated CUDA graph, launched on a stream."""
+
+    def __init__(self, api: GraphApi, graph: int, exec_: int) -> None:
+        self._api, self._graph, self._exec = api, graph, exec_
+
+    def launch(self, stream_handle: int) -> None:
+        self._api.check(self._api.lib.cuGraphLaunch(ctypes.c_void_p(self._exec), ctypes.c_void_p(stream_handle)),
+                        "cuGraphLaunch")
+
+    def close(self) -> None:
+        if self._exec:
+            self._api.lib.cuGraphExecDestroy(ctypes.c_void_p(self._exec))
+            self._api.lib.cuGraphDestroy(ctypes.c_void_p(self._graph))
+            self._exec = self._graph = 0
+
+
+class GraphApi:
+    """cuStreamBeginCapture / cuStreamEndCapture / cuGraphInstantiateWithFlags /
+    cuGraphLaunch from libcuda (CUDA >= 11.4, so JetPack 6 and 7)."""
+
+    _MODE_THREAD_LOCAL = 1  # CU_STREAM_CAPTURE_MODE_THREAD_LOCAL: other threads may keep working
+
+    def __init__(self) -> None:
+        self.lib = ctypes.CDLL("libcuda.so.1")
+        self._begin = getattr(self.lib, "cuStreamBeginCapture_v2", None) or self.lib.cuStreamBeginCapture
+
+    @staticmethod
+    def check(rc: int, what: str) -> None:
+        if rc != 0:
+            raise EngineError(f"{what} failed with CUDA error {rc}")
+
+    def begin(self, stream_handle: int) -> None:
+        self.check(self._begin(ctypes.c_void_p(stream_handle), ctypes.c_int(self._MODE_THREAD_LOCAL)),
+                   "cuStreamBeginCapture")
+
+    def end(self, stream_handle: int) -> CudaGraph:
+        graph = ctypes.c_void_p(0)
+        self.check(self.lib.cuStreamEndCapture(ctypes.c_void_p(stream_handle), ctypes.byref(graph)),
+                   "cuStreamEndCapture")
+        exec_ = ctypes.c_void_p(0)
+        rc = self.lib.cuGraphInstantiateWithFlags(ctypes.byref(exec_), graph, ctypes.c_ulonglong(0))
+        if rc != 0:
+            self.lib.cuGraphDestroy(graph)
+            self.check(rc, "cuGraphInstantiateWithFlags")
+        return CudaGraph(self, int(graph.value or 0), int(exec_.value or 0))
+
+    def abort(self, stream_handle: int) -> None:
+        """End a failed capture and drop what it recorded."""
+        graph = ctypes.c_void_p(0)
+        if self.lib.cuStreamEndCapture(ctypes.c_void_p(stream_handle), ctypes.byref(graph)) == 0 and graph.value:
+            self.lib.cuGraphDestroy(graph)

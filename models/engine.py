@@ -1,0 +1,236 @@
+"""The CosyVoice 2 engine: text in, audio chunks out, over backend sessions.
+
+One `CosyVoiceEngine` serves concurrent requests: the sessions are shared
+(ONNX Runtime sessions are safe to run from several threads) and every
+request carries its own state (sampler, noise, chunk schedule, vocoder
+cache)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from models.api import MODES, AudioChunk, Mode, StageTimes, SynthesisRequest
+from models.backends.base import Backend, Session, create_backend
+from models.bundle import Bundle, load_bundle
+from models.conditioning import Conditioning, ConditioningBuilder
+from models.errors import RequestError
+from models.flow import FlowDecoder
+from models.llm import LlmInput, LlmStats, SpeechTokenLM
+from models.sampling import TokenSampler
+from models.streaming import ChunkSchedule
+from models.text.frontend import TextFrontend
+from models.text.tokenizer import TextTokenizer
+from models.vocoder import HiftVocoder, NoiseSource, VocoderStream
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    backend: str = "ort"
+    precision: str | None = None  # None: the bundle's own
+    max_text_chars: int = 2000
+    threads: int | None = None  # intra-op threads per session (None: the runtime's default)
+    first_hop_tokens: int | None = None  # None: upstream's aligned first hop
+
+    def __post_init__(self) -> None:
+        if self.max_text_chars < 1:
+            raise ValueError(f"max_text_chars must be >= 1, got {self.max_text_chars}")
+        if self.first_hop_tokens is not None and self.first_hop_tokens < 1:
+            raise ValueError(f"first_hop_tokens must be >= 1 or None, got {self.first_hop_tokens}")
+
+
+@dataclass
+class _RequestState:
+    sampler: TokenSampler
+    noise: NoiseSource
+    times: StageTimes
+    started: float
+    cancel: threading.Event | None
+    index: int = 0
+    llm: LlmStats = field(default_factory=LlmStats)
+
+    def cancelled(self) -> bool:
+        return self.cancel is not None and self.cancel.is_set()
+
+
+def linear_resize(mel: np.ndarray, frames: int) -> np.ndarray:
+    """torch F.interpolate(mode='linear', align_corners=False) along the last axis."""
+    src = mel.shape[-1]
+    pos = (np.arange(frames, dtype=np.float64) + 0.5) * (src / frames) - 0.5
+    pos = np.clip(pos, 0, src - 1)
+    lo = np.floor(pos).astype(np.int64)
+    hi = np.minimum(lo + 1, src - 1)
+    w = (pos - lo).astype(np.float32)
+    return (mel[..., lo] * (1 - w) + mel[..., hi] * w).astype(np.float32)
+
+
+def default_noise(seq: np.random.SeedSequence) -> NoiseSource:
+    return np.random.default_rng(seq)
+
+
+class CosyVoiceEngine:
+    # The vocoder's random source per request; parity tests swap in one that
+    # draws exactly what upstream's torch code draws.
+    noise_factory: Callable[[np.random.SeedSequence], NoiseSource] = staticmethod(default_noise)
+
+    def __init__(self, bundle: Bundle, backend: Backend, settings: EngineSettings) -> None:
+        self.bundle = bundle
+        self.settings = settings
+        self.backend = backend
+        self.name = f"cosyvoice-{backend.name}"
+        self.sample_rate = bundle.sample_rate
+        self._sessions: list[Session] = []
+        load = self._load
+        self.lm = SpeechTokenLM(bundle, backend, load("llm_prefill"), load("llm_decode"))
+        self.flow = FlowDecoder(bundle, load("flow_encoder"), load("flow_estimator"))
+        self.vocoder = HiftVocoder(bundle, load("hift_source"), load("hift_decoder"))
+        self.tokenizer = TextTokenizer.from_file(bundle.file("tokenizer"))
+        self.frontend = TextFrontend(self.tokenizer, max_text_chars=settings.max_text_chars)
+        self.conditioning = ConditioningBuilder(bundle, backend, self.tokenizer, self.frontend)
+
+    def _load(self, stage: str) -> Session:
+        session = self.backend.load(stage, self.bundle.stages[stage].path, threads=self.settings.threads)
+        self._sessions.append(session)
+        return session
+
+    # --- Engine protocol ---------------------------------------------------------------
+    def voices(self) -> list[str]:
+        return sorted(self.bundle.voices)
+
+    def modes(self) -> tuple[Mode, ...]:
+        return MODES
+
+    def validate(self, request: SynthesisRequest) -> None:
+        if request.mode not in MODES:
+            raise RequestError("unknown_mode", f"mode {request.mode!r} is not one of {', '.join(MODES)}")
+        if not 0.5 <= request.speed <= 2.0:
+            raise RequestError("bad_speed", f"speed must be between 0.5 and 2.0, got {request.speed}")
+        if request.speed != 1.0 and request.stream:
+            raise RequestError("bad_speed", "speed other than 1.0 is only supported with stream=false (as upstream)")
+        self.frontend.check(request.text)
+        self.conditioning.check(request)
+
+    def synthesize(self, request: SynthesisRequest, cancel: threading.Event | None = None) -> Iterator[AudioChunk]:
+        started = time.perf_counter()
+        self.validate(request)
+        seed = request.seed if request.seed is not None else int(np.random.default_rng().integers(1 << 62))
+        sampler_seq, noise_seq = np.random.SeedSequence(seed).spawn(2)
+        state = _RequestState(
+            sampler=TokenSampler(self.bundle.llm.sampling, self.bundle.llm.eos_token,
+                                 np.random.default_rng(sampler_seq)),
+            noise=self.noise_factory(noise_seq),
+            times=StageTimes(),
+            started=started,
+            cancel=cancel,
+        )
+        t0 = time.perf_counter()
+        cond = self.conditioning.build(request)
+        segments = self.frontend.prepare(request.text)
+        state.times.frontend_ms += (time.perf_counter() - t0) * 1e3
+        for i, segment in enumerate(segments):
+            last_segment = i == len(segments) - 1
+            llm_in = LlmInput(text=segment.token_ids.tolist(), prompt_text=cond.prompt_text,
+                              prompt_speech=cond.prompt_speech)
+            pieces = self._stream_segment(llm_in, cond, state) if request.stream else self._offline_segment(
+                llm_in, cond, state, request.speed)
+            for pcm, final in pieces:
+                if state.cancelled():
+                    return
+                yield self._chunk(state, pcm, last=final and last_segment)
+        if not segments:
+            yield self._chunk(state, np.zeros(0, dtype=np.float32), last=True)
+
+    def close(self) -> None:
+        for s in self._sessions:
+            s.close()
+        self._sessions.clear()
+        self.conditioning.close()
+
+    # --- internals ---------------------------------------------------------------------
+    def _chunk(self, state: _RequestState, pcm: np.ndarray, last: bool) -> AudioChunk:
+        times = state.times
+        times.llm_ms = state.llm.prefill_ms + state.llm.decode_ms
+        times.llm_tokens = len(state.llm.tokens)
+        if times.first_audio_ms is None and pcm.size:
+            times.first_audio_ms = (time.perf_counter() - state.started) * 1e3
+        chunk = AudioChunk(pcm=pcm.astype(np.float32, copy=False), sample_rate=self.sample_rate,
+                           index=state.index, last=last, times=times)
+        state.index += 1
+        return chunk
+
+    def _tokens(self, llm_in: LlmInput, state: _RequestState) -> Iterator[int]:
+        state.llm.tokens.clear()
+        return self.lm.generate(llm_in, state.sampler, state.llm)
+
+    def _flow(self, tokens: list[int], cond: Conditioning, state: _RequestState, finalize: bool,
+              streaming: bool) -> np.ndarray:
+        t0 = time.perf_counter()
+        mel = self.flow.mel(np.asarray(tokens, dtype=np.int64), cond.flow, finalize=finalize, streaming=streaming)
+        state.times.flow_ms += (time.perf_counter() - t0) * 1e3
+        return mel
+
+    def _offline_segment(self, llm_in: LlmInput, cond: Conditioning, state: _RequestState,
+                         speed: float) -> Iterator[tuple[np.ndarray, bool]]:
+        tokens = []
+        for token in self._tokens(llm_in, state):
+            tokens.append(token)
+            if state.cancelled():
+                return
+        if not tokens:
+            yield np.zeros(0, dtype=np.float32), True
+            return
+        mel = self._flow(tokens, cond, state, finalize=True, streaming=False)
+        if speed != 1.0:
+            mel = linear_resize(mel, int(mel.shape[2] / speed))
+        t0 = time.perf_counter()
+        audio, _ = self.vocoder.run(mel, state.noise)
+        state.times.vocoder_ms += (time.perf_counter() - t0) * 1e3
+        yield audio[0], True
+
+    def _stream_segment(self, llm_in: LlmInput, cond: Conditioning,
+                        state: _RequestState) -> Iterator[tuple[np.ndarray, bool]]:
+        lookahead = self.bundle.flow.pre_lookahead_len
+        ratio = self.bundle.token_mel_ratio
+        schedule = ChunkSchedule(self.bundle.streaming.token_hop_len, lookahead,
+                                 prompt_tokens=len(cond.flow.tokens), first_hop=self.settings.first_hop_tokens)
+        stream = VocoderStream(self.vocoder, state.noise)
+        tokens: list[int] = []
+        for token in self._tokens(llm_in, state):
+            tokens.append(token)
+            while (chunk := schedule.next_chunk(len(tokens))) is not None:
+                mel = self._flow(tokens[:chunk.end + lookahead], cond, state, finalize=False, streaming=True)
+                yield self._vocode(stream, mel[:, :, chunk.start * ratio:], state, final=False), False
+            if state.cancelled():
+                return
+        final = schedule.final_chunk(len(tokens))
+        if tokens:
+            mel = self._flow(tokens, cond, state, finalize=True, streaming=False)[:, :, final.start * ratio:]
+        else:
+            mel = np.zeros((1, self.bundle.mel_bins, 0), dtype=np.float32)
+        if mel.shape[2] == 0 and stream.mel is None:
+            yield np.zeros(0, dtype=np.float32), True
+            return
+        yield self._vocode(stream, mel, state, final=True), True
+
+    def _vocode(self, stream: VocoderStream, mel: np.ndarray, state: _RequestState, final: bool) -> np.ndarray:
+        t0 = time.perf_counter()
+        pcm = stream.push(mel, final=final)
+        state.times.vocoder_ms += (time.perf_counter() - t0) * 1e3
+        return pcm
+
+
+def load_engine(bundle_dir: Path | str, backend: str = "ort",
+                settings: EngineSettings | None = None) -> CosyVoiceEngine:
+    """Load a bundle and its sessions; raises BundleError with what to do."""
+    settings = settings or EngineSettings(backend=backend)
+    # The trt backend loads the bundle's TensorRT plans, checked against this GPU.
+    bundle = load_bundle(bundle_dir, precision=settings.precision, backend="trt" if backend == "trt" else "ort")
+    return CosyVoiceEngine(bundle, create_backend(backend), settings)

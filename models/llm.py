@@ -1,0 +1,101 @@
+"""The speech-token language model: prefill and step-by-step decode over the
+`llm_prefill` / `llm_decode` graphs with a KV cache, and the decoding rules of
+upstream `Qwen2LM.inference` (input layout, minimum and maximum length
+relative to the text, EOS masking until the minimum, fill tokens skipped)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from models.backends.base import Backend, DecodeLoop, Session
+from models.bundle import Bundle, LlmConfig
+from models.sampling import TokenSampler
+
+
+@dataclass(frozen=True)
+class LlmInput:
+    """What the LLM is conditioned on for one text segment."""
+
+    text: Sequence[int]  # token ids of the text to speak
+    prompt_text: Sequence[int] = ()  # zero_shot transcript or instruct text ids
+    prompt_speech: Sequence[int] = ()  # zero_shot prompt speech tokens
+
+    def length_limits(self, config: LlmConfig) -> tuple[int, int]:
+        """(min_len, max_len) in speech tokens, as upstream: ratios of the text
+        tokens without the prompt text."""
+        n = len(self.text)
+        return int(n * config.min_token_text_ratio), int(n * config.max_token_text_ratio)
+
+
+@dataclass
+class LlmStats:
+    prefill_ms: float = 0.0
+    decode_ms: float = 0.0
+    steps: int = 0
+    tokens: list[int] = field(default_factory=list)
+
+
+class SpeechTokenLM:
+    """Owns the embedding tables and the two LLM sessions. One instance per
+    worker thread (sessions are used from the thread that owns them)."""
+
+    def __init__(self, bundle: Bundle, backend: Backend, prefill: Session, decode: Session) -> None:
+        self.config = bundle.llm
+        self.backend = backend
+        self.prefill_session = prefill
+        self.decode_session = decode
+        # Memory-mapped: only the rows of tokens actually used are paged in.
+        self.text_embedding = bundle.array("text_embedding")
+        self.speech_embedding = np.asarray(bundle.array("speech_embedding", mmap=False), dtype=np.float32)
+        special = np.asarray(bundle.array("special_embedding", mmap=False), dtype=np.float32)
+        self.sos_eos = special[0]
+        self.task_id = special[1]
+
+    def prompt_embeds(self, inp: LlmInput) -> np.ndarray:
+        """[1, T, D]: sos_eos, text embeddings of prompt text + text, task_id,
+        speech embeddings of the prompt speech tokens."""
+        ids = np.asarray(list(inp.prompt_text) + list(inp.text), dtype=np.int64)
+        text = np.asarray(self.text_embedding[ids], dtype=np.float32)
+        speech = self.speech_embedding[np.asarray(inp.prompt_speech, dtype=np.int64)]
+        parts = [self.sos_eos[None], text, self.task_id[None], speech.reshape(-1, self.config.hidden_size)]
+        return np.concatenate(parts, axis=0)[None].astype(np.float32, copy=False)
+
+    def decode_loop(self) -> DecodeLoop:
+        return self.backend.decode_loop(self.prefill_session, self.decode_session)
+
+    def generate(self, inp: LlmInput, sampler: TokenSampler, stats: LlmStats | None = None) -> Iterator[int]:
+        """Yield speech tokens one by one until EOS or the maximum length."""
+        stats = stats if stats is not None else LlmStats()
+        min_len, max_len = inp.length_limits(self.config)
+        eos = self.config.eos_token
+        embeds = self.prompt_embeds(inp)
+        loop = self.decode_loop()
+        try:
+            t0 = time.perf_counter()
+            logp = loop.prefill(embeds)
+            stats.prefill_ms += (time.perf_counter() - t0) * 1e3
+            last_input = embeds[:, -1:]
+            out = stats.tokens
+            for i in range(max_len):
+                if i > 0:
+                    t0 = time.perf_counter()
+                    logp = loop.step(last_input)
+                    stats.decode_ms += (time.perf_counter() - t0) * 1e3
+                stats.steps += 1
+                token = sampler.sample(logp[0], out, ignore_eos=i < min_len)
+                if token == eos:
+                    break
+                if token > eos:
+                    # A fill token: upstream does not emit it and feeds the same
+                    # input again at the next position. (At step 0 upstream would
+                    # re-feed the whole prompt; we re-feed its last position.)
+                    continue
+                out.append(token)
+                yield token
+                last_input = self.speech_embedding[token][None, None]
+        finally:
+            loop.close()

@@ -1,0 +1,59 @@
+"""When to turn speech tokens into audio while the LLM is still generating:
+pure scheduling logic, no I/O.
+
+Upstream CosyVoice 2 (`CosyVoice2Model.tts`, stream=True): a chunk is
+vocoded once `hop + pre_lookahead_len` new tokens exist; the first hop is
+stretched so that prompt tokens + first hop end on a multiple of the hop
+(the flow's static attention chunks then line up with the audio chunks); the
+tokens left when the LLM finishes form the final chunk. Each request has
+its own schedule (upstream keeps the hop on the shared model instance)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Chunk:
+    start: int  # first token of this chunk's audio (offset)
+    end: int  # one past its last token; tokens[end:end + lookahead] are context only
+    final: bool
+
+
+@dataclass
+class ChunkSchedule:
+    hop: int
+    lookahead: int
+    prompt_tokens: int = 0
+    first_hop: int | None = None  # None: upstream's aligned first hop
+    offset: int = 0
+
+    def __post_init__(self) -> None:
+        if self.hop <= 0:
+            raise ValueError(f"hop must be positive, got {self.hop}")
+        if self.lookahead < 0:
+            raise ValueError(f"lookahead must be >= 0, got {self.lookahead}")
+
+    def _this_hop(self) -> int:
+        if self.offset > 0:
+            return self.hop
+        if self.first_hop is not None:
+            return self.first_hop
+        pad = -self.prompt_tokens % self.hop
+        return self.hop + pad
+
+    def next_chunk(self, n_tokens: int) -> Chunk | None:
+        """The next chunk that `n_tokens` generated tokens allow, or None. Call
+        repeatedly: several chunks may be ready at once."""
+        hop = self._this_hop()
+        if n_tokens - self.offset >= hop + self.lookahead:
+            chunk = Chunk(self.offset, self.offset + hop, final=False)
+            self.offset += hop
+            return chunk
+        return None
+
+    def final_chunk(self, n_tokens: int) -> Chunk:
+        """What remains once the LLM has finished (may be empty)."""
+        chunk = Chunk(self.offset, n_tokens, final=True)
+        self.offset = n_tokens
+        return chunk

@@ -1,0 +1,109 @@
+"""The whole pipeline on the tiny checkpoint against the official PyTorch
+pipeline (upstream CosyVoice2Model.tts): the same speech tokens under a
+seeded sampler, and the same waveform within 40 dB SNR when the random
+sources are fed identically (the CFM start noise is fixed in both; the
+vocoder's source noise is drawn from the same torch generator)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from models.api import SynthesisRequest
+from models.engine import CosyVoiceEngine, load_engine
+from models.llm import LlmInput
+from models.prompt import PromptFeatures
+from models.sampling import TokenSampler
+
+torch = pytest.importorskip("torch")
+reference_pipeline = pytest.importorskip("edge_build.reference_pipeline")
+
+TEXT = "Hello from the tiny model, one two three."
+SEED = 1234
+
+
+class TorchNoise:
+    """Draws what upstream's SineGen2 + SourceModuleHnNSF2 draw per HiFT call,
+    in the same order, from torch's global generator."""
+
+    def standard_normal(self, size: tuple[int, ...], dtype: type[np.float32]) -> np.ndarray:
+        b, n, h = size
+        torch.rand(b, h)  # SineGen2's random initial phase (never reaches the output)
+        noise = torch.randn(b, n, h)
+        torch.randn(b, n, 1)  # the noise branch, unused at inference
+        return noise.numpy().astype(dtype)
+
+
+def snr_db(ref: np.ndarray, test: np.ndarray) -> float:
+    n = min(ref.size, test.size)
+    err = float(np.sum((ref[:n] - test[:n]) ** 2))
+    return float("inf") if err == 0 else 10 * np.log10(float(np.sum(ref[:n] ** 2)) / err)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_bundle: Path) -> Iterator[CosyVoiceEngine]:
+    eng = load_engine(tiny_bundle)
+    eng.noise_factory = lambda seq: TorchNoise()  # type: ignore[assignment,misc]
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def official(tiny_model_dir: Path):  # type: ignore[no-untyped-def]
+    refs = reference_pipeline.load_reference(tiny_model_dir)
+    return refs, reference_pipeline.official_model(refs)
+
+
+def _sampler(engine: CosyVoiceEngine) -> TokenSampler:
+    # The same derivation the engine uses for a seeded request.
+    seq = np.random.SeedSequence(SEED).spawn(2)[0]
+    return TokenSampler(engine.bundle.llm.sampling, engine.bundle.llm.eos_token, np.random.default_rng(seq))
+
+
+def _voice(engine: CosyVoiceEngine) -> PromptFeatures:
+    assert engine.bundle.default_voice is not None
+    return PromptFeatures.load(engine.bundle.voices[engine.bundle.default_voice])
+
+
+def test_same_speech_tokens_as_the_official_llm(engine: CosyVoiceEngine, official) -> None:  # type: ignore[no-untyped-def]
+    refs, _ = official
+    ids = engine.frontend.prepare(TEXT)[0].token_ids.tolist()
+    ours = list(engine.lm.generate(LlmInput(text=ids), _sampler(engine)))
+    undo = reference_pipeline.patch_sampling(refs.llm, _sampler(engine).ras)
+    try:
+        text = torch.tensor([ids], dtype=torch.int32)
+        empty = torch.zeros(1, 0, dtype=torch.int32)
+        theirs = list(refs.llm.inference(
+            text=text, text_len=torch.tensor([len(ids)], dtype=torch.int32), prompt_text=empty,
+            prompt_text_len=torch.tensor([0], dtype=torch.int32), prompt_speech_token=empty,
+            prompt_speech_token_len=torch.tensor([0], dtype=torch.int32), embedding=torch.zeros(1, 192)))
+    finally:
+        undo()
+    assert len(ours) >= 2 * len(ids)  # the minimum length rule held
+    assert ours == theirs
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["offline", "streaming"])
+def test_waveform_matches_the_official_pipeline(engine: CosyVoiceEngine, official, stream: bool) -> None:  # type: ignore[no-untyped-def]
+    refs, model = official
+    ids = engine.frontend.prepare(TEXT)[0].token_ids.tolist()
+    undo = reference_pipeline.patch_sampling(refs.llm, _sampler(engine).ras)
+    try:
+        torch.manual_seed(7)
+        ref_chunks = list(reference_pipeline.synthesize(model, reference_pipeline.model_inputs(_voice(engine), ids),
+                                                        stream=stream))
+    finally:
+        undo()
+    torch.manual_seed(7)
+    chunks = list(engine.synthesize(SynthesisRequest(text=TEXT, stream=stream, seed=SEED)))
+    ours = np.concatenate([c.pcm for c in chunks])
+    ref = np.concatenate(ref_chunks)
+    assert chunks[-1].last and all(not c.last for c in chunks[:-1])
+    if stream:
+        assert len(chunks) > 2, "the tiny text should stream in several chunks"
+        assert [c.pcm.size for c in chunks] == [c.size for c in ref_chunks]
+    assert ours.size == ref.size
+    assert snr_db(ref, ours) >= 40.0
