@@ -114,9 +114,7 @@ class BridgeService:
     # --- MQTT ---------------------------------------------------------------------------------
     def _make_client(self) -> mqtt.Client:
         m = self.settings.mqtt
-        client = mqtt.Client(
-            CallbackAPIVersion.VERSION2, client_id=m.client_id, protocol=mqtt.MQTTv5, manual_ack=True
-        )
+        client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=m.client_id, protocol=mqtt.MQTTv5, manual_ack=True)
         client.on_socket_open = _set_nodelay
         client.on_connect = self._on_connect
         client.on_disconnect = self._on_disconnect
@@ -159,8 +157,7 @@ class BridgeService:
     def _on_subscribe(self, _c: mqtt.Client, _u: Any, _mid: int, reasons: list[Any], _p: Any) -> None:
         if any(r.is_failure for r in reasons):
             log.error(
-                "the broker refused the request subscription: %s (check the bridge user's ACL: "
-                "topic read %s)",
+                "the broker refused the request subscription: %s (check the bridge user's ACL: topic read %s)",
                 reasons,
                 self.topics.request_filter(),
             )
@@ -254,8 +251,7 @@ class BridgeService:
                 device,
                 request.id,
                 "expired",
-                f"the request's deadline passed {late_ms:.0f} ms before the bridge received it; "
-                "not synthesized",
+                f"the request's deadline passed {late_ms:.0f} ms before the bridge received it; not synthesized",
                 correlation,
             )
             return
@@ -346,9 +342,7 @@ class BridgeService:
                 attempts += 1
                 try:
                     tag = f"{job.device_id}/{req.id}/{attempts}"
-                    for chunk in self.streamer.stream(
-                        req, choice.version, tag, job.cancel, job.first_chunk_by
-                    ):
+                    for chunk in self.streamer.stream(req, choice.version, tag, job.cancel, job.first_chunk_by):
                         if chunk.model_version:
                             version_label = chunk.model_version
                         payload, props = encode_audio(
@@ -373,9 +367,7 @@ class BridgeService:
                         raise
                     self.metrics.retries.labels(version_label).inc()
                     delay = t.retry_backoff_ms / 1e3 * 2 ** (attempts - 1)
-                    log.info(
-                        "request %s/%s: %s; retry %d in %.2f s", job.device_id, req.id, exc, attempts, delay
-                    )
+                    log.info("request %s/%s: %s; retry %d in %.2f s", job.device_id, req.id, exc, attempts, delay)
                     if job.cancel.wait(delay):
                         break
             if job.cancel.is_set():
@@ -434,9 +426,7 @@ class BridgeService:
     def start(self, connect_timeout_s: float | None = None) -> None:
         m, lim = self.settings.mqtt, self.settings.limits
         if self.settings.metrics.port:
-            self._metrics_server = self.metrics.serve(
-                self.settings.metrics.port, self.settings.metrics.address
-            )
+            self._metrics_server = self.metrics.serve(self.settings.metrics.port, self.settings.metrics.address)
         for i in range(lim.max_in_flight):
             worker = threading.Thread(target=self._work, name=f"bridge-worker-{i}", daemon=True)
             worker.start()
@@ -444,9 +434,7 @@ class BridgeService:
         props = Properties(PacketTypes.CONNECT)
         props.SessionExpiryInterval = m.session_expiry_s
         props.ReceiveMaximum = self._receive_maximum()
-        self._client.connect_async(
-            m.host, m.port, keepalive=m.keepalive_s, clean_start=False, properties=props
-        )
+        self._client.connect_async(m.host, m.port, keepalive=m.keepalive_s, clean_start=False, properties=props)
         self._client.loop_start()
         if connect_timeout_s is not None and not self._subscribed.wait(connect_timeout_s):
             log.warning(

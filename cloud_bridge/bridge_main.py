@@ -32,8 +32,7 @@ def bridge_command(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     service = BridgeService(settings)
     log.info(
-        "bridge %s: broker %s, Triton %s model %s, up to %d in flight (+%d queued, overflow %s), "
-        "metrics on %s",
+        "bridge %s: broker %s, Triton %s model %s, up to %d in flight (+%d queued, overflow %s), metrics on %s",
         settings.mqtt.client_id,
         settings.mqtt.broker,
         settings.triton.url,

@@ -79,9 +79,7 @@ class BridgeMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.audio_seconds = Counter(
-            "cosyedge_bridge_audio_seconds", "audio published", ["version"], registry=r
-        )
+        self.audio_seconds = Counter("cosyedge_bridge_audio_seconds", "audio published", ["version"], registry=r)
         self.in_flight = Gauge("cosyedge_bridge_in_flight", "requests streaming from Triton", registry=r)
         self.held = Gauge(
             "cosyedge_bridge_held", "requests accepted and not yet answered (in flight + queued)", registry=r
@@ -92,9 +90,7 @@ class BridgeMetrics:
             ["version", "reason"],
             registry=r,
         )
-        self.connected = Gauge(
-            "cosyedge_bridge_mqtt_connected", "1 while connected to the broker", registry=r
-        )
+        self.connected = Gauge("cosyedge_bridge_mqtt_connected", "1 while connected to the broker", registry=r)
 
     def serve(self, port: int, address: str) -> Any:
         """Start the /metrics endpoint; returns the server (shutdown() stops it)."""

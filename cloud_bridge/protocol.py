@@ -69,7 +69,8 @@ ERROR_CODES: dict[str, bool] = {
     "too_large": False,  # payload or text over the bridge's limits
     "device_mismatch": False,  # payload device_id is not the topic's device
     "unknown_version": False,  # pinned model version not allowed / not loaded
-    "invalid_request": False,  # the model refused it (unknown voice, mode ...)
+    # the engine's own RequestError codes pass through (unknown_voice, bad_speed, ...)
+    "unsupported": False,  # the deployed bundle cannot serve this (e.g. zero-shot without a speech tokenizer)
     "expired": False,  # the deadline passed before synthesis started: not synthesized
     "deadline_exceeded": False,  # no first audio by the deadline
     "busy": True,  # the bridge is at its cap on requests
@@ -199,9 +200,7 @@ class CloudRequest:
         return json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
-def _field(
-    doc: dict[str, Any], key: str, kind: type | tuple[type, ...], rid: str | None, default: Any = None
-) -> Any:
+def _field(doc: dict[str, Any], key: str, kind: type | tuple[type, ...], rid: str | None, default: Any = None) -> Any:
     value = doc.get(key, default)
     if value is None:
         return default
@@ -209,9 +208,7 @@ def _field(
     if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
         raise ProtocolError("bad_request", f"field '{key}' must be {_kind_name(kind)}, got a boolean", rid)
     if not isinstance(value, kind):
-        raise ProtocolError(
-            "bad_request", f"field '{key}' must be {_kind_name(kind)}, got {type(value).__name__}", rid
-        )
+        raise ProtocolError("bad_request", f"field '{key}' must be {_kind_name(kind)}, got {type(value).__name__}", rid)
     return value
 
 
@@ -245,9 +242,7 @@ def parse_request(payload: bytes, *, max_text_chars: int = 5000) -> CloudRequest
     raw_id = doc.get("id")
     rid = raw_id if isinstance(raw_id, str) and valid_name(raw_id) else None
     if rid is None:
-        raise ProtocolError(
-            "bad_request", "field 'id' is required: 1-128 characters of A-Z a-z 0-9 _ . : @ -"
-        )
+        raise ProtocolError("bad_request", "field 'id' is required: 1-128 characters of A-Z a-z 0-9 _ . : @ -")
     version = doc.get("v", PROTOCOL_VERSION)
     if version != PROTOCOL_VERSION:
         raise ProtocolError(
@@ -259,23 +254,17 @@ def parse_request(payload: bytes, *, max_text_chars: int = 5000) -> CloudRequest
     if text is None or not text.strip():
         raise ProtocolError("bad_request", "field 'text' is required and must not be empty", rid)
     if len(text) > max_text_chars:
-        raise ProtocolError(
-            "too_large", f"text has {len(text)} characters; the limit is {max_text_chars}", rid
-        )
+        raise ProtocolError("too_large", f"text has {len(text)} characters; the limit is {max_text_chars}", rid)
     mode = _field(doc, "mode", str, rid, "sft")
     if mode not in MODES:
-        raise ProtocolError(
-            "bad_request", f"field 'mode' must be one of {', '.join(MODES)}, got {mode!r}", rid
-        )
+        raise ProtocolError("bad_request", f"field 'mode' must be one of {', '.join(MODES)}, got {mode!r}", rid)
     instruct_text = _field(doc, "instruct_text", str, rid)
     if mode == "instruct" and not instruct_text:
         raise ProtocolError("bad_request", "mode 'instruct' needs field 'instruct_text'", rid)
     model_version = doc.get("model_version")
     if isinstance(model_version, int) and not isinstance(model_version, bool):
         model_version = str(model_version)
-    if model_version is not None and (
-        not isinstance(model_version, str) or not _VERSION_RE.match(model_version)
-    ):
+    if model_version is not None and (not isinstance(model_version, str) or not _VERSION_RE.match(model_version)):
         raise ProtocolError(
             "bad_request",
             f"field 'model_version' must be a positive version number such as \"2\", got {model_version!r}",
@@ -314,30 +303,20 @@ def _parse_prompt(raw: Any, mode: str, rid: str) -> CloudPrompt | None:
             )
         return None
     if not isinstance(raw, dict):
-        raise ProtocolError(
-            "bad_request", "field 'prompt' must be an object {audio_b64, sample_rate, text}", rid
-        )
+        raise ProtocolError("bad_request", "field 'prompt' must be an object {audio_b64, sample_rate, text}", rid)
     audio = raw.get("audio_b64")
     rate = raw.get("sample_rate")
     text = raw.get("text", "")
-    if (
-        not isinstance(audio, str)
-        or not isinstance(rate, int)
-        or isinstance(rate, bool)
-        or not 8000 <= rate <= 96000
-    ):
+    if not isinstance(audio, str) or not isinstance(rate, int) or isinstance(rate, bool) or not 8000 <= rate <= 96000:
         raise ProtocolError(
             "bad_request",
-            "field 'prompt' needs 'audio_b64' (base64 PCM16 LE mono) and "
-            "'sample_rate' (an integer from 8000 to 96000)",
+            "field 'prompt' needs 'audio_b64' (base64 PCM16 LE mono) and 'sample_rate' (an integer from 8000 to 96000)",
             rid,
         )
     if not isinstance(text, str):
         raise ProtocolError("bad_request", "field 'prompt.text' must be a string", rid)
     if mode == "zero_shot" and not text:
-        raise ProtocolError(
-            "bad_request", "mode 'zero_shot' needs the prompt's transcript in 'prompt.text'", rid
-        )
+        raise ProtocolError("bad_request", "mode 'zero_shot' needs the prompt's transcript in 'prompt.text'", rid)
     try:
         data = base64.b64decode(audio, validate=True)
     except ValueError:
@@ -422,9 +401,7 @@ def encode_error(request_id: str | None, code: str, message: str) -> tuple[bytes
     return json.dumps(doc, separators=(",", ":")).encode(), [("type", "error"), ("id", rid)]
 
 
-def decode_response(
-    payload: bytes, user_properties: Properties | None, request_id: str = NO_ID
-) -> ResponseMessage:
+def decode_response(payload: bytes, user_properties: Properties | None, request_id: str = NO_ID) -> ResponseMessage:
     """One response message, from v5 user properties or (v3.1.1) the payload
     alone. Raises ProtocolError on anything else."""
     props = dict(user_properties or [])

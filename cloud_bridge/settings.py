@@ -120,9 +120,7 @@ class MqttSettings:
             try:
                 return Path(self.password_file).read_text().splitlines()[0]
             except (OSError, IndexError) as exc:
-                raise SettingsError(
-                    f"mqtt.password_file {self.password_file!r} cannot be read: {exc}"
-                ) from None
+                raise SettingsError(f"mqtt.password_file {self.password_file!r} cannot be read: {exc}") from None
         return self.password or None
 
 
@@ -148,9 +146,7 @@ class TritonSettings:
         for name in ("default_version", "canary_version"):
             value = getattr(self, name)
             if value and not (value.isdigit() and int(value) > 0):
-                raise SettingsError(
-                    f'triton.{name} must be empty or a version number like "2", got {value!r}'
-                )
+                raise SettingsError(f'triton.{name} must be empty or a version number like "2", got {value!r}')
         for v in self.allowed_versions:
             if not (v.isdigit() and int(v) > 0):
                 raise SettingsError(f'triton.allowed_versions must hold version numbers like "2", got {v!r}')
@@ -212,9 +208,7 @@ def _coerce(section: str, cls: type, name: str, value: Any) -> Any:
         if not isinstance(value, str):
             raise SettingsError(f"{where} must be a string, got {value!r}")
     else:  # tuple[str, ...]
-        if isinstance(value, str) or not all(
-            isinstance(v, (str, int)) and not isinstance(v, bool) for v in value
-        ):
+        if isinstance(value, str) or not all(isinstance(v, (str, int)) and not isinstance(v, bool) for v in value):
             raise SettingsError(f"{where} must be a list of strings, got {value!r}")
         value = tuple(str(v) for v in value)
     if meta.get("choices") and value not in meta["choices"]:

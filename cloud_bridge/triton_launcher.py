@@ -74,9 +74,7 @@ print(json.dumps({"pytriton": list(spec.submodule_search_locations) if spec else
 
 def _pytriton_dist(python: Path, origin: str) -> ServerDist | None:
     try:
-        out = subprocess.run(
-            [str(python), "-c", _PROBE], capture_output=True, text=True, timeout=60, check=True
-        )
+        out = subprocess.run([str(python), "-c", _PROBE], capture_output=True, text=True, timeout=60, check=True)
         info = json.loads(out.stdout)
     except (OSError, subprocess.SubprocessError, json.JSONDecodeError):
         return None
@@ -89,9 +87,7 @@ def _pytriton_dist(python: Path, origin: str) -> ServerDist | None:
     if not binary.exists():
         return None
     if not stub.exists():
-        raise TritonError(
-            f"nvidia-pytriton in {origin} has no Python backend stub for Python {info['version']}"
-        )
+        raise TritonError(f"nvidia-pytriton in {origin} has no Python backend stub for Python {info['version']}")
     if not info["shared"]:
         raise TritonError(
             f"the Python of {origin} is not a shared-library build (no libpython): the Triton "
@@ -135,7 +131,8 @@ def find_server() -> ServerDist:
 class LaunchSettings:
     bundle: Path | None = None  # every version's bundle unless version_bundles names one
     version_bundles: dict[str, Path] = field(default_factory=dict)  # "2" -> another bundle (a canary)
-    model: str = "cosyvoice2"
+    model: str = "cosyvoice2"  # the model whose versions get the bundle links
+    extra_models: tuple[str, ...] = ()  # more models of the repository to load (they name their own bundles)
     repository: Path = REPOSITORY
     parameters: dict[str, str] = field(default_factory=dict)  # override the model's config parameters
     address: str = "127.0.0.1"
@@ -222,9 +219,7 @@ class TritonServer:
         self.dist = dist or find_server()
         self._own_workdir = settings.workdir is None
         self.workdir = (
-            Path(tempfile.mkdtemp(prefix="cosyedge-triton-"))
-            if settings.workdir is None
-            else settings.workdir
+            Path(tempfile.mkdtemp(prefix="cosyedge-triton-")) if settings.workdir is None else settings.workdir
         )
         self.proc: subprocess.Popen[bytes] | None = None
         self._log: TextIO | None = None
@@ -294,7 +289,8 @@ class TritonServer:
         try:
             self._wait_live()
             if self.settings.load_model:
-                self.load(self.settings.model)
+                for model in (self.settings.model, *self.settings.extra_models):
+                    self.load(model)
         except BaseException:
             self.stop()
             raise
@@ -311,8 +307,7 @@ class TritonServer:
             assert self.proc is not None
             if self.proc.poll() is not None:
                 raise TritonError(
-                    f"tritonserver exited with status {self.proc.returncode} while starting"
-                    + self._log_tail()
+                    f"tritonserver exited with status {self.proc.returncode} while starting" + self._log_tail()
                 )
             try:
                 with urllib.request.urlopen(f"{self.http_url}/v2/health/live", timeout=1.0) as resp:
@@ -321,9 +316,7 @@ class TritonServer:
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(0.2)
-        raise TritonError(
-            f"tritonserver not live after {self.settings.ready_timeout_s:.0f} s" + self._log_tail()
-        )
+        raise TritonError(f"tritonserver not live after {self.settings.ready_timeout_s:.0f} s" + self._log_tail())
 
     def client(self) -> Any:
         try:

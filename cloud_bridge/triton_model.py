@@ -36,7 +36,7 @@ from typing import Any
 
 from cloud_bridge.model_io import INPUTS, BadTensors, error_message, response_tensors, synthesis_request
 from models.api import Engine
-from models.errors import CosyEdgeError, RequestError
+from models.errors import BundleError, CosyEdgeError, RequestError
 
 DEFAULT_FACTORY = "models.engine:load_engine"
 
@@ -113,9 +113,7 @@ class TritonPythonModel:
 
     def _error(self, sender: Any, kind: str, code: str, text: str) -> None:
         error = self.pb.TritonError(error_message(kind, code, text))
-        sender.send(
-            self.pb.InferenceResponse(error=error), flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        )
+        sender.send(self.pb.InferenceResponse(error=error), flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def _serve(self, request: Any) -> None:
         pb = self.pb
@@ -127,17 +125,15 @@ class TritonPythonModel:
                 if request.is_cancelled():
                     cancel.set()  # the client went away: stop the engine, no more responses
                     break
-                tensors = response_tensors(
-                    chunk.pcm, chunk.sample_rate, chunk.index, chunk.last, chunk.times.as_dict()
-                )
-                sender.send(
-                    pb.InferenceResponse(output_tensors=[pb.Tensor(k, v) for k, v in tensors.items()])
-                )
+                tensors = response_tensors(chunk.pcm, chunk.sample_rate, chunk.index, chunk.last, chunk.times.as_dict())
+                sender.send(pb.InferenceResponse(output_tensors=[pb.Tensor(k, v) for k, v in tensors.items()]))
             sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         except BadTensors as exc:
             self._error(sender, "request", "bad_tensors", str(exc))
         except RequestError as exc:
             self._error(sender, "request", exc.code, str(exc))
+        except BundleError as exc:  # e.g. zero-shot on a bundle without the speech tokenizer
+            self._error(sender, "request", "unsupported", str(exc))
         except Exception as exc:  # a run-time failure answers this request only; the model keeps serving
             self.log.log_error(f"cosyvoice2 v{self.version}: synthesis failed: {type(exc).__name__}: {exc}")
             self._error(sender, "engine", "engine_error", f"{type(exc).__name__}: {exc}")

@@ -129,9 +129,7 @@ class TritonStreamer:
         )
         inputs = []
         for name, array in tensors.items():
-            datatype = (
-                "BYTES" if array.dtype == np.object_ else ("INT32" if array.dtype == np.int32 else "FP32")
-            )
+            datatype = "BYTES" if array.dtype == np.object_ else ("INT32" if array.dtype == np.int32 else "FP32")
             tensor = self._grpc.InferInput(name, list(array.shape), datatype)
             tensor.set_data_from_numpy(array)
             inputs.append(tensor)
@@ -187,9 +185,7 @@ class TritonStreamer:
                         return
                     if time.monotonic() >= wait_until:
                         if not got_first and first_chunk_by is not None and wait_until >= first_chunk_by:
-                            raise SynthesisFailed(
-                                "deadline_exceeded", "no audio from Triton by the deadline"
-                            ) from None
+                            raise SynthesisFailed("deadline_exceeded", "no audio from Triton by the deadline") from None
                         raise SynthesisFailed(
                             "timeout",
                             f"no {'further ' if got_first else ''}audio from Triton within {limit:g} s",

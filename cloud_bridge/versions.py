@@ -40,8 +40,7 @@ class VersionSelector:
             if self.allowed_versions and pinned not in self.allowed_versions:
                 raise ProtocolError(
                     "unknown_version",
-                    f"model version {pinned} may not be pinned here; "
-                    f"allowed: {', '.join(self.allowed_versions)}",
+                    f"model version {pinned} may not be pinned here; allowed: {', '.join(self.allowed_versions)}",
                     request_id,
                 )
             return VersionChoice(pinned, "pinned")

@@ -73,9 +73,7 @@ class Device:
         if protocol != mqtt.MQTTv5:
             kwargs["clean_session"] = clean
         self.client = mqtt.Client(CallbackAPIVersion.VERSION2, **kwargs)
-        self.client.on_socket_open = lambda _c, _u, sock: sock.setsockopt(
-            socket.IPPROTO_TCP, socket.TCP_NODELAY, 1
-        )
+        self.client.on_socket_open = lambda _c, _u, sock: sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.client.on_connect = self._on_connect
         self.client.on_message = self._on_message
         self.client.on_subscribe = self._on_subscribe
@@ -152,9 +150,7 @@ class Device:
         if self.protocol == mqtt.MQTTv5 and expiry_s is not None:
             props = Properties(PacketTypes.PUBLISH)
             props.MessageExpiryInterval = expiry_s
-        info = self.client.publish(
-            topic or self.topics.request(self.device_id), payload, qos=1, properties=props
-        )
+        info = self.client.publish(topic or self.topics.request(self.device_id), payload, qos=1, properties=props)
         info.wait_for_publish(5)
         return answer
 

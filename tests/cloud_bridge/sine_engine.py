@@ -4,7 +4,8 @@ through its ENGINE_FACTORY parameter, so the plumbing (Triton streaming,
 batching, versions, the bridge) can be tested with timing the test controls.
 
 The bundle directory holds `sine.json`: {"frequency_hz": 440.0}. A request's
-text may carry directives: `{chunks=N}` (default 3), `{delay_ms=M}` (sleep
+text may carry directives (a prompt recording sets the pitch to the
+prompt's): `{chunks=N}` (default 3), `{delay_ms=M}` (sleep
 before each chunk, default 20), `{fail_at=K}` (raise at chunk K)."""
 
 from __future__ import annotations
@@ -45,9 +46,7 @@ class SineEngine:
         if not request.text.strip():
             raise RequestError("empty_text", "text is empty")
 
-    def synthesize(
-        self, request: SynthesisRequest, cancel: threading.Event | None = None
-    ) -> Iterator[AudioChunk]:
+    def synthesize(self, request: SynthesisRequest, cancel: threading.Event | None = None) -> Iterator[AudioChunk]:
         self.validate(request)
         opts = {k: int(v) for k, v in _DIRECTIVE.findall(request.text)}
         chunks, delay_s, fail_at = (
@@ -56,6 +55,8 @@ class SineEngine:
             opts.get("fail_at", -1),
         )
         freq = self.frequency_hz * (2.0 if request.voice == "bright" else 1.0)
+        if request.prompt is not None:  # "clone" the prompt: its pitch, so a test sees the prompt arrived
+            freq = round(dominant_frequency(request.prompt.pcm, request.prompt.sample_rate))
         started = time.perf_counter()
         times = StageTimes()
         for i in range(chunks):
@@ -68,9 +69,7 @@ class SineEngine:
             pcm = (0.5 * np.sin(2 * np.pi * freq * t)).astype(np.float32)
             if times.first_audio_ms is None:
                 times.first_audio_ms = (time.perf_counter() - started) * 1e3
-            yield AudioChunk(
-                pcm=pcm, sample_rate=self.sample_rate, index=i, last=i == chunks - 1, times=times
-            )
+            yield AudioChunk(pcm=pcm, sample_rate=self.sample_rate, index=i, last=i == chunks - 1, times=times)
 
     def close(self) -> None:
         pass

@@ -30,10 +30,7 @@ USERS = {"cosyedge-bridge": "bridge-secret", "devA": "a-secret", "devB": "b-secr
 @pytest.fixture()
 def cloud_broker() -> Iterator[Broker]:
     """Mosquitto with authentication and the cloud ACL template."""
-    if (
-        mosquitto_binary() is None
-        or subprocess.run(["which", "mosquitto_passwd"], capture_output=True).returncode
-    ):
+    if mosquitto_binary() is None or subprocess.run(["which", "mosquitto_passwd"], capture_output=True).returncode:
         pytest.skip("mosquitto / mosquitto_passwd are not installed (apt-get install mosquitto)")
     with tempfile.TemporaryDirectory(prefix="cosyedge-cloud-mqtt-") as tmp:
         work = Path(tmp)
@@ -120,9 +117,7 @@ def test_through_a_device_broker_bridged_to_the_cloud(cloud_broker, cloud_bridge
         try:
             # the bridge's notification topic says when the link is up (retained "1")
             assert wait_for(lambda: _link_state(local) == b"1", 10), "the device broker's bridge is not up"
-            answer = device.ask(
-                CloudRequest(id="via-link", text="over the bridge {chunks=3}", model_version="1")
-            )
+            answer = device.ask(CloudRequest(id="via-link", text="over the bridge {chunks=3}", model_version="1"))
         finally:
             device.close()
     assert answer.done is not None, answer.error

@@ -7,14 +7,14 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from cloud_bridge.protocol import CloudRequest
 from cloud_bridge.triton_launcher import TritonServer
+from tests.cloud_bridge.conftest import SINE_MODEL
 from tests.cloud_bridge.device import Device
 from tests.cloud_bridge.helpers import wait_for
 from tests.support.broker import Broker
@@ -34,9 +34,7 @@ class BridgeProcess:
             stdout=self.log.open("ab"),
             stderr=subprocess.STDOUT,
         )
-        assert wait_for(lambda: "connected to" in self.log.read_text(errors="replace"), 30), (
-            self.log.read_text()
-        )
+        assert wait_for(lambda: "connected to" in self.log.read_text(errors="replace"), 30), self.log.read_text()
 
     def signal(self, sig: int) -> None:
         assert self.proc is not None
@@ -53,51 +51,62 @@ class BridgeProcess:
 
 
 @pytest.fixture()
-def bridge_process(broker: Broker, triton: TritonServer, tmp_path: Path) -> Iterator[BridgeProcess]:
-    config = tmp_path / "bridge.toml"
-    config.write_text(
-        f'[mqtt]\nbroker = "{broker.url}"\nclient_id = "bridge-proc-1"\n'
-        f'[triton]\nurl = "{triton.grpc_url}"\n[limits]\ndrain_timeout_s = 10.0\n[metrics]\nport = 0\n'
-    )
-    process = BridgeProcess(config, tmp_path / "bridge.log")
-    process.start()
-    yield process
-    process.close()
+def start_bridge(broker: Broker, triton: TritonServer, tmp_path: Path) -> Iterator[Callable[[str], BridgeProcess]]:
+    started: list[BridgeProcess] = []
+
+    def start(model: str) -> BridgeProcess:
+        config = tmp_path / f"bridge-{model}.toml"
+        config.write_text(
+            f'[mqtt]\nbroker = "{broker.url}"\nclient_id = "bridge-proc-1"\n'
+            f'[triton]\nurl = "{triton.grpc_url}"\nmodel = "{model}"\nfirst_chunk_timeout_s = 120.0\n'
+            f"chunk_timeout_s = 120.0\n[limits]\ndrain_timeout_s = 10.0\n[metrics]\nport = 0\n"
+        )
+        process = BridgeProcess(config, tmp_path / "bridge.log")
+        process.start()
+        started.append(process)
+        return process
+
+    yield start
+    for process in started:
+        process.close()
 
 
-def test_bridge_killed_mid_stream_still_answers(broker, bridge_process) -> None:  # type: ignore[no-untyped-def]
+def test_bridge_killed_mid_stream_still_answers(broker, start_bridge) -> None:  # type: ignore[no-untyped-def]
+    bridge = start_bridge("cosyvoice2")  # the real model on the tiny bundle
     device = Device(broker.url, "kitchen")
+    text = "The quick brown fox jumps over the lazy dog. It was a sunny day in the park."
     try:
-        request = CloudRequest(id="survivor", text="x {chunks=12} {delay_ms=100}", model_version="1", seed=5)
-        answer = device.send(request)
-        assert wait_for(lambda: len(answer.audio) >= 3, 15)
-        bridge_process.signal(signal.SIGKILL)  # no drain, no DISCONNECT: the request stays unacknowledged
-        bridge_process.wait(5)
+        answer = device.send(CloudRequest(id="survivor", text=text, model_version="1", seed=5))
+        assert wait_for(lambda: len(answer.audio) >= 2, 120), bridge.log.read_text()
+        bridge.signal(signal.SIGKILL)  # no drain, no DISCONNECT: the request stays unacknowledged
+        bridge.wait(5)
         got_before = len(answer.audio)
-        assert got_before < 12 and not answer.finished.is_set()
-        time.sleep(0.5)
-        bridge_process.start()  # same client id: the broker delivers the request again
-        assert answer.finished.wait(30), bridge_process.log.read_text()
+        assert not answer.finished.is_set()
+        bridge.start()  # same client id: the broker delivers the request again
+        assert answer.finished.wait(180), bridge.log.read_text()
     finally:
         device.close()
     assert answer.done is not None, answer.error
     assert answer.done.summary["redelivered"] is True
-    # synthesized again from the start; the seed makes it the same audio, so a device can skip what it has
-    seqs = [a.seq for a in answer.audio]
-    assert seqs[:got_before] == list(range(got_before))
-    assert seqs[got_before:] == list(range(12))
-    assert answer.audio[0].pcm16 == answer.audio[got_before].pcm16
+    # synthesized again from the start with the same seed: the same chunks again, so a device that
+    # has chunks 0..k-1 drops those and plays on from k
+    first, second = answer.audio[:got_before], answer.audio[got_before:]
+    assert [a.seq for a in first] == list(range(got_before))
+    assert [a.seq for a in second] == list(range(len(second))) and second[-1].last
+    assert len(second) > got_before
+    assert [a.pcm16 for a in first] == [a.pcm16 for a in second[:got_before]]
 
 
-def test_sigterm_drains_then_exits_zero(broker, bridge_process) -> None:  # type: ignore[no-untyped-def]
+def test_sigterm_drains_then_exits_zero(broker, start_bridge) -> None:  # type: ignore[no-untyped-def]
+    bridge = start_bridge(SINE_MODEL)
     device = Device(broker.url, "kitchen")
     try:
         answer = device.send(CloudRequest(id="term", text="x {chunks=10} {delay_ms=100}", model_version="1"))
         assert wait_for(lambda: len(answer.audio) >= 1, 15)
-        bridge_process.signal(signal.SIGTERM)
-        assert bridge_process.wait(15) == 0
+        bridge.signal(signal.SIGTERM)
+        assert bridge.wait(15) == 0
         assert answer.finished.wait(5)
     finally:
         device.close()
     assert answer.done is not None and len(answer.audio) == 10
-    assert "bridge stopped (drained)" in bridge_process.log.read_text()
+    assert "bridge stopped (drained)" in bridge.log.read_text()

@@ -12,7 +12,7 @@ import paho.mqtt.client as mqtt
 
 from cloud_bridge.protocol import CloudPrompt, CloudRequest, now_unix_ms
 from cloud_bridge.versions import VersionSelector
-from tests.cloud_bridge.conftest import V1_HZ, V2_HZ, bridge_settings
+from tests.cloud_bridge.conftest import SINE_MODEL, V1_HZ, V2_HZ, bridge_settings
 from tests.cloud_bridge.device import Device
 from tests.cloud_bridge.helpers import triton_metric, wait_for
 from tests.cloud_bridge.sine_engine import CHUNK_SAMPLES, dominant_frequency
@@ -99,9 +99,7 @@ def test_errors_are_counted_per_version(broker, make_bridge) -> None:  # type: i
     bridge = make_bridge()
     device = Device(broker.url, "kitchen")
     try:
-        bad = [
-            device.ask(CloudRequest(id=f"f{i}", text="x {fail_at=1}", model_version="2")) for i in range(2)
-        ]
+        bad = [device.ask(CloudRequest(id=f"f{i}", text="x {fail_at=1}", model_version="2")) for i in range(2)]
         good = device.ask(CloudRequest(id="ok", text="x", model_version="1"))
     finally:
         device.close()
@@ -131,11 +129,7 @@ def test_bad_requests_get_errors_on_the_device_topic(broker, make_bridge) -> Non
         ok = device.ask(CloudRequest(id="after", text="still serving", model_version="1"))
     finally:
         device.close()
-    assert (
-        garbage.error is not None
-        and garbage.error.code == "bad_request"
-        and "not UTF-8" in garbage.error.message
-    )
+    assert garbage.error is not None and garbage.error.code == "bad_request" and "not UTF-8" in garbage.error.message
     codes = {k: (a.error.code if a.error else None) for k, a in cases.items()}
     assert codes == {
         "nov": "unknown_voice",
@@ -151,32 +145,39 @@ def test_bad_requests_get_errors_on_the_device_topic(broker, make_bridge) -> Non
 def test_prompt_audio_passes_through_triton(broker, make_bridge) -> None:  # type: ignore[no-untyped-def]
     make_bridge()
     device = Device(broker.url, "kitchen")
-    prompt = CloudPrompt(np.sin(np.arange(8000) / 10).astype(np.float32) * 0.3, 16000, "reference words")
+    pitch = 300.0
+    pcm = (0.3 * np.sin(2 * np.pi * pitch * np.arange(8000) / 16000)).astype(np.float32)
     try:
         answer = device.ask(
-            CloudRequest(id="zs", text="clone me", mode="zero_shot", prompt=prompt, model_version="1")
+            CloudRequest(
+                id="zs",
+                text="clone me",
+                mode="zero_shot",
+                model_version="1",
+                prompt=CloudPrompt(pcm, 16000, "reference words"),
+            )
         )
     finally:
         device.close()
     assert answer.done is not None, answer.error
+    # the sine engine sings at the prompt's pitch: the recording crossed MQTT and Triton intact
+    assert abs(dominant_frequency(answer.pcm(), 24000) - pitch) < 15
 
 
 def test_expired_requests_are_not_synthesized(broker, make_bridge, triton) -> None:  # type: ignore[no-untyped-def]
     make_bridge(limits={"max_in_flight": 1, "max_queued": 4})
     device = Device(broker.url, "kitchen")
     try:
-        before = triton_metric(triton, "nv_inference_request_success", model="cosyvoice2")
+        before = triton_metric(triton, "nv_inference_request_success", model=SINE_MODEL)
         stale = device.ask(CloudRequest(id="stale", text="hi", deadline_unix_ms=now_unix_ms() - 1000))
         # queued behind a 1.5 s request with 1 s of message expiry: stale by the time a worker is free
         long = device.send(CloudRequest(id="long", text="x {chunks=15} {delay_ms=100}", model_version="1"))
         queued = device.send(CloudRequest(id="queued", text="hi", model_version="1"), expiry_s=1)
         assert long.finished.wait(15) and queued.finished.wait(15)
-        after = triton_metric(triton, "nv_inference_request_success", model="cosyvoice2")
+        after = triton_metric(triton, "nv_inference_request_success", model=SINE_MODEL)
     finally:
         device.close()
-    assert (
-        stale.error is not None and stale.error.code == "expired" and "not synthesized" in stale.error.message
-    )
+    assert stale.error is not None and stale.error.code == "expired" and "not synthesized" in stale.error.message
     assert queued.error is not None and queued.error.code == "expired"
     assert long.done is not None
     assert after - before == 1  # only the long one reached Triton
@@ -308,7 +309,7 @@ def test_drain_timeout_cancels_with_an_error(broker, make_bridge, triton) -> Non
 def test_dynamic_batching_groups_concurrent_requests(broker, make_bridge, triton) -> None:  # type: ignore[no-untyped-def]
     make_bridge(limits={"max_in_flight": 16})
     device = Device(broker.url, "kitchen")
-    labels = {"model": "cosyvoice2", "version": "1"}
+    labels = {"model": SINE_MODEL, "version": "1"}
     try:
         req0 = triton_metric(triton, "nv_inference_request_success", **labels)
         exec0 = triton_metric(triton, "nv_inference_exec_count", **labels)

@@ -72,10 +72,7 @@ def test_bundle_resolution_order(tmp_path) -> None:  # type: ignore[no-untyped-d
     with pytest.raises(CosyEdgeError, match="no model bundle"):
         resolve_bundle(model_dir, "1", {}, environ={})
     assert resolve_bundle(model_dir, "1", {}, environ={"COSYEDGE_BUNDLE": "/e"}).as_posix() == "/e"
-    assert (
-        resolve_bundle(model_dir, "1", {"BUNDLE_DIR": "/p"}, environ={"COSYEDGE_BUNDLE": "/e"}).as_posix()
-        == "/p"
-    )
+    assert resolve_bundle(model_dir, "1", {"BUNDLE_DIR": "/p"}, environ={"COSYEDGE_BUNDLE": "/e"}).as_posix() == "/p"
     (tmp_path / "b").mkdir()
     (model_dir / "1" / "bundle").symlink_to(tmp_path / "b")
     assert resolve_bundle(model_dir, "1", {"BUNDLE_DIR": "/p"}, environ={}) == (tmp_path / "b").resolve()

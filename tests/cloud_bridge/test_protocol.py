@@ -56,9 +56,7 @@ def test_request_round_trip_with_prompt() -> None:
     )
     back = parse_request(req.to_json())
     assert back.text == "héllo" and back.mode == "zero_shot" and back.model_version == "2"
-    assert (
-        back.deadline_unix_ms == 123 and back.seed == 7 and back.audio_header and back.device_id == "kitchen"
-    )
+    assert back.deadline_unix_ms == 123 and back.seed == 7 and back.audio_header and back.device_id == "kitchen"
     assert back.prompt is not None and back.prompt.sample_rate == 16000 and back.prompt.text == "transcript"
     assert np.abs(back.prompt.pcm - pcm).max() < 1e-4
 
