@@ -25,10 +25,8 @@ device's response topic as it arrives (protocol: cloud_bridge/protocol.py).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import queue
-import socket
 import threading
 import time
 from collections import deque
@@ -43,6 +41,7 @@ from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from cloud_bridge.admission import Admission, Key, Verdict
 from cloud_bridge.metrics import BridgeMetrics
+from cloud_bridge.net import set_nodelay
 from cloud_bridge.protocol import (
     CloudRequest,
     CloudTopics,
@@ -71,12 +70,6 @@ class Job:
     redelivered: bool
     correlation: bytes | None = None
     cancel: threading.Event = field(default_factory=threading.Event)
-
-
-def _set_nodelay(_client: mqtt.Client, _userdata: Any, sock: Any) -> None:
-    # Without it every small publish waits for Nagle's delayed ACK (~40-90 ms on loopback).
-    with contextlib.suppress(OSError, AttributeError):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 class BridgeService:
@@ -115,7 +108,7 @@ class BridgeService:
     def _make_client(self) -> mqtt.Client:
         m = self.settings.mqtt
         client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=m.client_id, protocol=mqtt.MQTTv5, manual_ack=True)
-        client.on_socket_open = _set_nodelay
+        client.on_socket_open = set_nodelay
         client.on_connect = self._on_connect
         client.on_disconnect = self._on_disconnect
         client.on_subscribe = self._on_subscribe

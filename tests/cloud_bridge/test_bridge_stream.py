@@ -325,3 +325,38 @@ def test_dynamic_batching_groups_concurrent_requests(broker, make_bridge, triton
     assert all(a.done is not None for a in answers)
     assert requests == 16
     assert executions < requests  # some execute() calls got batches of more than one request
+
+
+def test_probe_reports_a_request(broker, make_bridge, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    import soundfile
+
+    from cloud_bridge.probe import main as probe_main
+
+    make_bridge()
+    out = tmp_path / "probe.wav"
+    code = probe_main(
+        [
+            "hello {chunks=3}",
+            "--broker",
+            broker.url,
+            "--device-id",
+            "kitchen",
+            "--model-version",
+            "2",
+            "--out",
+            str(out),
+            "--timeout-s",
+            "30",
+        ]
+    )
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0, report
+    assert report["chunks"] == 3 and report["done"]["model_version"] == "2"
+    assert 0 < report["first_chunk_ms"] <= report["total_ms"]
+    pcm, rate = soundfile.read(out, dtype="float32")
+    assert rate == 24000 and pcm.size == 3 * CHUNK_SAMPLES
+    assert abs(dominant_frequency(pcm, rate) - V2_HZ) < 15
+    code = probe_main(["hi", "--broker", broker.url, "--model-version", "9", "--timeout-s", "30"])
+    assert code == 1 and json.loads(capsys.readouterr().out)["error"]["code"] == "unknown_version"
