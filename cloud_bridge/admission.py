@@ -14,7 +14,7 @@ from enum import Enum
 class Verdict(Enum):
     ACCEPT = "accept"
     DUPLICATE_RUNNING = "duplicate_running"  # the same request is being served: ack it with that one
-    DUPLICATE_DONE = "duplicate_done"  # answered already: just acknowledge
+    DUPLICATE_DONE = "duplicate_done"  # a redelivery of one answered already: just acknowledge
     FULL = "full"  # at the cap
     DRAINING = "draining"  # shutting down: no new work
 
@@ -39,15 +39,20 @@ class Admission:
         self._draining = False
         self._idle = threading.Condition(self._lock)
 
-    def offer(self, key: Key, mid: int) -> Verdict:
+    def offer(self, key: Key, mid: int, redelivery: bool = False) -> Verdict:
+        """`redelivery`: the MQTT DUP flag. A finished request is dropped only
+        when redelivered (its acknowledgement was lost); the same id published
+        anew (a device retrying after a retryable error) is a new request."""
         with self._lock:
             held = self._held.get(key)
             if held is not None:
                 held.mids.append(mid)
                 return Verdict.DUPLICATE_RUNNING
             if key in self._done:
-                self._done.move_to_end(key)
-                return Verdict.DUPLICATE_DONE
+                if redelivery:
+                    self._done.move_to_end(key)
+                    return Verdict.DUPLICATE_DONE
+                del self._done[key]
             if self._draining:
                 return Verdict.DRAINING
             if len(self._held) >= self.capacity:

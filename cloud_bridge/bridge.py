@@ -249,7 +249,7 @@ class BridgeService:
             )
             return
         key = (device, request.id)
-        verdict = self.admission.offer(key, msg.mid)
+        verdict = self.admission.offer(key, msg.mid, redelivery=bool(msg.dup))
         if verdict is Verdict.ACCEPT:
             self.metrics.held.set(self.admission.held)
             self._jobs.put(Job(key, device, request, now, first_chunk_by, bool(msg.dup), correlation))

@@ -360,3 +360,33 @@ def test_probe_reports_a_request(broker, make_bridge, tmp_path, capsys) -> None:
     assert abs(dominant_frequency(pcm, rate) - V2_HZ) < 15
     code = probe_main(["hi", "--broker", broker.url, "--model-version", "9", "--timeout-s", "30"])
     assert code == 1 and json.loads(capsys.readouterr().out)["error"]["code"] == "unknown_version"
+
+
+def test_a_retry_with_the_same_id_is_served_again(broker, make_bridge) -> None:  # type: ignore[no-untyped-def]
+    make_bridge()
+    device = Device(broker.url, "kitchen")
+    try:
+        failed = device.ask(CloudRequest(id="again", text="x {chunks=1}", model_version="9"))
+        device.answers.pop("again")
+        # the same id published anew (not a QoS 1 redelivery): a new request, not a duplicate to drop
+        retried = device.ask(CloudRequest(id="again", text="x {chunks=1}", model_version="1"))
+    finally:
+        device.close()
+    assert failed.error is not None and failed.error.code == "unknown_version"
+    assert retried.done is not None and len(retried.audio) == 1
+
+
+def test_metrics_endpoint(broker, make_bridge) -> None:  # type: ignore[no-untyped-def]
+    import urllib.request
+
+    port = free_port()
+    make_bridge(metrics={"port": port})
+    device = Device(broker.url, "kitchen")
+    try:
+        assert device.ask(CloudRequest(id="m", text="x", model_version="1")).done is not None
+    finally:
+        device.close()
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    assert 'cosyedge_bridge_requests_total{outcome="done",version="1"} 1.0' in text
+    assert "cosyedge_bridge_first_chunk_seconds_bucket" in text and "cosyedge_bridge_in_flight 0.0" in text

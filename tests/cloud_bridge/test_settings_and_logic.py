@@ -81,11 +81,13 @@ def test_admission_cap_duplicates_and_drain() -> None:
     assert adm.offer(("d", "c"), 3) is Verdict.FULL
     assert adm.offer(("e", "c"), 3) is Verdict.FULL
     assert adm.finish(("d", "a")) == [1, 7]  # both deliveries get acknowledged
-    assert adm.offer(("d", "a"), 8) is Verdict.DUPLICATE_DONE
+    assert adm.offer(("d", "a"), 8, redelivery=True) is Verdict.DUPLICATE_DONE
     assert adm.offer(("d", "c"), 4) is Verdict.ACCEPT
     adm.finish(("d", "b"))
     adm.finish(("d", "c"))
-    assert adm.offer(("d", "a"), 9) is Verdict.ACCEPT  # fell out of the dedup window of 2
+    assert adm.offer(("d", "a"), 9, redelivery=True) is Verdict.ACCEPT  # fell out of the dedup window of 2
+    adm.finish(("d", "a"))
+    assert adm.offer(("d", "a"), 11) is Verdict.ACCEPT  # published anew (a retry): served again
     adm.start_draining()
     assert adm.offer(("d", "z"), 10) is Verdict.DRAINING
     assert not adm.wait_idle(0.05)
