@@ -9,6 +9,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 
 class Verdict(Enum):
@@ -24,7 +25,7 @@ Key = tuple[str, str]  # (device id, request id)
 
 @dataclass
 class _Held:
-    mids: list[int] = field(default_factory=list)  # MQTT message ids to acknowledge when done
+    tags: list[Any] = field(default_factory=list)  # the deliveries to acknowledge when done
 
 
 class Admission:
@@ -39,14 +40,14 @@ class Admission:
         self._draining = False
         self._idle = threading.Condition(self._lock)
 
-    def offer(self, key: Key, mid: int, redelivery: bool = False) -> Verdict:
+    def offer(self, key: Key, tag: Any, redelivery: bool = False) -> Verdict:
         """`redelivery`: the MQTT DUP flag. A finished request is dropped only
         when redelivered (its acknowledgement was lost); the same id published
         anew (a device retrying after a retryable error) is a new request."""
         with self._lock:
             held = self._held.get(key)
             if held is not None:
-                held.mids.append(mid)
+                held.tags.append(tag)
                 return Verdict.DUPLICATE_RUNNING
             if key in self._done:
                 if redelivery:
@@ -57,11 +58,11 @@ class Admission:
                 return Verdict.DRAINING
             if len(self._held) >= self.capacity:
                 return Verdict.FULL
-            self._held[key] = _Held([mid])
+            self._held[key] = _Held([tag])
             return Verdict.ACCEPT
 
-    def finish(self, key: Key) -> list[int]:
-        """Forget a held request; returns the message ids to acknowledge."""
+    def finish(self, key: Key) -> list[Any]:
+        """Forget a held request; returns the delivery tags to acknowledge."""
         with self._lock:
             held = self._held.pop(key, None)
             if self.dedup_window > 0:
@@ -69,7 +70,7 @@ class Admission:
                 while len(self._done) > self.dedup_window:
                     self._done.popitem(last=False)
             self._idle.notify_all()
-            return held.mids if held else []
+            return held.tags if held else []
 
     def start_draining(self) -> None:
         with self._lock:

@@ -97,11 +97,13 @@ class BridgeService:
         self._running: dict[Key, Job] = {}
         self._running_lock = threading.Lock()
         self._workers: list[threading.Thread] = []
-        self._pubs: deque[mqtt.MQTTMessageInfo] = deque()
+        self._pubs: deque[mqtt.MQTTMessageInfo] = deque(maxlen=10000)  # for the drain's wait only
         self._pubs_lock = threading.Lock()
         self._connected = threading.Event()
         self._subscribed = threading.Event()
         self._metrics_server: Any = None
+        self._epoch = 0
+        self._stopped = False
         self._client = self._make_client()
 
     # --- MQTT ---------------------------------------------------------------------------------
@@ -135,6 +137,8 @@ class BridgeService:
         if reason.is_failure:
             log.error("broker refused the connection: %s", reason)
             return
+        if not flags.session_present:
+            self._epoch += 1  # a new session: message ids of deliveries taken before mean nothing now
         self.metrics.connected.set(1)
         self._connected.set()
         log.info(
@@ -167,6 +171,13 @@ class BridgeService:
     def _ack(self, mid: int, qos: int = 1) -> None:
         if qos > 0:
             self._client.ack(mid, qos)
+
+    def _ack_later(self, tag: tuple[int, int, int]) -> None:
+        """Acknowledge a delivery taken earlier, unless the broker forgot the
+        session since (its message ids were reused for other messages then)."""
+        epoch, mid, qos = tag
+        if epoch == self._epoch:
+            self._ack(mid, qos)
 
     def _publish(
         self, topic: str, payload: bytes, user_props: list[tuple[str, str]], correlation: bytes | None = None
@@ -249,7 +260,7 @@ class BridgeService:
             )
             return
         key = (device, request.id)
-        verdict = self.admission.offer(key, msg.mid, redelivery=bool(msg.dup))
+        verdict = self.admission.offer(key, (self._epoch, msg.mid, msg.qos), redelivery=bool(msg.dup))
         if verdict is Verdict.ACCEPT:
             self.metrics.held.set(self.admission.held)
             self._jobs.put(Job(key, device, request, now, first_chunk_by, bool(msg.dup), correlation))
@@ -310,8 +321,8 @@ class BridgeService:
                 self.metrics.in_flight.dec()
                 with self._running_lock:
                     self._running.pop(job.key, None)
-                for mid in self.admission.finish(job.key):
-                    self._ack(mid)
+                for tag in self.admission.finish(job.key):
+                    self._ack_later(tag)
                 self.metrics.held.set(self.admission.held)
 
     def _serve(self, job: Job) -> None:
@@ -440,7 +451,11 @@ class BridgeService:
         return self._subscribed.wait(timeout_s)
 
     def stop(self, drain_timeout_s: float | None = None) -> bool:
-        """Drain and disconnect; True when every held request finished in time."""
+        """Drain and disconnect; True when every held request finished in time.
+        A second call does nothing."""
+        if self._stopped:
+            return True
+        self._stopped = True
         timeout = self.settings.limits.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
         self.admission.start_draining()
         if self._connected.is_set():
@@ -463,6 +478,8 @@ class BridgeService:
         self.streamer.close()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+            self._metrics_server = None
         return clean
 
     def _cancel_queued(self) -> None:
@@ -475,8 +492,8 @@ class BridgeService:
                 continue
             job.cancel.set()
             self._fail(job, "unknown", "draining", "the bridge shut down before the request started")
-            for mid in self.admission.finish(job.key):
-                self._ack(mid)
+            for tag in self.admission.finish(job.key):
+                self._ack_later(tag)
 
     def _wait_published(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
