@@ -47,6 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device-id", default="probe")
     p.add_argument("--username", help="default: the device id when --password is given")
     p.add_argument("--password")
+    p.add_argument("--ca-file", help="CA certificate for mqtts:// (default: the system's)")
     p.add_argument("--topic-root", default="cosyedge")
     p.add_argument("--voice")
     p.add_argument("--model-version", help="pin a model version, e.g. 2")
@@ -85,7 +86,7 @@ def probe(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
     if args.password:
         client.username_pw_set(args.username or args.device_id, args.password)
     if url.scheme in ("mqtts", "ssl"):
-        client.tls_set()
+        client.tls_set(ca_certs=args.ca_file)
     client.connect(url.hostname or "localhost", url.port or (8883 if url.scheme in ("mqtts", "ssl") else 1883))
     client.loop_start()
     report: dict[str, Any] = {"id": rid, "device_id": args.device_id}

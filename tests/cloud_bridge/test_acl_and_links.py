@@ -144,3 +144,98 @@ def _link_state(local: Broker) -> bytes | None:
     except Exception:
         return None
     return msg.payload if msg is not None else None  # type: ignore[union-attr]
+
+
+def _openssl(*args: str) -> None:
+    subprocess.run(["openssl", *args], check=True, capture_output=True)
+
+
+def _make_certs(work: Path) -> tuple[Path, Path, Path]:
+    """A throwaway CA and a server certificate for 127.0.0.1."""
+    ca_key, ca, key, csr, cert = (work / n for n in ("ca.key", "ca.crt", "server.key", "server.csr", "server.crt"))
+    ext = work / "san.ext"
+    ext.write_text("subjectAltName = IP:127.0.0.1\n")
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        str(ca_key),
+        "-out",
+        str(ca),
+        "-days",
+        "1",
+        "-subj",
+        "/CN=cosyedge test CA",
+    )
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(csr), "-subj", "/CN=127.0.0.1")
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        str(csr),
+        "-CA",
+        str(ca),
+        "-CAkey",
+        str(ca_key),
+        "-CAcreateserial",
+        "-out",
+        str(cert),
+        "-days",
+        "1",
+        "-extfile",
+        str(ext),
+    )
+    for f in (ca, key, cert):
+        f.chmod(0o644)
+    return ca, cert, key
+
+
+def test_tls_between_bridge_broker_and_device(triton, capsys) -> None:  # type: ignore[no-untyped-def]
+    import json
+    import shutil
+
+    from cloud_bridge.probe import main as probe_main
+
+    if shutil.which("openssl") is None or mosquitto_binary() is None:
+        pytest.skip("openssl and mosquitto are needed")
+    with tempfile.TemporaryDirectory(prefix="cosyedge-tls-") as tmp:
+        work = Path(tmp)
+        work.chmod(0o755)
+        ca, cert, key = _make_certs(work)
+        broker = Broker(work)
+        broker.conf.write_text(
+            f"listener {broker.port} 127.0.0.1\nallow_anonymous true\ncafile {ca}\ncertfile {cert}\n"
+            f"keyfile {key}\nset_tcp_nodelay true\n"
+        )
+        broker.start()
+        try:
+            settings = bridge_settings(
+                broker, triton, mqtt={"broker": f"mqtts://127.0.0.1:{broker.port}", "tls_ca_file": str(ca)}
+            )
+            service = BridgeService(settings)
+            service.start()
+            try:
+                assert service.wait_subscribed(10), "the bridge did not connect over TLS"
+                code = probe_main(
+                    [
+                        "hi {chunks=2}",
+                        "--broker",
+                        f"mqtts://127.0.0.1:{broker.port}",
+                        "--ca-file",
+                        str(ca),
+                        "--model-version",
+                        "1",
+                        "--timeout-s",
+                        "30",
+                    ]
+                )
+                report = json.loads(capsys.readouterr().out)
+            finally:
+                service.stop(drain_timeout_s=2)
+        finally:
+            broker.stop()
+    assert code == 0, report
+    assert report["chunks"] == 2
