@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The Triton environment `.venv-triton`, kept apart from `.venv` because
+# nvidia-pytriton (which ships the `tritonserver` binary with the Python
+# backend) pins numpy < 2 and protobuf < 7. It also holds what the
+# Python-backend model `cosyvoice2` imports when the server runs it: numpy,
+# onnxruntime, tokenizers, soxr, soundfile and this project (installed with
+# --no-deps, so `models` and `cloud_bridge` import from it).
+# `cosyedge triton` finds the server here. Idempotent: a stamp of this file
+# and pyproject.toml skips the work when nothing changed.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+PY=${PYTHON:-python3}
+VENV=.venv-triton
+log() { printf '[setup triton] %s\n' "$*" >&2; }
+
+# The server's Python backend stub is built per Python minor version
+# (3.8-3.13) and links against libpython, so the interpreter must be a shared
+# build (pyenv: PYTHON_CONFIGURE_OPTS=--enable-shared; Debian: yes).
+if [ "$("$PY" -c 'import sysconfig; print(sysconfig.get_config_var("Py_ENABLE_SHARED") or 0)')" != 1 ]; then
+    log "$PY is not a shared-library build (no libpython): the Triton Python backend cannot run; skipping $VENV"
+    exit 0
+fi
+case "$(uname -m)" in
+    x86_64) ;;
+    *) log "nvidia-pytriton ships tritonserver for x86_64 only; on $(uname -m) use NVIDIA's Triton container; skipping $VENV"; exit 0 ;;
+esac
+
+stamp_src=$( (cat .ci/setup.d/triton.sh pyproject.toml; "$PY" -V) | sha256sum | cut -c1-16)
+if [ -f "$VENV/.cosyedge-stamp" ] && [ "$(cat "$VENV/.cosyedge-stamp")" = "$stamp_src" ]; then
+    log "$VENV is up to date"
+    exit 0
+fi
+log "creating $VENV"
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q --upgrade pip==25.3
+"$VENV/bin/python" -m pip install -q \
+    nvidia-pytriton==0.7.0 \
+    numpy==1.26.4 \
+    onnxruntime==1.32.0 \
+    tokenizers==0.21.4 \
+    soxr==1.1.0 \
+    soundfile==0.14.0
+# The project itself, on the path without its dependencies (they pin numpy 2):
+# a .pth file, so the server runs the code of this checkout.
+site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+pwd > "$site/cosyedge-checkout.pth"
+"$VENV/bin/python" -c "import numpy, onnxruntime, tokenizers, soxr, soundfile, models, cloud_bridge; assert numpy.__version__.startswith('1.')"
+echo "$stamp_src" > "$VENV/.cosyedge-stamp"
+log "$VENV ready"

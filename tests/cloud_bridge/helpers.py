@@ -1,0 +1,34 @@
+"""Small helpers for the cloud tests."""
+
+from __future__ import annotations
+
+import re
+import time
+import urllib.request
+from collections.abc import Callable
+
+from cloud_bridge.triton_launcher import TritonServer
+
+
+def triton_metric(server: TritonServer, name: str, **labels: str) -> float:
+    """Sum of a Triton metric over the series matching the labels."""
+    with urllib.request.urlopen(server.metrics_url, timeout=5) as resp:
+        text = resp.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(rf"^{name}\{{(.*)\}} (\S+)$", line)
+        if not m:
+            continue
+        found = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+        if all(found.get(k) == v for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0, interval_s: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return predicate()
