@@ -120,6 +120,10 @@ def _add_triton(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--version-bundle", action="append", default=[], metavar="V=DIR",
+                   help="serve model version V from bundle DIR (repeatable; default: every version from --bundle)")
+    p.add_argument("--address", default="127.0.0.1", help="address the server listens on")
+    p.add_argument("--workdir", help="where the prepared model repository is written (default: a temp dir)")
 
 
 def _add_doctor(sub: argparse._SubParsersAction) -> None:
