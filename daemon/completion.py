@@ -57,6 +57,9 @@ class Completer:
         if self.metrics is not None:
             self.metrics.observe_request(summary, route, outcome, total_s)
         if self.log_traces:
-            line = summary if summary is not None else {"id": job.id, "route": job.route, "code": outcome,
-                                                        "message": error[1] if error else ""}
+            line = (
+                summary
+                if summary is not None
+                else {"id": job.id, "route": job.route, "code": outcome, "message": error[1] if error else ""}
+            )
             trace_log.info(json.dumps({"event": "tts_request", "outcome": outcome, **line}, default=str))

@@ -36,8 +36,10 @@ class BrokerAddress:
 
 def parse_broker_url(url: str) -> BrokerAddress:
     """mqtt://[user[:pass]@]host[:port] or mqtts://…; a bare host[:port] means mqtt://."""
-    m = re.match(r"^(?:(mqtts?|tcp|ssl)://)?(?:([^:@/]*)(?::([^@/]*))?@)?(\[[^\]]+\]|[^:/]+)(?::(\d+))?/?$",
-                 url.strip())
+    m = re.match(
+        r"^(?:(mqtts?|tcp|ssl)://)?(?:([^:@/]*)(?::([^@/]*))?@)?(\[[^\]]+\]|[^:/]+)(?::(\d+))?/?$",
+        url.strip(),
+    )
     if not m:
         raise ConfigError(f"[mqtt] broker = {url!r}: expected mqtt://host[:port] or mqtts://host[:port]")
     scheme, user, password, host, port = m.groups()
@@ -71,8 +73,10 @@ def settings_from_mapping(data: Mapping[str, Any]) -> Settings:
     device_id = data.get("device_id", "")
     if not isinstance(device_id, str):
         raise ConfigError(f"device_id: expected a string, got {device_id!r}")
-    sections = {name: build_section(cls, data.get(name, {}), name) for name, cls in SECTIONS.items()}
-    raw: dict[str, Mapping[str, Any]] = {}
+    sections: dict[str, Any] = {
+        name: build_section(cls, data.get(name, {}), name) for name, cls in SECTIONS.items()
+    }
+    raw: dict[str, Any] = {}
     for name in _RAW_SECTIONS:
         table = data.get(name, {})
         if not isinstance(table, Mapping):

@@ -40,7 +40,8 @@ def setting(
 
 def _type_name(tp: Any) -> str:
     return {str: "a string", int: "an integer", float: "a number", bool: "true or false"}.get(
-        tp, "a list of strings")
+        tp, "a list of strings"
+    )
 
 
 def _toml(value: Any) -> str:

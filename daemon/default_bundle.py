@@ -38,8 +38,9 @@ def ensure_tiny_bundle(path: Path | None = None) -> Path:
     except ImportError as exc:
         if getattr(exc, "name", "") and str(exc.name).split(".")[0] == "edge_build":
             raise
-        raise MissingExtraError(str(getattr(exc, "name", "torch")), "build",
-                                "building the tiny test bundle (no --bundle given)") from exc
+        raise MissingExtraError(
+            str(getattr(exc, "name", "torch")), "build", "building the tiny test bundle (no --bundle given)"
+        ) from exc
     log.info("building the tiny bundle in %s (first run only)", path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".tiny-build-", dir=path.parent) as tmp:

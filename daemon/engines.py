@@ -34,8 +34,9 @@ def make_fallback(settings: FallbackSettings, sample_rate: int | None) -> Engine
     if not settings.enabled:
         return None
     try:
-        return EspeakEngine(settings.voice, settings.rate_wpm, sample_rate or settings.sample_rate,
-                            settings.binary)
+        return EspeakEngine(
+            settings.voice, settings.rate_wpm, sample_rate or settings.sample_rate, settings.binary
+        )
     except EngineError as exc:
         log.warning("no fallback voice: %s", exc)
         return None

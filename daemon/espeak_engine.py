@@ -32,14 +32,14 @@ def pcm_from_wav_stream(data: bytes) -> tuple[np.ndarray, int]:
         raise EngineError("espeak-ng did not write a WAV stream")
     pos, rate = 12, 0
     while pos + 8 <= len(data):
-        tag, size = data[pos:pos + 4], struct.unpack_from("<I", data, pos + 4)[0]
+        tag, size = data[pos : pos + 4], struct.unpack_from("<I", data, pos + 4)[0]
         if tag == b"fmt ":
             channels, rate = struct.unpack_from("<HI", data, pos + 10)
             bits = struct.unpack_from("<H", data, pos + 22)[0]
             if channels != 1 or bits != 16:
                 raise EngineError(f"espeak-ng wrote {channels} channels of {bits} bits, expected mono PCM16")
         elif tag == b"data":
-            body = data[pos + 8:]
+            body = data[pos + 8 :]
             body = body[: len(body) // 2 * 2]
             if rate == 0:
                 raise EngineError("espeak-ng WAV stream has no fmt chunk")
@@ -96,10 +96,13 @@ class EspeakEngine:
 
     def validate(self, request: SynthesisRequest) -> None:
         if request.mode not in self.modes():
-            raise RequestError("unsupported_mode", f"espeak-ng supports mode 'sft' only, not '{request.mode}'")
+            raise RequestError(
+                "unsupported_mode", f"espeak-ng supports mode 'sft' only, not '{request.mode}'"
+            )
         if request.voice is not None and request.voice not in self._voices:
             raise RequestError(
-                "unknown_voice", f"unknown voice '{request.voice}'; espeak-ng voices: {', '.join(self._voices)}"
+                "unknown_voice",
+                f"unknown voice '{request.voice}'; espeak-ng voices: {', '.join(self._voices)}",
             )
         if not request.text.strip():
             raise RequestError("invalid_field", "text is empty")
@@ -128,14 +131,23 @@ class EspeakEngine:
             if times.first_audio_ms is None:
                 times.first_audio_ms = (time.perf_counter() - start) * 1000.0
             last = index == len(sentences) - 1
-            yield AudioChunk(pcm=audio, sample_rate=self.sample_rate, index=index, last=last,
-                             times=StageTimes(**vars(times)))
+            yield AudioChunk(
+                pcm=audio,
+                sample_rate=self.sample_rate,
+                index=index,
+                last=last,
+                times=StageTimes(**vars(times)),
+            )
 
-    def _run(self, text: str, voice: str, rate: int, cancel: threading.Event) -> tuple[np.ndarray | None, int]:
+    def _run(
+        self, text: str, voice: str, rate: int, cancel: threading.Event
+    ) -> tuple[np.ndarray | None, int]:
         # Text goes through stdin (-b 1: UTF-8), never argv: no option injection, no length limit.
         proc = subprocess.Popen(
             [self.binary, "--stdout", "-b", "1", "-v", voice, "-s", str(rate)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
         )
         deadline = time.monotonic() + self.sentence_timeout_s
         payload: bytes | None = text.encode("utf-8")
@@ -149,13 +161,17 @@ class EspeakEngine:
                     if cancel.is_set():
                         return None, 0
                     if time.monotonic() > deadline:
-                        raise EngineError(f"espeak-ng took over {self.sentence_timeout_s} s for one sentence") from None
+                        raise EngineError(
+                            f"espeak-ng took over {self.sentence_timeout_s} s for one sentence"
+                        ) from None
         finally:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
         if proc.returncode != 0 or b"Error" in err:
-            raise EngineError(f"espeak-ng failed (exit {proc.returncode}): {err.decode(errors='replace').strip()}")
+            raise EngineError(
+                f"espeak-ng failed (exit {proc.returncode}): {err.decode(errors='replace').strip()}"
+            )
         return pcm_from_wav_stream(out)
 
     def close(self) -> None:

@@ -88,8 +88,12 @@ class HealthMonitor:
         doc = self.snapshot()
         stable = {k: v for k, v in doc.items() if k not in _VOLATILE}
         now = time.monotonic()
-        if (force or self._changed.is_set() or stable != self._last_doc
-                or now - self._last_sent >= self.interval_s):
+        if (
+            force
+            or self._changed.is_set()
+            or stable != self._last_doc
+            or now - self._last_sent >= self.interval_s
+        ):
             self._changed.clear()
             self._last_doc = stable
             self._last_sent = now

@@ -45,8 +45,9 @@ class HermesSay:
     hermes_id: str | None  # echoed back as given (may be null)
 
 
-def parse_hermes_say(payload: bytes, limits: RequestLimits, site_ids: tuple[str, ...], output: str,
-                     received_at: float) -> HermesSay | None:
+def parse_hermes_say(
+    payload: bytes, limits: RequestLimits, site_ids: tuple[str, ...], output: str, received_at: float
+) -> HermesSay | None:
     """The request, None when it is for another site; ApiError (with
     `site_id`/`session_id` attributes when known) when it is malformed."""
     try:
@@ -66,12 +67,20 @@ def parse_hermes_say(payload: bytes, limits: RequestLimits, site_ids: tuple[str,
     if not isinstance(text, str) or not text.strip():
         raise HermesError("'text' must be a non-empty string", site_id, session_id)
     if len(text) > limits.max_text_chars:
-        raise HermesError(f"'text' has {len(text)} characters; the limit is {limits.max_text_chars}",
-                          site_id, session_id)
-    rid = hermes_id if valid_id(hermes_id) else new_request_id()
-    request = TtsRequest(id=rid, text=text, voice=limits.default_voice, output="play" if output == "play"
-                         else "publish", route=limits.default_route, priority=limits.default_priority,
-                         deadline_ms=limits.default_deadline_ms or None, received_at=received_at)
+        raise HermesError(
+            f"'text' has {len(text)} characters; the limit is {limits.max_text_chars}", site_id, session_id
+        )
+    rid = hermes_id if hermes_id is not None and valid_id(hermes_id) else new_request_id()
+    request = TtsRequest(
+        id=rid,
+        text=text,
+        voice=limits.default_voice,
+        output="play" if output == "play" else "publish",
+        route=limits.default_route,
+        priority=limits.default_priority,
+        deadline_ms=limits.default_deadline_ms or None,
+        received_at=received_at,
+    )
     return HermesSay(request, site_id, session_id, hermes_id)
 
 
@@ -92,16 +101,19 @@ def wav_bytes(pcm: np.ndarray, sample_rate: int) -> bytes:
     return buf.getvalue()
 
 
-def publish_error(publisher: Publisher, message: str, site_id: str, session_id: str | None,
-                  context: str | None = None) -> None:
+def publish_error(
+    publisher: Publisher, message: str, site_id: str, session_id: str | None, context: str | None = None
+) -> None:
     payload = {"error": message, "siteId": site_id, "context": context, "sessionId": session_id}
     publisher.publish(ERROR_TOPIC, json.dumps(payload))
 
 
-def publish_say_finished(publisher: Publisher, hermes_id: str | None, site_id: str,
-                         session_id: str | None) -> None:
-    publisher.publish(SAY_FINISHED_TOPIC, json.dumps({"id": hermes_id, "siteId": site_id,
-                                                      "sessionId": session_id}))
+def publish_say_finished(
+    publisher: Publisher, hermes_id: str | None, site_id: str, session_id: str | None
+) -> None:
+    publisher.publish(
+        SAY_FINISHED_TOPIC, json.dumps({"id": hermes_id, "siteId": site_id, "sessionId": session_id})
+    )
 
 
 class HermesResponder:

@@ -66,10 +66,14 @@ def request_limits(settings: Settings, has_sink: bool) -> RequestLimits:
     t, s = settings.tts, settings.scheduler
     output = t.default_output if t.default_output != "auto" else ("play" if has_sink else "publish")
     return RequestLimits(
-        max_payload_bytes=settings.mqtt.max_payload_bytes, max_text_chars=t.max_text_chars,
-        max_prompt_s=t.max_prompt_s, default_voice=t.default_voice or None, default_output=output,  # type: ignore[arg-type]
+        max_payload_bytes=settings.mqtt.max_payload_bytes,
+        max_text_chars=t.max_text_chars,
+        max_prompt_s=t.max_prompt_s,
+        default_voice=t.default_voice or None,
+        default_output=output,  # type: ignore[arg-type]
         default_route=settings.routing.default_route,  # type: ignore[arg-type]
-        default_priority=s.default_priority, default_deadline_ms=s.default_deadline_ms,
+        default_priority=s.default_priority,
+        default_deadline_ms=s.default_deadline_ms,
     )
 
 
@@ -82,7 +86,7 @@ class Intake:
         publisher: Publisher,
         native: NativeResponder,
         metrics: Metrics | None,
-        on_reload: Callable[[str | None], None],
+        on_reload: Callable[[str | None], object],
     ) -> None:
         self.scheduler = scheduler
         self.pipeline = pipeline
@@ -119,8 +123,12 @@ class Intake:
         except queue.Full:
             log.warning("inbound queue full; answering busy")
             if isinstance(item, _Say) and item.hermes is None:
-                self.native.reject(item.request.id, "busy", "the daemon is overloaded (inbound queue full)",
-                                   item.request.reply)
+                self.native.reject(
+                    item.request.id,
+                    "busy",
+                    "the daemon is overloaded (inbound queue full)",
+                    item.request.reply,
+                )
 
     def _parse(self, msg: InboundMessage) -> _Item | None:
         reply = Reply(msg.response_topic, msg.correlation_data) if msg.response_topic else None
@@ -133,8 +141,9 @@ class Intake:
                 return _Reload(_reload_bundle(msg.payload))
             if msg.topic == SAY_TOPIC:
                 h = self.settings.hermes
-                say = parse_hermes_say(msg.payload, self.limits, self.settings.site_ids, h.output,
-                                       msg.received_at)
+                say = parse_hermes_say(
+                    msg.payload, self.limits, self.settings.site_ids, h.output, msg.received_at
+                )
                 return None if say is None else _Say(say.request, say)
         except HermesError as exc:
             return exc
@@ -154,8 +163,11 @@ class Intake:
             self._thread.join(5)
 
     def alive(self, stall_s: float) -> bool:
-        return (self._thread is not None and self._thread.is_alive()
-                and time.monotonic() - self.heartbeat < stall_s)
+        return (
+            self._thread is not None
+            and self._thread.is_alive()
+            and time.monotonic() - self.heartbeat < stall_s
+        )
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -190,8 +202,9 @@ class Intake:
 
     def _say(self, item: _Say) -> None:
         request = item.request
-        responder: Responder = (HermesResponder(self.publisher, item.hermes) if item.hermes is not None
-                                else self.native)
+        responder: Responder = (
+            HermesResponder(self.publisher, item.hermes) if item.hermes is not None else self.native
+        )
         if item.hermes is not None and request.output == "play" and not self.has_sink:
             request = _with_output(request, "publish")  # no speaker here: hand Hermes the WAV instead
         job = Job(request, responder)
@@ -201,8 +214,11 @@ class Intake:
             return
         try:
             if request.output in ("play", "both") and not self.has_sink:
-                raise ApiError("no_audio_device", f"output '{request.output}' needs an audio device; this "
-                                                  "daemon runs without one (use output 'publish')")
+                raise ApiError(
+                    "no_audio_device",
+                    f"output '{request.output}' needs an audio device; this "
+                    "daemon runs without one (use output 'publish')",
+                )
             self._validate(request)
             preempted = self.scheduler.submit(job)
         except ApiError as exc:
@@ -257,9 +273,8 @@ def _reload_bundle(payload: bytes) -> str | None:
     try:
         obj = json.loads(payload.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError):
-        raise ApiError("invalid_json", "admin/reload takes an empty payload or {\"bundle\": \"/path\"}") from None
+        raise ApiError("invalid_json", 'admin/reload takes an empty payload or {"bundle": "/path"}') from None
     bundle = obj.get("bundle") if isinstance(obj, dict) else None
     if bundle is not None and not isinstance(bundle, str):
         raise ApiError("invalid_field", "'bundle' must be a string")
     return bundle
-

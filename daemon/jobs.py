@@ -102,7 +102,7 @@ class Job:
         now = time.monotonic() if now is None else now
         received = self.request.received_at
         started = self.started_at if self.started_at is not None else now
-        synth_s = ((self.synth_done_at or now) - started)
+        synth_s = (self.synth_done_at or now) - started
         audio_s = self.audio_seconds()
 
         def ms(a: float | None, b: float | None) -> float | None:

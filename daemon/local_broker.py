@@ -30,7 +30,8 @@ def port_open(host: str, port: int, timeout_s: float = 0.3) -> bool:
 
 def find_mosquitto() -> str | None:
     return shutil.which("mosquitto") or next(
-        (p for p in ("/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto") if Path(p).exists()), None)
+        (p for p in ("/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto") if Path(p).exists()), None
+    )
 
 
 class LocalBroker:
@@ -44,7 +45,8 @@ class LocalBroker:
         if binary is None:
             raise CosyEdgeError(
                 f"no MQTT broker listens on localhost:{self.port} and mosquitto is not installed; "
-                "install it (apt-get install mosquitto) or pass --broker URL")
+                "install it (apt-get install mosquitto) or pass --broker URL"
+            )
         self._dir = tempfile.TemporaryDirectory(prefix="cosyedge-broker-")
         conf = Path(self._dir.name) / "mosquitto.conf"
         conf.write_text(f"listener {self.port} 127.0.0.1\nallow_anonymous true\nset_tcp_nodelay true\n")

@@ -21,35 +21,56 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("cosyedge_tts_requests", "finished TTS requests",
-                                ["route", "outcome"], registry=r)
-        self.rejected = Counter("cosyedge_tts_rejected", "requests rejected before queueing, by error code",
-                                ["code"], registry=r)
-        self.latency = Histogram("cosyedge_tts_request_seconds", "arrival to done/error",
-                                 ["route"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.first_audio = Histogram("cosyedge_tts_first_audio_seconds", "arrival to first audio out",
-                                     ["route"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.queued = Histogram("cosyedge_tts_queued_seconds", "time in the queue",
-                                buckets=_LATENCY_BUCKETS, registry=r)
-        self.rtf = Histogram("cosyedge_tts_rtf", "synthesis time / audio time", ["route"],
-                             buckets=_RTF_BUCKETS, registry=r)
-        self.audio_seconds = Counter("cosyedge_tts_audio_seconds", "seconds of audio produced", ["route"],
-                                     registry=r)
+        self.requests = Counter(
+            "cosyedge_tts_requests", "finished TTS requests", ["route", "outcome"], registry=r
+        )
+        self.rejected = Counter(
+            "cosyedge_tts_rejected", "requests rejected before queueing, by error code", ["code"], registry=r
+        )
+        self.latency = Histogram(
+            "cosyedge_tts_request_seconds",
+            "arrival to done/error",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.first_audio = Histogram(
+            "cosyedge_tts_first_audio_seconds",
+            "arrival to first audio out",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queued = Histogram(
+            "cosyedge_tts_queued_seconds", "time in the queue", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.rtf = Histogram(
+            "cosyedge_tts_rtf", "synthesis time / audio time", ["route"], buckets=_RTF_BUCKETS, registry=r
+        )
+        self.audio_seconds = Counter(
+            "cosyedge_tts_audio_seconds", "seconds of audio produced", ["route"], registry=r
+        )
         self.queue_depth = Gauge("cosyedge_tts_queue_depth", "requests waiting", registry=r)
         self.in_flight = Gauge("cosyedge_tts_in_flight", "requests being synthesized or played", registry=r)
         self.vad_events = Counter("cosyedge_vad_events", "VAD events", ["kind"], registry=r)
-        self.barge_ins = Counter("cosyedge_barge_ins", "speech while speaking, by action", ["action"],
-                                 registry=r)
-        self.engine_state = Gauge("cosyedge_engine_state", "1 for the current state of each engine slot",
-                                  ["target", "state"], registry=r)
+        self.barge_ins = Counter(
+            "cosyedge_barge_ins", "speech while speaking, by action", ["action"], registry=r
+        )
+        self.engine_state = Gauge(
+            "cosyedge_engine_state",
+            "1 for the current state of each engine slot",
+            ["target", "state"],
+            registry=r,
+        )
         self.underruns = Gauge("cosyedge_audio_underruns", "playback underruns since start", registry=r)
         self.mqtt_connected = Gauge("cosyedge_mqtt_connected", "1 while connected to the broker", registry=r)
         self.mqtt_reconnects = Gauge("cosyedge_mqtt_connects", "successful connects since start", registry=r)
         self._server: Any = None
         self._lock = threading.Lock()
 
-    def observe_request(self, summary: dict[str, Any] | None, route: str, outcome: str,
-                        total_s: float | None) -> None:
+    def observe_request(
+        self, summary: dict[str, Any] | None, route: str, outcome: str, total_s: float | None
+    ) -> None:
         self.requests.labels(route=route, outcome=outcome).inc()
         if total_s is not None:
             self.latency.labels(route=route).observe(total_s)

@@ -78,8 +78,10 @@ class MqttConnection:
         self._on_connected = on_connected
         protocol = mqtt.MQTTv5 if self.v5 else mqtt.MQTTv311
         self.client = mqtt.Client(
-            CallbackAPIVersion.VERSION2, client_id=client_id,
-            clean_session=None if self.v5 else False, protocol=protocol,
+            CallbackAPIVersion.VERSION2,
+            client_id=client_id,
+            clean_session=None if self.v5 else False,
+            protocol=protocol,
         )
         self._configure()
 
@@ -98,13 +100,17 @@ class MqttConnection:
             try:
                 password = Path(s.password_file).read_text().splitlines()[0]
             except (OSError, IndexError) as exc:
-                raise ConfigError(f"[mqtt] password_file = {s.password_file!r}: cannot read it ({exc})") from None
+                raise ConfigError(
+                    f"[mqtt] password_file = {s.password_file!r}: cannot read it ({exc})"
+                ) from None
         if user:
             c.username_pw_set(user, password or None)
         if self.address.tls:
             c.tls_set(
-                ca_certs=s.tls_ca_file or None, certfile=s.tls_cert_file or None,
-                keyfile=s.tls_key_file or None, cert_reqs=ssl.CERT_REQUIRED,
+                ca_certs=s.tls_ca_file or None,
+                certfile=s.tls_cert_file or None,
+                keyfile=s.tls_key_file or None,
+                cert_reqs=ssl.CERT_REQUIRED,
             )
             c.tls_insecure_set(s.tls_insecure)
 
@@ -123,7 +129,9 @@ class MqttConnection:
 
     def _handle_connect(self, client: mqtt.Client, _u: Any, _flags: Any, reason: Any, _p: Any) -> None:
         if reason.is_failure:
-            log.warning("broker %s:%d refused the connection: %s", self.address.host, self.address.port, reason)
+            log.warning(
+                "broker %s:%d refused the connection: %s", self.address.host, self.address.port, reason
+            )
             return
         self.connect_count += 1
         log.info("connected to %s:%d (MQTT %s)", self.address.host, self.address.port, self.settings.protocol)
@@ -143,8 +151,11 @@ class MqttConnection:
         response_topic = getattr(props, "ResponseTopic", None) if props else None
         correlation = getattr(props, "CorrelationData", None) if props else None
         try:
-            self._on_message(InboundMessage(msg.topic, bytes(msg.payload), response_topic or None,
-                                            correlation, time.monotonic()))
+            self._on_message(
+                InboundMessage(
+                    msg.topic, bytes(msg.payload), response_topic or None, correlation, time.monotonic()
+                )
+            )
         except Exception:  # a bug in a handler must not kill paho's network thread
             log.exception("handling a message on %s failed", msg.topic)
 
@@ -169,8 +180,9 @@ class MqttConnection:
                 props.CorrelationData = correlation_data
             if content_type:
                 props.ContentType = content_type
-        info = self.client.publish(topic, payload, qos=self.settings.qos if qos is None else qos,
-                                   retain=retain, properties=props)
+        info = self.client.publish(
+            topic, payload, qos=self.settings.qos if qos is None else qos, retain=retain, properties=props
+        )
         if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
             log.warning("publish on %s failed: %s", topic, mqtt.error_string(info.rc))
         return info
@@ -184,6 +196,6 @@ class MqttConnection:
                 info.wait_for_publish(timeout_s)
             except (RuntimeError, ValueError) as exc:
                 log.warning("offline status not confirmed: %s", exc)
+        self.connected.clear()  # an intended disconnect: no reconnect warning
         self.client.disconnect()
         self.client.loop_stop()
-        self.connected.clear()

@@ -130,7 +130,9 @@ class Pipeline:
 
     def workers_alive(self, stall_s: float) -> dict[str, bool]:
         now = time.monotonic()
-        return {t.name: t.is_alive() and now - self.heartbeats.get(t.name, 0.0) < stall_s for t in self._threads}
+        return {
+            t.name: t.is_alive() and now - self.heartbeats.get(t.name, 0.0) < stall_s for t in self._threads
+        }
 
     def idle(self) -> bool:
         return self.synth_job is None and self.playing_job is None and len(self.queue) == 0
@@ -298,6 +300,8 @@ class Pipeline:
         if item.sample_rate == self.sink.sample_rate:
             return item.pcm
         if self._resampler is None or self._resampler[0] is not job:
-            self._resampler = (job, soxr.ResampleStream(item.sample_rate, self.sink.sample_rate, 1,
-                                                        dtype="float32"))
+            self._resampler = (
+                job,
+                soxr.ResampleStream(item.sample_rate, self.sink.sample_rate, 1, dtype="float32"),
+            )
         return self._resampler[1].resample_chunk(item.pcm)

@@ -104,8 +104,12 @@ class EngineSlot:
         state = self.state
         if engine is not None and not self.healthy:
             state = "unhealthy"
-        return {"state": state, "engine": getattr(engine, "name", None), "error": self.error or None,
-                "failures": self.failures}
+        return {
+            "state": state,
+            "engine": getattr(engine, "name", None),
+            "error": self.error or None,
+            "failures": self.failures,
+        }
 
 
 def _close(engine: Engine) -> None:
@@ -151,8 +155,11 @@ def cloud_rule(request: TtsRequest, engines: EngineSet) -> RouteDecision | None:
         return None
     if engines.available("cloud"):
         return RouteDecision("cloud", "requested")
-    raise ApiError("cloud_unavailable", "route 'cloud' was requested but no cloud engine is configured "
-                                        "or it is unavailable", request.id)
+    raise ApiError(
+        "cloud_unavailable",
+        "route 'cloud' was requested but no cloud engine is configured or it is unavailable",
+        request.id,
+    )
 
 
 def local_rule(request: TtsRequest, engines: EngineSet) -> RouteDecision | None:
@@ -162,8 +169,11 @@ def local_rule(request: TtsRequest, engines: EngineSet) -> RouteDecision | None:
     if engines.available("local"):
         return RouteDecision("local", "requested" if request.route == "local" else "local engine ready")
     slot = engines.slots["local"]
-    why = {"loading": "local engine is loading", "failed": f"local engine failed to load: {slot.error}",
-           "absent": "no local engine"}.get(slot.state, "local engine is unhealthy")
+    why = {
+        "loading": "local engine is loading",
+        "failed": f"local engine failed to load: {slot.error}",
+        "absent": "no local engine",
+    }.get(slot.state, "local engine is unhealthy")
     if slot.engine is not None and not slot.healthy:
         why = f"local engine is unhealthy ({slot.failures} failures)"
     if engines.available("fallback"):

@@ -96,7 +96,9 @@ class Scheduler:
         if self._service_s is None:
             return 0.0
         ahead = sum(1 for j in self._queued.values() if j.priority >= priority)
-        running = sum(1 for j in self._running.values() if j.priority >= priority or not self.settings.preempt)
+        running = sum(
+            1 for j in self._running.values() if j.priority >= priority or not self.settings.preempt
+        )
         return (ahead + running) * self._service_s
 
     def submit(self, job: Job) -> list[Job]:
@@ -109,8 +111,12 @@ class Scheduler:
                 raise ApiError("busy", f"the queue is full ({self.settings.max_queue} requests)", job.id)
             wait_s = self._estimate(job.priority)
             if self.settings.max_wait_ms and wait_s * 1000.0 > self.settings.max_wait_ms:
-                raise ApiError("busy", f"the estimated wait ({wait_s * 1000:.0f} ms) exceeds max_wait_ms "
-                                       f"({self.settings.max_wait_ms} ms)", job.id)
+                raise ApiError(
+                    "busy",
+                    f"the estimated wait ({wait_s * 1000:.0f} ms) exceeds max_wait_ms "
+                    f"({self.settings.max_wait_ms} ms)",
+                    job.id,
+                )
             if job.id in self._queued or job.id in self._running:
                 raise ApiError("duplicate", "a request with this id is in progress", job.id)
             heapq.heappush(self._heap, (-job.priority, next(self._seq), job))

@@ -15,8 +15,12 @@ log = logging.getLogger(__name__)
 
 
 class SdNotifier:
-    def __init__(self, socket_path: str | None = None, watchdog_usec: str | None = None,
-                 watchdog_pid: str | None = None) -> None:
+    def __init__(
+        self,
+        socket_path: str | None = None,
+        watchdog_usec: str | None = None,
+        watchdog_pid: str | None = None,
+    ) -> None:
         env = os.environ
         path = socket_path if socket_path is not None else env.get("NOTIFY_SOCKET", "")
         self.address = ("\0" + path[1:]) if path.startswith("@") else path

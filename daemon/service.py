@@ -35,8 +35,14 @@ _RELOAD_KEYS = {("tts", "bundle"), ("tts", "backend"), ("tts", "engine")}
 
 
 class Service:
-    def __init__(self, settings: Settings, *, sink: AudioSink | None = None,
-                 notifier: SdNotifier | None = None, barge_in: BargeInPolicy | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        sink: AudioSink | None = None,
+        notifier: SdNotifier | None = None,
+        barge_in: BargeInPolicy | None = None,
+    ) -> None:
         self.settings = settings
         self.sink = sink
         self.notifier = notifier or SdNotifier()
@@ -46,23 +52,47 @@ class Service:
         self.scheduler = Scheduler(settings.scheduler)
         self.completer = Completer(self.scheduler, self.metrics, settings.health.log_traces)
         self.speaking_listeners: list[Callable[[bool], None]] = []
-        self.pipeline = Pipeline(self.scheduler, self.router, self.completer, settings.scheduler, sink,
-                                 on_speaking=self._speaking_changed)
+        self.pipeline = Pipeline(
+            self.scheduler,
+            self.router,
+            self.completer,
+            settings.scheduler,
+            sink,
+            on_speaking=self._speaking_changed,
+        )
         prefix = settings.topic_prefix
-        self.conn = MqttConnection(settings.mqtt, f"cosyedge-{settings.device_id}", f"{prefix}/status", [],
-                                   on_message=lambda m: self.intake.on_message(m),
-                                   on_connected=self._on_connected)
+        self.conn = MqttConnection(
+            settings.mqtt,
+            f"cosyedge-{settings.device_id}",
+            f"{prefix}/status",
+            [],
+            on_message=lambda m: self.intake.on_message(m),
+            on_connected=self._on_connected,
+        )
         self.native = NativeResponder(self.conn, prefix, settings.mqtt.audio_header)
-        self.intake = Intake(settings, self.scheduler, self.pipeline, self.conn, self.native, self.metrics,
-                             self.request_reload)
+        self.intake = Intake(
+            settings, self.scheduler, self.pipeline, self.conn, self.native, self.metrics, self.request_reload
+        )
         self.conn.subscriptions = self.intake.subscriptions()
         policy = barge_in or SimpleBargeIn(str(settings.vad.get("barge_in", "stop")))
-        self.voice = VoiceLink(self.conn, prefix, self.pipeline, self.metrics, policy,
-                               settings.site_ids[0] if settings.hermes.enabled else None,
-                               float(settings.vad.get("duck_gain", 0.25)))
+        self.voice = VoiceLink(
+            self.conn,
+            prefix,
+            self.pipeline,
+            self.metrics,
+            policy,
+            settings.site_ids[0] if settings.hermes.enabled else None,
+            float(settings.vad.get("duck_gain", 0.25)),
+        )
         self.extra_liveness: dict[str, Callable[[], bool]] = {}  # e.g. the audio capture worker
-        self.health = HealthMonitor(self.notifier, self.liveness, self.health_doc, self._publish_health,
-                                    settings.health.health_interval_s, on_tick=[self._housekeeping])
+        self.health = HealthMonitor(
+            self.notifier,
+            self.liveness,
+            self.health_doc,
+            self._publish_health,
+            settings.health.health_interval_s,
+            on_tick=[self._housekeeping],
+        )
         self.state = "starting"
         self.metrics_port: int | None = None
         self._started_at = time.monotonic()
@@ -87,8 +117,9 @@ class Service:
             except Exception as exc:
                 log.error("the local engine did not load: %s", exc)
                 slot.set_state("failed", str(exc))
-        self.engines.slots["fallback"].swap(make_fallback(self.settings.fallback,
-                                                          local.sample_rate if local else None))
+        self.engines.slots["fallback"].swap(
+            make_fallback(self.settings.fallback, local.sample_rate if local else None)
+        )
 
     def request_reload(self, bundle: str | None = None) -> threading.Thread:
         """Load the engine (of `bundle`, else the configured one) beside the
@@ -124,7 +155,9 @@ class Service:
         self.intake.start()
         self.conn.start()
         if not self.conn.wait_connected(connect_timeout_s):
-            log.warning("no broker connection yet (%s); serving as soon as it is up", self.settings.mqtt.broker)
+            log.warning(
+                "no broker connection yet (%s); serving as soon as it is up", self.settings.mqtt.broker
+            )
         self.state = "ready"
         self.health.start()
         self.notifier.ready(self._status_line())
@@ -206,7 +239,10 @@ class Service:
         if s.fallback.enabled != old.fallback.enabled:
             local = self.engines.slots["local"].engine
             self.engines.slots["fallback"].swap(
-                make_fallback(s.fallback, local.sample_rate if local else None) if s.fallback.enabled else None)
+                make_fallback(s.fallback, local.sample_rate if local else None)
+                if s.fallback.enabled
+                else None
+            )
         self.health.poke()
 
     # --- health -------------------------------------------------------------------

@@ -26,8 +26,21 @@ OUTPUTS: tuple[Output, ...] = ("play", "publish", "both")
 ROUTES: tuple[Route, ...] = ("auto", "local", "cloud")
 NO_ID = "_"  # error topic suffix for requests without a usable id
 _ID_RE = re.compile(r"^[A-Za-z0-9_.:@-]{1,128}$")
-SAY_FIELDS = ("id", "text", "voice", "mode", "instruct_text", "prompt", "output", "route", "priority",
-              "stream", "deadline_ms", "speed", "seed")
+SAY_FIELDS = (
+    "id",
+    "text",
+    "voice",
+    "mode",
+    "instruct_text",
+    "prompt",
+    "output",
+    "route",
+    "priority",
+    "stream",
+    "deadline_ms",
+    "speed",
+    "seed",
+)
 
 # v3.1.1 has no user properties, so there (and with audio_header = "always")
 # every audio chunk starts with this 16-byte little-endian header:
@@ -83,8 +96,14 @@ class TtsRequest:
         if fallback:
             return SynthesisRequest(text=self.text, stream=self.stream, speed=self.speed, seed=self.seed)
         return SynthesisRequest(
-            text=self.text, mode=self.mode, voice=self.voice, instruct_text=self.instruct_text,
-            prompt=self.prompt, stream=self.stream, seed=self.seed, speed=self.speed,
+            text=self.text,
+            mode=self.mode,
+            voice=self.voice,
+            instruct_text=self.instruct_text,
+            prompt=self.prompt,
+            stream=self.stream,
+            seed=self.seed,
+            speed=self.speed,
         )
 
 
@@ -104,8 +123,9 @@ def decode_json_object(payload: bytes, max_bytes: int) -> dict[str, Any]:
     try:
         text = payload.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ApiError("invalid_utf8", f"the payload is not valid UTF-8 ({exc.reason} at byte {exc.start})") \
-            from None
+        raise ApiError(
+            "invalid_utf8", f"the payload is not valid UTF-8 ({exc.reason} at byte {exc.start})"
+        ) from None
     try:
         obj = json.loads(text)
     except (json.JSONDecodeError, RecursionError) as exc:
@@ -128,8 +148,9 @@ def _as_tuple(types: type | tuple[type, ...]) -> tuple[type, ...]:
     return types if isinstance(types, tuple) else (types,)
 
 
-def _choice(obj: dict[str, Any], name: str, allowed: tuple[str, ...], default: str, code: str,
-            rid: str | None) -> Any:
+def _choice(
+    obj: dict[str, Any], name: str, allowed: tuple[str, ...], default: str, code: str, rid: str | None
+) -> Any:
     value = _field(obj, name, str, "a string", rid)
     if value is None:
         return default
@@ -140,8 +161,9 @@ def _choice(obj: dict[str, Any], name: str, allowed: tuple[str, ...], default: s
 
 def parse_prompt(value: Any, max_s: float, rid: str | None) -> PromptAudio:
     if not isinstance(value, dict) or not isinstance(value.get("wav"), str):
-        raise ApiError("invalid_prompt", "'prompt' must be an object {\"wav\": base64 WAV, \"text\": transcript}",
-                       rid)
+        raise ApiError(
+            "invalid_prompt", '\'prompt\' must be an object {"wav": base64 WAV, "text": transcript}', rid
+        )
     text = value.get("text", "")
     if not isinstance(text, str):
         raise ApiError("invalid_prompt", "'prompt.text' must be a string", rid)
@@ -158,14 +180,17 @@ def parse_prompt(value: Any, max_s: float, rid: str | None) -> PromptAudio:
     if pcm.shape[0] == 0:
         raise ApiError("invalid_prompt", "'prompt.wav' has no samples", rid)
     if pcm.shape[0] > max_s * rate:
-        raise ApiError("invalid_prompt", f"'prompt.wav' is {pcm.shape[0] / rate:.1f} s; the limit is {max_s} s",
-                       rid)
-    return PromptAudio(pcm=np.ascontiguousarray(pcm.mean(axis=1), dtype=np.float32), sample_rate=int(rate),
-                       text=text)
+        raise ApiError(
+            "invalid_prompt", f"'prompt.wav' is {pcm.shape[0] / rate:.1f} s; the limit is {max_s} s", rid
+        )
+    return PromptAudio(
+        pcm=np.ascontiguousarray(pcm.mean(axis=1), dtype=np.float32), sample_rate=int(rate), text=text
+    )
 
 
-def parse_say(payload: bytes, limits: RequestLimits, *, reply: Reply | None = None,
-              received_at: float = 0.0) -> TtsRequest:
+def parse_say(
+    payload: bytes, limits: RequestLimits, *, reply: Reply | None = None, received_at: float = 0.0
+) -> TtsRequest:
     """A validated request, or ApiError (with the id when one was usable)."""
     obj = decode_json_object(payload, limits.max_payload_bytes)
     rid: str | None = None
@@ -175,15 +200,17 @@ def parse_say(payload: bytes, limits: RequestLimits, *, reply: Reply | None = No
         rid = obj["id"]
     unknown = sorted(set(obj) - set(SAY_FIELDS))
     if unknown:
-        raise ApiError("invalid_field", f"unknown field(s) {', '.join(unknown)}; known: {', '.join(SAY_FIELDS)}",
-                       rid)
+        raise ApiError(
+            "invalid_field", f"unknown field(s) {', '.join(unknown)}; known: {', '.join(SAY_FIELDS)}", rid
+        )
     text = obj.get("text")
     if not isinstance(text, str) or not text.strip():
         what = "missing" if text is None else ("empty" if isinstance(text, str) else "not a string")
         raise ApiError("invalid_field", f"'text' is {what}; a non-empty string is required", rid)
     if len(text) > limits.max_text_chars:
-        raise ApiError("text_too_long", f"'text' has {len(text)} characters; the limit is "
-                                        f"{limits.max_text_chars}", rid)
+        raise ApiError(
+            "text_too_long", f"'text' has {len(text)} characters; the limit is {limits.max_text_chars}", rid
+        )
     mode = _choice(obj, "mode", MODES, "sft", "unknown_mode", rid)
     instruct = _field(obj, "instruct_text", str, "a string", rid)
     if instruct is not None and len(instruct) > limits.max_text_chars:
@@ -206,21 +233,28 @@ def parse_say(payload: bytes, limits: RequestLimits, *, reply: Reply | None = No
     if mode in ("zero_shot", "cross_lingual") and prompt is None and voice is None:
         raise ApiError("invalid_field", f"mode '{mode}' needs a 'prompt' (or a voice with a prompt)", rid)
     return TtsRequest(
-        id=rid or new_request_id(), text=text, voice=voice or limits.default_voice, mode=mode,
-        instruct_text=instruct, prompt=prompt,
+        id=rid or new_request_id(),
+        text=text,
+        voice=voice or limits.default_voice,
+        mode=mode,
+        instruct_text=instruct,
+        prompt=prompt,
         output=_choice(obj, "output", OUTPUTS, limits.default_output, "invalid_field", rid),
         route=_choice(obj, "route", ROUTES, limits.default_route, "invalid_field", rid),
         priority=limits.default_priority if priority is None else priority,
         stream=True if stream is None else stream,
         deadline_ms=deadline or (limits.default_deadline_ms or None),
-        speed=1.0 if speed is None else float(speed), seed=seed, reply=reply, received_at=received_at,
+        speed=1.0 if speed is None else float(speed),
+        seed=seed,
+        reply=reply,
+        received_at=received_at,
     )
 
 
 def parse_cancel(payload: bytes, max_bytes: int) -> str:
     obj = decode_json_object(payload, max_bytes)
     if not valid_id(obj.get("id")):
-        raise ApiError("invalid_id", "cancel needs {\"id\": <id of a request>}")
+        raise ApiError("invalid_id", 'cancel needs {"id": <id of a request>}')
     return str(obj["id"])
 
 
@@ -236,8 +270,12 @@ def audio_payload(pcm: np.ndarray, sample_rate: int, seq: int, last: bool, heade
 
 
 def audio_properties(sample_rate: int, seq: int, last: bool, request_id: str) -> list[tuple[str, str]]:
-    return [("sample_rate", str(sample_rate)), ("seq", str(seq)), ("last", "true" if last else "false"),
-            ("id", request_id)]
+    return [
+        ("sample_rate", str(sample_rate)),
+        ("seq", str(seq)),
+        ("last", "true" if last else "false"),
+        ("id", request_id),
+    ]
 
 
 @dataclass(frozen=True)
@@ -252,7 +290,7 @@ def decode_audio(payload: bytes, user_properties: list[tuple[str, str]] | None) 
     """For clients: a chunk from either form (header, or v5 user properties)."""
     if payload[:4] == AUDIO_MAGIC and len(payload) >= AUDIO_HEADER.size:
         _, rate, seq, flags, _ = AUDIO_HEADER.unpack_from(payload)
-        return DecodedAudio(payload[AUDIO_HEADER.size:], rate, seq, bool(flags & 1))
+        return DecodedAudio(payload[AUDIO_HEADER.size :], rate, seq, bool(flags & 1))
     props = dict(user_properties or [])
     if "sample_rate" not in props:
         raise ValueError("audio chunk has neither the CEA1 header nor v5 user properties")

@@ -75,8 +75,12 @@ class VoiceLink:
 
     def on_vad_event(self, event: VadEvent) -> None:
         speaking = self.pipeline.speaking
-        doc = {"event": event.kind, "time_s": round(event.time_s, 3), "utterance_ms": event.utterance_ms,
-               "speaking": speaking}
+        doc = {
+            "event": event.kind,
+            "time_s": round(event.time_s, 3),
+            "utterance_ms": event.utterance_ms,
+            "speaking": speaking,
+        }
         self.publisher.publish(f"{self.prefix}/vad/event", json.dumps(doc), qos=0)
         if self.hermes_site is not None:
             publish_voice_activity(self.publisher, self.hermes_site, event)
@@ -97,5 +101,4 @@ class VoiceLink:
             sink.set_gain(1.0)
 
     def on_utterance(self, wav: bytes) -> None:
-        self.publisher.publish(f"{self.prefix}/vad/segment", wav,
-                               content_type="audio/wav")
+        self.publisher.publish(f"{self.prefix}/vad/segment", wav, content_type="audio/wav")

@@ -19,7 +19,7 @@ from daemon.service import Service
 from daemon.settings import Settings
 from models.api import Engine
 from tests.daemon.mqtt_probe import Probe
-from tests.support.broker import Broker, free_port
+from tests.support.broker import Broker
 
 EngineFactory = Callable[[], Engine]
 
@@ -52,28 +52,41 @@ def make_settings(broker_url: str, device_id: str | None = None, **sections: dic
 
 
 class DaemonFactory:
-    def __init__(self, broker: Broker, engine_factory: EngineFactory, fallback_factory: EngineFactory) -> None:
+    def __init__(
+        self, broker: Broker, engine_factory: EngineFactory, fallback_factory: EngineFactory
+    ) -> None:
         self.broker = broker
         self.engine_factory = engine_factory
         self.fallback_factory = fallback_factory
         self.services: list[Service] = []
         self.probes: list[Probe] = []
 
-    def start(self, *, sink: AudioSink | None = None, local: Engine | None | str = "default",
-              fallback: Engine | None | str = "default", settings: Settings | None = None,
-              **sections: dict[str, Any]) -> Service:
+    def start(
+        self,
+        *,
+        sink: AudioSink | None = None,
+        local: Engine | None | str = "default",
+        fallback: Engine | None | str = "default",
+        settings: Settings | None = None,
+        **sections: dict[str, Any],
+    ) -> Service:
         settings = settings or make_settings(self.broker.url, **sections)
         service = Service(settings, sink=sink)
-        service.set_engines(self.engine_factory() if local == "default" else local,  # type: ignore[arg-type]
-                            self.fallback_factory() if fallback == "default" else fallback)  # type: ignore[arg-type]
+        service.set_engines(
+            self.engine_factory() if local == "default" else local,  # type: ignore[arg-type]
+            self.fallback_factory() if fallback == "default" else fallback,
+        )  # type: ignore[arg-type]
         service.start(connect_timeout_s=10)
         self.services.append(service)
         return service
 
     def probe(self, service: Service, extra_topics: tuple[str, ...] = (), protocol: str = "5") -> Probe:
         prefix = service.settings.topic_prefix
-        probe = Probe(self.broker.url, [f"{prefix}/tts/#", f"{prefix}/status/#", f"{prefix}/status",
-                                        f"{prefix}/vad/#", *extra_topics], protocol=protocol)
+        probe = Probe(
+            self.broker.url,
+            [f"{prefix}/tts/#", f"{prefix}/status/#", f"{prefix}/status", f"{prefix}/vad/#", *extra_topics],
+            protocol=protocol,
+        )
         self.probes.append(probe)
         return probe
 
@@ -86,7 +99,9 @@ class DaemonFactory:
 
 
 @pytest.fixture()
-def daemons(broker: Broker, engine_factory: EngineFactory, fallback_factory: EngineFactory) -> Iterator[DaemonFactory]:
+def daemons(
+    broker: Broker, engine_factory: EngineFactory, fallback_factory: EngineFactory
+) -> Iterator[DaemonFactory]:
     factory = DaemonFactory(broker, engine_factory, fallback_factory)
     try:
         yield factory

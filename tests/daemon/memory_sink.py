@@ -56,7 +56,7 @@ class MemorySink:
                 while self._buffered >= self.capacity and not self._closed:
                     self._cond.wait(0.05)
                 n = min(pcm.size - pos, self.capacity - self._buffered)
-                self._buf.append(pcm[pos:pos + n])
+                self._buf.append(pcm[pos : pos + n])
                 self._buffered += n
                 pos += n
                 self._cond.notify_all()

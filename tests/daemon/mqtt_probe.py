@@ -37,8 +37,11 @@ class Probe:
     def __init__(self, broker_url: str, topics: list[str], protocol: str = "5") -> None:
         addr = parse_broker_url(broker_url)
         self.v5 = protocol == "5"
-        self.client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"probe-{uuid.uuid4().hex[:8]}",
-                                  protocol=mqtt.MQTTv5 if self.v5 else mqtt.MQTTv311)
+        self.client = mqtt.Client(
+            CallbackAPIVersion.VERSION2,
+            client_id=f"probe-{uuid.uuid4().hex[:8]}",
+            protocol=mqtt.MQTTv5 if self.v5 else mqtt.MQTTv311,
+        )
         self.messages: list[Received] = []
         self._cond = threading.Condition()
         self._subscribed = threading.Event()
@@ -57,15 +60,27 @@ class Probe:
 
     def _on_message(self, _c: mqtt.Client, _u: Any, msg: mqtt.MQTTMessage) -> None:
         props = getattr(msg, "properties", None)
-        rec = Received(msg.topic, bytes(msg.payload), bool(msg.retain),
-                       list(getattr(props, "UserProperty", []) or []),
-                       getattr(props, "CorrelationData", None), time.monotonic())
+        rec = Received(
+            msg.topic,
+            bytes(msg.payload),
+            bool(msg.retain),
+            list(getattr(props, "UserProperty", []) or []),
+            getattr(props, "CorrelationData", None),
+            time.monotonic(),
+        )
         with self._cond:
             self.messages.append(rec)
             self._cond.notify_all()
 
-    def publish(self, topic: str, payload: bytes | str | dict[str, Any], *, response_topic: str | None = None,
-                correlation: bytes | None = None, qos: int = 1) -> float:
+    def publish(
+        self,
+        topic: str,
+        payload: bytes | str | dict[str, Any],
+        *,
+        response_topic: str | None = None,
+        correlation: bytes | None = None,
+        qos: int = 1,
+    ) -> float:
         if isinstance(payload, dict):
             payload = json.dumps(payload)
         props = None
