@@ -31,6 +31,7 @@ from models.errors import RequestError
 log = logging.getLogger(__name__)
 
 _TICK_S = 0.25  # worker loops wake at least this often (heartbeats, stop flag)
+_WRITE_BLOCK_MS = 100  # playback writes in blocks this long: a stop lands within one block
 
 
 @dataclass
@@ -273,11 +274,21 @@ class Pipeline:
                 if job.playback_started_at is None:
                     job.playback_started_at = time.monotonic()
                 job.mark_audio_out()
-                self.sink.write(self._to_sink_rate(job, item))
-                if job.cancel.is_set():  # stopped while writing: drop what is queued
-                    self.sink.flush()
+                self._write(job, self._to_sink_rate(job, item))
             else:
                 self._finish_playback(job, item.error)
+
+    def _write(self, job: Job, pcm: np.ndarray) -> None:
+        """Write in short blocks so a stop takes effect within one block."""
+        assert self.sink is not None
+        step = max(1, self.sink.sample_rate * _WRITE_BLOCK_MS // 1000)
+        for start in range(0, pcm.size, step):
+            if job.cancel.is_set() or self._stop.is_set():
+                self.sink.flush()
+                return
+            self.sink.write(pcm[start : start + step])
+        if job.cancel.is_set():
+            self.sink.flush()
 
     def _finish_playback(self, job: Job, error: tuple[str, str] | None) -> None:
         assert self.sink is not None
