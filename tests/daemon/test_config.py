@@ -40,7 +40,7 @@ def test_file_and_flags(tmp_path: Path) -> None:
     cfg = tmp_path / "c.toml"
     cfg.write_text(
         'device_id = "dev1"\n[mqtt]\nbroker = "mqtt://10.0.0.2"\nprotocol = "3.1.1"\n'
-        "[scheduler]\nmax_queue = 3\npreempt = true\n[hermes]\nsite_ids = [\"kitchen\"]\n"
+        '[scheduler]\nmax_queue = 3\npreempt = true\n[hermes]\nsite_ids = ["kitchen"]\n'
         '[audio]\ndevice = "hw:1"\n'
     )
     s = load_settings(cfg, _flags())
@@ -48,11 +48,12 @@ def test_file_and_flags(tmp_path: Path) -> None:
     assert s.scheduler.max_queue == 3 and s.scheduler.preempt is True
     assert s.site_ids == ("kitchen",)
     assert s.audio_device == "hw:1"
-    s2 = load_settings(
-        cfg, _flags(broker="mqtts://b:8884", device_id="dev2", bundle="/opt/b", audio="none")
-    )
+    s2 = load_settings(cfg, _flags(broker="mqtts://b:8884", device_id="dev2", bundle="/opt/b", audio="none"))
     assert (s2.mqtt.broker, s2.device_id, s2.tts.bundle, s2.audio_device) == (
-        "mqtts://b:8884", "dev2", "/opt/b", "none"
+        "mqtts://b:8884",
+        "dev2",
+        "/opt/b",
+        "none",
     )
     assert s2.scheduler.max_queue == 3  # the file still applies where no flag overrides it
 

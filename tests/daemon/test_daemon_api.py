@@ -37,8 +37,15 @@ def test_say_publishes_audio_chunks_then_done(daemons: DaemonFactory) -> None:
     assert abs(pcm.size / 24000 - done["audio_seconds"]) < 0.01
     assert (done["id"], done["route"], done["reason"], done["chunks"]) == ("s1", "local", "completed", 3)
     assert done["first_audio_ms"] > 0 and done["rtf"] > 0
-    assert set(done["trace"]) >= {"queued_ms", "frontend_ms", "llm_ms", "flow_ms", "vocoder_ms",
-                                  "first_audio_ms", "playback_ms"}
+    assert set(done["trace"]) >= {
+        "queued_ms",
+        "frontend_ms",
+        "llm_ms",
+        "flow_ms",
+        "vocoder_ms",
+        "first_audio_ms",
+        "playback_ms",
+    }
 
 
 def test_play_output_goes_to_the_sink_and_overlaps_synthesis(daemons: DaemonFactory) -> None:

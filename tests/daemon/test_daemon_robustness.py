@@ -7,7 +7,6 @@ import json
 import time
 from pathlib import Path
 
-
 from daemon.espeak_engine import EspeakEngine
 from daemon.tts_api import decode_audio
 from tests.daemon.conftest import DaemonFactory, make_settings
@@ -34,22 +33,38 @@ def failing_espeak(tmp_path: Path, when: str = "always") -> EspeakEngine:
 BAD_INPUTS = [
     ("malformed JSON", b'{"text": "hi"', "_", "invalid_json"),
     ("wrong type", json.dumps({"id": "w1", "text": 42}).encode(), "w1", "invalid_field"),
-    ("wrong priority type", json.dumps({"id": "w2", "text": "x", "priority": "1"}).encode(), "w2",
-     "invalid_field"),
+    (
+        "wrong priority type",
+        json.dumps({"id": "w2", "text": "x", "priority": "1"}).encode(),
+        "w2",
+        "invalid_field",
+    ),
     ("invalid UTF-8", b'{"text": "\xc3\x28"}', "_", "invalid_utf8"),
     ("text of 1 MB", json.dumps({"id": "big", "text": "a" * 1_000_000}).encode(), "big", "text_too_long"),
-    ("unknown voice", json.dumps({"id": "v1", "text": "x", "voice": "no-such-voice"}).encode(), "v1",
-     "unknown_voice"),
+    (
+        "unknown voice",
+        json.dumps({"id": "v1", "text": "x", "voice": "no-such-voice"}).encode(),
+        "v1",
+        "unknown_voice",
+    ),
     ("unknown mode", json.dumps({"id": "m1", "text": "x", "mode": "whisper"}).encode(), "m1", "unknown_mode"),
-    ("unsupported mode", json.dumps({"id": "m2", "text": "x", "mode": "instruct", "instruct_text": "sad"})
-     .encode(), "m2", "unsupported_mode"),
+    (
+        "unsupported mode",
+        json.dumps({"id": "m2", "text": "x", "mode": "instruct", "instruct_text": "sad"}).encode(),
+        "m2",
+        "unsupported_mode",
+    ),
     ("binary garbage", bytes(range(256)) * 8, "_", "invalid_utf8"),
     ("empty payload", b"", "_", "empty_payload"),
     ("oversized payload", b"{" + b" " * 3_000_000 + b"}", "_", "payload_too_large"),
     ("JSON array", b"[1, 2, 3]", "_", "invalid_request"),
     ("bad id", json.dumps({"id": "a/b#", "text": "x"}).encode(), "_", "invalid_id"),
-    ("bad prompt", json.dumps({"id": "pr", "text": "x", "prompt": {"wav": "AAAA"}}).encode(), "pr",
-     "invalid_prompt"),
+    (
+        "bad prompt",
+        json.dumps({"id": "pr", "text": "x", "prompt": {"wav": "AAAA"}}).encode(),
+        "pr",
+        "invalid_prompt",
+    ),
 ]
 
 
@@ -78,8 +93,12 @@ def test_v5_response_topic_and_correlation_data(daemons: DaemonFactory) -> None:
     pre = svc.settings.topic_prefix
     reply = f"{pre}/reply/client-7"
     p = daemons.probe(svc, extra_topics=(f"{pre}/reply/#",))
-    p.publish(f"{pre}/tts/say", {"id": "r1", "text": "Reply to me. Twice.", "output": "publish"},
-              response_topic=reply, correlation=b"\x01corr")
+    p.publish(
+        f"{pre}/tts/say",
+        {"id": "r1", "text": "Reply to me. Twice.", "output": "publish"},
+        response_topic=reply,
+        correlation=b"\x01corr",
+    )
     p.wait_for(lambda m: m.topic == reply and ("kind", "done") in m.user_properties)
     on_reply = p.on(reply)
     kinds = [dict(m.user_properties)["kind"] for m in on_reply]
@@ -89,8 +108,9 @@ def test_v5_response_topic_and_correlation_data(daemons: DaemonFactory) -> None:
     assert decode_audio(on_reply[0].payload, on_reply[0].user_properties).seq == 0
     std = p.wait_topic(f"{pre}/tts/done/r1")
     assert std.correlation_data == b"\x01corr"
-    p.publish(f"{pre}/tts/say", {"id": "r2", "text": "x", "voice": "nope"}, response_topic=reply,
-              correlation=b"c2")
+    p.publish(
+        f"{pre}/tts/say", {"id": "r2", "text": "x", "voice": "nope"}, response_topic=reply, correlation=b"c2"
+    )
     err = p.wait_for(lambda m: m.topic == reply and ("kind", "error") in m.user_properties)
     assert err.correlation_data == b"c2" and err.json()["code"] == "unknown_voice"
 

@@ -71,7 +71,7 @@ def test_cancel_stops_between_and_within_sentences(engine: EspeakEngine) -> None
 
 def test_cancel_kills_a_running_process(tmp_path: Path) -> None:
     slow = tmp_path / "espeak-ng"
-    slow.write_text("#!/bin/sh\nif [ \"$1\" = --voices ]; then exec espeak-ng --voices; fi\nsleep 30\n")
+    slow.write_text('#!/bin/sh\nif [ "$1" = --voices ]; then exec espeak-ng --voices; fi\nsleep 30\n')
     slow.chmod(0o755)
     e = EspeakEngine(binary=str(slow))
     cancel = threading.Event()
@@ -87,8 +87,10 @@ def test_missing_binary_and_failing_binary(tmp_path: Path) -> None:
     with pytest.raises(EngineError, match="no voice"):
         EspeakEngine(voice="klingon")
     broken = tmp_path / "espeak-ng"
-    broken.write_text("#!/bin/sh\nif [ \"$1\" = --voices ]; then exec espeak-ng --voices; fi\n"
-                      "echo 'Error: broken' >&2; exit 3\n")
+    broken.write_text(
+        '#!/bin/sh\nif [ "$1" = --voices ]; then exec espeak-ng --voices; fi\n'
+        "echo 'Error: broken' >&2; exit 3\n"
+    )
     broken.chmod(0o755)
     e = EspeakEngine(binary=str(broken))
     with pytest.raises(EngineError, match="exit 3"):

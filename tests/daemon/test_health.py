@@ -3,6 +3,7 @@ while workers live, EXTEND_TIMEOUT while an engine loads, /metrics."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 import urllib.request
@@ -33,10 +34,8 @@ class NotifySocket:
     def collect(self, seconds: float) -> list[str]:
         end = time.monotonic() + seconds
         while time.monotonic() < end:
-            try:
+            with contextlib.suppress(TimeoutError):
                 self.messages.append(self.sock.recv(4096).decode())
-            except TimeoutError:
-                pass
         return self.messages
 
     def close(self) -> None:
@@ -54,8 +53,12 @@ def test_sd_notify_protocol(notify_socket: NotifySocket) -> None:
     n = SdNotifier(str(notify_socket.path), watchdog_usec="4000000")
     assert n.watchdog_s == 4.0
     assert n.ready("serving") and n.status("busy") and n.watchdog() and n.extend_timeout(1.5)
-    assert notify_socket.collect(0.2) == ["READY=1\nSTATUS=serving", "STATUS=busy", "WATCHDOG=1",
-                                          "EXTEND_TIMEOUT_USEC=1500000"]
+    assert notify_socket.collect(0.2) == [
+        "READY=1\nSTATUS=serving",
+        "STATUS=busy",
+        "WATCHDOG=1",
+        "EXTEND_TIMEOUT_USEC=1500000",
+    ]
     assert not SdNotifier("", watchdog_usec="").enabled and not SdNotifier("").ready()
     assert SdNotifier(str(notify_socket.path), watchdog_usec="100", watchdog_pid="1").watchdog_s is None
     n.close()
@@ -82,8 +85,9 @@ def test_extend_timeout_while_loading(notify_socket: NotifySocket) -> None:
     assert msgs.count("EXTEND_TIMEOUT_USEC=300000") >= 2
 
 
-def test_service_ready_watchdog_only_while_workers_live(daemons: DaemonFactory,
-                                                        notify_socket: NotifySocket) -> None:
+def test_service_ready_watchdog_only_while_workers_live(
+    daemons: DaemonFactory, notify_socket: NotifySocket
+) -> None:
     settings = make_settings(daemons.broker.url)
     svc = Service(settings, notifier=SdNotifier(str(notify_socket.path), watchdog_usec="800000"))
     svc.set_engines(daemons.engine_factory(), None)
@@ -180,9 +184,13 @@ def test_trace_logged_as_one_json_line(daemons: DaemonFactory, caplog: pytest.Lo
 
 def test_live_settings_and_restart_keys(daemons: DaemonFactory) -> None:
     svc = daemons.start()
-    new = make_settings(daemons.broker.url, device_id=svc.settings.device_id,
-                        scheduler={"max_queue": 5, "synth_ahead_chunks": 2}, mqtt={"keepalive_s": 60},
-                        fallback={"enabled": False})
+    new = make_settings(
+        daemons.broker.url,
+        device_id=svc.settings.device_id,
+        scheduler={"max_queue": 5, "synth_ahead_chunks": 2},
+        mqtt={"keepalive_s": 60},
+        fallback={"enabled": False},
+    )
     restart = svc.apply_settings(new)
     assert svc.scheduler.settings.max_queue == 5
     assert "[scheduler] synth_ahead_chunks" in restart and "[mqtt] keepalive_s" in restart

@@ -29,7 +29,9 @@ class Tracked(EspeakEngine):
     def close(self) -> None:
         self.closed = True
 
-    def synthesize(self, request: SynthesisRequest, cancel: threading.Event | None = None) -> Iterator[AudioChunk]:
+    def synthesize(
+        self, request: SynthesisRequest, cancel: threading.Event | None = None
+    ) -> Iterator[AudioChunk]:
         yield from super().synthesize(request, cancel)
 
 
@@ -112,6 +114,5 @@ def test_swap_closes_old_engine_after_its_last_lease() -> None:
     assert old.closed and not new.closed
     slot.swap(None)
     assert new.closed
-    with pytest.raises(ApiError):
-        with engines.lease("local"):
-            pass
+    with pytest.raises(ApiError), engines.lease("local"):
+        pass

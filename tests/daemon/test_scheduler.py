@@ -28,8 +28,10 @@ class NullResponder:
 
 
 def job(rid: str, priority: int = 0, deadline_ms: int | None = None, at: float = 1000.0) -> Job:
-    return Job(TtsRequest(id=rid, text="x", priority=priority, deadline_ms=deadline_ms, received_at=at),
-               NullResponder())
+    return Job(
+        TtsRequest(id=rid, text="x", priority=priority, deadline_ms=deadline_ms, received_at=at),
+        NullResponder(),
+    )
 
 
 def test_priority_then_fifo() -> None:

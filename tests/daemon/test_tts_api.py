@@ -28,14 +28,34 @@ def _say(obj: object) -> bytes:
 
 def test_full_request() -> None:
     r = parse_say(
-        _say({"id": "r-1", "text": "Hi.", "voice": "v", "mode": "instruct", "instruct_text": "calm",
-              "output": "both", "route": "local", "priority": 5, "stream": False, "deadline_ms": 800,
-              "speed": 1.5, "seed": 3}),
+        _say(
+            {
+                "id": "r-1",
+                "text": "Hi.",
+                "voice": "v",
+                "mode": "instruct",
+                "instruct_text": "calm",
+                "output": "both",
+                "route": "local",
+                "priority": 5,
+                "stream": False,
+                "deadline_ms": 800,
+                "speed": 1.5,
+                "seed": 3,
+            }
+        ),
         LIMITS,
     )
     assert (r.id, r.text, r.voice, r.mode, r.instruct_text) == ("r-1", "Hi.", "v", "instruct", "calm")
     assert (r.output, r.route, r.priority, r.stream, r.deadline_ms, r.speed, r.seed) == (
-        "both", "local", 5, False, 800, 1.5, 3)
+        "both",
+        "local",
+        5,
+        False,
+        800,
+        1.5,
+        3,
+    )
     sr = r.synthesis_request()
     assert (sr.mode, sr.voice, sr.instruct_text, sr.stream) == ("instruct", "v", "calm", False)
     fb = r.synthesis_request(fallback=True)
@@ -46,7 +66,14 @@ def test_defaults_and_generated_id() -> None:
     limits = RequestLimits(default_output="play", default_priority=2, default_deadline_ms=1000)
     a, b = parse_say(_say({"text": "x"}), limits), parse_say(_say({"text": "x"}), limits)
     assert a.id != b.id and len(a.id) == 32
-    assert (a.output, a.priority, a.deadline_ms, a.route, a.mode, a.stream) == ("play", 2, 1000, "auto", "sft", True)
+    assert (a.output, a.priority, a.deadline_ms, a.route, a.mode, a.stream) == (
+        "play",
+        2,
+        1000,
+        "auto",
+        "sft",
+        True,
+    )
 
 
 @pytest.mark.parametrize(
@@ -78,8 +105,11 @@ def test_defaults_and_generated_id() -> None:
         (_say({"id": "ok1", "text": "x", "colour": "red"}), "invalid_field", True),
         (_say({"id": "ok1", "text": "x", "prompt": "abc"}), "invalid_prompt", True),
         (_say({"id": "ok1", "text": "x", "prompt": {"wav": "!!!"}}), "invalid_prompt", True),
-        (_say({"id": "ok1", "text": "x", "prompt": {"wav": base64.b64encode(b"nope").decode()}}),
-         "invalid_prompt", True),
+        (
+            _say({"id": "ok1", "text": "x", "prompt": {"wav": base64.b64encode(b"nope").decode()}}),
+            "invalid_prompt",
+            True,
+        ),
         (_say({"id": "ok1", "text": "x", "mode": "zero_shot"}), "invalid_field", True),
     ],
 )
@@ -94,8 +124,13 @@ def test_bad_requests(payload: bytes, code: str, has_id: bool) -> None:
 def test_prompt_audio_decoded() -> None:
     buf = io.BytesIO()
     soundfile.write(buf, np.stack([np.linspace(-0.5, 0.5, 1600)] * 2, axis=1), 16000, format="WAV")
-    payload = _say({"text": "x", "mode": "zero_shot",
-                    "prompt": {"wav": base64.b64encode(buf.getvalue()).decode(), "text": "ref"}})
+    payload = _say(
+        {
+            "text": "x",
+            "mode": "zero_shot",
+            "prompt": {"wav": base64.b64encode(buf.getvalue()).decode(), "text": "ref"},
+        }
+    )
     r = parse_say(payload, LIMITS)
     assert r.prompt is not None and r.prompt.sample_rate == 16000 and r.prompt.text == "ref"
     assert r.prompt.pcm.shape == (1600,) and abs(float(r.prompt.pcm[-1]) - 0.5) < 1e-3
