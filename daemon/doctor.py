@@ -145,7 +145,9 @@ def check_bundle(settings: Settings) -> list[Check]:
         )
     else:
         gpu, trt = gpu_name() or "", tensorrt_version() or ""
-        built_gpu, built_trt = str(engines.get("gpu", "")), str(engines.get("tensorrt", ""))
+        info = engines if isinstance(engines, dict) else {}  # the manifest's record of the engine build
+        built_gpu = str(info.get("gpu") or info.get("gpu_name") or "")
+        built_trt = str(info.get("tensorrt") or info.get("tensorrt_version") or "")
         match = (not built_gpu or built_gpu in gpu) and (not built_trt or built_trt == trt)
         checks.append(
             Check(

@@ -37,8 +37,8 @@ class HealthMonitor:
         self.publish = publish
         self.interval_s = interval_s
         self.tick_s = tick_s
-        if notifier.watchdog_s:  # ping at least twice per watchdog period
-            self.tick_s = min(tick_s, notifier.watchdog_s / 4)
+        if notifier.watchdog_s:  # pings go out every quarter of the watchdog period
+            self.tick_s = min(tick_s, notifier.watchdog_s / 8)
         self.on_tick = on_tick or []
         self.dead: list[str] = []
         self._stop = threading.Event()
@@ -46,6 +46,7 @@ class HealthMonitor:
         self._thread: threading.Thread | None = None
         self._last_doc: dict[str, Any] | None = None
         self._last_sent = 0.0
+        self._last_ping = 0.0
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="health", daemon=True)
@@ -80,8 +81,11 @@ class HealthMonitor:
                 log.error("worker(s) %s stopped or stalled; no more watchdog pings", ", ".join(dead))
             self.dead = dead
             self._changed.set()
-        if not dead:
+        now = time.monotonic()
+        wd = self.notifier.watchdog_s
+        if not dead and wd is not None and now - self._last_ping >= wd / 4:
             self.notifier.watchdog()
+            self._last_ping = now
         self.publish_if_due()
 
     def publish_if_due(self, force: bool = False) -> None:
