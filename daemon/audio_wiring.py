@@ -48,7 +48,7 @@ def open_sink(settings: Settings) -> AudioSink | None:
 def start_voice_input(settings: Settings, voice: VoiceLink) -> Any | None:
     """The microphone and VAD worker, or None (no device, disabled, or the
     audio side does not provide them)."""
-    if settings.audio_device == "none" or not settings.vad.get("enabled", True):
+    if settings.audio_device == "none" or not settings.vad_enabled:
         return None
     devices = _devices()
     factory = getattr(devices, "create_vad_worker", None) if devices is not None else None

@@ -74,7 +74,7 @@ class Service:
             settings, self.scheduler, self.pipeline, self.conn, self.native, self.metrics, self.request_reload
         )
         self.conn.subscriptions = self.intake.subscriptions()
-        policy = barge_in or SimpleBargeIn(str(settings.vad.get("barge_in", "stop")))
+        policy = barge_in or SimpleBargeIn(settings.barge_in)
         self.voice = VoiceLink(
             self.conn,
             prefix,
@@ -82,7 +82,7 @@ class Service:
             self.metrics,
             policy,
             settings.site_ids[0] if settings.hermes.enabled else None,
-            float(settings.vad.get("duck_gain", 0.25)),
+            settings.duck_gain,
         )
         self.extra_liveness: dict[str, Callable[[], bool]] = {}  # e.g. the audio capture worker
         self.health = HealthMonitor(

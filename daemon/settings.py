@@ -220,10 +220,25 @@ class Settings:
     def site_ids(self) -> tuple[str, ...]:
         return self.hermes.site_ids or (self.device_id,)
 
+    # The only places that read the audio side's tables: adapt these when
+    # daemon/audio/settings.py replaces the raw tables with its dataclasses.
     @property
     def audio_device(self) -> str:
         """'none', 'default' or a device name (the audio table's `device`)."""
         return str(self.audio.get("device", "default"))
+
+    @property
+    def vad_enabled(self) -> bool:
+        return bool(self.vad.get("enabled", True))
+
+    @property
+    def barge_in(self) -> str:
+        """'stop', 'duck' or 'off'."""
+        return str(self.vad.get("barge_in", "stop"))
+
+    @property
+    def duck_gain(self) -> float:
+        return float(self.vad.get("duck_gain", 0.25))
 
 
 SECTIONS: dict[str, type] = {
