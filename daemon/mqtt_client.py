@@ -74,6 +74,7 @@ class MqttConnection:
         self.v5 = settings.protocol == "5"
         self.connected = threading.Event()
         self.connect_count = 0
+        self._subscribe_mid: int | None = None
         self._on_message = on_message
         self._on_connected = on_connected
         protocol = mqtt.MQTTv5 if self.v5 else mqtt.MQTTv311
@@ -88,6 +89,7 @@ class MqttConnection:
     def _configure(self) -> None:
         s, c = self.settings, self.client
         c.on_connect = self._handle_connect
+        c.on_subscribe = self._handle_subscribe
         c.on_disconnect = self._handle_disconnect
         c.on_message = self._handle_message
         c.on_socket_open = lambda _c, _u, sock: set_nodelay(sock)
@@ -135,7 +137,17 @@ class MqttConnection:
             return
         self.connect_count += 1
         log.info("connected to %s:%d (MQTT %s)", self.address.host, self.address.port, self.settings.protocol)
-        client.subscribe([(t, self.settings.qos) for t in self.subscriptions])
+        # "online" (and `connected`) only once the broker confirmed the
+        # subscriptions: a request sent before that would be lost.
+        _rc, self._subscribe_mid = client.subscribe([(t, self.settings.qos) for t in self.subscriptions])
+
+    def _handle_subscribe(self, client: mqtt.Client, _u: Any, mid: int, reasons: Any, _p: Any) -> None:
+        if mid != self._subscribe_mid:
+            return
+        refused = [str(r) for r in reasons if getattr(r, "is_failure", False)]
+        if refused:
+            log.error("the broker refused subscriptions (%s); check its ACLs for %s", ", ".join(refused),
+                      self.subscriptions)
         client.publish(self.status_topic, ONLINE, qos=1, retain=True)
         self.connected.set()
         if self._on_connected is not None:

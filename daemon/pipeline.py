@@ -302,9 +302,9 @@ class Pipeline:
             self.sink.flush()
         self.playing_job = None
         self._resampler = None
-        self.completer.complete(job, error)
-        if not len(self.queue):
+        if not len(self.queue):  # silent before `done` goes out
             self._set_speaking(False)
+        self.completer.complete(job, error)
 
     def _to_sink_rate(self, job: Job, item: _Chunk) -> np.ndarray:
         assert self.sink is not None

@@ -45,7 +45,13 @@ def run_command(args: argparse.Namespace) -> int:
                     alive if callable(alive) else (lambda: bool(voice_input.alive))
                 )
         while True:
-            signum = signals.get()
+            try:
+                # A timeout, not a plain blocking get: when the kernel delivers
+                # the signal to another thread, the main thread's wait is not
+                # interrupted and Python runs the handler only once it wakes.
+                signum = signals.get(timeout=0.2)
+            except queue.Empty:
+                continue
             if signum == signal.SIGHUP:
                 _reload_config(service, args)
                 continue

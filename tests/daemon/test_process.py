@@ -33,7 +33,8 @@ class Daemon:
         self.notify.bind(str(tmp / "notify"))
         self.notify.settimeout(0.1)
         self.log = (tmp / "daemon.log").open("w+b")
-        env = {**os.environ, "NOTIFY_SOCKET": str(tmp / "notify"), "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "NOTIFY_SOCKET": str(tmp / "notify"), "PYTHONUNBUFFERED": "1",
+               "PYTHONFAULTHANDLER": "1"}  # SIGABRT dumps every thread's stack into the log
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "daemon", "run", "--config", str(self.config)],
             cwd=ROOT,
@@ -108,27 +109,36 @@ def test_sigterm_under_load_drains(daemon_proc: Daemon, broker: Broker) -> None:
     d.wait_note("READY=1")
     probe = Probe(broker.url, [f"{d.prefix}/tts/#", f"{d.prefix}/status"])
     try:
-        ids = [f"load{n}" for n in range(20)]
-        for rid in ids:
-            probe.publish(f"{d.prefix}/tts/say", {"id": rid, "text": LONG, "output": "publish"})
-        probe.wait_topic(f"{d.prefix}/tts/done/load0", 20)
-        t0 = time.monotonic()
-        d.proc.send_signal(signal.SIGTERM)
-        assert d.proc.wait(15) == 0
-        took = time.monotonic() - t0
-        assert took < 3.0 + 5.0, f"drain took {took:.1f} s"
-        d.wait_note("STOPPING=1", 2)
-        time.sleep(0.3)
-        answers = {}
-        for rid in ids:
-            done = probe.on(f"{d.prefix}/tts/done/{rid}")
-            err = probe.on(f"{d.prefix}/tts/error/{rid}")
-            assert len(done) + len(err) == 1, f"{rid}: {len(done)} done, {len(err)} errors"
-            answers[rid] = "done" if done else err[0].json()["code"]
-        assert set(answers.values()) <= {"done", "shutting_down"}
-        assert "shutting_down" in answers.values()
-        statuses = [m.payload for m in probe.on(f"{d.prefix}/status")]
-        assert statuses[-1] == b"offline"
+        _drain_under_load(d, probe)
+    except (AssertionError, TimeoutError, subprocess.TimeoutExpired) as exc:
+        if d.proc.poll() is None:
+            d.proc.send_signal(signal.SIGABRT)
+            d.proc.wait(5)
+        raise AssertionError(f"{exc}\ndaemon log:\n{d.output()[-6000:]}") from exc
     finally:
         probe.close()
     assert "SIGTERM: draining" in d.output()
+
+
+def _drain_under_load(d: Daemon, probe: Probe) -> None:
+    ids = [f"load{n}" for n in range(20)]
+    for rid in ids:
+        probe.publish(f"{d.prefix}/tts/say", {"id": rid, "text": LONG, "output": "publish"})
+    probe.wait_topic(f"{d.prefix}/tts/done/load0", 20)
+    t0 = time.monotonic()
+    d.proc.send_signal(signal.SIGTERM)
+    assert d.proc.wait(15) == 0
+    took = time.monotonic() - t0
+    assert took < 3.0 + 5.0, f"drain took {took:.1f} s"
+    d.wait_note("STOPPING=1", 2)
+    time.sleep(0.3)
+    answers = {}
+    for rid in ids:
+        done = probe.on(f"{d.prefix}/tts/done/{rid}")
+        err = probe.on(f"{d.prefix}/tts/error/{rid}")
+        assert len(done) + len(err) == 1, f"{rid}: {len(done)} done, {len(err)} errors"
+        answers[rid] = "done" if done else err[0].json()["code"]
+    assert set(answers.values()) <= {"done", "shutting_down"}
+    assert "shutting_down" in answers.values()
+    statuses = [m.payload for m in probe.on(f"{d.prefix}/status")]
+    assert statuses[-1] == b"offline"
