@@ -224,7 +224,7 @@ def test_engine_reload_without_dropping_requests(daemons: DaemonFactory) -> None
     assert done["reason"] == "completed"
     assert p.wait_topic(f"{pre}/tts/done/next", 15).json()["reason"] == "completed"
     deadline = time.monotonic() + 5
-    while svc.engines.slots["local"].engine is old and time.monotonic() < deadline:
+    while (svc.engines.slots["local"].engine is old or not old.closed) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert svc.engines.slots["local"].engine is not old
     assert old.closed

@@ -177,8 +177,16 @@ def test_trace_logged_as_one_json_line(daemons: DaemonFactory, caplog: pytest.Lo
     p = daemons.probe(svc)
     p.publish(f"{pre}/tts/say", {"id": "tr", "text": "Trace me.", "output": "publish"})
     done = p.wait_topic(f"{pre}/tts/done/tr").json()
-    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "daemon.trace"]
-    line = next(x for x in lines if x["id"] == "tr")
+
+    def trace_line() -> dict | None:  # logged right after `done` went out
+        lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "daemon.trace"]
+        return next((x for x in lines if x["id"] == "tr"), None)
+
+    deadline = time.monotonic() + 5
+    while trace_line() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    line = trace_line()
+    assert line is not None
     assert line["event"] == "tts_request" and line["trace"] == done["trace"]
 
 
