@@ -1,0 +1,159 @@
+"""Loads the daemon's settings: TOML file (optional) → frozen dataclasses,
+then the command-line flags of DESIGN.md on top. Every error names the
+field and what is allowed."""
+
+from __future__ import annotations
+
+import re
+import socket
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from daemon.config_schema import ConfigError, build_section, describe, replace_checked
+from daemon.settings import SECTIONS, Settings
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10 (JetPack 6)
+    import tomli as tomllib
+
+_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_RAW_SECTIONS = ("audio", "vad")  # validated by the audio side's settings
+
+
+@dataclass(frozen=True)
+class BrokerAddress:
+    host: str
+    port: int
+    tls: bool
+    username: str = ""
+    password: str = ""
+
+
+def parse_broker_url(url: str) -> BrokerAddress:
+    """mqtt://[user[:pass]@]host[:port] or mqtts://…; a bare host[:port] means mqtt://."""
+    m = re.match(
+        r"^(?:(mqtts?|tcp|ssl)://)?(?:([^:@/]*)(?::([^@/]*))?@)?(\[[^\]]+\]|[^:/]+)(?::(\d+))?/?$",
+        url.strip(),
+    )
+    if not m:
+        raise ConfigError(f"[mqtt] broker = {url!r}: expected mqtt://host[:port] or mqtts://host[:port]")
+    scheme, user, password, host, port = m.groups()
+    tls = scheme in ("mqtts", "ssl")
+    port_n = int(port) if port else (8883 if tls else 1883)
+    if not 0 < port_n < 65536:
+        raise ConfigError(f"[mqtt] broker = {url!r}: port must be between 1 and 65535")
+    return BrokerAddress(host.strip("[]"), port_n, tls, user or "", password or "")
+
+
+def validate_device_id(device_id: str) -> str:
+    if not _ID_RE.match(device_id):
+        raise ConfigError(
+            f"device_id = {device_id!r}: use 1-64 characters of A-Z a-z 0-9 . _ - (it becomes part of "
+            "MQTT topics and the client id), starting with a letter or digit"
+        )
+    return device_id
+
+
+def default_device_id() -> str:
+    """The host name, made topic-safe."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname().split(".")[0]).strip("-._")
+    return name[:64] or "cosyedge"
+
+
+def settings_from_mapping(data: Mapping[str, Any]) -> Settings:
+    known = {"device_id", *SECTIONS, *_RAW_SECTIONS}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"unknown top-level key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    device_id = data.get("device_id", "")
+    if not isinstance(device_id, str):
+        raise ConfigError(f"device_id: expected a string, got {device_id!r}")
+    sections: dict[str, Any] = {
+        name: build_section(cls, data.get(name, {}), name) for name, cls in SECTIONS.items()
+    }
+    raw: dict[str, Any] = {}
+    for name in _RAW_SECTIONS:
+        table = data.get(name, {})
+        if not isinstance(table, Mapping):
+            raise ConfigError(f"[{name}] must be a table")
+        raw[name] = MappingProxyType(dict(table))
+    settings = Settings(device_id=validate_device_id(device_id or default_device_id()), **sections, **raw)
+    parse_broker_url(settings.mqtt.broker)
+    if settings.mqtt.reconnect_min_delay_s > settings.mqtt.reconnect_max_delay_s:
+        raise ConfigError("[mqtt] reconnect_min_delay_s must not exceed reconnect_max_delay_s")
+    for site in settings.hermes.site_ids:
+        if not site or any(c in site for c in "/+#"):
+            raise ConfigError(f"[hermes] site_ids: {site!r} is not a valid siteId (no / + # or empty)")
+    if any(c in settings.mqtt.topic_prefix for c in "+#") or settings.mqtt.topic_prefix.endswith("/"):
+        raise ConfigError(f"[mqtt] topic_prefix = {settings.mqtt.topic_prefix!r}: no + # or trailing /")
+    return settings
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path}: {exc}") from None
+
+
+def apply_flags(settings: Settings, args: Any) -> Settings:
+    """The `cosyedge run` flags override the file."""
+    if getattr(args, "device_id", None):
+        settings = replace(settings, device_id=validate_device_id(args.device_id))
+    if getattr(args, "broker", None):
+        parse_broker_url(args.broker)
+        settings = replace(settings, mqtt=replace_checked(settings.mqtt, "mqtt", broker=args.broker))
+    if getattr(args, "bundle", None):
+        settings = replace(settings, tts=replace_checked(settings.tts, "tts", bundle=str(args.bundle)))
+    if getattr(args, "audio", None):
+        settings = replace(settings, audio=MappingProxyType({**settings.audio, "device": args.audio}))
+    return settings
+
+
+def load_settings(path: str | Path | None, args: Any = None) -> Settings:
+    data = read_toml(Path(path)) if path else {}
+    settings = settings_from_mapping(data)
+    return apply_flags(settings, args) if args is not None else settings
+
+
+def example_toml() -> str:
+    """The example config with every key at its default (systemd/cosyedge.toml)."""
+    lines = [
+        "# cosyedge daemon configuration. Every key is optional; the values below are the",
+        "# defaults. `cosyedge run --config FILE` reads it; --broker, --device-id, --bundle and",
+        "# --audio override it. SIGHUP re-reads it (keys marked 'reloaded by SIGHUP' apply live).",
+        "",
+        "# device id: MQTT topics are cosyedge/<device_id>/...; empty: the host name",
+        'device_id = ""',
+    ]
+    for name, cls in SECTIONS.items():
+        lines += ["", f"[{name}]"]
+        for key, default, doc, constraint in describe(cls):
+            lines.append(f"# {doc}" + (f" ({constraint})" if constraint else ""))
+            lines.append(f"{key} = {default}")
+    lines += [
+        "",
+        "# [audio] and [vad]: see the README's 'Audio and VAD' section.",
+        "[audio]",
+        '# device: "none", "default" or a device name (cosyedge doctor lists them)',
+        'device = "default"',
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    """python -m daemon.config: print the example config."""
+    print(example_toml(), end="")
+
+
+if __name__ == "__main__":
+    main()

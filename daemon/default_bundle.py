@@ -1,0 +1,53 @@
+"""The bundle `cosyedge run` uses without --bundle: the tiny randomly
+initialised CosyVoice 2 bundle in the user's cache directory, built on
+first use with the build side (needs the `build` extra)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from models.errors import MissingExtraError
+
+log = logging.getLogger(__name__)
+
+
+def cache_dir() -> Path:
+    """systemd's CacheDirectory= ($CACHE_DIRECTORY), else $XDG_CACHE_HOME/cosyedge or ~/.cache/cosyedge."""
+    if os.environ.get("CACHE_DIRECTORY"):
+        return Path(os.environ["CACHE_DIRECTORY"].split(":")[0])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "cosyedge"
+
+
+def tiny_bundle_dir() -> Path:
+    return cache_dir() / "tiny-bundle"
+
+
+def ensure_tiny_bundle(path: Path | None = None) -> Path:
+    """The tiny bundle, built (once, atomically) if it is not there yet."""
+    path = path or tiny_bundle_dir()
+    if (path / "manifest.json").exists():
+        return path
+    try:
+        from edge_build.export import export_bundle
+        from edge_build.tiny import build_tiny_checkpoint
+    except ImportError as exc:
+        if getattr(exc, "name", "") and str(exc.name).split(".")[0] == "edge_build":
+            raise
+        raise MissingExtraError(
+            str(getattr(exc, "name", "torch")), "build", "building the tiny test bundle (no --bundle given)"
+        ) from exc
+    log.info("building the tiny bundle in %s (first run only)", path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".tiny-build-", dir=path.parent) as tmp:
+        model_dir, bundle = Path(tmp) / "checkpoint", Path(tmp) / "bundle"
+        build_tiny_checkpoint(model_dir, seed=0, size="tiny")
+        export_bundle(model_dir, bundle)
+        if path.exists():
+            shutil.rmtree(path)
+        bundle.rename(path)
+    return path

@@ -1,0 +1,258 @@
+"""`cosyedge doctor`: checks what the daemon needs on this machine and says
+how to fix what is missing. Exit status 1 when a required check fails
+(what is required depends on the config: TensorRT only for backend trt)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from daemon.config import load_settings, parse_broker_url
+from daemon.default_bundle import tiny_bundle_dir
+from daemon.local_broker import LOCAL_HOSTS, find_mosquitto, port_open
+from daemon.settings import Settings
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+    required: bool = True
+
+    def line(self) -> str:
+        mark = "ok  " if self.ok else ("FAIL" if self.required else "warn")
+        return f"[{mark}] {self.name}: {self.detail}" + (
+            "" if self.ok or not self.fix else f"\n       fix: {self.fix}"
+        )
+
+
+def _run(cmd: list[str]) -> str | None:
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=10, check=True)
+        return out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def gpu_name() -> str | None:
+    if shutil.which("nvidia-smi"):
+        out = _run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"])
+        if out:
+            return out.splitlines()[0]
+    tegra = Path("/etc/nv_tegra_release")
+    if tegra.exists():
+        return "Jetson (" + tegra.read_text(errors="replace").splitlines()[0].strip("# ") + ")"
+    if shutil.which("tegrastats"):
+        return "Jetson (tegrastats present)"
+    proc = Path("/proc/driver/nvidia/version")
+    if proc.exists():
+        return proc.read_text(errors="replace").splitlines()[0]
+    return None
+
+
+def check_gpu(needed: bool) -> Check:
+    name = gpu_name()
+    if name:
+        return Check("GPU", True, name)
+    return Check(
+        "GPU",
+        False,
+        "no NVIDIA GPU found (nvidia-smi, /etc/nv_tegra_release, /proc/driver/nvidia)",
+        'install the NVIDIA driver / JetPack, or use [tts] backend = "ort" (CPU)',
+        required=needed,
+    )
+
+
+def tensorrt_version() -> str | None:
+    try:
+        trt = importlib.import_module("tensorrt")
+    except ImportError:
+        return None
+    # tensorrt-stubs leaves an importable namespace package without the API.
+    if not hasattr(trt, "Builder") or not hasattr(trt, "__version__"):
+        return None
+    return str(trt.__version__)
+
+
+def check_tensorrt(needed: bool) -> Check:
+    version = tensorrt_version()
+    if version:
+        return Check("TensorRT", True, f"tensorrt {version}")
+    return Check(
+        "TensorRT",
+        False,
+        "the tensorrt Python module is missing (or only its type stubs are installed)",
+        "on a Jetson: apt install python3-libnvinfer (JetPack) and create the venv with "
+        "--system-site-packages",
+        required=needed,
+    )
+
+
+def check_bundle(settings: Settings) -> list[Check]:
+    if settings.tts.engine == "espeak-ng":
+        return [Check("bundle", True, 'not used ([tts] engine = "espeak-ng")')]
+    path = Path(settings.tts.bundle) if settings.tts.bundle else tiny_bundle_dir()
+    manifest_path = path / "manifest.json"
+    if not manifest_path.exists():
+        if not settings.tts.bundle:
+            ok = importlib.util.find_spec("torch") is not None
+            return [
+                Check(
+                    "bundle",
+                    ok,
+                    f"the tiny bundle is not built yet ({path}); `cosyedge run` builds it",
+                    "pip install 'cosyedge[build]' (or pass --bundle DIR)",
+                )
+            ]
+        return [
+            Check(
+                "bundle",
+                False,
+                f"{path} has no manifest.json",
+                "cosyedge build export --model-dir CKPT --out DIR",
+            )
+        ]
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, ValueError) as exc:
+        return [Check("bundle", False, f"{manifest_path} is unreadable: {exc}", "rebuild the bundle")]
+    checks = [
+        Check(
+            "bundle",
+            True,
+            f"{path} ({manifest.get('precision', '?')}, {manifest.get('sample_rate', '?')} Hz)",
+        )
+    ]
+    engines = manifest.get("engines")
+    trt_needed = settings.tts.backend == "trt"
+    if not engines:
+        checks.append(
+            Check(
+                "TensorRT engines",
+                False,
+                "the bundle has no TensorRT engines",
+                f"cosyedge build engines --bundle {path}",
+                required=trt_needed,
+            )
+        )
+    else:
+        gpu, trt = gpu_name() or "", tensorrt_version() or ""
+        info = engines if isinstance(engines, dict) else {}  # the manifest's record of the engine build
+        built_gpu = str(info.get("gpu") or info.get("gpu_name") or "")
+        built_trt = str(info.get("tensorrt") or info.get("tensorrt_version") or "")
+        match = (not built_gpu or built_gpu in gpu) and (not built_trt or built_trt == trt)
+        checks.append(
+            Check(
+                "TensorRT engines",
+                match,
+                f"built for {built_gpu or '?'} / TensorRT {built_trt or '?'}; here {gpu or 'no GPU'} "
+                f"/ TensorRT {trt or 'none'}",
+                f"cosyedge build engines --bundle {path}",
+                required=trt_needed,
+            )
+        )
+    return checks
+
+
+def check_runtime() -> Check:
+    missing = [
+        m
+        for m in ("onnxruntime", "tokenizers", "paho.mqtt", "soxr", "prometheus_client")
+        if importlib.util.find_spec(m.split(".")[0]) is None
+    ]
+    if missing:
+        return Check("Python packages", False, f"missing: {', '.join(missing)}", "pip install cosyedge")
+    return Check("Python packages", True, "onnxruntime, tokenizers, paho-mqtt, soxr, prometheus-client")
+
+
+def check_audio(settings: Settings) -> Check:
+    if settings.audio_device == "none":
+        return Check("audio devices", True, "not used (--audio none)", required=False)
+    try:
+        import sounddevice
+
+        devices = sounddevice.query_devices()
+    except (OSError, ImportError) as exc:
+        return Check(
+            "audio devices",
+            False,
+            f"PortAudio unavailable: {exc}",
+            "apt-get install libportaudio2",
+            required=False,
+        )
+    names = [f"{d['name']} (in {d['max_input_channels']}, out {d['max_output_channels']})" for d in devices]
+    if not names:
+        return Check(
+            "audio devices",
+            False,
+            "no sound card found; the daemon runs with output 'publish' only",
+            "connect a sound card; check `aplay -l`, and that the user is in the audio group",
+            required=settings.audio_device not in ("default", "none"),
+        )
+    return Check("audio devices", True, "; ".join(names))
+
+
+def check_broker(settings: Settings) -> Check:
+    addr = parse_broker_url(settings.mqtt.broker)
+    if port_open(addr.host, addr.port, timeout_s=2.0):
+        return Check("MQTT broker", True, f"{addr.host}:{addr.port} reachable")
+    if addr.host in LOCAL_HOSTS and settings.mqtt.local_broker == "auto" and find_mosquitto():
+        return Check(
+            "MQTT broker", True, f"nothing on {addr.host}:{addr.port}; `cosyedge run` starts mosquitto"
+        )
+    return Check(
+        "MQTT broker",
+        False,
+        f"{addr.host}:{addr.port} is not reachable",
+        "apt-get install mosquitto (or pass --broker URL of a running broker)",
+    )
+
+
+def check_espeak(settings: Settings) -> Check:
+    needed = settings.tts.engine == "espeak-ng"
+    path = shutil.which(settings.fallback.binary)
+    if path:
+        return Check(
+            "espeak-ng",
+            True,
+            f"{path} (fallback voice {'on' if settings.fallback.enabled else 'off'})",
+            required=needed,
+        )
+    return Check(
+        "espeak-ng",
+        False,
+        "not installed: no fallback voice when the engine fails",
+        "apt-get install espeak-ng",
+        required=needed,
+    )
+
+
+def run_checks(settings: Settings) -> list[Check]:
+    trt = settings.tts.backend == "trt" and settings.tts.engine == "cosyvoice"
+    return [
+        check_gpu(trt),
+        check_tensorrt(trt),
+        *check_bundle(settings),
+        check_runtime(),
+        check_audio(settings),
+        check_broker(settings),
+        check_espeak(settings),
+    ]
+
+
+def doctor_command(args: argparse.Namespace) -> int:
+    settings = load_settings(getattr(args, "config", None), args)
+    checks = run_checks(settings)
+    for c in checks:
+        print(c.line())
+    failed = [c.name for c in checks if c.required and not c.ok]
+    print("\nall required checks passed" if not failed else f"\nmissing: {', '.join(failed)}")
+    return 1 if failed else 0

@@ -1,0 +1,42 @@
+"""Creating the engines the daemon serves with: the local engine (a
+CosyVoice bundle through `models.engine.load_engine`, imported lazily, or
+espeak-ng when `[tts] engine = "espeak-ng"`) and the espeak-ng fallback."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from daemon.default_bundle import ensure_tiny_bundle
+from daemon.espeak_engine import EspeakEngine
+from daemon.settings import FallbackSettings, Settings
+from models.api import Engine
+from models.errors import EngineError
+
+log = logging.getLogger(__name__)
+
+
+def load_local_engine(settings: Settings, bundle: str | None = None) -> Engine:
+    tts, fb = settings.tts, settings.fallback
+    if tts.engine == "espeak-ng":
+        return EspeakEngine(fb.voice, fb.rate_wpm, fb.sample_rate, fb.binary)
+    path = Path(bundle or tts.bundle) if (bundle or tts.bundle) else ensure_tiny_bundle()
+    from models.engine import load_engine  # lazily: the CosyVoice runtime (onnxruntime, tokenizers)
+
+    engine = load_engine(path, backend=tts.backend)
+    log.info("loaded %s from %s (%d Hz)", engine.name, path, engine.sample_rate)
+    return engine
+
+
+def make_fallback(settings: FallbackSettings, sample_rate: int | None) -> Engine | None:
+    """The espeak-ng fallback at the local engine's rate, or None (disabled or
+    not installed: logged, the daemon then answers engine_unavailable)."""
+    if not settings.enabled:
+        return None
+    try:
+        return EspeakEngine(
+            settings.voice, settings.rate_wpm, sample_rate or settings.sample_rate, settings.binary
+        )
+    except EngineError as exc:
+        log.warning("no fallback voice: %s", exc)
+        return None

@@ -1,0 +1,252 @@
+"""The daemon's settings, one frozen dataclass per config-file section. The
+defaults are what `cosyedge run` uses without a config file."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from daemon.config_schema import setting
+
+PRIORITY_MIN, PRIORITY_MAX = -1000, 1000
+
+
+@dataclass(frozen=True)
+class MqttSettings:
+    broker: str = setting(
+        "mqtt://localhost:1883", "broker URL: mqtt://host[:port] (1883) or mqtts://host[:port] (TLS, 8883)"
+    )
+    protocol: str = setting("5", "MQTT protocol version", choices=("5", "3.1.1"))
+    topic_prefix: str = setting("", "topic prefix; empty: cosyedge/<device_id>")
+    username: str = setting("", "user name (empty: anonymous)")
+    password: str = setting("", "password (prefer password_file)")
+    password_file: str = setting("", "file whose first line is the password (e.g. a systemd credential)")
+    tls_ca_file: str = setting("", "CA certificate file for mqtts:// (empty: the system CAs)")
+    tls_cert_file: str = setting("", "client certificate file (mutual TLS)")
+    tls_key_file: str = setting("", "client key file (mutual TLS)")
+    tls_insecure: bool = setting(False, "skip the server host name check (testing only)")
+    keepalive_s: int = setting(30, "MQTT keep-alive interval", min=5, max=3600)
+    session_expiry_s: int = setting(
+        3600,
+        "how long the broker keeps the session (and queued QoS 1 requests) while the daemon is away; MQTT v5",
+        min=0,
+        max=4294967295,
+    )
+    reconnect_min_delay_s: float = setting(
+        0.5, "first reconnect delay (doubles up to the maximum)", min=0.1, max=60
+    )
+    reconnect_max_delay_s: float = setting(30.0, "longest reconnect delay", min=1, max=3600)
+    qos: int = setting(1, "QoS of subscriptions and of everything the daemon publishes", choices=(0, 1, 2))
+    max_payload_bytes: int = setting(
+        2_097_152, "larger requests are rejected with payload_too_large", min=1024, max=268_435_455, live=True
+    )
+    audio_header: str = setting(
+        "auto",
+        "16-byte header on audio chunks: auto = only with MQTT 3.1.1 "
+        "(v5 carries the same in user properties)",
+        choices=("auto", "always", "never"),
+    )
+    inbound_queue: int = setting(
+        256, "messages parsed but not yet handled; beyond it: busy", min=1, max=100_000
+    )
+    local_broker: str = setting(
+        "auto",
+        "auto: start a private mosquitto when the broker is on this host and nothing listens on its port",
+        choices=("auto", "off"),
+    )
+
+
+@dataclass(frozen=True)
+class TtsSettings:
+    engine: str = setting(
+        "cosyvoice",
+        "the local engine: a CosyVoice bundle, or espeak-ng only",
+        choices=("cosyvoice", "espeak-ng"),
+    )
+    bundle: str = setting(
+        "",
+        "model bundle directory; empty: the tiny bundle in the cache directory, "
+        "built on first use (needs the build extra)",
+    )
+    backend: str = setting("ort", "inference backend of the bundle", choices=("ort", "trt"))
+    default_voice: str = setting(
+        "", "voice when a request names none; empty: the bundle's default", live=True
+    )
+    default_output: str = setting(
+        "auto",
+        "output when a request names none; auto: play if an audio device is configured, else publish",
+        choices=("auto", "play", "publish", "both"),
+        live=True,
+    )
+    max_text_chars: int = setting(
+        4000, "longer text is rejected with text_too_long", min=1, max=1_000_000, live=True
+    )
+    max_prompt_s: float = setting(30.0, "longest voice-reference (prompt) audio", min=1, max=600, live=True)
+
+
+@dataclass(frozen=True)
+class FallbackSettings:
+    enabled: bool = setting(
+        True, "answer with espeak-ng when the local engine is missing or fails", live=True
+    )
+    binary: str = setting("espeak-ng", "the espeak-ng executable")
+    voice: str = setting("en-us", "espeak-ng voice (espeak-ng --voices)")
+    rate_wpm: int = setting(175, "speaking rate in words per minute", min=80, max=500)
+    sample_rate: int = setting(
+        24000,
+        "output rate when no bundle is loaded (else the bundle's rate)",
+        choices=(16000, 22050, 24000, 44100, 48000),
+    )
+
+
+@dataclass(frozen=True)
+class SchedulerSettings:
+    max_queue: int = setting(
+        32, "queued requests beyond this are rejected with busy", min=1, max=10_000, live=True
+    )
+    max_wait_ms: int = setting(
+        30_000,
+        "reject with busy when the estimated wait exceeds this (0: off)",
+        min=0,
+        max=3_600_000,
+        live=True,
+    )
+    preempt: bool = setting(
+        False,
+        "a higher-priority request interrupts lower-priority ones in "
+        "progress (they end with reason preempted)",
+        live=True,
+    )
+    default_priority: int = setting(
+        0, "priority of requests that give none", min=PRIORITY_MIN, max=PRIORITY_MAX, live=True
+    )
+    default_deadline_ms: int = setting(
+        0, "deadline of requests that give none (0: none)", min=0, max=86_400_000, live=True
+    )
+    dedupe_window_s: int = setting(
+        600,
+        "a request id seen this recently is never spoken again (0: no duplicate check)",
+        min=0,
+        max=86_400,
+        live=True,
+    )
+    dedupe_max_ids: int = setting(4096, "ids remembered for the duplicate check", min=16, max=1_000_000)
+    synth_ahead_chunks: int = setting(
+        8, "chunks synthesized ahead of playback (bounded queue)", min=1, max=256
+    )
+    degraded_queue_depth: int = setting(
+        4,
+        "from this queue depth on, buffer less ahead and tell the engine to cut batching delay",
+        min=1,
+        max=10_000,
+        live=True,
+    )
+
+
+@dataclass(frozen=True)
+class RoutingSettings:
+    default_route: str = setting(
+        "auto", "route of requests that give none", choices=("auto", "local", "cloud"), live=True
+    )
+    fallback_on_error: bool = setting(
+        True, "retry on the fallback voice when an engine fails before any audio went out", live=True
+    )
+    max_consecutive_failures: int = setting(
+        3, "after this many failures in a row an engine counts as unhealthy", min=1, max=1000, live=True
+    )
+    unhealthy_retry_s: float = setting(
+        30.0, "an unhealthy engine is tried again after this long", min=1, max=86_400, live=True
+    )
+
+
+@dataclass(frozen=True)
+class HermesSettings:
+    enabled: bool = setting(True, "serve Rhasspy Hermes topics (hermes/tts/say, voiceActivity)")
+    site_ids: tuple[str, ...] = setting((), "siteIds this device answers for; empty: its device id")
+    output: str = setting(
+        "play",
+        "play: speak locally; publish: WAV on hermes/audioServer/<siteId>/playBytes/<id>",
+        choices=("play", "publish"),
+        live=True,
+    )
+
+
+@dataclass(frozen=True)
+class HealthSettings:
+    metrics_port: int = setting(9464, "Prometheus /metrics port on metrics_host (0: off)", min=0, max=65535)
+    metrics_host: str = setting("127.0.0.1", "address the metrics endpoint binds to")
+    health_interval_s: float = setting(
+        30.0, "period of the retained health JSON (also sent on change)", min=1, max=3600, live=True
+    )
+    watchdog_stall_s: float = setting(
+        120.0, "a worker without a heartbeat this long stops the systemd watchdog pings", min=5, max=3600
+    )
+    stop_timeout_s: float = setting(
+        20.0,
+        "SIGTERM: time to finish in-flight requests before they are cancelled (keep below TimeoutStopSec)",
+        min=0,
+        max=600,
+        live=True,
+    )
+    log_traces: bool = setting(True, "log one JSON line per finished request", live=True)
+
+
+def _frozen(d: Mapping[str, Any]) -> Mapping[str, Any]:
+    return MappingProxyType(dict(d))
+
+
+@dataclass(frozen=True)
+class Settings:
+    device_id: str
+    mqtt: MqttSettings = field(default_factory=MqttSettings)
+    tts: TtsSettings = field(default_factory=TtsSettings)
+    fallback: FallbackSettings = field(default_factory=FallbackSettings)
+    scheduler: SchedulerSettings = field(default_factory=SchedulerSettings)
+    routing: RoutingSettings = field(default_factory=RoutingSettings)
+    hermes: HermesSettings = field(default_factory=HermesSettings)
+    health: HealthSettings = field(default_factory=HealthSettings)
+    # Owned by the audio side (daemon/audio/settings.py); carried as raw
+    # tables until its dataclasses are wired in.
+    audio: Mapping[str, Any] = field(default_factory=lambda: _frozen({}))
+    vad: Mapping[str, Any] = field(default_factory=lambda: _frozen({}))
+
+    @property
+    def topic_prefix(self) -> str:
+        return self.mqtt.topic_prefix or f"cosyedge/{self.device_id}"
+
+    @property
+    def site_ids(self) -> tuple[str, ...]:
+        return self.hermes.site_ids or (self.device_id,)
+
+    # The only places that read the audio side's tables: adapt these when
+    # daemon/audio/settings.py replaces the raw tables with its dataclasses.
+    @property
+    def audio_device(self) -> str:
+        """'none', 'default' or a device name (the audio table's `device`)."""
+        return str(self.audio.get("device", "default"))
+
+    @property
+    def vad_enabled(self) -> bool:
+        return bool(self.vad.get("enabled", True))
+
+    @property
+    def barge_in(self) -> str:
+        """'stop', 'duck' or 'off'."""
+        return str(self.vad.get("barge_in", "stop"))
+
+    @property
+    def duck_gain(self) -> float:
+        return float(self.vad.get("duck_gain", 0.25))
+
+
+SECTIONS: dict[str, type] = {
+    "mqtt": MqttSettings,
+    "tts": TtsSettings,
+    "fallback": FallbackSettings,
+    "scheduler": SchedulerSettings,
+    "routing": RoutingSettings,
+    "hermes": HermesSettings,
+    "health": HealthSettings,
+}

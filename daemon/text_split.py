@@ -1,0 +1,29 @@
+"""Splits text into sentences for per-sentence streaming: each sentence is
+synthesized and played as one chunk, so the first one plays while the next
+ones are still being made."""
+
+from __future__ import annotations
+
+import re
+
+# A sentence ends at . ! ? ; (and CJK 。！？；) followed by whitespace or the end,
+# or at a line break. Abbreviations are not special-cased: a spurious split
+# only costs a short pause.
+_BOUNDARY = re.compile(r"(?<=[.!?;。！？；])\s+|(?<=[。！？；])|\n+")
+
+
+def split_sentences(text: str, max_chars: int = 400) -> list[str]:
+    """Non-empty, stripped sentences; a sentence longer than `max_chars` is
+    cut at the last space (or hard) so one chunk never grows unbounded."""
+    out: list[str] = []
+    for part in _BOUNDARY.split(text):
+        part = part.strip()
+        while len(part) > max_chars:
+            cut = part.rfind(" ", 0, max_chars)
+            if cut <= 0:
+                cut = max_chars
+            out.append(part[:cut].strip())
+            part = part[cut:].strip()
+        if part:
+            out.append(part)
+    return out

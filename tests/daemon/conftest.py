@@ -1,0 +1,113 @@
+"""Fixtures of the daemon suite: the engine under test (espeak-ng now; add
+the CosyVoice tiny bundle as one more param), an in-process daemon on the
+real Mosquitto of the `broker` fixture, and a probe client."""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from daemon.audio.interfaces import AudioSink
+from daemon.config import settings_from_mapping
+from daemon.espeak_engine import EspeakEngine
+from daemon.service import Service
+from daemon.settings import Settings
+from models.api import Engine
+from tests.daemon.mqtt_probe import Probe
+from tests.support.broker import Broker
+
+EngineFactory = Callable[[], Engine]
+
+
+def _espeak() -> Engine:
+    if shutil.which("espeak-ng") is None:
+        pytest.skip("espeak-ng is not installed (apt-get install espeak-ng); .ci/setup installs it")
+    return EspeakEngine(voice="en-us", sample_rate=24000)
+
+
+# The engine the daemon serves with in these tests. To run the suite on the
+# CosyVoice tiny bundle too, add a param that loads it (models.engine.load_engine).
+@pytest.fixture(params=["espeak-ng"])
+def engine_factory(request: pytest.FixtureRequest) -> EngineFactory:
+    return {"espeak-ng": _espeak}[request.param]
+
+
+@pytest.fixture()
+def fallback_factory() -> EngineFactory:
+    return _espeak
+
+
+def make_settings(broker_url: str, device_id: str | None = None, **sections: dict[str, Any]) -> Settings:
+    data: dict[str, Any] = {"device_id": device_id or f"t{uuid.uuid4().hex[:8]}"}
+    data.update({k: dict(v) for k, v in sections.items()})
+    data.setdefault("mqtt", {})["broker"] = broker_url
+    data.setdefault("health", {}).setdefault("metrics_port", 0)
+    data["health"].setdefault("stop_timeout_s", 5.0)
+    return settings_from_mapping(data)
+
+
+class DaemonFactory:
+    def __init__(
+        self, broker: Broker, engine_factory: EngineFactory, fallback_factory: EngineFactory
+    ) -> None:
+        self.broker = broker
+        self.engine_factory = engine_factory
+        self.fallback_factory = fallback_factory
+        self.services: list[Service] = []
+        self.probes: list[Probe] = []
+
+    def start(
+        self,
+        *,
+        sink: AudioSink | None = None,
+        local: Engine | None | str = "default",
+        fallback: Engine | None | str = "default",
+        settings: Settings | None = None,
+        **sections: dict[str, Any],
+    ) -> Service:
+        settings = settings or make_settings(self.broker.url, **sections)
+        service = Service(settings, sink=sink)
+        service.set_engines(
+            self.engine_factory() if local == "default" else local,  # type: ignore[arg-type]
+            self.fallback_factory() if fallback == "default" else fallback,
+        )  # type: ignore[arg-type]
+        service.start(connect_timeout_s=10)
+        self.services.append(service)
+        return service
+
+    def probe(self, service: Service, extra_topics: tuple[str, ...] = (), protocol: str = "5") -> Probe:
+        prefix = service.settings.topic_prefix
+        probe = Probe(
+            self.broker.url,
+            [f"{prefix}/tts/#", f"{prefix}/status/#", f"{prefix}/status", f"{prefix}/vad/#", *extra_topics],
+            protocol=protocol,
+        )
+        self.probes.append(probe)
+        return probe
+
+    def close(self) -> None:
+        for p in self.probes:
+            p.close()
+        for s in self.services:
+            if s.state != "stopped":
+                s.stop(timeout_s=1.0)
+
+
+@pytest.fixture()
+def daemons(
+    broker: Broker, engine_factory: EngineFactory, fallback_factory: EngineFactory
+) -> Iterator[DaemonFactory]:
+    factory = DaemonFactory(broker, engine_factory, fallback_factory)
+    try:
+        yield factory
+    finally:
+        factory.close()
+
+
+def with_section(settings: Settings, section: str, **changes: Any) -> Settings:
+    return replace(settings, **{section: replace(getattr(settings, section), **changes)})
