@@ -110,7 +110,12 @@ def _write_qwen(qwen_dir: Path, sizes: CheckpointSizes, vocab: int, eos_id: int,
         torch_dtype="bfloat16",
     )
     torch.manual_seed(seed)  # HF initialises from the global generator: N(0, 0.02), norms at 1
-    model = transformers.Qwen2ForCausalLM(config)
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # its sliding-window note (the window is off)
+    try:
+        model = transformers.Qwen2ForCausalLM(config)
+    finally:
+        transformers.logging.set_verbosity(verbosity)
     model.to(torch.bfloat16).save_pretrained(str(qwen_dir), safe_serialization=True)
     gen_config = {
         "bos_token_id": eos_id,
