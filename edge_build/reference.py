@@ -207,7 +207,9 @@ def instantiate(model_dir: Path, text: str) -> dict[str, Any]:
             f"building the modules of {model_dir / YAML_NAME}",
         ) from exc
     except Exception as exc:  # malformed yaml, wrong arguments, a broken Qwen2 directory
-        raise CheckpointError(f"{model_dir / YAML_NAME}: building its llm/flow/hift failed: {exc}") from exc
+        raise CheckpointError(
+            f"{model_dir / YAML_NAME}: building its llm/flow/hift failed: {type(exc).__name__}: {exc}"
+        ) from exc
     finally:
         transformers_logging.set_verbosity(verbosity)
     return dict(configs)

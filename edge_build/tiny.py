@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -37,15 +38,31 @@ def sizes_for(size: str, **overrides: Any) -> CheckpointSizes:
 
 def build_tiny_checkpoint(out: Path, seed: int = 0, size: str = "tiny", **overrides: Any) -> Path:
     """Write a random CosyVoice 2 checkpoint of the given size preset
-    (`tiny`, `tiny2`, `full`; fields of CheckpointSizes override it) to `out`."""
+    (`tiny`, `tiny2`, `full`; fields of CheckpointSizes override it) to `out`.
+    Built in a scratch folder beside `out` and renamed into place, so a
+    failed build leaves nothing half-written."""
     sizes = sizes_for(size, **overrides)
-    torch = require("torch", "torch", "building a tiny checkpoint")
     out = Path(out)
-    if out.exists() and any(out.iterdir()):
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CosyEdgeError(f"{out} exists and is not empty; give a new directory")
-    out.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    scratch.chmod(0o755)
+    try:
+        _write_checkpoint(scratch, sizes, seed)
+        if out.exists():
+            out.rmdir()  # empty (checked above)
+        scratch.rename(out)
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    log.info("wrote a %s CosyVoice 2 checkpoint (seed %d) to %s", size, seed, out)
+    return out
 
+
+def _write_checkpoint(out: Path, sizes: CheckpointSizes, seed: int) -> None:
+    torch = require("torch", "torch", "building a tiny checkpoint")
+    rng = np.random.default_rng(seed)
     qwen_dir = out / QWEN_DIR
     tokenizer = tiny_tokenizer.train_tokenizer(sizes.bpe_vocab_size)
     tiny_tokenizer.write_qwen_tokenizer_files(tokenizer, qwen_dir)
@@ -69,8 +86,6 @@ def build_tiny_checkpoint(out: Path, seed: int = 0, size: str = "tiny", **overri
     tiny_onnx.write_speech_tokenizer(out / "speech_tokenizer_v2.onnx", rng)
     embedding = torch.from_numpy(rng.standard_normal((1, SPEAKER_EMBEDDING_DIM)).astype(np.float32))
     torch.save({"default": {"embedding": embedding}}, out / "spk2info.pt")
-    log.info("wrote a %s CosyVoice 2 checkpoint (seed %d) to %s", size, seed, out)
-    return out
 
 
 def _text_vocab_size(out: Path, sizes: CheckpointSizes) -> int:
@@ -175,9 +190,3 @@ def torch_randn_like_mel(predictor: Any, generator: Any, frames: int = 200) -> A
     torch = require("torch", "torch", "building a tiny checkpoint")
     in_channels = predictor.condnet[0].in_channels
     return torch.randn(1, in_channels, frames, generator=generator) * 1.5
-
-
-def copy_checkpoint(src: Path, dst: Path) -> Path:
-    """A plain copy (tests that need to damage a checkpoint use this)."""
-    shutil.copytree(src, dst)
-    return dst

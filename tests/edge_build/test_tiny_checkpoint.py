@@ -165,6 +165,10 @@ def test_build_refuses_bad_arguments(tmp_path: Path) -> None:
         build_tiny_checkpoint(tmp_path / "new", size="huge")
     with pytest.raises(CosyEdgeError, match="unknown checkpoint size field"):
         build_tiny_checkpoint(tmp_path / "new2", hidden=3)
+    # sizes the upstream modules reject: a clear error, and nothing left behind
+    with pytest.raises(CheckpointError, match="building its llm/flow/hift failed"):
+        build_tiny_checkpoint(tmp_path / "new3", encoder_heads=7)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["used"]
 
 
 def copy_checkpoint(src: Path, dst: Path) -> Path:
@@ -252,19 +256,38 @@ def test_model_part_keeps_scalars_and_model_blocks(checkpoint: Checkpoint) -> No
 
 
 @pytest.mark.slow
-def test_full_size_checkpoint(tmp_path: Path) -> None:
-    """The real CosyVoice2-0.5B dimensions load strictly (takes minutes and ~4 GB)."""
+def test_full_size_checkpoint_exports(tmp_path: Path) -> None:
+    """The real CosyVoice2-0.5B dimensions load strictly and export
+    (minutes, ~10 GB of memory, ~8 GB of disk)."""
+    from edge_build.export import export_bundle
+    from tests.edge_build.parity import TOLERANCE, max_rel, to_numpy
+    from tests.edge_build.test_parity_llm import cache_array, lm_input, upstream_prefill
+
     out = build_tiny_checkpoint(tmp_path / "full", size="full")
     refs = load_reference(out)
     config = refs.llm.llm.model.config
-    assert (
-        config.hidden_size,
-        config.num_hidden_layers,
-        config.num_attention_heads,
-        config.num_key_value_heads,
-        config.intermediate_size,
-        config.vocab_size,
-    ) == (896, 24, 14, 2, 4864, 151936)
+    dims = (config.hidden_size, config.num_hidden_layers, config.num_attention_heads)
+    assert dims + (config.num_key_value_heads, config.intermediate_size, config.vocab_size) == (
+        896,
+        24,
+        14,
+        2,
+        4864,
+        151936,
+    )
     assert 4.5e8 < sum(p.numel() for p in refs.llm.parameters()) < 5.5e8
-    upstream_yaml = reference.split_top_level((out / "cosyvoice2.yaml").read_text())
-    assert "channels: [256]" in upstream_yaml["flow"] and "base_channels: 512" in upstream_yaml["hift"]
+    blocks = reference.split_top_level((out / "cosyvoice2.yaml").read_text())
+    assert "channels: [256]" in blocks["flow"] and "base_channels: 512" in blocks["hift"]
+    bundle = export_bundle(out, tmp_path / "bundle")
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert manifest["llm"]["hidden_size"] == 896 and manifest["llm"]["num_layers"] == 24
+    assert not list(bundle.glob("*.data")), "fp32 0.5B graphs stay under protobuf's 2 GB"
+    with torch.no_grad():
+        x = lm_input(refs.llm, torch.arange(20)[None] * 7, torch.arange(10)[None] * 3)
+        ref_logp, cache = upstream_prefill(refs.llm, x)
+    session = ort.InferenceSession(str(bundle / "llm_prefill.onnx"))
+    logp, kv = session.run(
+        None, {"inputs_embeds": to_numpy(x), "attention_mask": np.ones((1, x.shape[1]), np.int64)}
+    )
+    assert max_rel(logp, to_numpy(ref_logp)) < TOLERANCE
+    assert max_rel(kv, cache_array(cache)) < TOLERANCE
