@@ -28,7 +28,11 @@ def build_command(args: argparse.Namespace) -> int:
         out = export_bundle(Path(args.model_dir), Path(args.out))
         print(f"exported {args.model_dir} to the bundle {out} in {time.monotonic() - started:.1f} s")
         return 0
-    if cmd in ("quantize", "engines", "validate"):
+    if cmd == "engines":
+        from edge_build.engines_cli import engines_command
+
+        return engines_command(args)
+    if cmd in ("quantize", "validate"):
         raise CosyEdgeError(
             f"'cosyedge build {cmd}' is not implemented yet; available now: "
             f"'cosyedge build tiny' and 'cosyedge build export'"
