@@ -16,9 +16,9 @@ from daemon.audio.vad import segment_pcm
 
 
 def _load_vad_table(path: str) -> dict[str, Any]:
-    try:
+    if sys.version_info >= (3, 11):
         import tomllib
-    except ModuleNotFoundError:  # Python 3.10
+    else:  # Python 3.10 (JetPack 6)
         import tomli as tomllib
 
     p = Path(path)
