@@ -7,18 +7,15 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from models.errors import CosyEdgeError
-
+from .errors import AudioDeviceError
 from .interfaces import AudioSink, AudioSource
 from .settings import AudioSettings, VadSettings
 from .sinks import NullSink, WavFileSink
 from .sources import wav_file_source
 
+__all__ = ["AudioDeviceError", "create_sink", "create_source", "list_devices", "resolve_device"]
+
 log = logging.getLogger(__name__)
-
-
-class AudioDeviceError(CosyEdgeError):
-    """No such audio device, or PortAudio is missing or refuses the settings."""
 
 
 def _sounddevice() -> Any:

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from .errors import AudioDeviceError
 from .ring import FloatRing
 from .settings import AudioSettings
 
@@ -49,8 +50,13 @@ class SoundDeviceSink:
         s = self.settings
         info = sd.query_devices(self.device, "output")
         rate = s.output_rate_hz or int(round(float(info["default_samplerate"])))
-        sd.check_output_settings(device=self.device, channels=s.output_channels, dtype="float32",
-                                 samplerate=rate)
+        try:
+            sd.check_output_settings(device=self.device, channels=s.output_channels, dtype="float32",
+                                     samplerate=rate)
+        except sd.PortAudioError as exc:
+            raise AudioDeviceError(
+                f"output device {info['name']!r} refuses {s.output_channels} channel(s) at {rate} Hz "
+                f"({exc}); set [audio] output_rate_hz / output_channels to what it supports") from exc
         self.device_rate = rate
         if rate != self.sample_rate:
             import soxr

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from .errors import AudioDeviceError
 from .interfaces import FrameCallback
 from .pcm import Framer
 from .settings import VAD_SAMPLE_RATE, AudioSettings
@@ -44,6 +45,13 @@ class SoundDeviceSource:
         import sounddevice as sd
 
         if self.settings.input_rate_hz:
+            try:
+                sd.check_input_settings(device=self.device, channels=1, dtype="int16",
+                                        samplerate=self.settings.input_rate_hz)
+            except sd.PortAudioError as exc:
+                raise AudioDeviceError(
+                    f"input device refuses mono PCM16 at {self.settings.input_rate_hz} Hz ({exc}); "
+                    "leave [audio] input_rate_hz unset to use its own rate") from exc
             return self.settings.input_rate_hz
         try:
             sd.check_input_settings(device=self.device, channels=1, dtype="int16", samplerate=VAD_SAMPLE_RATE)
@@ -117,6 +125,11 @@ class SoundDeviceSource:
             self._queue.put(None)  # the callback has stopped: there is room or it will be taken
             self._thread.join(timeout=5)
             self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        """The stream is running (False after stop() or when PortAudio ended it, e.g. a USB mic unplugged)."""
+        return self._stream is not None and bool(self._stream.active)
 
     @property
     def overflows(self) -> int:

@@ -74,6 +74,15 @@ def test_devices_are_listed_and_resolved(jack: JackServer) -> None:
     assert resolve_device("default", "input") is None
     with pytest.raises(AudioDeviceError, match="no output device 'no-such-card'.*system"):
         resolve_device("no-such-card", "output")
+    # JACK runs at the server's rate only: another rate is refused with a message that says what to set
+    wrong = AudioSettings(output_device="system", output_rate_hz=jack.rate // 2)
+    with pytest.raises(AudioDeviceError, match="refuses 1 channel.*output_rate_hz"):
+        create_sink(wrong, ENGINE_RATE).start()
+    wrong_in = AudioSettings(input_device="system", input_rate_hz=jack.rate // 2)
+    with pytest.raises(AudioDeviceError, match="input_rate_hz unset"):
+        source = create_source(wrong_in, VadSettings())
+        assert source is not None
+        source.start(lambda f, t: None)
 
 
 def test_speech_plays_through_sink_and_is_captured_by_source(jack: JackServer) -> None:
@@ -92,9 +101,11 @@ def test_speech_plays_through_sink_and_is_captured_by_source(jack: JackServer) -
         assert sink.playing
         assert sink.drain(timeout_s=20)
         time.sleep(0.6)
+        assert source.alive  # type: ignore[attr-defined]
     finally:
         source.stop()
         sink.close()
+    assert not source.alive  # type: ignore[attr-defined]
     got = cap.pcm(start_frame).astype(np.float32) / 32768
     # the recording arrives intact: 24 kHz -> device rate -> 16 kHz, correlation near 1
     corr = np.correlate(got, clip, mode="valid")
