@@ -2,12 +2,16 @@
 default) in, `speech_start` / `speech_end` events and utterances out.
 
 - start: when `start_voiced_ms` of the last `start_window_ms` of frames are
-  voiced, speech begins at the first voiced frame of that window (the onset);
+  voiced, speech begins at the first voiced frame of that window (the onset),
+  moved back over preceding frames that are clearly louder than the background
+  (webrtcvad misses soft and plosive onsets depending on the frame grid);
 - it is confirmed (speech_start is emitted) once the voiced part reaches
   `min_utterance_ms`; a burst that ends before that raises no event at all,
   so every speech_start has its speech_end and every utterance is long enough;
 - end: after `hangover_ms` without a voiced frame, at the end of the last
-  voiced frame (the hangover only delays the event, not the boundary);
+  voiced frame (the hangover only delays the event, not the boundary), with
+  webrtcvad's built-in hangover taken off and a quiet ending that is still
+  clearly above the background put back;
 - an utterance reaching `max_utterance_ms` is split (speech_end with
   `forced_split`); the next part starts at once if speech goes on;
 - the utterance audio runs from `pre_roll_ms` before the onset to
@@ -82,6 +86,17 @@ class Utterance:
 
 SegmenterOutput = VadEvent | Utterance
 
+# Onset refinement by energy (see Segmenter._begin).
+_ONSET_LOOKBACK_MS = 150
+_ONSET_MIN_DB = -60.0  # dBFS
+_ONSET_BELOW_PEAK_DB = 25.0
+_ONSET_ABOVE_FLOOR_DB = 10.0
+
+
+def _frame_db(frame: bytes) -> float:
+    x = np.frombuffer(frame, dtype=np.int16).astype(np.float32)
+    return float(10.0 * np.log10(np.mean(x * x) / (32768.0 * 32768.0) + 1e-12))
+
 
 class Segmenter:
     def __init__(self, settings: VadSettings, classify: Classifier | None = None) -> None:
@@ -107,6 +122,8 @@ class Segmenter:
         self._last_voiced_end = 0.0
         self._unvoiced_run = 0
         self._last_t = 0.0
+        self._floor_db: float | None = None  # background level, tracked on non-speech frames
+        self._lookback = settings.frames(_ONSET_LOOKBACK_MS)
 
     @property
     def in_speech(self) -> bool:
@@ -124,6 +141,8 @@ class Segmenter:
         out: list[SegmenterOutput] = []
         run_ended, self._run = (self._run if not voiced else 0), (self._run + 1 if voiced else 0)
         if self._state == "idle":
+            if not voiced:
+                self._track_floor(_frame_db(frame))
             self._history.append((t, voiced, frame))
             window = list(self._history)[-self._win:]
             if sum(v for _, v, _ in window) >= self._need:
@@ -160,10 +179,27 @@ class Segmenter:
         return out
 
     # --- internals ------------------------------------------------------------
+    def _track_floor(self, db: float) -> None:
+        # follows the background down at once and up slowly (speech it missed barely moves it)
+        if self._floor_db is None or db < self._floor_db:
+            self._floor_db = db
+        else:
+            self._floor_db += 0.02 * (db - self._floor_db)
+
     def _begin(self, window: list[tuple[float, bool, bytes]]) -> None:
-        first = next(i for i, (_, v, _) in enumerate(window) if v)
-        self._onset = window[first][0]
         history = list(self._history)
+        first = len(history) - len(window) + next(i for i, (_, v, _) in enumerate(window) if v)
+        # webrtcvad often misses the first frames of a soft or plosive onset (it depends on
+        # where the frame grid falls): extend the onset back over frames that are clearly
+        # louder than the background and not far below the speech that triggered
+        db = [_frame_db(f) for _, _, f in history]
+        loudest = max(db[first:])
+        threshold = max(_ONSET_MIN_DB, loudest - _ONSET_BELOW_PEAK_DB,
+                        (self._floor_db if self._floor_db is not None else -np.inf) + _ONSET_ABOVE_FLOOR_DB)
+        limit = max(0, first - self._lookback)
+        while first > limit and db[first - 1] > threshold:
+            first -= 1
+        self._onset = history[first][0]
         earliest = self._onset - self._pre * self._frame_s - self._eps
         kept = [(ft, f) for ft, _, f in history if ft >= earliest]
         self._audio_start = kept[0][0]
@@ -180,7 +216,26 @@ class Segmenter:
             return [VadEvent("speech_start", self._onset)]
         return []
 
+    def _refine_end(self, end_s: float) -> float:
+        """The mirror of the onset refinement: a quiet ending the detector
+        dropped is kept while it stays clearly above the background."""
+        k = round((end_s - self._audio_start) / self._frame_s)  # the first frame after the end
+        o = round((self._onset - self._audio_start) / self._frame_s)
+        if k <= o or k >= len(self._frames):
+            return end_s
+        db = [_frame_db(f) for f in self._frames[o:min(len(self._frames), k + self._lookback)]]
+        loudest = max(db[:k - o])
+        threshold = max(_ONSET_MIN_DB, loudest - _ONSET_BELOW_PEAK_DB,
+                        (self._floor_db if self._floor_db is not None else -np.inf) + _ONSET_ABOVE_FLOOR_DB)
+        i = k - o
+        while i < len(db) and db[i] > threshold:
+            i += 1
+            end_s += self._frame_s
+        return end_s
+
     def _end(self, end_s: float, forced: bool) -> list[SegmenterOutput]:
+        if not forced:
+            end_s = self._refine_end(end_s)
         audio_end = end_s if forced else min(end_s + self._post_s, self._last_t + self._frame_s)
         n = max(0, round((audio_end - self._audio_start) / self._frame_s))
         utt = Utterance(self._onset, end_s, self._audio_start, b"".join(self._frames[:n]), forced)

@@ -107,7 +107,9 @@ def _run(decisions: str, vs: VadSettings) -> list[VadEvent | Utterance]:
     out: list[VadEvent | Utterance] = []
     n = vs.frame_samples
     for i, d in enumerate(decisions):
-        out += seg.process_decision(np.full(n, i, np.int16).tobytes(), i * vs.frame_ms / 1000, d == "1")
+        frame = np.zeros(n, np.int16)
+        frame[0] = i  # the index, at an energy far below any speech (no onset refinement)
+        out += seg.process_decision(frame.tobytes(), i * vs.frame_ms / 1000, d == "1")
     return out + seg.flush()
 
 
@@ -135,6 +137,18 @@ def test_hangover_bridges_pauses_and_ends_at_last_voiced_frame() -> None:
     assert [(round(u.start_s, 2), round(u.end_s, 2)) for u in utts] == [(0.09, 0.81), (1.11, 1.35)]
     kinds = [o.kind for o in out if isinstance(o, VadEvent)]
     assert kinds == ["speech_start", "speech_end", "speech_start", "speech_end"]
+
+
+def test_onset_is_extended_back_over_loud_frames_the_detector_missed() -> None:
+    seg = Segmenter(VS, classify=lambda frame: True)
+    n = VS.frame_samples
+    quiet, loud = np.zeros(n, np.int16), np.full(n, 3000, np.int16)  # loud: -21 dBFS
+    out: list[VadEvent | Utterance] = []
+    # a loud frame judged unvoiced (a plosive, say) right before the voiced run: the onset includes it
+    for i, (frame, voiced) in enumerate([(quiet, False)] * 6 + [(loud, False)] + [(loud, True)] * 8):
+        out += seg.process_decision(frame.tobytes(), i * 0.03, voiced)
+    starts = [o for o in out if isinstance(o, VadEvent) and o.kind == "speech_start"]
+    assert starts and starts[0].time_s == pytest.approx(0.18)
 
 
 def test_flush_closes_an_open_utterance() -> None:
