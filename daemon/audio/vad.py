@@ -21,6 +21,7 @@ Times are the stream times passed with each frame (the start of the frame)."""
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -95,7 +96,7 @@ _ONSET_ABOVE_FLOOR_DB = 10.0
 
 def _frame_db(frame: bytes) -> float:
     x = np.frombuffer(frame, dtype=np.int16).astype(np.float32)
-    return float(10.0 * np.log10(np.mean(x * x) / (32768.0 * 32768.0) + 1e-12))
+    return 10.0 * math.log10(float(np.dot(x, x)) / (len(x) * 32768.0 * 32768.0) + 1e-12)
 
 
 class Segmenter:
