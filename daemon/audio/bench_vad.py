@@ -38,7 +38,8 @@ def private_jack(rate: int = 16000, period: int = 480) -> Iterator[None]:
     """A JACK dummy-driver server for this process only (PortAudio re-initialised to see it)."""
     name = f"cosyedge-bench-{os.getpid()}"
     env = {**os.environ, "JACK_NO_START_SERVER": "1"}
-    cmd = ["jackd", "--no-realtime", "-n", name, "-d", "dummy", "-r", str(rate), "-p", str(period)]
+    cmd = ["jackd", "--no-realtime", "-t", "5000", "-n", name,
+           "-d", "dummy", "-r", str(rate), "-p", str(period)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     import sounddevice as sd
 

@@ -95,8 +95,9 @@ class SoundDeviceSink:
         with self._write_lock:
             if self._resampler is not None:
                 x = self._resampler.resample_chunk(x)
-            self._ring.write(x)  # blocks for back-pressure; flush() interrupts it
-            self._active = True  # after the copy: an empty ring before it is not an underrun
+            accepted = self._ring.write(x)  # blocks for back-pressure; flush() interrupts it
+            if accepted == len(x):  # after the copy: an empty ring before it is not an underrun,
+                self._active = True  # nor one that flush() emptied
 
     def drain(self, timeout_s: float | None = None) -> bool:
         if self._ring is None:
@@ -120,6 +121,7 @@ class SoundDeviceSink:
         finally:
             self._draining = False
             self._active = False
+            self._starved = False
 
     def flush(self) -> None:
         if self._ring is None:
@@ -130,6 +132,7 @@ class SoundDeviceSink:
             if self._resampler is not None:
                 self._resampler.clear()
             self._active = False
+            self._starved = False
 
     def set_gain(self, gain: float) -> None:
         self._gain_target = float(min(max(gain, 0.0), 4.0))

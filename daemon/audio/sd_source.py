@@ -122,7 +122,10 @@ class SoundDeviceSource:
                 self._stream.close()
                 self._stream = None
         if self._thread is not None:
-            self._queue.put(None)  # the callback has stopped: there is room or it will be taken
+            try:  # the callback has stopped: there is room, or the consumer is taking frames
+                self._queue.put(None, timeout=5)
+            except queue.Full:
+                log.warning("capture thread is not taking frames; leaving it behind")
             self._thread.join(timeout=5)
             self._thread = None
 
@@ -130,6 +133,16 @@ class SoundDeviceSource:
     def alive(self) -> bool:
         """The stream is running (False after stop() or when PortAudio ended it, e.g. a USB mic unplugged)."""
         return self._stream is not None and bool(self._stream.active)
+
+    @property
+    def dropped_blocks(self) -> int:
+        """Blocks dropped because our queue was full (the consumer fell behind)."""
+        return self._dropped_blocks
+
+    @property
+    def xruns(self) -> int:
+        """Input overflows that PortAudio reported (its thread was not scheduled in time)."""
+        return self._xruns
 
     @property
     def overflows(self) -> int:

@@ -12,6 +12,7 @@ classified and speech while speaking is a barge-in."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -43,6 +44,7 @@ class VadWorker:
         self._segmenter = Segmenter(settings, classify)
         self._queue: queue.Queue[tuple[bytes, float, bool] | None] = queue.Queue(maxsize=queue_frames)
         self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
         self._speaking = False
         self._mute_until = 0.0  # monotonic end of the half-duplex tail
         self._running = False
@@ -58,6 +60,7 @@ class VadWorker:
         if self._running:
             return
         self._running = True
+        self._stopping.clear()
         self._thread = threading.Thread(target=self._run, name="vad", daemon=True)
         self._thread.start()
         self.source.start(self._on_frame)
@@ -67,7 +70,10 @@ class VadWorker:
         if not self._running:
             return
         self.source.stop()
-        self._queue.put(None)
+        self._stopping.set()
+        # wakes the worker at once; with a full queue it ends when the queue is empty
+        with contextlib.suppress(queue.Full):
+            self._queue.put_nowait(None)
         if self._thread is not None:
             self._thread.join(timeout=10)
             self._thread = None
@@ -102,7 +108,12 @@ class VadWorker:
     def _run(self) -> None:
         was_muted = False
         while True:
-            item = self._queue.get()
+            try:
+                item = self._queue.get(timeout=0.5)
+            except queue.Empty:
+                if not self._stopping.is_set():
+                    continue
+                item = None
             if item is None:
                 self._emit(self._segmenter.flush())
                 return

@@ -6,9 +6,11 @@ libportaudio2 is built with JACK support; the server shows up as the device
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -62,39 +64,50 @@ def _reinit_portaudio() -> None:
     sd._initialize()
 
 
+_counter = itertools.count()
+
+
 @contextmanager
 def jack_server(rate: int = 16000, period_ms: int = 30) -> Iterator[JackServer]:
-    name = f"cosyedge-test-{os.getpid()}-{rate}"
+    name = f"cosyedge-test-{os.getpid()}-{next(_counter)}-{rate}"  # never reuse a server name
     period = rate * period_ms // 1000
     server = JackServer(name, rate, period)
-    proc = subprocess.Popen(["jackd", "--no-realtime", "-n", name, "-d", "dummy", "-r", str(rate),
-                             "-p", str(period)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env={**os.environ, "JACK_NO_START_SERVER": "1"})
-    old = os.environ.get("JACK_DEFAULT_SERVER")
-    try:
-        deadline = time.monotonic() + 15
-        while "system:playback_1" not in server.ports():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                out = proc.stdout.read().decode(errors="replace") if proc.stdout else ""
-                raise RuntimeError(f"jackd did not start: {out[-2000:]}")
-            time.sleep(0.1)
-        os.environ["JACK_DEFAULT_SERVER"] = name  # libjack reads it when PortAudio connects
-        _reinit_portaudio()
-        yield server
-    finally:
-        import sounddevice as sd
-
-        sd._terminate()  # PortAudio must leave the server before it goes (else libjack asserts)
-        if old is None:
-            os.environ.pop("JACK_DEFAULT_SERVER", None)
-        else:
-            os.environ["JACK_DEFAULT_SERVER"] = old
-        proc.terminate()
+    # -t: a generous client timeout, so that a loaded machine does not get our client thrown out.
+    # Its log goes to a file: a pipe nobody reads fills up with xrun messages and stalls jackd.
+    cmd = ["jackd", "--no-realtime", "-t", "5000", "-n", name,
+           "-d", "dummy", "-r", str(rate), "-p", str(period)]
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**os.environ, "JACK_NO_START_SERVER": "1"})
+        old = os.environ.get("JACK_DEFAULT_SERVER")
+        started = False
         try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
-        sd._initialize()  # without the server: its devices are gone
+            deadline = time.monotonic() + 30
+            while "system:playback_1" not in server.ports():
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("jackd did not start")
+                time.sleep(0.1)
+            os.environ["JACK_DEFAULT_SERVER"] = name  # libjack reads it when PortAudio connects
+            _reinit_portaudio()
+            started = True
+            yield server
+        finally:
+            import sounddevice as sd
+
+            if started:
+                sd._terminate()  # PortAudio must leave the server before it goes (else libjack asserts)
+            if old is None:
+                os.environ.pop("JACK_DEFAULT_SERVER", None)
+            else:
+                os.environ["JACK_DEFAULT_SERVER"] = old
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            if started:
+                sd._initialize()  # without the server: its devices are gone
+            else:
+                log.seek(0)
+                print("jackd output:\n" + log.read().decode(errors="replace")[-3000:])
