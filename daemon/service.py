@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from daemon.audio.barge_in import BargeInPolicy
 from daemon.audio.interfaces import AudioSink
 from daemon.completion import Completer
 from daemon.engines import load_local_engine, make_fallback
@@ -25,7 +26,7 @@ from daemon.routing import EngineSet, Router
 from daemon.scheduler import Scheduler
 from daemon.sdnotify import SdNotifier
 from daemon.settings import SECTIONS, Settings
-from daemon.voice_link import BargeInPolicy, SimpleBargeIn, VoiceLink
+from daemon.voice_link import VoiceLink
 from models.api import Engine
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ class Service:
             settings, self.scheduler, self.pipeline, self.conn, self.native, self.metrics, self.request_reload
         )
         self.conn.subscriptions = self.intake.subscriptions()
-        policy = barge_in or SimpleBargeIn(settings.barge_in)
+        policy = barge_in or BargeInPolicy(settings.vad_settings)
         self.voice = VoiceLink(
             self.conn,
             prefix,
@@ -82,7 +83,6 @@ class Service:
             self.metrics,
             policy,
             settings.site_ids[0] if settings.hermes.enabled else None,
-            settings.duck_gain,
         )
         self.extra_liveness: dict[str, Callable[[], bool]] = {}  # e.g. the audio capture worker
         self.health = HealthMonitor(
@@ -305,6 +305,7 @@ class Service:
         self.health.poke()
 
     def _speaking_changed(self, speaking: bool) -> None:
+        self.voice.on_speaking_changed(speaking)
         for listener in self.speaking_listeners:
             listener(speaking)
         self.health.poke()
