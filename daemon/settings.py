@@ -71,7 +71,7 @@ class TtsSettings:
         "model bundle directory; empty: the tiny bundle in the cache directory, "
         "built on first use (needs the build extra)",
     )
-    backend: str = setting("ort", "inference backend of the bundle", choices=("ort", "trt"))
+    backend: str = setting("ort", "inference backend of the bundle", choices=("ort", "ort-cuda", "ort-trt", "trt"))
     default_voice: str = setting(
         "", "voice when a request names none; empty: the bundle's default", live=True
     )
