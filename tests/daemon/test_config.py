@@ -71,7 +71,7 @@ def test_file_and_flags(tmp_path: Path) -> None:
         ({"hermes": {"site_ids": ["a/b"]}}, "is not a valid siteId"),
         ({"device_id": "my device"}, "device_id = 'my device': use 1-64 characters"),
         ({"mqtt": {"broker": "http://x"}}, "[mqtt] broker = 'http://x': expected mqtt://"),
-        ({"tts": {"backend": "cuda"}}, '[tts] backend = "cuda": allowed values: "ort", "trt"'),
+        ({"tts": {"backend": "cuda"}}, '[tts] backend = "cuda": allowed values: "ort", "ort-cuda", "ort-trt", "trt"'),
         ({"mqtt": {"reconnect_min_delay_s": 50, "reconnect_max_delay_s": 10}}, "must not exceed"),
     ],
 )
