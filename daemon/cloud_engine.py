@@ -93,9 +93,10 @@ class CloudEngine:
 
     def on_message(self, msg: InboundMessage) -> None:
         if msg.topic == self._link_topic:
-            up = msg.payload.strip() not in (b"0", b"")
+            state = msg.payload.strip()
+            up = None if not state else state != b"0"  # empty: the retained state was cleared
             if up != self.link_up:
-                log.info("cloud link %s", "up" if up else "down")
+                log.info("cloud link %s", {None: "unknown", True: "up", False: "down"}[up])
             self.link_up = up
             return
         rid = self.topics.request_of_response(self.device_id, msg.topic)
