@@ -102,7 +102,7 @@ class LoadClient:
             return
         now = time.monotonic()
         props = getattr(msg, "properties", None)
-        answer = decode_response(msg.payload, getattr(props, "UserProperty", None), rid or "_")
+        answer = decode_response(bytes(msg.payload), getattr(props, "UserProperty", None), rid or "_")
         if isinstance(answer, AudioMessage):
             if pending.first is None:
                 pending.first = now
