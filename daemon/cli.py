@@ -82,6 +82,10 @@ def _add_build(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--force", action="store_true", help="write the bundle even if it misses the budget")
     g = bs.add_parser("engines", help="build TensorRT engines for a bundle (on the board)")
     g.add_argument("--bundle", required=True)
+    # The rest of its options come from the builder (plain argparse, no TensorRT import).
+    from edge_build.engines_cli import add_engines_arguments
+
+    add_engines_arguments(g)
     v = bs.add_parser("validate", help="check a bundle against its source checkpoint")
     v.add_argument("--bundle", required=True)
     v.add_argument("--model-dir", help="source checkpoint (default: the path in the manifest)")

@@ -19,6 +19,7 @@ import logging
 import re
 import sys
 import types
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -103,8 +104,9 @@ def check_checkpoint_dir(model_dir: Path) -> str:
     model_dir = Path(model_dir)
     expected = ", ".join(REQUIRED_FILES)
     if not model_dir.is_dir():
-        raise CheckpointError(f"{model_dir} is not a directory; expected a CosyVoice 2 model directory "
-                              f"({expected})")
+        raise CheckpointError(
+            f"{model_dir} is not a directory; expected a CosyVoice 2 model directory ({expected})"
+        )
     missing = [f for f in REQUIRED_FILES if not (model_dir / f).is_file()]
     if missing:
         raise CheckpointError(
@@ -147,8 +149,12 @@ def model_part(text: str) -> str:
         value = _TOP_KEY.match(first).group(2).strip()  # type: ignore[union-attr]
         body = [ln for ln in block.splitlines()[1:] if ln.strip() and not ln.lstrip().startswith("#")]
         single_line = not body
-        is_scalar = single_line and not re.search(r"!(new|name|apply|include|copy|tuple|module):", value) \
-            and not value.startswith("[") and not key.startswith("__")
+        is_scalar = (
+            single_line
+            and not re.search(r"!(new|name|apply|include|copy|tuple|module):", value)
+            and not value.startswith("[")
+            and not key.startswith("__")
+        )
         if key in MODEL_BLOCKS or is_scalar:
             kept.append(block)
     return "\n".join(kept) + "\n"
@@ -181,13 +187,31 @@ def instantiate(model_dir: Path, text: str) -> dict[str, Any]:
     try:
         importlib.import_module("cosyvoice.llm.llm")
     except ImportError as exc:
-        raise MissingExtraError(getattr(exc, "name", None) or "token2wav-cosyvoice", "build",
-                                "the reference CosyVoice modules") from exc
+        raise MissingExtraError(
+            getattr(exc, "name", None) or "token2wav-cosyvoice", "build", "the reference CosyVoice modules"
+        ) from exc
+    transformers_logging = require("transformers", "transformers", "loading the reference modules").logging
+    verbosity = transformers_logging.get_verbosity()
     try:
-        configs = hyperpyyaml.load_hyperpyyaml(
-            model_part(text), overrides={"qwen_pretrain_path": str(model_dir / QWEN_DIR)})
-    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
-        raise CheckpointError(f"{model_dir / YAML_NAME}: building its llm/flow/hift failed: {exc}") from exc
+        # quiet: diffusers' LoRA deprecation notes, Qwen2's sliding-window note (off in CosyVoice 2)
+        transformers_logging.set_verbosity_error()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            configs = hyperpyyaml.load_hyperpyyaml(
+                model_part(text), overrides={"qwen_pretrain_path": str(model_dir / QWEN_DIR)}
+            )
+    except ImportError as exc:  # a module the yaml names needs a package that is not installed
+        raise MissingExtraError(
+            getattr(exc, "name", None) or str(exc),
+            "build",
+            f"building the modules of {model_dir / YAML_NAME}",
+        ) from exc
+    except Exception as exc:  # malformed yaml, wrong arguments, a broken Qwen2 directory
+        raise CheckpointError(
+            f"{model_dir / YAML_NAME}: building its llm/flow/hift failed: {type(exc).__name__}: {exc}"
+        ) from exc
+    finally:
+        transformers_logging.set_verbosity(verbosity)
     return dict(configs)
 
 
@@ -200,8 +224,9 @@ def load_reference(model_dir: Path) -> ReferenceModels:
     for key in MODEL_BLOCKS:
         cls = EXPECTED_CLASSES[key].rpartition(".")[2]
         if type(configs[key]).__name__ != cls:
-            raise CheckpointError(f"{model_dir / YAML_NAME}: '{key}' built a {type(configs[key]).__name__}, "
-                                  f"expected {cls}")
+            raise CheckpointError(
+                f"{model_dir / YAML_NAME}: '{key}' built a {type(configs[key]).__name__}, expected {cls}"
+            )
     for key, file in zip(MODEL_BLOCKS, WEIGHT_FILES, strict=True):
         try:
             state = torch.load(model_dir / file, map_location="cpu", weights_only=True)
@@ -212,11 +237,13 @@ def load_reference(model_dir: Path) -> ReferenceModels:
         try:
             configs[key].load_state_dict(state, strict=True)
         except RuntimeError as exc:
-            raise CheckpointError(f"{model_dir / file} does not match the {key} that {YAML_NAME} "
-                                  f"describes: {exc}") from exc
+            raise CheckpointError(
+                f"{model_dir / file} does not match the {key} that {YAML_NAME} describes: {exc}"
+            ) from exc
         configs[key].to("cpu").eval()
-    return ReferenceModels(model_dir=model_dir, llm=configs["llm"], flow=configs["flow"],
-                           hift=configs["hift"], config=configs)
+    return ReferenceModels(
+        model_dir=model_dir, llm=configs["llm"], flow=configs["flow"], hift=configs["hift"], config=configs
+    )
 
 
 def load_qwen_tokenizer(model_dir: Path) -> Any:
@@ -224,7 +251,9 @@ def load_qwen_tokenizer(model_dir: Path) -> Any:
     on the checkpoint's CosyVoice-BlankEN."""
     model_dir = Path(model_dir)
     if not (model_dir / QWEN_DIR).is_dir():
-        raise CheckpointError(f"{model_dir} has no {QWEN_DIR}/ (the Qwen2 tokenizer of a CosyVoice 2 checkpoint)")
+        raise CheckpointError(
+            f"{model_dir} has no {QWEN_DIR}/ (the Qwen2 tokenizer of a CosyVoice 2 checkpoint)"
+        )
     require("torch", "torch", "the reference tokenizer")
     install_stand_ins()
     module = importlib.import_module("cosyvoice.tokenizer.tokenizer")

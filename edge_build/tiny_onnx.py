@@ -41,7 +41,8 @@ def write_campplus(path: Path, rng: np.random.Generator, hidden: int = 64) -> No
         h.make_node("Add", ["m2", "b2"], ["output"]),
     ]
     graph = h.make_graph(
-        nodes, "campplus_tiny",
+        nodes,
+        "campplus_tiny",
         [h.make_tensor_value_info("input", t.FLOAT, ["B", "T", CAMPPLUS_FBANK_BINS])],
         [h.make_tensor_value_info("output", t.FLOAT, ["B", SPEAKER_EMBEDDING_DIM])],
         inits,
@@ -83,9 +84,12 @@ def write_speech_tokenizer(path: Path, rng: np.random.Generator, hidden: int = 3
         h.make_node("ArgMax", ["logits"], ["indices"], axis=-1, keepdims=0),
     ]
     graph = h.make_graph(
-        nodes, "speech_tokenizer_v2_tiny",
-        [h.make_tensor_value_info("feats", t.FLOAT, [1, WHISPER_MEL_BINS, "T"]),
-         h.make_tensor_value_info("feats_length", t.INT32, [1])],
+        nodes,
+        "speech_tokenizer_v2_tiny",
+        [
+            h.make_tensor_value_info("feats", t.FLOAT, [1, WHISPER_MEL_BINS, "T"]),
+            h.make_tensor_value_info("feats_length", t.INT32, [1]),
+        ],
         [h.make_tensor_value_info("indices", t.INT64, [1, "T_tokens"])],
         inits,
     )
@@ -93,8 +97,9 @@ def write_speech_tokenizer(path: Path, rng: np.random.Generator, hidden: int = 3
 
 
 def _save(onnx, graph, path: Path) -> None:  # type: ignore[no-untyped-def]
-    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", OPSET)],
-                                   producer_name="cosyedge-tiny")
+    model = onnx.helper.make_model(
+        graph, opset_imports=[onnx.helper.make_opsetid("", OPSET)], producer_name="cosyedge-tiny"
+    )
     model.ir_version = 8  # readable by onnxruntime >= 1.14 (the Jetson wheels included)
     onnx.checker.check_model(model)
     onnx.save(model, str(path))

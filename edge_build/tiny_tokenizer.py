@@ -12,8 +12,10 @@ from typing import Any
 from edge_build.reference import require
 
 # Qwen2's pre-tokenizer split (transformers' PRETOKENIZE_REGEX for Qwen2)
-QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 QWEN_SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 CORPUS = """\
@@ -47,15 +49,22 @@ def train_tokenizer(vocab_size: int) -> Any:
     tk = require("tokenizers", "tokenizers", "training the tiny checkpoint's tokenizer")
     tokenizer = tk.Tokenizer(tk.models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
     tokenizer.normalizer = tk.normalizers.NFC()
-    tokenizer.pre_tokenizer = tk.pre_tokenizers.Sequence([
-        tk.pre_tokenizers.Split(tk.Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
-        tk.pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
-    ])
+    tokenizer.pre_tokenizer = tk.pre_tokenizers.Sequence(
+        [
+            tk.pre_tokenizers.Split(tk.Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+            tk.pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+        ]
+    )
     tokenizer.decoder = tk.decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
-    tokenizer.post_processor = tk.processors.ByteLevel(add_prefix_space=False, trim_offsets=False,
-                                                       use_regex=False)
-    trainer = tk.trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=1, show_progress=False,
-                                     initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.post_processor = tk.processors.ByteLevel(
+        add_prefix_space=False, trim_offsets=False, use_regex=False
+    )
+    trainer = tk.trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=1,
+        show_progress=False,
+        initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
+    )
     lines = CORPUS.splitlines()
     tokenizer.train_from_iterator(lines * 3, trainer=trainer)
     tokenizer.add_special_tokens([tk.AddedToken(t, special=True, normalized=False) for t in QWEN_SPECIAL])
@@ -69,8 +78,14 @@ def write_qwen_tokenizer_files(tokenizer: Any, out: Path) -> int:
     tokenizer.model.save(str(out))  # vocab.json, merges.txt
     tokenizer.save(str(out / "tokenizer.json"))
     added = {
-        str(tokenizer.token_to_id(t)): {"content": t, "lstrip": False, "normalized": False,
-                                        "rstrip": False, "single_word": False, "special": True}
+        str(tokenizer.token_to_id(t)): {
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
         for t in QWEN_SPECIAL
     }
     config = {

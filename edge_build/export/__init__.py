@@ -19,7 +19,16 @@ log = logging.getLogger(__name__)
 
 def export_bundle(model_dir: Path, out: Path) -> Path:
     from edge_build import reference
-    from edge_build.export import bundle, flow_encoder, flow_estimator, hift, hyperparams, llm, tokenizer, voices
+    from edge_build.export import (
+        bundle,
+        flow_encoder,
+        flow_estimator,
+        hift,
+        hyperparams,
+        llm,
+        tokenizer,
+        voices,
+    )
 
     model_dir, out = Path(model_dir), Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -40,8 +49,15 @@ def export_bundle(model_dir: Path, out: Path) -> Path:
         stages.extend(bundle.carry_onnx(model_dir, scratch))
         tok = tokenizer.export_tokenizer(model_dir, scratch)
         voice_map = voices.export_voices(model_dir, scratch, hyper["mel_bins"], tok[0])
-        bundle.write_manifest(scratch, model_dir=model_dir, hyper=hyper, stages=stages, arrays=arrays,
-                              tokenizer=tok, voices=voice_map)
+        bundle.write_manifest(
+            scratch,
+            model_dir=model_dir,
+            hyper=hyper,
+            stages=stages,
+            arrays=arrays,
+            tokenizer=tok,
+            voices=voice_map,
+        )
         if out.exists():
             out.rmdir()  # empty (checked above)
         scratch.rename(out)

@@ -57,8 +57,9 @@ def carry_onnx(model_dir: Path, out: Path) -> list[StageGraph]:
 
         inputs = [spec(v, True) for v in model.graph.input if v.name not in initializers]
         outputs = [spec(v, False) for v in model.graph.output]
-        stages.append(StageGraph(_CARRIED_STAGES[file], file, inputs, outputs, profile,
-                                 extra={"carried": True}))
+        stages.append(
+            StageGraph(_CARRIED_STAGES[file], file, inputs, outputs, profile, extra={"carried": True})
+        )
     return stages
 
 
@@ -73,8 +74,10 @@ def _stage_entry(out: Path, stage: StageGraph) -> dict[str, Any]:
         **stage.extra,
     }
     if stage.external_data:
-        entry["external_data"] = {"file": stage.external_data,
-                                  "sha256": sha256_file(out / stage.external_data)}
+        entry["external_data"] = {
+            "file": stage.external_data,
+            "sha256": sha256_file(out / stage.external_data),
+        }
     return entry
 
 
@@ -82,13 +85,20 @@ def _array_entry(out: Path, path: Path) -> dict[str, Any]:
     import numpy as np
 
     array = np.load(path, mmap_mode="r")
-    return {"file": path.name, "sha256": sha256_file(path), "dtype": array.dtype.name,
-            "shape": list(array.shape)}
+    return {
+        "file": path.name,
+        "sha256": sha256_file(path),
+        "dtype": array.dtype.name,
+        "shape": list(array.shape),
+    }
 
 
 def source_hashes(model_dir: Path) -> dict[str, str]:
-    return {p.relative_to(model_dir).as_posix(): sha256_file(p)
-            for p in sorted(model_dir.rglob("*")) if p.is_file()}
+    return {
+        p.relative_to(model_dir).as_posix(): sha256_file(p)
+        for p in sorted(model_dir.rglob("*"))
+        if p.is_file()
+    }
 
 
 def build_info() -> dict[str, Any]:
@@ -107,9 +117,16 @@ def build_info() -> dict[str, Any]:
     }
 
 
-def write_manifest(out: Path, *, model_dir: Path, hyper: dict[str, Any], stages: list[StageGraph],
-                   arrays: dict[str, Path], tokenizer: tuple[Path, dict[str, Any]],
-                   voices: dict[str, str]) -> Path:
+def write_manifest(
+    out: Path,
+    *,
+    model_dir: Path,
+    hyper: dict[str, Any],
+    stages: list[StageGraph],
+    arrays: dict[str, Path],
+    tokenizer: tuple[Path, dict[str, Any]],
+    voices: dict[str, str],
+) -> Path:
     tokenizer_path, tokenizer_info = tokenizer
     default_voice = "default" if "default" in voices else next(iter(voices), None)
     manifest: dict[str, Any] = {
@@ -124,8 +141,11 @@ def write_manifest(out: Path, *, model_dir: Path, hyper: dict[str, Any], stages:
         "tokenizer": {"file": tokenizer_path.name, "sha256": sha256_file(tokenizer_path), **tokenizer_info},
         "voices": voices,
         "default_voice": default_voice,
-        "files": {p.relative_to(out).as_posix(): sha256_file(p)
-                  for p in sorted(out.rglob("*")) if p.is_file() and p.name != MANIFEST},
+        "files": {
+            p.relative_to(out).as_posix(): sha256_file(p)
+            for p in sorted(out.rglob("*"))
+            if p.is_file() and p.name != MANIFEST
+        },
         "source": {"model_dir": str(model_dir.resolve()), "files": source_hashes(model_dir)},
         "build": build_info(),
         "engines": None,

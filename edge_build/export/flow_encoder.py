@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from edge_build.export.graphs import MASK_NEGATIVE, StageGraph, TensorSpec, export_stage
+from edge_build.export.graphs import MASK_NEGATIVE, StageGraph, TensorSpec, export_stage, module_base
 from edge_build.reference import require
 from models.errors import CheckpointError
 
@@ -42,8 +42,10 @@ def rel_positions(torch: Any, size: Any, div_term: Any) -> Any:
 def _check_encoder(encoder: Any) -> None:
     for layer in (*encoder.encoders, *encoder.up_encoders):
         if layer.conv_module is not None or layer.feed_forward_macaron is not None:
-            raise CheckpointError("the flow encoder uses conformer convolution/macaron modules, which "
-                                  "CosyVoice 2 does not; this exporter does not support them")
+            raise CheckpointError(
+                "the flow encoder uses conformer convolution/macaron modules, which "
+                "CosyVoice 2 does not; this exporter does not support them"
+            )
         if not layer.normalize_before:
             raise CheckpointError("the flow encoder is post-norm; CosyVoice 2's is pre-norm")
     kinds = {type(encoder.embed.pos_enc).__name__, type(encoder.up_embed.pos_enc).__name__}
@@ -55,13 +57,13 @@ def _check_encoder(encoder: Any) -> None:
 
 def make_flow_encoder_graph(flow: Any) -> Any:
     torch = _torch()
-    nn, F = torch.nn, torch.nn.functional
+    F = torch.nn.functional
     encoder = flow.encoder
     _check_encoder(encoder)
     d_model = encoder.output_size()
     div_term = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float32) * -(math.log(10000.0) / d_model))
 
-    class FlowEncoderGraph(nn.Module):
+    class FlowEncoderGraph(module_base()):  # type: ignore[misc]
         def __init__(self) -> None:
             super().__init__()
             self.flow = flow
@@ -101,8 +103,9 @@ def make_flow_encoder_graph(flow: Any) -> Any:
                 x = x + layer.ff_scale * layer.feed_forward(layer.norm_ff(x))
             return x
 
-        def forward(self, token: Any, token_len: Any, lookahead_len: Any, chunk_tokens: Any,
-                    embedding: Any) -> Any:
+        def forward(
+            self, token: Any, token_len: Any, lookahead_len: Any, chunk_tokens: Any, embedding: Any
+        ) -> Any:
             fl = self.flow
             t = token.shape[1]
             spks = fl.spk_embed_affine_layer(F.normalize(embedding, dim=1))
@@ -119,8 +122,12 @@ def make_flow_encoder_graph(flow: Any) -> Any:
             x = self.layers(encoder.encoders, x, main_len, chunk_tokens)
             # x2 nearest up-sampling, causal convolution
             up = encoder.up_layer
-            y = x.transpose(1, 2).unsqueeze(-1).expand(-1, -1, -1, self.stride).reshape(
-                x.shape[0], x.shape[2], t * self.stride)
+            y = (
+                x.transpose(1, 2)
+                .unsqueeze(-1)
+                .expand(-1, -1, -1, self.stride)
+                .reshape(x.shape[0], x.shape[2], t * self.stride)
+            )
             y = up.conv(F.pad(y, (self.stride * 2, 0)))
             x = self.embed(encoder.up_embed, y.transpose(1, 2))
             x = self.layers(encoder.up_encoders, x, main_len * self.stride, chunk_tokens * self.stride)
@@ -136,17 +143,29 @@ def export_flow_encoder(flow: Any, out: Path) -> StageGraph:
     mel, spk = int(flow.output_size), int(flow.spk_embed_affine_layer.in_features)
     ratio = int(flow.encoder.up_layer.stride)
     if ratio != int(flow.token_mel_ratio):
-        raise CheckpointError(f"flow token_mel_ratio {flow.token_mel_ratio} differs from the encoder's "
-                              f"up-sampling stride {ratio}")
+        raise CheckpointError(
+            f"flow token_mel_ratio {flow.token_mel_ratio} differs from the encoder's "
+            f"up-sampling stride {ratio}"
+        )
     t_out = "2T" if ratio == 2 else f"{ratio}T"
     stage = StageGraph(
-        "flow_encoder", "flow_encoder.onnx",
-        [TensorSpec("token", "int64", ("B", "T")), TensorSpec("token_len", "int64", ("B",)),
-         TensorSpec("lookahead_len", "int64", ("B",)), TensorSpec("chunk_tokens", "int64", ("B",)),
-         TensorSpec("embedding", "float32", ("B", spk))],
+        "flow_encoder",
+        "flow_encoder.onnx",
+        [
+            TensorSpec("token", "int64", ("B", "T")),
+            TensorSpec("token_len", "int64", ("B",)),
+            TensorSpec("lookahead_len", "int64", ("B",)),
+            TensorSpec("chunk_tokens", "int64", ("B",)),
+            TensorSpec("embedding", "float32", ("B", spk)),
+        ],
         [TensorSpec("mu", "float32", ("B", mel, t_out)), TensorSpec("spks", "float32", ("B", mel))],
         {"B": BATCH, "T": TOKENS},
     )
-    example = (torch.randint(0, int(flow.vocab_size), (2, 40)), torch.tensor([40, 31]),
-               torch.tensor([3, 0]), torch.tensor([25, 0]), torch.randn(2, spk))
+    example = (
+        torch.randint(0, int(flow.vocab_size), (2, 40)),
+        torch.tensor([40, 31]),
+        torch.tensor([3, 0]),
+        torch.tensor([25, 0]),
+        torch.randn(2, spk),
+    )
     return export_stage(make_flow_encoder_graph(flow), example, out, stage)

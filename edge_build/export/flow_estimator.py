@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from edge_build.export.flow_encoder import chunk_allowed
-from edge_build.export.graphs import StageGraph, TensorSpec, export_stage
+from edge_build.export.graphs import StageGraph, TensorSpec, export_stage, module_base
 from edge_build.reference import require
 from models.errors import CheckpointError
 
@@ -28,21 +28,32 @@ def _torch() -> Any:
 
 def _check_block(block: Any) -> None:
     attn = block.attn1
-    unsupported = (block.use_ada_layer_norm or block.use_ada_layer_norm_zero or block.attn2 is not None
-                   or block.only_cross_attention or block._chunk_size is not None
-                   or attn.spatial_norm is not None or attn.group_norm is not None
-                   or getattr(attn, "norm_q", None) is not None or getattr(attn, "norm_k", None) is not None
-                   or attn.residual_connection or attn.rescale_output_factor != 1.0)
+    unsupported = (
+        block.use_ada_layer_norm
+        or block.use_ada_layer_norm_zero
+        or block.attn2 is not None
+        or block.only_cross_attention
+        or block._chunk_size is not None
+        or attn.spatial_norm is not None
+        or attn.group_norm is not None
+        or getattr(attn, "norm_q", None) is not None
+        or getattr(attn, "norm_k", None) is not None
+        or attn.residual_connection
+        or attn.rescale_output_factor != 1.0
+    )
     if unsupported:
-        raise CheckpointError("the flow estimator's transformer blocks use options CosyVoice 2 does not "
-                              "(ada-norm, cross-attention, q/k norms, residual scaling)")
+        raise CheckpointError(
+            "the flow estimator's transformer blocks use options CosyVoice 2 does not "
+            "(ada-norm, cross-attention, q/k norms, residual scaling)"
+        )
 
 
 def make_estimator_graph(estimator: Any) -> Any:
     torch = _torch()
-    nn = torch.nn
     if type(estimator).__name__ != "CausalConditionalDecoder":
-        raise CheckpointError(f"flow estimator is a {type(estimator).__name__}; expected CausalConditionalDecoder")
+        raise CheckpointError(
+            f"flow estimator is a {type(estimator).__name__}; expected CausalConditionalDecoder"
+        )
     for group in (estimator.down_blocks, estimator.mid_blocks, estimator.up_blocks):
         for blocks in group:
             for block in blocks[1]:
@@ -50,7 +61,7 @@ def make_estimator_graph(estimator: Any) -> Any:
     half = estimator.time_embeddings.dim // 2
     freqs = torch.exp(torch.arange(half).float() * -(math.log(10000) / (half - 1)))
 
-    class EstimatorGraph(nn.Module):
+    class EstimatorGraph(module_base()):  # type: ignore[misc]
         def __init__(self) -> None:
             super().__init__()
             self.est = estimator
@@ -100,7 +111,7 @@ def make_estimator_graph(estimator: Any) -> Any:
             for resnet, blocks, upsample in est.up_blocks:
                 m = masks.pop()
                 skip = hiddens.pop()
-                h = torch.cat((h[:, :, :skip.shape[-1]], skip), dim=1)
+                h = torch.cat((h[:, :, : skip.shape[-1]], skip), dim=1)
                 h = self.level(resnet, blocks, h, m, temb, chunk_frames)
                 h = upsample(h * m)
             h = est.final_block(h, m)
@@ -115,19 +126,32 @@ def export_flow_estimator(flow: Any, out: Path) -> tuple[StageGraph, Path]:
     decoder = flow.decoder
     c = int(decoder.estimator.out_channels)
     stage = StageGraph(
-        "flow_estimator", "flow_estimator.onnx",
-        [TensorSpec("x", "float32", ("N", c, "T")), TensorSpec("mask", "float32", ("N", 1, "T")),
-         TensorSpec("mu", "float32", ("N", c, "T")), TensorSpec("t", "float32", ("N",)),
-         TensorSpec("spks", "float32", ("N", c)), TensorSpec("cond", "float32", ("N", c, "T")),
-         TensorSpec("chunk_frames", "int64", ("N",))],
+        "flow_estimator",
+        "flow_estimator.onnx",
+        [
+            TensorSpec("x", "float32", ("N", c, "T")),
+            TensorSpec("mask", "float32", ("N", 1, "T")),
+            TensorSpec("mu", "float32", ("N", c, "T")),
+            TensorSpec("t", "float32", ("N",)),
+            TensorSpec("spks", "float32", ("N", c)),
+            TensorSpec("cond", "float32", ("N", c, "T")),
+            TensorSpec("chunk_frames", "int64", ("N",)),
+        ],
         [TensorSpec("dphi_dt", "float32", ("N", c, "T"))],
         {"N": BATCH, "T": FRAMES},
     )
     frames = 37
     mask = torch.ones(2, 1, frames)
     mask[1, :, 30:] = 0
-    example = (torch.randn(2, c, frames), mask, torch.randn(2, c, frames), torch.rand(2), torch.randn(2, c),
-               torch.randn(2, c, frames), torch.tensor([50, 0]))
+    example = (
+        torch.randn(2, c, frames),
+        mask,
+        torch.randn(2, c, frames),
+        torch.rand(2),
+        torch.randn(2, c),
+        torch.randn(2, c, frames),
+        torch.tensor([50, 0]),
+    )
     export_stage(make_estimator_graph(decoder.estimator), example, out, stage)
     noise_path = out / "flow_noise.npy"
     np.save(noise_path, decoder.rand_noise[0].detach().float().cpu().numpy().astype(np.float32))

@@ -45,6 +45,11 @@ class StageGraph:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def module_base() -> Any:
+    """torch.nn.Module, imported lazily (the export wrappers subclass it)."""
+    return require("torch", "torch", "exporting ONNX graphs").nn.Module
+
+
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -71,16 +76,28 @@ def export_stage(module: Any, example: tuple[Any, ...], out_dir: Path, stage: St
         with warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")  # the legacy exporter's deprecation and tracer notes
             torch.onnx.export(
-                module, example, str(raw),
-                input_names=[s.name for s in stage.inputs], output_names=[s.name for s in stage.outputs],
-                dynamic_axes=dynamic_axes, opset_version=OPSET, do_constant_folding=True, dynamo=False,
+                module,
+                example,
+                str(raw),
+                input_names=[s.name for s in stage.inputs],
+                output_names=[s.name for s in stage.outputs],
+                dynamic_axes=dynamic_axes,
+                opset_version=OPSET,
+                do_constant_folding=True,
+                dynamo=False,
             )
         model = onnx.load(str(raw), load_external_data=True)
     _name_dims(model, stage)
     if model.ByteSize() > PROTO_LIMIT_BYTES:
         stage.external_data = f"{stage.file}.data"
-        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=stage.external_data, size_threshold=1024)
+        onnx.save_model(
+            model,
+            str(path),
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location=stage.external_data,
+            size_threshold=1024,
+        )
     else:
         onnx.save_model(model, str(path))
     onnx.checker.check_model(str(path))
@@ -104,12 +121,15 @@ def _name_dims(model: Any, stage: StageGraph) -> None:
         dtype = onnx.helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type).name
         dims = value.type.tensor_type.shape.dim
         if dtype != spec.dtype or len(dims) != len(spec.shape):
-            raise RuntimeError(f"{stage.file}: {value.name} is {dtype}{len(dims)}d, spec says "
-                               f"{spec.dtype} {spec.shape}")
+            raise RuntimeError(
+                f"{stage.file}: {value.name} is {dtype}{len(dims)}d, spec says {spec.dtype} {spec.shape}"
+            )
         for dim, want in zip(dims, spec.shape, strict=True):
             if isinstance(want, str):
                 dim.dim_param = want
             elif dim.HasField("dim_value") and dim.dim_value != want:
-                raise RuntimeError(f"{stage.file}: {value.name} has {dim.dim_value} where the spec says {want}")
+                raise RuntimeError(
+                    f"{stage.file}: {value.name} has {dim.dim_value} where the spec says {want}"
+                )
             else:
                 dim.dim_value = want

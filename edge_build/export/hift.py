@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from edge_build.export.graphs import StageGraph, TensorSpec, export_stage
+from edge_build.export.graphs import StageGraph, TensorSpec, export_stage, module_base
 from edge_build.reference import require
 from models.errors import CheckpointError
 
@@ -46,14 +46,21 @@ def plain_copy(hift: Any) -> Any:
 
 
 def upsample_factor(hift: Any) -> int:
-    return int(np.prod(hift.f0_upsamp.scale_factor if np.ndim(hift.f0_upsamp.scale_factor) else
-                       [hift.f0_upsamp.scale_factor]))
+    return int(
+        np.prod(
+            hift.f0_upsamp.scale_factor
+            if np.ndim(hift.f0_upsamp.scale_factor)
+            else [hift.f0_upsamp.scale_factor]
+        )
+    )
 
 
 def _check(hift: Any) -> None:
     if type(hift.m_source).__name__ != "SourceModuleHnNSF2":
-        raise CheckpointError(f"HiFT source module {type(hift.m_source).__name__} (a {hift.sampling_rate} Hz "
-                              f"CosyVoice 1 vocoder); CosyVoice 2's is SourceModuleHnNSF2 at 24 kHz")
+        raise CheckpointError(
+            f"HiFT source module {type(hift.m_source).__name__} (a {hift.sampling_rate} Hz "
+            f"CosyVoice 1 vocoder); CosyVoice 2's is SourceModuleHnNSF2 at 24 kHz"
+        )
     if hift.m_source.l_sin_gen.flag_for_pulse:
         raise CheckpointError("SineGen2 with flag_for_pulse is not supported")
 
@@ -72,15 +79,28 @@ def linear_upsample(torch: Any, x: Any, factor: int) -> Any:
     return x[..., i0] * (1.0 - lam1) + x[..., i1] * lam1
 
 
+# cumsum split: multiples of 2^-12 below 1 add up exactly in float32 for
+# 4096 frames (82 s); the small remainders carry little rounding error
+_CUMSUM_STEP = 2.0**-12
+
+
+def accurate_cumsum(torch: Any, x: Any) -> Any:
+    """cumsum over dim 1 of values in [0, 1), close to the correctly rounded
+    prefix sums that torch's CPU cumsum (double accumulator) returns, with
+    float32 ops only (TensorRT has no double). A plain float32 cumsum drifts
+    by ~1 rad of the 9th harmonic's phase over 30 s."""
+    coarse = torch.floor(x * (1.0 / _CUMSUM_STEP)) * _CUMSUM_STEP
+    return torch.cumsum(coarse, dim=1) + torch.cumsum(x - coarse, dim=1)
+
+
 def make_source_graph(hift: Any) -> Any:
     torch = _torch()
-    nn = torch.nn
     _check(hift)
     hift = plain_copy(hift)
     factor = upsample_factor(hift)
     gen = hift.m_source.l_sin_gen
 
-    class SourceGraph(nn.Module):
+    class SourceGraph(module_base()):  # type: ignore[misc]
         def __init__(self) -> None:
             super().__init__()
             self.hift = hift
@@ -92,10 +112,7 @@ def make_source_graph(hift: Any) -> Any:
             # per frame: what SineGen2 reads back after its linear down-sampling
             # (both neighbours lie in the same frame, so it is that frame's value)
             rad = (f0.unsqueeze(-1) * self.harmonics / gen.sampling_rate) % 1  # [B, T, H]
-            # float32 like upstream (TensorRT has no double cumsum); phases reach
-            # 1e3..1e5 rad, so any two float32 implementations differ in the
-            # last bits of the sines: parity holds to 1e-4 on short inputs only
-            phase = torch.cumsum(rad, dim=1) * 2 * math.pi
+            phase = accurate_cumsum(torch, rad) * 2 * math.pi
             phase = linear_upsample(torch, phase.transpose(1, 2) * factor, factor).transpose(1, 2)
             sines = torch.sin(phase) * gen.sine_amp  # [B, T*U, H]
             uv = (f0 > gen.voiced_threshold).float()
@@ -127,19 +144,22 @@ def dft_bases(n_fft: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     if n_fft % 2 == 0:
         sin_part[-1] = 0.0
     inverse = np.concatenate([weight * np.cos(angle), -weight * sin_part]) * window / n_fft
-    return (window.astype(np.float32), forward[:, None, :].astype(np.float32),
-            inverse[:, None, :].astype(np.float32))
+    return (
+        window.astype(np.float32),
+        forward[:, None, :].astype(np.float32),
+        inverse[:, None, :].astype(np.float32),
+    )
 
 
 def make_decoder_graph(hift: Any) -> Any:
     torch = _torch()
-    nn, F = torch.nn, torch.nn.functional
+    F = torch.nn.functional
     _check(hift)
     hift = plain_copy(hift)
     n_fft, hop = int(hift.istft_params["n_fft"]), int(hift.istft_params["hop_len"])
     window, forward_basis, inverse_basis = dft_bases(n_fft)
 
-    class DecoderGraph(nn.Module):
+    class DecoderGraph(module_base()):  # type: ignore[misc]
         def __init__(self) -> None:
             super().__init__()
             self.hift = hift
@@ -158,7 +178,7 @@ def make_decoder_graph(hift: Any) -> Any:
             ones = torch.ones(1, 1, frames, dtype=spec.dtype)
             envelope = F.conv_transpose1d(ones, self.window_sq, stride=hop)
             length = hop * (frames - 1)
-            return (y / envelope)[:, 0, n_fft // 2: n_fft // 2 + length]
+            return (y / envelope)[:, 0, n_fft // 2 : n_fft // 2 + length]
 
         def forward(self, mel: Any, source: Any) -> Any:
             g = self.hift
@@ -192,20 +212,33 @@ def export_hift(hift: Any, out: Path) -> list[StageGraph]:
     harmonics = int(hift.nb_harmonics) + 1
     samples = f"T*{factor}"
     source_stage = StageGraph(
-        "hift_source", "hift_source.onnx",
-        [TensorSpec("mel", "float32", ("B", c, "T")), TensorSpec("noise", "float32", ("B", samples, harmonics))],
+        "hift_source",
+        "hift_source.onnx",
+        [
+            TensorSpec("mel", "float32", ("B", c, "T")),
+            TensorSpec("noise", "float32", ("B", samples, harmonics)),
+        ],
         [TensorSpec("source", "float32", ("B", 1, samples))],
         {"B": BATCH, "T": FRAMES},
     )
     frames = 6
-    export_stage(make_source_graph(hift), (torch.randn(2, c, frames), torch.randn(2, frames * factor, harmonics)),
-                 out, source_stage)
+    export_stage(
+        make_source_graph(hift),
+        (torch.randn(2, c, frames), torch.randn(2, frames * factor, harmonics)),
+        out,
+        source_stage,
+    )
     decoder_stage = StageGraph(
-        "hift_decoder", "hift_decoder.onnx",
+        "hift_decoder",
+        "hift_decoder.onnx",
         [TensorSpec("mel", "float32", ("B", c, "T")), TensorSpec("source", "float32", ("B", 1, samples))],
         [TensorSpec("audio", "float32", ("B", samples))],
         {"B": BATCH, "T": FRAMES},
     )
-    export_stage(make_decoder_graph(hift), (torch.randn(2, c, frames), torch.randn(2, 1, frames * factor) * 0.1),
-                 out, decoder_stage)
+    export_stage(
+        make_decoder_graph(hift),
+        (torch.randn(2, c, frames), torch.randn(2, 1, frames * factor) * 0.1),
+        out,
+        decoder_stage,
+    )
     return [source_stage, decoder_stage]

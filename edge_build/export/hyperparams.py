@@ -42,8 +42,11 @@ def streaming(refs: ReferenceModels) -> dict[str, int]:
     """Upstream keeps these on CosyVoice2Model; read them from an instance."""
     model_cls = importlib.import_module("cosyvoice.cli.model").CosyVoice2Model
     model = model_cls(refs.llm, refs.flow, refs.hift, False)
-    return {"token_hop_len": int(model.token_hop_len), "mel_cache_len": int(model.mel_cache_len),
-            "source_cache_len": int(model.source_cache_len)}
+    return {
+        "token_hop_len": int(model.token_hop_len),
+        "mel_cache_len": int(model.mel_cache_len),
+        "source_cache_len": int(model.source_cache_len),
+    }
 
 
 def collect(refs: ReferenceModels) -> dict[str, Any]:

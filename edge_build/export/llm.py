@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from edge_build.export.graphs import MASK_NEGATIVE, StageGraph, TensorSpec, export_stage
+from edge_build.export.graphs import MASK_NEGATIVE, StageGraph, TensorSpec, export_stage, module_base
 from edge_build.reference import require
 from models.errors import CheckpointError
 
@@ -40,7 +40,6 @@ def llm_dims(llm: Any) -> dict[str, int]:
 
 def make_qwen2_graph(llm: Any, with_past: bool) -> Any:
     torch = _torch()
-    nn = torch.nn
     config = llm.llm.model.config
     if getattr(config, "rope_scaling", None):
         raise CheckpointError(f"Qwen2 rope_scaling {config.rope_scaling} is not supported (expected none)")
@@ -48,7 +47,7 @@ def make_qwen2_graph(llm: Any, with_past: bool) -> Any:
         raise CheckpointError("Qwen2 use_sliding_window=true is not supported (CosyVoice 2 has it off)")
     dims = llm_dims(llm)
 
-    class Qwen2Graph(nn.Module):
+    class Qwen2Graph(module_base()):  # type: ignore[misc]
         """inputs_embeds (+ past) -> speech-token log-probs at the last
         position and the KV cache [L, 2, B, Hkv, P + T, hd]."""
 
@@ -58,8 +57,9 @@ def make_qwen2_graph(llm: Any, with_past: bool) -> Any:
             self.layers = qwen.layers
             self.norm = qwen.norm
             self.head = llm.llm_decoder
-            self.register_buffer("inv_freq", qwen.rotary_emb.inv_freq.detach().clone().float(),
-                                 persistent=False)
+            self.register_buffer(
+                "inv_freq", qwen.rotary_emb.inv_freq.detach().clone().float(), persistent=False
+            )
             self.rope_scale = float(qwen.rotary_emb.attention_scaling)
             self.n_heads, self.n_kv, self.hd = dims["num_heads"], dims["num_kv_heads"], dims["head_dim"]
 
@@ -120,19 +120,32 @@ def make_qwen2_graph(llm: Any, with_past: bool) -> Any:
 
 
 def _specs(dims: dict[str, int], with_past: bool) -> tuple[list[TensorSpec], list[TensorSpec]]:
-    d, n_l, n_kv, hd, v = (dims["hidden_size"], dims["num_layers"], dims["num_kv_heads"], dims["head_dim"],
-                           dims["speech_vocab_size"])
+    d, n_l, n_kv, hd, v = (
+        dims["hidden_size"],
+        dims["num_layers"],
+        dims["num_kv_heads"],
+        dims["head_dim"],
+        dims["speech_vocab_size"],
+    )
     if not with_past:
-        inputs = [TensorSpec("inputs_embeds", "float32", ("B", "T", d)),
-                  TensorSpec("attention_mask", "int64", ("B", "T"))]
-        outputs = [TensorSpec("logp", "float32", ("B", v)),
-                   TensorSpec("present_kv", "float32", (n_l, 2, "B", n_kv, "T", hd))]
+        inputs = [
+            TensorSpec("inputs_embeds", "float32", ("B", "T", d)),
+            TensorSpec("attention_mask", "int64", ("B", "T")),
+        ]
+        outputs = [
+            TensorSpec("logp", "float32", ("B", v)),
+            TensorSpec("present_kv", "float32", (n_l, 2, "B", n_kv, "T", hd)),
+        ]
     else:
-        inputs = [TensorSpec("inputs_embeds", "float32", ("B", 1, d)),
-                  TensorSpec("attention_mask", "int64", ("B", "P+1")),
-                  TensorSpec("past_kv", "float32", (n_l, 2, "B", n_kv, "P", hd))]
-        outputs = [TensorSpec("logp", "float32", ("B", v)),
-                   TensorSpec("present_kv", "float32", (n_l, 2, "B", n_kv, "P+1", hd))]
+        inputs = [
+            TensorSpec("inputs_embeds", "float32", ("B", 1, d)),
+            TensorSpec("attention_mask", "int64", ("B", "P+1")),
+            TensorSpec("past_kv", "float32", (n_l, 2, "B", n_kv, "P", hd)),
+        ]
+        outputs = [
+            TensorSpec("logp", "float32", ("B", v)),
+            TensorSpec("present_kv", "float32", (n_l, 2, "B", n_kv, "P+1", hd)),
+        ]
     return inputs, outputs
 
 
@@ -143,16 +156,32 @@ def export_llm(llm: Any, out: Path) -> tuple[list[StageGraph], dict[str, Path]]:
     d, n_l, n_kv, hd = dims["hidden_size"], dims["num_layers"], dims["num_kv_heads"], dims["head_dim"]
     stages = []
     inputs, outputs = _specs(dims, with_past=False)
-    example = (torch.randn(2, 5, d) * 0.02, torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]]))
-    stages.append(export_stage(make_qwen2_graph(llm, with_past=False), example, out, StageGraph(
-        "llm_prefill", "llm_prefill.onnx", inputs, outputs, {"B": BATCH, "T": PREFILL_T})))
+    example: tuple[Any, ...] = (torch.randn(2, 5, d) * 0.02, torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]]))
+    stages.append(
+        export_stage(
+            make_qwen2_graph(llm, with_past=False),
+            example,
+            out,
+            StageGraph("llm_prefill", "llm_prefill.onnx", inputs, outputs, {"B": BATCH, "T": PREFILL_T}),
+        )
+    )
     inputs, outputs = _specs(dims, with_past=True)
-    example = (torch.randn(2, 1, d) * 0.02, torch.ones(2, 6, dtype=torch.int64),
-               torch.randn(n_l, 2, 2, n_kv, 5, hd))
+    example = (
+        torch.randn(2, 1, d) * 0.02,
+        torch.ones(2, 6, dtype=torch.int64),
+        torch.randn(n_l, 2, 2, n_kv, 5, hd),
+    )
     decode_max = PREFILL_T[2] + DECODE_TOKENS_MAX - 1
-    stages.append(export_stage(make_qwen2_graph(llm, with_past=True), example, out, StageGraph(
-        "llm_decode", "llm_decode.onnx", inputs, outputs,
-        {"B": BATCH, "P": [1, 256, decode_max]})))
+    stages.append(
+        export_stage(
+            make_qwen2_graph(llm, with_past=True),
+            example,
+            out,
+            StageGraph(
+                "llm_decode", "llm_decode.onnx", inputs, outputs, {"B": BATCH, "P": [1, 256, decode_max]}
+            ),
+        )
+    )
 
     arrays = {
         "text_embedding": ("llm_text_embedding.npy", llm.llm.model.model.embed_tokens.weight),

@@ -17,13 +17,14 @@ def export_tokenizer(model_dir: Path, out: Path) -> tuple[Path, dict[str, Any]]:
     qwen = reference.load_qwen_tokenizer(model_dir)
     hf = qwen.tokenizer
     if not getattr(hf, "is_fast", False):
-        raise CheckpointError(f"{model_dir / reference.QWEN_DIR}: transformers built a slow tokenizer; "
-                              f"expected a Qwen2 BPE it can convert to the `tokenizers` format")
+        raise CheckpointError(
+            f"{model_dir / reference.QWEN_DIR}: transformers built a slow tokenizer; "
+            f"expected a Qwen2 BPE it can convert to the `tokenizers` format"
+        )
     path = out / FILE
     hf.backend_tokenizer.save(str(path))
     special = {token: int(hf.convert_tokens_to_ids(token)) for token in hf.all_special_tokens}
-    info = {"special_tokens": dict(sorted(special.items(), key=lambda kv: kv[1])),
-            "vocab_size": len(hf)}
+    info = {"special_tokens": dict(sorted(special.items(), key=lambda kv: kv[1])), "vocab_size": len(hf)}
     return path, info
 
 

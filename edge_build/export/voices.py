@@ -74,6 +74,7 @@ def export_voices(model_dir: Path, out: Path, mel_bins: int, tokenizer_path: Pat
             log.warning("%s: speaker %r has no embedding; skipped", path, name)
             continue
         rel = f"{VOICE_DIR}/{_file_name(str(name), taken)}"
-        np.savez(out / rel, **arrays)
+        save_npz: Any = np.savez  # numpy stubs take the first keyword for allow_pickle
+        save_npz(out / rel, **arrays)
         voices[str(name)] = rel
     return voices

@@ -1,0 +1,42 @@
+"""`cosyedge build ...`: wiring from the parsed arguments to the builders."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from models.errors import CosyEdgeError
+
+
+def build_command(args: argparse.Namespace) -> int:
+    cmd = args.build_cmd
+    if cmd == "tiny":
+        from edge_build.tiny import build_tiny_checkpoint
+
+        started = time.monotonic()
+        out = build_tiny_checkpoint(Path(args.out), seed=args.seed, size=args.size)
+        print(
+            f"wrote a {args.size} CosyVoice 2 checkpoint (seed {args.seed}) to {out} "
+            f"in {time.monotonic() - started:.1f} s"
+        )
+        return 0
+    if cmd == "export":
+        from edge_build.export import export_bundle
+
+        started = time.monotonic()
+        out = export_bundle(Path(args.model_dir), Path(args.out))
+        print(f"exported {args.model_dir} to the bundle {out} in {time.monotonic() - started:.1f} s")
+        return 0
+    if cmd == "engines":
+        from edge_build.engines_cli import engines_command
+
+        return engines_command(args)
+    if cmd in ("quantize", "validate"):
+        raise CosyEdgeError(
+            f"'cosyedge build {cmd}' is not implemented yet; available now: "
+            f"'cosyedge build tiny' and 'cosyedge build export'"
+        )
+    raise CosyEdgeError(
+        f"unknown build command '{cmd}'; expected tiny, export, quantize, engines or validate"
+    )

@@ -1,0 +1,34 @@
+"""Helpers for comparing exported graphs with the upstream modules."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+# fp32 graphs against the fp32 reference
+TOLERANCE = 1e-4
+
+
+def max_rel(actual: Any, expected: Any) -> float:
+    """max|a - b| / max|b|: the error relative to the reference's scale."""
+    a = np.asarray(actual, dtype=np.float64)
+    b = np.asarray(expected, dtype=np.float64)
+    assert a.shape == b.shape, f"shape {a.shape} != reference {b.shape}"
+    assert np.isfinite(a).all(), "non-finite values in the exported graph's output"
+    scale = np.abs(b).max()
+    assert scale > 0, "the reference is all zeros: the comparison would prove nothing"
+    return float(np.abs(a - b).max() / scale)
+
+
+def to_numpy(t: Any) -> np.ndarray:
+    return t.detach().cpu().numpy()
+
+
+def upstream_source_noise(torch: Any, batch: int, samples: int, harmonics: int) -> Any:
+    """The draws upstream's SineGen2 makes after the caller seeded torch: the
+    random initial phase (rand [B, H], which our graph does not take), then
+    randn_like of its [B, T*U, H] sine tensor, which is a transposed view of a
+    [B, H, T*U] buffer, so the normals fill it in that memory order."""
+    torch.rand(batch, harmonics)
+    return torch.randn_like(torch.empty(batch, harmonics, samples).transpose(1, 2))
