@@ -256,9 +256,11 @@ class Router:
         if lacks is not None:
             if cloud_up:
                 return RouteDecision("cloud", lacks, "local_lacks")
+            if engines.slots["cloud"].engine is None:
+                return None  # no cloud configured: the local engine answers with its own error
             raise ApiError(
                 "cloud_unavailable",
-                f"{lacks}, and the cloud is not configured or unavailable",
+                f"{lacks}, and the cloud is unavailable",
                 request.id,
             )
         if not cloud_up:

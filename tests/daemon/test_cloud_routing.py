@@ -79,11 +79,14 @@ def test_cloud_modes_and_voices(espeak: EspeakEngine) -> None:
     assert router.decide(req(voice=voice)).rule == "voice"
     assert router.decide(req(voice="a-cloud-only-voice")).rule == "local_lacks"
     # cloud down: a preference falls back to local, a capability gap is an error
-    engines.slots["cloud"].swap(None)
+    engines.slots["cloud"].swap(Unreachable())
     assert router.decide(req(voice=voice)).target == "local"
     with pytest.raises(ApiError) as err:
         router.decide(req(mode="zero_shot", prompt=prompt))
     assert err.value.code == "cloud_unavailable" and "zero_shot" in err.value.message
+    # no cloud configured at all: the local engine answers (with its own error)
+    engines.slots["cloud"].swap(None)
+    assert router.decide(req(mode="zero_shot", prompt=prompt)).target == "local"
 
 
 def test_mode_preference_when_local_serves_it(espeak: EspeakEngine) -> None:
