@@ -77,6 +77,9 @@ def test_long_text_goes_to_the_cloud_and_is_spoken(make_bridge, edges, local_eng
     bridge = make_bridge(triton=PRODUCT)
     edge = edges(local_engine, routing={"cloud_min_chars": 120})
     assert len(LONG) >= 120
+    health = edge.service.health_doc()
+    assert health["cloud"] == {"enabled": True, "link": "unknown"}  # a direct connection: no link topic
+    assert health["engines"]["cloud"]["state"] == "ready"
     edge.say("long", LONG, output="both", seed=7)
     done_msg = edge.answer("long", 180)
     assert done_msg.topic.endswith("/done/long"), done_msg.payload
