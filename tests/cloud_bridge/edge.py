@@ -30,8 +30,15 @@ def load_local(bundle: Path) -> Engine:
 
 
 class Edge:
-    def __init__(self, broker_url: str, local: Engine | None, sink_speed: float = 20.0, **sections: Any) -> None:
-        self.device_id = f"edge{uuid.uuid4().hex[:6]}"
+    def __init__(
+        self,
+        broker_url: str,
+        local: Engine | None,
+        sink_speed: float = 20.0,
+        device_id: str | None = None,
+        **sections: Any,
+    ) -> None:
+        self.device_id = device_id or f"edge{uuid.uuid4().hex[:6]}"
         sections.setdefault("cloud", {}).setdefault("enabled", True)
         self.settings = make_settings(broker_url, self.device_id, **sections)
         self.sink = MemorySink(sample_rate=24000, speed=sink_speed)

@@ -5,7 +5,9 @@ is killed) and tritonserver with the tiny bundle (`cosyvoice2`) and the
 `sine` fixture model (its timing set by the text, so a test can kill the
 cloud at a known point of a request).
 
-That a device cannot subscribe to another device's responses is tested in
+The link test puts the daemon behind its own Mosquitto, bridged to the
+cloud broker (password, ACL) with the template of systemd/mosquitto/. That a
+device cannot subscribe to another device's responses is tested in
 test_acl_and_links.py (the cloud broker with the ACL template)."""
 
 from __future__ import annotations
@@ -20,11 +22,11 @@ import pytest
 
 from cloud_bridge.triton_launcher import TritonServer
 from models.api import Engine
-from tests.cloud_bridge.conftest import SINE_MODEL, V1_HZ, V2_HZ
+from tests.cloud_bridge.conftest import SINE_MODEL, V1_HZ, V2_HZ, device_broker_conf
 from tests.cloud_bridge.edge import Edge, load_local, wait
 from tests.cloud_bridge.sine_engine import CHUNK_SAMPLES
 from tests.cloud_bridge.test_bridge_process import BridgeProcess
-from tests.support.broker import Broker
+from tests.support.broker import Broker, running_broker
 
 PRODUCT = {"model": "cosyvoice2", "first_chunk_timeout_s": 120.0, "chunk_timeout_s": 120.0}
 LONG = " ".join(f"This is sentence number {n} of a long announcement." for n in range(1, 5))
@@ -168,3 +170,42 @@ def test_bridge_restarted_mid_request_loses_nothing(bridge_process, edges, local
     err = min(float(np.abs(pcm - 0.5 * np.sin(2 * np.pi * hz * t)).max()) for hz in (V1_HZ, V2_HZ))
     assert err < 1e-3
     assert len(edge.cloud_requests()) == 1  # the device sent it once; the broker redelivered it
+
+
+def test_link_state_routes_without_waiting_for_a_timeout(  # type: ignore[no-untyped-def]
+    cloud_broker, cloud_bridge, local_engine
+) -> None:
+    with running_broker(extra_conf=device_broker_conf(cloud_broker, "devA")) as device_broker:
+        edge = Edge(
+            device_broker.url,
+            local_engine,
+            device_id="devA",
+            routing={"cloud_min_chars": 20},
+            cloud={"first_chunk_timeout_s": 30.0},
+        )
+        try:
+            cloud = edge.service.cloud
+            assert cloud is not None
+            assert wait(lambda: cloud.link_up is True, 10), "the device broker's bridge did not come up"
+            edge.say("up", "Over the link we go. {chunks=2}", output="publish")
+            up = edge.answer("up", 30).json()
+            assert (up["route"], up["route_rule"], up["chunks"]) == ("cloud", "text_length", 2), up
+            # the cloud broker goes away: the device broker says so on the link topic ("0")
+            cloud_broker.stop()
+            assert wait(lambda: cloud.link_up is False, 10)
+            health = edge.service.health_doc()
+            assert health["cloud"]["link"] == "down" and health["engines"]["cloud"]["state"] == "unreachable"
+            sent = edge.say("down", "Hello link, goodbye.", output="publish")
+            msg = edge.answer("down", 30)
+            down = msg.json()
+            assert (down["route"], down["route_rule"]) == ("local", "default"), down
+            assert msg.at - sent < 15  # no wait for the 30 s first-chunk timeout
+            assert len(edge.cloud_requests()) == 1
+            edge.say("must", "Cloud only.", output="publish", route="cloud")  # refused at once
+            msg = edge.answer("must", 5)
+            assert msg.topic.endswith("/error/must") and msg.json()["code"] == "cloud_unavailable"
+            # and back
+            cloud_broker.start()
+            assert wait(lambda: cloud.link_up is True, 15)
+        finally:
+            edge.close()
