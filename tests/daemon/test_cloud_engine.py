@@ -211,3 +211,18 @@ def test_link_topic_and_connection_health(broker: Broker, conn: MqttConnection) 
     assert not engine.available()
     with pytest.raises(CloudUnavailable, match="broker"):
         run(engine)
+
+
+def test_service_wires_the_cloud_and_reloads_its_live_settings(daemons) -> None:  # type: ignore[no-untyped-def]
+    from tests.daemon.conftest import with_section
+
+    svc = daemons.start(cloud={"enabled": True})
+    assert svc.cloud is not None and svc.engines.slots["cloud"].engine is svc.cloud
+    assert set(svc.cloud.subscriptions()) <= set(svc.conn.subscriptions)
+    new = with_section(svc.settings, "cloud", first_chunk_timeout_s=2.5, enabled=False)
+    new = with_section(new, "routing", cloud_min_chars=12)
+    restart = svc.apply_settings(new)
+    assert restart == ["[cloud] enabled"]  # the engine itself is made at start
+    assert svc.cloud.settings.first_chunk_timeout_s == 2.5 and svc.router.settings.cloud_min_chars == 12
+    plain = daemons.start()
+    assert plain.cloud is None and plain.engines.slots["cloud"].engine is None
