@@ -6,35 +6,34 @@ card, the daemon runs without them (output 'publish' only)."""
 
 from __future__ import annotations
 
-import importlib
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 from daemon.audio.interfaces import AudioSink
 from daemon.settings import Settings
 from daemon.voice_link import VoiceLink
 from models.errors import CosyEdgeError
 
+if TYPE_CHECKING:
+    from daemon.audio.vad_worker import VadWorker
+
 log = logging.getLogger(__name__)
 
 
-def _devices() -> Any | None:
-    try:
-        return importlib.import_module("daemon.audio.devices")
-    except ImportError as exc:
-        log.warning("audio devices unavailable (%s); running without speaker and microphone", exc)
-        return None
+# The rate the sink is opened at: CosyVoice 2's. The pipeline resamples
+# (soxr) chunks of engines with another rate, e.g. the espeak-ng fallback.
+SINK_RATE_HZ = 24000
 
 
 def open_sink(settings: Settings) -> AudioSink | None:
     device = settings.audio_device
     if device == "none":
         return None
-    devices = _devices()
-    if devices is None:
-        return None
+    from daemon.audio.devices import create_sink
+
     try:
-        sink: AudioSink = devices.create_sink(settings.audio)
+        sink = create_sink(settings.audio_settings, SINK_RATE_HZ)
+        sink.start()
         return sink
     except Exception as exc:
         if device == "default":
@@ -45,25 +44,19 @@ def open_sink(settings: Settings) -> AudioSink | None:
         ) from exc
 
 
-def start_voice_input(settings: Settings, voice: VoiceLink) -> Any | None:
-    """The microphone and VAD worker, or None (no device, disabled, or the
-    audio side does not provide them)."""
+def start_voice_input(settings: Settings, voice: VoiceLink) -> VadWorker | None:
+    """The microphone and its VAD worker, or None (no device or disabled)."""
     if settings.audio_device == "none" or not settings.vad_enabled:
         return None
-    devices = _devices()
-    factory = getattr(devices, "create_vad_worker", None) if devices is not None else None
-    if factory is None:
-        log.warning("no VAD worker factory in daemon.audio.devices; microphone not started")
-        return None
+    from daemon.audio.devices import create_source
+    from daemon.audio.vad_worker import VadWorker
+
     try:
-        source = devices.create_source(settings.audio)  # type: ignore[union-attr]
-        worker = factory(
-            settings.vad,
-            source,
-            on_event=voice.on_vad_event,
-            on_utterance=voice.on_utterance,
-            is_speaking=lambda: voice.speaking,
-        )
+        source = create_source(settings.audio_settings, settings.vad_settings)
+        if source is None:
+            return None
+        worker = VadWorker(source, settings.vad_settings, on_event=voice.on_vad_event,
+                           on_segment=lambda wav, _start_s, _end_s: voice.on_utterance(wav))
         worker.start()
         return worker
     except Exception as exc:

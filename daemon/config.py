@@ -84,6 +84,7 @@ def settings_from_mapping(data: Mapping[str, Any]) -> Settings:
         raw[name] = MappingProxyType(dict(table))
     settings = Settings(device_id=validate_device_id(device_id or default_device_id()), **sections, **raw)
     parse_broker_url(settings.mqtt.broker)
+    settings.audio_settings, settings.vad_settings  # noqa: B018 -- validate the audio side's tables now
     if settings.mqtt.reconnect_min_delay_s > settings.mqtt.reconnect_max_delay_s:
         raise ConfigError("[mqtt] reconnect_min_delay_s must not exceed reconnect_max_delay_s")
     for site in settings.hermes.site_ids:

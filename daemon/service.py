@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from daemon.audio.barge_in import BargeInPolicy
 from daemon.audio.interfaces import AudioSink
 from daemon.cloud_engine import CloudEngine, describe_link
 from daemon.completion import Completer
@@ -27,7 +28,7 @@ from daemon.scheduler import Scheduler
 from daemon.sdnotify import SdNotifier
 from daemon.settings import SECTIONS, Settings
 from daemon.tts_api import TtsRequest
-from daemon.voice_link import BargeInPolicy, SimpleBargeIn, VoiceLink
+from daemon.voice_link import VoiceLink
 from models.api import Engine
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,7 @@ class Service:
             self.cloud = CloudEngine(self.conn, settings.device_id, settings.cloud)
             self.conn.subscriptions += self.cloud.subscriptions()
             self.engines.slots["cloud"].swap(self.cloud)
-        policy = barge_in or SimpleBargeIn(settings.barge_in)
+        policy = barge_in or BargeInPolicy(settings.vad_settings)
         self.voice = VoiceLink(
             self.conn,
             prefix,
@@ -89,7 +90,6 @@ class Service:
             self.metrics,
             policy,
             settings.site_ids[0] if settings.hermes.enabled else None,
-            settings.duck_gain,
         )
         self.extra_liveness: dict[str, Callable[[], bool]] = {}  # e.g. the audio capture worker
         self.health = HealthMonitor(
@@ -326,6 +326,7 @@ class Service:
         self.health.poke()
 
     def _speaking_changed(self, speaking: bool) -> None:
+        self.voice.on_speaking_changed(speaking)
         for listener in self.speaking_listeners:
             listener(speaking)
         self.health.poke()

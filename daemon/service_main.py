@@ -8,8 +8,8 @@ import argparse
 import logging
 import queue
 import signal
-from typing import Any
 
+from daemon.audio.vad_worker import VadWorker
 from daemon.audio_wiring import open_sink, start_voice_input
 from daemon.config import load_settings, parse_broker_url
 from daemon.local_broker import ensure_broker
@@ -30,7 +30,7 @@ def run_command(args: argparse.Namespace) -> int:
         for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
     }
     broker = ensure_broker(parse_broker_url(settings.mqtt.broker), settings.mqtt.local_broker)
-    voice_input: Any = None
+    voice_input: VadWorker | None = None
     service: Service | None = None
     try:
         service = Service(settings, sink=open_sink(settings))
@@ -38,12 +38,9 @@ def run_command(args: argparse.Namespace) -> int:
         service.start()
         voice_input = start_voice_input(settings, service.voice)
         if voice_input is not None:
-            service.speaking_listeners.append(getattr(voice_input, "set_speaking", lambda _s: None))
-            alive = getattr(voice_input, "alive", None)
-            if alive is not None:
-                service.extra_liveness["vad"] = (
-                    alive if callable(alive) else (lambda: bool(voice_input.alive))
-                )
+            worker = voice_input
+            service.speaking_listeners.append(worker.set_speaking)  # half-duplex
+            service.extra_liveness["vad"] = lambda: bool(worker.alive)
         while True:
             try:
                 # A timeout, not a plain blocking get: when the kernel delivers

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from daemon.audio.settings import AudioSettings, VadSettings
 from daemon.config_schema import setting
 
 PRIORITY_MIN, PRIORITY_MAX = -1000, 1000
@@ -70,7 +71,7 @@ class TtsSettings:
         "model bundle directory; empty: the tiny bundle in the cache directory, "
         "built on first use (needs the build extra)",
     )
-    backend: str = setting("ort", "inference backend of the bundle", choices=("ort", "trt"))
+    backend: str = setting("ort", "inference backend of the bundle", choices=("ort", "ort-cuda", "ort-trt", "trt"))
     default_voice: str = setting(
         "", "voice when a request names none; empty: the bundle's default", live=True
     )
@@ -273,8 +274,8 @@ class Settings:
     cloud: CloudSettings = field(default_factory=CloudSettings)
     hermes: HermesSettings = field(default_factory=HermesSettings)
     health: HealthSettings = field(default_factory=HealthSettings)
-    # Owned by the audio side (daemon/audio/settings.py); carried as raw
-    # tables until its dataclasses are wired in.
+    # Owned by the audio side: validated by AudioSettings / VadSettings
+    # (audio_settings / vad_settings below, checked when the config loads).
     audio: Mapping[str, Any] = field(default_factory=lambda: _frozen({}))
     vad: Mapping[str, Any] = field(default_factory=lambda: _frozen({}))
 
@@ -286,25 +287,38 @@ class Settings:
     def site_ids(self) -> tuple[str, ...]:
         return self.hermes.site_ids or (self.device_id,)
 
-    # The only places that read the audio side's tables: adapt these when
-    # daemon/audio/settings.py replaces the raw tables with its dataclasses.
+    # The audio side's dataclasses validate these tables (daemon/audio/settings.py).
+    # The daemon's own `device` key (and `--audio`) names both the speaker
+    # and the microphone unless output_device / input_device are given.
     @property
     def audio_device(self) -> str:
-        """'none', 'default' or a device name (the audio table's `device`)."""
-        return str(self.audio.get("device", "default"))
+        """'none', 'default' or a device name."""
+        return str(self.audio.get("device", self.audio.get("output_device", "default")))
+
+    @property
+    def audio_settings(self) -> AudioSettings:
+        table = {k: v for k, v in self.audio.items() if k != "device"}
+        if "device" in self.audio:
+            table.setdefault("output_device", self.audio["device"])
+            table.setdefault("input_device", self.audio["device"])
+        return AudioSettings.from_mapping(table)
+
+    @property
+    def vad_settings(self) -> VadSettings:
+        return VadSettings.from_mapping({k: v for k, v in self.vad.items() if k != "enabled"})
 
     @property
     def vad_enabled(self) -> bool:
-        return bool(self.vad.get("enabled", True))
+        return bool(self.vad.get("enabled", True)) and self.audio_settings.capture
 
     @property
     def barge_in(self) -> str:
         """'stop', 'duck' or 'off'."""
-        return str(self.vad.get("barge_in", "stop"))
+        return self.vad_settings.barge_in
 
     @property
     def duck_gain(self) -> float:
-        return float(self.vad.get("duck_gain", 0.25))
+        return self.vad_settings.duck_gain
 
 
 SECTIONS: dict[str, type] = {

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Literal, Protocol
 
+from daemon.audio.barge_in import BargeInAction, BargeInPolicy
 from daemon.audio.interfaces import VadEvent
 from daemon.hermes import publish_voice_activity
 from daemon.metrics import Metrics
@@ -18,36 +18,6 @@ from daemon.pipeline import Pipeline
 from daemon.responders import Publisher
 
 log = logging.getLogger(__name__)
-
-Action = Literal["stop", "duck", "unduck", "none"]
-
-
-class BargeInPolicy(Protocol):
-    def decide(self, event: VadEvent, speaking: bool) -> Action: ...
-
-
-class SimpleBargeIn:
-    """stop: speech while speaking stops the request; duck: lowers the volume
-    until the speech ends; off: nothing. (The audio side may supply its own
-    policy with the same `decide`.)"""
-
-    def __init__(self, mode: str = "stop") -> None:
-        self.mode = mode
-        self._ducked = False
-
-    def decide(self, event: VadEvent, speaking: bool) -> Action:
-        if event.kind == "speech_end":
-            if self._ducked:
-                self._ducked = False
-                return "unduck"
-            return "none"
-        if not speaking or self.mode == "off":
-            return "none"
-        if self.mode == "duck":
-            self._ducked = True
-            return "duck"
-        return "stop"
-
 
 class VoiceLink:
     def __init__(
@@ -58,7 +28,6 @@ class VoiceLink:
         metrics: Metrics | None,
         policy: BargeInPolicy,
         hermes_site: str | None,
-        duck_gain: float = 0.25,
     ) -> None:
         self.publisher = publisher
         self.prefix = prefix
@@ -66,7 +35,6 @@ class VoiceLink:
         self.metrics = metrics
         self.policy = policy
         self.hermes_site = hermes_site
-        self.duck_gain = duck_gain
 
     @property
     def speaking(self) -> bool:
@@ -86,19 +54,23 @@ class VoiceLink:
             publish_voice_activity(self.publisher, self.hermes_site, event)
         if self.metrics is not None:
             self.metrics.vad_events.labels(kind=event.kind).inc()
-        action = self.policy.decide(event, speaking)
-        if action == "none":
+        self._apply(self.policy.on_vad_event(event, speaking))
+
+    def on_speaking_changed(self, speaking: bool) -> None:
+        """Playback ended while ducked: restore the gain for the next request."""
+        self._apply(self.policy.on_speaking_changed(speaking))
+
+    def _apply(self, action: BargeInAction) -> None:
+        if action.kind == "none":
             return
-        if self.metrics is not None and action in ("stop", "duck"):
-            self.metrics.barge_ins.labels(action=action).inc()
+        if self.metrics is not None and action.kind in ("stop", "duck"):
+            self.metrics.barge_ins.labels(action=action.kind).inc()
         sink = self.pipeline.sink
-        if action == "stop":
+        if action.kind == "stop":
             job = self.pipeline.interrupt_playing("interrupted")
             log.info("barge-in: stopped %s", job.id if job else "nothing")
-        elif action == "duck" and sink is not None:
-            sink.set_gain(self.duck_gain)
-        elif action == "unduck" and sink is not None:
-            sink.set_gain(1.0)
+        elif sink is not None:  # duck / unduck
+            sink.set_gain(action.gain)
 
     def on_utterance(self, wav: bytes) -> None:
         self.publisher.publish(f"{self.prefix}/vad/segment", wav, content_type="audio/wav")

@@ -68,5 +68,9 @@ class AudioSource(Protocol):
 @dataclass(frozen=True)
 class VadEvent:
     kind: Literal["speech_start", "speech_end"]
-    time_s: float  # stream time of the boundary (pre-roll included for speech_start)
+    # Stream time of the detected boundary (seconds since capture started): the
+    # onset of speech for speech_start, the end of the last voiced frame for
+    # speech_end. The utterance audio starts pre_roll_ms before the onset.
+    time_s: float
     utterance_ms: float | None = None  # for speech_end
+    forced_split: bool = False  # speech_end because the utterance reached max_utterance_ms

@@ -34,8 +34,10 @@ class TorchNoise:
     def standard_normal(self, size: tuple[int, ...], dtype: type[np.float32]) -> np.ndarray:
         b, n, h = size
         torch.rand(b, h)  # SineGen2's random initial phase (never reaches the output)
-        noise = torch.randn(b, h, n).transpose(1, 2)
-        torch.randn(b, 1, n)  # the noise branch, unused at inference
+        # randn_like on the non-contiguous view: torch fills it element by
+        # element, not with the vectorised path a fresh contiguous randn takes.
+        noise = torch.randn_like(torch.empty(b, h, n).transpose(1, 2))
+        torch.randn_like(torch.empty(b, 1, n).transpose(1, 2))  # the noise branch, unused at inference
         return np.ascontiguousarray(noise.numpy(), dtype=dtype)
 
 

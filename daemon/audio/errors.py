@@ -1,0 +1,9 @@
+"""Errors of the audio layer, with messages meant for users."""
+
+from __future__ import annotations
+
+from models.errors import CosyEdgeError
+
+
+class AudioDeviceError(CosyEdgeError):
+    """No such audio device, or PortAudio is missing or refuses the settings."""
