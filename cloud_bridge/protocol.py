@@ -113,6 +113,10 @@ class CloudTopics:
     def request(self, device_id: str) -> str:
         return f"{self.root}/{device_id}/cloud/request"
 
+    def link(self, device_id: str) -> str:
+        """The retained link state a device's Mosquitto bridge publishes ("1" up, "0" down)."""
+        return f"{self.root}/{device_id}/cloud/link"
+
     def request_filter(self) -> str:
         return f"{self.root}/+/cloud/request"
 

@@ -56,6 +56,7 @@ class Completer:
         total_s = now - job.request.received_at if job.request.received_at else None
         if self.metrics is not None:
             self.metrics.observe_request(summary, route, outcome, total_s)
+            self.metrics.routes.labels(route=route, rule=job.route_rule or "none").inc()
         if self.log_traces:
             line = (
                 summary

@@ -36,6 +36,7 @@ class Job:
     stop_reason: str | None = None
     route: str | None = None
     route_reason: str = ""
+    route_rule: str = ""  # the routing rule's stable label (metrics)
     engine_name: str = ""
     sample_rate: int = 0
     samples_out: int = 0
@@ -123,6 +124,7 @@ class Job:
             "id": self.id,
             "route": self.route,
             "route_reason": self.route_reason,
+            "route_rule": self.route_rule,
             "engine": self.engine_name,
             "reason": reason,
             "output": self.request.output,

@@ -14,7 +14,7 @@ log = logging.getLogger(__name__)
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0, 10.0)
-ENGINE_STATES = ("absent", "loading", "ready", "failed", "unhealthy")
+ENGINE_STATES = ("absent", "loading", "ready", "failed", "unhealthy", "unreachable")
 
 
 class Metrics:
@@ -23,6 +23,12 @@ class Metrics:
         r = self.registry
         self.requests = Counter(
             "cosyedge_tts_requests", "finished TTS requests", ["route", "outcome"], registry=r
+        )
+        self.routes = Counter(
+            "cosyedge_tts_routes",
+            "finished TTS requests by the route that served them and the rule that chose it",
+            ["route", "rule"],
+            registry=r,
         )
         self.rejected = Counter(
             "cosyedge_tts_rejected", "requests rejected before queueing, by error code", ["code"], registry=r

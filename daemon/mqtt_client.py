@@ -38,6 +38,7 @@ class InboundMessage:
     response_topic: str | None = None
     correlation_data: bytes | None = None
     received_at: float = 0.0  # time.monotonic()
+    user_properties: tuple[tuple[str, str], ...] = ()  # MQTT v5
 
 
 @dataclass(frozen=True)
@@ -162,10 +163,16 @@ class MqttConnection:
         props = getattr(msg, "properties", None)
         response_topic = getattr(props, "ResponseTopic", None) if props else None
         correlation = getattr(props, "CorrelationData", None) if props else None
+        user_props = tuple(getattr(props, "UserProperty", None) or ()) if props else ()
         try:
             self._on_message(
                 InboundMessage(
-                    msg.topic, bytes(msg.payload), response_topic or None, correlation, time.monotonic()
+                    msg.topic,
+                    bytes(msg.payload),
+                    response_topic or None,
+                    correlation,
+                    time.monotonic(),
+                    user_props,
                 )
             )
         except Exception:  # a bug in a handler must not kill paho's network thread
@@ -181,10 +188,13 @@ class MqttConnection:
         correlation_data: bytes | None = None,
         content_type: str | None = None,
         qos: int | None = None,
+        message_expiry_s: int | None = None,
     ) -> mqtt.MQTTMessageInfo:
         props = None
         if self.v5:
             props = Properties(PacketTypes.PUBLISH)
+            if message_expiry_s is not None:
+                props.MessageExpiryInterval = message_expiry_s
             pairs = list(user_properties)
             if pairs:
                 props.UserProperty = pairs

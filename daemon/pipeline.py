@@ -203,15 +203,20 @@ class Pipeline:
 
     def _synthesize(self, job: Job, decision: RouteDecision) -> tuple[str, str] | None:
         """Run the job through the engines; an error tuple when it failed."""
+        tried: set[str] = set()
         while True:
-            job.route, job.route_reason = decision.target, decision.reason
+            job.route, job.route_reason, job.route_rule = decision.target, decision.reason, decision.rule
+            tried.add(decision.target)
             slot = self.router.engines.slots[decision.target]
             try:
                 with self.router.engines.lease(decision.target) as engine:
                     job.engine_name = engine.name
                     self._hint_load(engine)
                     request = job.request.synthesis_request(fallback=decision.target == "fallback")
-                    for chunk in engine.synthesize(request, cancel=job.cancel):
+                    # Optional engine hook: the cloud takes the job's id and deadline along.
+                    for_job = getattr(engine, "for_job", None)
+                    synthesize = for_job(job.id, job.deadline_at) if callable(for_job) else engine.synthesize
+                    for chunk in synthesize(request, cancel=job.cancel):
                         if job.cancel.is_set():
                             break
                         self._deliver(job, chunk)
@@ -227,7 +232,9 @@ class Pipeline:
                     return None
                 slot.report(False)
                 log.warning("engine %s failed on request %s: %s", decision.target, job.id, exc)
-                following = self.router.after_failure(decision, str(exc), audio_out=job.chunks_out > 0)
+                following = self.router.after_failure(
+                    decision, str(exc), audio_out=job.chunks_out > 0, request=job.request, tried=tried
+                )
                 if following is None:
                     return ("engine_error", f"the {decision.target} engine failed: {exc}")
                 decision = following

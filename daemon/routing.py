@@ -1,22 +1,25 @@
 """Where a request is synthesized. One Engine per target ('local', 'cloud',
 'fallback') in an EngineSet; the Router picks a target by trying its rules
-in order, and says what to try after a failure. The dispatcher only asks.
-The cloud side adds its Engine under 'cloud' and its rules to
-`Router.rules` (before `local_rules`), nothing else changes."""
+in order (explicit cloud, the route=auto rules, local/fallback), and says
+what to try after a failure (cloud -> local, local -> cloud, either -> the
+fallback voice). Pure logic: the engines, the clock and the local load
+come in from outside, so the rules are tested alone."""
 
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from daemon.settings import RoutingSettings
 from daemon.tts_api import ApiError, TtsRequest
 from models.api import Engine
+from models.errors import RequestError
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +30,8 @@ TARGETS: tuple[Target, ...] = ("local", "cloud", "fallback")
 @dataclass(frozen=True)
 class RouteDecision:
     target: Target
-    reason: str
+    reason: str  # for people: done.route_reason
+    rule: str = field(default="default", compare=False)  # a stable label for the metrics
 
 
 class EngineSlot:
@@ -82,9 +86,13 @@ class EngineSlot:
 
     @property
     def healthy(self) -> bool:
-        """Loaded and not failing; an unhealthy engine gets a retry after
+        """Loaded, reachable (an engine may say it is not: the cloud's link)
+        and not failing; an unhealthy engine gets a retry after
         `unhealthy_retry_s`."""
         if self._engine is None:
+            return False
+        probe = getattr(self._engine, "available", None)
+        if callable(probe) and not probe():
             return False
         if self._unhealthy_since is None:
             return True
@@ -104,6 +112,9 @@ class EngineSlot:
         state = self.state
         if engine is not None and not self.healthy:
             state = "unhealthy"
+            probe = getattr(engine, "available", None)
+            if callable(probe) and not probe():
+                state = "unreachable"
         return {
             "state": state,
             "engine": getattr(engine, "name", None),
@@ -147,14 +158,22 @@ class EngineSet:
 
 
 Rule = Callable[[TtsRequest, EngineSet], "RouteDecision | None"]
+LoadProbe = Callable[[TtsRequest], tuple[int, float]]  # (requests waiting, estimated local wait in s)
+
+_TOKEN_RE = re.compile(r"\w+|[^\w\s]")
+
+
+def count_tokens(text: str) -> int:
+    """Words and punctuation marks: a tokenizer-free stand-in for the LLM's text tokens."""
+    return len(_TOKEN_RE.findall(text))
 
 
 def cloud_rule(request: TtsRequest, engines: EngineSet) -> RouteDecision | None:
-    """route=cloud: the cloud engine or an error (the cloud side refines this)."""
+    """route=cloud: the cloud engine or an error."""
     if request.route != "cloud":
         return None
     if engines.available("cloud"):
-        return RouteDecision("cloud", "requested")
+        return RouteDecision("cloud", "requested", "requested")
     raise ApiError(
         "cloud_unavailable",
         "route 'cloud' was requested but no cloud engine is configured or it is unavailable",
@@ -167,25 +186,58 @@ def local_rule(request: TtsRequest, engines: EngineSet) -> RouteDecision | None:
     if request.route not in ("local", "auto"):
         return None
     if engines.available("local"):
-        return RouteDecision("local", "requested" if request.route == "local" else "local engine ready")
+        if request.route == "local":
+            return RouteDecision("local", "requested", "requested")
+        return RouteDecision("local", "local engine ready", "default")
+    why = local_down_reason(engines)
+    if engines.available("fallback"):
+        return RouteDecision("fallback", why, "local_unavailable")
+    raise ApiError("engine_unavailable", f"{why}, and the fallback voice is off or missing", request.id)
+
+
+def local_down_reason(engines: EngineSet) -> str:
     slot = engines.slots["local"]
-    why = {
+    if slot.engine is not None and not slot.healthy:
+        return f"local engine is unhealthy ({slot.failures} failures)"
+    return {
         "loading": "local engine is loading",
         "failed": f"local engine failed to load: {slot.error}",
         "absent": "no local engine",
     }.get(slot.state, "local engine is unhealthy")
-    if slot.engine is not None and not slot.healthy:
-        why = f"local engine is unhealthy ({slot.failures} failures)"
-    if engines.available("fallback"):
-        return RouteDecision("fallback", why)
-    raise ApiError("engine_unavailable", f"{why}, and the fallback voice is off or missing", request.id)
 
 
+def local_lacks(request: TtsRequest, engines: EngineSet) -> str | None:
+    """Why the loaded local engine cannot serve the request (its modes, its
+    voices, its own validation); None: it can, or no engine is loaded to ask."""
+    engine = engines.slots["local"].engine
+    if engine is None:
+        return None
+    if request.mode not in engine.modes():
+        return f"the local engine does not serve mode '{request.mode}'"
+    voices = engine.voices()
+    if request.voice and voices and request.voice not in voices:
+        return f"the local engine has no voice '{request.voice}'"
+    try:
+        engine.validate(request.synthesis_request())
+    except RequestError as exc:
+        return f"the local engine cannot serve it: {exc}"
+    return None
+
+
+@dataclass
 class Router:
-    def __init__(self, engines: EngineSet, settings: RoutingSettings) -> None:
-        self.engines = engines
-        self.settings = settings
-        self.rules: list[Rule] = [cloud_rule, local_rule]
+    """Rules in order; the first that decides wins. With route=auto the cloud
+    gets what the local engine cannot or should not serve (when it is up)."""
+
+    engines: EngineSet
+    settings: RoutingSettings
+    load: LoadProbe | None = None
+    clock: Callable[[], float] = time.monotonic
+    rules: list[Rule] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.rules:
+            self.rules = [cloud_rule, self.auto_rule, local_rule]
 
     def decide(self, request: TtsRequest) -> RouteDecision:
         for rule in self.rules:
@@ -194,10 +246,87 @@ class Router:
                 return decision
         raise ApiError("engine_unavailable", f"no route serves route={request.route!r}", request.id)
 
-    def after_failure(self, failed: RouteDecision, error: str, audio_out: bool) -> RouteDecision | None:
-        """What to try after `failed` raised; None: give up (error to the client)."""
-        if audio_out or failed.target == "fallback" or not self.settings.fallback_on_error:
+    def auto_rule(self, request: TtsRequest, engines: EngineSet) -> RouteDecision | None:
+        """route=auto: the cloud when a rule says so and it is up; None: local_rule decides."""
+        if request.route != "auto":
             return None
-        if self.engines.available("fallback"):
-            return RouteDecision("fallback", f"{failed.target} engine failed: {error}")
+        s = self.settings
+        cloud_up = engines.available("cloud")
+        lacks = local_lacks(request, engines)
+        if lacks is not None:
+            if cloud_up:
+                return RouteDecision("cloud", lacks, "local_lacks")
+            if engines.slots["cloud"].engine is None:
+                return None  # no cloud configured: the local engine answers with its own error
+            raise ApiError(
+                "cloud_unavailable",
+                f"{lacks}, and the cloud is unavailable",
+                request.id,
+            )
+        if not cloud_up:
+            return None
+        if not engines.available("local"):
+            return RouteDecision("cloud", local_down_reason(engines), "local_unavailable")
+        if request.mode in s.cloud_modes:
+            return RouteDecision("cloud", f"mode '{request.mode}' goes to the cloud", "mode")
+        if request.voice and request.voice in s.cloud_voices:
+            return RouteDecision("cloud", f"voice '{request.voice}' goes to the cloud", "voice")
+        chars = len(request.text)
+        if s.cloud_min_chars and chars >= s.cloud_min_chars:
+            return RouteDecision("cloud", f"text of {chars} characters (>= {s.cloud_min_chars})", "text_length")
+        if s.cloud_min_tokens:
+            tokens = count_tokens(request.text)
+            if tokens >= s.cloud_min_tokens:
+                return RouteDecision("cloud", f"text of {tokens} tokens (>= {s.cloud_min_tokens})", "text_length")
+        return self._load_rule(request)
+
+    def _load_rule(self, request: TtsRequest) -> RouteDecision | None:
+        if self.load is None:
+            return None
+        s = self.settings
+        depth, wait_s = self.load(request)
+        if s.cloud_queue_depth and depth >= s.cloud_queue_depth:
+            return RouteDecision(
+                "cloud", f"{depth} requests wait locally (>= {s.cloud_queue_depth})", "queue_depth"
+            )
+        if request.deadline_ms:
+            left_s = request.received_at + request.deadline_ms / 1000.0 - self.clock()
+            need_s = wait_s + s.deadline_margin_ms / 1000.0
+            if need_s > left_s:
+                return RouteDecision(
+                    "cloud",
+                    f"estimated local wait {need_s * 1000:.0f} ms exceeds the {max(left_s, 0) * 1000:.0f} ms "
+                    "left to the deadline",
+                    "deadline",
+                )
+        return None
+
+    def after_failure(
+        self,
+        failed: RouteDecision,
+        error: str,
+        audio_out: bool,
+        request: TtsRequest | None = None,
+        tried: Collection[str] = (),
+    ) -> RouteDecision | None:
+        """What to try after `failed` raised; None: give up (error to the client).
+        Nothing is retried after audio went out (it would be spoken twice)."""
+        if audio_out or failed.target == "fallback":
+            return None
+        engines = self.engines
+        if failed.target == "cloud" and request is not None:
+            if "local" not in tried and engines.available("local") and local_lacks(request, engines) is None:
+                return RouteDecision("local", f"cloud failed: {error}", "cloud_failed")
+            if request.mode != "sft":  # the fallback voice would ignore what was asked for
+                return None
+        if (
+            failed.target == "local"
+            and request is not None
+            and request.route == "auto"
+            and "cloud" not in tried
+            and engines.available("cloud")
+        ):
+            return RouteDecision("cloud", f"local engine failed: {error}", "local_failed")
+        if self.settings.fallback_on_error and engines.available("fallback"):
+            return RouteDecision("fallback", f"{failed.target} engine failed: {error}", f"{failed.target}_failed")
         return None

@@ -14,18 +14,20 @@ from typing import Any
 
 from daemon.audio.barge_in import BargeInPolicy
 from daemon.audio.interfaces import AudioSink
+from daemon.cloud_engine import CloudEngine, describe_link
 from daemon.completion import Completer
 from daemon.engines import load_local_engine, make_fallback
 from daemon.health import HealthMonitor
 from daemon.intake import Intake
 from daemon.metrics import Metrics
-from daemon.mqtt_client import MqttConnection
+from daemon.mqtt_client import InboundMessage, MqttConnection
 from daemon.pipeline import Pipeline
 from daemon.responders import NativeResponder
 from daemon.routing import EngineSet, Router
 from daemon.scheduler import Scheduler
 from daemon.sdnotify import SdNotifier
 from daemon.settings import SECTIONS, Settings
+from daemon.tts_api import TtsRequest
 from daemon.voice_link import VoiceLink
 from models.api import Engine
 
@@ -49,8 +51,8 @@ class Service:
         self.notifier = notifier or SdNotifier()
         self.metrics = Metrics()
         self.engines = EngineSet(settings.routing)
-        self.router = Router(self.engines, settings.routing)
         self.scheduler = Scheduler(settings.scheduler)
+        self.router = Router(self.engines, settings.routing, load=self._local_load)
         self.completer = Completer(self.scheduler, self.metrics, settings.health.log_traces)
         self.speaking_listeners: list[Callable[[bool], None]] = []
         self.pipeline = Pipeline(
@@ -67,7 +69,7 @@ class Service:
             f"cosyedge-{settings.device_id}",
             f"{prefix}/status",
             [],
-            on_message=lambda m: self.intake.on_message(m),
+            on_message=self._on_message,
             on_connected=self._on_connected,
         )
         self.native = NativeResponder(self.conn, prefix, settings.mqtt.audio_header)
@@ -75,6 +77,11 @@ class Service:
             settings, self.scheduler, self.pipeline, self.conn, self.native, self.metrics, self.request_reload
         )
         self.conn.subscriptions = self.intake.subscriptions()
+        self.cloud: CloudEngine | None = None
+        if settings.cloud.enabled:
+            self.cloud = CloudEngine(self.conn, settings.device_id, settings.cloud)
+            self.conn.subscriptions += self.cloud.subscriptions()
+            self.engines.slots["cloud"].swap(self.cloud)
         policy = barge_in or BargeInPolicy(settings.vad_settings)
         self.voice = VoiceLink(
             self.conn,
@@ -100,6 +107,17 @@ class Service:
         self._reload_threads: list[threading.Thread] = []
 
     # --- engines ----------------------------------------------------------------------
+    def _on_message(self, msg: InboundMessage) -> None:
+        cloud = self.cloud
+        if cloud is not None and cloud.handles(msg.topic):
+            cloud.on_message(msg)
+        else:
+            self.intake.on_message(msg)
+
+    def _local_load(self, request: TtsRequest) -> tuple[int, float]:
+        """For the router: requests waiting, and the estimated wait before this one is done locally."""
+        return self.scheduler.depth, self.scheduler.estimated_wait_s(request.priority)
+
     def set_engines(self, local: Engine | None, fallback: Engine | None) -> None:
         self.engines.slots["local"].swap(local)
         self.engines.slots["fallback"].swap(fallback)
@@ -233,6 +251,8 @@ class Service:
         self.pipeline.settings = s.scheduler
         self.engines.reconfigure(s.routing)
         self.router.settings = s.routing
+        if self.cloud is not None:
+            self.cloud.settings = dataclasses.replace(self.cloud.settings, **_live(s.cloud))
         self.intake.reconfigure(s)
         self.completer.log_traces = s.health.log_traces
         self.health.interval_s = s.health.health_interval_s
@@ -270,6 +290,7 @@ class Service:
             "workers": self.liveness(),
             "audio": {"output": self.sink is not None, "speaking": self.pipeline.speaking},
             "mqtt": {"protocol": self.settings.mqtt.protocol},
+            "cloud": {"enabled": self.cloud is not None, "link": describe_link(self.cloud)},
             "queue_depth": self.scheduler.depth,
             "in_flight": len(self.scheduler.running()),
             "underruns": self.sink.underruns if self.sink is not None else 0,
@@ -309,3 +330,12 @@ class Service:
         for listener in self.speaking_listeners:
             listener(speaking)
         self.health.poke()
+
+
+def _live(section: object) -> dict[str, Any]:
+    """The fields of a settings section that SIGHUP may change."""
+    return {
+        f.name: getattr(section, f.name)
+        for f in dataclasses.fields(section)  # type: ignore[arg-type]
+        if f.metadata.get("live")
+    }

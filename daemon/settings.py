@@ -160,6 +160,71 @@ class RoutingSettings:
     unhealthy_retry_s: float = setting(
         30.0, "an unhealthy engine is tried again after this long", min=1, max=86_400, live=True
     )
+    # route = "auto": the rules that send a request to the cloud (when the cloud engine is up)
+    cloud_min_chars: int = setting(
+        400, "auto: texts of at least this many characters go to the cloud (0: off)", min=0, max=1_000_000,
+        live=True,
+    )
+    cloud_min_tokens: int = setting(
+        0,
+        "auto: texts of at least this many tokens (words and punctuation marks) go to the cloud (0: off)",
+        min=0,
+        max=1_000_000,
+        live=True,
+    )
+    cloud_modes: tuple[str, ...] = setting(
+        ("zero_shot", "cross_lingual", "instruct"),
+        "auto: modes sent to the cloud (besides any the local bundle does not serve)",
+        live=True,
+    )
+    cloud_voices: tuple[str, ...] = setting(
+        (), "auto: voices sent to the cloud (besides any the local bundle lacks)", live=True
+    )
+    cloud_queue_depth: int = setting(
+        0,
+        "auto: from this many requests waiting locally on, new ones go to the cloud (0: off)",
+        min=0,
+        max=10_000,
+        live=True,
+    )
+    deadline_margin_ms: int = setting(
+        0,
+        "auto: a request goes to the cloud when the estimated local wait plus this margin "
+        "exceeds the time left to its deadline",
+        min=0,
+        max=600_000,
+        live=True,
+    )
+
+
+@dataclass(frozen=True)
+class CloudSettings:
+    enabled: bool = setting(
+        False, "offload to the cloud bridge over this daemon's MQTT connection (see Cloud offload)"
+    )
+    topic_root: str = setting(
+        "cosyedge",
+        "root of the cloud topics: <root>/<device_id>/cloud/request, .../cloud/response/<id>, .../cloud/link",
+    )
+    model_version: str = setting("", "pin a cloud model version, e.g. \"2\" (empty: the bridge's choice)")
+    first_chunk_timeout_s: float = setting(
+        10.0,
+        "no first audio chunk from the cloud this long after sending (or by the request's deadline): "
+        "the cloud counts as failed and the router falls back",
+        min=0.1,
+        max=3600,
+        live=True,
+    )
+    chunk_timeout_s: float = setting(
+        10.0, "longest wait for the next chunk, the done or the error message", min=0.1, max=3600, live=True
+    )
+    request_expiry_s: int = setting(
+        60,
+        "MQTT v5 message expiry of a request without a deadline (a stale request is not synthesized)",
+        min=1,
+        max=86_400,
+        live=True,
+    )
 
 
 @dataclass(frozen=True)
@@ -206,6 +271,7 @@ class Settings:
     fallback: FallbackSettings = field(default_factory=FallbackSettings)
     scheduler: SchedulerSettings = field(default_factory=SchedulerSettings)
     routing: RoutingSettings = field(default_factory=RoutingSettings)
+    cloud: CloudSettings = field(default_factory=CloudSettings)
     hermes: HermesSettings = field(default_factory=HermesSettings)
     health: HealthSettings = field(default_factory=HealthSettings)
     # Owned by the audio side: validated by AudioSettings / VadSettings
@@ -261,6 +327,7 @@ SECTIONS: dict[str, type] = {
     "fallback": FallbackSettings,
     "scheduler": SchedulerSettings,
     "routing": RoutingSettings,
+    "cloud": CloudSettings,
     "hermes": HermesSettings,
     "health": HealthSettings,
 }

@@ -4,6 +4,7 @@ on loopback ports for the session, and bridges on the test's broker."""
 from __future__ import annotations
 
 import shutil
+import subprocess
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,8 +22,10 @@ from cloud_bridge.triton_launcher import (
     set_parameters,
 )
 from tests.cloud_bridge.sine_engine import write_sine_bundle
-from tests.support.broker import Broker, free_port
+from tests.support.broker import Broker, free_port, mosquitto_binary
 
+TEMPLATES = Path(__file__).resolve().parents[2] / "systemd" / "mosquitto"
+USERS = {"cosyedge-bridge": "bridge-secret", "devA": "a-secret", "devB": "b-secret"}
 SINE_FACTORY = "tests.cloud_bridge.sine_engine:load_sine_engine"
 SINE_MODEL = "sine"
 V1_HZ, V2_HZ = 440.0, 660.0
@@ -105,3 +108,54 @@ def make_bridge(broker: Broker, triton: TritonServer) -> Iterator[Callable[..., 
     yield make
     for service in started:
         service.stop(drain_timeout_s=2.0)
+
+
+@pytest.fixture()
+def cloud_broker() -> Iterator[Broker]:
+    """Mosquitto with authentication and the cloud ACL template."""
+    if mosquitto_binary() is None or subprocess.run(["which", "mosquitto_passwd"], capture_output=True).returncode:
+        pytest.skip("mosquitto / mosquitto_passwd are not installed (apt-get install mosquitto)")
+    with tempfile.TemporaryDirectory(prefix="cosyedge-cloud-mqtt-") as tmp:
+        work = Path(tmp)
+        work.chmod(0o755)  # mosquitto started as root reads its files after dropping to its own user
+        passwd = work / "passwd"
+        for i, (user, password) in enumerate(USERS.items()):
+            args = ["mosquitto_passwd", "-b"] + (["-c"] if i == 0 else []) + [str(passwd), user, password]
+            subprocess.run(args, check=True, capture_output=True)
+        acl = work / "cosyedge-cloud.acl"
+        acl.write_text((TEMPLATES / "cosyedge-cloud.acl").read_text())
+        passwd.chmod(0o644)
+        broker = Broker(work)
+        broker.conf.write_text(
+            f"listener {broker.port} 127.0.0.1\nallow_anonymous false\n"
+            f"password_file {passwd}\nacl_file {acl}\n"
+            f"set_tcp_nodelay true\npersistence true\npersistence_location {work}/\n"
+        )
+        broker.start()
+        try:
+            yield broker
+        finally:
+            broker.stop()
+
+
+@pytest.fixture()
+def cloud_bridge(cloud_broker: Broker, triton: TritonServer) -> Iterator[BridgeService]:
+    settings = bridge_settings(
+        cloud_broker, triton, mqtt={"username": "cosyedge-bridge", "password": USERS["cosyedge-bridge"]}
+    )
+    service = BridgeService(settings)
+    service.start()
+    assert service.wait_subscribed(10), "the bridge user could not subscribe (ACL?)"
+    yield service
+    service.stop(drain_timeout_s=2)
+
+
+def device_broker_conf(cloud: Broker, device_id: str) -> str:
+    """A device's Mosquitto bridged to `cloud` with the template of systemd/mosquitto/."""
+    text = (TEMPLATES / "cosyedge-bridge.conf").read_text()
+    return (
+        text.replace("DEVICE_ID", device_id)
+        .replace("cloud.example.com:8883", f"127.0.0.1:{cloud.port}")
+        .replace("CHANGE_ME", USERS[device_id])
+        .replace("restart_timeout 2 30", "restart_timeout 1 2")
+    )

@@ -8,63 +8,16 @@ from __future__ import annotations
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from cloud_bridge.bridge import BridgeService
 from cloud_bridge.protocol import CloudRequest
-from cloud_bridge.settings import BridgeSettings
-from cloud_bridge.triton_launcher import TritonServer
-from tests.cloud_bridge.conftest import bridge_settings
+from tests.cloud_bridge.conftest import USERS, bridge_settings, device_broker_conf
 from tests.cloud_bridge.device import Device
 from tests.cloud_bridge.helpers import wait_for
 from tests.support.broker import Broker, mosquitto_binary, running_broker
-
-ROOT = Path(__file__).resolve().parents[2]
-TEMPLATES = ROOT / "systemd" / "mosquitto"
-USERS = {"cosyedge-bridge": "bridge-secret", "devA": "a-secret", "devB": "b-secret"}
-
-
-@pytest.fixture()
-def cloud_broker() -> Iterator[Broker]:
-    """Mosquitto with authentication and the cloud ACL template."""
-    if mosquitto_binary() is None or subprocess.run(["which", "mosquitto_passwd"], capture_output=True).returncode:
-        pytest.skip("mosquitto / mosquitto_passwd are not installed (apt-get install mosquitto)")
-    with tempfile.TemporaryDirectory(prefix="cosyedge-cloud-mqtt-") as tmp:
-        work = Path(tmp)
-        work.chmod(0o755)  # mosquitto started as root reads its files after dropping to its own user
-        passwd = work / "passwd"
-        for i, (user, password) in enumerate(USERS.items()):
-            args = ["mosquitto_passwd", "-b"] + (["-c"] if i == 0 else []) + [str(passwd), user, password]
-            subprocess.run(args, check=True, capture_output=True)
-        acl = work / "cosyedge-cloud.acl"
-        acl.write_text((TEMPLATES / "cosyedge-cloud.acl").read_text())
-        passwd.chmod(0o644)
-        broker = Broker(work)
-        broker.conf.write_text(
-            f"listener {broker.port} 127.0.0.1\nallow_anonymous false\n"
-            f"password_file {passwd}\nacl_file {acl}\n"
-            f"set_tcp_nodelay true\npersistence true\npersistence_location {work}/\n"
-        )
-        broker.start()
-        try:
-            yield broker
-        finally:
-            broker.stop()
-
-
-@pytest.fixture()
-def cloud_bridge(cloud_broker: Broker, triton: TritonServer) -> Iterator[BridgeService]:
-    settings: BridgeSettings = bridge_settings(
-        cloud_broker, triton, mqtt={"username": "cosyedge-bridge", "password": USERS["cosyedge-bridge"]}
-    )
-    service = BridgeService(settings)
-    service.start()
-    assert service.wait_subscribed(10), "the bridge user could not subscribe (ACL?)"
-    yield service
-    service.stop(drain_timeout_s=2)
 
 
 def _device(broker: Broker, user: str, **kw: object) -> Device:
@@ -101,18 +54,8 @@ def test_wrong_password_is_refused(cloud_broker) -> None:  # type: ignore[no-unt
         Device(cloud_broker.url, "devA", username="devA", password="wrong")
 
 
-def _device_broker_conf(cloud: Broker, device_id: str) -> str:
-    text = (TEMPLATES / "cosyedge-bridge.conf").read_text()
-    return (
-        text.replace("DEVICE_ID", device_id)
-        .replace("cloud.example.com:8883", f"127.0.0.1:{cloud.port}")
-        .replace("CHANGE_ME", USERS[device_id])
-        .replace("restart_timeout 2 30", "restart_timeout 1 2")
-    )
-
-
 def test_through_a_device_broker_bridged_to_the_cloud(cloud_broker, cloud_bridge) -> None:  # type: ignore[no-untyped-def]
-    with running_broker(extra_conf=_device_broker_conf(cloud_broker, "devA")) as local:
+    with running_broker(extra_conf=device_broker_conf(cloud_broker, "devA")) as local:
         device = Device(local.url, "devA")  # the daemon talks to its local broker only, anonymously here
         try:
             # the bridge's notification topic says when the link is up (retained "1")
