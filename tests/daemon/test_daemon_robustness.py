@@ -126,7 +126,8 @@ def test_mqtt_311_daemon_and_client(daemons: DaemonFactory) -> None:
     decoded = [decode_audio(c.payload, None) for c in chunks]
     assert [d.seq for d in decoded] == [0, 1] and decoded[-1].last and decoded[0].sample_rate == 24000
     assert abs(sum(len(d.pcm16) for d in decoded) / 2 / 24000 - done["audio_seconds"]) < 0.01
-    online = p.wait_topic(f"{pre}/status")
+    # A subscriber that comes after the announcement gets it retained.
+    online = daemons.probe(svc, protocol="3.1.1").wait_topic(f"{pre}/status")
     assert online.payload == b"online" and online.retain
 
 
