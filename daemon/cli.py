@@ -82,10 +82,16 @@ def _add_build(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--force", action="store_true", help="write the bundle even if it misses the budget")
     g = bs.add_parser("engines", help="build TensorRT engines for a bundle (on the board)")
     g.add_argument("--bundle", required=True)
-    # The rest of its options come from the builder (plain argparse, no TensorRT import).
-    from edge_build.engines_cli import add_engines_arguments
-
-    add_engines_arguments(g)
+    g.add_argument("--precision", choices=["fp32", "fp16", "int8"],
+                   help="which stage variant to build from (default: the bundle's own)")
+    g.add_argument("--board", choices=["agx-orin-32gb", "agx-orin-64gb", "orin-nano-8gb", "orin-nx-16gb"],
+                   help="Jetson module to size the workspace and the memory check for "
+                        "(default: guessed on a Jetson)")
+    g.add_argument("--workspace-mib", type=int, help="TensorRT builder workspace limit (default: per board)")
+    g.add_argument("--max-batch", type=int, help="cap the batch dimension of every profile")
+    g.add_argument("--stages", help="comma-separated subset of the bundle's stages")
+    g.add_argument("--device", type=int, default=0, help="CUDA device index")
+    g.add_argument("--json", dest="json_out", help="also write the engines metadata to this file")
     v = bs.add_parser("validate", help="check a bundle against its source checkpoint")
     v.add_argument("--bundle", required=True)
     v.add_argument("--model-dir", help="source checkpoint (default: the path in the manifest)")
