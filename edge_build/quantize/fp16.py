@@ -4,6 +4,7 @@ that overflow in fp16 kept in fp32."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -22,6 +23,8 @@ def convert_fp16(src: Path, dst: Path, block_nodes: Sequence[str] = ()) -> None:
         from onnxruntime.transformers import float16
     except ImportError as exc:
         raise MissingExtraError("onnxruntime", "build", "fp16 conversion") from exc
+    # Its info lines dump whole NodeProtos ("consider adding these nodes to the block list").
+    logging.getLogger(float16.__name__).setLevel(logging.WARNING)
     model = onnx.load(str(src))
     op_block = sorted(set(float16.DEFAULT_OP_BLOCK_LIST) | set(FP16_BLOCK_OPS))
     converted = float16.convert_float_to_float16(model, keep_io_types=True, op_block_list=op_block,

@@ -51,7 +51,7 @@ def quantize_int8(src: Path, dst: Path, feeds: Sequence[Feed], exclude: Sequence
     model = onnx.load(str(src), load_external_data=False)
     names = {i.name for i in model.graph.input}
     big = src.stat().st_size > (1 << 30)
-    extra = {
+    extra: dict[str, bool | float] = {
         "ActivationSymmetric": True, "WeightSymmetric": True,
         # TensorRT fuses fp32 biases itself; an int32 bias DQ buys nothing there.
         "QuantizeBias": False,
