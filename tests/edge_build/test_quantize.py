@@ -195,3 +195,36 @@ def test_metrics() -> None:
     x = np.sin(np.arange(1000.0))
     assert snr_db(x, x + 0.01 * x) == pytest.approx(40.0)
     assert len(set(HELD_OUT_TEXTS) & set(calibration_texts(40))) == 0
+
+
+def test_prefill_and_decode_share_int8_weights(int8_bundle: Any) -> None:
+    out, _ = int8_bundle
+    graphs = [onnx.load(str(out / f"{s}.int8.onnx")) for s in ("llm_prefill", "llm_decode")]
+
+    def weights(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+        return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer
+                if t.data_type == onnx.TensorProto.INT8 and t.dims and len(t.dims) == 2}
+
+    a, b = (weights(g) for g in graphs)
+    assert a and len(a) == len(b)
+    # Same checkpoint weights -> the same int8 tensors (names may differ between the exports).
+    key = sorted(a.values(), key=lambda w: (w.shape, w.tobytes()))
+    other = sorted(b.values(), key=lambda w: (w.shape, w.tobytes()))
+    assert all(np.array_equal(x, y) for x, y in zip(key, other, strict=True))
+
+
+def test_cli_arguments_and_table(int8_bundle: Any) -> None:
+    import argparse
+
+    from edge_build.quantize_cli import add_quantize_arguments, format_report, settings_from_args
+
+    p = argparse.ArgumentParser()
+    add_quantize_arguments(p)
+    args = p.parse_args(["--bundle", "B", "--out", "B8", "--precision", "fp16", "--calibration-size", "5",
+                         "--min-mel-snr-db", "30", "--force"])
+    s = settings_from_args(args)
+    assert (s.precision, s.calibration_size, s.budget.mel_snr_min_db, s.force) == ("fp16", 5, 30.0, True)
+    with pytest.raises(SystemExit):
+        p.parse_args(["--bundle", "B", "--out", "B8", "--precision", "int4"])
+    table = format_report(int8_bundle[1])
+    assert "llm logits cosine" in table and "sensitivity flow" in table and "FAIL" not in table
