@@ -5,6 +5,9 @@ symmetric int8 weights (zero points 0), biases left in fp32."""
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -42,8 +45,6 @@ class _FeedReader:
 def quantize_int8(src: Path, dst: Path, feeds: Sequence[Feed], exclude: Sequence[str],
                   method: str = "minmax") -> None:
     """Write `dst`: `src` with Q/DQ around every MatMul/Gemm/Conv not in `exclude`."""
-    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
-
     if method not in CALIBRATION_METHODS:
         raise ValueError(f"calibration method {method!r} is not one of {CALIBRATION_METHODS}")
     if not feeds:
@@ -51,6 +52,28 @@ def quantize_int8(src: Path, dst: Path, feeds: Sequence[Feed], exclude: Sequence
     model = onnx.load(str(src), load_external_data=False)
     names = {i.name for i in model.graph.input}
     big = src.stat().st_size > (1 << 30)
+    # quantize_static writes a shape-inferred copy next to its input: work on a
+    # link in our own directory so that the source bundle stays untouched.
+    with tempfile.TemporaryDirectory(dir=dst.parent, prefix=".quantize-") as tmp:
+        local = Path(tmp) / src.name
+        _link(src, local)
+        data = src.with_name(src.name + ".data")
+        if data.exists():
+            _link(data, local.with_name(data.name))
+        _quantize(local, dst, feeds, names, exclude, method, big)
+
+
+def _link(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)
+
+
+def _quantize(src: Path, dst: Path, feeds: Sequence[Feed], names: set[str], exclude: Sequence[str],
+              method: str, big: bool) -> None:
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+
     extra: dict[str, bool | float] = {
         "ActivationSymmetric": True, "WeightSymmetric": True,
         # TensorRT fuses fp32 biases itself; an int32 bias DQ buys nothing there.

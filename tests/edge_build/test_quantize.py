@@ -48,9 +48,11 @@ def _digest(path: Path) -> str:
 @pytest.fixture(scope="module")
 def int8_bundle(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
     before = _digest(tiny_bundle / "manifest.json")
+    listing = sorted(p.name for p in tiny_bundle.iterdir())
     out = tmp_path_factory.mktemp("q") / "b8"
     report = quantize_bundle(tiny_bundle, out, _settings("int8"))
     assert _digest(tiny_bundle / "manifest.json") == before, "the source bundle's manifest was modified"
+    assert sorted(p.name for p in tiny_bundle.iterdir()) == listing
     return out, report
 
 
