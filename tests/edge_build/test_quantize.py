@@ -230,3 +230,27 @@ def test_cli_arguments_and_table(int8_bundle: Any) -> None:
         p.parse_args(["--bundle", "B", "--out", "B8", "--precision", "int4"])
     table = format_report(int8_bundle[1])
     assert "llm logits cosine" in table and "sensitivity flow" in table and "FAIL" not in table
+
+
+def test_sensitivity_pass_excludes_worst_groups_until_budget(tiny_bundle: Path, tmp_path: Path) -> None:
+    from edge_build.quantize.policy import unit
+    from edge_build.quantize.sensitivity import quantize_unit
+
+    vocoder = unit("vocoder")
+    calib = capture_feeds(tiny_bundle, calibration_texts(2), cap_per_stage=6).feeds
+    held = capture_feeds(tiny_bundle, list(HELD_OUT_TEXTS[:1]), cap_per_stage=6, seed=5).feeds
+    loose = quantize_unit(vocoder, tiny_bundle, tmp_path, calib, held, AccuracyBudget(wav_snr_min_db=0.0),
+                          "minmax", tmp_path)
+    assert loose.excluded_groups == ["stft"] and loose.within_budget
+    target = loose.metrics["snr_db"] + 3.0  # stricter than "everything quantized" reaches
+    strict = quantize_unit(vocoder, tiny_bundle, tmp_path, calib, held, AccuracyBudget(wav_snr_min_db=target),
+                           "minmax", tmp_path)
+    worst = min(strict.table, key=lambda r: float(r["snr_db"]))  # type: ignore[arg-type]
+    assert strict.excluded_groups[:2] == ["stft", worst["group"]]
+    assert strict.metrics["snr_db"] > loose.metrics["snr_db"]
+    assert strict.within_budget == (strict.metrics["snr_db"] >= target)
+    model = onnx.load(str(strict.paths["hift_decoder"]))
+    producer = {o: n.op_type for n in model.graph.node for o in n.output}
+    for node in model.graph.node:
+        if node.name in strict.excluded_nodes:
+            assert all(producer.get(i) != "DequantizeLinear" for i in node.input), node.name
