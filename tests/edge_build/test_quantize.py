@@ -20,6 +20,7 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
+from edge_build.engine_plan import precision_mode
 from edge_build.quantize.capture import FeedStore, capture_feeds
 from edge_build.quantize.metrics import matched_prefix, snr_db
 from edge_build.quantize.pipeline import REPORT_FILE, QuantizeBudgetError, quantize_bundle
@@ -111,6 +112,9 @@ def test_sensitivity_table_and_fp32_nodes(int8_bundle: Any) -> None:
         # Normalization/softmax are pinned; excluded quantizable nodes run without Q/DQ.
         pinned_ops = {names[n] for n in variant["fp32_nodes"]}
         assert pinned_ops & {"LayerNormalization", "Softmax", "ReduceMean", "Sin"}, stage
+        # The TensorRT builder's reading of the variant: weakly typed INT8 + FP16 with pinned layers.
+        mode = precision_mode(model, variant["fp32_nodes"])
+        assert not mode.strongly_typed and {"INT8", "OBEY_PRECISION_CONSTRAINTS"} <= set(mode.flags)
     flow = json.loads((out / "manifest.json").read_text())["stages"]["flow_estimator"]["variants"]["int8"]
     assert "/time_mlp/linear_1/Gemm" in flow["fp32_nodes"]
     assert manifest["stages"]["hift_source"]["variants"]["int8"]["precision"] == "fp32"
