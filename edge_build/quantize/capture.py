@@ -1,0 +1,102 @@
+"""Recording what each stage graph sees: a backend wrapper whose sessions copy
+their feeds, and a driver that runs the fp32 pipeline over texts."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from models.api import SynthesisRequest
+from models.backends.base import Backend, DecodeLoop, HostDecodeLoop, Session, create_backend
+from models.bundle import load_bundle
+from models.engine import CosyVoiceEngine, EngineSettings
+
+log = logging.getLogger(__name__)
+
+Feed = dict[str, np.ndarray]
+
+
+@dataclass
+class FeedStore:
+    """Feeds per stage, at most `cap` each: every call is counted, and once the
+    cap is reached a new feed replaces a random earlier one (reservoir
+    sampling), so long decode loops do not crowd out short ones."""
+
+    cap: int
+    seed: int = 0
+    feeds: dict[str, list[Feed]] = field(default_factory=dict)
+    seen: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._rng = np.random.default_rng(self.seed)
+
+    def add(self, stage: str, feed: Mapping[str, np.ndarray]) -> None:
+        n = self.seen.get(stage, 0)
+        self.seen[stage] = n + 1
+        kept = self.feeds.setdefault(stage, [])
+        copy = {k: np.array(v, copy=True) for k, v in feed.items()}
+        if len(kept) < self.cap:
+            kept.append(copy)
+        else:
+            j = int(self._rng.integers(n + 1))
+            if j < self.cap:
+                kept[j] = copy
+
+
+class CapturingSession:
+    def __init__(self, inner: Session, store: FeedStore) -> None:
+        self._inner = inner
+        self._store = store
+        self.name = inner.name
+        self.input_names = inner.input_names
+        self.output_names = inner.output_names
+
+    def run(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        self._store.add(self.name, inputs)
+        return self._inner.run(inputs, outputs)
+
+    def memory_bytes(self) -> int:
+        return self._inner.memory_bytes()
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+class CapturingBackend:
+    """Wraps a host backend (the cache stays on the host, so every decode step
+    goes through `Session.run` and is seen)."""
+
+    def __init__(self, inner: Backend, store: FeedStore) -> None:
+        self._inner = inner
+        self.store = store
+        self.name = inner.name
+
+    def load(self, stage: str, path: Path, *, threads: int | None = None) -> Session:
+        return CapturingSession(self._inner.load(stage, path, threads=threads), self.store)
+
+    def decode_loop(self, prefill: Session, decode: Session) -> DecodeLoop:
+        return HostDecodeLoop(prefill, decode)
+
+    def describe(self) -> dict[str, str]:
+        return self._inner.describe()
+
+
+def capture_feeds(bundle_dir: Path, texts: Sequence[str], cap_per_stage: int, seed: int = 0) -> FeedStore:
+    """Synthesize every text with the fp32 bundle (streaming and offline
+    alternately, so both flow paths are seen) and keep the stage feeds."""
+    store = FeedStore(cap=cap_per_stage, seed=seed)
+    bundle = load_bundle(bundle_dir, precision="fp32")
+    engine = CosyVoiceEngine(bundle, CapturingBackend(create_backend("ort"), store), EngineSettings())
+    try:
+        for i, text in enumerate(texts):
+            request = SynthesisRequest(text=text, stream=i % 2 == 0, seed=seed + i)
+            for _ in engine.synthesize(request):
+                pass
+    finally:
+        engine.close()
+    log.info("captured feeds: %s", {k: f"{len(v)}/{store.seen[k]}" for k, v in store.feeds.items()})
+    return store

@@ -1,0 +1,67 @@
+"""The output bundle: the fp32 bundle's files linked (or copied), the
+low-precision graphs added as stage variants, a new manifest."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from edge_build.quantize.policy import FP32_STAGES
+from models.bundle import STAGES
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def link_bundle(src: Path, dst: Path) -> None:
+    """Hard-link every file of `src` into `dst` (copy across file systems),
+    except manifest.json, which is copied (it is rewritten, and a link would
+    share the inode: writing it would change the source bundle)."""
+    for path in src.rglob("*"):
+        rel = path.relative_to(src)
+        target = dst / rel
+        if path.is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if rel == Path("manifest.json"):
+            shutil.copyfile(path, target)
+            continue
+        try:
+            os.link(path, target)
+        except OSError:
+            shutil.copy2(path, target)
+
+
+def add_variants(dst: Path, precision: str, files: dict[str, Path], fp32_nodes: dict[str, list[str]],
+                 report_file: str) -> dict[str, Any]:
+    """Rewrite dst/manifest.json: each stage gets a `precision` variant (its
+    low-precision graph, or its fp32 graph for the stages kept in fp32, so
+    that an explicit `precision=` loads every stage) and the bundle's own
+    precision becomes `precision`."""
+    manifest = json.loads((dst / "manifest.json").read_text())
+    for name in STAGES:
+        entry = manifest["stages"][name]
+        variants = entry.setdefault("variants", {})
+        if name in files:
+            path = files[name]
+            variant: dict[str, Any] = {"file": path.name, "sha256": sha256(path), "precision": precision}
+            if precision == "int8":
+                variant["fp32_nodes"] = fp32_nodes.get(name, [])
+        else:
+            why = "kept in fp32 (F0 predictor / source)" if name in FP32_STAGES else "kept in fp32"
+            variant = {"file": entry["file"], "sha256": entry.get("sha256"), "precision": "fp32", "note": why}
+        variants[precision] = variant
+    manifest["precision"] = precision
+    manifest.setdefault("quantization", {})[precision] = {"report": report_file}
+    (dst / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest

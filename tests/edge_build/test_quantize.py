@@ -1,0 +1,260 @@
+"""`cosyedge build quantize` on the tiny bundle: int8 and fp16 bundles load and
+synthesize, meet their budget, follow TensorRT's Q/DQ rules; a strict budget
+is refused unless forced.
+
+The tiny checkpoint's LLM has random weights, so its next-token distribution
+is almost flat (top probability ~5 %): any change of the logits, even fp16's,
+reorders the top-k candidates and the seeded sampler diverges within a few
+tokens. The end-to-end token budget is therefore relaxed to 0 here; the
+default budget (50 %) is meant for trained checkpoints."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+from edge_build.engine_plan import precision_mode
+from edge_build.quantize.capture import FeedStore, capture_feeds
+from edge_build.quantize.metrics import matched_prefix, snr_db
+from edge_build.quantize.pipeline import REPORT_FILE, QuantizeBudgetError, quantize_bundle
+from edge_build.quantize.qdq_rules import check_qdq
+from edge_build.quantize.sensitivity import _outputs
+from edge_build.quantize.settings import AccuracyBudget, QuantizeSettings
+from edge_build.quantize.texts import HELD_OUT_TEXTS, calibration_texts
+from models.api import SynthesisRequest
+from models.engine import EngineSettings, load_engine
+
+TINY_BUDGET = AccuracyBudget(e2e_match_min=0.0)
+QUANT_STAGES = ("llm_prefill", "llm_decode", "flow_estimator", "hift_decoder")
+
+
+def _settings(precision: str, **kw: Any) -> QuantizeSettings:
+    base: dict[str, Any] = dict(precision=precision, calibration_size=4, held_out_size=2, feeds_per_stage=12,
+                                budget=TINY_BUDGET)
+    base.update(kw)
+    return QuantizeSettings(**base)
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def int8_bundle(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    before = _digest(tiny_bundle / "manifest.json")
+    listing = sorted(p.name for p in tiny_bundle.iterdir())
+    out = tmp_path_factory.mktemp("q") / "b8"
+    report = quantize_bundle(tiny_bundle, out, _settings("int8"))
+    assert _digest(tiny_bundle / "manifest.json") == before, "the source bundle's manifest was modified"
+    assert sorted(p.name for p in tiny_bundle.iterdir()) == listing
+    return out, report
+
+
+@pytest.fixture(scope="module")
+def fp16_bundle(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    out = tmp_path_factory.mktemp("q") / "b16"
+    return out, quantize_bundle(tiny_bundle, out, _settings("fp16"))
+
+
+@pytest.mark.parametrize("precision", ["int8", "fp16"])
+def test_bundle_loads_and_synthesizes(precision: str, int8_bundle: Any, fp16_bundle: Any) -> None:
+    out, _ = int8_bundle if precision == "int8" else fp16_bundle
+    for settings in (EngineSettings(), EngineSettings(precision=precision)):
+        engine = load_engine(out, settings=settings)
+        try:
+            assert engine.bundle.precision == precision
+            for stage in QUANT_STAGES:
+                assert engine.bundle.stages[stage].path.name == f"{stage}.{precision}.onnx"
+            assert engine.bundle.stages["hift_source"].path.name == "hift_source.onnx"
+            chunks = list(engine.synthesize(SynthesisRequest(text="Hello world, 你好。", stream=True, seed=3)))
+        finally:
+            engine.close()
+        pcm = np.concatenate([c.pcm for c in chunks])
+        assert pcm.size > 0 and np.isfinite(pcm).all() and np.abs(pcm).max() > 0
+        assert chunks[-1].last
+
+
+@pytest.mark.parametrize("precision", ["int8", "fp16"])
+def test_report_meets_budget(precision: str, int8_bundle: Any, fp16_bundle: Any) -> None:
+    out, report = int8_bundle if precision == "int8" else fp16_bundle
+    saved = json.loads((out / REPORT_FILE).read_text())
+    m, b = saved["metrics"], saved["budget"]
+    assert saved["failed"] == [] and not saved["forced"]
+    assert m["llm_cosine"] >= b["llm_cosine_min"] and m["llm_top1"] >= b["llm_top1_min"]
+    assert m["mel_snr_db"] >= b["mel_snr_min_db"] and m["wav_snr_db"] >= b["wav_snr_min_db"]
+    assert 0.0 <= m["e2e_match"] <= 1.0
+    assert set(saved["held_out_texts"]).isdisjoint(calibration_texts(len(calibration_texts(16))))
+    for stage, sizes in saved["sizes"].items():
+        assert sizes["variant_bytes"] < sizes["fp32_bytes"], stage
+
+
+def test_sensitivity_table_and_fp32_nodes(int8_bundle: Any) -> None:
+    out, report = int8_bundle
+    manifest = json.loads((out / "manifest.json").read_text())
+    units = {u["unit"]: u for u in report["units"]}
+    assert set(units) == {"llm", "flow", "vocoder"}
+    for unit in units.values():
+        groups = {row["group"] for row in unit["sensitivity"]}
+        assert groups and groups <= set(unit["groups"])
+    assert "time_embedding" in units["flow"]["excluded_groups"] and "stft" in units["vocoder"]["excluded_groups"]
+    for stage in QUANT_STAGES:
+        variant = manifest["stages"][stage]["variants"]["int8"]
+        model = onnx.load(str(out / variant["file"]))
+        names = {n.name: n.op_type for n in model.graph.node}
+        assert set(variant["fp32_nodes"]) <= set(names)
+        # Normalization/softmax are pinned; excluded quantizable nodes run without Q/DQ.
+        pinned_ops = {names[n] for n in variant["fp32_nodes"]}
+        assert pinned_ops & {"LayerNormalization", "Softmax", "ReduceMean", "Sin"}, stage
+        # The TensorRT builder's reading of the variant: weakly typed INT8 + FP16 with pinned layers.
+        mode = precision_mode(model, variant["fp32_nodes"])
+        assert not mode.strongly_typed and {"INT8", "OBEY_PRECISION_CONSTRAINTS"} <= set(mode.flags)
+    flow = json.loads((out / "manifest.json").read_text())["stages"]["flow_estimator"]["variants"]["int8"]
+    assert "/time_mlp/linear_1/Gemm" in flow["fp32_nodes"]
+    assert manifest["stages"]["hift_source"]["variants"]["int8"]["precision"] == "fp32"
+
+
+def test_int8_graphs_follow_tensorrt_qdq_rules(int8_bundle: Any) -> None:
+    out, _ = int8_bundle
+    for stage in QUANT_STAGES:
+        model = onnx.load(str(out / f"{stage}.int8.onnx"))
+        assert sum(n.op_type == "DequantizeLinear" for n in model.graph.node) > 0
+        assert check_qdq(model) == [], stage
+
+
+def test_qdq_checker_rejects_broken_graphs(int8_bundle: Any) -> None:
+    out, _ = int8_bundle
+    path = out / "llm_prefill.int8.onnx"
+
+    def broken(edit: Any) -> list[str]:
+        model = onnx.load(str(path))
+        edit(model)
+        return check_qdq(model)
+
+    def nonzero_zero_point(model: onnx.ModelProto) -> None:
+        dq = next(n for n in model.graph.node if n.op_type == "DequantizeLinear")
+        init = next(t for t in model.graph.initializer if t.name == dq.input[2])
+        init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init) + np.int8(1), init.name))
+
+    def weight_without_dq(model: onnx.ModelProto) -> None:
+        mm = next(n for n in model.graph.node if n.name == "/q_proj/MatMul")
+        model.graph.initializer.append(numpy_helper.from_array(np.ones((4, 4), np.float32), "plain_w"))
+        mm.input[1] = "plain_w"
+
+    def wrong_axis(model: onnx.ModelProto) -> None:
+        producer = {o: n for n in model.graph.node for o in n.output}
+        mm = next(n for n in model.graph.node if n.name == "/q_proj/MatMul")
+        dq = producer[mm.input[1]]
+        kept = [a for a in dq.attribute if a.name != "axis"]
+        del dq.attribute[:]
+        dq.attribute.extend([*kept, onnx.helper.make_attribute("axis", 0)])
+
+    def negative_scale(model: onnx.ModelProto) -> None:
+        q = next(n for n in model.graph.node if n.op_type == "QuantizeLinear")
+        init = next(t for t in model.graph.initializer if t.name == q.input[1])
+        init.CopyFrom(numpy_helper.from_array(-numpy_helper.to_array(init), init.name))
+
+    assert any("zero points must be 0" in p for p in broken(nonzero_zero_point))
+    assert any("lacks DequantizeLinear" in p for p in broken(weight_without_dq))
+    assert any("output-channel axis" in p for p in broken(wrong_axis))
+    assert any("positive" in p for p in broken(negative_scale))
+
+
+def test_fp16_stages_have_no_nan_on_calibration_inputs(tiny_bundle: Path, fp16_bundle: Any) -> None:
+    out, _ = fp16_bundle
+    feeds = capture_feeds(tiny_bundle, calibration_texts(4), cap_per_stage=12).feeds
+    for stage in QUANT_STAGES:
+        assert feeds[stage]
+        for result in _outputs(out / f"{stage}.fp16.onnx", feeds[stage]):
+            assert np.isfinite(result).all(), stage
+
+
+def test_strict_budget_is_refused_unless_forced(tiny_bundle: Path, tmp_path: Path) -> None:
+    strict = AccuracyBudget(mel_snr_min_db=500.0, e2e_match_min=0.0)
+    out = tmp_path / "strict"
+    with pytest.raises(QuantizeBudgetError, match="flow: mel SNR") as info:
+        quantize_bundle(tiny_bundle, out, _settings("fp16", budget=strict, held_out_size=1))
+    assert not out.exists() and not list(tmp_path.iterdir())
+    assert info.value.failed and all(f.startswith("flow") for f in info.value.failed)
+    report = quantize_bundle(tiny_bundle, out, _settings("fp16", budget=strict, held_out_size=1, force=True))
+    assert report["forced"] and json.loads((out / REPORT_FILE).read_text())["failed"]
+
+
+def test_feed_store_caps_and_keeps_late_feeds() -> None:
+    store = FeedStore(cap=4, seed=1)
+    for i in range(100):
+        store.add("llm_decode", {"x": np.array([i])})
+    kept = [int(f["x"][0]) for f in store.feeds["llm_decode"]]
+    assert len(kept) == 4 and store.seen["llm_decode"] == 100 and max(kept) >= 4
+
+
+def test_metrics() -> None:
+    assert matched_prefix([1, 2, 3, 4], [1, 2, 9, 4]) == 0.5
+    assert matched_prefix([1, 2], [1, 2]) == 1.0
+    assert matched_prefix([1, 2], [1, 2, 3]) == pytest.approx(2 / 3)
+    x = np.sin(np.arange(1000.0))
+    assert snr_db(x, x + 0.01 * x) == pytest.approx(40.0)
+    assert len(set(HELD_OUT_TEXTS) & set(calibration_texts(40))) == 0
+
+
+def test_prefill_and_decode_share_int8_weights(int8_bundle: Any) -> None:
+    out, _ = int8_bundle
+    graphs = [onnx.load(str(out / f"{s}.int8.onnx")) for s in ("llm_prefill", "llm_decode")]
+
+    def weights(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+        return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer
+                if t.data_type == onnx.TensorProto.INT8 and t.dims and len(t.dims) == 2}
+
+    a, b = (weights(g) for g in graphs)
+    assert a and len(a) == len(b)
+    # Same checkpoint weights -> the same int8 tensors (names may differ between the exports).
+    key = sorted(a.values(), key=lambda w: (w.shape, w.tobytes()))
+    other = sorted(b.values(), key=lambda w: (w.shape, w.tobytes()))
+    assert all(np.array_equal(x, y) for x, y in zip(key, other, strict=True))
+
+
+def test_cli_arguments_and_table(int8_bundle: Any) -> None:
+    import argparse
+
+    from edge_build.quantize_cli import add_quantize_arguments, format_report, settings_from_args
+
+    p = argparse.ArgumentParser()
+    add_quantize_arguments(p)
+    args = p.parse_args(["--bundle", "B", "--out", "B8", "--precision", "fp16", "--calibration-size", "5",
+                         "--min-mel-snr-db", "30", "--force"])
+    s = settings_from_args(args)
+    assert (s.precision, s.calibration_size, s.budget.mel_snr_min_db, s.force) == ("fp16", 5, 30.0, True)
+    with pytest.raises(SystemExit):
+        p.parse_args(["--bundle", "B", "--out", "B8", "--precision", "int4"])
+    table = format_report(int8_bundle[1])
+    assert "llm logits cosine" in table and "sensitivity flow" in table and "FAIL" not in table
+
+
+def test_sensitivity_pass_excludes_worst_groups_until_budget(tiny_bundle: Path, tmp_path: Path) -> None:
+    from edge_build.quantize.policy import unit
+    from edge_build.quantize.sensitivity import quantize_unit
+
+    vocoder = unit("vocoder")
+    calib = capture_feeds(tiny_bundle, calibration_texts(2), cap_per_stage=6).feeds
+    held = capture_feeds(tiny_bundle, list(HELD_OUT_TEXTS[:1]), cap_per_stage=6, seed=5).feeds
+    loose = quantize_unit(vocoder, tiny_bundle, tmp_path, calib, held, AccuracyBudget(wav_snr_min_db=0.0),
+                          "minmax", tmp_path)
+    assert loose.excluded_groups == ["stft"] and loose.within_budget
+    target = loose.metrics["snr_db"] + 3.0  # stricter than "everything quantized" reaches
+    strict = quantize_unit(vocoder, tiny_bundle, tmp_path, calib, held, AccuracyBudget(wav_snr_min_db=target),
+                           "minmax", tmp_path)
+    worst = min(strict.table, key=lambda r: float(r["snr_db"]))  # type: ignore[arg-type]
+    assert strict.excluded_groups[:2] == ["stft", worst["group"]]
+    assert strict.metrics["snr_db"] > loose.metrics["snr_db"]
+    assert strict.within_budget == (strict.metrics["snr_db"] >= target)
+    model = onnx.load(str(strict.paths["hift_decoder"]))
+    producer = {o: n.op_type for n in model.graph.node for o in n.output}
+    for node in model.graph.node:
+        if node.name in strict.excluded_nodes:
+            assert all(producer.get(i) != "DequantizeLinear" for i in node.input), node.name
