@@ -32,11 +32,14 @@ def build_command(args: argparse.Namespace) -> int:
         from edge_build.engines_cli import engines_command
 
         return engines_command(args)
-    if cmd in ("quantize", "validate"):
-        raise CosyEdgeError(
-            f"'cosyedge build {cmd}' is not implemented yet; available now: "
-            f"'cosyedge build tiny' and 'cosyedge build export'"
-        )
+    if cmd == "quantize":
+        from edge_build.quantize_cli import quantize_command
+
+        return quantize_command(args)
+    if cmd == "validate":
+        from edge_build.validate import validate_command
+
+        return validate_command(args)
     raise CosyEdgeError(
         f"unknown build command '{cmd}'; expected tiny, export, quantize, engines or validate"
     )

@@ -40,12 +40,24 @@ def add_quantize_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def settings_from_args(args: argparse.Namespace) -> QuantizeSettings:
-    budget = AccuracyBudget(llm_cosine_min=args.min_llm_cosine, llm_top1_min=args.min_llm_top1,
-                            mel_snr_min_db=args.min_mel_snr_db, wav_snr_min_db=args.min_wav_snr_db,
-                            e2e_match_min=args.min_e2e_match)
-    return QuantizeSettings(precision=args.precision, calibration_size=args.calibration_size,
-                            held_out_size=args.held_out_size, feeds_per_stage=args.feeds_per_stage,
-                            calibration_method=args.calibration_method, force=args.force, budget=budget)
+    """Options left out or None take the defaults (the `cosyedge` parser leaves them None)."""
+    d, q = AccuracyBudget(), QuantizeSettings()
+
+    def opt(name: str, default: Any) -> Any:
+        value = getattr(args, name, None)
+        return default if value is None else value
+
+    budget = AccuracyBudget(llm_cosine_min=opt("min_llm_cosine", d.llm_cosine_min),
+                            llm_top1_min=opt("min_llm_top1", d.llm_top1_min),
+                            mel_snr_min_db=opt("min_mel_snr_db", d.mel_snr_min_db),
+                            wav_snr_min_db=opt("min_wav_snr_db", d.wav_snr_min_db),
+                            e2e_match_min=opt("min_e2e_match", d.e2e_match_min))
+    return QuantizeSettings(precision=opt("precision", q.precision),
+                            calibration_size=opt("calibration_size", q.calibration_size),
+                            held_out_size=opt("held_out_size", q.held_out_size),
+                            feeds_per_stage=opt("feeds_per_stage", q.feeds_per_stage),
+                            calibration_method=opt("calibration_method", q.calibration_method),
+                            force=bool(getattr(args, "force", False)), budget=budget)
 
 
 def format_report(report: dict[str, Any]) -> str:
