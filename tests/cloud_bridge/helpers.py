@@ -25,6 +25,20 @@ def triton_metric(server: TritonServer, name: str, **labels: str) -> float:
     return total
 
 
+def settled_metric(server: TritonServer, name: str, **labels: str) -> float:
+    """triton_metric once it stops moving: Triton counts a decoupled request
+    a moment after its last response (also an earlier test's), so read until
+    two reads 0.3 s apart agree (at most ~15 s)."""
+    last = triton_metric(server, name, **labels)
+    for _ in range(50):
+        time.sleep(0.3)
+        now = triton_metric(server, name, **labels)
+        if now == last:
+            return now
+        last = now
+    return last
+
+
 def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0, interval_s: float = 0.02) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

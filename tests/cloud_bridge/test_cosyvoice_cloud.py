@@ -11,7 +11,7 @@ import numpy as np
 from cloud_bridge.protocol import CloudPrompt, CloudRequest, pcm16_bytes
 from models.api import PromptAudio, SynthesisRequest
 from tests.cloud_bridge.device import Device
-from tests.cloud_bridge.helpers import triton_metric
+from tests.cloud_bridge.helpers import settled_metric
 
 PRODUCT = {"model": "cosyvoice2", "first_chunk_timeout_s": 120.0, "chunk_timeout_s": 120.0}
 
@@ -107,12 +107,12 @@ def test_dynamic_batching_on_the_real_model(broker, make_bridge, triton) -> None
     device = Device(broker.url, "kitchen")
     labels = {"model": "cosyvoice2", "version": "2"}
     try:
-        req0 = triton_metric(triton, "nv_inference_request_success", **labels)
-        exec0 = triton_metric(triton, "nv_inference_exec_count", **labels)
+        req0 = settled_metric(triton, "nv_inference_request_success", **labels)
+        exec0 = settled_metric(triton, "nv_inference_exec_count", **labels)
         answers = [device.send(CloudRequest(id=f"b{i}", text="Hi.", seed=i, model_version="2")) for i in range(4)]
         assert all(a.finished.wait(240) for a in answers)
-        requests = triton_metric(triton, "nv_inference_request_success", **labels) - req0
-        executions = triton_metric(triton, "nv_inference_exec_count", **labels) - exec0
+        requests = settled_metric(triton, "nv_inference_request_success", **labels) - req0
+        executions = settled_metric(triton, "nv_inference_exec_count", **labels) - exec0
     finally:
         device.close()
     assert all(a.done is not None for a in answers), [a.error for a in answers]
