@@ -16,7 +16,6 @@ a re-export reuses the measured tactics."""
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import platform
@@ -41,7 +40,7 @@ from edge_build.engine_plan import (
 from models.backends.engine_meta import plan_file_name, with_engines, write_manifest
 from models.backends.gpu_probe import import_tensorrt, local_identity, probe_gpu
 from models.backends.profiles import stage_profiles
-from models.bundle import STAGES, load_bundle
+from models.bundle import STAGES, load_bundle, sha256_file
 from models.errors import BundleError, EngineError
 from models.memory_budget import BOARDS, MIB, bundle_budget
 
@@ -69,14 +68,6 @@ class EngineBuildSettings:
             raise ValueError(f"unknown stages {unknown}; allowed: {', '.join(STAGES)}")
         if self.max_batch is not None and self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def guess_board(name: str, total_memory_bytes: int) -> str | None:

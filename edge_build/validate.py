@@ -12,7 +12,6 @@ it)."""
 from __future__ import annotations
 
 import argparse
-import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -20,20 +19,12 @@ import numpy as np
 
 from models.api import SynthesisRequest
 from models.backends.ort import OrtBackend
-from models.bundle import load_bundle
+from models.bundle import load_bundle, sha256_file
 from models.engine import load_engine
 from models.errors import CosyEdgeError
 
 TEXT = "Validation of the exported bundle, one two three."
 SEED = 3
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 class TorchNoise:
@@ -58,7 +49,7 @@ def check_files(bundle_dir: Path, manifest: dict[str, Any]) -> list[str]:
         path = bundle_dir / rel
         if not path.exists():
             bad.append(f"{rel}: missing")
-        elif _sha256(path) != digest:
+        elif sha256_file(path) != digest:
             bad.append(f"{rel}: sha256 differs from the manifest")
     return bad
 

@@ -126,12 +126,12 @@ class Bundle:
         """Files whose sha256 differs from the manifest (empty when all match)."""
         bad = []
         for stage in self.stages.values():
-            if stage.sha256 and _sha256(stage.path) != stage.sha256:
+            if stage.sha256 and sha256_file(stage.path) != stage.sha256:
                 bad.append(stage.path.name)
         return bad
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):

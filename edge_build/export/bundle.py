@@ -13,8 +13,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from edge_build.export.graphs import OPSET, StageGraph, TensorSpec, sha256_file
+from edge_build.export.graphs import OPSET, StageGraph, TensorSpec
 from edge_build.reference import CARRIED_ONNX, require
+from models.bundle import sha256_file
 
 FORMAT = "cosyedge-bundle"
 FORMAT_VERSION = 1

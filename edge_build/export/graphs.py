@@ -4,7 +4,6 @@ and the checks that the written file matches the spec."""
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import tempfile
 import warnings
@@ -48,14 +47,6 @@ class StageGraph:
 def module_base() -> Any:
     """torch.nn.Module, imported lazily (the export wrappers subclass it)."""
     return require("torch", "torch", "exporting ONNX graphs").nn.Module
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def export_stage(module: Any, example: tuple[Any, ...], out_dir: Path, stage: StageGraph) -> StageGraph:

@@ -3,7 +3,6 @@ low-precision graphs added as stage variants, a new manifest."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -11,15 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from edge_build.quantize.policy import FP32_STAGES
-from models.bundle import STAGES
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+from models.bundle import STAGES, sha256_file
 
 
 def link_bundle(src: Path, dst: Path) -> None:
@@ -54,7 +45,7 @@ def add_variants(dst: Path, precision: str, files: dict[str, Path], fp32_nodes: 
         variants = entry.setdefault("variants", {})
         if name in files:
             path = files[name]
-            variant: dict[str, Any] = {"file": path.name, "sha256": sha256(path), "precision": precision}
+            variant: dict[str, Any] = {"file": path.name, "sha256": sha256_file(path), "precision": precision}
             if precision == "int8":
                 variant["fp32_nodes"] = fp32_nodes.get(name, [])
         else:

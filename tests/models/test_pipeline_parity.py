@@ -20,25 +20,10 @@ from models.sampling import TokenSampler
 
 torch = pytest.importorskip("torch")
 reference_pipeline = pytest.importorskip("edge_build.reference_pipeline")
+TorchNoise = pytest.importorskip("edge_build.validate").TorchNoise
 
 TEXT = "Hello from the tiny model, one two three."
 SEED = 3
-
-
-class TorchNoise:
-    """Draws what upstream's SineGen2 + SourceModuleHnNSF2 draw per HiFT call,
-    in the same order, from torch's global generator. SineGen2's sine tensor
-    [B, T*U, H] is a transposed view of a [B, H, T*U] buffer, and randn_like
-    fills it in that memory order."""
-
-    def standard_normal(self, size: tuple[int, ...], dtype: type[np.float32]) -> np.ndarray:
-        b, n, h = size
-        torch.rand(b, h)  # SineGen2's random initial phase (never reaches the output)
-        # randn_like on the non-contiguous view: torch fills it element by
-        # element, not with the vectorised path a fresh contiguous randn takes.
-        noise = torch.randn_like(torch.empty(b, h, n).transpose(1, 2))
-        torch.randn_like(torch.empty(b, 1, n).transpose(1, 2))  # the noise branch, unused at inference
-        return np.ascontiguousarray(noise.numpy(), dtype=dtype)
 
 
 def snr_db(ref: np.ndarray, test: np.ndarray) -> float:
@@ -50,7 +35,8 @@ def snr_db(ref: np.ndarray, test: np.ndarray) -> float:
 @pytest.fixture(scope="module")
 def engine(tiny_bundle: Path) -> Iterator[CosyVoiceEngine]:
     eng = load_engine(tiny_bundle)
-    eng.noise_factory = lambda seq: TorchNoise()  # type: ignore[assignment,misc]
+    # The vocoder noise drawn exactly as upstream's SineGen2 draws it.
+    eng.noise_factory = lambda seq: TorchNoise(torch)  # type: ignore[assignment,misc]
     yield eng
     eng.close()
 
