@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from models.api import SynthesisRequest
-from models.backends.base import Backend, Session
+from models.backends.base import Session
 from models.bundle import Bundle
 from models.errors import RequestError
 from models.flow import FlowPrompt
@@ -37,9 +37,8 @@ class Conditioning:
 
 
 class ConditioningBuilder:
-    def __init__(self, bundle: Bundle, backend: Backend, tokenizer: TextTokenizer, frontend: TextFrontend) -> None:
+    def __init__(self, bundle: Bundle, tokenizer: TextTokenizer, frontend: TextFrontend) -> None:
         self.bundle = bundle
-        self.backend = backend
         self.tokenizer = tokenizer
         self.frontend = frontend
         self._voices: dict[str, PromptFeatures] = {}

@@ -55,6 +55,7 @@ class _RequestState:
     started: float
     cancel: threading.Event | None
     index: int = 0
+    tokens_before: int = 0  # speech tokens of the request's earlier segments
     llm: LlmStats = field(default_factory=LlmStats)
 
     def cancelled(self) -> bool:
@@ -94,7 +95,7 @@ class CosyVoiceEngine:
         self.vocoder = HiftVocoder(bundle, load("hift_source"), load("hift_decoder"))
         self.tokenizer = TextTokenizer.from_file(bundle.file("tokenizer"))
         self.frontend = TextFrontend(self.tokenizer, max_text_chars=settings.max_text_chars)
-        self.conditioning = ConditioningBuilder(bundle, backend, self.tokenizer, self.frontend)
+        self.conditioning = ConditioningBuilder(bundle, self.tokenizer, self.frontend)
 
     def _load(self, stage: str) -> Session:
         session = self.backend.load(stage, self.bundle.stages[stage].path, threads=self.settings.threads)
@@ -145,8 +146,6 @@ class CosyVoiceEngine:
                 if state.cancelled():
                     return
                 yield self._chunk(state, pcm, last=final and last_segment)
-        if not segments:
-            yield self._chunk(state, np.zeros(0, dtype=np.float32), last=True)
 
     def close(self) -> None:
         for s in self._sessions:
@@ -158,7 +157,7 @@ class CosyVoiceEngine:
     def _chunk(self, state: _RequestState, pcm: np.ndarray, last: bool) -> AudioChunk:
         times = state.times
         times.llm_ms = state.llm.prefill_ms + state.llm.decode_ms
-        times.llm_tokens = len(state.llm.tokens)
+        times.llm_tokens = state.tokens_before + len(state.llm.tokens)
         if times.first_audio_ms is None and pcm.size:
             times.first_audio_ms = (time.perf_counter() - state.started) * 1e3
         chunk = AudioChunk(pcm=pcm.astype(np.float32, copy=False), sample_rate=self.sample_rate,
@@ -167,6 +166,8 @@ class CosyVoiceEngine:
         return chunk
 
     def _tokens(self, llm_in: LlmInput, state: _RequestState) -> Iterator[int]:
+        # The token list is per segment (upstream's repetition window); the count is per request.
+        state.tokens_before += len(state.llm.tokens)
         state.llm.tokens.clear()
         return self.lm.generate(llm_in, state.sampler, state.llm)
 

@@ -28,9 +28,7 @@ def add_voice(bundle_dir: Path, name: str, wav: Path, transcript: str) -> Path:
     tokenizer = TextTokenizer.from_file(bundle.file("tokenizer"))
     frontend = TextFrontend(tokenizer)
     pcm, sr = load_audio(wav)
-    from models.backends.ort import OrtBackend
-
-    builder = ConditioningBuilder(bundle, OrtBackend(providers=("CPUExecutionProvider",)), tokenizer, frontend)
+    builder = ConditioningBuilder(bundle, tokenizer, frontend)
     try:
         feats = builder.prompt_features(SynthesisRequest(
             text="-", mode="zero_shot", prompt=PromptAudio(pcm=pcm, sample_rate=sr, text=transcript)))
