@@ -29,6 +29,10 @@ def official_model(refs: ReferenceModels) -> Any:
     from cosyvoice.cli.model import CosyVoice2Model
 
     model = CosyVoice2Model(refs.llm, refs.flow, refs.hift, False)
+    # Upstream's load() moves the modules to the device it picked (the GPU when
+    # torch sees one); we load the modules ourselves, so move them the same way.
+    for module in (refs.llm, refs.flow, refs.hift):
+        module.to(model.device)
     model.llm = refs.llm
     return model
 
@@ -67,7 +71,7 @@ def patch_sampling(llm: Any, sample: Callable[[np.ndarray, list[int]], int]) -> 
     original = llm.sampling
 
     def sampling(weighted_scores: Any, decoded_tokens: list[int], _top_k: int) -> Any:
-        return torch.tensor([sample(weighted_scores.float().numpy(), decoded_tokens)])
+        return torch.tensor([sample(weighted_scores.float().cpu().numpy(), decoded_tokens)])
 
     llm.sampling = sampling
 
@@ -107,4 +111,5 @@ def run_reference(bundle: Bundle, tokenizer: Any, text: str, repeats: int = 3,
         firsts.append(first if first is not None else float("nan"))
     return {"rtf": round(statistics.median(rtfs), 4), "first_audio_ms": round(statistics.median(firsts), 1),
             "audio_s": round(audio, 2), "torch": torch.__version__, "torch_threads": threads,
+            "device": str(model.device),
             "model_dir": str(src)}

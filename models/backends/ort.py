@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from models.backends.base import HostDecodeLoop, Session
+from models.backends.base import DecodeLoop, HostDecodeLoop, Session
 from models.errors import BundleError, EngineError
 
 log = logging.getLogger(__name__)
@@ -55,6 +55,20 @@ class OrtSession:
             raise EngineError(f"{self.name}: onnxruntime failed: {exc}") from exc
         return dict(zip(names, values, strict=True))
 
+    def io_binding(self) -> ort.IOBinding:
+        return self._sess.io_binding()
+
+    def run_bound(self, binding: ort.IOBinding) -> None:
+        try:
+            self._sess.run_with_iobinding(binding)
+        except Exception as exc:
+            raise EngineError(f"{self.name}: onnxruntime failed: {exc}") from exc
+
+    @property
+    def on_device(self) -> bool:
+        """True when the graph runs on a GPU provider (its tensors can stay there)."""
+        return self.providers[0] in ("CUDAExecutionProvider", "TensorrtExecutionProvider")
+
     def memory_bytes(self) -> int:
         # Weights dominate; the arena is not exposed by onnxruntime's Python API.
         size = self.path.stat().st_size
@@ -78,7 +92,9 @@ class OrtBackend:
             threads = int(env) if env else None
         return OrtSession(stage, path, self.providers, self.device_id, threads)
 
-    def decode_loop(self, prefill: Session, decode: Session) -> HostDecodeLoop:
+    def decode_loop(self, prefill: Session, decode: Session) -> DecodeLoop:
+        if isinstance(prefill, OrtSession) and isinstance(decode, OrtSession) and decode.on_device:
+            return BoundDecodeLoop(prefill, decode, "cuda", self.device_id)
         return HostDecodeLoop(prefill, decode)
 
     def describe(self) -> dict[str, str]:
@@ -88,3 +104,49 @@ class OrtBackend:
             "providers": ",".join(p for p in self.providers if p in ort.get_available_providers()),
             "device": ort.get_device(),
         }
+
+
+class BoundDecodeLoop:
+    """DecodeLoop over ONNX Runtime IOBinding: the KV cache that one step
+    returns is bound, as the runtime's own device tensor, as the next step's
+    input, so it never crosses to the host; only the embeddings go in and the
+    log-probabilities come out (a few KB per token). On the CPU provider it
+    runs the same way with device_type "cpu" (that is how it is tested here)."""
+
+    def __init__(self, prefill: OrtSession, decode: OrtSession, device_type: str, device_id: int = 0) -> None:
+        self._prefill = prefill
+        self._decode = decode
+        self._device = (device_type, device_id)
+        self._kv: ort.OrtValue | None = None
+        self._len = 0
+
+    def _run(self, session: OrtSession, embeds: np.ndarray, past: ort.OrtValue | None) -> np.ndarray:
+        binding = session.io_binding()
+        binding.bind_cpu_input("inputs_embeds", np.ascontiguousarray(embeds, dtype=np.float32))
+        binding.bind_cpu_input("attention_mask", np.ones((embeds.shape[0], self._len + embeds.shape[1]), np.int64))
+        if past is not None:
+            binding.bind_ortvalue_input("past_kv", past)
+        binding.bind_output("logp", "cpu")
+        binding.bind_output("present_kv", self._device[0], self._device[1])
+        session.run_bound(binding)
+        logp, kv = binding.get_outputs()
+        self._kv = kv
+        self._len = int(kv.shape()[4])
+        return np.asarray(logp.numpy())
+
+    def prefill(self, inputs_embeds: np.ndarray) -> np.ndarray:
+        self._len = 0
+        return self._run(self._prefill, inputs_embeds, None)
+
+    def step(self, inputs_embeds: np.ndarray) -> np.ndarray:
+        if self._kv is None:
+            raise RuntimeError("step() before prefill()")
+        return self._run(self._decode, inputs_embeds, self._kv)
+
+    @property
+    def cache_len(self) -> int:
+        return self._len
+
+    def close(self) -> None:
+        self._kv = None
+        self._len = 0
