@@ -17,11 +17,11 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/gpu.txt"
 python3 -c "import onnxruntime as o, torch; print('onnxruntime', o.__version__, o.get_available_providers(), 'torch', torch.__version__)"
 t0=$(date +%s)
-[ -f /tmp/full/ckpt/cosyvoice2.yaml ] || python3 -m daemon.cli build tiny --size full --out /tmp/full/ckpt >"$out/build.log" 2>&1
-[ -f /tmp/full/bundle/manifest.json ] || python3 -m daemon.cli build export --model-dir /tmp/full/ckpt --out /tmp/full/bundle >>"$out/build.log" 2>&1
+[ -f /tmp/full/ckpt/cosyvoice2.yaml ] || python3 -m daemon build tiny --size full --out /tmp/full/ckpt >"$out/build.log" 2>&1
+[ -f /tmp/full/bundle/manifest.json ] || python3 -m daemon build export --model-dir /tmp/full/ckpt --out /tmp/full/bundle >>"$out/build.log" 2>&1
 echo "build+export $(( $(date +%s) - t0 )) s"
-python3 -m pytest -m gpu -q -p no:cacheprovider tests/models/test_ort_backend.py 2>&1 | tail -3 || true
-python3 -m daemon.cli bench --bundle /tmp/full/bundle --backend ort-cuda --repeats 2 --concurrency "$conc" \
+python3 -m pytest -m gpu -q -p no:cacheprovider tests/models/test_ort_backend.py 2>&1 | grep -E "Error|passed|failed|skipped" | tail -8 || true
+python3 -m daemon bench --bundle /tmp/full/bundle --backend ort-cuda --repeats 2 --concurrency "$conc" \
   --reference --json "$out/bench_h200.json" >"$out/bench.log" 2>&1 || { tail -40 "$out/bench.log"; exit 1; }
 python3 - "$out/bench_h200.json" <<'PY'
 import json, sys
