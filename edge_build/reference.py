@@ -96,6 +96,10 @@ def install_stand_ins() -> None:
     _install_stand_in("whisper")
     _install_stand_in("whisper.tokenizer", Tokenizer=_UnavailableTokenizer)
     _install_stand_in("tiktoken")
+    # matcha's training utilities import these download helpers at module level
+    # (pulled in through cosyvoice.flow.flow_matching); inference never calls them.
+    _install_stand_in("gdown")
+    _install_stand_in("wget")
 
 
 def check_checkpoint_dir(model_dir: Path) -> str:
