@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import platform
 import resource
@@ -21,6 +22,8 @@ import numpy as np
 
 from models.api import SynthesisRequest
 from models.engine import CosyVoiceEngine, EngineSettings, load_engine
+
+log = logging.getLogger(__name__)
 
 # 20 text tokens with the real Qwen2 tokenizer: a random-weight model then
 # speaks the maximum 20 x 20 = 400 speech tokens (16 s), as upstream measured.
@@ -92,6 +95,7 @@ def bench_command(args: argparse.Namespace) -> int:
     engine = load_engine(args.bundle, settings=EngineSettings(backend=args.backend))
     try:
         run_once(engine, text, stream=True, seed=0)  # warm-up: session arenas, page-in of weights
+        log.info("warm-up done; offline and streaming runs")
         offline = [run_once(engine, text, stream=False, seed=r) for r in range(args.repeats)]
         streaming = [run_once(engine, text, stream=True, seed=r) for r in range(args.repeats)]
         report: dict[str, Any] = {
@@ -107,12 +111,15 @@ def bench_command(args: argparse.Namespace) -> int:
             "stages_ms": {k: round(statistics.median(float(r["stages_ms"][k] or 0) for r in offline), 1)
                           for k in ("frontend_ms", "llm_ms", "flow_ms", "vocoder_ms")},
         }
+        log.info("rtf %.4f, first audio %.1f ms; streaming cost on a long text", report["rtf"],
+                 report["first_audio_ms"])
         long_off = run_once(engine, LONG_TEXT, stream=False, seed=7)
         long_str = run_once(engine, LONG_TEXT, stream=True, seed=7)
         report["streaming_cost_vs_offline"] = {
             "audio_s": round(long_off["audio_s"], 2),
             "ratio": round(long_str["total_s"] / long_off["total_s"], 3),
         }
+        log.info("streaming cost %s; concurrency runs", report["streaming_cost_vs_offline"])
         report["concurrency"] = {
             str(n): run_concurrent(engine, text, n) for n in (int(x) for x in args.concurrency.split(",") if x)
         }
@@ -120,6 +127,7 @@ def bench_command(args: argparse.Namespace) -> int:
         if args.reference:
             from edge_build.reference_pipeline import run_reference
 
+            log.info("the official pipeline")
             ref = run_reference(engine.bundle, engine.tokenizer, text, repeats=args.repeats)
             report["reference"] = ref
             report["speedup_vs_reference"] = round(ref["rtf"] / report["rtf"], 3)

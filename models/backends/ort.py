@@ -28,7 +28,11 @@ class OrtSession:
         for p in providers:
             if p not in available:
                 continue
-            if p in ("CUDAExecutionProvider", "TensorrtExecutionProvider"):
+            if p == "CUDAExecutionProvider":
+                # The default exhaustive cuDNN search re-benchmarks every conv for
+                # each new sequence length; lengths change per request here.
+                chosen.append((p, {"device_id": str(device_id), "cudnn_conv_algo_search": "HEURISTIC"}))
+            elif p == "TensorrtExecutionProvider":
                 chosen.append((p, {"device_id": str(device_id)}))
             else:
                 chosen.append(p)
