@@ -20,9 +20,11 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from models.backends.profiles import stage_profiles
 from models.batch_kv import BatchDecoder
 from models.batch_policy import BatchSettings, Waiting, admit
-from models.errors import EngineError
+from models.bundle import Bundle
+from models.errors import BundleError, EngineError
 from models.llm import LlmInput, LlmStats, RequestDecode, SpeechTokenLM
 from models.sampling import TokenSampler
 
@@ -266,6 +268,23 @@ class LlmBatcher:
         self.decoder.reset()
         for r in (*waiting, *active):
             r.out.put_nowait(error)
+
+
+def start_batcher(bundle: Bundle, backend: str, lm: SpeechTokenLM,
+                  settings: BatchSettings | None) -> LlmBatcher | None:
+    """The engine's running batcher, or None when batching is off. TensorRT
+    engines only run the batch sizes their profiles cover, so a larger
+    max_batch_size is refused here rather than failing at the first full batch."""
+    if settings is None:
+        return None
+    if backend == "trt":
+        entry = bundle.stages["llm_decode"].raw
+        b_max = max((p["B"][2] for p in stage_profiles(entry, "llm_decode") if "B" in p), default=1)
+        if settings.max_batch_size > b_max:
+            raise BundleError(f"batching max_batch_size {settings.max_batch_size} exceeds the llm_decode engine's "
+                              f"largest batch ({b_max}); lower max_batch_size or rebuild the engines with a larger "
+                              "B profile")
+    return LlmBatcher(lm, settings).start()
 
 
 def _as_engine_error(exc: Exception, what: str) -> EngineError:

@@ -19,7 +19,7 @@ import numpy as np
 from models.api import MODES, AudioChunk, Mode, StageTimes, SynthesisRequest
 from models.backends.base import Backend, Session, create_backend
 from models.batch_policy import BatchSettings
-from models.batcher import LlmBatcher
+from models.batcher import start_batcher
 from models.bundle import Bundle, load_bundle
 from models.conditioning import Conditioning, ConditioningBuilder
 from models.errors import RequestError
@@ -102,7 +102,7 @@ class CosyVoiceEngine:
         self.tokenizer = TextTokenizer.from_file(bundle.file("tokenizer"))
         self.frontend = TextFrontend(self.tokenizer, max_text_chars=settings.max_text_chars)
         self.conditioning = ConditioningBuilder(bundle, self.tokenizer, self.frontend)
-        self.batcher = LlmBatcher(self.lm, settings.batching).start() if settings.batching else None
+        self.batcher = start_batcher(bundle, backend.name, self.lm, settings.batching)
 
     def _load(self, stage: str) -> Session:
         session = self.backend.load(stage, self.bundle.stages[stage].path, threads=self.settings.threads)

@@ -17,9 +17,9 @@ from models.api import SynthesisRequest
 from models.backends.base import HostDecodeLoop, Session
 from models.batch_kv import BatchDecoder
 from models.batch_policy import BatchSettings
-from models.batcher import LlmBatcher, TokenStream
+from models.batcher import LlmBatcher, TokenStream, start_batcher
 from models.engine import CosyVoiceEngine, EngineSettings, load_engine
-from models.errors import EngineError
+from models.errors import BundleError, EngineError
 from models.llm import LlmInput, SpeechTokenLM
 from models.sampling import TokenSampler
 
@@ -279,3 +279,9 @@ def test_engine_with_batching_gives_the_same_audio(engine: CosyVoiceEngine, tiny
             assert np.array_equal(results[seed], plain[seed])
     finally:
         batched.close()
+
+
+def test_trt_batch_size_is_checked_against_the_decode_profile(engine: CosyVoiceEngine) -> None:
+    with pytest.raises(BundleError, match=r"max_batch_size 8 exceeds the llm_decode engine's largest batch \(4\)"):
+        start_batcher(engine.bundle, "trt", engine.lm, BatchSettings(max_batch_size=8))
+    assert start_batcher(engine.bundle, "ort", engine.lm, None) is None
