@@ -10,6 +10,7 @@ models/batch_slots.py). Not thread-safe: the batcher's worker owns it."""
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Mapping
 
@@ -71,8 +72,17 @@ class BatchDecoder:
         return out["logp"], out["present_kv"]
 
     def join(self, rid: int, cache: np.ndarray) -> None:
-        for op in self.slots.join(rid, int(cache.shape[_COL_AXIS])):
-            self._kv = apply_op(self._kv, op, cache)
+        """Add a prefilled request's cache as a row. All or nothing: if an op
+        fails (memory), the batch is left as it was."""
+        before = copy.deepcopy(self.slots)
+        kv = self._kv
+        try:
+            for op in self.slots.join(rid, int(cache.shape[_COL_AXIS])):
+                kv = apply_op(kv, op, cache)
+        except BaseException:
+            self.slots = before
+            raise
+        self._kv = kv
 
     def leave(self, rid: int) -> None:
         for op in self.slots.leave(rid):

@@ -167,9 +167,12 @@ class LlmBatcher:
         while True:
             try:
                 worked, wake_at = self.run_once()
-            except Exception:  # run_once fails requests itself; this is a bug, keep serving
+            except Exception as exc:
+                # run_once fails requests itself; reaching here is a bug. Fail the batch
+                # rather than leave its consumers waiting, and keep serving.
                 log.exception("LLM batcher round failed")
-                worked, wake_at = False, None
+                self._fail_active(_as_engine_error(exc, "LLM batcher round failed"))
+                worked, wake_at = True, None
             with self._cond:
                 if self._stopping:
                     return
@@ -212,13 +215,14 @@ class LlmBatcher:
             req.stats.prefill_ms += (time.perf_counter() - t0) * 1e3
             if not req.finished:
                 self._emit(request, req.accept(logp[0]))
+            if req.finished:
+                request.out.put_nowait(_END)
+                return
+            self.decoder.join(request.key, cache)
         except Exception as exc:
+            # Only this request fails: the batch's cache is untouched until join's ops ran.
             request.out.put_nowait(_as_engine_error(exc, "LLM prefill failed"))
             return
-        if req.finished:
-            request.out.put_nowait(_END)
-            return
-        self.decoder.join(request.key, cache)
         self._active[request.key] = request
 
     def _step(self) -> bool:
@@ -232,10 +236,7 @@ class LlmBatcher:
             # The batch's cache is not trusted after a failed run: every row fails, the worker goes on.
             err = _as_engine_error(exc, f"LLM batched decode step failed ({len(self._active)} requests in the batch)")
             log.error("%s", err)
-            self.decoder.reset()
-            failed, self._active = list(self._active.values()), {}
-            for r in failed:
-                r.out.put_nowait(err)
+            self._fail_active(err)
             return True
         ms = (time.perf_counter() - t0) * 1e3
         for key, logp in logps.items():
@@ -261,13 +262,18 @@ class LlmBatcher:
             self.decoder.leave(request.key)
         request.out.put_nowait(_END if error is None else error)
 
+    def _fail_active(self, error: EngineError) -> None:
+        active, self._active = list(self._active.values()), {}
+        self.decoder.reset()
+        for r in active:
+            r.out.put_nowait(error)
+
     def _fail_all(self, error: EngineError) -> None:
         with self._cond:
             waiting, self._waiting = self._waiting, []
-        active, self._active = list(self._active.values()), {}
-        self.decoder.reset()
-        for r in (*waiting, *active):
+        for r in waiting:
             r.out.put_nowait(error)
+        self._fail_active(error)
 
 
 def start_batcher(bundle: Bundle, backend: str, lm: SpeechTokenLM,

@@ -221,7 +221,7 @@ class FlakySession:
     def run(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         self.calls += 1
         if self.calls in self.fail_on:
-            raise EngineError("llm_decode: injected failure")
+            raise EngineError(f"{self.name}: injected failure")
         return self._inner.run(inputs, outputs)
 
     def memory_bytes(self) -> int:
@@ -285,3 +285,20 @@ def test_trt_batch_size_is_checked_against_the_decode_profile(engine: CosyVoiceE
     with pytest.raises(BundleError, match=r"max_batch_size 8 exceeds the llm_decode engine's largest batch \(4\)"):
         start_batcher(engine.bundle, "trt", engine.lm, BatchSettings(max_batch_size=8))
     assert start_batcher(engine.bundle, "ort", engine.lm, None) is None
+
+
+def test_a_failed_prefill_fails_only_that_request(engine: CosyVoiceEngine) -> None:
+    flaky_lm = copy.copy(engine.lm)
+    flaky_lm.prefill_session = FlakySession(engine.lm.prefill_session, fail_on={2})
+    expected = alone(engine, 0, 61)
+    batcher = LlmBatcher(flaky_lm, BatchSettings(max_batch_size=4))
+    ok = batcher.submit(llm_input(engine, 0), sampler(flaky_lm, 61))
+    batcher.run_once()
+    bad = batcher.submit(llm_input(engine, 1), sampler(flaky_lm, 62))
+    batcher.run_once()
+    assert batcher.active == 1
+    with pytest.raises(EngineError, match="LLM prefill failed: llm_prefill: injected failure"):
+        list(bad)
+    while batcher.active:
+        batcher.run_once()
+    assert list(ok) == expected
