@@ -236,16 +236,17 @@ def test_a_failed_step_fails_the_batch_and_the_worker_keeps_serving(engine: Cosy
     flaky_lm.decode_session = FlakySession(engine.lm.decode_session, fail_on={3})
     seeds = (51, 52)
     expected = alone(engine, 3, seeds[1])
-    with LlmBatcher(flaky_lm, BatchSettings(max_batch_size=4, max_queue_delay_ms=0)) as batcher:
-        # Both join in the first round (preferred size 2 would hold the first otherwise;
-        # max_batch_size 4 is not reachable, so submit both before the worker looks).
-        with batcher._cond:
-            s0 = batcher.submit(llm_input(engine, 0), sampler(flaky_lm, seeds[0]))
-            s1 = batcher.submit(llm_input(engine, 1), sampler(flaky_lm, seeds[0]))
+    # Preferred size 2 and a long delay: the first request waits for the second, so
+    # both are in the batch when the third decode run fails.
+    settings = BatchSettings(max_batch_size=4, preferred_batch_sizes=(2,), max_queue_delay_ms=10_000)
+    with LlmBatcher(flaky_lm, settings) as batcher:
+        s0 = batcher.submit(llm_input(engine, 0), sampler(flaky_lm, seeds[0]))
+        s1 = batcher.submit(llm_input(engine, 1), sampler(flaky_lm, seeds[0]))
         for s in (s0, s1):
             with pytest.raises(EngineError, match=r"batched decode step failed \(2 requests in the batch\).*injected"):
                 list(s)
         assert batcher.active == 0 and len(batcher.decoder) == 0
+        batcher.delay_ms = 0.0  # the engine's load hint: a lone request joins at once
         # The worker is alive and the next request gets exactly its tokens.
         assert list(batcher.generate(llm_input(engine, 3), sampler(flaky_lm, seeds[1]))) == expected
 
