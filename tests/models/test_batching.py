@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
@@ -261,25 +262,41 @@ def test_stop_fails_the_waiting_requests_with_a_clear_error(engine: CosyVoiceEng
         batcher.submit(llm_input(engine, 0), sampler(engine.lm, 1))
 
 
-def test_engine_with_batching_gives_the_same_audio(engine: CosyVoiceEngine, tiny_bundle: Path) -> None:
+@pytest.fixture(scope="module")
+def batched(tiny_bundle: Path) -> Iterator[CosyVoiceEngine]:
+    eng = load_engine(tiny_bundle, settings=EngineSettings(batching=BatchSettings(max_batch_size=4)))
+    yield eng
+    eng.close()
+
+
+def test_engine_with_batching_gives_the_same_audio(engine: CosyVoiceEngine, batched: CosyVoiceEngine) -> None:
     def audio(eng: CosyVoiceEngine, seed: int) -> np.ndarray:
         chunks = list(eng.synthesize(SynthesisRequest(text=TEXTS[1], seed=seed)))
         return np.concatenate([c.pcm for c in chunks])
 
     plain = {seed: audio(engine, seed) for seed in (3, 5)}
-    batched = load_engine(tiny_bundle, settings=EngineSettings(batching=BatchSettings(max_batch_size=4)))
-    try:
-        results: dict[int, np.ndarray] = {}
-        threads = [threading.Thread(target=lambda s=seed: results.__setitem__(s, audio(batched, s)))
-                   for seed in (3, 5)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        for seed in (3, 5):
-            assert np.array_equal(results[seed], plain[seed])
-    finally:
-        batched.close()
+    results: dict[int, np.ndarray] = {}
+    threads = [threading.Thread(target=lambda s=seed: results.__setitem__(s, audio(batched, s)))
+               for seed in (3, 5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for seed in (3, 5):
+        assert np.array_equal(results[seed], plain[seed])
+
+
+def test_engine_cancel_ends_the_stream_and_leaves_no_row(batched: CosyVoiceEngine) -> None:
+    assert batched.batcher is not None
+    cancel = threading.Event()
+    chunks = batched.synthesize(SynthesisRequest(text=TEXTS[1] * 3, seed=3), cancel)
+    next(chunks)
+    cancel.set()
+    assert list(chunks) == []
+    deadline = time.monotonic() + 10
+    while batched.batcher.active and time.monotonic() < deadline:
+        time.sleep(0.01)  # the worker frees the row at its next step boundary
+    assert batched.batcher.active == 0
 
 
 def test_trt_batch_size_is_checked_against_the_decode_profile(engine: CosyVoiceEngine) -> None:
