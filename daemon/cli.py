@@ -124,6 +124,12 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", default="ort")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--text", help="benchmark text (default: a built-in sentence)")
+    p.add_argument("--batching", type=int, default=0, metavar="MAX_BATCH_SIZE",
+                   help="batch the LLM across concurrent requests, up to this many (0: off, each decodes alone)")
+    p.add_argument("--max-queue-delay-ms", type=float, default=0.0,
+                   help="with --batching: how long a request may wait to join so that the batch fills up")
+    p.add_argument("--llm-only", action="store_true",
+                   help="measure only the LLM (speech tokens/s at each --concurrency), no flow or vocoder")
 
 
 def _add_bridge(sub: argparse._SubParsersAction) -> None:

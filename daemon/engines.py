@@ -21,9 +21,13 @@ def load_local_engine(settings: Settings, bundle: str | None = None) -> Engine:
     if tts.engine == "espeak-ng":
         return EspeakEngine(fb.voice, fb.rate_wpm, fb.sample_rate, fb.binary)
     path = Path(bundle or tts.bundle) if (bundle or tts.bundle) else ensure_tiny_bundle()
-    from models.engine import load_engine  # lazily: the CosyVoice runtime (onnxruntime, tokenizers)
+    # lazily: the CosyVoice runtime (onnxruntime, tokenizers)
+    from models.batch_policy import BatchSettings
+    from models.engine import EngineSettings, load_engine
 
-    engine = load_engine(path, backend=tts.backend)
+    batching = BatchSettings(max_batch_size=tts.llm_max_batch_size, max_queue_delay_ms=tts.llm_max_queue_delay_ms) \
+        if tts.llm_max_batch_size else None
+    engine = load_engine(path, settings=EngineSettings(backend=tts.backend, batching=batching))
     log.info("loaded %s from %s (%d Hz)", engine.name, path, engine.sample_rate)
     return engine
 

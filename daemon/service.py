@@ -34,7 +34,8 @@ from models.api import Engine
 log = logging.getLogger(__name__)
 
 VERSION = "0.1.0"
-_RELOAD_KEYS = {("tts", "bundle"), ("tts", "backend"), ("tts", "engine")}
+_RELOAD_KEYS = {("tts", "bundle"), ("tts", "backend"), ("tts", "engine"), ("tts", "llm_max_batch_size"),
+                ("tts", "llm_max_queue_delay_ms")}
 
 
 class Service:

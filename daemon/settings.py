@@ -85,6 +85,14 @@ class TtsSettings:
         4000, "longer text is rejected with text_too_long", min=1, max=1_000_000, live=True
     )
     max_prompt_s: float = setting(30.0, "longest voice-reference (prompt) audio", min=1, max=600, live=True)
+    llm_max_batch_size: int = setting(
+        0, "decode the LLM of up to this many concurrent requests as one batch (0: off, each decodes alone)",
+        min=0, max=256,
+    )
+    llm_max_queue_delay_ms: float = setting(
+        0.0, "with llm_max_batch_size: how long a request may wait to join so that the batch fills up",
+        min=0, max=10_000,
+    )
 
 
 @dataclass(frozen=True)

@@ -104,6 +104,7 @@ class TtsRequest:
             stream=self.stream,
             seed=self.seed,
             speed=self.speed,
+            priority=self.priority,
         )
 
 

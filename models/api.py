@@ -35,6 +35,7 @@ class SynthesisRequest:
     stream: bool = True
     seed: int | None = None  # None: a fresh random seed
     speed: float = 1.0
+    priority: int = 0  # higher joins a full LLM batch first (the daemon's request priority)
 
 
 @dataclass

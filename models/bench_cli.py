@@ -21,7 +21,10 @@ from typing import Any
 import numpy as np
 
 from models.api import SynthesisRequest
+from models.batch_policy import BatchSettings
 from models.engine import CosyVoiceEngine, EngineSettings, load_engine
+from models.llm import LlmInput
+from models.sampling import TokenSampler
 
 log = logging.getLogger(__name__)
 
@@ -90,10 +93,51 @@ def run_concurrent(engine: CosyVoiceEngine, text: str, n: int) -> dict[str, floa
     }
 
 
+def llm_tokens(engine: CosyVoiceEngine, text: str, seed: int) -> int:
+    """Speech tokens of the text's segments, through the batcher when the engine has one."""
+    config = engine.bundle.llm
+    sampler = TokenSampler.seeded(config.sampling, config.eos_token, seed)
+    n = 0
+    for segment in engine.frontend.prepare(text):
+        inp = LlmInput(text=segment.token_ids.tolist())
+        gen = engine.batcher.generate(inp, sampler) if engine.batcher else engine.lm.generate(inp, sampler)
+        n += sum(1 for _ in gen)
+    return n
+
+
+def run_concurrent_llm(engine: CosyVoiceEngine, text: str, n: int) -> dict[str, float]:
+    counts = [0] * n
+
+    def worker(i: int) -> None:
+        counts[i] = llm_tokens(engine, text, seed=1000 + i)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    return {"tokens": sum(counts), "tokens_per_s": round(sum(counts) / wall, 2),
+            "requests_per_s": round(n / wall, 4)}
+
+
 def bench_command(args: argparse.Namespace) -> int:
     text = args.text or DEFAULT_TEXT
-    engine = load_engine(args.bundle, settings=EngineSettings(backend=args.backend))
+    batching = BatchSettings(max_batch_size=args.batching, max_queue_delay_ms=args.max_queue_delay_ms) \
+        if args.batching else None
+    engine = load_engine(args.bundle, settings=EngineSettings(backend=args.backend, batching=batching))
     try:
+        if args.llm_only:
+            llm_tokens(engine, text, seed=0)  # warm-up
+            levels = [int(x) for x in args.concurrency.split(",") if x]
+            report_llm = {"bundle": str(Path(args.bundle).resolve()), "backend": engine.backend.describe(),
+                          "batching": None if batching is None else vars(batching),
+                          "concurrency": {str(n): run_concurrent_llm(engine, text, n) for n in levels}}
+            print(json.dumps(report_llm, indent=2))
+            if args.json:
+                Path(args.json).write_text(json.dumps(report_llm, indent=2) + "\n")
+            return 0
         run_once(engine, text, stream=True, seed=0)  # warm-up: session arenas, page-in of weights
         log.info("warm-up done; offline and streaming runs")
         offline = [run_once(engine, text, stream=False, seed=r) for r in range(args.repeats)]
@@ -103,6 +147,7 @@ def bench_command(args: argparse.Namespace) -> int:
             "bundle": str(Path(args.bundle).resolve()),
             "precision": engine.bundle.precision,
             "backend": engine.backend.describe(),
+            "batching": None if batching is None else vars(batching),
             "text": text,
             "audio_s": round(statistics.median(r["audio_s"] for r in offline), 3),
             "rtf": round(statistics.median(r["rtf"] for r in offline), 4),

@@ -18,6 +18,8 @@ import numpy as np
 
 from models.api import MODES, AudioChunk, Mode, StageTimes, SynthesisRequest
 from models.backends.base import Backend, Session, create_backend
+from models.batch_policy import BatchSettings
+from models.batcher import start_batcher
 from models.bundle import Bundle, load_bundle
 from models.conditioning import Conditioning, ConditioningBuilder
 from models.errors import RequestError
@@ -39,12 +41,15 @@ class EngineSettings:
     max_text_chars: int = 2000
     threads: int | None = None  # intra-op threads per session (None: the runtime's default)
     first_hop_tokens: int | None = None  # None: upstream's aligned first hop
+    batching: BatchSettings | None = None  # None: every request decodes alone (batch 1)
 
     def __post_init__(self) -> None:
         if self.max_text_chars < 1:
             raise ValueError(f"max_text_chars must be >= 1, got {self.max_text_chars}")
         if self.first_hop_tokens is not None and self.first_hop_tokens < 1:
             raise ValueError(f"first_hop_tokens must be >= 1 or None, got {self.first_hop_tokens}")
+        if self.batching is not None and not isinstance(self.batching, BatchSettings):
+            raise ValueError(f"batching must be a BatchSettings or None, got {type(self.batching).__name__}")
 
 
 @dataclass
@@ -54,6 +59,7 @@ class _RequestState:
     times: StageTimes
     started: float
     cancel: threading.Event | None
+    priority: int = 0
     index: int = 0
     tokens_before: int = 0  # speech tokens of the request's earlier segments
     llm: LlmStats = field(default_factory=LlmStats)
@@ -96,6 +102,7 @@ class CosyVoiceEngine:
         self.tokenizer = TextTokenizer.from_file(bundle.file("tokenizer"))
         self.frontend = TextFrontend(self.tokenizer, max_text_chars=settings.max_text_chars)
         self.conditioning = ConditioningBuilder(bundle, self.tokenizer, self.frontend)
+        self.batcher = start_batcher(bundle, backend.name, self.lm, settings.batching)
 
     def _load(self, stage: str) -> Session:
         session = self.backend.load(stage, self.bundle.stages[stage].path, threads=self.settings.threads)
@@ -131,6 +138,7 @@ class CosyVoiceEngine:
             times=StageTimes(),
             started=started,
             cancel=cancel,
+            priority=request.priority,
         )
         t0 = time.perf_counter()
         cond = self.conditioning.build(request)
@@ -147,7 +155,14 @@ class CosyVoiceEngine:
                     return
                 yield self._chunk(state, pcm, last=final and last_segment)
 
+    def set_load_level(self, level: str) -> None:
+        """The daemon's load hint: under load ("degraded") requests join the LLM batch without delay."""
+        if self.batcher is not None:
+            self.batcher.delay_ms = 0.0 if level == "degraded" else None
+
     def close(self) -> None:
+        if self.batcher is not None:
+            self.batcher.stop()
         for s in self._sessions:
             s.close()
         self._sessions.clear()
@@ -169,6 +184,9 @@ class CosyVoiceEngine:
         # The token list is per segment (upstream's repetition window); the count is per request.
         state.tokens_before += len(state.llm.tokens)
         state.llm.tokens.clear()
+        if self.batcher is not None:
+            return self.batcher.generate(llm_in, state.sampler, state.llm, priority=state.priority,
+                                         cancel=state.cancel)
         return self.lm.generate(llm_in, state.sampler, state.llm)
 
     def _flow(self, tokens: list[int], cond: Conditioning, state: _RequestState, finalize: bool,

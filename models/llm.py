@@ -67,35 +67,67 @@ class SpeechTokenLM:
     def decode_loop(self) -> DecodeLoop:
         return self.backend.decode_loop(self.prefill_session, self.decode_session)
 
+    def start(self, inp: LlmInput, sampler: TokenSampler, stats: LlmStats | None = None) -> RequestDecode:
+        """The per-request decoding state; both the unbatched loop below and
+        the batcher (models/batcher.py) drive it, so the rules live once."""
+        return RequestDecode(self, inp, sampler, stats if stats is not None else LlmStats())
+
     def generate(self, inp: LlmInput, sampler: TokenSampler, stats: LlmStats | None = None) -> Iterator[int]:
         """Yield speech tokens one by one until EOS or the maximum length."""
-        stats = stats if stats is not None else LlmStats()
-        min_len, max_len = inp.length_limits(self.config)
-        eos = self.config.eos_token
-        embeds = self.prompt_embeds(inp)
+        req = self.start(inp, sampler, stats)
         loop = self.decode_loop()
         try:
             t0 = time.perf_counter()
-            logp = loop.prefill(embeds)
-            stats.prefill_ms += (time.perf_counter() - t0) * 1e3
-            last_input = embeds[:, -1:]
-            out = stats.tokens
-            for i in range(max_len):
-                if i > 0:
-                    t0 = time.perf_counter()
-                    logp = loop.step(last_input)
-                    stats.decode_ms += (time.perf_counter() - t0) * 1e3
-                stats.steps += 1
-                token = sampler.sample(logp[0], out, ignore_eos=i < min_len)
-                if token == eos:
+            logp = loop.prefill(req.prompt)
+            req.stats.prefill_ms += (time.perf_counter() - t0) * 1e3
+            while not req.finished:
+                token = req.accept(logp[0])
+                if token is not None:
+                    yield token
+                if req.finished:
                     break
-                if token > eos:
-                    # A fill token: upstream does not emit it and feeds the same
-                    # input again at the next position. (At step 0 upstream would
-                    # re-feed the whole prompt; we re-feed its last position.)
-                    continue
-                out.append(token)
-                yield token
-                last_input = self.speech_embedding[token][None, None]
+                t0 = time.perf_counter()
+                logp = loop.step(req.next_input[None, None])
+                req.stats.decode_ms += (time.perf_counter() - t0) * 1e3
         finally:
             loop.close()
+
+
+class RequestDecode:
+    """One request's decoding rules, independent of how its logits were
+    computed (alone or as a row of a batch): minimum and maximum length,
+    EOS masked until the minimum, fill tokens skipped, its own sampler and
+    token list (upstream's repetition window), and the next step's input."""
+
+    def __init__(self, lm: SpeechTokenLM, inp: LlmInput, sampler: TokenSampler, stats: LlmStats) -> None:
+        self.min_len, self.max_len = inp.length_limits(lm.config)
+        self.eos = lm.config.eos_token
+        self.sampler = sampler
+        self.stats = stats
+        self.prompt = lm.prompt_embeds(inp)  # [1, T, D]
+        self._speech_embedding = lm.speech_embedding
+        self.next_input: np.ndarray = self.prompt[0, -1]  # [D]
+        self.index = 0  # sampling steps taken
+        self.finished = self.max_len <= 0
+
+    def accept(self, logp: np.ndarray) -> int | None:
+        """Sample from this step's logp [V]; the token to emit, or None (EOS or
+        a fill token). Sets `finished` when the request is done."""
+        if self.finished:
+            raise RuntimeError("accept() after the request finished")
+        i = self.index
+        self.index += 1
+        self.stats.steps += 1
+        token = self.sampler.sample(logp, self.stats.tokens, ignore_eos=i < self.min_len)
+        if token == self.eos:
+            self.finished = True
+            return None
+        self.finished = self.index >= self.max_len
+        if token > self.eos:
+            # A fill token: upstream does not emit it and feeds the same input
+            # again at the next position. (At step 0 upstream would re-feed the
+            # whole prompt; we re-feed its last position.)
+            return None
+        self.stats.tokens.append(token)
+        self.next_input = self._speech_embedding[token]
+        return token

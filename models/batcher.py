@@ -1,0 +1,299 @@
+"""Continuous batching of the LLM across requests: one worker thread owns the
+batched decode (models/batch_kv.py) and runs, round after round, (1) drop
+cancelled requests, (2) admit waiting requests (models/batch_policy.py),
+prefill each alone and add its cache to the batch, (3) one decode step for
+every active request. Each request's tokens go to its own queue; its
+`generate` iterator reads them. Sampling and the length/EOS/fill rules are
+per request (`RequestDecode`, shared with the unbatched path), so a seeded
+request yields the same tokens alone or in a batch.
+
+`run_once` is one round; the worker calls it in a loop, tests call it
+directly to place joins and leaves at chosen steps."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from models.backends.profiles import stage_profiles
+from models.batch_kv import BatchDecoder
+from models.batch_policy import BatchSettings, Waiting, admit
+from models.bundle import Bundle
+from models.errors import BundleError, EngineError
+from models.llm import LlmInput, LlmStats, RequestDecode, SpeechTokenLM
+from models.sampling import TokenSampler
+
+log = logging.getLogger(__name__)
+
+_IDLE_TICK_S = 0.25  # an idle worker looks at cancel events and the stop flag at least this often
+
+
+class _End:
+    """Queue marker: the request is done."""
+
+
+_END = _End()
+
+
+@dataclass(eq=False)
+class _Request:
+    key: int
+    priority: int
+    arrived: float
+    decode: RequestDecode
+    cancel: threading.Event | None
+    closed: threading.Event = field(default_factory=threading.Event)  # the consumer went away
+    # Never blocks the worker: a request yields at most max_len tokens, plus the end marker.
+    out: queue.Queue[int | _End | BaseException] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.out = queue.Queue(maxsize=self.decode.max_len + 2)
+
+    def cancelled(self) -> bool:
+        return self.closed.is_set() or (self.cancel is not None and self.cancel.is_set())
+
+    def waiting(self) -> Waiting:
+        return Waiting(self.key, self.priority, self.arrived)
+
+
+class TokenStream:
+    """The consumer side of one batched request: iterate for tokens; close()
+    (or leaving a for loop early and dropping it) frees its batch row."""
+
+    def __init__(self, batcher: LlmBatcher, request: _Request) -> None:
+        self._batcher = batcher
+        self._request = request
+
+    def __iter__(self) -> Iterator[int]:
+        try:
+            while True:
+                item = self._request.out.get()
+                if isinstance(item, _End):
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if not self._request.closed.is_set():
+            self._request.closed.set()
+            self._batcher.kick()
+
+
+class LlmBatcher:
+    def __init__(self, lm: SpeechTokenLM, settings: BatchSettings,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.lm = lm
+        self.settings = settings
+        self.clock = clock
+        self.decoder = BatchDecoder(lm.prefill_session, lm.decode_session,
+                                    compact_min_columns=settings.compact_min_columns)
+        self.delay_ms: float | None = None  # None: settings.max_queue_delay_ms
+        self._keys = itertools.count()
+        self._cond = threading.Condition()
+        self._waiting: list[_Request] = []
+        self._active: dict[int, _Request] = {}  # worker-owned
+        self._kicked = False
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    # --- lifecycle ---------------------------------------------------------------------
+    def start(self) -> LlmBatcher:
+        if self._thread is None:
+            self._stopping = False
+            self._thread = threading.Thread(target=self._worker, name="llm-batcher", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+        self._fail_all(EngineError("the LLM batcher stopped before the request finished"))
+
+    def __enter__(self) -> LlmBatcher:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # --- consumer side -----------------------------------------------------------------
+    def submit(self, inp: LlmInput, sampler: TokenSampler, stats: LlmStats | None = None, *,
+               priority: int = 0, cancel: threading.Event | None = None) -> TokenStream:
+        request = _Request(next(self._keys), priority, self.clock(),
+                           self.lm.start(inp, sampler, stats), cancel)
+        with self._cond:
+            if self._stopping:
+                raise EngineError("the LLM batcher is stopped")
+            if len(self._waiting) >= self.settings.max_queue_size:
+                raise EngineError(f"the LLM batcher's queue is full ({len(self._waiting)} requests wait to join; "
+                                  f"max_queue_size is {self.settings.max_queue_size})")
+            self._waiting.append(request)
+            self._kicked = True
+            self._cond.notify_all()
+        return TokenStream(self, request)
+
+    def generate(self, inp: LlmInput, sampler: TokenSampler, stats: LlmStats | None = None, *,
+                 priority: int = 0, cancel: threading.Event | None = None) -> Iterator[int]:
+        """Like `SpeechTokenLM.generate`, with the decode steps shared with the other active requests."""
+        return iter(self.submit(inp, sampler, stats, priority=priority, cancel=cancel))
+
+    def kick(self) -> None:
+        with self._cond:
+            self._kicked = True
+            self._cond.notify_all()
+
+    @property
+    def active(self) -> int:
+        return len(self._active)
+
+    @property
+    def waiting(self) -> int:
+        with self._cond:
+            return len(self._waiting)
+
+    # --- worker side -------------------------------------------------------------------
+    def _worker(self) -> None:
+        while True:
+            try:
+                worked, wake_at = self.run_once()
+            except Exception as exc:
+                # run_once fails requests itself; reaching here is a bug. Fail the batch
+                # rather than leave its consumers waiting, and keep serving.
+                log.exception("LLM batcher round failed")
+                self._fail_active(_as_engine_error(exc, "LLM batcher round failed"))
+                worked, wake_at = True, None
+            with self._cond:
+                if self._stopping:
+                    return
+                if worked or self._kicked:
+                    self._kicked = False
+                    continue
+                timeout = _IDLE_TICK_S if wake_at is None else min(_IDLE_TICK_S, max(0.0, wake_at - self.clock()))
+                self._cond.wait(timeout)
+                self._kicked = False
+
+    def run_once(self) -> tuple[bool, float | None]:
+        """One round: drop cancelled requests, admit, one decode step. Returns
+        (whether anything ran, when waiting requests should be looked at again)."""
+        self._drop_cancelled()
+        with self._cond:
+            decision = admit(self.settings, [r.waiting() for r in self._waiting], len(self._active),
+                             self.clock(), self.delay_ms)
+            chosen = {w.key for w in decision.join}
+            joining = sorted((r for r in self._waiting if r.key in chosen), key=lambda r: (-r.priority, r.key))
+            self._waiting = [r for r in self._waiting if r.key not in chosen]
+        for request in joining:
+            self._join(request)
+        stepped = self._step()
+        return bool(joining) or stepped, decision.wake_at
+
+    def _drop_cancelled(self) -> None:
+        with self._cond:
+            gone = [r for r in self._waiting if r.cancelled()]
+            self._waiting = [r for r in self._waiting if not r.cancelled()]
+        for r in gone:
+            r.out.put_nowait(_END)
+        for r in [r for r in self._active.values() if r.cancelled()]:
+            self._finish(r)
+
+    def _join(self, request: _Request) -> None:
+        req = request.decode
+        try:
+            t0 = time.perf_counter()
+            logp, cache = self.decoder.prefill(req.prompt)
+            req.stats.prefill_ms += (time.perf_counter() - t0) * 1e3
+            if not req.finished:
+                self._emit(request, req.accept(logp[0]))
+            if req.finished:
+                request.out.put_nowait(_END)
+                return
+            self.decoder.join(request.key, cache)
+        except Exception as exc:
+            # Only this request fails: the batch's cache is untouched until join's ops ran.
+            request.out.put_nowait(_as_engine_error(exc, "LLM prefill failed"))
+            return
+        self._active[request.key] = request
+
+    def _step(self) -> bool:
+        if not self._active:
+            return False
+        inputs = {key: r.decode.next_input for key, r in self._active.items()}
+        t0 = time.perf_counter()
+        try:
+            logps = self.decoder.step(inputs)
+        except Exception as exc:
+            # The batch's cache is not trusted after a failed run: every row fails, the worker goes on.
+            err = _as_engine_error(exc, f"LLM batched decode step failed ({len(self._active)} requests in the batch)")
+            log.error("%s", err)
+            self._fail_active(err)
+            return True
+        ms = (time.perf_counter() - t0) * 1e3
+        for key, logp in logps.items():
+            request = self._active[key]
+            request.decode.stats.decode_ms += ms
+            try:
+                self._emit(request, request.decode.accept(logp))
+            except Exception as exc:
+                self._finish(request, _as_engine_error(exc, "LLM sampling failed"))
+                continue
+            if request.decode.finished:
+                self._finish(request)
+        return True
+
+    @staticmethod
+    def _emit(request: _Request, token: int | None) -> None:
+        if token is not None and not request.cancelled():
+            request.out.put_nowait(token)
+
+    def _finish(self, request: _Request, error: BaseException | None = None) -> None:
+        self._active.pop(request.key, None)
+        if request.key in self.decoder.slots:
+            self.decoder.leave(request.key)
+        request.out.put_nowait(_END if error is None else error)
+
+    def _fail_active(self, error: EngineError) -> None:
+        active, self._active = list(self._active.values()), {}
+        self.decoder.reset()
+        for r in active:
+            r.out.put_nowait(error)
+
+    def _fail_all(self, error: EngineError) -> None:
+        with self._cond:
+            waiting, self._waiting = self._waiting, []
+        for r in waiting:
+            r.out.put_nowait(error)
+        self._fail_active(error)
+
+
+def start_batcher(bundle: Bundle, backend: str, lm: SpeechTokenLM,
+                  settings: BatchSettings | None) -> LlmBatcher | None:
+    """The engine's running batcher, or None when batching is off. TensorRT
+    engines only run the batch sizes their profiles cover, so a larger
+    max_batch_size is refused here rather than failing at the first full batch."""
+    if settings is None:
+        return None
+    if backend == "trt":
+        entry = bundle.stages["llm_decode"].raw
+        b_max = max((p["B"][2] for p in stage_profiles(entry, "llm_decode") if "B" in p), default=1)
+        if settings.max_batch_size > b_max:
+            raise BundleError(f"batching max_batch_size {settings.max_batch_size} exceeds the llm_decode engine's "
+                              f"largest batch ({b_max}); lower max_batch_size or rebuild the engines with a larger "
+                              "B profile")
+    return LlmBatcher(lm, settings).start()
+
+
+def _as_engine_error(exc: Exception, what: str) -> EngineError:
+    err = EngineError(f"{what}: {exc}")
+    err.__cause__ = exc
+    return err
