@@ -197,6 +197,10 @@ class CosyVoiceEngine:
                         return
                     yield self._chunk(state, pcm, last=final and last_segment)
 
+    def session_memory_bytes(self) -> int:
+        """What the stage sessions hold (Session.memory_bytes, best effort), for benchmarks."""
+        return sum(s.memory_bytes() for s in self._sessions)
+
     def close(self) -> None:
         if self._producers is not None:
             self._producers.stop()  # before the sessions it runs are closed
