@@ -48,7 +48,9 @@ class EngineSettings:
     threads: int | None = None  # intra-op threads per session (None: the runtime's default)
     first_hop_tokens: int | None = None  # None: upstream's aligned first hop
     overlap_stages: bool = True  # streaming: LLM on a producer thread while flow + vocoder run (False: serial)
-    producer_threads: int = 4  # LLM producer threads (concurrent streams beyond this wait for one)
+    # Cap on LLM producer threads; they start only as concurrent streams need them
+    # (>= the Triton model's max_batch_size, so its batch runs fully in parallel).
+    producer_threads: int = 16
     overlap_queue_tokens: int = 128  # how far (in tokens) the LLM may run ahead of flow + vocoder
 
     def __post_init__(self) -> None:
@@ -71,6 +73,8 @@ class _RequestState:
     cancel: threading.Event | None
     index: int = 0
     tokens_before: int = 0  # speech tokens of the request's earlier segments
+    # Written by the LLM producer thread while stages overlap; the consumer reads
+    # it for the running totals in each chunk (exact once the segment's LLM ended).
     llm: LlmStats = field(default_factory=LlmStats)
 
     def cancelled(self) -> bool:

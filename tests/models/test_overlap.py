@@ -32,8 +32,18 @@ PRODUCER = "cosyedge-llm"
 SLOW = {"llm_decode": 0.02, "flow_encoder": 0.03, "flow_estimator": 0.008, "hift_decoder": 0.04}
 
 
+_OTHERS: set[threading.Thread] = set()
+
+
+@pytest.fixture(autouse=True)
+def _ignore_other_engines_threads() -> None:
+    """Engines of other test modules may still be open: count only the threads a test starts."""
+    _OTHERS.clear()
+    _OTHERS.update(t for t in threading.enumerate() if t.name.startswith(PRODUCER))
+
+
 def producer_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith(PRODUCER)]
+    return [t for t in threading.enumerate() if t.name.startswith(PRODUCER) and t not in _OTHERS]
 
 
 def make_engine(bundle: Path, overlap: bool, **plan: dict) -> tuple[CosyVoiceEngine, StagePlan]:  # type: ignore[type-arg]
