@@ -147,9 +147,13 @@ class ProducedTokens:
             try:
                 item = self._queue.get(timeout=POLL_S)
             except queue.Empty:
-                # done is set after the producer's last put: an empty queue then is final.
-                if self._cancelled() or (self._done.is_set() and self._queue.empty()):
+                if self._cancelled():
                     return
+                # done is set after the producer's last put: an empty queue then is final.
+                if self._done.is_set() and self._queue.empty():
+                    # Without LlmEnd: stopped from outside (the engine closed mid-request);
+                    # the audio would be cut short, so say so.
+                    raise EngineError("the LLM stopped before the end of the speech (was the engine closed?)") from None
                 continue
             if isinstance(item, TimedToken):
                 yield item
