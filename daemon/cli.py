@@ -130,6 +130,14 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                    help="with --batching: how long a request may wait to join so that the batch fills up")
     p.add_argument("--llm-only", action="store_true",
                    help="measure only the LLM (speech tokens/s at each --concurrency), no flow or vocoder")
+    p.add_argument("--first-hop", metavar="N[,M..]",
+                   help="also measure time to first audio for these first hops (speech tokens)")
+    p.add_argument("--compare", "--bundles", dest="compare", metavar="B1,B2,..",
+                   help="also measure these bundles (e.g. fp32/fp16/int8 from build quantize) on the same backend")
+    p.add_argument("--long-seconds", type=float, default=20.0,
+                   help="length of the utterance for streaming vs offline cost (default: 20 s)")
+    p.add_argument("--serial", action="store_true",
+                   help="run the streaming stages one after another (no LLM / flow+vocoder overlap)")
 
 
 def _add_bridge(sub: argparse._SubParsersAction) -> None:

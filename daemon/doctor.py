@@ -1,6 +1,10 @@
 """`cosyedge doctor`: checks what the daemon needs on this machine and says
 how to fix what is missing. Exit status 1 when a required check fails
-(what is required depends on the config: TensorRT only for backend trt)."""
+(what is required depends on the config: TensorRT only for backend trt).
+
+GPU, TensorRT and engine state come from models.engine_report (the CUDA
+driver probe of models.backends.gpu_probe, which never imports tensorrt
+without a GPU, and the engines' recorded identity against this device)."""
 
 from __future__ import annotations
 
@@ -12,11 +16,15 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from daemon.config import load_settings, parse_broker_url
 from daemon.default_bundle import tiny_bundle_dir
 from daemon.local_broker import LOCAL_HOSTS, find_mosquitto, port_open
 from daemon.settings import Settings
+from models.backends.gpu_probe import probe_gpu, probe_tensorrt
+from models.engine_report import engine_report, tensorrt_status
+from models.memory_budget import MIB
 
 
 @dataclass(frozen=True)
@@ -59,41 +67,80 @@ def gpu_name() -> str | None:
 
 
 def check_gpu(needed: bool) -> Check:
-    name = gpu_name()
-    if name:
-        return Check("GPU", True, name)
+    # The CUDA driver decides, not nvidia-smi: a board can list a GPU it cannot run on.
+    probe = probe_gpu()
+    if probe.available:
+        v = probe.driver_version
+        driver = f", CUDA driver {v // 1000}.{v % 1000 // 10}" if v else ""
+        return Check("GPU", True, probe.reason + driver)
+    seen = gpu_name()
     return Check(
         "GPU",
         False,
-        "no NVIDIA GPU found (nvidia-smi, /etc/nv_tegra_release, /proc/driver/nvidia)",
+        f"{seen} is present but CUDA cannot use it: {probe.reason}" if seen else f"no usable GPU: {probe.reason}",
         'install the NVIDIA driver / JetPack, or use [tts] backend = "ort" (CPU)',
         required=needed,
     )
 
 
 def tensorrt_version() -> str | None:
-    try:
-        trt = importlib.import_module("tensorrt")
-    except ImportError:
-        return None
-    # tensorrt-stubs leaves an importable namespace package without the API.
-    if not hasattr(trt, "Builder") or not hasattr(trt, "__version__"):
-        return None
-    return str(trt.__version__)
+    """The real TensorRT's version (not tensorrt-stubs'); None without a GPU,
+    where importing tensorrt is not attempted (it can crash there)."""
+    return probe_tensorrt().version
 
 
-def check_tensorrt(needed: bool) -> Check:
-    version = tensorrt_version()
-    if version:
-        return Check("TensorRT", True, f"tensorrt {version}")
-    return Check(
-        "TensorRT",
-        False,
-        "the tensorrt Python module is missing (or only its type stubs are installed)",
-        "on a Jetson: apt install python3-libnvinfer (JetPack) and create the venv with "
-        "--system-site-packages",
-        required=needed,
-    )
+def check_tensorrt(needed: bool) -> list[Check]:
+    status = tensorrt_status()
+    trt = status["tensorrt"]
+    if not trt["available"]:
+        return [Check(
+            "TensorRT",
+            False,
+            trt["detail"],
+            "on a Jetson: apt install python3-libnvinfer (JetPack) and create the venv with "
+            "--system-site-packages",
+            required=needed,
+        )]
+    checks = [Check("TensorRT", True, trt["detail"])]
+    # The trt backend also needs pycuda (its CUDA memory and streams).
+    pycuda_fix = next((f for f in status["fix"] if "pycuda" in f), "pip install pycuda")
+    checks.append(Check("pycuda", status["pycuda"]["available"],
+                        "installed" if status["pycuda"]["available"] else "not installed",
+                        pycuda_fix.removeprefix("install pycuda on the board: "), required=needed))
+    return checks
+
+
+def check_engines(path: Path, trt_needed: bool, manifest: dict[str, Any]) -> list[Check]:
+    """Built TensorRT engines: present, built for this GPU and TensorRT; and the
+    bundle's Jetson memory budget (information only)."""
+    report = engine_report(path)
+    if "error" in report:
+        return [Check("TensorRT engines", False, report["error"], "rebuild the bundle", required=trt_needed)]
+    state = report["engines"]
+    checks = []
+    precision = str(manifest.get("precision", "fp32"))
+    if not manifest.get("engines"):  # (state["built"] is the build's timestamp once built)
+        checks.append(Check("TensorRT engines", False, "the bundle has no TensorRT engines",
+                            state.get("fix") or f"cosyedge build engines --bundle {path}", required=trt_needed))
+    else:
+        built = (f"built for {state.get('gpu') or '?'} / TensorRT {state.get('tensorrt') or '?'} "
+                 f"({state.get('precision') or '?'})")
+        notes = "; ".join([*state.get("problems", []), *state.get("warnings", [])])
+        compatible = state.get("compatible")
+        verdict = {True: "match this device", False: "do not match this device", None: "not checked"}[compatible]
+        checks.append(Check("TensorRT engines", compatible is True,
+                            f"{built}: {verdict}" + (f" ({notes})" if notes else ""),
+                            state.get("fix") or f"cosyedge build engines --bundle {path}", required=trt_needed))
+    # The engines' precision when built, else the one the bundle loads by default.
+    budget = report.get("budget", {}).get(state.get("precision") or precision)
+    if budget is not None:
+        fits = [b for b in budget["boards"] if b["fits"]]
+        detail = (f"{budget['precision']} needs {budget['boards'][0]['needed_bytes'] / MIB:.0f} MiB; "
+                  f"fits: {', '.join(b['board'] for b in fits) or 'no Jetson module'}")
+        checks.append(Check("Jetson memory budget", bool(fits), detail,
+                            "quantize (cosyedge build quantize --precision int8) or pick a larger module",
+                            required=False))
+    return checks
 
 
 def check_bundle(settings: Settings) -> list[Check]:
@@ -131,35 +178,7 @@ def check_bundle(settings: Settings) -> list[Check]:
             f"{path} ({manifest.get('precision', '?')}, {manifest.get('sample_rate', '?')} Hz)",
         )
     ]
-    engines = manifest.get("engines")
-    trt_needed = settings.tts.backend == "trt"
-    if not engines:
-        checks.append(
-            Check(
-                "TensorRT engines",
-                False,
-                "the bundle has no TensorRT engines",
-                f"cosyedge build engines --bundle {path}",
-                required=trt_needed,
-            )
-        )
-    else:
-        gpu, trt = gpu_name() or "", tensorrt_version() or ""
-        info = engines if isinstance(engines, dict) else {}  # the manifest's record of the engine build
-        built_gpu = str(info.get("gpu") or info.get("gpu_name") or "")
-        built_trt = str(info.get("tensorrt") or info.get("tensorrt_version") or "")
-        match = (not built_gpu or built_gpu in gpu) and (not built_trt or built_trt == trt)
-        checks.append(
-            Check(
-                "TensorRT engines",
-                match,
-                f"built for {built_gpu or '?'} / TensorRT {built_trt or '?'}; here {gpu or 'no GPU'} "
-                f"/ TensorRT {trt or 'none'}",
-                f"cosyedge build engines --bundle {path}",
-                required=trt_needed,
-            )
-        )
-    return checks
+    return checks + check_engines(path, settings.tts.backend == "trt", manifest)
 
 
 def check_runtime() -> Check:
@@ -239,7 +258,7 @@ def run_checks(settings: Settings) -> list[Check]:
     trt = settings.tts.backend == "trt" and settings.tts.engine == "cosyvoice"
     return [
         check_gpu(trt),
-        check_tensorrt(trt),
+        *check_tensorrt(trt),
         *check_bundle(settings),
         check_runtime(),
         check_audio(settings),

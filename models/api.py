@@ -38,9 +38,31 @@ class SynthesisRequest:
     priority: int = 0  # higher joins a full LLM batch first (the daemon's request priority)
 
 
+TimelineStage = Literal["llm", "flow", "vocoder"]
+
+
+@dataclass(frozen=True)
+class StageEvent:
+    """One stage's work for one audio chunk, in milliseconds since the request
+    started. `llm` covers the tokens that chunk waited for (from the first of
+    them being started to the last one sampled), so with stage overlap the LLM
+    event of chunk n+1 overlaps the flow and vocoder events of chunk n."""
+
+    stage: TimelineStage
+    chunk: int  # AudioChunk.index the work belongs to
+    start_ms: float
+    end_ms: float
+
+    def as_dict(self) -> dict[str, str | int | float]:
+        return {"stage": self.stage, "chunk": self.chunk,
+                "start_ms": round(self.start_ms, 2), "end_ms": round(self.end_ms, 2)}
+
+
 @dataclass
 class StageTimes:
-    """Wall time spent per stage for one request, in milliseconds."""
+    """Wall time spent per stage for one request, in milliseconds, and the
+    per-chunk timeline of the stages (kept out of `as_dict`, which goes into
+    every MQTT `done` payload; see `timeline_dicts`)."""
 
     frontend_ms: float = 0.0
     llm_ms: float = 0.0
@@ -48,6 +70,7 @@ class StageTimes:
     vocoder_ms: float = 0.0
     first_audio_ms: float | None = None
     llm_tokens: int = 0
+    timeline: list[StageEvent] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, float | int | None]:
         return {
@@ -58,6 +81,9 @@ class StageTimes:
             "first_audio_ms": None if self.first_audio_ms is None else round(self.first_audio_ms, 2),
             "llm_tokens": self.llm_tokens,
         }
+
+    def timeline_dicts(self) -> list[dict[str, str | int | float]]:
+        return [e.as_dict() for e in sorted(self.timeline, key=lambda e: (e.start_ms, e.end_ms))]
 
 
 @dataclass

@@ -3,20 +3,27 @@
 One `CosyVoiceEngine` serves concurrent requests: the sessions are shared
 (ONNX Runtime sessions are safe to run from several threads) and every
 request carries its own state (sampler, noise, chunk schedule, vocoder
-cache)."""
+cache).
+
+Streaming requests overlap their stages (EngineSettings.overlap_stages): the
+LLM decodes on a producer thread into a bounded token queue while the
+request's own thread runs flow + vocoder on the chunk before, so time to first
+audio is the first chunk's cost and throughput is bounded by the slowest
+stage (models/token_stream.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from models.api import MODES, AudioChunk, Mode, StageTimes, SynthesisRequest
+from models.api import MODES, AudioChunk, Mode, StageEvent, StageTimes, SynthesisRequest, TimelineStage
 from models.backends.base import Backend, Session, create_backend
 from models.batch_policy import BatchSettings
 from models.batcher import start_batcher
@@ -29,6 +36,7 @@ from models.sampling import TokenSampler
 from models.streaming import ChunkSchedule
 from models.text.frontend import TextFrontend
 from models.text.tokenizer import TextTokenizer
+from models.token_stream import LlmEnd, ProducedTokens, ProducerPool, SerialTokens, TimedToken
 from models.vocoder import HiftVocoder, NoiseSource, VocoderStream
 
 log = logging.getLogger(__name__)
@@ -42,6 +50,11 @@ class EngineSettings:
     threads: int | None = None  # intra-op threads per session (None: the runtime's default)
     first_hop_tokens: int | None = None  # None: upstream's aligned first hop
     batching: BatchSettings | None = None  # None: every request decodes alone (batch 1)
+    overlap_stages: bool = True  # streaming: LLM on a producer thread while flow + vocoder run (False: serial)
+    # Cap on LLM producer threads; they start only as concurrent streams need them
+    # (>= the Triton model's max_batch_size, so its batch runs fully in parallel).
+    producer_threads: int = 16
+    overlap_queue_tokens: int = 128  # how far (in tokens) the LLM may run ahead of flow + vocoder
 
     def __post_init__(self) -> None:
         if self.max_text_chars < 1:
@@ -50,6 +63,10 @@ class EngineSettings:
             raise ValueError(f"first_hop_tokens must be >= 1 or None, got {self.first_hop_tokens}")
         if self.batching is not None and not isinstance(self.batching, BatchSettings):
             raise ValueError(f"batching must be a BatchSettings or None, got {type(self.batching).__name__}")
+        if self.producer_threads < 1:
+            raise ValueError(f"producer_threads must be >= 1, got {self.producer_threads}")
+        if self.overlap_queue_tokens < 1:
+            raise ValueError(f"overlap_queue_tokens must be >= 1, got {self.overlap_queue_tokens}")
 
 
 @dataclass
@@ -62,10 +79,40 @@ class _RequestState:
     priority: int = 0
     index: int = 0
     tokens_before: int = 0  # speech tokens of the request's earlier segments
+    # Written by the LLM producer thread while stages overlap; the consumer reads
+    # it for the running totals in each chunk (exact once the segment's LLM ended).
     llm: LlmStats = field(default_factory=LlmStats)
 
     def cancelled(self) -> bool:
         return self.cancel is not None and self.cancel.is_set()
+
+    def event(self, stage: TimelineStage, start: float, end: float) -> None:
+        """Timeline entry for the chunk about to be yielded (perf_counter times)."""
+        self.times.timeline.append(StageEvent(stage, self.index, (start - self.started) * 1e3,
+                                              (end - self.started) * 1e3))
+
+
+class LlmSpans:
+    """Per-chunk LLM spans from timed tokens: a chunk's span runs from the start
+    of the first token after the previous chunk's to the end of the token that
+    completed it (a token that completes several chunks gives only the first a span)."""
+
+    def __init__(self) -> None:
+        self._start: float | None = None
+
+    def add(self, token: TimedToken) -> None:
+        if self._start is None:
+            self._start = token.start
+
+    def take(self, state: _RequestState, until: float) -> None:
+        if self._start is not None:
+            state.event("llm", self._start, until)
+        self._start = None
+
+    def finish(self, state: _RequestState, end: LlmEnd | None) -> None:
+        if end is not None:
+            state.event("llm", self._start if self._start is not None else end.start, end.end)
+        self._start = None
 
 
 def linear_resize(mel: np.ndarray, frames: int) -> np.ndarray:
@@ -103,6 +150,10 @@ class CosyVoiceEngine:
         self.frontend = TextFrontend(self.tokenizer, max_text_chars=settings.max_text_chars)
         self.conditioning = ConditioningBuilder(bundle, self.tokenizer, self.frontend)
         self.batcher = start_batcher(bundle, backend.name, self.lm, settings.batching)
+        self._producers: ProducerPool | None = None
+        if settings.overlap_stages:
+            self._producers = ProducerPool(settings.producer_threads)
+            self._producers.start()
 
     def _load(self, stage: str) -> Session:
         session = self.backend.load(stage, self.bundle.stages[stage].path, threads=self.settings.threads)
@@ -150,10 +201,17 @@ class CosyVoiceEngine:
                               prompt_speech=cond.prompt_speech)
             pieces = self._stream_segment(llm_in, cond, state) if request.stream else self._offline_segment(
                 llm_in, cond, state, request.speed)
-            for pcm, final in pieces:
-                if state.cancelled():
-                    return
-                yield self._chunk(state, pcm, last=final and last_segment)
+            # closing(): when the caller stops early (break, gen.close()) or a stage
+            # raises, the segment's producer is stopped here, not at garbage collection.
+            with contextlib.closing(pieces):
+                for pcm, final in pieces:
+                    if state.cancelled():
+                        return
+                    yield self._chunk(state, pcm, last=final and last_segment)
+
+    def session_memory_bytes(self) -> int:
+        """What the stage sessions hold (Session.memory_bytes, best effort), for benchmarks."""
+        return sum(s.memory_bytes() for s in self._sessions)
 
     def set_load_level(self, level: str) -> None:
         """The daemon's load hint: under load ("degraded") requests join the LLM batch without delay."""
@@ -163,6 +221,8 @@ class CosyVoiceEngine:
     def close(self) -> None:
         if self.batcher is not None:
             self.batcher.stop()
+        if self._producers is not None:
+            self._producers.stop()  # before the sessions it runs are closed
         for s in self._sessions:
             s.close()
         self._sessions.clear()
@@ -189,20 +249,33 @@ class CosyVoiceEngine:
                                          cancel=state.cancel)
         return self.lm.generate(llm_in, state.sampler, state.llm)
 
+    def _token_source(self, llm_in: LlmInput, state: _RequestState) -> SerialTokens | ProducedTokens:
+        """The segment's tokens: from a producer thread when stages overlap, else pulled here."""
+        tokens = self._tokens(llm_in, state)  # created here: it resets the per-segment stats
+        if self._producers is None:
+            return SerialTokens(tokens)
+        return self._producers.submit(ProducedTokens(tokens, state.cancelled, self.settings.overlap_queue_tokens))
+
     def _flow(self, tokens: list[int], cond: Conditioning, state: _RequestState, finalize: bool,
               streaming: bool) -> np.ndarray:
         t0 = time.perf_counter()
         mel = self.flow.mel(np.asarray(tokens, dtype=np.int64), cond.flow, finalize=finalize, streaming=streaming)
-        state.times.flow_ms += (time.perf_counter() - t0) * 1e3
+        t1 = time.perf_counter()
+        state.times.flow_ms += (t1 - t0) * 1e3
+        state.event("flow", t0, t1)
         return mel
 
     def _offline_segment(self, llm_in: LlmInput, cond: Conditioning, state: _RequestState,
-                         speed: float) -> Iterator[tuple[np.ndarray, bool]]:
+                         speed: float) -> Generator[tuple[np.ndarray, bool], None, None]:
         tokens = []
-        for token in self._tokens(llm_in, state):
-            tokens.append(token)
-            if state.cancelled():
-                return
+        spans = LlmSpans()
+        with SerialTokens(self._tokens(llm_in, state)) as source:  # flow needs every token first
+            for timed in source:
+                tokens.append(timed.token)
+                spans.add(timed)
+                if state.cancelled():
+                    return
+            spans.finish(state, source.end)
         if not tokens:
             yield np.zeros(0, dtype=np.float32), True
             return
@@ -211,24 +284,35 @@ class CosyVoiceEngine:
             mel = linear_resize(mel, int(mel.shape[2] / speed))
         t0 = time.perf_counter()
         audio, _ = self.vocoder.run(mel, state.noise)
-        state.times.vocoder_ms += (time.perf_counter() - t0) * 1e3
+        t1 = time.perf_counter()
+        state.times.vocoder_ms += (t1 - t0) * 1e3
+        state.event("vocoder", t0, t1)
         yield audio[0], True
 
     def _stream_segment(self, llm_in: LlmInput, cond: Conditioning,
-                        state: _RequestState) -> Iterator[tuple[np.ndarray, bool]]:
+                        state: _RequestState) -> Generator[tuple[np.ndarray, bool], None, None]:
         lookahead = self.bundle.flow.pre_lookahead_len
         ratio = self.bundle.token_mel_ratio
         schedule = ChunkSchedule(self.bundle.streaming.token_hop_len, lookahead,
                                  prompt_tokens=len(cond.flow.tokens), first_hop=self.settings.first_hop_tokens)
         stream = VocoderStream(self.vocoder, state.noise)
         tokens: list[int] = []
-        for token in self._tokens(llm_in, state):
-            tokens.append(token)
-            while (chunk := schedule.next_chunk(len(tokens))) is not None:
-                mel = self._flow(tokens[:chunk.end + lookahead], cond, state, finalize=False, streaming=True)
-                yield self._vocode(stream, mel[:, :, chunk.start * ratio:], state, final=False), False
+        spans = LlmSpans()
+        # With overlap the LLM keeps decoding on its producer thread while this
+        # generator runs flow + vocoder below and waits at the yield.
+        with self._token_source(llm_in, state) as source:
+            for timed in source:
+                tokens.append(timed.token)
+                spans.add(timed)
+                while (chunk := schedule.next_chunk(len(tokens))) is not None:
+                    spans.take(state, timed.end)
+                    mel = self._flow(tokens[:chunk.end + lookahead], cond, state, finalize=False, streaming=True)
+                    yield self._vocode(stream, mel[:, :, chunk.start * ratio:], state, final=False), False
+                if state.cancelled():
+                    return
             if state.cancelled():
                 return
+            spans.finish(state, source.end)
         final = schedule.final_chunk(len(tokens))
         if tokens:
             mel = self._flow(tokens, cond, state, finalize=True, streaming=False)[:, :, final.start * ratio:]
@@ -242,7 +326,9 @@ class CosyVoiceEngine:
     def _vocode(self, stream: VocoderStream, mel: np.ndarray, state: _RequestState, final: bool) -> np.ndarray:
         t0 = time.perf_counter()
         pcm = stream.push(mel, final=final)
-        state.times.vocoder_ms += (time.perf_counter() - t0) * 1e3
+        t1 = time.perf_counter()
+        state.times.vocoder_ms += (t1 - t0) * 1e3
+        state.event("vocoder", t0, t1)
         return pcm
 
 

@@ -90,7 +90,10 @@ def capture_feeds(bundle_dir: Path, texts: Sequence[str], cap_per_stage: int, se
     alternately, so both flow paths are seen) and keep the stage feeds."""
     store = FeedStore(cap=cap_per_stage, seed=seed)
     bundle = load_bundle(bundle_dir, precision="fp32")
-    engine = CosyVoiceEngine(bundle, CapturingBackend(create_backend("ort"), store), EngineSettings())
+    # Serial stages: with overlap the LLM's and the flow's feeds would reach the
+    # store's reservoir sampler in a thread-dependent order (irreproducible calibration).
+    engine = CosyVoiceEngine(bundle, CapturingBackend(create_backend("ort"), store),
+                             EngineSettings(overlap_stages=False))
     try:
         for i, text in enumerate(texts):
             request = SynthesisRequest(text=text, stream=i % 2 == 0, seed=seed + i)

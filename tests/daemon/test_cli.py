@@ -90,6 +90,32 @@ def test_doctor(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "[FAIL] bundle" in out and "has no manifest.json" in out
 
 
+def test_doctor_reports_engine_state_and_budget(tiny_bundle: Path, tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """Engines recorded in the manifest are checked against this device (without
+    a GPU: not checkable, with the reason) and for their plan files; the Jetson
+    budget is shown."""
+    bundle = tmp_path / "b"
+    bundle.mkdir()
+    manifest = json.loads((tiny_bundle / "manifest.json").read_text())
+    manifest["engines"] = {"gpu": "Orin (nvgpu)", "tensorrt": "10.3.0", "compute_capability": "8.7",
+                           "precision": "fp16", "built": "2026-11-30T10:00:00Z",
+                           "stages": {"llm_decode": {"file": "llm_decode.fp16.plan"}}}
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'device_id = "d"\n[mqtt]\nbroker = "mqtt://127.0.0.1:{free_port()}"\nlocal_broker = "off"\n'
+                   f'[tts]\nengine = "cosyvoice"\nbackend = "ort"\nbundle = "{bundle}"\n[audio]\ndevice = "none"\n')
+    doctor_command(_doctor_args(cfg))
+    out = capsys.readouterr().out
+    engines = next(line for line in out.splitlines() if "TensorRT engines" in line)
+    assert "built for Orin (nvgpu) / TensorRT 10.3.0 (fp16)" in engines
+    assert "[warn] TensorRT engines" in engines  # backend ort: not required
+    assert "missing plan files for llm_decode" in engines
+    if tensorrt_version() is None:
+        assert "cannot check here" in engines
+    assert "Jetson memory budget: fp16 needs" in out and "orin-nano-8gb" in out
+
+
 def test_tensorrt_stubs_are_not_tensorrt() -> None:
     version = tensorrt_version()
     try:
