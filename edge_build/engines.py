@@ -119,12 +119,18 @@ def _parse(builder: trt.Builder, onnx_path: Path, strongly_typed: bool) -> tuple
     return network, parser  # the parser must outlive the network's use
 
 
+ENGINE_PRECISIONS = ("fp32", "fp16", "int8")
+
+
 def build_engines(bundle_dir: Path | str, settings: EngineBuildSettings | None = None,
                   progress: Callable[[str], None] = print) -> dict[str, Any]:
     """Build and record the engines; returns the manifest's new `engines` section."""
     settings = settings or EngineBuildSettings()
     root = Path(bundle_dir)
     bundle = load_bundle(root, settings.precision)
+    if bundle.precision not in ENGINE_PRECISIONS:
+        raise BundleError(f"{root}: TensorRT engines are built from fp32, fp16 or int8 (Q/DQ) stages, not "
+                          f"{bundle.precision} (an onnxruntime-only format); pass --precision int8 or fp16")
     import_tensorrt()
     import tensorrt as trt
 

@@ -47,10 +47,11 @@ from models.backends.profiles import all_input_ranges
 GIB = 1 << 30
 MIB = 1 << 20
 STAGES = ("llm_prefill", "llm_decode", "flow_encoder", "flow_estimator", "hift_source", "hift_decoder")
-PRECISIONS = ("fp32", "fp16", "int8")
-DERIVED_WEIGHT_RATIO = {"fp32": 1.0, "fp16": 0.5, "int8": 0.27}
-ACT_BYTES = {"fp32": 4, "fp16": 2, "int8": 2}
-KV_BYTES = {"fp32": 4, "fp16": 2, "int8": 4}  # Q/DQ graphs keep fp32 I/O
+PRECISIONS = ("fp32", "fp16", "int8")  # what TensorRT engines are built from
+# int8w (weight-only MatMulNBits, onnxruntime only) is budgeted as fp32 activations over its int8 weights.
+DERIVED_WEIGHT_RATIO = {"fp32": 1.0, "fp16": 0.5, "int8": 0.27, "int8w": 0.29}
+ACT_BYTES = {"fp32": 4, "fp16": 2, "int8": 2, "int8w": 4}
+KV_BYTES = {"fp32": 4, "fp16": 2, "int8": 4, "int8w": 4}  # Q/DQ graphs keep fp32 I/O
 
 
 @dataclass(frozen=True)

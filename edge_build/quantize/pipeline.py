@@ -20,6 +20,7 @@ from edge_build.quantize.policy import UNITS, fp32_node_names, groups_in
 from edge_build.quantize.sensitivity import _outputs, quantize_unit, stage_metrics
 from edge_build.quantize.settings import QuantizeSettings
 from edge_build.quantize.texts import HELD_OUT_TEXTS, calibration_texts
+from edge_build.quantize.weight_only import quantize_weight_only
 from edge_build.quantize.writer import add_variants, link_bundle
 from models.bundle import load_bundle
 from models.errors import CosyEdgeError
@@ -47,8 +48,9 @@ def quantize_bundle(src: Path, out: Path, settings: QuantizeSettings) -> dict[st
         raise CosyEdgeError(f"{out} exists and is not empty; choose a new --out directory")
     held_texts = list(HELD_OUT_TEXTS[: settings.held_out_size])
     started = time.perf_counter()
-    calib = capture_feeds(src, calibration_texts(settings.calibration_size), settings.feeds_per_stage,
-                          settings.seed).feeds
+    # Weight-only int8 needs no activation ranges: no calibration run.
+    calib = {} if settings.precision == "int8w" else capture_feeds(
+        src, calibration_texts(settings.calibration_size), settings.feeds_per_stage, settings.seed).feeds
     held = capture_feeds(src, held_texts, settings.feeds_per_stage, settings.seed + 7919).feeds
     tmp = out.parent / f".{out.name}.partial"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -69,6 +71,8 @@ def quantize_bundle(src: Path, out: Path, settings: QuantizeSettings) -> dict[st
                 units.append({"unit": unit.name, "groups": res.groups, "sensitivity": res.table,
                               "excluded_groups": res.excluded_groups, "stage_metrics": res.metrics,
                               "stage_within_budget": res.within_budget})
+            elif settings.precision == "int8w":
+                units.append(_weight_only_unit(unit, src, tmp, held, files))
             else:
                 units.append(_fp16_unit(unit, src, tmp, calib, held, files))
         add_variants(tmp, settings.precision, files, fp32_nodes, REPORT_FILE)
@@ -113,6 +117,28 @@ def _fp16_unit(unit: Any, src: Path, tmp: Path, calib: dict[str, list[Any]], hel
     reference = {s: _outputs(src / f"{s}.onnx", held[s]) for s in unit.stages}
     return {"unit": unit.name, "stage_metrics": stage_metrics(unit, reference, paths, held),
             "blocked_groups": list(unit.always_fp32)}
+
+
+def _weight_only_unit(unit: Any, src: Path, tmp: Path, held: dict[str, list[Any]],
+                      files: dict[str, Path]) -> dict[str, Any]:
+    """Weight-only int8 graphs of one unit; the always-fp32 groups stay fp32."""
+    paths = {}
+    counts = {}
+    for stage in unit.stages:
+        model = onnx.load(str(src / f"{stage}.onnx"), load_external_data=False)
+        groups = groups_in(unit, model)
+        exclude = [n for g in unit.always_fp32 for n in groups.get(g, [])]
+        paths[stage] = tmp / f"{stage}.int8w.onnx"
+        counts[stage] = quantize_weight_only(src / f"{stage}.onnx", paths[stage], exclude)
+        if counts[stage] == 0:  # no MatMul with a constant weight (the vocoder is convolutions): keep fp32
+            paths.pop(stage).unlink()
+            continue
+        files[stage] = paths[stage]
+    if not paths:
+        return {"unit": unit.name, "matmul_nbits": counts, "note": "kept in fp32: no MatMul weights"}
+    reference = {s: _outputs(src / f"{s}.onnx", held[s]) for s in paths}
+    return {"unit": unit.name, "stage_metrics": stage_metrics(unit, reference, paths, held),
+            "blocked_groups": list(unit.always_fp32), "matmul_nbits": counts}
 
 
 def _sizes(src: Path, files: dict[str, Path]) -> dict[str, dict[str, int]]:

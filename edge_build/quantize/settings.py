@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-PRECISIONS = ("int8", "fp16")
+# int8: Q/DQ (TensorRT explicit quantization); int8w: weight-only MatMulNBits (onnxruntime);
+# fp16: float16 graphs.
+PRECISIONS = ("int8", "int8w", "fp16")
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -258,3 +259,48 @@ def test_sensitivity_pass_excludes_worst_groups_until_budget(tiny_bundle: Path, 
     for node in model.graph.node:
         if node.name in strict.excluded_nodes:
             assert all(producer.get(i) != "DequantizeLinear" for i in node.input), node.name
+
+
+@pytest.fixture(scope="module")
+def int8w_bundle(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    out = tmp_path_factory.mktemp("q") / "b8w"
+    return out, quantize_bundle(tiny_bundle, out, _settings("int8w"))
+
+
+def test_weight_only_int8_bundle(int8w_bundle: Any) -> None:
+    """int8w: MatMulNBits (8-bit) in place of every constant-weight MatMul of the
+    LLM and the flow estimator, within the budget, smaller, and it speaks."""
+    out, report = int8w_bundle
+    assert report["failed"] == [] and report["calibration"]["feeds"] == {}
+    m = report["metrics"]
+    assert m["llm_cosine"] >= TINY_BUDGET.llm_cosine_min and m["mel_snr_db"] >= TINY_BUDGET.mel_snr_min_db
+    manifest = json.loads((out / "manifest.json").read_text())
+    units = {u["unit"]: u for u in report["units"]}
+    for stage in ("llm_prefill", "llm_decode", "flow_estimator"):
+        variant = manifest["stages"][stage]["variants"]["int8w"]
+        assert variant["file"] == f"{stage}.int8w.onnx" and variant["precision"] == "int8w"
+        model = onnx.load(str(out / variant["file"]))
+        ops = [n.op_type for n in model.graph.node]
+        assert ops.count("MatMulNBits") == units["llm" if stage.startswith("llm") else "flow"]["matmul_nbits"][stage]
+        assert ops.count("MatMulNBits") > 0
+        # time embedding kept fp32: its MatMuls (if any) were excluded by name
+        assert not any(n.op_type == "MatMulNBits" and re.search(r"time_mlp|time_emb", n.name)
+                       for n in model.graph.node)
+        assert report["sizes"][stage]["variant_bytes"] < report["sizes"][stage]["fp32_bytes"]
+    engine = load_engine(out, settings=EngineSettings(precision="int8w"))
+    try:
+        assert engine.bundle.stages["llm_decode"].path.name == "llm_decode.int8w.onnx"
+        chunks = list(engine.synthesize(SynthesisRequest(text="Hello world, 你好。", stream=True, seed=3)))
+    finally:
+        engine.close()
+    pcm = np.concatenate([c.pcm for c in chunks])
+    assert pcm.size > 0 and np.isfinite(pcm).all() and chunks[-1].last
+
+
+def test_engines_refuse_weight_only_bundle(int8w_bundle: Any) -> None:
+    from edge_build.engines import build_engines
+    from models.errors import BundleError
+
+    out, _ = int8w_bundle
+    with pytest.raises(BundleError, match="onnxruntime-only format; pass --precision int8 or fp16"):
+        build_engines(out)
