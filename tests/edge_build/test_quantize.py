@@ -302,5 +302,5 @@ def test_engines_refuse_weight_only_bundle(int8w_bundle: Any) -> None:
     from models.errors import BundleError
 
     out, _ = int8w_bundle
-    with pytest.raises(BundleError, match="onnxruntime-only format; pass --precision int8 or fp16"):
+    with pytest.raises(BundleError, match=r"not int8w \(an onnxruntime-only format\); pass --precision int8 or fp16"):
         build_engines(out)
