@@ -69,6 +69,25 @@ def load_factory(spec: str) -> Callable[..., Engine]:
     return factory
 
 
+def engine_kwargs(params: dict[str, str], backend: str) -> dict[str, Any]:
+    """Extra factory arguments from the model parameters: LLM_MAX_BATCH_SIZE > 0
+    turns on the engine's continuous batching, so the requests of a Triton
+    batch (served on parallel threads) share the LLM's decode steps."""
+    try:
+        size = int(params.get("LLM_MAX_BATCH_SIZE") or 0)
+        delay_ms = float(params.get("LLM_MAX_QUEUE_DELAY_MS") or 0.0)
+    except ValueError as exc:
+        raise CosyEdgeError(f"LLM_MAX_BATCH_SIZE must be an integer and LLM_MAX_QUEUE_DELAY_MS a number: {exc}") \
+            from exc
+    if size <= 0:
+        return {}
+    from models.batch_policy import BatchSettings
+    from models.engine import EngineSettings
+
+    batching = BatchSettings(max_batch_size=size, max_queue_delay_ms=delay_ms)
+    return {"settings": EngineSettings(backend=backend, batching=batching)}
+
+
 class TritonPythonModel:
     """The class name is what the Python backend looks for."""
 
@@ -88,7 +107,7 @@ class TritonPythonModel:
         backend = params.get("ENGINE_BACKEND") or "ort"
         factory = load_factory(params.get("ENGINE_FACTORY") or DEFAULT_FACTORY)
         started = time.perf_counter()
-        self.engine = factory(bundle, backend=backend)
+        self.engine = factory(bundle, backend=backend, **engine_kwargs(params, backend))
         self.log.log_info(
             f"cosyvoice2 v{self.version}: {self.engine.name} from {bundle} "
             f"({self.engine.sample_rate} Hz) in {time.perf_counter() - started:.1f} s"

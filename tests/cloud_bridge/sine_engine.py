@@ -75,7 +75,7 @@ class SineEngine:
         pass
 
 
-def load_sine_engine(bundle_dir: Path | str, backend: str = "ort") -> SineEngine:
+def load_sine_engine(bundle_dir: Path | str, backend: str = "ort", settings: object = None) -> SineEngine:
     config = json.loads((Path(bundle_dir) / "sine.json").read_text())
     return SineEngine(float(config["frequency_hz"]))
 

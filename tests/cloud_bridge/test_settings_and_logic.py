@@ -12,6 +12,7 @@ from cloud_bridge.admission import Admission, Verdict
 from cloud_bridge.protocol import ProtocolError
 from cloud_bridge.settings import SettingsError, build_settings, load_settings
 from cloud_bridge.versions import VersionSelector
+from models.errors import CosyEdgeError
 
 
 def test_defaults_and_overrides(tmp_path: Path) -> None:
@@ -93,3 +94,16 @@ def test_admission_cap_duplicates_and_drain() -> None:
     assert not adm.wait_idle(0.05)
     threading.Timer(0.05, adm.finish, args=(("d", "a"),)).start()
     assert adm.wait_idle(2.0)
+
+
+def test_triton_model_llm_batching_parameters() -> None:
+    from cloud_bridge.triton_model import engine_kwargs
+    from models.batch_policy import BatchSettings
+
+    assert engine_kwargs({}, "ort") == {}
+    assert engine_kwargs({"LLM_MAX_BATCH_SIZE": "0"}, "ort") == {}
+    settings = engine_kwargs({"LLM_MAX_BATCH_SIZE": "8", "LLM_MAX_QUEUE_DELAY_MS": "2.5"}, "ort-cuda")["settings"]
+    assert settings.backend == "ort-cuda"
+    assert settings.batching == BatchSettings(max_batch_size=8, max_queue_delay_ms=2.5)
+    with pytest.raises(CosyEdgeError, match="LLM_MAX_BATCH_SIZE must be an integer"):
+        engine_kwargs({"LLM_MAX_BATCH_SIZE": "many"}, "ort")
