@@ -54,9 +54,13 @@ from edge_build.reference import require
 from models.errors import CheckpointError
 
 FRAMES = [2, 300, 1500]  # mel frames per window: up to 30 s at 50 frames/s, prompt included
-CACHE_FRAMES = [0, 300, 1500]  # committed frames before the window (0: offline)
-COMMIT_FRAMES = [0, 50, 1500]  # frames committed by one call (0: offline)
 BATCH = [2, 2, 8]  # 2 x requests (conditional and unconditional halves)
+# Two TensorRT profiles: offline calls (any batch, no cache: S = R = 0, so no
+# cache buffers) and streaming calls (one request; the window is the new hop
+# plus the unfinished mask chunk, the first one the prompt too; S: committed
+# frames before it, R: frames it commits).
+OFFLINE_PROFILE = {"N": BATCH, "T": FRAMES, "S": [0, 0, 0], "R": [0, 0, 0]}
+STREAM_PROFILE = {"N": [2, 2, 2], "T": [2, 100, 1500], "S": [0, 300, 1500], "R": [0, 50, 1500]}
 GRAPH_VERSION = 2  # 1: no caches
 # upstream's mask_to_bias: masked attention gets this additive bias
 _MASK_BIAS = -1.0e10
@@ -299,7 +303,7 @@ def export_flow_estimator(flow: Any, out: Path) -> tuple[StageGraph, Path]:
             TensorSpec("att_cache_new", "float32", ("R", *shape_kv[1:])),
             TensorSpec("conv_cache_new", "float32", shape_conv),
         ],
-        {"N": BATCH, "T": FRAMES, "S": CACHE_FRAMES, "R": COMMIT_FRAMES},
+        [OFFLINE_PROFILE, STREAM_PROFILE],
         extra={"graph_version": GRAPH_VERSION, "cache": dims},
     )
     # Trace with a non-empty cache and commit so that no size folds to a constant.

@@ -40,7 +40,7 @@ def test_manifest_header_and_hashes(checkpoint: Checkpoint) -> None:
     m = load_manifest(checkpoint.bundle)
     assert (m["format"], m["format_version"], m["family"], m["cosyvoice_version"]) == (
         "cosyedge-bundle",
-        1,
+        2,
         "cosyvoice2",
         2,
     )
