@@ -21,7 +21,7 @@ from models.backends.base import Backend, Session, create_backend
 from models.bundle import Bundle, load_bundle
 from models.conditioning import Conditioning, ConditioningBuilder
 from models.errors import RequestError
-from models.flow import FlowDecoder
+from models.flow import FINAL_CHUNK_MODES, EstimatorWork, FinalChunk, FlowDecoder, FlowStream
 from models.llm import LlmInput, LlmStats, SpeechTokenLM
 from models.sampling import TokenSampler
 from models.streaming import ChunkSchedule
@@ -39,12 +39,21 @@ class EngineSettings:
     max_text_chars: int = 2000
     threads: int | None = None  # intra-op threads per session (None: the runtime's default)
     first_hop_tokens: int | None = None  # None: upstream's aligned first hop
+    # Streaming's last chunk: "cached" runs it through the estimator caches like
+    # the others (linear cost: streaming costs about what offline does; its
+    # frames differ slightly from upstream's); "upstream" reproduces upstream
+    # exactly with a full-length non-streaming pass (streaming then costs about
+    # twice offline).
+    flow_final_chunk: FinalChunk = "cached"
 
     def __post_init__(self) -> None:
         if self.max_text_chars < 1:
             raise ValueError(f"max_text_chars must be >= 1, got {self.max_text_chars}")
         if self.first_hop_tokens is not None and self.first_hop_tokens < 1:
             raise ValueError(f"first_hop_tokens must be >= 1 or None, got {self.first_hop_tokens}")
+        if self.flow_final_chunk not in FINAL_CHUNK_MODES:
+            raise ValueError(f"flow_final_chunk must be one of {', '.join(FINAL_CHUNK_MODES)}, "
+                             f"got {self.flow_final_chunk!r}")
 
 
 @dataclass
@@ -174,8 +183,20 @@ class CosyVoiceEngine:
     def _flow(self, tokens: list[int], cond: Conditioning, state: _RequestState, finalize: bool,
               streaming: bool) -> np.ndarray:
         t0 = time.perf_counter()
-        mel = self.flow.mel(np.asarray(tokens, dtype=np.int64), cond.flow, finalize=finalize, streaming=streaming)
+        work = EstimatorWork()
+        mel = self.flow.mel(np.asarray(tokens, dtype=np.int64), cond.flow, finalize=finalize, streaming=streaming,
+                            work=work)
         state.times.flow_ms += (time.perf_counter() - t0) * 1e3
+        state.times.flow_frames += work.frames
+        return mel
+
+    def _flow_stream(self, flow: FlowStream, tokens: list[int], state: _RequestState, final: bool) -> np.ndarray:
+        t0 = time.perf_counter()
+        before = flow.work.frames
+        array = np.asarray(tokens, dtype=np.int64)
+        mel = flow.finish(array) if final else flow.push(array)
+        state.times.flow_ms += (time.perf_counter() - t0) * 1e3
+        state.times.flow_frames += flow.work.frames - before
         return mel
 
     def _offline_segment(self, llm_in: LlmInput, cond: Conditioning, state: _RequestState,
@@ -199,21 +220,24 @@ class CosyVoiceEngine:
     def _stream_segment(self, llm_in: LlmInput, cond: Conditioning,
                         state: _RequestState) -> Iterator[tuple[np.ndarray, bool]]:
         lookahead = self.bundle.flow.pre_lookahead_len
-        ratio = self.bundle.token_mel_ratio
         schedule = ChunkSchedule(self.bundle.streaming.token_hop_len, lookahead,
                                  prompt_tokens=len(cond.flow.tokens), first_hop=self.settings.first_hop_tokens)
         stream = VocoderStream(self.vocoder, state.noise)
+        # Per request: the estimator caches, so each chunk costs only its new frames.
+        flow = self.flow.stream(cond.flow, self.settings.flow_final_chunk)
         tokens: list[int] = []
         for token in self._tokens(llm_in, state):
             tokens.append(token)
             while (chunk := schedule.next_chunk(len(tokens))) is not None:
-                mel = self._flow(tokens[:chunk.end + lookahead], cond, state, finalize=False, streaming=True)
-                yield self._vocode(stream, mel[:, :, chunk.start * ratio:], state, final=False), False
+                # the frames of tokens [chunk.start, chunk.end): what upstream's full-prefix pass
+                # over tokens[:chunk.end + lookahead] gives for them
+                mel = self._flow_stream(flow, tokens[:chunk.end + lookahead], state, final=False)
+                yield self._vocode(stream, mel, state, final=False), False
             if state.cancelled():
                 return
-        final = schedule.final_chunk(len(tokens))
+        schedule.final_chunk(len(tokens))
         if tokens:
-            mel = self._flow(tokens, cond, state, finalize=True, streaming=False)[:, :, final.start * ratio:]
+            mel = self._flow_stream(flow, tokens, state, final=True)
         else:
             mel = np.zeros((1, self.bundle.mel_bins, 0), dtype=np.float32)
         if mel.shape[2] == 0 and stream.mel is None:
