@@ -32,3 +32,13 @@ def upstream_source_noise(torch: Any, batch: int, samples: int, harmonics: int) 
     [B, H, T*U] buffer, so the normals fill it in that memory order."""
     torch.rand(batch, harmonics)
     return torch.randn_like(torch.empty(batch, harmonics, samples).transpose(1, 2))
+
+
+def empty_estimator_caches(manifest: dict[str, Any], batch: int = 2) -> dict[str, np.ndarray]:
+    """The flow estimator's cache feeds of an offline call (no history)."""
+    d = manifest["stages"]["flow_estimator"]["cache"]
+    return {
+        "att_cache": np.zeros((0, d["blocks"], 2, batch, d["heads"], d["head_dim"]), np.float32),
+        "conv_cache": np.zeros((d["convs"], batch, d["conv_channels"], d["conv_history"]), np.float32),
+        "commit": np.zeros(0, np.float32),
+    }

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.edge_build.conftest import Checkpoint
-from tests.edge_build.parity import TOLERANCE, max_rel, to_numpy
+from tests.edge_build.parity import TOLERANCE, empty_estimator_caches, max_rel, to_numpy
 
 
 class _Captured(Exception):
@@ -146,12 +146,13 @@ def test_estimator_matches_upstream(checkpoint: Checkpoint, streaming: bool) -> 
             "spks": to_numpy(spks),
             "cond": to_numpy(cond),
             "chunk_frames": np.full(2, chunk, np.int64),
+            **empty_estimator_caches(manifest(checkpoint)),
         }
-        (out,) = checkpoint.session("flow_estimator").run(None, feeds)
+        out = checkpoint.session("flow_estimator").run(["dphi_dt"], feeds)[0]
         assert max_rel(out, to_numpy(ref)) < TOLERANCE
         valid = frames - 13
         feeds["mask"][0, :, valid:] = 0
-        (padded,) = checkpoint.session("flow_estimator").run(None, feeds)
+        padded = checkpoint.session("flow_estimator").run(["dphi_dt"], feeds)[0]
         with torch.no_grad():
             alone = estimator(
                 x[:1, :, :valid],
@@ -179,9 +180,10 @@ def euler_with_graphs(
     t_span = (1 - np.cos(t_span * 0.5 * math.pi)).astype(np.float32)
     t, dt = t_span[0], t_span[1] - t_span[0]
     zeros = np.zeros_like(mu)
+    caches = empty_estimator_caches(manifest(checkpoint))
     for step in range(1, len(t_span)):
         (d,) = checkpoint.session("flow_estimator").run(
-            None,
+            ["dphi_dt"],
             {
                 "x": np.concatenate([x, x]).astype(np.float32),
                 "mask": np.ones((2, 1, frames), np.float32),
@@ -190,6 +192,7 @@ def euler_with_graphs(
                 "spks": np.concatenate([spks, np.zeros_like(spks)]),
                 "cond": np.concatenate([cond, zeros]),
                 "chunk_frames": np.full(2, chunk_frames, np.int64),
+                **caches,
             },
         )
         d = (1.0 + cfg["inference_cfg_rate"]) * d[:1] - cfg["inference_cfg_rate"] * d[1:]
@@ -226,3 +229,42 @@ def test_tokens_to_mel_matches_flow_inference(checkpoint: Checkpoint, streaming:
     assert max_rel(cond[0], ref["cond"]) == 0.0
     mel = euler_with_graphs(checkpoint, mu, spks, cond, cfg["chunk_frames"] if streaming else 0)
     assert max_rel(mel[:, 16:], ref["mel"]) < TOLERANCE
+
+
+def test_estimator_caches_match_upstream_streaming(checkpoint: Checkpoint) -> None:
+    """Streaming with caches: each call gets only the frames from the last
+    committed mask chunk on (unaligned ends included: the unfinished chunk is
+    recomputed), and its output equals upstream's streaming estimator over
+    the whole prefix. A multi-level U-Net (tiny2) is not chunk-causal, and its
+    manifest says so."""
+    m = manifest(checkpoint)
+    dims = m["stages"]["flow_estimator"]["cache"]
+    estimator = checkpoint.refs.flow.decoder.estimator
+    if not dims["stream_cache"]:
+        assert len(estimator.down_blocks) > 1
+        pytest.skip("multi-level estimator U-Net: not chunk-causal, streaming recomputes the prefix")
+    chunk = m["flow"]["chunk_frames"]
+    g = torch.Generator().manual_seed(14)
+    c, total = estimator.out_channels, 2 * chunk + 30
+    x, mu, cond = (torch.randn(2, c, total, generator=g) for _ in range(3))
+    spks, t = torch.randn(2, c, generator=g), torch.rand(1, generator=g).expand(2).contiguous()
+    mu[1], cond[1], spks[1] = 0, 0, 0
+    caches = empty_estimator_caches(m)
+    start = emitted = 0
+    for end in (37, chunk + 14, 2 * chunk, total):
+        w = slice(start, end)
+        commit = (end - start) // chunk * chunk
+        feeds = {
+            "x": to_numpy(x[:, :, w]), "mask": np.ones((2, 1, end - start), np.float32), "mu": to_numpy(mu[:, :, w]),
+            "t": to_numpy(t), "spks": to_numpy(spks), "cond": to_numpy(cond[:, :, w]),
+            "chunk_frames": np.full(2, chunk, np.int64), **caches, "commit": np.zeros(commit, np.float32),
+        }
+        out, att_new, conv_new = checkpoint.session("flow_estimator").run(None, feeds)
+        with torch.no_grad():
+            ref = estimator(x[:, :, :end], torch.ones(2, 1, end), mu[:, :, :end], t, spks, cond[:, :, :end],
+                            streaming=True)
+        assert max_rel(out[:, :, emitted - start:], to_numpy(ref[:, :, emitted:])) < TOLERANCE, end
+        assert att_new.shape[0] == commit and conv_new.shape == caches["conv_cache"].shape
+        caches["att_cache"] = np.concatenate([caches["att_cache"], att_new])
+        caches["conv_cache"] = conv_new
+        start, emitted = start + commit, end
