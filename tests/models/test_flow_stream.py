@@ -18,11 +18,15 @@ from models.flow import EstimatorWork, FlowPrompt, FlowStream, cache_bytes_per_f
 from models.streaming import ChunkSchedule
 
 # Cached vs full-prefix windows: the same fp32 ops over other tensor shapes,
-# so only summation order differs (measured ~1e-6 on mel values of ~1).
+# so only summation order differs (measured max 3.3e-6 on mels of max ~5).
 CHUNK_ATOL = 2e-5
-# "cached" final chunk (chunk mask, streaming encoder) vs upstream's full
-# bidirectional pass: mean |difference| relative to the mean |mel| of that chunk.
-FINAL_CHUNK_REL = 0.25
+# "cached" final chunk vs upstream's final full-attention pass over everything:
+# mean |difference| relative to the chunk's mean |mel|; measured 0.11-0.13 on
+# the random-weight tiny model (max |difference| 0.57-0.85 on mels of max ~5).
+# Its cause is the earlier frames' states (streaming-mode in the cache,
+# full-attention in upstream's pass): a non-streaming encoder or full
+# attention inside the last window changes it by < 1e-4.
+FINAL_CHUNK_REL = 0.2
 
 
 @pytest.fixture(scope="module")
