@@ -124,6 +124,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", default="ort")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--text", help="benchmark text (default: a built-in sentence)")
+    p.add_argument("--flow-final-chunk", choices=("cached", "upstream"), default="cached",
+                   help="streaming's last flow chunk: through the estimator caches (linear cost, default) "
+                        "or upstream's full-length pass (exact)")
 
 
 def _add_bridge(sub: argparse._SubParsersAction) -> None:

@@ -89,7 +89,9 @@ def run_concurrent(engine: CosyVoiceEngine, text: str, n: int) -> dict[str, floa
 
 def bench_command(args: argparse.Namespace) -> int:
     text = args.text or DEFAULT_TEXT
-    engine = load_engine(args.bundle, settings=EngineSettings(backend=args.backend))
+    settings = EngineSettings(backend=args.backend,
+                              flow_final_chunk=getattr(args, "flow_final_chunk", "cached"))
+    engine = load_engine(args.bundle, settings=settings)
     try:
         run_once(engine, text, stream=True, seed=0)  # warm-up: session arenas, page-in of weights
         offline = [run_once(engine, text, stream=False, seed=r) for r in range(args.repeats)]
@@ -109,9 +111,15 @@ def bench_command(args: argparse.Namespace) -> int:
         }
         long_off = run_once(engine, LONG_TEXT, stream=False, seed=7)
         long_str = run_once(engine, LONG_TEXT, stream=True, seed=7)
+        flow_off, flow_str = long_off["stages_ms"], long_str["stages_ms"]
         report["streaming_cost_vs_offline"] = {
             "audio_s": round(long_off["audio_s"], 2),
             "ratio": round(long_str["total_s"] / long_off["total_s"], 3),
+            # the flow alone (where streaming's extra work was): wall time and estimator frames
+            "flow_ms_ratio": round(float(flow_str["flow_ms"] or 0) / max(float(flow_off["flow_ms"] or 0), 1e-9), 3),
+            "flow_frames_ratio": round(float(flow_str.get("flow_frames") or 0)
+                                       / max(float(flow_off.get("flow_frames") or 0), 1.0), 3),
+            "flow_final_chunk": settings.flow_final_chunk,
         }
         report["concurrency"] = {
             str(n): run_concurrent(engine, text, n) for n in (int(x) for x in args.concurrency.split(",") if x)
