@@ -45,12 +45,20 @@ class EngineSettings:
     # exactly with a full-length non-streaming pass (streaming then costs about
     # twice offline).
     flow_final_chunk: FinalChunk = "cached"
+    # Streaming flow's left context in mask chunks (50 frames = 1 s each): -1
+    # (default) all earlier frames, exactly as upstream; N >= 0 keeps only the
+    # last N chunks in the estimator caches, which bounds their memory (about
+    # 219 MiB per second of audio at full size) for long utterances on 8 GB
+    # boards but CHANGES the output (no longer upstream's mel).
+    flow_left_chunks: int = -1
 
     def __post_init__(self) -> None:
         if self.max_text_chars < 1:
             raise ValueError(f"max_text_chars must be >= 1, got {self.max_text_chars}")
         if self.first_hop_tokens is not None and self.first_hop_tokens < 1:
             raise ValueError(f"first_hop_tokens must be >= 1 or None, got {self.first_hop_tokens}")
+        if self.flow_left_chunks < -1:
+            raise ValueError(f"flow_left_chunks must be -1 (full left context) or >= 0, got {self.flow_left_chunks}")
         if self.flow_final_chunk not in FINAL_CHUNK_MODES:
             raise ValueError(f"flow_final_chunk must be one of {', '.join(FINAL_CHUNK_MODES)}, "
                              f"got {self.flow_final_chunk!r}")
@@ -224,7 +232,7 @@ class CosyVoiceEngine:
                                  prompt_tokens=len(cond.flow.tokens), first_hop=self.settings.first_hop_tokens)
         stream = VocoderStream(self.vocoder, state.noise)
         # Per request: the estimator caches, so each chunk costs only its new frames.
-        flow = self.flow.stream(cond.flow, self.settings.flow_final_chunk)
+        flow = self.flow.stream(cond.flow, self.settings.flow_final_chunk, self.settings.flow_left_chunks)
         tokens: list[int] = []
         for token in self._tokens(llm_in, state):
             tokens.append(token)

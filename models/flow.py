@@ -98,14 +98,23 @@ class _StepCache:
     """One Euler step's caches: a growing time-major K/V buffer (a prefix of it
     is passed without a copy) and the conv history."""
 
-    def __init__(self, dims: CacheDims) -> None:
+    def __init__(self, dims: CacheDims, visible: int = -1) -> None:
         self._kv = np.zeros((0, dims.blocks, 2, CFG_BATCH, dims.heads, dims.head_dim), dtype=np.float32)
         self.length = 0
+        self.visible = visible  # -1: all committed frames; else only the last `visible`
         self.conv = np.zeros((dims.convs, CFG_BATCH, dims.conv_channels, dims.conv_history), dtype=np.float32)
 
     @property
     def kv(self) -> np.ndarray:
-        return self._kv[: self.length]
+        first = 0 if self.visible < 0 else max(self.length - self.visible, 0)
+        return self._kv[first: self.length]
+
+    def trim(self, keep: int) -> None:
+        """Drop all but the last `keep` frames once they take more than half the
+        buffer (bounded left context): amortized, like the growth."""
+        if self.length > max(2 * keep, 1) and self.length - keep >= self._kv.shape[0] // 2:
+            self._kv[:keep] = self._kv[self.length - keep: self.length].copy()
+            self.length = keep
 
     def append(self, new: np.ndarray) -> None:
         n = new.shape[0]
@@ -117,7 +126,7 @@ class _StepCache:
         self.length += n
 
     def nbytes(self) -> int:
-        return self.kv.nbytes + self.conv.nbytes
+        return self._kv.nbytes + self.conv.nbytes
 
 
 class FlowDecoder:
@@ -222,8 +231,8 @@ class FlowDecoder:
         feat = self.solve(mu, spks, prompt.feat, chunk * self.token_mel_ratio, work=work)
         return feat[:, :, prompt.feat.shape[0]:]
 
-    def stream(self, prompt: FlowPrompt, final_chunk: FinalChunk = "upstream") -> FlowStream:
-        return FlowStream(self, prompt, final_chunk)
+    def stream(self, prompt: FlowPrompt, final_chunk: FinalChunk = "upstream", left_chunks: int = -1) -> FlowStream:
+        return FlowStream(self, prompt, final_chunk, left_chunks)
 
 
 class FlowStream:
@@ -238,9 +247,12 @@ class FlowStream:
     estimator, which dominates, only evaluates the window from the last
     complete mask chunk on."""
 
-    def __init__(self, decoder: FlowDecoder, prompt: FlowPrompt, final_chunk: FinalChunk = "upstream") -> None:
+    def __init__(self, decoder: FlowDecoder, prompt: FlowPrompt, final_chunk: FinalChunk = "upstream",
+                 left_chunks: int = -1) -> None:
         if final_chunk not in FINAL_CHUNK_MODES:
             raise ValueError(f"final_chunk must be one of {', '.join(FINAL_CHUNK_MODES)}, got {final_chunk!r}")
+        if left_chunks < -1:
+            raise ValueError(f"left_chunks must be -1 (full left context) or >= 0, got {left_chunks}")
         self.decoder = decoder
         self.prompt = prompt
         self.final_chunk = final_chunk
@@ -251,7 +263,13 @@ class FlowStream:
         self.committed = 0  # frames whose estimator state is in the caches
         # Multi-level U-Nets (not CosyVoice 2's) are not chunk-causal: recompute the prefix as upstream.
         self.cached = decoder.cache_dims.stream_cache and self.chunk_frames > 0
-        self.caches = [_StepCache(decoder.cache_dims) for _ in range(cfg.n_timesteps)] if self.cached else []
+        visible = -1 if left_chunks < 0 else left_chunks * self.chunk_frames
+        self.caches = [_StepCache(decoder.cache_dims, visible) for _ in range(cfg.n_timesteps)] if self.cached else []
+        # -1: every committed frame stays visible (exact). >= 0: only the last
+        # left_chunks mask chunks of the cache are kept and attended to (plus the
+        # window's own earlier chunk, if it has one): bounded memory for long
+        # utterances, but the mel then differs from upstream's.
+        self.left_chunks = left_chunks
         self.work = EstimatorWork()
         self._tokens = prompt.tokens.astype(np.int64)
 
@@ -273,6 +291,9 @@ class FlowStream:
         cond = dec.cond_window(self.prompt.feat, start, end)
         x = dec.euler(mu[:, :, start:], spks, cond, start, self.chunk_frames, self.caches, commit, self.work)
         self.committed += commit
+        for cache in self.caches:
+            if cache.visible >= 0:
+                cache.trim(cache.visible)
         out = x[:, :, self.emitted - start:]
         self.emitted = end
         return out

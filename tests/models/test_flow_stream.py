@@ -177,3 +177,33 @@ def test_settings_and_cache_size(engine: CosyVoiceEngine, voice: FlowPrompt) -> 
     dims = engine.flow.cache_dims
     per_frame = cache_bytes_per_frame(dims, engine.bundle.flow.n_timesteps)
     assert stream.committed > 0 and stream.cache_bytes() >= stream.committed * per_frame
+
+
+def test_bounded_left_context(engine: CosyVoiceEngine, voice: FlowPrompt) -> None:
+    """flow_left_chunks: a bound no longer than the utterance changes nothing;
+    a short one bounds the cache memory and changes the mel (documented)."""
+    with pytest.raises(ValueError, match="flow_left_chunks must be -1"):
+        EngineSettings(flow_left_chunks=-2)
+    toks = tokens(engine, 200, seed=5)
+    spans = chunks(engine, voice, len(toks), 25, None)
+    look = engine.bundle.flow.pre_lookahead_len
+
+    def run(left: int) -> tuple[FlowStream, np.ndarray, int]:
+        stream = engine.flow.stream(voice, "cached", left)
+        mels, peak = [], 0
+        for _, end in spans:
+            mels.append(stream.push(toks[: end + look]))
+            peak = max(peak, stream.cache_bytes())
+        mels.append(stream.finish(toks))
+        return stream, np.concatenate(mels, axis=2), peak
+
+    _, full, full_peak = run(-1)
+    _, same, _ = run(100)
+    np.testing.assert_array_equal(full, same)
+    short, bounded, peak = run(1)
+    assert bounded.shape == full.shape and np.isfinite(bounded).all() and not np.array_equal(bounded, full)
+    chunk = engine.bundle.flow.chunk_tokens * engine.bundle.token_mel_ratio
+    per_frame = cache_bytes_per_frame(engine.flow.cache_dims, engine.bundle.flow.n_timesteps)
+    assert short.committed > 4 * chunk
+    assert peak < full_peak and max(c.length for c in short.caches) <= 2 * chunk
+    assert peak <= 4 * chunk * per_frame + 10 * short.caches[0].conv.nbytes
