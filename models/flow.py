@@ -67,7 +67,8 @@ class CacheDims:
 
 def cache_bytes_per_frame(dims: CacheDims, n_timesteps: int, itemsize: int = 4) -> int:
     """Streaming cache of one request per committed mel frame: K and V of
-    every transformer block, for each Euler step and both CFG rows."""
+    every transformer block, for each Euler step and both CFG rows (itemsize
+    2 for fp16 bundles, whose estimator takes the cache in fp16)."""
     return dims.blocks * n_timesteps * CFG_BATCH * 2 * dims.heads * dims.head_dim * itemsize
 
 
@@ -98,8 +99,9 @@ class _StepCache:
     """One Euler step's caches: a growing time-major K/V buffer (a prefix of it
     is passed without a copy) and the conv history."""
 
-    def __init__(self, dims: CacheDims, visible: int = -1) -> None:
-        self._kv = np.zeros((0, dims.blocks, 2, CFG_BATCH, dims.heads, dims.head_dim), dtype=np.float32)
+    def __init__(self, dims: CacheDims, visible: int = -1, dtype: np.dtype[Any] | None = None) -> None:
+        self.dtype = np.dtype(np.float32) if dtype is None else dtype
+        self._kv = np.zeros((0, dims.blocks, 2, CFG_BATCH, dims.heads, dims.head_dim), dtype=self.dtype)
         self.length = 0
         self.visible = visible  # -1: all committed frames; else only the last `visible`
         self.conv = np.zeros((dims.convs, CFG_BATCH, dims.conv_channels, dims.conv_history), dtype=np.float32)
@@ -119,7 +121,7 @@ class _StepCache:
     def append(self, new: np.ndarray) -> None:
         n = new.shape[0]
         if self.length + n > self._kv.shape[0]:
-            grown = np.empty((max(2 * self._kv.shape[0], self.length + n), *self._kv.shape[1:]), dtype=np.float32)
+            grown = np.empty((max(2 * self._kv.shape[0], self.length + n), *self._kv.shape[1:]), dtype=self.dtype)
             grown[: self.length] = self._kv[: self.length]
             self._kv = grown
         self._kv[self.length: self.length + n] = new
@@ -138,8 +140,11 @@ class FlowDecoder:
         self.estimator = estimator
         self.noise = np.asarray(bundle.array("flow_noise", mmap=False), dtype=np.float32)
         self.t_span = time_span(self.config.n_timesteps, self.config.t_scheduler)
-        self.cache_dims = CacheDims.from_manifest(bundle.stages["flow_estimator"].raw)
-        self._empty = _StepCache(self.cache_dims)  # offline calls: no history
+        raw = bundle.stages["flow_estimator"].raw
+        self.cache_dims = CacheDims.from_manifest(raw)
+        # fp16 bundles: the graph takes and gives the K/V cache in fp16 (half the memory)
+        self.cache_dtype = np.dtype(np.float16 if "att_cache" in raw.get("fp16_io", ()) else np.float32)
+        self._empty = _StepCache(self.cache_dims, dtype=self.cache_dtype)  # offline calls: no history
 
     def encode(self, tokens: np.ndarray, embedding: np.ndarray, lookahead: int, chunk_tokens: int) -> tuple[
             np.ndarray, np.ndarray]:
@@ -264,7 +269,8 @@ class FlowStream:
         # Multi-level U-Nets (not CosyVoice 2's) are not chunk-causal: recompute the prefix as upstream.
         self.cached = decoder.cache_dims.stream_cache and self.chunk_frames > 0
         visible = -1 if left_chunks < 0 else left_chunks * self.chunk_frames
-        self.caches = [_StepCache(decoder.cache_dims, visible) for _ in range(cfg.n_timesteps)] if self.cached else []
+        self.caches = ([_StepCache(decoder.cache_dims, visible, decoder.cache_dtype) for _ in range(cfg.n_timesteps)]
+                       if self.cached else [])
         # -1: every committed frame stays visible (exact). >= 0: only the last
         # left_chunks mask chunks of the cache are kept and attended to (plus the
         # window's own earlier chunk, if it has one): bounded memory for long

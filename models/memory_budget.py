@@ -33,7 +33,7 @@ Assumptions (also printed with every report):
 * 10% of usable memory is kept free (fragmentation, page cache, spikes).
 * Streaming requests also hold the flow estimator's caches on the host (K/V
   of every transformer block per Euler step and CFG row, fp32: about 219 MiB
-  per second of audio at full size); listed in the notes, not in the fit,
+  per second of audio at full size, half in fp16 bundles); listed in the notes, not in the fit,
   since they grow with the utterance (`flow_stream_cache_bytes_per_second`).
 """
 
@@ -256,10 +256,11 @@ def bundle_budget(root: Path, manifest: Mapping[str, Any], precision: str) -> Bu
         out.append(StageBudget(stage, int(weights), int(activation), int(io), contexts, source, act_source))
     if {"llm_prefill", "llm_decode"} <= set(stages_meta):
         notes.append("llm_prefill and llm_decode each hold a copy of the LLM weights as separate engines")
-    per_second = flow_stream_cache_bytes_per_second(manifest)
+    cache_bytes = 2 if precision == "fp16" else 4  # fp16 graphs take the K/V cache in fp16
+    per_second = flow_stream_cache_bytes_per_second(manifest, cache_bytes)
     if per_second:
         notes.append(f"+{per_second / MIB:.1f} MiB of host memory per second of audio per streaming request "
-                     "(the flow estimator's caches, fp32)")
+                     f"(the flow estimator's caches, {'fp16' if cache_bytes == 2 else 'fp32'})")
     tok = (manifest.get("carried") or {}).get("speech_tokenizer")
     size = _file_bytes(root, tok.get("file") if isinstance(tok, Mapping) else tok) if tok else None
     if size:
