@@ -228,3 +228,26 @@ def test_export_of_a_bad_dir_leaves_nothing(tiny_model_dir: Path, tmp_path: Path
         export_bundle(model, tmp_path / "bundle")
     assert not (tmp_path / "bundle").exists()
     assert not [p for p in tmp_path.iterdir() if "partial" in p.name]
+
+
+def test_estimator_profiles_cover_offline_and_streaming_calls(checkpoint: Checkpoint) -> None:
+    """TensorRT profiles of the cache-capable estimator: offline calls (any
+    batch, empty cache) and streaming calls (one request, cache of up to 30 s)."""
+    from edge_build.engine_plan import batch_caps, build_profiles
+    from models.backends.profiles import choose_profile
+
+    entry = load_manifest(checkpoint.bundle)["stages"]["flow_estimator"]
+    d = entry["cache"]
+    c = entry["inputs"][0]["shape"][1]
+
+    def shapes(n: int, t: int, s: int, r: int) -> dict[str, tuple[int, ...]]:
+        return {"x": (n, c, t), "t": (n,), "att_cache": (s, d["blocks"], 2, n, d["heads"], d["head_dim"]),
+                "conv_cache": (d["convs"], n, d["conv_channels"], d["conv_history"]), "commit": (r,)}
+
+    profiles = build_profiles(entry, "flow_estimator", None)
+    assert choose_profile(profiles, shapes(8, 1500, 0, 0), "flow_estimator") == 0
+    assert choose_profile(profiles, shapes(2, 77, 1450, 50), "flow_estimator") == 1
+    assert choose_profile(profiles, shapes(2, 300, 0, 0), "flow_estimator") in (0, 1)  # either covers it
+    capped = build_profiles(entry, "flow_estimator", None, batch_caps(entry["profile"], 1))
+    assert [p["att_cache"].max[3] for p in capped] == [2, 2]
+    assert capped[1]["att_cache"].max[0] >= 1500 and capped[0]["att_cache"].max[0] == 0
