@@ -246,11 +246,17 @@ class FlowStream:
     equal to upstream's full-prefix streaming pass over those frames; `finish`
     returns the rest once all tokens are known.
 
-    The flow ENCODER still runs over the whole token prefix each call: it is
-    about 2% of the estimator's cost per frame at full size (one pass versus
-    2 x n_timesteps estimator passes), so the prefix re-run stays small; the
-    estimator, which dominates, only evaluates the window from the last
-    complete mask chunk on."""
+    The flow ENCODER still runs over the whole token prefix each call (not
+    cached): one encoder pass costs ~1.3-2% of the offline estimator (its
+    n_timesteps x CFG-batch passes) at full size, so its prefix re-runs add
+    ~9% of the offline flow cost for a 20 s utterance (measured, torch CPU);
+    the estimator, which dominates, only evaluates the window from the last
+    complete mask chunk on. On the tiny test model the 512-wide encoder is
+    ~40% of the flow and its re-runs dominate the streaming overhead.
+
+    Where the commit point goes: the graph takes it (the `commit` input's
+    length), so it slices the conv histories at the right frame itself; the
+    runtime picks it as the end of the window's last complete mask chunk."""
 
     def __init__(self, decoder: FlowDecoder, prompt: FlowPrompt, final_chunk: FinalChunk = "upstream",
                  left_chunks: int = -1) -> None:
@@ -268,14 +274,14 @@ class FlowStream:
         self.committed = 0  # frames whose estimator state is in the caches
         # Multi-level U-Nets (not CosyVoice 2's) are not chunk-causal: recompute the prefix as upstream.
         self.cached = decoder.cache_dims.stream_cache and self.chunk_frames > 0
+        # left_chunks -1: every committed frame stays visible (exact). >= 0: only
+        # the last left_chunks mask chunks of the cache are kept and attended to
+        # (plus the window's own earlier chunk, if it has one): bounded memory for
+        # long utterances, but the mel then differs from upstream's.
+        self.left_chunks = left_chunks
         visible = -1 if left_chunks < 0 else left_chunks * self.chunk_frames
         self.caches = ([_StepCache(decoder.cache_dims, visible, decoder.cache_dtype) for _ in range(cfg.n_timesteps)]
                        if self.cached else [])
-        # -1: every committed frame stays visible (exact). >= 0: only the last
-        # left_chunks mask chunks of the cache are kept and attended to (plus the
-        # window's own earlier chunk, if it has one): bounded memory for long
-        # utterances, but the mel then differs from upstream's.
-        self.left_chunks = left_chunks
         self.work = EstimatorWork()
         self._tokens = prompt.tokens.astype(np.int64)
 
