@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from models.api import SynthesisRequest
 from tests.edge_build.conftest import Checkpoint
 from tests.edge_build.parity import TOLERANCE, empty_estimator_caches, max_rel, to_numpy
 
@@ -268,3 +269,26 @@ def test_estimator_caches_match_upstream_streaming(checkpoint: Checkpoint) -> No
         caches["att_cache"] = np.concatenate([caches["att_cache"], att_new])
         caches["conv_cache"] = conv_new
         start, emitted = start + commit, end
+
+
+def test_flow_stream_matches_the_full_prefix_pass_on_both_checkpoints(checkpoint: Checkpoint) -> None:
+    """The runtime's FlowStream: with caches where the manifest allows them
+    (tiny), recomputing the prefix where it does not (tiny2), the chunks are
+    upstream's full-prefix streaming chunks."""
+    from models.engine import load_engine
+
+    engine = load_engine(checkpoint.bundle)
+    try:
+        dims = manifest(checkpoint)["stages"]["flow_estimator"]["cache"]
+        voice = engine.conditioning.build(SynthesisRequest(text="x")).flow
+        toks = np.arange(110) % engine.bundle.llm.speech_token_size
+        stream = engine.flow.stream(voice, "cached")
+        assert stream.cached == dims["stream_cache"]
+        start = 0
+        for end in (28, 41, 78, 103):
+            got = stream.push(toks[:end])
+            old = engine.flow.mel(toks[:end], voice, finalize=False, streaming=True)[:, :, 2 * start:]
+            assert got.shape == old.shape and np.abs(got - old).max() < 2e-5
+            start = end - engine.bundle.flow.pre_lookahead_len
+    finally:
+        engine.close()
