@@ -207,3 +207,17 @@ def test_bounded_left_context(engine: CosyVoiceEngine, voice: FlowPrompt) -> Non
     assert short.committed > 4 * chunk
     assert peak < full_peak and max(c.length for c in short.caches) <= 2 * chunk
     assert peak <= 4 * chunk * per_frame + 10 * short.caches[0].conv.nbytes
+
+
+def test_cache_memory_from_the_bundle_dims(engine: CosyVoiceEngine, tiny_bundle: Path) -> None:
+    from models.memory_budget import bundle_budget, flow_stream_cache_bytes_per_second
+
+    full = {"stages": {"flow_estimator": {"cache": {
+        "blocks": 56, "heads": 8, "head_dim": 64, "convs": 31, "conv_channels": 512, "conv_history": 2,
+        "stream_cache": True}}}, "flow": {"n_timesteps": 10}, "token_rate_hz": 25, "token_mel_ratio": 2}
+    # 56 blocks x 10 steps x 2 CFG rows x (K, V) x 8 heads x 64 x 4 bytes, 50 frames per second
+    assert flow_stream_cache_bytes_per_second(full) == 56 * 10 * 2 * 2 * 8 * 64 * 4 * 50  # 218.75 MiB/s
+    assert flow_stream_cache_bytes_per_second(full, 2) == 56 * 10 * 2 * 2 * 8 * 64 * 2 * 50
+    assert flow_stream_cache_bytes_per_second({"stages": {}}) is None
+    budget = bundle_budget(tiny_bundle, engine.bundle.manifest, "fp32")
+    assert any("per second of audio per streaming request" in n for n in budget.notes)
