@@ -330,5 +330,8 @@ class FlowStream:
             mel = self.decoder.mel(np.asarray(tokens), self.prompt, finalize=True, streaming=False, work=self.work)
             out = mel[:, :, self.emitted - self.prompt_frames:]
             self.emitted = self.prompt_frames + mel.shape[2]
-            return out
-        return self._window(tokens, finalize=True)
+        else:
+            out = self._window(tokens, finalize=True)
+        log.debug("flow stream: %d mel frames, estimator %d calls over %d frames, caches %.1f MiB",
+                  self.emitted, self.work.calls, self.work.frames, self.cache_bytes() / (1 << 20))
+        return out
