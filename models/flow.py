@@ -95,16 +95,15 @@ class EstimatorWork:
     frames: int = 0
 
 
-class _StepCache:
-    """One Euler step's caches: a growing time-major K/V buffer (a prefix of it
-    is passed without a copy) and the conv history."""
+class _KvBuffer:
+    """A growing time-major K/V buffer [frames, ...]: a prefix (or, with a
+    bounded left context, a suffix) of it is passed to the graph without a copy."""
 
-    def __init__(self, dims: CacheDims, visible: int = -1, dtype: np.dtype[Any] | None = None) -> None:
+    def __init__(self, tail: tuple[int, ...], visible: int = -1, dtype: np.dtype[Any] | None = None) -> None:
         self.dtype = np.dtype(np.float32) if dtype is None else dtype
-        self._kv = np.zeros((0, dims.blocks, 2, CFG_BATCH, dims.heads, dims.head_dim), dtype=self.dtype)
+        self._kv = np.zeros((0, *tail), dtype=self.dtype)
         self.length = 0
         self.visible = visible  # -1: all committed frames; else only the last `visible`
-        self.conv = np.zeros((dims.convs, CFG_BATCH, dims.conv_channels, dims.conv_history), dtype=np.float32)
 
     @property
     def kv(self) -> np.ndarray:
@@ -128,7 +127,46 @@ class _StepCache:
         self.length += n
 
     def nbytes(self) -> int:
-        return self._kv.nbytes + self.conv.nbytes
+        return self._kv.nbytes
+
+
+class _StepCache(_KvBuffer):
+    """One Euler step's estimator caches: the K/V buffer and the conv history."""
+
+    def __init__(self, dims: CacheDims, visible: int = -1, dtype: np.dtype[Any] | None = None) -> None:
+        super().__init__((dims.blocks, 2, CFG_BATCH, dims.heads, dims.head_dim), visible, dtype)
+        self.conv = np.zeros((dims.convs, CFG_BATCH, dims.conv_channels, dims.conv_history), dtype=np.float32)
+
+    def nbytes(self) -> int:
+        return super().nbytes() + self.conv.nbytes
+
+
+class EncoderCache:
+    """One request's flow encoder caches (edge_build/export/flow_encoder.py):
+    K/V of both stacks and the two convolution histories. Small (~1.4 MiB per
+    second of audio at full size), always the full left context."""
+
+    def __init__(self, dims: dict[str, int]) -> None:
+        kv = (2, 1, dims["heads"], dims["head_dim"])
+        self.enc = _KvBuffer((dims["layers"], *kv))
+        self.up = _KvBuffer((dims["up_layers"], *kv))
+        self.pre = np.zeros((1, dims["pre_channels"], dims["pre_history"]), dtype=np.float32)
+        self.upconv = np.zeros((1, dims["upconv_channels"], dims["upconv_history"]), dtype=np.float32)
+
+    def nbytes(self) -> int:
+        return self.enc.nbytes() + self.up.nbytes() + self.pre.nbytes + self.upconv.nbytes
+
+
+_ENCODER_DIMS = ("layers", "up_layers", "heads", "head_dim", "pre_channels", "pre_history", "upconv_channels",
+                 "upconv_history")
+
+
+def encoder_cache_dims(entry: dict[str, Any]) -> dict[str, int]:
+    raw = entry.get("cache")
+    if not isinstance(raw, dict) or any(k not in raw for k in _ENCODER_DIMS):
+        raise BundleError("manifest: stages.flow_encoder has no cache dimensions; re-export the bundle "
+                          "with this version's 'cosyedge build export'")
+    return {k: int(raw[k]) for k in _ENCODER_DIMS}
 
 
 class FlowDecoder:
@@ -145,18 +183,29 @@ class FlowDecoder:
         # fp16 bundles: the graph takes and gives the K/V cache in fp16 (half the memory)
         self.cache_dtype = np.dtype(np.float16 if "att_cache" in raw.get("fp16_io", ()) else np.float32)
         self._empty = _StepCache(self.cache_dims, dtype=self.cache_dtype)  # offline calls: no history
+        self.encoder_dims = encoder_cache_dims(bundle.stages["flow_encoder"].raw)
+        self._empty_encoder = EncoderCache(self.encoder_dims)
 
-    def encode(self, tokens: np.ndarray, embedding: np.ndarray, lookahead: int, chunk_tokens: int) -> tuple[
-            np.ndarray, np.ndarray]:
-        """mu [1, C, frames] for all but the look-ahead tokens, spks [1, C]."""
+    def encode(self, tokens: np.ndarray, embedding: np.ndarray, lookahead: int, chunk_tokens: int,
+               cache: EncoderCache | None = None, commit: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """mu [1, C, frames] for all but the look-ahead tokens, spks [1, C].
+        With `cache`, `tokens` are those after the cached ones, and the first
+        `commit` of them are added to it."""
         n = tokens.shape[0]
+        c = cache if cache is not None else self._empty_encoder
         out = self.encoder.run({
             "token": tokens[None].astype(np.int64, copy=False),
             "token_len": np.array([n], dtype=np.int64),
             "lookahead_len": np.array([lookahead], dtype=np.int64),
             "chunk_tokens": np.array([chunk_tokens], dtype=np.int64),
             "embedding": embedding[None].astype(np.float32, copy=False),
+            "enc_cache": c.enc.kv, "up_cache": c.up.kv, "pre_cache": c.pre, "upconv_cache": c.upconv,
+            "commit": np.zeros((commit if cache is not None else 0,), dtype=np.float32),
         })
+        if cache is not None and commit:
+            cache.enc.append(out["enc_cache_new"])
+            cache.up.append(out["up_cache_new"])
+            cache.pre, cache.upconv = out["pre_cache_new"], out["upconv_cache_new"]
         frames = self.token_mel_ratio * (n - lookahead)
         return out["mu"][:, :, :frames], out["spks"]
 
@@ -246,17 +295,16 @@ class FlowStream:
     equal to upstream's full-prefix streaming pass over those frames; `finish`
     returns the rest once all tokens are known.
 
-    The flow ENCODER still runs over the whole token prefix each call (not
-    cached): one encoder pass costs ~1.3-2% of the offline estimator (its
-    n_timesteps x CFG-batch passes) at full size, so its prefix re-runs add
-    ~9% of the offline flow cost for a 20 s utterance (measured, torch CPU);
-    the estimator, which dominates, only evaluates the window from the last
-    complete mask chunk on. On the tiny test model the 512-wide encoder is
-    ~40% of the flow and its re-runs dominate the streaming overhead.
+    Both flow graphs keep caches: the encoder (EncoderCache) and, per Euler
+    step, the estimator, so each call evaluates only the window from the last
+    complete chunk on. (Re-running the encoder over the whole prefix instead
+    would add ~9% of the offline flow cost for a 20 s utterance at full size,
+    where one encoder pass is ~1.3-2% of the offline estimator; on the tiny
+    test model, whose encoder is 512 wide, it would dominate.)
 
-    Where the commit point goes: the graph takes it (the `commit` input's
-    length), so it slices the conv histories at the right frame itself; the
-    runtime picks it as the end of the window's last complete mask chunk."""
+    Where the commit point goes: the graphs take it (the `commit` input's
+    length), so they slice the conv histories at the right frame themselves;
+    the runtime picks it as the end of the window's last complete chunk."""
 
     def __init__(self, decoder: FlowDecoder, prompt: FlowPrompt, final_chunk: FinalChunk = "upstream",
                  left_chunks: int = -1) -> None:
@@ -282,26 +330,35 @@ class FlowStream:
         visible = -1 if left_chunks < 0 else left_chunks * self.chunk_frames
         self.caches = ([_StepCache(decoder.cache_dims, visible, decoder.cache_dtype) for _ in range(cfg.n_timesteps)]
                        if self.cached else [])
+        self.encoder_cache = EncoderCache(decoder.encoder_dims) if self.cached else None
         self.work = EstimatorWork()
         self._tokens = prompt.tokens.astype(np.int64)
 
     def cache_bytes(self) -> int:
-        return sum(c.nbytes() for c in self.caches)
+        enc = self.encoder_cache.nbytes() if self.encoder_cache is not None else 0
+        return sum(c.nbytes() for c in self.caches) + enc
 
     def _window(self, tokens: np.ndarray, finalize: bool) -> np.ndarray:
         dec = self.decoder
+        cfg = dec.config
         all_tokens = np.concatenate([self._tokens, np.asarray(tokens, dtype=np.int64)])
-        lookahead = 0 if finalize else dec.config.pre_lookahead_len
-        mu, spks = dec.encode(all_tokens, self.prompt.embedding, lookahead, dec.config.chunk_tokens)
-        end = mu.shape[2]
+        lookahead = 0 if finalize else cfg.pre_lookahead_len
+        # The encoder's chunks (chunk_tokens) and the estimator's (chunk_frames)
+        # end on the same frames, so both commit up to the same point: the end of
+        # the window's last complete chunk (nothing at the last call, whose
+        # caches are never read again).
         start = self.committed
+        window = all_tokens[start // dec.token_mel_ratio:]
+        main = window.shape[0] - lookahead
+        commit_tokens = 0 if finalize else main // cfg.chunk_tokens * cfg.chunk_tokens
+        mu, spks = dec.encode(window, self.prompt.embedding, lookahead, cfg.chunk_tokens, self.encoder_cache,
+                              commit_tokens)
+        end = start + mu.shape[2]
         if end < self.emitted:
             raise ValueError(f"the token prefix shrank: {end} mel frames, {self.emitted} already returned")
-        # Frames in complete mask chunks are final: commit them (not at the
-        # last call, whose caches are never read again).
-        commit = 0 if finalize else (end - start) // self.chunk_frames * self.chunk_frames
+        commit = commit_tokens * dec.token_mel_ratio
         cond = dec.cond_window(self.prompt.feat, start, end)
-        x = dec.euler(mu[:, :, start:], spks, cond, start, self.chunk_frames, self.caches, commit, self.work)
+        x = dec.euler(mu, spks, cond, start, self.chunk_frames, self.caches, commit, self.work)
         self.committed += commit
         for cache in self.caches:
             if cache.visible >= 0:

@@ -42,3 +42,16 @@ def empty_estimator_caches(manifest: dict[str, Any], batch: int = 2) -> dict[str
         "conv_cache": np.zeros((d["convs"], batch, d["conv_channels"], d["conv_history"]), np.float32),
         "commit": np.zeros(0, np.float32),
     }
+
+
+def empty_encoder_caches(manifest: dict[str, Any], batch: int = 1) -> dict[str, np.ndarray]:
+    """The flow encoder's cache feeds of an offline call (no history)."""
+    d = manifest["stages"]["flow_encoder"]["cache"]
+    kv = (2, batch, d["heads"], d["head_dim"])
+    return {
+        "enc_cache": np.zeros((0, d["layers"], *kv), np.float32),
+        "up_cache": np.zeros((0, d["up_layers"], *kv), np.float32),
+        "pre_cache": np.zeros((batch, d["pre_channels"], d["pre_history"]), np.float32),
+        "upconv_cache": np.zeros((batch, d["upconv_channels"], d["upconv_history"]), np.float32),
+        "commit": np.zeros(0, np.float32),
+    }

@@ -106,7 +106,9 @@ def test_stage_io_matches_onnx_files(checkpoint: Checkpoint) -> None:
 def test_profiles_fit_a_board(checkpoint: Checkpoint) -> None:
     stages = load_manifest(checkpoint.bundle)["stages"]
     assert stages["llm_decode"]["profile"]["P"][2] >= 1024 + stages["llm_prefill"]["profile"]["T"][2] - 1
-    assert stages["flow_encoder"]["profile"]["T"][2] * 2 >= 1500  # 30 s of mel
+    enc_offline, enc_streaming = stages["flow_encoder"]["profile"]
+    assert enc_offline["T"][2] * 2 >= 1500 and enc_offline["S"] == [0, 0, 0]  # 30 s of mel
+    assert enc_streaming["S"][2] * 2 >= 1500
     offline, streaming = stages["flow_estimator"]["profile"]
     assert offline["T"][2] >= 1500 and offline["S"] == offline["R"] == [0, 0, 0]
     assert offline["N"][0] == streaming["N"][0] == 2  # CFG: conditional + unconditional

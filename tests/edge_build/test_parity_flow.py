@@ -16,7 +16,7 @@ import torch
 
 from models.api import SynthesisRequest
 from tests.edge_build.conftest import Checkpoint
-from tests.edge_build.parity import TOLERANCE, empty_estimator_caches, max_rel, to_numpy
+from tests.edge_build.parity import TOLERANCE, empty_encoder_caches, empty_estimator_caches, max_rel, to_numpy
 
 
 class _Captured(Exception):
@@ -103,7 +103,8 @@ def test_encoder_matches_flow_inference(checkpoint: Checkpoint, streaming: bool,
         "chunk_tokens": np.full(len(rows), flow_cfg["chunk_tokens"] if streaming else 0, np.int64),
         "embedding": np.stack([r[1] for r in rows]),
     }
-    mu, spks = checkpoint.session("flow_encoder").run(None, feeds)
+    enc = checkpoint.session("flow_encoder")
+    mu, spks = enc.run(["mu", "spks"], {**feeds, **empty_encoder_caches(manifest(checkpoint), len(rows))})
     assert mu.shape == (len(rows), flow.output_size, 2 * t)
     for i, (_, _, ref) in enumerate(rows):
         frames = ref["mu"].shape[1]
@@ -111,11 +112,11 @@ def test_encoder_matches_flow_inference(checkpoint: Checkpoint, streaming: bool,
         assert max_rel(mu[i, :, :frames], ref["mu"]) < TOLERANCE
         assert max_rel(spks[i], ref["spks"]) < TOLERANCE
         # each padded row also equals that row run alone
-        alone = checkpoint.session("flow_encoder").run(
-            None,
+        alone = enc.run(
+            ["mu"],
             {
-                k: (v[i : i + 1, : len(rows[i][0])] if k == "token" else v[i : i + 1])
-                for k, v in feeds.items()
+                **{k: (v[i : i + 1, : len(rows[i][0])] if k == "token" else v[i : i + 1]) for k, v in feeds.items()},
+                **empty_encoder_caches(manifest(checkpoint)),
             },
         )[0]
         assert max_rel(mu[i, :, :frames], alone[0, :, :frames]) < TOLERANCE
@@ -216,13 +217,14 @@ def test_tokens_to_mel_matches_flow_inference(checkpoint: Checkpoint, streaming:
     ref = upstream_inference(flow, prompt, tokens, embedding, feat, streaming, finalize=True, with_mel=True)
     token = torch.cat([prompt, tokens], dim=1).numpy()
     mu, spks = checkpoint.session("flow_encoder").run(
-        None,
+        ["mu", "spks"],
         {
             "token": token,
             "token_len": np.array([token.shape[1]]),
             "lookahead_len": np.zeros(1, np.int64),
             "chunk_tokens": np.array([cfg["chunk_tokens"] if streaming else 0]),
             "embedding": to_numpy(embedding),
+            **empty_encoder_caches(manifest(checkpoint)),
         },
     )
     cond = np.zeros_like(mu)
