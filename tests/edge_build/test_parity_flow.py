@@ -294,3 +294,38 @@ def test_flow_stream_matches_the_full_prefix_pass_on_both_checkpoints(checkpoint
             start = end - engine.bundle.flow.pre_lookahead_len
     finally:
         engine.close()
+
+
+def test_encoder_caches_match_the_full_prefix(checkpoint: Checkpoint) -> None:
+    """Streaming encoder with caches: each call takes only the tokens from the
+    last committed chunk on (plus the look-ahead), and its mu equals the
+    streaming encoder over the whole prefix (itself upstream's, tested above)."""
+    m = manifest(checkpoint)
+    cfg = m["flow"]
+    chunk, look = cfg["chunk_tokens"], cfg["pre_lookahead_len"]
+    enc = checkpoint.session("flow_encoder")
+    g = torch.Generator().manual_seed(15)
+    tokens = torch.randint(0, checkpoint.refs.flow.vocab_size, (1, 4 * chunk + 20), generator=g).numpy()
+    embedding = torch.randn(1, checkpoint.refs.flow.spk_embed_affine_layer.in_features, generator=g).numpy()
+
+    def run(tok: np.ndarray, lookahead: int, caches: dict[str, np.ndarray]) -> list[np.ndarray]:
+        feeds = {"token": tok, "token_len": np.array([tok.shape[1]]), "lookahead_len": np.array([lookahead]),
+                 "chunk_tokens": np.array([chunk]), "embedding": embedding, **caches}
+        return enc.run(["mu", "enc_cache_new", "up_cache_new", "pre_cache_new", "upconv_cache_new"], feeds)
+
+    caches = empty_encoder_caches(m)
+    start = 0
+    for end, final in ((chunk + 12, False), (2 * chunk, False), (3 * chunk + 7, False), (tokens.shape[1], True)):
+        lookahead = 0 if final else look
+        full = run(tokens[:, : end + lookahead], lookahead, empty_encoder_caches(m))[0][:, :, : 2 * end]
+        main = end - start
+        commit = 0 if final else main // chunk * chunk
+        mu, enc_new, up_new, pre_new, upconv_new = run(
+            tokens[:, start : end + lookahead], lookahead, {**caches, "commit": np.zeros(commit, np.float32)}
+        )
+        assert max_rel(mu[:, :, : 2 * main], full[:, :, 2 * start :]) < TOLERANCE, end
+        assert enc_new.shape[0] == commit and up_new.shape[0] == 2 * commit
+        caches["enc_cache"] = np.concatenate([caches["enc_cache"], enc_new])
+        caches["up_cache"] = np.concatenate([caches["up_cache"], up_new])
+        caches["pre_cache"], caches["upconv_cache"] = pre_new, upconv_new
+        start += commit
