@@ -202,17 +202,25 @@ def stage_shapes(stage: str, manifest: Mapping[str, Any], shapes: Mapping[str, t
 
 
 def flow_stream_cache_bytes_per_second(manifest: Mapping[str, Any], itemsize: int = 4) -> int | None:
-    """Host memory of one streaming request's flow estimator caches per second
-    of audio (the prompt's seconds count too), from the bundle's dimensions;
-    None for a manifest without cache dimensions."""
+    """Host memory of one streaming request's flow caches (estimator, and the
+    encoder's ~1.4 MiB/s at full size) per second of audio (the prompt's
+    seconds count too), from the bundle's dimensions; None for a manifest
+    without cache dimensions."""
     entry = (manifest.get("stages") or {}).get("flow_estimator") or {}
     try:
         dims = CacheDims.from_manifest(dict(entry))
     except BundleError:
         return None
     flow = manifest.get("flow") or {}
-    frames_per_second = int(manifest.get("token_rate_hz", 25)) * int(manifest.get("token_mel_ratio", 2))
-    return frames_per_second * cache_bytes_per_frame(dims, int(flow.get("n_timesteps", 10)), itemsize)
+    tokens_per_second = int(manifest.get("token_rate_hz", 25))
+    frames_per_second = tokens_per_second * int(manifest.get("token_mel_ratio", 2))
+    total = frames_per_second * cache_bytes_per_frame(dims, int(flow.get("n_timesteps", 10)), itemsize)
+    enc = ((manifest.get("stages") or {}).get("flow_encoder") or {}).get("cache")
+    if isinstance(enc, Mapping) and {"layers", "up_layers", "heads", "head_dim"} <= set(enc):
+        # the encoder's K/V (fp32: the encoder is never quantized): per token and per frame
+        kv = 2 * int(enc["heads"]) * int(enc["head_dim"]) * 4
+        total += tokens_per_second * int(enc["layers"]) * kv + frames_per_second * int(enc["up_layers"]) * kv
+    return total
 
 
 def bundle_budget(root: Path, manifest: Mapping[str, Any], precision: str) -> BundleBudget:

@@ -219,5 +219,8 @@ def test_cache_memory_from_the_bundle_dims(engine: CosyVoiceEngine, tiny_bundle:
     assert flow_stream_cache_bytes_per_second(full) == 56 * 10 * 2 * 2 * 8 * 64 * 4 * 50  # 218.75 MiB/s
     assert flow_stream_cache_bytes_per_second(full, 2) == 56 * 10 * 2 * 2 * 8 * 64 * 2 * 50
     assert flow_stream_cache_bytes_per_second({"stages": {}}) is None
+    full["stages"]["flow_encoder"] = {"cache": {"layers": 6, "up_layers": 4, "heads": 8, "head_dim": 64}}
+    encoder = 25 * 6 * 2 * 8 * 64 * 4 + 50 * 4 * 2 * 8 * 64 * 4  # 1.37 MiB/s
+    assert flow_stream_cache_bytes_per_second(full) == 56 * 10 * 2 * 2 * 8 * 64 * 4 * 50 + encoder
     budget = bundle_budget(tiny_bundle, engine.bundle.manifest, "fp32")
     assert any("per second of audio per streaming request" in n for n in budget.notes)
