@@ -89,10 +89,12 @@ def time_span(n_timesteps: int, scheduler: str) -> np.ndarray:
 @dataclass
 class EstimatorWork:
     """Deterministic cost count: estimator calls and the mel frames they
-    evaluated (one Euler step of one window counts its frames once)."""
+    evaluated (one Euler step of one window counts its frames once), and the
+    tokens the encoder ran over."""
 
     calls: int = 0
     frames: int = 0
+    encoder_tokens: int = 0
 
 
 class _KvBuffer:
@@ -187,7 +189,8 @@ class FlowDecoder:
         self._empty_encoder = EncoderCache(self.encoder_dims)
 
     def encode(self, tokens: np.ndarray, embedding: np.ndarray, lookahead: int, chunk_tokens: int,
-               cache: EncoderCache | None = None, commit: int = 0) -> tuple[np.ndarray, np.ndarray]:
+               cache: EncoderCache | None = None, commit: int = 0,
+               work: EstimatorWork | None = None) -> tuple[np.ndarray, np.ndarray]:
         """mu [1, C, frames] for all but the look-ahead tokens, spks [1, C].
         With `cache`, `tokens` are those after the cached ones, and the first
         `commit` of them are added to it."""
@@ -202,6 +205,8 @@ class FlowDecoder:
             "enc_cache": c.enc.kv, "up_cache": c.up.kv, "pre_cache": c.pre, "upconv_cache": c.upconv,
             "commit": np.zeros((commit if cache is not None else 0,), dtype=np.float32),
         })
+        if work is not None:
+            work.encoder_tokens += n
         if cache is not None and commit:
             cache.enc.append(out["enc_cache_new"])
             cache.up.append(out["up_cache_new"])
@@ -281,7 +286,7 @@ class FlowDecoder:
         all_tokens = np.concatenate([prompt.tokens.astype(np.int64), tokens.astype(np.int64)])
         lookahead = 0 if finalize else self.config.pre_lookahead_len
         chunk = self.config.chunk_tokens if streaming else 0
-        mu, spks = self.encode(all_tokens, prompt.embedding, lookahead, chunk)
+        mu, spks = self.encode(all_tokens, prompt.embedding, lookahead, chunk, work=work)
         feat = self.solve(mu, spks, prompt.feat, chunk * self.token_mel_ratio, work=work)
         return feat[:, :, prompt.feat.shape[0]:]
 
@@ -352,7 +357,7 @@ class FlowStream:
         main = window.shape[0] - lookahead
         commit_tokens = 0 if finalize else main // cfg.chunk_tokens * cfg.chunk_tokens
         mu, spks = dec.encode(window, self.prompt.embedding, lookahead, cfg.chunk_tokens, self.encoder_cache,
-                              commit_tokens)
+                              commit_tokens, self.work)
         end = start + mu.shape[2]
         if end < self.emitted:
             raise ValueError(f"the token prefix shrank: {end} mel frames, {self.emitted} already returned")

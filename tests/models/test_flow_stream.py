@@ -98,6 +98,11 @@ def test_cached_chunks_equal_the_full_prefix_pass(engine: CosyVoiceEngine, voice
     final_frames = (len(toks) - spans[-1][1]) * ratio
     assert stream.work.frames <= steps * (frames + final_frames + (len(spans) + 1) * chunk)  # final chunk included
     assert old_work.frames > 2 * stream.work.frames
+    # the encoder too: each call runs its new tokens, the look-ahead and at most one unfinished chunk
+    tokens_total = len(voice.tokens) + len(toks)
+    calls = len(spans) + 1
+    assert stream.work.encoder_tokens <= tokens_total + calls * (engine.flow.config.chunk_tokens + look)
+    assert old_work.encoder_tokens > 2 * stream.work.encoder_tokens
 
 
 def test_chunks_match_the_official_flow(engine: CosyVoiceEngine, voice: FlowPrompt, tiny_model_dir: Path) -> None:
