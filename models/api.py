@@ -71,6 +71,7 @@ class StageTimes:
     first_audio_ms: float | None = None
     llm_tokens: int = 0
     timeline: list[StageEvent] = field(default_factory=list)
+    flow_frames: int = 0  # mel frames the CFM estimator evaluated, summed over Euler steps (a work count)
 
     def as_dict(self) -> dict[str, float | int | None]:
         return {
@@ -80,6 +81,7 @@ class StageTimes:
             "vocoder_ms": round(self.vocoder_ms, 2),
             "first_audio_ms": None if self.first_audio_ms is None else round(self.first_audio_ms, 2),
             "llm_tokens": self.llm_tokens,
+            "flow_frames": self.flow_frames,
         }
 
     def timeline_dicts(self) -> list[dict[str, str | int | float]]:

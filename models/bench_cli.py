@@ -263,7 +263,7 @@ def bench_command(args: argparse.Namespace) -> int:
     batching = BatchSettings(max_batch_size=args.batching, max_queue_delay_ms=args.max_queue_delay_ms) \
         if args.batching else None
     settings = EngineSettings(backend=args.backend, overlap_stages=not getattr(args, "serial", False),
-                              batching=batching)
+                              batching=batching, flow_final_chunk=getattr(args, "flow_final_chunk", "cached"))
     engine = load_engine(args.bundle, settings=settings)
     try:
         if args.llm_only:
@@ -305,6 +305,7 @@ def bench_command(args: argparse.Namespace) -> int:
         long_seconds = getattr(args, "long_seconds", None) or LONG_SECONDS
         long, at_max_s, long_off = long_utterance(engine, long_seconds, seed=7)
         long_str = run_once(engine, long, stream=True, seed=7)
+        flow_off, flow_str = long_off["stages_ms"], long_str["stages_ms"]
         report["streaming_cost_vs_offline"] = {
             "audio_s": round(long_off["audio_s"], 2),  # the utterance's measured length
             "target_s": long_seconds,
@@ -314,6 +315,11 @@ def bench_command(args: argparse.Namespace) -> int:
             "offline_s": round(long_off["total_s"], 3),
             "streaming_s": round(long_str["total_s"], 3),
             "ratio": round(long_str["total_s"] / long_off["total_s"], 3),
+            # the flow alone (where streaming's extra work was): wall time and estimator frames
+            "flow_ms_ratio": round(float(flow_str["flow_ms"] or 0) / max(float(flow_off["flow_ms"] or 0), 1e-9), 3),
+            "flow_frames_ratio": round(float(flow_str.get("flow_frames") or 0)
+                                       / max(float(flow_off.get("flow_frames") or 0), 1.0), 3),
+            "flow_final_chunk": settings.flow_final_chunk,
         }
         log.info("streaming cost %s", report["streaming_cost_vs_offline"])
         if hops:

@@ -14,7 +14,7 @@ from models.backends.engine_meta import EngineIdentity, check_engines
 from models.errors import BundleError, CosyEdgeError
 
 FORMAT = "cosyedge-bundle"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the flow estimator takes and returns streaming caches
 FAMILIES = ("cosyvoice2",)
 # Files carried as shipped in a CosyVoice 2 directory (upstream's names).
 CARRIED_FILES = {"campplus": "campplus.onnx", "speech_tokenizer": "speech_tokenizer_v2.onnx"}

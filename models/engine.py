@@ -30,7 +30,7 @@ from models.batcher import start_batcher
 from models.bundle import Bundle, load_bundle
 from models.conditioning import Conditioning, ConditioningBuilder
 from models.errors import RequestError
-from models.flow import FlowDecoder
+from models.flow import FINAL_CHUNK_MODES, EstimatorWork, FinalChunk, FlowDecoder, FlowStream
 from models.llm import LlmInput, LlmStats, SpeechTokenLM
 from models.sampling import TokenSampler
 from models.streaming import ChunkSchedule
@@ -55,6 +55,18 @@ class EngineSettings:
     # (>= the Triton model's max_batch_size, so its batch runs fully in parallel).
     producer_threads: int = 16
     overlap_queue_tokens: int = 128  # how far (in tokens) the LLM may run ahead of flow + vocoder
+    # Streaming's last chunk: "cached" runs it through the estimator caches like
+    # the others (linear cost: streaming costs about what offline does; its
+    # frames differ slightly from upstream's); "upstream" reproduces upstream
+    # exactly with a full-length non-streaming pass (streaming then costs about
+    # twice offline).
+    flow_final_chunk: FinalChunk = "cached"
+    # Streaming flow's left context in mask chunks (50 frames = 1 s each): -1
+    # (default) all earlier frames, exactly as upstream; N >= 0 keeps only the
+    # last N chunks in the estimator caches, which bounds their memory (about
+    # 219 MiB per second of audio at full size) for long utterances on 8 GB
+    # boards but CHANGES the output (no longer upstream's mel).
+    flow_left_chunks: int = -1
 
     def __post_init__(self) -> None:
         if self.max_text_chars < 1:
@@ -67,6 +79,11 @@ class EngineSettings:
             raise ValueError(f"producer_threads must be >= 1, got {self.producer_threads}")
         if self.overlap_queue_tokens < 1:
             raise ValueError(f"overlap_queue_tokens must be >= 1, got {self.overlap_queue_tokens}")
+        if self.flow_left_chunks < -1:
+            raise ValueError(f"flow_left_chunks must be -1 (full left context) or >= 0, got {self.flow_left_chunks}")
+        if self.flow_final_chunk not in FINAL_CHUNK_MODES:
+            raise ValueError(f"flow_final_chunk must be one of {', '.join(FINAL_CHUNK_MODES)}, "
+                             f"got {self.flow_final_chunk!r}")
 
 
 @dataclass
@@ -259,9 +276,23 @@ class CosyVoiceEngine:
     def _flow(self, tokens: list[int], cond: Conditioning, state: _RequestState, finalize: bool,
               streaming: bool) -> np.ndarray:
         t0 = time.perf_counter()
-        mel = self.flow.mel(np.asarray(tokens, dtype=np.int64), cond.flow, finalize=finalize, streaming=streaming)
+        work = EstimatorWork()
+        mel = self.flow.mel(np.asarray(tokens, dtype=np.int64), cond.flow, finalize=finalize, streaming=streaming,
+                            work=work)
         t1 = time.perf_counter()
         state.times.flow_ms += (t1 - t0) * 1e3
+        state.times.flow_frames += work.frames
+        state.event("flow", t0, t1)
+        return mel
+
+    def _flow_stream(self, flow: FlowStream, tokens: list[int], state: _RequestState, final: bool) -> np.ndarray:
+        t0 = time.perf_counter()
+        before = flow.work.frames
+        array = np.asarray(tokens, dtype=np.int64)
+        mel = flow.finish(array) if final else flow.push(array)
+        t1 = time.perf_counter()
+        state.times.flow_ms += (t1 - t0) * 1e3
+        state.times.flow_frames += flow.work.frames - before
         state.event("flow", t0, t1)
         return mel
 
@@ -292,10 +323,11 @@ class CosyVoiceEngine:
     def _stream_segment(self, llm_in: LlmInput, cond: Conditioning,
                         state: _RequestState) -> Generator[tuple[np.ndarray, bool], None, None]:
         lookahead = self.bundle.flow.pre_lookahead_len
-        ratio = self.bundle.token_mel_ratio
         schedule = ChunkSchedule(self.bundle.streaming.token_hop_len, lookahead,
                                  prompt_tokens=len(cond.flow.tokens), first_hop=self.settings.first_hop_tokens)
         stream = VocoderStream(self.vocoder, state.noise)
+        # Per request: the estimator caches, so each chunk costs only its new frames.
+        flow = self.flow.stream(cond.flow, self.settings.flow_final_chunk, self.settings.flow_left_chunks)
         tokens: list[int] = []
         spans = LlmSpans()
         # With overlap the LLM keeps decoding on its producer thread while this
@@ -306,16 +338,18 @@ class CosyVoiceEngine:
                 spans.add(timed)
                 while (chunk := schedule.next_chunk(len(tokens))) is not None:
                     spans.take(state, timed.end)
-                    mel = self._flow(tokens[:chunk.end + lookahead], cond, state, finalize=False, streaming=True)
-                    yield self._vocode(stream, mel[:, :, chunk.start * ratio:], state, final=False), False
+                    # the frames of tokens [chunk.start, chunk.end): what upstream's full-prefix pass
+                    # over tokens[:chunk.end + lookahead] gives for them
+                    mel = self._flow_stream(flow, tokens[:chunk.end + lookahead], state, final=False)
+                    yield self._vocode(stream, mel, state, final=False), False
                 if state.cancelled():
                     return
             if state.cancelled():
                 return
             spans.finish(state, source.end)
-        final = schedule.final_chunk(len(tokens))
+        schedule.final_chunk(len(tokens))
         if tokens:
-            mel = self._flow(tokens, cond, state, finalize=True, streaming=False)[:, :, final.start * ratio:]
+            mel = self._flow_stream(flow, tokens, state, final=True)
         else:
             mel = np.zeros((1, self.bundle.mel_bins, 0), dtype=np.float32)
         if mel.shape[2] == 0 and stream.mel is None:

@@ -31,6 +31,10 @@ Assumptions (also printed with every report):
   32 MiB of tactic scratch per execution context; fp32 4 bytes, fp16 2,
   int8 graphs 2.
 * 10% of usable memory is kept free (fragmentation, page cache, spikes).
+* Streaming requests also hold the flow estimator's caches on the host (K/V
+  of every transformer block per Euler step and CFG row, fp32: about 219 MiB
+  per second of audio at full size, half in fp16 bundles); listed in the notes, not in the fit,
+  since they grow with the utterance (`flow_stream_cache_bytes_per_second`).
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ from typing import Any
 
 from models.backends.kv_layout import decode_buckets
 from models.backends.profiles import all_input_ranges
+from models.errors import BundleError
+from models.flow import CacheDims, cache_bytes_per_frame
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -178,7 +184,13 @@ def stage_shapes(stage: str, manifest: Mapping[str, Any], shapes: Mapping[str, t
         # upstream CausalConditionalDecoder: 256 channels, 8 attention heads over all frames
         n, c, t = shapes["x"]
         io += n * c * t
-        return io, n * (8 * t * t + 8 * 256 * t)
+        cached = 0
+        if "att_cache" in shapes and "commit" in shapes:
+            # streaming: attention also over the S cached frames; att_cache_new has R frames
+            att = shapes["att_cache"]
+            cached = att[0]
+            io += shapes["commit"][0] * _vol(att[1:])
+        return io, n * (8 * t * (t + cached) + 8 * 256 * t)
     if stage == "hift_source":
         b, samples, h = shapes["noise"]
         io += b * samples
@@ -188,6 +200,28 @@ def stage_shapes(stage: str, manifest: Mapping[str, Any], shapes: Mapping[str, t
         io += b * samples
         return io, 48 * b * samples
     return io, 8 * io
+
+
+def flow_stream_cache_bytes_per_second(manifest: Mapping[str, Any], itemsize: int = 4) -> int | None:
+    """Host memory of one streaming request's flow caches (estimator, and the
+    encoder's ~1.4 MiB/s at full size) per second of audio (the prompt's
+    seconds count too), from the bundle's dimensions; None for a manifest
+    without cache dimensions."""
+    entry = (manifest.get("stages") or {}).get("flow_estimator") or {}
+    try:
+        dims = CacheDims.from_manifest(dict(entry))
+    except BundleError:
+        return None
+    flow = manifest.get("flow") or {}
+    tokens_per_second = int(manifest.get("token_rate_hz", 25))
+    frames_per_second = tokens_per_second * int(manifest.get("token_mel_ratio", 2))
+    total = frames_per_second * cache_bytes_per_frame(dims, int(flow.get("n_timesteps", 10)), itemsize)
+    enc = ((manifest.get("stages") or {}).get("flow_encoder") or {}).get("cache")
+    if isinstance(enc, Mapping) and {"layers", "up_layers", "heads", "head_dim"} <= set(enc):
+        # the encoder's K/V (fp32: the encoder is never quantized): per token and per frame
+        kv = 2 * int(enc["heads"]) * int(enc["head_dim"]) * 4
+        total += tokens_per_second * int(enc["layers"]) * kv + frames_per_second * int(enc["up_layers"]) * kv
+    return total
 
 
 def bundle_budget(root: Path, manifest: Mapping[str, Any], precision: str) -> BundleBudget:
@@ -203,7 +237,11 @@ def bundle_budget(root: Path, manifest: Mapping[str, Any], precision: str) -> Bu
             notes.append(f"{stage}: not in the manifest")
             continue
         shapes = max_input_shapes(entry, stage)
-        io_elems, act_elems = stage_shapes(stage, manifest, shapes)
+        # per profile (the estimator's offline and streaming profiles differ in
+        # batch and cache length: their max shapes never occur together)
+        per_profile = [stage_shapes(stage, manifest, {n: r.max for n, r in prof.items()})
+                       for prof in all_input_ranges(entry, stage)]
+        io_elems, act_elems = max(p[0] for p in per_profile), max(p[1] for p in per_profile)
         plan = built.get(stage, {})
         weights, source = plan.get("plan_bytes"), "plan"
         if weights is None:
@@ -227,6 +265,11 @@ def bundle_budget(root: Path, manifest: Mapping[str, Any], precision: str) -> Bu
         out.append(StageBudget(stage, int(weights), int(activation), int(io), contexts, source, act_source))
     if {"llm_prefill", "llm_decode"} <= set(stages_meta):
         notes.append("llm_prefill and llm_decode each hold a copy of the LLM weights as separate engines")
+    cache_bytes = 2 if precision == "fp16" else 4  # fp16 graphs take the K/V cache in fp16
+    per_second = flow_stream_cache_bytes_per_second(manifest, cache_bytes)
+    if per_second:
+        notes.append(f"+{per_second / MIB:.1f} MiB of host memory per second of audio per streaming request "
+                     f"(the flow estimator's caches, {'fp16' if cache_bytes == 2 else 'fp32'})")
     tok = (manifest.get("carried") or {}).get("speech_tokenizer")
     size = _file_bytes(root, tok.get("file") if isinstance(tok, Mapping) else tok) if tok else None
     if size:

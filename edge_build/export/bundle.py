@@ -18,7 +18,7 @@ from edge_build.reference import CARRIED_ONNX, require
 from models.bundle import sha256_file
 
 FORMAT = "cosyedge-bundle"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the flow estimator takes and returns streaming caches
 MANIFEST = "manifest.json"
 # carried models: batch and frame ranges for their dynamic axes
 _CARRIED_PROFILE = {"batch": [1, 1, 4], "frames": [10, 500, 3000]}  # 100 frames/s, 30 s max

@@ -39,7 +39,8 @@ class StageGraph:
     file: str
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
-    profile: dict[str, list[int]]  # free symbolic dim -> [min, opt, max]
+    # free symbolic dim -> [min, opt, max]; a list of such maps: several TensorRT profiles
+    profile: dict[str, list[int]] | list[dict[str, list[int]]]
     external_data: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -1,6 +1,6 @@
 """fp16 graphs with onnxruntime's transformer float16 tool (onnxconverter-common
-1.16's converter leaves Cast-to-float nodes mistyped on these graphs): fp32 inputs and outputs, the ops
-that overflow in fp16 kept in fp32."""
+1.16's converter leaves Cast-to-float nodes mistyped on these graphs): fp32 inputs and outputs (but
+the ones in FP16_IO), the ops that overflow in fp16 kept in fp32."""
 
 from __future__ import annotations
 
@@ -16,9 +16,13 @@ from models.errors import MissingExtraError
 # Besides FP32_OPS: index and shape arithmetic that must stay exact, and
 # reductions whose sums overflow fp16's 65504.
 FP16_BLOCK_OPS = tuple(FP32_OPS) + ("Range", "CumSum", "ReduceSum", "ReduceMax", "TopK", "ArgMax")
+# I/O that fp16 graphs take and give in fp16: the flow estimator's streaming
+# K/V cache (the runtime then keeps it in fp16: half the host memory, and no
+# cast of the whole cache per call).
+FP16_IO: dict[str, tuple[str, ...]] = {"flow_estimator": ("att_cache", "att_cache_new")}
 
 
-def convert_fp16(src: Path, dst: Path, block_nodes: Sequence[str] = ()) -> None:
+def convert_fp16(src: Path, dst: Path, block_nodes: Sequence[str] = (), fp16_io: Sequence[str] = ()) -> None:
     try:
         from onnxruntime.transformers import float16
     except ImportError as exc:
@@ -26,8 +30,13 @@ def convert_fp16(src: Path, dst: Path, block_nodes: Sequence[str] = ()) -> None:
     # Its info lines dump whole NodeProtos ("consider adding these nodes to the block list").
     logging.getLogger(float16.__name__).setLevel(logging.WARNING)
     model = onnx.load(str(src))
+    keep: bool | list[str] = True
+    if fp16_io:
+        g = model.graph
+        keep = [v.name for v in (*g.input, *g.output)
+                if v.type.tensor_type.elem_type == onnx.TensorProto.FLOAT and v.name not in fp16_io]
     op_block = sorted(set(float16.DEFAULT_OP_BLOCK_LIST) | set(FP16_BLOCK_OPS))
-    converted = float16.convert_float_to_float16(model, keep_io_types=True, op_block_list=op_block,
+    converted = float16.convert_float_to_float16(model, keep_io_types=keep, op_block_list=op_block,
                                                  node_block_list=list(block_nodes))
     big = converted.ByteSize() > (1 << 30)
     onnx.save(converted, str(dst), save_as_external_data=big,

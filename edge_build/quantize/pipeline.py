@@ -15,7 +15,7 @@ import onnx
 
 from edge_build.quantize.accuracy import compare_bundles, failures
 from edge_build.quantize.capture import capture_feeds
-from edge_build.quantize.fp16 import convert_fp16
+from edge_build.quantize.fp16 import FP16_IO, convert_fp16
 from edge_build.quantize.policy import UNITS, fp32_node_names, groups_in
 from edge_build.quantize.sensitivity import _outputs, quantize_unit, stage_metrics
 from edge_build.quantize.settings import QuantizeSettings
@@ -108,7 +108,7 @@ def _fp16_unit(unit: Any, src: Path, tmp: Path, calib: dict[str, list[Any]], hel
         groups = groups_in(unit, model)
         block = [n for g in unit.always_fp32 for n in groups.get(g, [])]
         paths[stage] = tmp / f"{stage}.fp16.onnx"
-        convert_fp16(src / f"{stage}.onnx", paths[stage], block)
+        convert_fp16(src / f"{stage}.onnx", paths[stage], block, FP16_IO.get(stage, ()))
         bad = sum(not np.isfinite(o).all() for o in _outputs(paths[stage], calib[stage]))
         if bad:
             raise CosyEdgeError(f"{stage}: the fp16 graph gives NaN/Inf on {bad} of {len(calib[stage])} "

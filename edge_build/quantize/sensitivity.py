@@ -30,9 +30,14 @@ def _session(path: Path) -> ort.InferenceSession:
 
 def _outputs(path: Path, feeds: Sequence[Feed]) -> list[np.ndarray]:
     sess = _session(path)
-    names = {i.name for i in sess.get_inputs()}
+    # fp16 I/O (FP16_IO) gets the captured fp32 feeds cast, as the runtime keeps them in fp16
+    types = {i.name: (np.float16 if i.type == "tensor(float16)" else None) for i in sess.get_inputs()}
     out = sess.get_outputs()[0].name
-    return [sess.run([out], {k: v for k, v in f.items() if k in names})[0] for f in feeds]
+
+    def feed(f: Feed) -> Feed:
+        return {k: (v.astype(t) if (t := types[k]) is not None else v) for k, v in f.items() if k in types}
+
+    return [sess.run([out], feed(f))[0] for f in feeds]
 
 
 def stage_metrics(unit: UnitPolicy, reference: dict[str, list[np.ndarray]], paths: dict[str, Path],

@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from edge_build.quantize.fp16 import FP16_IO
 from edge_build.quantize.policy import FP32_STAGES
 from models.bundle import STAGES, sha256_file
 
@@ -48,6 +49,8 @@ def add_variants(dst: Path, precision: str, files: dict[str, Path], fp32_nodes: 
             variant: dict[str, Any] = {"file": path.name, "sha256": sha256_file(path), "precision": precision}
             if precision == "int8":
                 variant["fp32_nodes"] = fp32_nodes.get(name, [])
+            if precision == "fp16" and name in FP16_IO:
+                variant["fp16_io"] = list(FP16_IO[name])
         else:
             why = "kept in fp32 (F0 predictor / source)" if name in FP32_STAGES else "kept in fp32"
             variant = {"file": entry["file"], "sha256": entry.get("sha256"), "precision": "fp32", "note": why}

@@ -32,3 +32,26 @@ def upstream_source_noise(torch: Any, batch: int, samples: int, harmonics: int) 
     [B, H, T*U] buffer, so the normals fill it in that memory order."""
     torch.rand(batch, harmonics)
     return torch.randn_like(torch.empty(batch, harmonics, samples).transpose(1, 2))
+
+
+def empty_estimator_caches(manifest: dict[str, Any], batch: int = 2) -> dict[str, np.ndarray]:
+    """The flow estimator's cache feeds of an offline call (no history)."""
+    d = manifest["stages"]["flow_estimator"]["cache"]
+    return {
+        "att_cache": np.zeros((0, d["blocks"], 2, batch, d["heads"], d["head_dim"]), np.float32),
+        "conv_cache": np.zeros((d["convs"], batch, d["conv_channels"], d["conv_history"]), np.float32),
+        "commit": np.zeros(0, np.float32),
+    }
+
+
+def empty_encoder_caches(manifest: dict[str, Any], batch: int = 1) -> dict[str, np.ndarray]:
+    """The flow encoder's cache feeds of an offline call (no history)."""
+    d = manifest["stages"]["flow_encoder"]["cache"]
+    kv = (2, batch, d["heads"], d["head_dim"])
+    return {
+        "enc_cache": np.zeros((0, d["layers"], *kv), np.float32),
+        "up_cache": np.zeros((0, d["up_layers"], *kv), np.float32),
+        "pre_cache": np.zeros((batch, d["pre_channels"], d["pre_history"]), np.float32),
+        "upconv_cache": np.zeros((batch, d["upconv_channels"], d["upconv_history"]), np.float32),
+        "commit": np.zeros(0, np.float32),
+    }

@@ -40,7 +40,7 @@ def test_manifest_header_and_hashes(checkpoint: Checkpoint) -> None:
     m = load_manifest(checkpoint.bundle)
     assert (m["format"], m["format_version"], m["family"], m["cosyvoice_version"]) == (
         "cosyedge-bundle",
-        1,
+        2,
         "cosyvoice2",
         2,
     )
@@ -95,17 +95,24 @@ def test_stage_io_matches_onnx_files(checkpoint: Checkpoint) -> None:
             for s in d["shape"]
             if isinstance(s, str) and re.fullmatch(r"[A-Za-z_]\w*", s)
         }
-        assert symbols == set(stage["profile"]), name
-        for lo, opt, hi in stage["profile"].values():
-            assert 1 <= lo <= opt <= hi
+        profiles = stage["profile"] if isinstance(stage["profile"], list) else [stage["profile"]]
+        for profile in profiles:
+            assert symbols == set(profile), name
+            for sym, (lo, opt, hi) in profile.items():
+                # the flow estimator's cache lengths (S, R) are 0 offline
+                assert (0 if sym in ("S", "R") else 1) <= lo <= opt <= hi, (name, sym)
 
 
 def test_profiles_fit_a_board(checkpoint: Checkpoint) -> None:
     stages = load_manifest(checkpoint.bundle)["stages"]
     assert stages["llm_decode"]["profile"]["P"][2] >= 1024 + stages["llm_prefill"]["profile"]["T"][2] - 1
-    assert stages["flow_encoder"]["profile"]["T"][2] * 2 >= 1500  # 30 s of mel
-    assert stages["flow_estimator"]["profile"]["T"][2] >= 1500
-    assert stages["flow_estimator"]["profile"]["N"][0] == 2  # CFG: conditional + unconditional
+    enc_offline, enc_streaming = stages["flow_encoder"]["profile"]
+    assert enc_offline["T"][2] * 2 >= 1500 and enc_offline["S"] == [0, 0, 0]  # 30 s of mel
+    assert enc_streaming["S"][2] * 2 >= 1500
+    offline, streaming = stages["flow_estimator"]["profile"]
+    assert offline["T"][2] >= 1500 and offline["S"] == offline["R"] == [0, 0, 0]
+    assert offline["N"][0] == streaming["N"][0] == 2  # CFG: conditional + unconditional
+    assert streaming["S"][2] >= 1500 and streaming["R"][2] >= 1  # caches of a 30 s streaming request
     assert stages["hift_decoder"]["profile"]["T"][2] >= 1500
 
 
@@ -223,3 +230,26 @@ def test_export_of_a_bad_dir_leaves_nothing(tiny_model_dir: Path, tmp_path: Path
         export_bundle(model, tmp_path / "bundle")
     assert not (tmp_path / "bundle").exists()
     assert not [p for p in tmp_path.iterdir() if "partial" in p.name]
+
+
+def test_estimator_profiles_cover_offline_and_streaming_calls(checkpoint: Checkpoint) -> None:
+    """TensorRT profiles of the cache-capable estimator: offline calls (any
+    batch, empty cache) and streaming calls (one request, cache of up to 30 s)."""
+    from edge_build.engine_plan import batch_caps, build_profiles
+    from models.backends.profiles import choose_profile
+
+    entry = load_manifest(checkpoint.bundle)["stages"]["flow_estimator"]
+    d = entry["cache"]
+    c = entry["inputs"][0]["shape"][1]
+
+    def shapes(n: int, t: int, s: int, r: int) -> dict[str, tuple[int, ...]]:
+        return {"x": (n, c, t), "t": (n,), "att_cache": (s, d["blocks"], 2, n, d["heads"], d["head_dim"]),
+                "conv_cache": (d["convs"], n, d["conv_channels"], d["conv_history"]), "commit": (r,)}
+
+    profiles = build_profiles(entry, "flow_estimator", None)
+    assert choose_profile(profiles, shapes(8, 1500, 0, 0), "flow_estimator") == 0
+    assert choose_profile(profiles, shapes(2, 77, 1450, 50), "flow_estimator") == 1
+    assert choose_profile(profiles, shapes(2, 300, 0, 0), "flow_estimator") in (0, 1)  # either covers it
+    capped = build_profiles(entry, "flow_estimator", None, batch_caps(entry["profile"], 1))
+    assert [p["att_cache"].max[3] for p in capped] == [2, 2]
+    assert capped[1]["att_cache"].max[0] >= 1500 and capped[0]["att_cache"].max[0] == 0

@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 import torch
 
+from models.api import SynthesisRequest
 from tests.edge_build.conftest import Checkpoint
-from tests.edge_build.parity import TOLERANCE, max_rel, to_numpy
+from tests.edge_build.parity import TOLERANCE, empty_encoder_caches, empty_estimator_caches, max_rel, to_numpy
 
 
 class _Captured(Exception):
@@ -102,7 +103,8 @@ def test_encoder_matches_flow_inference(checkpoint: Checkpoint, streaming: bool,
         "chunk_tokens": np.full(len(rows), flow_cfg["chunk_tokens"] if streaming else 0, np.int64),
         "embedding": np.stack([r[1] for r in rows]),
     }
-    mu, spks = checkpoint.session("flow_encoder").run(None, feeds)
+    enc = checkpoint.session("flow_encoder")
+    mu, spks = enc.run(["mu", "spks"], {**feeds, **empty_encoder_caches(manifest(checkpoint), len(rows))})
     assert mu.shape == (len(rows), flow.output_size, 2 * t)
     for i, (_, _, ref) in enumerate(rows):
         frames = ref["mu"].shape[1]
@@ -110,11 +112,11 @@ def test_encoder_matches_flow_inference(checkpoint: Checkpoint, streaming: bool,
         assert max_rel(mu[i, :, :frames], ref["mu"]) < TOLERANCE
         assert max_rel(spks[i], ref["spks"]) < TOLERANCE
         # each padded row also equals that row run alone
-        alone = checkpoint.session("flow_encoder").run(
-            None,
+        alone = enc.run(
+            ["mu"],
             {
-                k: (v[i : i + 1, : len(rows[i][0])] if k == "token" else v[i : i + 1])
-                for k, v in feeds.items()
+                **{k: (v[i : i + 1, : len(rows[i][0])] if k == "token" else v[i : i + 1]) for k, v in feeds.items()},
+                **empty_encoder_caches(manifest(checkpoint)),
             },
         )[0]
         assert max_rel(mu[i, :, :frames], alone[0, :, :frames]) < TOLERANCE
@@ -146,12 +148,13 @@ def test_estimator_matches_upstream(checkpoint: Checkpoint, streaming: bool) -> 
             "spks": to_numpy(spks),
             "cond": to_numpy(cond),
             "chunk_frames": np.full(2, chunk, np.int64),
+            **empty_estimator_caches(manifest(checkpoint)),
         }
-        (out,) = checkpoint.session("flow_estimator").run(None, feeds)
+        out = checkpoint.session("flow_estimator").run(["dphi_dt"], feeds)[0]
         assert max_rel(out, to_numpy(ref)) < TOLERANCE
         valid = frames - 13
         feeds["mask"][0, :, valid:] = 0
-        (padded,) = checkpoint.session("flow_estimator").run(None, feeds)
+        padded = checkpoint.session("flow_estimator").run(["dphi_dt"], feeds)[0]
         with torch.no_grad():
             alone = estimator(
                 x[:1, :, :valid],
@@ -179,9 +182,10 @@ def euler_with_graphs(
     t_span = (1 - np.cos(t_span * 0.5 * math.pi)).astype(np.float32)
     t, dt = t_span[0], t_span[1] - t_span[0]
     zeros = np.zeros_like(mu)
+    caches = empty_estimator_caches(manifest(checkpoint))
     for step in range(1, len(t_span)):
         (d,) = checkpoint.session("flow_estimator").run(
-            None,
+            ["dphi_dt"],
             {
                 "x": np.concatenate([x, x]).astype(np.float32),
                 "mask": np.ones((2, 1, frames), np.float32),
@@ -190,6 +194,7 @@ def euler_with_graphs(
                 "spks": np.concatenate([spks, np.zeros_like(spks)]),
                 "cond": np.concatenate([cond, zeros]),
                 "chunk_frames": np.full(2, chunk_frames, np.int64),
+                **caches,
             },
         )
         d = (1.0 + cfg["inference_cfg_rate"]) * d[:1] - cfg["inference_cfg_rate"] * d[1:]
@@ -212,13 +217,14 @@ def test_tokens_to_mel_matches_flow_inference(checkpoint: Checkpoint, streaming:
     ref = upstream_inference(flow, prompt, tokens, embedding, feat, streaming, finalize=True, with_mel=True)
     token = torch.cat([prompt, tokens], dim=1).numpy()
     mu, spks = checkpoint.session("flow_encoder").run(
-        None,
+        ["mu", "spks"],
         {
             "token": token,
             "token_len": np.array([token.shape[1]]),
             "lookahead_len": np.zeros(1, np.int64),
             "chunk_tokens": np.array([cfg["chunk_tokens"] if streaming else 0]),
             "embedding": to_numpy(embedding),
+            **empty_encoder_caches(manifest(checkpoint)),
         },
     )
     cond = np.zeros_like(mu)
@@ -226,3 +232,100 @@ def test_tokens_to_mel_matches_flow_inference(checkpoint: Checkpoint, streaming:
     assert max_rel(cond[0], ref["cond"]) == 0.0
     mel = euler_with_graphs(checkpoint, mu, spks, cond, cfg["chunk_frames"] if streaming else 0)
     assert max_rel(mel[:, 16:], ref["mel"]) < TOLERANCE
+
+
+def test_estimator_caches_match_upstream_streaming(checkpoint: Checkpoint) -> None:
+    """Streaming with caches: each call gets only the frames from the last
+    committed mask chunk on (unaligned ends included: the unfinished chunk is
+    recomputed), and its output equals upstream's streaming estimator over
+    the whole prefix. A multi-level U-Net (tiny2) is not chunk-causal, and its
+    manifest says so."""
+    m = manifest(checkpoint)
+    dims = m["stages"]["flow_estimator"]["cache"]
+    estimator = checkpoint.refs.flow.decoder.estimator
+    if not dims["stream_cache"]:
+        assert len(estimator.down_blocks) > 1
+        pytest.skip("multi-level estimator U-Net: not chunk-causal, streaming recomputes the prefix")
+    chunk = m["flow"]["chunk_frames"]
+    g = torch.Generator().manual_seed(14)
+    c, total = estimator.out_channels, 2 * chunk + 30
+    x, mu, cond = (torch.randn(2, c, total, generator=g) for _ in range(3))
+    spks, t = torch.randn(2, c, generator=g), torch.rand(1, generator=g).expand(2).contiguous()
+    mu[1], cond[1], spks[1] = 0, 0, 0
+    caches = empty_estimator_caches(m)
+    start = emitted = 0
+    for end in (37, chunk + 14, 2 * chunk, total):
+        w = slice(start, end)
+        commit = (end - start) // chunk * chunk
+        feeds = {
+            "x": to_numpy(x[:, :, w]), "mask": np.ones((2, 1, end - start), np.float32), "mu": to_numpy(mu[:, :, w]),
+            "t": to_numpy(t), "spks": to_numpy(spks), "cond": to_numpy(cond[:, :, w]),
+            "chunk_frames": np.full(2, chunk, np.int64), **caches, "commit": np.zeros(commit, np.float32),
+        }
+        out, att_new, conv_new = checkpoint.session("flow_estimator").run(None, feeds)
+        with torch.no_grad():
+            ref = estimator(x[:, :, :end], torch.ones(2, 1, end), mu[:, :, :end], t, spks, cond[:, :, :end],
+                            streaming=True)
+        assert max_rel(out[:, :, emitted - start:], to_numpy(ref[:, :, emitted:])) < TOLERANCE, end
+        assert att_new.shape[0] == commit and conv_new.shape == caches["conv_cache"].shape
+        caches["att_cache"] = np.concatenate([caches["att_cache"], att_new])
+        caches["conv_cache"] = conv_new
+        start, emitted = start + commit, end
+
+
+def test_flow_stream_matches_the_full_prefix_pass_on_both_checkpoints(checkpoint: Checkpoint) -> None:
+    """The runtime's FlowStream: with caches where the manifest allows them
+    (tiny), recomputing the prefix where it does not (tiny2), the chunks are
+    upstream's full-prefix streaming chunks."""
+    from models.engine import load_engine
+
+    engine = load_engine(checkpoint.bundle)
+    try:
+        dims = manifest(checkpoint)["stages"]["flow_estimator"]["cache"]
+        voice = engine.conditioning.build(SynthesisRequest(text="x")).flow
+        toks = np.arange(110) % engine.bundle.llm.speech_token_size
+        stream = engine.flow.stream(voice, "cached")
+        assert stream.cached == dims["stream_cache"]
+        start = 0
+        for end in (28, 41, 78, 103):
+            got = stream.push(toks[:end])
+            old = engine.flow.mel(toks[:end], voice, finalize=False, streaming=True)[:, :, 2 * start:]
+            assert got.shape == old.shape and np.abs(got - old).max() < 2e-5
+            start = end - engine.bundle.flow.pre_lookahead_len
+    finally:
+        engine.close()
+
+
+def test_encoder_caches_match_the_full_prefix(checkpoint: Checkpoint) -> None:
+    """Streaming encoder with caches: each call takes only the tokens from the
+    last committed chunk on (plus the look-ahead), and its mu equals the
+    streaming encoder over the whole prefix (itself upstream's, tested above)."""
+    m = manifest(checkpoint)
+    cfg = m["flow"]
+    chunk, look = cfg["chunk_tokens"], cfg["pre_lookahead_len"]
+    enc = checkpoint.session("flow_encoder")
+    g = torch.Generator().manual_seed(15)
+    tokens = torch.randint(0, checkpoint.refs.flow.vocab_size, (1, 4 * chunk + 20), generator=g).numpy()
+    embedding = torch.randn(1, checkpoint.refs.flow.spk_embed_affine_layer.in_features, generator=g).numpy()
+
+    def run(tok: np.ndarray, lookahead: int, caches: dict[str, np.ndarray]) -> list[np.ndarray]:
+        feeds = {"token": tok, "token_len": np.array([tok.shape[1]]), "lookahead_len": np.array([lookahead]),
+                 "chunk_tokens": np.array([chunk]), "embedding": embedding, **caches}
+        return enc.run(["mu", "enc_cache_new", "up_cache_new", "pre_cache_new", "upconv_cache_new"], feeds)
+
+    caches = empty_encoder_caches(m)
+    start = 0
+    for end, final in ((chunk + 12, False), (2 * chunk, False), (3 * chunk + 7, False), (tokens.shape[1], True)):
+        lookahead = 0 if final else look
+        full = run(tokens[:, : end + lookahead], lookahead, empty_encoder_caches(m))[0][:, :, : 2 * end]
+        main = end - start
+        commit = 0 if final else main // chunk * chunk
+        mu, enc_new, up_new, pre_new, upconv_new = run(
+            tokens[:, start : end + lookahead], lookahead, {**caches, "commit": np.zeros(commit, np.float32)}
+        )
+        assert max_rel(mu[:, :, : 2 * main], full[:, :, 2 * start :]) < TOLERANCE, end
+        assert enc_new.shape[0] == commit and up_new.shape[0] == 2 * commit
+        caches["enc_cache"] = np.concatenate([caches["enc_cache"], enc_new])
+        caches["up_cache"] = np.concatenate([caches["up_cache"], up_new])
+        caches["pre_cache"], caches["upconv_cache"] = pre_new, upconv_new
+        start += commit

@@ -75,6 +75,14 @@ def test_bundle_loads_and_synthesizes(precision: str, int8_bundle: Any, fp16_bun
                 assert engine.bundle.stages[stage].path.name == f"{stage}.{precision}.onnx"
             assert engine.bundle.stages["hift_source"].path.name == "hift_source.onnx"
             chunks = list(engine.synthesize(SynthesisRequest(text="Hello world, 你好。", stream=True, seed=3)))
+            # the streaming flow caches: fp16 graphs take the K/V cache in fp16
+            want = np.float16 if precision == "fp16" else np.float32
+            assert engine.flow.cache_dtype == want
+            stream = engine.flow.stream(engine.conditioning.build(SynthesisRequest(text="x")).flow, "cached")
+            toks = np.arange(120) % engine.bundle.llm.speech_token_size
+            mel = np.concatenate([stream.push(toks[:n]) for n in (28, 53, 78)] + [stream.finish(toks)], axis=2)
+            assert mel.shape[2] == 240 and np.isfinite(mel).all()
+            assert stream.committed >= 100 and stream.caches[0].kv.dtype == want
         finally:
             engine.close()
         pcm = np.concatenate([c.pcm for c in chunks])

@@ -2,7 +2,9 @@
 pipeline (upstream CosyVoice2Model.tts): the same speech tokens under a
 seeded sampler, and the same waveform within 40 dB SNR when the random
 sources are fed identically (the CFM start noise is fixed in both; the
-vocoder's source noise is drawn from the same torch generator)."""
+vocoder's source noise is drawn from the same torch generator). Streaming
+is exact with the "upstream" final chunk; with the "cached" one (our
+default, linear cost) every chunk but the last is exact."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import numpy as np
 import pytest
 
 from models.api import SynthesisRequest
-from models.engine import CosyVoiceEngine, load_engine
+from models.engine import CosyVoiceEngine, EngineSettings, load_engine
 from models.llm import LlmInput
 from models.prompt import PromptFeatures
 from models.sampling import TokenSampler
@@ -76,8 +78,26 @@ def test_same_speech_tokens_as_the_official_llm(engine: CosyVoiceEngine, officia
     assert ours == theirs
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["offline", "streaming"])
-def test_waveform_matches_the_official_pipeline(engine: CosyVoiceEngine, official, stream: bool) -> None:  # type: ignore[no-untyped-def]
+# The "cached" final chunk attends to the cached streaming-mode states of the
+# earlier frames instead of upstream's final full-attention pass over all of
+# them, which moves the last chunk's waveform: measured 16.9 dB SNR on the
+# random-weight tiny model (the chunks before it: 82 dB).
+CACHED_FINAL_SNR_DB = 10.0
+
+
+@pytest.mark.parametrize(("stream", "final_chunk"), [(False, "cached"), (True, "upstream"), (True, "cached")],
+                         ids=["offline", "streaming", "streaming-cached-final"])
+def test_waveform_matches_the_official_pipeline(tiny_bundle: Path, official, stream: bool,  # type: ignore[no-untyped-def]
+                                                final_chunk: str) -> None:
+    engine = load_engine(tiny_bundle, settings=EngineSettings(flow_final_chunk=final_chunk))  # type: ignore[arg-type]
+    engine.noise_factory = lambda seq: TorchNoise(torch)  # type: ignore[assignment,misc]
+    try:
+        _waveform_parity(engine, official, stream, exact_end=final_chunk == "upstream")
+    finally:
+        engine.close()
+
+
+def _waveform_parity(engine: CosyVoiceEngine, official, stream: bool, exact_end: bool) -> None:  # type: ignore[no-untyped-def]
     refs, model = official
     ids = engine.frontend.prepare(TEXT)[0].token_ids.tolist()
     undo = reference_pipeline.patch_sampling(refs.llm, _sampler(engine).ras)
@@ -96,4 +116,9 @@ def test_waveform_matches_the_official_pipeline(engine: CosyVoiceEngine, officia
         assert len(chunks) > 2, "the tiny text should stream in several chunks"
         assert [c.pcm.size for c in chunks] == [c.size for c in ref_chunks]
     assert ours.size == ref.size
+    if stream and not exact_end:
+        head = sum(c.size for c in ref_chunks[:-1])
+        assert snr_db(ref[:head], ours[:head]) >= 40.0
+        assert snr_db(ref[head:], ours[head:]) >= CACHED_FINAL_SNR_DB
+        return
     assert snr_db(ref, ours) >= 40.0

@@ -50,7 +50,7 @@ from models.backends.profiles import (
     eval_dim,
     stage_profiles,
 )
-from models.bundle import STAGES, load_bundle
+from models.bundle import FORMAT_VERSION, STAGES, load_bundle
 from models.engine_report import engine_report, tensorrt_status
 from models.errors import BundleError, EngineError
 from models.memory_budget import BOARDS, GIB, MIB, Board, bundle_budget, format_table
@@ -311,7 +311,8 @@ def _write_bundle(root: Path, engines: dict[str, Any] | None = None, plans: bool
                      "variants": {"int8": {"file": f"{s}.int8.onnx", "sha256": "q" + s, "precision": "int8"}}}
         if plans:
             (root / plan_file_name(s, "fp32")).write_bytes(b"plan")
-    manifest = {"format": "cosyedge-bundle", "format_version": 1, "family": "cosyvoice2", "precision": "fp32",
+    manifest = {"format": "cosyedge-bundle", "format_version": FORMAT_VERSION, "family": "cosyvoice2",
+                "precision": "fp32",
                 "sample_rate": 24000, "token_mel_ratio": 2, "mel_bins": 80,
                 "llm": {"hidden_size": 8, "num_layers": 2, "num_kv_heads": 2, "head_dim": 4,
                         "speech_token_size": 8},
