@@ -93,6 +93,23 @@ class TtsSettings:
         0.0, "with llm_max_batch_size: how long a request may wait to join so that the batch fills up",
         min=0, max=10_000,
     )
+    overlap_stages: bool = setting(
+        True, "streaming: the LLM decodes the next chunk on its own thread while flow and vocoder work on this one",
+    )
+    first_hop_tokens: int = setting(
+        0, "speech tokens before the first audio chunk (smaller: sooner first audio); 0: upstream's aligned hop",
+        min=0, max=200,
+    )
+    flow_final_chunk: str = setting(
+        "cached", "streaming's last flow chunk: through the per-request caches (linear cost) or upstream's "
+        "full-length pass (exactly upstream's audio, about twice the flow cost)",
+        choices=("cached", "upstream"),
+    )
+    flow_left_chunks: int = setting(
+        -1, "streaming flow context in 1 s chunks; -1: all (exact); N: the last N only, bounding the cache "
+        "memory (about 219 MiB per second of audio at full size) but changing the audio",
+        min=-1, max=100_000,
+    )
 
 
 @dataclass(frozen=True)
