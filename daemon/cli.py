@@ -74,11 +74,22 @@ def _add_build(sub: argparse._SubParsersAction) -> None:
     e = bs.add_parser("export", help="export a CosyVoice 2 checkpoint to an ONNX bundle")
     e.add_argument("--model-dir", required=True)
     e.add_argument("--out", required=True)
-    q = bs.add_parser("quantize", help="INT8 / FP16 bundle with an accuracy gate (int8: Q/DQ for TensorRT; "
-                                       "int8w: weight-only for onnxruntime)")
-    from edge_build.quantize_cli import add_quantize_arguments  # argparse + dataclasses only: cheap
-
-    add_quantize_arguments(q)
+    q = bs.add_parser("quantize", help="INT8 / FP16 Q/DQ bundle with an accuracy gate")
+    q.add_argument("--bundle", required=True)
+    q.add_argument("--out", required=True)
+    q.add_argument("--precision", choices=["int8", "int8w", "fp16"], default="int8",
+                   help="int8: Q/DQ for TensorRT; int8w: weight-only for onnxruntime; fp16")
+    q.add_argument("--calibration-size", type=int, default=None, help="calibration texts (default 8)")
+    q.add_argument("--held-out-size", type=int, default=None, help="held-out texts for the report (default 3)")
+    q.add_argument("--feeds-per-stage", type=int, default=None, help="recorded inputs per stage (default 32)")
+    q.add_argument("--calibration-method", choices=["minmax", "percentile"], default=None)
+    q.add_argument("--min-llm-cosine", type=float, default=None, help="budget: LLM logits cosine (default 0.99)")
+    q.add_argument("--min-llm-top1", type=float, default=None, help="budget: LLM top-1 agreement (default 0.90)")
+    q.add_argument("--min-mel-snr-db", type=float, default=None, help="budget: flow mel SNR (default 15)")
+    q.add_argument("--min-wav-snr-db", type=float, default=None, help="budget: vocoder SNR (default 10)")
+    q.add_argument("--min-e2e-match", type=float, default=None,
+                   help="budget: share of speech tokens equal to fp32 under seeded sampling (default 0.5)")
+    q.add_argument("--force", action="store_true", help="write the bundle even if it misses the budget")
     g = bs.add_parser("engines", help="build TensorRT engines for a bundle (on the board)")
     g.add_argument("--bundle", required=True)
     g.add_argument("--precision", choices=["fp32", "fp16", "int8"],

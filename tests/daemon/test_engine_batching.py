@@ -34,8 +34,10 @@ def test_streaming_settings_reach_the_engine(tiny_bundle: Path, tmp_path: Path) 
     try:
         assert isinstance(defaults, CosyVoiceEngine) and isinstance(custom, CosyVoiceEngine)
         d, c = defaults.settings, custom.settings
-        assert (d.overlap_stages, d.first_hop_tokens, d.flow_final_chunk, d.flow_left_chunks) == (True, None, "cached", -1)
-        assert (c.overlap_stages, c.first_hop_tokens, c.flow_final_chunk, c.flow_left_chunks) == (False, 7, "upstream", 4)
+        assert (d.overlap_stages, d.first_hop_tokens, d.flow_final_chunk, d.flow_left_chunks) == (
+            True, None, "cached", -1)
+        assert (c.overlap_stages, c.first_hop_tokens, c.flow_final_chunk, c.flow_left_chunks) == (
+            False, 7, "upstream", 4)
     finally:
         defaults.close()
         custom.close()

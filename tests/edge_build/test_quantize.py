@@ -312,3 +312,17 @@ def test_engines_refuse_weight_only_bundle(int8w_bundle: Any) -> None:
     out, _ = int8w_bundle
     with pytest.raises(BundleError, match=r"not int8w \(an onnxruntime-only format\); pass --precision int8 or fp16"):
         build_engines(out)
+
+
+def test_daemon_cli_offers_every_precision() -> None:
+    """daemon/cli.py declares the quantize options itself (the board's CLI must not
+    import the build side); it must offer what the quantizer takes."""
+    from daemon.cli import build_parser
+    from edge_build.quantize.settings import PRECISIONS
+
+    parser = build_parser()
+    for precision in PRECISIONS:
+        args = parser.parse_args(["build", "quantize", "--bundle", "B", "--out", "O", "--precision", precision])
+        assert args.precision == precision
+    with pytest.raises(SystemExit):
+        parser.parse_args(["build", "quantize", "--bundle", "B", "--out", "O", "--precision", "int4"])
