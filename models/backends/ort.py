@@ -23,6 +23,13 @@ class OrtSession:
         if threads:
             opts.intra_op_num_threads = threads
         opts.inter_op_num_threads = 1
+        # Idle intra-op workers spin by default. Streaming runs the LLM and the
+        # flow/vocoder sessions at the same time (stage overlap, batching), and
+        # spinning pools then take the cores from each other; measured at full
+        # size on 2 cores it made the overlapped flow 2.6x slower. Off unless
+        # COSYEDGE_ORT_SPINNING=1.
+        spinning = os.environ.get("COSYEDGE_ORT_SPINNING", "0") == "1"
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
         available = set(ort.get_available_providers())
         chosen: list[str | tuple[str, dict[str, str]]] = []
         for p in providers:
