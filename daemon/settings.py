@@ -93,8 +93,10 @@ class TtsSettings:
         0.0, "with llm_max_batch_size: how long a request may wait to join so that the batch fills up",
         min=0, max=10_000,
     )
-    overlap_stages: bool = setting(
-        True, "streaming: the LLM decodes the next chunk on its own thread while flow and vocoder work on this one",
+    overlap_stages: str = setting(
+        "auto", "streaming: the LLM decodes the next chunk on its own thread while flow and vocoder work on this "
+        "one; auto: on with a GPU backend or 4+ CPU cores",
+        choices=("auto", "on", "off"),
     )
     first_hop_tokens: int = setting(
         0, "speech tokens before the first audio chunk (smaller: sooner first audio); 0: upstream's aligned hop",

@@ -262,7 +262,8 @@ def bench_command(args: argparse.Namespace) -> int:
     concurrency = int_list(args.concurrency, "--concurrency") if args.concurrency else []
     batching = BatchSettings(max_batch_size=args.batching, max_queue_delay_ms=args.max_queue_delay_ms) \
         if args.batching else None
-    settings = EngineSettings(backend=args.backend, overlap_stages=not getattr(args, "serial", False),
+    overlap = False if getattr(args, "serial", False) else getattr(args, "overlap", None)
+    settings = EngineSettings(backend=args.backend, overlap_stages=overlap,
                               batching=batching, flow_final_chunk=getattr(args, "flow_final_chunk", "cached"))
     engine = load_engine(args.bundle, settings=settings)
     try:
@@ -287,7 +288,7 @@ def bench_command(args: argparse.Namespace) -> int:
             "precision": engine.bundle.precision,
             "backend": engine.backend.describe(),
             "batching": None if batching is None else vars(batching),
-            "overlap_stages": settings.overlap_stages,
+            "overlap_stages": engine.overlap,
             "text": text,
             "audio_s": round(statistics.median(r["audio_s"] for r in offline), 3),
             "rtf": round(statistics.median(r["rtf"] for r in offline), 4),

@@ -28,14 +28,14 @@ def test_streaming_settings_reach_the_engine(tiny_bundle: Path, tmp_path: Path) 
 
     defaults = load_local_engine(Settings(device_id="t"), bundle=str(tiny_bundle))
     config = tmp_path / "cosyedge.toml"
-    config.write_text('device_id = "t"\n[tts]\noverlap_stages = false\nfirst_hop_tokens = 7\n'
+    config.write_text('device_id = "t"\n[tts]\noverlap_stages = "off"\nfirst_hop_tokens = 7\n'
                       'flow_final_chunk = "upstream"\nflow_left_chunks = 4\n')
     custom = load_local_engine(load_settings(config), bundle=str(tiny_bundle))
     try:
         assert isinstance(defaults, CosyVoiceEngine) and isinstance(custom, CosyVoiceEngine)
         d, c = defaults.settings, custom.settings
         assert (d.overlap_stages, d.first_hop_tokens, d.flow_final_chunk, d.flow_left_chunks) == (
-            True, None, "cached", -1)
+            None, None, "cached", -1)
         assert (c.overlap_stages, c.first_hop_tokens, c.flow_final_chunk, c.flow_left_chunks) == (
             False, 7, "upstream", 4)
     finally:

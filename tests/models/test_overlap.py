@@ -191,3 +191,11 @@ def test_settings_are_checked() -> None:
         EngineSettings(producer_threads=0)
     with pytest.raises(ValueError, match="overlap_queue_tokens"):
         EngineSettings(overlap_queue_tokens=0)
+
+
+def test_overlap_auto_resolution() -> None:
+    from models.engine import resolve_overlap
+
+    assert resolve_overlap(True, "ort", 2) and not resolve_overlap(False, "ort-cuda", 64)
+    assert not resolve_overlap(None, "ort", 2) and not resolve_overlap(None, "ort", None)
+    assert resolve_overlap(None, "ort", 4) and resolve_overlap(None, "ort-cuda", 2) and resolve_overlap(None, "trt", 1)
