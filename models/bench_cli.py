@@ -21,6 +21,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -201,19 +202,24 @@ def int_list(value: str, what: str) -> list[int]:
     return out
 
 
-def run_concurrent(engine: CosyVoiceEngine, text: str, n: int) -> dict[str, float]:
-    results: list[dict[str, Any]] = [{} for _ in range(n)]
-
-    def worker(i: int) -> None:
-        results[i] = run_once(engine, text, stream=True, seed=1000 + i)
-
+def run_parallel(n: int, worker: Callable[[int], None]) -> float:
+    """Run worker(0..n-1) on n threads at once; the wall seconds until all ended."""
     t0 = time.perf_counter()
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - t0
+    return time.perf_counter() - t0
+
+
+def run_concurrent(engine: CosyVoiceEngine, text: str, n: int) -> dict[str, float]:
+    results: list[dict[str, Any]] = [{} for _ in range(n)]
+
+    def worker(i: int) -> None:
+        results[i] = run_once(engine, text, stream=True, seed=1000 + i)
+
+    wall = run_parallel(n, worker)
     firsts = [r["first_audio_ms"] for r in results if r.get("first_audio_ms") is not None]
     tokens = sum(int(r["stages_ms"].get("llm_tokens", 0)) for r in results)
     audio = sum(r["audio_s"] for r in results)
@@ -244,13 +250,7 @@ def run_concurrent_llm(engine: CosyVoiceEngine, text: str, n: int) -> dict[str, 
     def worker(i: int) -> None:
         counts[i] = llm_tokens(engine, text, seed=1000 + i)
 
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
+    wall = run_parallel(n, worker)
     return {"tokens": sum(counts), "tokens_per_s": round(sum(counts) / wall, 2),
             "requests_per_s": round(n / wall, 4)}
 
