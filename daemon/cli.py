@@ -139,6 +139,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                    help="length of the utterance for streaming vs offline cost (default: 20 s)")
     p.add_argument("--serial", action="store_true",
                    help="run the streaming stages one after another (no LLM / flow+vocoder overlap)")
+    p.add_argument("--hop-scale", type=float, default=1.0,
+                   help="grow the streaming hop by this factor after each chunk, up to 4x "
+                        "(upstream: stream_scale_factor)")
     p.add_argument("--overlap", action="store_true", default=None,
                    help="overlap the streaming stages even on a CPU of fewer than 4 cores (default: auto)")
     p.add_argument("--flow-final-chunk", choices=("cached", "upstream"), default="cached",

@@ -264,7 +264,8 @@ def bench_command(args: argparse.Namespace) -> int:
         if args.batching else None
     overlap = False if getattr(args, "serial", False) else getattr(args, "overlap", None)
     settings = EngineSettings(backend=args.backend, overlap_stages=overlap,
-                              batching=batching, flow_final_chunk=getattr(args, "flow_final_chunk", "cached"))
+                              batching=batching, flow_final_chunk=getattr(args, "flow_final_chunk", "cached"),
+                              hop_scale=getattr(args, "hop_scale", 1.0))
     engine = load_engine(args.bundle, settings=settings)
     try:
         if args.llm_only:

@@ -50,6 +50,9 @@ class EngineSettings:
     max_text_chars: int = 2000
     threads: int | None = None  # intra-op threads per session (None: the runtime's default)
     first_hop_tokens: int | None = None  # None: upstream's aligned first hop
+    # After each streaming chunk the hop grows by this factor up to 4x (upstream's
+    # stream_scale_factor); 1.0: a fixed hop, as CosyVoice 2 upstream.
+    hop_scale: float = 1.0
     batching: BatchSettings | None = None  # None: every request decodes alone (batch 1)
     # Streaming: the LLM on a producer thread while flow + vocoder run (False: serial).
     # None: auto (resolve_overlap): on with a GPU backend or >= 4 CPU cores.
@@ -74,6 +77,8 @@ class EngineSettings:
     def __post_init__(self) -> None:
         if self.max_text_chars < 1:
             raise ValueError(f"max_text_chars must be >= 1, got {self.max_text_chars}")
+        if self.hop_scale < 1.0:
+            raise ValueError(f"hop_scale must be >= 1.0, got {self.hop_scale}")
         if self.first_hop_tokens is not None and self.first_hop_tokens < 1:
             raise ValueError(f"first_hop_tokens must be >= 1 or None, got {self.first_hop_tokens}")
         if self.batching is not None and not isinstance(self.batching, BatchSettings):
@@ -338,7 +343,8 @@ class CosyVoiceEngine:
                         state: _RequestState) -> Generator[tuple[np.ndarray, bool], None, None]:
         lookahead = self.bundle.flow.pre_lookahead_len
         schedule = ChunkSchedule(self.bundle.streaming.token_hop_len, lookahead,
-                                 prompt_tokens=len(cond.flow.tokens), first_hop=self.settings.first_hop_tokens)
+                                 prompt_tokens=len(cond.flow.tokens), first_hop=self.settings.first_hop_tokens,
+                                 hop_scale=self.settings.hop_scale)
         stream = VocoderStream(self.vocoder, state.noise)
         # Per request: the estimator caches, so each chunk costs only its new frames.
         flow = self.flow.stream(cond.flow, self.settings.flow_final_chunk, self.settings.flow_left_chunks)

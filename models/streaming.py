@@ -26,17 +26,28 @@ class ChunkSchedule:
     lookahead: int
     prompt_tokens: int = 0
     first_hop: int | None = None  # None: upstream's aligned first hop
+    # Upstream's stream_scale_factor: after each chunk the hop grows by this
+    # factor, up to max_hop (upstream: 4 x the hop). Fewer, longer windows cost
+    # less per frame once the first audio is out; 1.0: a fixed hop.
+    hop_scale: float = 1.0
+    max_hop: int | None = None  # None: 4 x hop
     offset: int = 0
+    _hop: int = 0  # the hop after the first chunk, grown by hop_scale
 
     def __post_init__(self) -> None:
         if self.hop <= 0:
             raise ValueError(f"hop must be positive, got {self.hop}")
         if self.lookahead < 0:
             raise ValueError(f"lookahead must be >= 0, got {self.lookahead}")
+        if self.hop_scale < 1.0:
+            raise ValueError(f"hop_scale must be >= 1.0, got {self.hop_scale}")
+        if self.max_hop is not None and self.max_hop < self.hop:
+            raise ValueError(f"max_hop must be >= hop ({self.hop}), got {self.max_hop}")
+        self._hop = self.hop
 
     def _this_hop(self) -> int:
         if self.offset > 0:
-            return self.hop
+            return self._hop
         if self.first_hop is not None:
             return self.first_hop
         pad = -self.prompt_tokens % self.hop
@@ -48,6 +59,9 @@ class ChunkSchedule:
         hop = self._this_hop()
         if n_tokens - self.offset >= hop + self.lookahead:
             chunk = Chunk(self.offset, self.offset + hop, final=False)
+            if self.hop_scale > 1.0:
+                cap = self.max_hop if self.max_hop is not None else 4 * self.hop
+                self._hop = min(cap, int(self._hop * self.hop_scale))
             self.offset += hop
             return chunk
         return None
