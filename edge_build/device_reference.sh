@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The official PyTorch pipeline alone on a GPU machine without network (the
+# reference half of edge_build/device_bench.sh, for a short device lease):
+# builds the full-size checkpoint and its bundle (voices, tokenizer), then
+# times upstream's CosyVoice2Model.tts on the GPU. Usage: device_reference.sh OUTDIR
+set -euo pipefail
+out=${1:?usage: device_reference.sh OUTDIR}
+mkdir -p "$out" /tmp/site
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+[ -f /tmp/full/ckpt/cosyvoice2.yaml ] || python3 -m daemon build tiny --size full --out /tmp/full/ckpt >"$out/build.log" 2>&1
+[ -f /tmp/full/bundle/manifest.json ] || python3 -m daemon build export --model-dir /tmp/full/ckpt --out /tmp/full/bundle >>"$out/build.log" 2>&1
+python3 - "$out/reference_h200.json" <<'PY' 2>&1 | grep -v -i warn
+import json, sys
+from edge_build.reference_pipeline import run_reference
+from models.bench_cli import DEFAULT_TEXT
+from models.bundle import load_bundle
+from models.text.tokenizer import TextTokenizer
+bundle = load_bundle("/tmp/full/bundle")
+ref = run_reference(bundle, TextTokenizer.from_file(bundle.file("tokenizer")), DEFAULT_TEXT, repeats=2)
+print(json.dumps(ref))
+open(sys.argv[1], "w").write(json.dumps(ref, indent=2) + "\n")
+PY
