@@ -4,6 +4,7 @@ first use with the build side (needs the `build` extra)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -27,10 +28,26 @@ def tiny_bundle_dir() -> Path:
     return cache_dir() / "tiny-bundle"
 
 
+def _current(path: Path) -> bool:
+    """A built tiny bundle of the format this cosyedge reads. One left by an
+    older version (another format) is rebuilt: it is only our own cache."""
+    from models.bundle import FORMAT_VERSION
+
+    try:
+        manifest = json.loads((path / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return False
+    if manifest.get("format_version") == FORMAT_VERSION:
+        return True
+    log.info("the tiny bundle in %s has format %r, not %d: rebuilding it", path, manifest.get("format_version"),
+             FORMAT_VERSION)
+    return False
+
+
 def ensure_tiny_bundle(path: Path | None = None) -> Path:
     """The tiny bundle, built (once, atomically) if it is not there yet."""
     path = path or tiny_bundle_dir()
-    if (path / "manifest.json").exists():
+    if _current(path):
         return path
     try:
         from edge_build.export import export_bundle

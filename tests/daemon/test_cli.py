@@ -152,5 +152,13 @@ def test_default_bundle_location(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
     assert cache_dir() == tmp_path / "sd"
     built = tmp_path / "sd" / "tiny-bundle"
     built.mkdir(parents=True)
-    (built / "manifest.json").write_text(json.dumps({"format": "cosyedge-bundle"}))
+    from daemon.default_bundle import _current
+    from models.bundle import FORMAT_VERSION
+
+    (built / "manifest.json").write_text(json.dumps({"format": "cosyedge-bundle", "format_version": FORMAT_VERSION}))
     assert ensure_tiny_bundle() == built  # present: not rebuilt
+    # one left by an older cosyedge (another bundle format) is rebuilt, not loaded and refused
+    (built / "manifest.json").write_text(json.dumps({"format": "cosyedge-bundle", "format_version": 1}))
+    assert not _current(built)
+    (built / "manifest.json").write_text("{not json")
+    assert not _current(built)
