@@ -29,7 +29,8 @@ def load_local_engine(settings: Settings, bundle: str | None = None) -> Engine:
         if tts.llm_max_batch_size else None
     engine = load_engine(path, settings=EngineSettings(
         backend=tts.backend, batching=batching, overlap_stages={"on": True, "off": False}.get(tts.overlap_stages),
-        first_hop_tokens=tts.first_hop_tokens or None, flow_final_chunk=tts.flow_final_chunk,  # type: ignore[arg-type]
+        first_hop_tokens=tts.first_hop_tokens or None, hop_scale=tts.stream_hop_scale,
+        flow_final_chunk=tts.flow_final_chunk,  # type: ignore[arg-type]
         flow_left_chunks=tts.flow_left_chunks))
     log.info("loaded %s from %s (%d Hz)", engine.name, path, engine.sample_rate)
     return engine

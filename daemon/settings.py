@@ -102,6 +102,11 @@ class TtsSettings:
         0, "speech tokens before the first audio chunk (smaller: sooner first audio); 0: upstream's aligned hop",
         min=0, max=200,
     )
+    stream_hop_scale: float = setting(
+        1.0, "grow the streaming hop by this factor after each chunk, up to 4x (upstream's stream_scale_factor; "
+        "2: chunks of 25, 50, then 100 tokens, less total work, same first audio); 1: a fixed hop",
+        min=1.0, max=4.0,
+    )
     flow_final_chunk: str = setting(
         "cached", "streaming's last flow chunk: through the per-request caches (linear cost) or upstream's "
         "full-length pass (exactly upstream's audio, about twice the flow cost)",
