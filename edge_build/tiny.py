@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +15,7 @@ import numpy as np
 
 from edge_build import reference, tiny_onnx, tiny_tokenizer
 from edge_build.reference import QWEN_DIR, require
+from edge_build.scratch_dir import check_new_dir, scratch_for
 from edge_build.tiny_sizes import PRESETS, CheckpointSizes, render_yaml
 from models.errors import CosyEdgeError
 
@@ -43,19 +42,9 @@ def build_tiny_checkpoint(out: Path, seed: int = 0, size: str = "tiny", **overri
     failed build leaves nothing half-written."""
     sizes = sizes_for(size, **overrides)
     out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CosyEdgeError(f"{out} exists and is not empty; give a new directory")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    scratch.chmod(0o755)
-    try:
+    check_new_dir(out, "checkpoint")
+    with scratch_for(out) as scratch:
         _write_checkpoint(scratch, sizes, seed)
-        if out.exists():
-            out.rmdir()  # empty (checked above)
-        scratch.rename(out)
-    except BaseException:
-        shutil.rmtree(scratch, ignore_errors=True)
-        raise
     log.info("wrote a %s CosyVoice 2 checkpoint (seed %d) to %s", size, seed, out)
     return out
 

@@ -7,12 +7,10 @@ place at the end, so a failed export leaves nothing half-written."""
 from __future__ import annotations
 
 import logging
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
-from models.errors import CosyEdgeError
+from edge_build.scratch_dir import check_new_dir, scratch_for
 
 log = logging.getLogger(__name__)
 
@@ -31,14 +29,10 @@ def export_bundle(model_dir: Path, out: Path) -> Path:
     )
 
     model_dir, out = Path(model_dir), Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CosyEdgeError(f"{out} exists and is not an empty directory; give a new bundle directory")
+    check_new_dir(out, "bundle")
     started = time.monotonic()
     refs = reference.load_reference(model_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    scratch.chmod(0o755)  # mkdtemp's 0700 would make the bundle private to the builder
-    try:
+    with scratch_for(out) as scratch:
         hyper = hyperparams.collect(refs)
         stages, arrays = llm.export_llm(refs.llm, scratch)
         stages.append(flow_encoder.export_flow_encoder(refs.flow, scratch))
@@ -58,11 +52,5 @@ def export_bundle(model_dir: Path, out: Path) -> Path:
             tokenizer=tok,
             voices=voice_map,
         )
-        if out.exists():
-            out.rmdir()  # empty (checked above)
-        scratch.rename(out)
-    except BaseException:
-        shutil.rmtree(scratch, ignore_errors=True)
-        raise
     log.info("exported %s to %s in %.1f s", model_dir, out, time.monotonic() - started)
     return out

@@ -104,9 +104,7 @@ def _fp16_unit(unit: Any, src: Path, tmp: Path, calib: dict[str, list[Any]], hel
     graph that gives NaN/Inf on any calibration input."""
     paths = {}
     for stage in unit.stages:
-        model = onnx.load(str(src / f"{stage}.onnx"), load_external_data=False)
-        groups = groups_in(unit, model)
-        block = [n for g in unit.always_fp32 for n in groups.get(g, [])]
+        block = _always_fp32_nodes(unit, src / f"{stage}.onnx")
         paths[stage] = tmp / f"{stage}.fp16.onnx"
         convert_fp16(src / f"{stage}.onnx", paths[stage], block, FP16_IO.get(stage, ()))
         bad = sum(not np.isfinite(o).all() for o in _outputs(paths[stage], calib[stage]))
@@ -114,9 +112,7 @@ def _fp16_unit(unit: Any, src: Path, tmp: Path, calib: dict[str, list[Any]], hel
             raise CosyEdgeError(f"{stage}: the fp16 graph gives NaN/Inf on {bad} of {len(calib[stage])} "
                                 "calibration inputs; not writing it")
         files[stage] = paths[stage]
-    reference = {s: _outputs(src / f"{s}.onnx", held[s]) for s in unit.stages}
-    return {"unit": unit.name, "stage_metrics": stage_metrics(unit, reference, paths, held),
-            "blocked_groups": list(unit.always_fp32)}
+    return _unit_report(unit, src, paths, held)
 
 
 def _weight_only_unit(unit: Any, src: Path, tmp: Path, held: dict[str, list[Any]],
@@ -125,9 +121,7 @@ def _weight_only_unit(unit: Any, src: Path, tmp: Path, held: dict[str, list[Any]
     paths = {}
     counts = {}
     for stage in unit.stages:
-        model = onnx.load(str(src / f"{stage}.onnx"), load_external_data=False)
-        groups = groups_in(unit, model)
-        exclude = [n for g in unit.always_fp32 for n in groups.get(g, [])]
+        exclude = _always_fp32_nodes(unit, src / f"{stage}.onnx")
         paths[stage] = tmp / f"{stage}.int8w.onnx"
         counts[stage] = quantize_weight_only(src / f"{stage}.onnx", paths[stage], exclude)
         if counts[stage] == 0:  # no MatMul with a constant weight (the vocoder is convolutions): keep fp32
@@ -136,9 +130,20 @@ def _weight_only_unit(unit: Any, src: Path, tmp: Path, held: dict[str, list[Any]
         files[stage] = paths[stage]
     if not paths:
         return {"unit": unit.name, "matmul_nbits": counts, "note": "kept in fp32: no MatMul weights"}
+    return {**_unit_report(unit, src, paths, held), "matmul_nbits": counts}
+
+
+def _always_fp32_nodes(unit: Any, graph: Path) -> list[str]:
+    """The node names of the unit's always-fp32 groups in `graph`."""
+    groups = groups_in(unit, onnx.load(str(graph), load_external_data=False))
+    return [n for g in unit.always_fp32 for n in groups.get(g, [])]
+
+
+def _unit_report(unit: Any, src: Path, paths: dict[str, Path], held: dict[str, list[Any]]) -> dict[str, Any]:
+    """The unit's error on the held-out feeds against its fp32 graphs."""
     reference = {s: _outputs(src / f"{s}.onnx", held[s]) for s in paths}
     return {"unit": unit.name, "stage_metrics": stage_metrics(unit, reference, paths, held),
-            "blocked_groups": list(unit.always_fp32), "matmul_nbits": counts}
+            "blocked_groups": list(unit.always_fp32)}
 
 
 def _sizes(src: Path, files: dict[str, Path]) -> dict[str, dict[str, int]]:

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from models.engine import CosyVoiceEngine, load_engine
 
 # What upstream's QwenTokenizer.__init__ adds (cosyvoice/tokenizer/tokenizer.py).
 UPSTREAM_SPECIAL_TOKENS = {
@@ -54,6 +57,15 @@ TRAINING_TEXT = [
     "Привет, мир! Grüße aus München, ça va? こんにちは、カタカナ。",
     "In 1990 the price was $5.20, about twenty percent more than in nineteen eighty.",
 ]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_bundle: Path) -> Iterator[CosyVoiceEngine]:
+    """The tiny bundle's engine, one per test module (test_pipeline_parity
+    overrides it with upstream's vocoder noise)."""
+    eng = load_engine(tiny_bundle)
+    yield eng
+    eng.close()
 
 
 @pytest.fixture(scope="session")

@@ -33,13 +33,6 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_bundle: Path) -> Iterator[CosyVoiceEngine]:
-    eng = load_engine(tiny_bundle)
-    yield eng
-    eng.close()
-
-
-@pytest.fixture(scope="module")
 def lm(engine: CosyVoiceEngine) -> SpeechTokenLM:
     return engine.lm
 

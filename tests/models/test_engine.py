@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import shutil
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -14,20 +13,13 @@ import pytest
 
 from models.api import PromptAudio, SynthesisRequest
 from models.bundle import load_bundle
-from models.engine import CosyVoiceEngine, load_engine
+from models.engine import CosyVoiceEngine
 from models.errors import BundleError, RequestError
 from models.features import prompt_mel
 from models.flow import FlowPrompt
 from models.vocoder import VocoderStream
 
 TEXT = "Hello from the tiny model, one two three."
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_bundle: Path) -> Iterator[CosyVoiceEngine]:
-    eng = load_engine(tiny_bundle)
-    yield eng
-    eng.close()
 
 
 def audio(engine: CosyVoiceEngine, **kw: object) -> tuple[np.ndarray, list]:  # type: ignore[type-arg]

@@ -6,7 +6,6 @@ grows linearly with the audio instead of quadratically."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -27,13 +26,6 @@ CHUNK_ATOL = 2e-5
 # full-attention in upstream's pass): a non-streaming encoder or full
 # attention inside the last window changes it by < 1e-4.
 FINAL_CHUNK_REL = 0.2
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_bundle: Path) -> Iterator[CosyVoiceEngine]:
-    eng = load_engine(tiny_bundle)
-    yield eng
-    eng.close()
 
 
 @pytest.fixture(scope="module")
