@@ -12,6 +12,7 @@ import onnxruntime as ort
 
 from models.backends.base import DecodeLoop, HostDecodeLoop, Session
 from models.errors import BundleError, EngineError
+from models.ort_profile import profile_dir
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,12 @@ class OrtSession:
         # COSYEDGE_ORT_SPINNING=1.
         spinning = os.environ.get("COSYEDGE_ORT_SPINNING", "0") == "1"
         opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+        profiles = profile_dir()
+        if profiles is not None:  # models/ort_profile.py sums these traces
+            profiles.mkdir(parents=True, exist_ok=True)
+            opts.enable_profiling = True
+            opts.profile_file_prefix = str(profiles / name)
+        self._profiling = profiles is not None
         available = set(ort.get_available_providers())
         chosen: list[str | tuple[str, dict[str, str]]] = []
         for p in providers:
@@ -87,6 +94,9 @@ class OrtSession:
         return size + (data.stat().st_size if data.exists() else 0)
 
     def close(self) -> None:
+        if self._profiling:
+            log.info("%s: onnxruntime profile %s", self.name, self._sess.end_profiling())
+            self._profiling = False
         del self._sess
 
 

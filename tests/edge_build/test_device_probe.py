@@ -1,0 +1,34 @@
+"""edge_build/device_probe.py on the CPU: the stage times, the estimator
+feeds the graph accepts, the per-stage profile, and the GPU part skipped
+with its reason."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from edge_build.device_probe import estimator_feeds, main
+from models.engine import EngineSettings, load_engine
+
+
+def test_probe_on_the_cpu_reports_stages_and_skips_the_gpu_part(tiny_bundle: Path, tmp_path: Path) -> None:
+    assert main(["--bundle", str(tiny_bundle), "--backend", "ort", "--out", str(tmp_path),
+                 "--frames", "40", "--repeats", "1"]) == 0
+    report = json.loads((tmp_path / "probe.json").read_text())
+    off = report["offline"]
+    assert off["llm_tokens"] > 0 and off["flow_ms"] > 0 and off["audio_s"] > 0
+    assert report["estimator"][0]["frames"] == 40
+    assert "CUDAExecutionProvider" in report["estimator"][0]["skipped"]
+    assert "flow_estimator:" in (tmp_path / "profile.txt").read_text()
+
+
+def test_estimator_feeds_run_on_the_graph(tiny_bundle: Path) -> None:
+    engine = load_engine(tiny_bundle, settings=EngineSettings(threads=1, overlap_stages=False))
+    try:
+        out = engine.flow.estimator.run(estimator_feeds(engine, 30))
+    finally:
+        engine.close()
+    assert out["dphi_dt"].shape == (2, engine.flow.mel_bins, 30)
+    assert np.isfinite(out["dphi_dt"]).all()
