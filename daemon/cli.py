@@ -74,6 +74,9 @@ def _add_build(sub: argparse._SubParsersAction) -> None:
     e = bs.add_parser("export", help="export a CosyVoice 2 checkpoint to an ONNX bundle")
     e.add_argument("--model-dir", required=True)
     e.add_argument("--out", required=True)
+    e.add_argument("--static-decode-len", type=int, default=0, metavar="POSITIONS",
+                   help="also export a fixed-size LLM decode step for this many positions (prompt + speech "
+                        "tokens): ort-cuda replays it as a CUDA graph; it adds a copy of the LLM weights (0: off)")
     q = bs.add_parser("quantize", help="INT8 / FP16 Q/DQ bundle with an accuracy gate")
     q.add_argument("--bundle", required=True)
     q.add_argument("--out", required=True)

@@ -25,7 +25,7 @@ def build_command(args: argparse.Namespace) -> int:
         from edge_build.export import export_bundle
 
         started = time.monotonic()
-        out = export_bundle(Path(args.model_dir), Path(args.out))
+        out = export_bundle(Path(args.model_dir), Path(args.out), args.static_decode_len)
         print(f"exported {args.model_dir} to the bundle {out} in {time.monotonic() - started:.1f} s")
         return 0
     if cmd == "engines":

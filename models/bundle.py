@@ -19,6 +19,9 @@ FAMILIES = ("cosyvoice2",)
 # Files carried as shipped in a CosyVoice 2 directory (upstream's names).
 CARRIED_FILES = {"campplus": "campplus.onnx", "speech_tokenizer": "speech_tokenizer_v2.onnx"}
 STAGES = ("llm_prefill", "llm_decode", "flow_encoder", "flow_estimator", "hift_source", "hift_decoder")
+# Exported on request (build export --static-decode-len), onnxruntime only:
+# the fixed-size decode step that ort-cuda captures as a CUDA graph.
+OPTIONAL_STAGES = ("llm_decode_static", "llm_kv_pad")
 
 
 @dataclass(frozen=True)
@@ -197,6 +200,12 @@ def load_bundle(root: Path | str, precision: str | None = None, *, backend: str 
         if backend != "trt" and not path.exists():
             raise BundleError(f"{root}: stage file {entry['file']} is missing")
         stages[name] = StageInfo(name, path, entry.get("precision", chosen), entry.get("sha256"), entry)
+
+    for name in OPTIONAL_STAGES if backend != "trt" else ():
+        entry = manifest.get("stages", {}).get(name)
+        if isinstance(entry, dict) and (root / entry["file"]).exists():
+            stages[name] = StageInfo(name, root / entry["file"], entry.get("precision", "fp32"), entry.get("sha256"),
+                                     entry)
 
     engines = None
     if backend == "trt":

@@ -25,12 +25,12 @@ from pathlib import Path
 import numpy as np
 
 from models.api import MODES, AudioChunk, Mode, StageEvent, StageTimes, SynthesisRequest, TimelineStage
-from models.backends.base import Backend, Session, create_backend
+from models.backends.base import Backend, FixedSizeDecode, Session, create_backend
 from models.batch_policy import BatchSettings
 from models.batcher import start_batcher
 from models.bundle import Bundle, load_bundle
 from models.conditioning import Conditioning, ConditioningBuilder
-from models.errors import RequestError
+from models.errors import BundleError, RequestError
 from models.flow import FINAL_CHUNK_MODES, EstimatorWork, FinalChunk, FlowDecoder, FlowStream
 from models.llm import LlmInput, LlmStats, SpeechTokenLM
 from models.sampling import TokenSampler
@@ -73,6 +73,11 @@ class EngineSettings:
     # 219 MiB per second of audio at full size) for long utterances on 8 GB
     # boards but CHANGES the output (no longer upstream's mel).
     flow_left_chunks: int = -1
+    # The LLM's fixed-size decode step, captured as CUDA graphs on ort-cuda
+    # (bundles exported with --static-decode-len): None auto (on for ort-cuda
+    # when the bundle has it), True also on the CPU (no capture: for tests), False off.
+    graph_decode: bool | None = None
+    graph_decode_slots: int = 4  # requests decoding with it at once; more use the ordinary loop
 
     def __post_init__(self) -> None:
         if self.max_text_chars < 1:
@@ -89,6 +94,8 @@ class EngineSettings:
             raise ValueError(f"overlap_queue_tokens must be >= 1, got {self.overlap_queue_tokens}")
         if self.flow_left_chunks < -1:
             raise ValueError(f"flow_left_chunks must be -1 (full left context) or >= 0, got {self.flow_left_chunks}")
+        if self.graph_decode_slots < 1:
+            raise ValueError(f"graph_decode_slots must be >= 1, got {self.graph_decode_slots}")
         if self.flow_final_chunk not in FINAL_CHUNK_MODES:
             raise ValueError(f"flow_final_chunk must be one of {', '.join(FINAL_CHUNK_MODES)}, "
                              f"got {self.flow_final_chunk!r}")
@@ -179,6 +186,7 @@ class CosyVoiceEngine:
         self._sessions: list[Session] = []
         load = self._load
         self.lm = SpeechTokenLM(bundle, backend, load("llm_prefill"), load("llm_decode"))
+        self.lm.fixed_size_decode = self._fixed_size_decode()
         self.flow = FlowDecoder(bundle, load("flow_encoder"), load("flow_estimator"))
         self.vocoder = HiftVocoder(bundle, load("hift_source"), load("hift_decoder"))
         self.tokenizer = TextTokenizer.from_file(bundle.file("tokenizer"))
@@ -190,6 +198,26 @@ class CosyVoiceEngine:
         if self.overlap:
             self._producers = ProducerPool(settings.producer_threads)
             self._producers.start()
+
+    def _fixed_size_decode(self) -> FixedSizeDecode | None:
+        setting = self.settings.graph_decode
+        has_step = "llm_decode_static" in self.bundle.stages
+        if setting is True and not has_step:
+            raise BundleError(f"{self.bundle.root}: graph_decode needs a bundle exported with "
+                              "'cosyedge build export --static-decode-len N'")
+        on = setting if setting is not None else self.backend.name == "ort-cuda"
+        if not (on and has_step and self.backend.name.startswith("ort")):
+            return None
+        from models.backends.ort import OrtSession
+        from models.backends.ort_graph_decode import GraphDecoder
+
+        step, pad, prefill = self._load("llm_decode_static"), self._load("llm_kv_pad"), self.lm.prefill_session
+        if not (isinstance(step, OrtSession) and isinstance(pad, OrtSession) and isinstance(prefill, OrtSession)):
+            return None  # a wrapped backend (tests): the ordinary loop
+        device = ("cuda", int(getattr(self.backend, "device_id", 0))) if step.on_device else ("cpu", 0)
+        log.info("LLM decode: fixed-size step of %s positions%s", step.input_shapes["past_kv"][4],
+                 ", CUDA graphs" if step.cuda_graph else "")
+        return GraphDecoder(prefill, step, pad, device, self.settings.graph_decode_slots)
 
     def _load(self, stage: str) -> Session:
         session = self.backend.load(stage, self.bundle.stages[stage].path, threads=self.settings.threads)
@@ -259,6 +287,8 @@ class CosyVoiceEngine:
             self.batcher.stop()
         if self._producers is not None:
             self._producers.stop()  # before the sessions it runs are closed
+        if self.lm.fixed_size_decode is not None:
+            self.lm.fixed_size_decode.close()
         for s in self._sessions:
             s.close()
         self._sessions.clear()

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from models.backends.base import Backend, DecodeLoop, Session
+from models.backends.base import Backend, DecodeLoop, FixedSizeDecode, Session
 from models.bundle import Bundle, LlmConfig
 from models.sampling import TokenSampler
 
@@ -54,6 +54,8 @@ class SpeechTokenLM:
         special = np.asarray(bundle.array("special_embedding", mmap=False), dtype=np.float32)
         self.sos_eos = special[0]
         self.task_id = special[1]
+        # Set by the engine where the bundle has the static step (CUDA graphs on ort-cuda).
+        self.fixed_size_decode: FixedSizeDecode | None = None
 
     def prompt_embeds(self, inp: LlmInput) -> np.ndarray:
         """[1, T, D]: sos_eos, text embeddings of prompt text + text, task_id,
@@ -64,7 +66,13 @@ class SpeechTokenLM:
         parts = [self.sos_eos[None], text, self.task_id[None], speech.reshape(-1, self.config.hidden_size)]
         return np.concatenate(parts, axis=0)[None].astype(np.float32, copy=False)
 
-    def decode_loop(self) -> DecodeLoop:
+    def decode_loop(self, positions: int | None = None) -> DecodeLoop:
+        """A request's loop; with its most positions (prompt + speech tokens)
+        known, the fixed-size (CUDA graph) loop when it fits and one is free."""
+        if positions is not None and self.fixed_size_decode is not None:
+            loop = self.fixed_size_decode.loop(positions)
+            if loop is not None:
+                return loop
         return self.backend.decode_loop(self.prefill_session, self.decode_session)
 
     def start(self, inp: LlmInput, sampler: TokenSampler, stats: LlmStats | None = None) -> RequestDecode:
@@ -75,7 +83,7 @@ class SpeechTokenLM:
     def generate(self, inp: LlmInput, sampler: TokenSampler, stats: LlmStats | None = None) -> Iterator[int]:
         """Yield speech tokens one by one until EOS or the maximum length."""
         req = self.start(inp, sampler, stats)
-        loop = self.decode_loop()
+        loop = self.decode_loop(req.prompt.shape[1] + req.max_len)
         try:
             t0 = time.perf_counter()
             logp = loop.prefill(req.prompt)

@@ -55,6 +55,19 @@ def tiny_bundle(tiny_model_dir: Path) -> Path:
     return _cached_dir("tiny-bundle", key, lambda out: export_bundle(tiny_model_dir, out))
 
 
+STATIC_DECODE_LEN = 256  # positions of the tiny bundle's fixed-size decode step
+
+
+@pytest.fixture(scope="session")
+def tiny_static_bundle(tiny_model_dir: Path) -> Path:
+    """The tiny bundle with the optional fixed-size decode step (build export --static-decode-len)."""
+    from edge_build.export import export_bundle
+
+    key = _code_hash("edge_build", "models")
+    return _cached_dir("tiny-static-bundle", key,
+                       lambda out: export_bundle(tiny_model_dir, out, static_decode_len=STATIC_DECODE_LEN))
+
+
 @pytest.fixture()
 def broker() -> Iterator[Broker]:
     if mosquitto_binary() is None:

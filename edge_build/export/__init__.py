@@ -15,7 +15,8 @@ from edge_build.scratch_dir import check_new_dir, scratch_for
 log = logging.getLogger(__name__)
 
 
-def export_bundle(model_dir: Path, out: Path) -> Path:
+def export_bundle(model_dir: Path, out: Path, static_decode_len: int = 0) -> Path:
+    """`static_decode_len` > 0 adds the fixed-size decode step (CUDA graphs on ort-cuda) for that many positions."""
     from edge_build import reference
     from edge_build.export import (
         bundle,
@@ -34,7 +35,7 @@ def export_bundle(model_dir: Path, out: Path) -> Path:
     refs = reference.load_reference(model_dir)
     with scratch_for(out) as scratch:
         hyper = hyperparams.collect(refs)
-        stages, arrays = llm.export_llm(refs.llm, scratch)
+        stages, arrays = llm.export_llm(refs.llm, scratch, static_decode_len)
         stages.append(flow_encoder.export_flow_encoder(refs.flow, scratch))
         estimator_stage, noise = flow_estimator.export_flow_estimator(refs.flow, scratch)
         stages.append(estimator_stage)

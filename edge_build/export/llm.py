@@ -38,7 +38,10 @@ def llm_dims(llm: Any) -> dict[str, int]:
     }
 
 
-def make_qwen2_graph(llm: Any, with_past: bool) -> Any:
+def _qwen2_core(llm: Any) -> Any:
+    """The module both LLM graph forms share: the upstream layers' weights,
+    RoPE, and one pass over the layers where `attend_kv` supplies each
+    layer's keys and values (the new ones joined to the cache)."""
     torch = _torch()
     config = llm.llm.model.config
     if getattr(config, "rope_scaling", None):
@@ -47,10 +50,7 @@ def make_qwen2_graph(llm: Any, with_past: bool) -> Any:
         raise CheckpointError("Qwen2 use_sliding_window=true is not supported (CosyVoice 2 has it off)")
     dims = llm_dims(llm)
 
-    class Qwen2Graph(module_base()):  # type: ignore[misc]
-        """inputs_embeds (+ past) -> speech-token log-probs at the last
-        position and the KV cache [L, 2, B, Hkv, P + T, hd]."""
-
+    class Qwen2Core(module_base()):  # type: ignore[misc]
         def __init__(self) -> None:
             super().__init__()
             qwen = llm.llm.model.model
@@ -73,23 +73,16 @@ def make_qwen2_graph(llm: Any, with_past: bool) -> Any:
             half = x.shape[-1] // 2
             return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
-        def forward(self, inputs_embeds: Any, attention_mask: Any, past_kv: Any = None) -> Any:
-            b, t = inputs_embeds.shape[0], inputs_embeds.shape[1]
-            key_valid = attention_mask > 0  # [B, P + T]
-            total = attention_mask.shape[1]
-            past = total - t
-            # positions count real tokens only, so left padding does not shift them
-            positions = torch.clamp(torch.cumsum(attention_mask, dim=1) - 1, min=0)[:, past:]
+        def rope(self, positions: Any) -> tuple[Any, Any]:
+            """cos, sin [B, 1, T, hd] for positions [B, T]."""
             freqs = positions.unsqueeze(-1).float() * self.inv_freq  # [B, T, hd/2]
             emb = torch.cat((freqs, freqs), dim=-1)
-            cos = (emb.cos() * self.rope_scale).unsqueeze(1)
-            sin = (emb.sin() * self.rope_scale).unsqueeze(1)
-            query_pos = torch.arange(t, device=inputs_embeds.device) + past
-            key_pos = torch.arange(total, device=inputs_embeds.device)
-            allowed = (key_pos[None, :] <= query_pos[:, None])[None] & key_valid[:, None, :]  # [B, T, P+T]
-            bias = torch.where(allowed, 0.0, MASK_NEGATIVE).unsqueeze(1).to(inputs_embeds.dtype)
+            return (emb.cos() * self.rope_scale).unsqueeze(1), (emb.sin() * self.rope_scale).unsqueeze(1)
+
+        def layers_pass(self, h: Any, cos: Any, sin: Any, bias: Any, attend_kv: Any) -> tuple[Any, Any]:
+            """log-probs at the last position and the stacked caches [L, 2, B, Hkv, S, hd]."""
+            b, t = h.shape[0], h.shape[1]
             group = self.n_heads // self.n_kv
-            h = inputs_embeds
             presents = []
             for i, layer in enumerate(self.layers):
                 attn = layer.self_attn
@@ -99,10 +92,9 @@ def make_qwen2_graph(llm: Any, with_past: bool) -> Any:
                 v = attn.v_proj(x).view(b, t, self.n_kv, self.hd).transpose(1, 2)
                 q = q * cos + self.rotate_half(q) * sin
                 k = k * cos + self.rotate_half(k) * sin
-                if past_kv is not None:
-                    k = torch.cat((past_kv[i, 0], k), dim=2)
-                    v = torch.cat((past_kv[i, 1], v), dim=2)
+                k, v = attend_kv(i, k, v)
                 presents.append(torch.stack((k, v)))
+                total = k.shape[2]
                 k_all = k.unsqueeze(2).expand(-1, -1, group, -1, -1).reshape(b, self.n_heads, total, self.hd)
                 v_all = v.unsqueeze(2).expand(-1, -1, group, -1, -1).reshape(b, self.n_heads, total, self.hd)
                 scores = torch.matmul(q, k_all.transpose(-1, -2)) * attn.scaling + bias
@@ -113,10 +105,77 @@ def make_qwen2_graph(llm: Any, with_past: bool) -> Any:
                 mlp = layer.mlp
                 h = h + mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
             last = self.rms(self.norm, h[:, -1])
-            logp = torch.log_softmax(self.head(last), dim=-1)
-            return logp, torch.stack(presents)
+            return torch.log_softmax(self.head(last), dim=-1), torch.stack(presents)
+
+    return Qwen2Core
+
+
+def make_qwen2_graph(llm: Any, with_past: bool) -> Any:
+    torch = _torch()
+    core = _qwen2_core(llm)
+
+    class Qwen2Graph(core):  # type: ignore[misc,valid-type]
+        """inputs_embeds (+ past) -> speech-token log-probs at the last
+        position and the KV cache [L, 2, B, Hkv, P + T, hd]."""
+
+        def forward(self, inputs_embeds: Any, attention_mask: Any, past_kv: Any = None) -> Any:
+            t = inputs_embeds.shape[1]
+            key_valid = attention_mask > 0  # [B, P + T]
+            total = attention_mask.shape[1]
+            past = total - t
+            # positions count real tokens only, so left padding does not shift them
+            positions = torch.clamp(torch.cumsum(attention_mask, dim=1) - 1, min=0)[:, past:]
+            cos, sin = self.rope(positions)
+            query_pos = torch.arange(t, device=inputs_embeds.device) + past
+            key_pos = torch.arange(total, device=inputs_embeds.device)
+            allowed = (key_pos[None, :] <= query_pos[:, None])[None] & key_valid[:, None, :]  # [B, T, P+T]
+            bias = torch.where(allowed, 0.0, MASK_NEGATIVE).unsqueeze(1).to(inputs_embeds.dtype)
+
+            def attend_kv(i: int, k: Any, v: Any) -> tuple[Any, Any]:
+                if past_kv is None:
+                    return k, v
+                return torch.cat((past_kv[i, 0], k), dim=2), torch.cat((past_kv[i, 1], v), dim=2)
+
+            return self.layers_pass(inputs_embeds, cos, sin, bias, attend_kv)
 
     return Qwen2Graph().eval()
+
+
+def make_qwen2_static_decode(llm: Any) -> Any:
+    """One decode step of one request over a fixed-size cache (every shape
+    static, so no shape arithmetic is left for onnxruntime to put on the CPU
+    and the CUDA provider can capture the step as a CUDA graph): the new
+    K/V are written at `position` by a select (exact), attention masks the
+    positions after it. Same arithmetic as the dynamic step: masked keys get
+    exactly zero weight."""
+    torch = _torch()
+    core = _qwen2_core(llm)
+
+    class Qwen2StaticDecode(core):  # type: ignore[misc,valid-type]
+        def forward(self, inputs_embeds: Any, position: Any, past_kv: Any) -> Any:
+            size = past_kv.shape[4]
+            cos, sin = self.rope(position.view(1, 1))
+            slots = torch.arange(size, device=inputs_embeds.device)
+            bias = torch.where(slots <= position, 0.0, MASK_NEGATIVE).to(inputs_embeds.dtype).view(1, 1, 1, size)
+            write = (slots == position).view(1, 1, size, 1)
+
+            def attend_kv(i: int, k: Any, v: Any) -> tuple[Any, Any]:
+                return torch.where(write, k, past_kv[i, 0]), torch.where(write, v, past_kv[i, 1])
+
+            return self.layers_pass(inputs_embeds, cos, sin, bias, attend_kv)
+
+    return Qwen2StaticDecode().eval()
+
+
+def make_kv_pad(size: int) -> Any:
+    """The prefill's cache [L, 2, 1, Hkv, T, hd] zero-padded to `size` positions (the static step's input)."""
+    torch = _torch()
+
+    class KvPad(module_base()):  # type: ignore[misc]
+        def forward(self, present_kv: Any) -> Any:
+            return torch.nn.functional.pad(present_kv, (0, 0, 0, size - present_kv.shape[4]))
+
+    return KvPad().eval()
 
 
 def _specs(dims: dict[str, int], with_past: bool) -> tuple[list[TensorSpec], list[TensorSpec]]:
@@ -149,8 +208,41 @@ def _specs(dims: dict[str, int], with_past: bool) -> tuple[list[TensorSpec], lis
     return inputs, outputs
 
 
-def export_llm(llm: Any, out: Path) -> tuple[list[StageGraph], dict[str, Path]]:
-    """llm_prefill.onnx, llm_decode.onnx and the embedding tables."""
+def static_decode_stages(llm: Any, out: Path, size: int) -> list[StageGraph]:
+    """llm_decode_static.onnx (one step over a `size`-position cache, every
+    shape fixed) and llm_kv_pad.onnx (the prefill's cache padded to it): the
+    CUDA-graph decode loop of ort-cuda (models/backends/ort_graph_decode.py).
+    Opt-in (`build export --static-decode-len`): the step graph carries its
+    own copy of the LLM weights."""
+    torch = _torch()
+    dims = llm_dims(llm)
+    d, n_l, n_kv, hd, v = (dims["hidden_size"], dims["num_layers"], dims["num_kv_heads"], dims["head_dim"],
+                           dims["speech_vocab_size"])
+    if size < 2:
+        raise CheckpointError(f"static decode length must be >= 2 positions, got {size}")
+    cache = (n_l, 2, 1, n_kv, size, hd)
+    step = StageGraph(
+        "llm_decode_static", "llm_decode_static.onnx",
+        [TensorSpec("inputs_embeds", "float32", (1, 1, d)), TensorSpec("position", "int64", (1,)),
+         TensorSpec("past_kv", "float32", cache)],
+        [TensorSpec("logp", "float32", (1, v)), TensorSpec("present_kv", "float32", cache)],
+        {}, extra={"positions": size},
+    )
+    example: tuple[Any, ...] = (torch.randn(1, 1, d) * 0.02, torch.tensor([3]), torch.randn(*cache))
+    stages = [export_stage(make_qwen2_static_decode(llm), example, out, step)]
+    pad = StageGraph(
+        "llm_kv_pad", "llm_kv_pad.onnx",
+        [TensorSpec("present_kv", "float32", (n_l, 2, 1, n_kv, "T", hd))],
+        [TensorSpec("padded_kv", "float32", cache)],
+        {"T": [1, PREFILL_T[1], size]}, extra={"positions": size},
+    )
+    stages.append(export_stage(make_kv_pad(size), (torch.randn(n_l, 2, 1, n_kv, 5, hd),), out, pad))
+    return stages
+
+
+def export_llm(llm: Any, out: Path, static_decode_len: int = 0) -> tuple[list[StageGraph], dict[str, Path]]:
+    """llm_prefill.onnx, llm_decode.onnx (and with `static_decode_len` the
+    static step and its pad graph) and the embedding tables."""
     torch = _torch()
     dims = llm_dims(llm)
     d, n_l, n_kv, hd = dims["hidden_size"], dims["num_layers"], dims["num_kv_heads"], dims["head_dim"]
@@ -182,6 +274,8 @@ def export_llm(llm: Any, out: Path) -> tuple[list[StageGraph], dict[str, Path]]:
             ),
         )
     )
+    if static_decode_len:
+        stages.extend(static_decode_stages(llm, out, static_decode_len))
 
     arrays = {
         "text_embedding": ("llm_text_embedding.npy", llm.llm.model.model.embed_tokens.weight),

@@ -52,6 +52,19 @@ class DecodeLoop(Protocol):
     def close(self) -> None: ...
 
 
+class FixedSizeDecode(Protocol):
+    """Decode loops over a fixed-size cache (models/backends/ort_graph_decode.py),
+    handed out while they last."""
+
+    positions: int
+
+    def loop(self, positions: int) -> DecodeLoop | None:
+        """A loop for a request of at most `positions`, or None (use the backend's ordinary loop)."""
+        ...
+
+    def close(self) -> None: ...
+
+
 class Backend(Protocol):
     name: str
 

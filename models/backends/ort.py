@@ -17,8 +17,13 @@ from models.ort_profile import profile_dir
 log = logging.getLogger(__name__)
 
 
+# Stages whose CUDA sessions capture CUDA graphs (fixed shapes, run through IOBinding only).
+CUDA_GRAPH_STAGES = ("llm_decode_static",)
+
+
 class OrtSession:
-    def __init__(self, name: str, path: Path, providers: Sequence[str], device_id: int, threads: int | None) -> None:
+    def __init__(self, name: str, path: Path, providers: Sequence[str], device_id: int, threads: int | None,
+                 cuda_graph: bool = False) -> None:
         opts = ort.SessionOptions()
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         if threads:
@@ -45,7 +50,10 @@ class OrtSession:
             if p == "CUDAExecutionProvider":
                 # The default exhaustive cuDNN search re-benchmarks every conv for
                 # each new sequence length; lengths change per request here.
-                chosen.append((p, {"device_id": str(device_id), "cudnn_conv_algo_search": "HEURISTIC"}))
+                options = {"device_id": str(device_id), "cudnn_conv_algo_search": "HEURISTIC"}
+                if cuda_graph:
+                    options["enable_cuda_graph"] = "1"
+                chosen.append((p, options))
             elif p == "TensorrtExecutionProvider":
                 chosen.append((p, {"device_id": str(device_id)}))
             else:
@@ -64,6 +72,9 @@ class OrtSession:
         self.input_names = tuple(i.name for i in self._sess.get_inputs())
         self.output_names = tuple(o.name for o in self._sess.get_outputs())
         self.providers = tuple(self._sess.get_providers())
+        self.input_shapes = {i.name: tuple(i.shape) for i in self._sess.get_inputs()}
+        self.output_shapes = {o.name: tuple(o.shape) for o in self._sess.get_outputs()}
+        self.cuda_graph = cuda_graph and self.providers[0] == "CUDAExecutionProvider"
 
     def run(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         names = list(outputs) if outputs is not None else list(self.output_names)
@@ -76,9 +87,9 @@ class OrtSession:
     def io_binding(self) -> ort.IOBinding:
         return self._sess.io_binding()
 
-    def run_bound(self, binding: ort.IOBinding) -> None:
+    def run_bound(self, binding: ort.IOBinding, run_options: ort.RunOptions | None = None) -> None:
         try:
-            self._sess.run_with_iobinding(binding)
+            self._sess.run_with_iobinding(binding, run_options)
         except Exception as exc:
             raise EngineError(f"{self.name}: onnxruntime failed: {exc}") from exc
 
@@ -111,7 +122,9 @@ class OrtBackend:
         if threads is None:
             env = os.environ.get("COSYEDGE_ORT_THREADS")
             threads = int(env) if env else None
-        return OrtSession(stage, path, self.providers, self.device_id, threads)
+        # COSYEDGE_ORT_CUDA_GRAPH=0: run the static step without capture (to compare)
+        graph = stage in CUDA_GRAPH_STAGES and os.environ.get("COSYEDGE_ORT_CUDA_GRAPH", "1") != "0"
+        return OrtSession(stage, path, self.providers, self.device_id, threads, cuda_graph=graph)
 
     def decode_loop(self, prefill: Session, decode: Session) -> DecodeLoop:
         if isinstance(prefill, OrtSession) and isinstance(decode, OrtSession) and decode.on_device:

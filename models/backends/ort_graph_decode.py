@@ -1,0 +1,170 @@
+"""The LLM decode loop as CUDA graphs on onnxruntime's CUDA provider.
+
+Measured on the H200: one decode step of the full-size LLM is ~1,700
+kernels and took 8 ms, launch-bound (a few µs per kernel); the dynamic
+graph cannot be captured because its shape arithmetic runs on the CPU. The
+bundle's optional `llm_decode_static` step (build export --static-decode-len)
+has only fixed shapes: the cache is a fixed number of positions, the new
+K/V are written at `position` inside the graph and later positions are
+masked. onnxruntime then captures the whole step (`enable_cuda_graph`) and
+replays it as one launch.
+
+A captured graph replays on the device addresses it was captured with, so
+each concurrent request borrows a `GraphSlot`: persistent device buffers
+(the step's inputs, two caches used in turn as input and output, the
+log-probabilities) and two graph ids, one per direction. Slots are reused
+across requests; when all are busy, or a request may outgrow the cache,
+the engine uses the ordinary decode loop instead. On the CPU the same loop
+runs the same static graph without capture (that is how it is tested)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import numpy as np
+import onnxruntime as ort
+
+from models.backends.ort import OrtSession
+from models.errors import EngineError
+
+log = logging.getLogger(__name__)
+
+
+class GraphSlot:
+    """One request's device buffers for the static step, bound once."""
+
+    def __init__(self, index: int, step: OrtSession, device: tuple[str, int], capture: bool) -> None:
+        kind, dev = device
+        cache = tuple(int(d) for d in step.input_shapes["past_kv"])
+        hidden = int(step.input_shapes["inputs_embeds"][2])
+        vocab = int(step.output_shapes["logp"][1])
+        self.embeds = ort.OrtValue.ortvalue_from_numpy(np.zeros((1, 1, hidden), np.float32), kind, dev)
+        self.position = ort.OrtValue.ortvalue_from_numpy(np.zeros((1,), np.int64), kind, dev)
+        self.kv = (ort.OrtValue.ortvalue_from_shape_and_type(cache, np.float32, kind, dev),
+                   ort.OrtValue.ortvalue_from_shape_and_type(cache, np.float32, kind, dev))
+        self.logp = ort.OrtValue.ortvalue_from_shape_and_type((1, vocab), np.float32, kind, dev)
+        self.bindings = []
+        self.run_options = []
+        for src in (0, 1):
+            binding = step.io_binding()
+            binding.bind_ortvalue_input("inputs_embeds", self.embeds)
+            binding.bind_ortvalue_input("position", self.position)
+            binding.bind_ortvalue_input("past_kv", self.kv[src])
+            binding.bind_ortvalue_output("logp", self.logp)
+            binding.bind_ortvalue_output("present_kv", self.kv[1 - src])
+            self.bindings.append(binding)
+            options = ort.RunOptions()
+            if capture:  # one captured graph per slot and direction
+                options.add_run_config_entry("gpu_graph_id", str(1 + 2 * index + src))
+            self.run_options.append(options)
+        self.positions = cache[4]
+        self.index = index
+
+
+class GraphDecoder:
+    """The slots over one loaded static step (one per engine)."""
+
+    def __init__(self, prefill: OrtSession, step: OrtSession, pad: OrtSession, device: tuple[str, int],
+                 slots: int = 4) -> None:
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
+        self.prefill_session = prefill
+        self.step_session = step
+        self.pad_session = pad
+        self.device = device
+        self.capture = step.cuda_graph
+        self.positions = int(step.input_shapes["past_kv"][4])
+        self._max_slots = slots
+        self._slots: list[GraphSlot] = []
+        self._free: list[GraphSlot] = []
+        self._lock = threading.Lock()
+        # Replays of one session's graphs are serialized: concurrent requests
+        # would share the GPU anyway, and capture must not overlap a replay.
+        self.run_lock = threading.Lock()
+
+    def loop(self, positions: int) -> GraphDecodeLoop | None:
+        """A loop for a request of at most `positions` (prompt + speech tokens), or None: use the ordinary loop."""
+        if positions > self.positions:
+            return None
+        with self._lock:
+            if self._free:
+                slot = self._free.pop()
+            elif len(self._slots) < self._max_slots:
+                slot = GraphSlot(len(self._slots), self.step_session, self.device, self.capture)
+                self._slots.append(slot)
+            else:
+                return None
+        return GraphDecodeLoop(self, slot)
+
+    def release(self, slot: GraphSlot) -> None:
+        with self._lock:
+            self._free.append(slot)
+
+    def close(self) -> None:
+        with self._lock:
+            self._slots.clear()
+            self._free.clear()
+
+
+class GraphDecodeLoop:
+    """DecodeLoop over the static step: prefill with the dynamic graph, its
+    cache padded into the slot, then one (replayed) step per token."""
+
+    def __init__(self, decoder: GraphDecoder, slot: GraphSlot) -> None:
+        self._decoder = decoder
+        self._slot: GraphSlot | None = slot
+        self._src = 0
+        self._len = 0
+
+    def _slot_or_raise(self) -> GraphSlot:
+        if self._slot is None:
+            raise RuntimeError("the decode loop was closed")
+        return self._slot
+
+    def prefill(self, inputs_embeds: np.ndarray) -> np.ndarray:
+        slot = self._slot_or_raise()
+        dec = self._decoder
+        kind, dev = dec.device
+        t = inputs_embeds.shape[1]
+        if inputs_embeds.shape[0] != 1 or t >= slot.positions:
+            raise EngineError(f"static decode: a prompt of {t} positions does not fit {slot.positions}")
+        binding = dec.prefill_session.io_binding()
+        binding.bind_cpu_input("inputs_embeds", np.ascontiguousarray(inputs_embeds, dtype=np.float32))
+        binding.bind_cpu_input("attention_mask", np.ones((1, t), np.int64))
+        binding.bind_output("logp", "cpu")
+        binding.bind_output("present_kv", kind, dev)
+        dec.prefill_session.run_bound(binding)
+        logp, present = binding.get_outputs()
+        pad = dec.pad_session.io_binding()
+        pad.bind_ortvalue_input("present_kv", present)
+        pad.bind_ortvalue_output("padded_kv", slot.kv[0])
+        dec.pad_session.run_bound(pad)
+        self._src = 0
+        self._len = t
+        return np.asarray(logp.numpy())
+
+    def step(self, inputs_embeds: np.ndarray) -> np.ndarray:
+        slot = self._slot_or_raise()
+        if self._len == 0:
+            raise RuntimeError("step() before prefill()")
+        if self._len >= slot.positions:
+            raise EngineError(f"static decode: the cache of {slot.positions} positions is full")
+        slot.embeds.update_inplace(np.ascontiguousarray(inputs_embeds, dtype=np.float32).reshape(1, 1, -1))
+        slot.position.update_inplace(np.array([self._len], dtype=np.int64))
+        with self._decoder.run_lock:
+            self._decoder.step_session.run_bound(slot.bindings[self._src], slot.run_options[self._src])
+            logp = np.array(slot.logp.numpy())
+        self._src = 1 - self._src
+        self._len += 1
+        return logp
+
+    @property
+    def cache_len(self) -> int:
+        return self._len
+
+    def close(self) -> None:
+        if self._slot is not None:
+            self._decoder.release(self._slot)
+            self._slot = None
+        self._len = 0
