@@ -170,6 +170,12 @@ class PlaybackOrder:
         with self._cond:
             return any(x.chunks for x in self._lanes)
 
+    def queued(self, job: Job) -> int:
+        """Chunks of `job` synthesized but not yet on the speaker."""
+        with self._cond:
+            lane = self._find(job)
+            return len(lane.chunks) if lane is not None else 0
+
     def waiting_jobs(self) -> int:
         """Requests behind the one on the speaker, waiting for their turn."""
         with self._cond:
