@@ -168,6 +168,26 @@ def test_a_request_synthesized_ahead_waits_with_a_bounded_lead() -> None:
     assert rec.order == ["A", "B"]
 
 
+def test_published_requests_never_wait_for_the_speaker() -> None:
+    sink = MemorySink()  # not started: "A" holds the speaker
+    engine = FakeEngine(chunks=6, chunk_s=0.1, levels=LEVELS)
+    p, rec = make(engine, workers=2, sink=sink, synth_ahead_chunks=1), Answers()
+    submit(p, rec, "A")
+    submit(p, rec, "P1", output="publish")
+    submit(p, rec, "P2", output="publish")
+    p.start()
+    try:
+        rec.wait(2)  # both published while "A" is still on the speaker
+        assert rec.order == ["P1", "P2"] and rec.audio_chunks == {"P1": 6, "P2": 6}
+        assert p.playing_job is not None and p.playing_job.id == "A"
+        sink.start()
+        rec.wait(3)
+    finally:
+        p.stop()
+        sink.close()
+    assert rec.answers["A"] == ("done", "completed")
+
+
 def test_barge_in_stops_the_playing_request_and_the_next_one_plays() -> None:
     sink = MemorySink(speed=4.0)
     sink.start()
