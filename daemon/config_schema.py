@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
 import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
@@ -44,6 +45,17 @@ def _type_name(tp: Any) -> str:
     )
 
 
+def _is_int_or_choice(tp: Any) -> bool:
+    """`int | str` fields: an integer in min..max, or one of the string choices (e.g. "auto")."""
+    return isinstance(tp, types.UnionType) and set(typing.get_args(tp)) == {int, str}
+
+
+def _allowed(meta: Mapping[str, Any]) -> str:
+    """The allowed values of an `int | str` field, for messages and the docs."""
+    words = " or ".join(_toml(c) for c in meta.get("choices") or ())
+    return f"{words} or an integer {meta.get('min')} .. {meta.get('max')}"
+
+
 def _toml(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -59,6 +71,12 @@ def _check_value(section: str, f: dataclasses.Field[Any], tp: Any, value: Any) -
     meta = f.metadata
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
+    if _is_int_or_choice(tp):
+        lo, hi = meta["min"], meta["max"]
+        ok_int = isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi
+        if not ok_int and not (isinstance(value, str) and value in (meta.get("choices") or ())):
+            raise ConfigError(f"{where} = {_toml_any(value)}: allowed values: {_allowed(meta)}")
+        return value
     if tp is tuple[str, ...] or typing.get_origin(tp) is tuple:
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise ConfigError(f"{where}: expected a list of strings, got {_toml_any(value)}")
@@ -109,10 +127,13 @@ def replace_checked(obj: T, section: str, **changes: Any) -> T:
 def describe(cls: type[Any]) -> list[tuple[str, Any, str, str]]:
     """(key, default as TOML, doc, constraint) for every field."""
     rows = []
+    hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         meta = f.metadata
         constraint = ""
-        if meta.get("choices"):
+        if _is_int_or_choice(hints[f.name]):
+            constraint = _allowed(meta)
+        elif meta.get("choices"):
             constraint = "one of " + ", ".join(_toml(c) for c in meta["choices"])
         elif meta.get("min") is not None or meta.get("max") is not None:
             constraint = f"{meta.get('min')} .. {meta.get('max')}"

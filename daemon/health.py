@@ -17,7 +17,7 @@ from daemon.sdnotify import SdNotifier
 log = logging.getLogger(__name__)
 
 # Fields that change all the time; a change of them alone is not published.
-_VOLATILE = ("uptime_s", "time", "queue_depth", "in_flight", "underruns", "requests")
+_VOLATILE = ("uptime_s", "time", "queue_depth", "in_flight", "synthesizing", "underruns", "requests")
 
 
 class HealthMonitor:

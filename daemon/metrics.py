@@ -58,6 +58,19 @@ class Metrics:
         )
         self.queue_depth = Gauge("cosyedge_tts_queue_depth", "requests waiting", registry=r)
         self.in_flight = Gauge("cosyedge_tts_in_flight", "requests being synthesized or played", registry=r)
+        self.active_syntheses = Gauge(
+            "cosyedge_tts_active_syntheses",
+            "requests on a synthesis worker now (at most [tts] synthesis_workers)",
+            registry=r,
+        )
+        self.synthesis_workers = Gauge(
+            "cosyedge_tts_synthesis_workers", "synthesis worker threads ([tts] synthesis_workers)", registry=r
+        )
+        self.playback_waiting = Gauge(
+            "cosyedge_tts_playback_waiting",
+            "synthesized-ahead requests waiting for the speaker while an earlier one plays",
+            registry=r,
+        )
         self.vad_events = Counter("cosyedge_vad_events", "VAD events", ["kind"], registry=r)
         self.barge_ins = Counter(
             "cosyedge_barge_ins", "speech while speaking, by action", ["action"], registry=r

@@ -66,8 +66,11 @@ class DedupeMemory:
 
 
 class Scheduler:
-    def __init__(self, settings: SchedulerSettings, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, settings: SchedulerSettings, clock: Callable[[], float] = time.monotonic, concurrency: int = 1
+    ) -> None:
         self.settings = settings
+        self.concurrency = max(1, concurrency)  # requests served at once (the synthesis workers)
         self._clock = clock
         self._lock = threading.Condition()
         self._heap: list[tuple[int, int, Job]] = []
@@ -99,7 +102,8 @@ class Scheduler:
         running = sum(
             1 for j in self._running.values() if j.priority >= priority or not self.settings.preempt
         )
-        return (ahead + running) * self._service_s
+        # `concurrency` requests are served at once, each taking about `_service_s`.
+        return (ahead + running) * self._service_s / self.concurrency
 
     def submit(self, job: Job) -> list[Job]:
         """Queue the job; returns the running jobs it preempts (the caller

@@ -53,8 +53,10 @@ class Service:
         self.sink = sink
         self.notifier = notifier or SdNotifier()
         self.metrics = Metrics()
+        self.metrics.synthesis_workers.set(settings.tts.synthesis_worker_count)
         self.engines = EngineSet(settings.routing)
-        self.scheduler = Scheduler(settings.scheduler)
+        workers = settings.tts.synthesis_worker_count
+        self.scheduler = Scheduler(settings.scheduler, concurrency=workers)
         self.router = Router(self.engines, settings.routing, load=self._local_load)
         self.completer = Completer(self.scheduler, self.metrics, settings.health.log_traces)
         self.speaking_listeners: list[Callable[[bool], None]] = []
@@ -65,6 +67,7 @@ class Service:
             settings.scheduler,
             sink,
             on_speaking=self._speaking_changed,
+            workers=workers,
         )
         prefix = settings.topic_prefix
         self.conn = MqttConnection(
@@ -221,6 +224,7 @@ class Service:
     def apply_settings(self, new: Settings) -> list[str]:
         """Apply what can change live; returns the changed keys that need a restart."""
         restart: list[str] = []
+        old_workers = self.settings.tts.synthesis_workers
         merged: dict[str, Any] = {}
         reload_engine = False
         for name, cls in SECTIONS.items():
@@ -236,6 +240,9 @@ class Service:
                 else:
                     restart.append(f"[{name}] {f.name}")
             merged[name] = dataclasses.replace(old_sec, **changes)
+        if (new.tts.synthesis_workers == old_workers == "auto"
+                and new.tts.synthesis_worker_count != self.pipeline.workers):
+            restart.append("[tts] synthesis_workers (auto follows llm_max_batch_size)")
         for key in ("device_id", "audio", "vad"):
             if getattr(self.settings, key) != getattr(new, key):
                 restart.append(key)
@@ -296,6 +303,7 @@ class Service:
             "cloud": {"enabled": self.cloud is not None, "link": describe_link(self.cloud)},
             "queue_depth": self.scheduler.depth,
             "in_flight": len(self.scheduler.running()),
+            "synthesizing": self.pipeline.active_syntheses,
             "underruns": self.sink.underruns if self.sink is not None else 0,
             "uptime_s": round(time.monotonic() - self._started_at, 1),
             "time": round(time.time(), 3),
@@ -319,6 +327,8 @@ class Service:
         m = self.metrics
         m.queue_depth.set(self.scheduler.depth)
         m.in_flight.set(len(self.scheduler.running()))
+        m.active_syntheses.set(self.pipeline.active_syntheses)
+        m.playback_waiting.set(self.pipeline.order.waiting_jobs())
         if self.sink is not None:
             m.underruns.set(self.sink.underruns)
         m.mqtt_connected.set(1.0 if self.conn.connected.is_set() else 0.0)

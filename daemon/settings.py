@@ -12,6 +12,7 @@ from daemon.audio.settings import AudioSettings, VadSettings
 from daemon.config_schema import setting
 
 PRIORITY_MIN, PRIORITY_MAX = -1000, 1000
+AUTO_WORKERS_MAX = 4  # synthesis_workers = "auto": beyond this the flow/vocoder, not the LLM, bound a board
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,12 @@ class TtsSettings:
         0.0, "with llm_max_batch_size: how long a request may wait to join so that the batch fills up",
         min=0, max=10_000,
     )
+    synthesis_workers: int | str = setting(
+        "auto", "requests synthesized at once (each on its own worker thread, so the LLM batcher can batch "
+        "them; played requests still play one at a time, in order); auto: 1 without llm_max_batch_size, "
+        f"else min(llm_max_batch_size, {AUTO_WORKERS_MAX})",
+        choices=("auto",), min=1, max=64,
+    )
     overlap_stages: str = setting(
         "auto", "streaming: the LLM decodes the next chunk on its own thread while flow and vocoder work on this "
         "one; auto: on with a GPU backend or 4+ CPU cores",
@@ -117,6 +124,15 @@ class TtsSettings:
         "memory (about 219 MiB per second of audio at full size) but changing the audio",
         min=-1, max=100_000,
     )
+
+    @property
+    def synthesis_worker_count(self) -> int:
+        """`synthesis_workers` with auto resolved: concurrency pays only where the LLM batches."""
+        if isinstance(self.synthesis_workers, int):
+            return self.synthesis_workers
+        if self.engine != "cosyvoice" or not self.llm_max_batch_size:
+            return 1
+        return min(self.llm_max_batch_size, AUTO_WORKERS_MAX)
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,16 @@ class _Request:
         return Waiting(self.key, self.priority, self.arrived)
 
 
+@dataclass
+class BatchStats:
+    """Counters of the batched decode (written by the worker only): how often
+    requests really shared a step, for tests and diagnostics."""
+
+    steps: int = 0  # decode steps run
+    shared_steps: int = 0  # of them, steps with more than one request in the batch
+    peak_batch: int = 0  # the most requests in one step
+
+
 class TokenStream:
     """The consumer side of one batched request: iterate for tokens; close()
     (or leaving a for loop early and dropping it) frees its batch row."""
@@ -96,6 +106,7 @@ class LlmBatcher:
         self.decoder = BatchDecoder(lm.prefill_session, lm.decode_session,
                                     compact_min_columns=settings.compact_min_columns)
         self.delay_ms: float | None = None  # None: settings.max_queue_delay_ms
+        self.stats = BatchStats()
         self._keys = itertools.count()
         self._cond = threading.Condition()
         self._waiting: list[_Request] = []
@@ -239,6 +250,9 @@ class LlmBatcher:
             self._fail_active(err)
             return True
         ms = (time.perf_counter() - t0) * 1e3
+        self.stats.steps += 1
+        self.stats.shared_steps += len(logps) > 1
+        self.stats.peak_batch = max(self.stats.peak_batch, len(logps))
         for key, logp in logps.items():
             request = self._active[key]
             request.decode.stats.decode_ms += ms

@@ -73,6 +73,10 @@ def test_file_and_flags(tmp_path: Path) -> None:
         ({"mqtt": {"broker": "http://x"}}, "[mqtt] broker = 'http://x': expected mqtt://"),
         ({"tts": {"backend": "cuda"}}, '[tts] backend = "cuda": allowed values: "ort", "ort-cuda", "ort-trt", "trt"'),
         ({"mqtt": {"reconnect_min_delay_s": 50, "reconnect_max_delay_s": 10}}, "must not exceed"),
+        ({"tts": {"synthesis_workers": "many"}},
+         '[tts] synthesis_workers = "many": allowed values: "auto" or an integer 1 .. 64'),
+        ({"tts": {"synthesis_workers": 0}}, '[tts] synthesis_workers = 0: allowed values: "auto" or an integer'),
+        ({"tts": {"synthesis_workers": True}}, "[tts] synthesis_workers = true: allowed values"),
     ],
 )
 def test_validation_names_field_and_allowed(data: dict, expected: str) -> None:
@@ -80,6 +84,18 @@ def test_validation_names_field_and_allowed(data: dict, expected: str) -> None:
     with pytest.raises(ConfigError) as err:
         settings_from_mapping(data)
     assert expected in str(err.value)
+
+
+@pytest.mark.parametrize(("tts", "workers"), [
+    ({}, 1),  # no LLM batching: nothing to batch
+    ({"llm_max_batch_size": 2}, 2),
+    ({"llm_max_batch_size": 16}, 4),
+    ({"llm_max_batch_size": 16, "engine": "espeak-ng"}, 1),
+    ({"synthesis_workers": 3}, 3),
+    ({"synthesis_workers": "auto", "llm_max_batch_size": 3}, 3),
+])
+def test_synthesis_workers_auto_follows_llm_batching(tts: dict, workers: int) -> None:
+    assert settings_from_mapping({"device_id": "d", "tts": tts}).tts.synthesis_worker_count == workers
 
 
 def test_int_accepted_for_float_and_frozen() -> None:

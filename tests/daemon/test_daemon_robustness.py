@@ -85,7 +85,7 @@ def test_bad_input_corpus_each_answered_daemon_keeps_serving(daemons: DaemonFact
     p.publish(f"{pre}/tts/cancel", b"\xff\x01garbage")
     p.wait_for(lambda m: len(p.on(f"{pre}/tts/error/_")) > before)
     assert p.on(f"{pre}/tts/error/_")[before].json()["code"] == "invalid_utf8"
-    assert svc.liveness() == {"synthesis": True, "intake": True}
+    assert svc.liveness() == {"synthesis-1": True, "intake": True}
 
 
 def test_v5_response_topic_and_correlation_data(daemons: DaemonFactory) -> None:
@@ -243,7 +243,7 @@ def test_health_document_and_status(daemons: DaemonFactory) -> None:
     health = p.wait_for(lambda m: m.topic == f"{pre}/status/health" and m.json().get("state") == "ready").json()
     assert health["engines"]["local"]["state"] == "ready"
     assert health["engines"]["cloud"]["state"] == "absent"
-    assert health["workers"] == {"synthesis": True, "intake": True}
+    assert health["workers"] == {"synthesis-1": True, "intake": True}
     svc.engines.slots["local"].swap(None)
     changed = p.wait_for(lambda m: m.topic == f"{pre}/status/health" and m.json()["state"] == "degraded", 5)
     assert changed.json()["engines"]["local"]["state"] == "absent"

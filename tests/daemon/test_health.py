@@ -100,7 +100,7 @@ def test_service_ready_watchdog_only_while_workers_live(
     notify_socket.collect(0.3)
     notify_socket.messages.clear()
     assert "WATCHDOG=1" not in notify_socket.collect(0.8)
-    assert svc.health.dead == ["synthesis"]
+    assert svc.health.dead == ["synthesis-1"]
     svc.stop(timeout_s=1)
     assert any(m.startswith("STOPPING=1") for m in notify_socket.collect(0.2))
 

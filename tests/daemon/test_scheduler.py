@@ -69,6 +69,23 @@ def test_estimated_wait_limit() -> None:
     s.submit(job("urgent", priority=9))  # nothing ahead of it
 
 
+def test_estimated_wait_counts_the_requests_served_at_once() -> None:
+    clock = Clock()
+    s = Scheduler(SchedulerSettings(max_wait_ms=2500), clock=clock, concurrency=2)
+    first = job("a")
+    s.submit(first)
+    s.next(0)
+    clock.t += 1.0  # a request takes 1 s; two run at once
+    s.finish(first)
+    for rid in "bcde":
+        s.submit(job(rid))
+    assert s.estimated_wait_s(0) == 2.0  # four ahead, two at a time
+    s.submit(job("f"))  # 2 s
+    s.submit(job("g"))  # 2.5 s: at the limit
+    with pytest.raises(ApiError, match="estimated wait"):
+        s.submit(job("h"))  # 3 s (one at a time it would be 6 s)
+
+
 def test_cancel_queued_and_running() -> None:
     s = Scheduler(SchedulerSettings(max_wait_ms=0))
     s.submit(job("a"))

@@ -192,6 +192,7 @@ def test_cancel_frees_the_slot_and_the_others_go_on(engine: CosyVoiceEngine) -> 
     for _ in range(3):
         batcher.run_once()
     assert len(batcher.decoder) == 3
+    assert (batcher.stats.steps, batcher.stats.shared_steps, batcher.stats.peak_batch) == (3, 3, 3)
     s0.close()  # the consumer went away
     cancel.set()  # the request was cancelled
     batcher.run_once()
@@ -201,6 +202,7 @@ def test_cancel_frees_the_slot_and_the_others_go_on(engine: CosyVoiceEngine) -> 
     while batcher.active:
         batcher.run_once()
     assert list(s3) == expected[3]
+    assert batcher.stats.steps > 3 and batcher.stats.shared_steps == 3  # alone, s3's steps are not shared
 
 
 class FlakySession:
