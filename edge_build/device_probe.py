@@ -106,22 +106,36 @@ def estimator_ways(path: Path, feeds: dict[str, np.ndarray], repeats: int, devic
     return result
 
 
-def probe(bundle: Path, backend: str, out: Path, frames: Sequence[int], repeats: int) -> dict[str, Any]:
-    out.mkdir(parents=True, exist_ok=True)
-    request = SynthesisRequest(text=PROBE_TEXT, stream=False, seed=1)
-    report: dict[str, Any] = {"backend": backend, "bundle": str(bundle)}
-    engine = load_engine(bundle, backend=backend, settings=EngineSettings(backend=backend))
+def offline_run(bundle: Path, backend: str, settings: EngineSettings, request: SynthesisRequest) -> dict[str, Any]:
+    """Stage times of one offline synthesis after a warm-up one (first calls allocate and pick kernels)."""
+    engine = load_engine(bundle, backend=backend, settings=settings)
     try:
-        list(engine.synthesize(request))  # warm-up: first calls allocate and pick kernels
+        list(engine.synthesize(request))
         t0 = time.perf_counter()
         chunks = list(engine.synthesize(request))
         wall = time.perf_counter() - t0
         times = chunks[-1].times
         audio_s = sum(c.pcm.size for c in chunks) / engine.sample_rate
-        report["offline"] = {"wall_s": wall, "audio_s": audio_s, "rtf": wall / max(audio_s, 1e-9),
-                             "llm_ms": times.llm_ms, "llm_tokens": times.llm_tokens,
-                             "llm_ms_per_token": times.llm_ms / max(times.llm_tokens, 1),
-                             "flow_ms": times.flow_ms, "vocoder_ms": times.vocoder_ms}
+        return {"wall_s": wall, "audio_s": audio_s, "rtf": wall / max(audio_s, 1e-9),
+                "fixed_size_decode": engine.lm.fixed_size_decode is not None,
+                "llm_ms": times.llm_ms, "llm_tokens": times.llm_tokens,
+                "llm_ms_per_token": times.llm_ms / max(times.llm_tokens, 1),
+                "flow_ms": times.flow_ms, "vocoder_ms": times.vocoder_ms}
+    finally:
+        engine.close()
+
+
+def probe(bundle: Path, backend: str, out: Path, frames: Sequence[int], repeats: int) -> dict[str, Any]:
+    out.mkdir(parents=True, exist_ok=True)
+    request = SynthesisRequest(text=PROBE_TEXT, stream=False, seed=1)
+    report: dict[str, Any] = {"backend": backend, "bundle": str(bundle)}
+    # auto: the fixed-size (CUDA graph) decode where the bundle has it; then the dynamic step
+    report["offline"] = offline_run(bundle, backend, EngineSettings(backend=backend), request)
+    if report["offline"]["fixed_size_decode"]:
+        report["offline_dynamic_decode"] = offline_run(bundle, backend,
+                                                       EngineSettings(backend=backend, graph_decode=False), request)
+    engine = load_engine(bundle, backend=backend, settings=EngineSettings(backend=backend))
+    try:
         path = engine.bundle.stages["flow_estimator"].path
         report["estimator"] = [estimator_ways(path, estimator_feeds(engine, n), repeats) for n in frames]
     finally:

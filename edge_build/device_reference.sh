@@ -9,7 +9,7 @@ mkdir -p "$out" /tmp/site
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 [ -f /tmp/full/ckpt/cosyvoice2.yaml ] || python3 -m daemon build tiny --size full --out /tmp/full/ckpt >"$out/build.log" 2>&1
-[ -f /tmp/full/bundle/manifest.json ] || python3 -m daemon build export --model-dir /tmp/full/ckpt --out /tmp/full/bundle >>"$out/build.log" 2>&1
+[ -f /tmp/full/bundle/manifest.json ] || python3 -m daemon build export --model-dir /tmp/full/ckpt --out /tmp/full/bundle --static-decode-len "${STATIC_DECODE_LEN:-1536}" >>"$out/build.log" 2>&1
 python3 - "$out/reference_h200.json" <<'PY' 2>&1 | grep -v -i warn
 import json, sys
 from edge_build.reference_pipeline import run_reference

@@ -32,3 +32,14 @@ def test_estimator_feeds_run_on_the_graph(tiny_bundle: Path) -> None:
         engine.close()
     assert out["dphi_dt"].shape == (2, engine.flow.mel_bins, 30)
     assert np.isfinite(out["dphi_dt"]).all()
+
+
+def test_probe_compares_fixed_size_and_dynamic_decode(tiny_static_bundle: Path) -> None:
+    from edge_build.device_probe import offline_run
+    from models.api import SynthesisRequest
+
+    request = SynthesisRequest(text="Two ways to decode.", stream=False, seed=2)
+    fixed = offline_run(tiny_static_bundle, "ort", EngineSettings(threads=1, graph_decode=True), request)
+    dynamic = offline_run(tiny_static_bundle, "ort", EngineSettings(threads=1, graph_decode=False), request)
+    assert fixed["fixed_size_decode"] and not dynamic["fixed_size_decode"]
+    assert fixed["llm_tokens"] == dynamic["llm_tokens"] > 0
