@@ -210,8 +210,13 @@ def test_bound_caches_on_cuda_provider(tiny_bundle: Path) -> None:
             np.testing.assert_allclose(bound, host, rtol=0, atol=1e-4)
         assert made.made and all(isinstance(c, BoundStepCache) and c.nbytes() == 0 for c in made.made)
         assert all(c.growths for c in made.made if isinstance(c, BoundStepCache) and c.spec.visible < 0)
+        # the engine's own factory is the backend's: device caches, closed at the end
+        through_engine = Recording(eng.flow.cache_factory)
+        eng.flow.cache_factory = through_engine
         chunks = list(eng.synthesize(SynthesisRequest(text="Hello from the GPU, one two three.", seed=1,
                                                       stream=True)))
         assert chunks[-1].last and np.isfinite(np.concatenate([c.pcm for c in chunks])).all()
+        assert through_engine.made and all(isinstance(c, BoundStepCache) and c.nbytes() == 0
+                                           for c in through_engine.made)
     finally:
         eng.close()
