@@ -215,7 +215,11 @@ class BoundCacheFactory:
     def copier(self) -> DeviceCopier:
         with self._lock:
             if self._copier is None:
-                self._copier = DeviceCopier(*self.device)
+                kind, dev = self.device
+                # onnxruntime's Python binding creates its allocator for a device on
+                # first use without a lock; do that here, before request threads race.
+                ort.OrtValue.ortvalue_from_shape_and_type([1], np.uint8, kind, dev)
+                self._copier = DeviceCopier(kind, dev)
             return self._copier
 
     def __call__(self, session: BoundRunner, spec: StepCacheSpec) -> BoundStepCache:
