@@ -126,7 +126,7 @@ class BoundStepCache:
         self._copier = copier
         self._device = copier.device
         self.length = 0
-        self.growths = 0  # reallocations, for tests and logs
+        self.growths = 0  # reallocations that moved committed rows (tests, logs)
         self._buf: ort.OrtValue | None = None
         self._capacity = 0
         self._reserve(max(spec.initial_frames, 1))
@@ -153,6 +153,8 @@ class BoundStepCache:
         if self._buf is not None and self.length:
             self._copier.copy(int(grown.data_ptr()), self._ptr(0), self.length * self.spec.row_bytes)
             self.growths += 1
+            log.debug("flow cache: %d -> %d frames (%.1f MiB) on %s:%d, %d rows copied", self._capacity, capacity,
+                      capacity * self.spec.row_bytes / (1 << 20), kind, dev, self.length)
         self._buf, self._capacity = grown, capacity
 
     def run(self, feeds: Mapping[str, np.ndarray], commit: int) -> np.ndarray:
