@@ -187,7 +187,7 @@ class CosyVoiceEngine:
         load = self._load
         self.lm = SpeechTokenLM(bundle, backend, load("llm_prefill"), load("llm_decode"))
         self.lm.fixed_size_decode = self._fixed_size_decode()
-        self.flow = FlowDecoder(bundle, load("flow_encoder"), load("flow_estimator"))
+        self.flow = FlowDecoder(bundle, load("flow_encoder"), load("flow_estimator"), backend.flow_cache)
         self.vocoder = HiftVocoder(bundle, load("hift_source"), load("hift_decoder"))
         self.tokenizer = TextTokenizer.from_file(bundle.file("tokenizer"))
         self.frontend = TextFrontend(self.tokenizer, max_text_chars=settings.max_text_chars)
@@ -371,13 +371,19 @@ class CosyVoiceEngine:
 
     def _stream_segment(self, llm_in: LlmInput, cond: Conditioning,
                         state: _RequestState) -> Generator[tuple[np.ndarray, bool], None, None]:
+        # Per request: the estimator caches, so each chunk costs only its new frames
+        # (device memory with a GPU backend): released when the segment ends, fails
+        # or is abandoned (synthesize closes this generator).
+        with self.flow.stream(cond.flow, self.settings.flow_final_chunk, self.settings.flow_left_chunks) as flow:
+            yield from self._stream_chunks(flow, llm_in, cond, state)
+
+    def _stream_chunks(self, flow: FlowStream, llm_in: LlmInput, cond: Conditioning,
+                       state: _RequestState) -> Generator[tuple[np.ndarray, bool], None, None]:
         lookahead = self.bundle.flow.pre_lookahead_len
         schedule = ChunkSchedule(self.bundle.streaming.token_hop_len, lookahead,
                                  prompt_tokens=len(cond.flow.tokens), first_hop=self.settings.first_hop_tokens,
                                  hop_scale=self.settings.hop_scale)
         stream = VocoderStream(self.vocoder, state.noise)
-        # Per request: the estimator caches, so each chunk costs only its new frames.
-        flow = self.flow.stream(cond.flow, self.settings.flow_final_chunk, self.settings.flow_left_chunks)
         tokens: list[int] = []
         spans = LlmSpans()
         # With overlap the LLM keeps decoding on its producer thread while this

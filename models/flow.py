@@ -12,12 +12,14 @@ prefix as upstream's streaming does."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
 
 from models.backends.base import Session
+from models.backends.flow_cache import HostKvBuffer, HostStepCache, StepCache, StepCacheSpec
 from models.bundle import Bundle, FlowConfig
 from models.errors import BundleError
 
@@ -97,52 +99,6 @@ class EstimatorWork:
     encoder_tokens: int = 0
 
 
-class _KvBuffer:
-    """A growing time-major K/V buffer [frames, ...]: a prefix (or, with a
-    bounded left context, a suffix) of it is passed to the graph without a copy."""
-
-    def __init__(self, tail: tuple[int, ...], visible: int = -1, dtype: np.dtype[Any] | None = None) -> None:
-        self.dtype = np.dtype(np.float32) if dtype is None else dtype
-        self._kv = np.zeros((0, *tail), dtype=self.dtype)
-        self.length = 0
-        self.visible = visible  # -1: all committed frames; else only the last `visible`
-
-    @property
-    def kv(self) -> np.ndarray:
-        first = 0 if self.visible < 0 else max(self.length - self.visible, 0)
-        return self._kv[first: self.length]
-
-    def trim(self, keep: int) -> None:
-        """Drop all but the last `keep` frames once they take more than half the
-        buffer (bounded left context): amortized, like the growth."""
-        if self.length > max(2 * keep, 1) and self.length - keep >= self._kv.shape[0] // 2:
-            self._kv[:keep] = self._kv[self.length - keep: self.length].copy()
-            self.length = keep
-
-    def append(self, new: np.ndarray) -> None:
-        n = new.shape[0]
-        if self.length + n > self._kv.shape[0]:
-            grown = np.empty((max(2 * self._kv.shape[0], self.length + n), *self._kv.shape[1:]), dtype=self.dtype)
-            grown[: self.length] = self._kv[: self.length]
-            self._kv = grown
-        self._kv[self.length: self.length + n] = new
-        self.length += n
-
-    def nbytes(self) -> int:
-        return self._kv.nbytes
-
-
-class _StepCache(_KvBuffer):
-    """One Euler step's estimator caches: the K/V buffer and the conv history."""
-
-    def __init__(self, dims: CacheDims, visible: int = -1, dtype: np.dtype[Any] | None = None) -> None:
-        super().__init__((dims.blocks, 2, CFG_BATCH, dims.heads, dims.head_dim), visible, dtype)
-        self.conv = np.zeros((dims.convs, CFG_BATCH, dims.conv_channels, dims.conv_history), dtype=np.float32)
-
-    def nbytes(self) -> int:
-        return super().nbytes() + self.conv.nbytes
-
-
 class EncoderCache:
     """One request's flow encoder caches (edge_build/export/flow_encoder.py):
     K/V of both stacks and the two convolution histories. Small (~1.4 MiB per
@@ -150,8 +106,8 @@ class EncoderCache:
 
     def __init__(self, dims: dict[str, int]) -> None:
         kv = (2, 1, dims["heads"], dims["head_dim"])
-        self.enc = _KvBuffer((dims["layers"], *kv))
-        self.up = _KvBuffer((dims["up_layers"], *kv))
+        self.enc = HostKvBuffer((dims["layers"], *kv))
+        self.up = HostKvBuffer((dims["up_layers"], *kv))
         self.pre = np.zeros((1, dims["pre_channels"], dims["pre_history"]), dtype=np.float32)
         self.upconv = np.zeros((1, dims["upconv_channels"], dims["upconv_history"]), dtype=np.float32)
 
@@ -171,8 +127,13 @@ def encoder_cache_dims(entry: dict[str, Any]) -> dict[str, int]:
     return {k: int(raw[k]) for k in _ENCODER_DIMS}
 
 
+# Backend.flow_cache: where a streaming request's step caches live.
+CacheFactory = Callable[[Session, StepCacheSpec], StepCache]
+
+
 class FlowDecoder:
-    def __init__(self, bundle: Bundle, encoder: Session, estimator: Session) -> None:
+    def __init__(self, bundle: Bundle, encoder: Session, estimator: Session,
+                 cache_factory: CacheFactory = HostStepCache) -> None:
         self.config: FlowConfig = bundle.flow
         self.mel_bins = bundle.mel_bins
         self.token_mel_ratio = bundle.token_mel_ratio
@@ -184,9 +145,16 @@ class FlowDecoder:
         self.cache_dims = CacheDims.from_manifest(raw)
         # fp16 bundles: the graph takes and gives the K/V cache in fp16 (half the memory)
         self.cache_dtype = np.dtype(np.float16 if "att_cache" in raw.get("fp16_io", ()) else np.float32)
-        self._empty = _StepCache(self.cache_dims, dtype=self.cache_dtype)  # offline calls: no history
+        self.cache_factory = cache_factory
+        self._empty = HostStepCache(estimator, self.cache_spec())  # offline calls: no history
         self.encoder_dims = encoder_cache_dims(bundle.stages["flow_encoder"].raw)
         self._empty_encoder = EncoderCache(self.encoder_dims)
+
+    def cache_spec(self, visible: int = -1, initial_frames: int = 0) -> StepCacheSpec:
+        d = self.cache_dims
+        return StepCacheSpec(row=(d.blocks, 2, CFG_BATCH, d.heads, d.head_dim),
+                             conv=(d.convs, CFG_BATCH, d.conv_channels, d.conv_history), dtype=self.cache_dtype,
+                             visible=visible, initial_frames=initial_frames)
 
     def encode(self, tokens: np.ndarray, embedding: np.ndarray, lookahead: int, chunk_tokens: int,
                cache: EncoderCache | None = None, commit: int = 0,
@@ -215,7 +183,7 @@ class FlowDecoder:
         return out["mu"][:, :, :frames], out["spks"]
 
     def euler(self, mu: np.ndarray, spks: np.ndarray, cond: np.ndarray, start: int, chunk_frames: int,
-              caches: list[_StepCache] | None = None, commit: int = 0,
+              caches: list[StepCache] | None = None, commit: int = 0,
               work: EstimatorWork | None = None) -> np.ndarray:
         """Euler steps from the fixed noise over the window of frames
         [start, start + mu.shape[2]) (mu, cond [1, C, window]); with `caches`
@@ -245,18 +213,11 @@ class FlowDecoder:
             cache = caches[step - 1] if caches is not None else self._empty
             x_in = np.concatenate([x, x], axis=0)
             t_in = np.full((CFG_BATCH,), t, dtype=np.float32)
-            out = self.estimator.run({
-                "x": x_in, "mask": mask_in, "mu": mu_in, "t": t_in, "spks": spks_in,
-                "cond": cond_in, "chunk_frames": chunk_in, "att_cache": cache.kv, "conv_cache": cache.conv,
-                "commit": commit_in,
-            })
-            if caches is not None and commit:
-                cache.append(out["att_cache_new"])
-                cache.conv = out["conv_cache_new"]
+            d = cache.run({"x": x_in, "mask": mask_in, "mu": mu_in, "t": t_in, "spks": spks_in, "cond": cond_in,
+                           "chunk_frames": chunk_in, "commit": commit_in}, commit if caches is not None else 0)
             if work is not None:
                 work.calls += 1
                 work.frames += frames
-            d = out["dphi_dt"]
             guided = (np.float32(1.0) + rate) * d[:1] - rate * d[1:]
             x = (x + dt * guided).astype(np.float32, copy=False)
             t = np.float32(t + dt)
@@ -333,15 +294,33 @@ class FlowStream:
         # long utterances, but the mel then differs from upstream's.
         self.left_chunks = left_chunks
         visible = -1 if left_chunks < 0 else left_chunks * self.chunk_frames
-        self.caches = ([_StepCache(decoder.cache_dims, visible, decoder.cache_dtype) for _ in range(cfg.n_timesteps)]
-                       if self.cached else [])
+        # Device stores preallocate: the prompt and two chunks, then doubling.
+        spec = decoder.cache_spec(visible, self.prompt_frames + 2 * self.chunk_frames)
+        self.caches: list[StepCache] = []
+        if self.cached:
+            self.caches = [decoder.cache_factory(decoder.estimator, spec) for _ in range(cfg.n_timesteps)]
         self.encoder_cache = EncoderCache(decoder.encoder_dims) if self.cached else None
         self.work = EstimatorWork()
         self._tokens = prompt.tokens.astype(np.int64)
+        self._closed = False
 
     def cache_bytes(self) -> int:
         enc = self.encoder_cache.nbytes() if self.encoder_cache is not None else 0
         return sum(c.nbytes() for c in self.caches) + enc
+
+    def close(self) -> None:
+        """Release the caches (device memory with a device store); idempotent."""
+        for cache in self.caches:
+            cache.close()
+        self.caches = []
+        self.encoder_cache = None
+        self._closed = True
+
+    def __enter__(self) -> FlowStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _window(self, tokens: np.ndarray, finalize: bool) -> np.ndarray:
         dec = self.decoder
@@ -366,15 +345,19 @@ class FlowStream:
         x = dec.euler(mu, spks, cond, start, self.chunk_frames, self.caches, commit, self.work)
         self.committed += commit
         for cache in self.caches:
-            if cache.visible >= 0:
-                cache.trim(cache.visible)
+            cache.trim()
         out = x[:, :, self.emitted - start:]
         self.emitted = end
         return out
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("flow stream used after close()")
+
     def push(self, tokens: np.ndarray) -> np.ndarray:
         """New mel frames [1, C, n] for the token prefix `tokens` (prompt
         excluded, the look-ahead tokens at its end are context only)."""
+        self._check_open()
         if not self.cached:
             mel = self.decoder.mel(np.asarray(tokens), self.prompt, finalize=False, streaming=True, work=self.work)
             out = mel[:, :, self.emitted - self.prompt_frames:]
@@ -388,6 +371,7 @@ class FlowStream:
         costs a full-length estimator pass); "cached": the last window through
         the caches with the chunk mask (linear cost; its frames differ a little
         from upstream's)."""
+        self._check_open()
         if self.final_chunk == "upstream" or not self.cached:
             mel = self.decoder.mel(np.asarray(tokens), self.prompt, finalize=True, streaming=False, work=self.work)
             out = mel[:, :, self.emitted - self.prompt_frames:]

@@ -12,6 +12,7 @@ import numpy as np
 
 from models.api import SynthesisRequest
 from models.backends.base import Backend, DecodeLoop, HostDecodeLoop, Session, create_backend
+from models.backends.flow_cache import HostStepCache, StepCache, StepCacheSpec
 from models.bundle import load_bundle
 from models.engine import CosyVoiceEngine, EngineSettings
 
@@ -80,6 +81,9 @@ class CapturingBackend:
 
     def decode_loop(self, prefill: Session, decode: Session) -> DecodeLoop:
         return HostDecodeLoop(prefill, decode)
+
+    def flow_cache(self, estimator: Session, spec: StepCacheSpec) -> StepCache:
+        return HostStepCache(estimator, spec)
 
     def describe(self) -> dict[str, str]:
         return self._inner.describe()

@@ -8,6 +8,7 @@ from typing import Protocol
 
 import numpy as np
 
+from models.backends.flow_cache import StepCache, StepCacheSpec
 from models.errors import BundleError
 
 BACKENDS = ("ort", "ort-cuda", "ort-trt", "trt")
@@ -72,6 +73,12 @@ class Backend(Protocol):
 
     def decode_loop(self, prefill: Session, decode: Session) -> DecodeLoop:
         """A per-request decode loop over two sessions this backend loaded."""
+        ...
+
+    def flow_cache(self, estimator: Session, spec: StepCacheSpec) -> StepCache:
+        """One streaming request's estimator caches for one Euler step, kept
+        where this backend computes (host arrays, or device memory bound to
+        the estimator without a copy per call)."""
         ...
 
     def describe(self) -> dict[str, str]:

@@ -11,6 +11,8 @@ import numpy as np
 import onnxruntime as ort
 
 from models.backends.base import DecodeLoop, HostDecodeLoop, Session
+from models.backends.flow_cache import HostStepCache, StepCache, StepCacheSpec
+from models.backends.ort_cache import BoundCacheFactory
 from models.errors import BundleError, EngineError
 from models.ort_profile import profile_dir
 
@@ -117,6 +119,7 @@ class OrtBackend:
         self.device_id = device_id
         self.name = "ort" if self.providers == ("CPUExecutionProvider",) else "ort-" + self.providers[0].removesuffix(
             "ExecutionProvider").lower()
+        self._device_caches = BoundCacheFactory("cuda", device_id)
 
     def load(self, stage: str, path: Path, *, threads: int | None = None) -> OrtSession:
         if threads is None:
@@ -130,6 +133,13 @@ class OrtBackend:
         if isinstance(prefill, OrtSession) and isinstance(decode, OrtSession) and decode.on_device:
             return BoundDecodeLoop(prefill, decode, "cuda", self.device_id)
         return HostDecodeLoop(prefill, decode)
+
+    def flow_cache(self, estimator: Session, spec: StepCacheSpec) -> StepCache:
+        # On a GPU provider the caches stay in device memory (no cache copy per
+        # call); on the CPU host arrays are already where the graph computes.
+        if isinstance(estimator, OrtSession) and estimator.on_device:
+            return self._device_caches(estimator, spec)
+        return HostStepCache(estimator, spec)
 
     def describe(self) -> dict[str, str]:
         return {

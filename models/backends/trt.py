@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from models.backends.cuda import DeviceBuffer, ThreadCuda, device_info, driver, pinned_empty
+from models.backends.flow_cache import HostStepCache, StepCache, StepCacheSpec
 from models.backends.gpu_probe import import_tensorrt
 from models.backends.profiles import ProfileShapes, ShapeRange, choose_profile
 from models.errors import BundleError, EngineError
@@ -348,6 +349,10 @@ class TrtBackend:
         if not isinstance(prefill, TrtSession) or not isinstance(decode, TrtSession):
             raise EngineError("the trt decode loop needs sessions loaded by the trt backend")
         return TrtDecodeLoop(prefill, decode, use_graphs=self.decode_graphs)
+
+    def flow_cache(self, estimator: Session, spec: StepCacheSpec) -> StepCache:
+        # Host caches: TrtSession.run takes host inputs (a device store is open work).
+        return HostStepCache(estimator, spec)
 
     def describe(self) -> dict[str, str]:
         import tensorrt as trt

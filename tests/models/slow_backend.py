@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from models.backends.base import Backend, DecodeLoop, HostDecodeLoop, Session
+from models.backends.flow_cache import HostStepCache, StepCache, StepCacheSpec
 from models.errors import EngineError
 
 
@@ -67,6 +68,9 @@ class SlowBackend:
 
     def decode_loop(self, prefill: Session, decode: Session) -> DecodeLoop:
         return HostDecodeLoop(prefill, decode)
+
+    def flow_cache(self, estimator: Session, spec: StepCacheSpec) -> StepCache:
+        return HostStepCache(estimator, spec)
 
     def describe(self) -> dict[str, str]:
         return self._inner.describe()

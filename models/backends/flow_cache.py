@@ -1,0 +1,163 @@
+"""The streaming flow estimator's caches of one request and one Euler step:
+the K/V of the committed frames (time-major, growing) and the causal
+convolutions' history. Where they live is the backend's choice
+(`Backend.flow_cache`): host arrays here (`HostStepCache`, right for the CPU
+and for backends that take host inputs), device memory bound by pointer
+through onnxruntime IOBinding in models/backends/ort_cache.py."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from models.backends.base import Session
+
+log = logging.getLogger(__name__)
+
+# The estimator graph's cache I/O (edge_build/export/flow_estimator.py).
+ATT_CACHE, CONV_CACHE = "att_cache", "conv_cache"
+ATT_CACHE_NEW, CONV_CACHE_NEW, DPHI_DT = "att_cache_new", "conv_cache_new", "dphi_dt"
+
+
+@dataclass(frozen=True)
+class StepCacheSpec:
+    """Shapes of one step's caches: `row` is one frame of K/V (blocks, K|V,
+    CFG rows, heads, head_dim) in `dtype` (fp16 for fp16 bundles), `conv` the
+    fp32 conv history. `visible` -1: every committed frame is attended to;
+    N >= 0: only the last N (bounded left context)."""
+
+    row: tuple[int, ...]
+    conv: tuple[int, ...]
+    dtype: np.dtype[Any]
+    visible: int = -1
+    initial_frames: int = 0  # capacity reserved up front (device buffers); grows by doubling
+
+    @property
+    def row_bytes(self) -> int:
+        return int(np.prod(self.row)) * self.dtype.itemsize
+
+    @property
+    def conv_bytes(self) -> int:
+        return int(np.prod(self.conv)) * 4
+
+
+class StepCache(Protocol):
+    """One Euler step's estimator caches for one request."""
+
+    spec: StepCacheSpec
+
+    @property
+    def length(self) -> int:
+        """Committed frames held (after a trim: the kept ones)."""
+        ...
+
+    def run(self, feeds: Mapping[str, np.ndarray], commit: int) -> np.ndarray:
+        """One estimator call over `feeds` (every input but the caches) with
+        these caches as att_cache / conv_cache; returns dphi_dt as a host array.
+        commit > 0: the call's first `commit` frames are appended
+        (att_cache_new) and the conv history becomes conv_cache_new."""
+        ...
+
+    def trim(self) -> None:
+        """Bounded left context: drop frames no longer visible (amortized)."""
+        ...
+
+    def nbytes(self) -> int:
+        """Memory held (the K/V buffer's capacity and the conv history)."""
+        ...
+
+    def close(self) -> None:
+        """Release the buffers; the cache is unusable afterwards."""
+        ...
+
+
+class HostKvBuffer:
+    """A growing time-major K/V buffer [frames, ...] in host memory: a prefix
+    (or, with a bounded left context, a suffix) of it is passed to the graph
+    without a copy."""
+
+    def __init__(self, tail: tuple[int, ...], visible: int = -1, dtype: np.dtype[Any] | None = None) -> None:
+        self.dtype = np.dtype(np.float32) if dtype is None else dtype
+        self._kv = np.zeros((0, *tail), dtype=self.dtype)
+        self.length = 0
+        self.visible = visible  # -1: all committed frames; else only the last `visible`
+
+    @property
+    def kv(self) -> np.ndarray:
+        first = 0 if self.visible < 0 else max(self.length - self.visible, 0)
+        return self._kv[first: self.length]
+
+    def trim(self, keep: int) -> None:
+        """Drop all but the last `keep` frames once they take more than half the
+        buffer (bounded left context): amortized, like the growth."""
+        if self.length > max(2 * keep, 1) and self.length - keep >= self._kv.shape[0] // 2:
+            self._kv[:keep] = self._kv[self.length - keep: self.length].copy()
+            self.length = keep
+
+    def append(self, new: np.ndarray) -> None:
+        n = new.shape[0]
+        if self.length + n > self._kv.shape[0]:
+            grown = np.empty((max(2 * self._kv.shape[0], self.length + n), *self._kv.shape[1:]), dtype=self.dtype)
+            grown[: self.length] = self._kv[: self.length]
+            self._kv = grown
+        self._kv[self.length: self.length + n] = new
+        self.length += n
+
+    def nbytes(self) -> int:
+        return self._kv.nbytes
+
+    def clear(self) -> None:
+        self._kv = self._kv[:0]
+        self.length = 0
+
+
+class HostStepCache:
+    """StepCache in host arrays: every call passes the visible K/V as a
+    numpy view (the runtime copies it to its device, if it has one)."""
+
+    def __init__(self, estimator: Session, spec: StepCacheSpec) -> None:
+        self.spec = spec
+        self._estimator = estimator
+        self._buf = HostKvBuffer(spec.row, spec.visible, spec.dtype)
+        self.conv = np.zeros(spec.conv, dtype=np.float32)
+        self._closed = False
+
+    @property
+    def length(self) -> int:
+        return self._buf.length
+
+    @property
+    def kv(self) -> np.ndarray:
+        """The visible K/V (a view)."""
+        return self._buf.kv
+
+    def run(self, feeds: Mapping[str, np.ndarray], commit: int) -> np.ndarray:
+        if self._closed:
+            raise RuntimeError("flow cache used after close()")
+        out = self._estimator.run({**feeds, ATT_CACHE: self._buf.kv, CONV_CACHE: self.conv})
+        if commit:
+            self._buf.append(out[ATT_CACHE_NEW])
+            self.conv = out[CONV_CACHE_NEW]
+        return out[DPHI_DT]
+
+    def trim(self) -> None:
+        if self.spec.visible >= 0:
+            self._buf.trim(self.spec.visible)
+
+    def nbytes(self) -> int:
+        return self._buf.nbytes() + self.conv.nbytes
+
+    def close(self) -> None:
+        self._buf.clear()
+        self.conv = self.conv[:0]
+        self._closed = True
+
+
+def host_flow_cache(estimator: Session, spec: StepCacheSpec) -> StepCache:
+    """Backend.flow_cache for backends that keep the caches on the host."""
+    return HostStepCache(estimator, spec)

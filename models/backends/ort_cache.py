@@ -1,0 +1,228 @@
+"""Streaming flow caches in onnxruntime device memory (IOBinding).
+
+Each step cache is one preallocated device buffer [capacity, *row] (an
+OrtValue from onnxruntime's allocator for the device). Every estimator call
+binds, by pointer and shape, the visible part of it as `att_cache` (no copy)
+and the free rows right after the committed ones as `att_cache_new`, so the
+graph appends the new frames in place; the conv history stays a device
+OrtValue between calls. Only the small per-window inputs go in and dphi_dt
+comes out. Growth (doubling) and the bounded-context trim need a
+device-to-device copy, which onnxruntime's Python API has no call for: a
+one-node Identity graph run with both ends bound by pointer does it
+(`DeviceCopier`).
+
+With device "cpu" and the CPU provider the same code runs on host memory:
+that is how it is tested without a GPU."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+from typing import Protocol
+
+import numpy as np
+import onnxruntime as ort
+
+from models.backends.flow_cache import (
+    ATT_CACHE,
+    ATT_CACHE_NEW,
+    CONV_CACHE,
+    CONV_CACHE_NEW,
+    DPHI_DT,
+    StepCacheSpec,
+)
+from models.errors import EngineError
+
+log = logging.getLogger(__name__)
+
+# --- a one-node ONNX model, written without the onnx package (a build-only extra) ---
+_VARINT, _BYTES = 0, 2
+_UINT8 = 2  # TensorProto.UINT8: copies are byte ranges, whatever the cache dtype
+_OPSET = 13
+_IR_VERSION = 7
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def _field(number: int, value: int | bytes | str) -> bytes:
+    """One protobuf field: an int as a varint, bytes / str length-delimited."""
+    if isinstance(value, int):
+        return _varint(number << 3 | _VARINT) + _varint(value)
+    data = value.encode() if isinstance(value, str) else value
+    return _varint(number << 3 | _BYTES) + _varint(len(data)) + data
+
+
+def _byte_vector(name: str) -> bytes:
+    """ValueInfoProto: a 1-D uint8 tensor of symbolic length."""
+    dim = _field(1, _field(2, "n"))  # TensorShapeProto.dim { dim_param: "n" }
+    tensor = _field(1, _UINT8) + _field(2, dim)  # TypeProto.Tensor { elem_type, shape }
+    return _field(1, name) + _field(2, _field(1, tensor))  # ValueInfoProto { name, type { tensor_type } }
+
+
+def identity_model() -> bytes:
+    """ModelProto of `dst = Identity(src)` over uint8 vectors."""
+    node = _field(1, "src") + _field(2, "dst") + _field(3, "copy") + _field(4, "Identity")
+    graph = _field(1, node) + _field(2, "device_copy") + _field(11, _byte_vector("src")) + \
+        _field(12, _byte_vector("dst"))
+    opset = _field(1, "") + _field(2, _OPSET)
+    return _field(1, _IR_VERSION) + _field(2, "cosyedge") + _field(7, graph) + _field(8, opset)
+
+
+class DeviceCopier:
+    """Byte copies between device addresses through the Identity graph (its
+    kernel copies input to output with the device's own memcpy). One per
+    backend and device; onnxruntime sessions are safe to run from several threads."""
+
+    def __init__(self, device_type: str, device_id: int = 0) -> None:
+        self.device = (device_type, device_id)
+        opts = ort.SessionOptions()
+        # Nothing to optimize, and an optimizer must not drop the one node.
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        opts.intra_op_num_threads = 1
+        providers: list[str | tuple[str, dict[str, str]]] = ["CPUExecutionProvider"]
+        if device_type == "cuda":
+            providers.insert(0, ("CUDAExecutionProvider", {"device_id": str(device_id)}))
+        self._sess = ort.InferenceSession(identity_model(), sess_options=opts, providers=providers)
+
+    def copy(self, dst_ptr: int, src_ptr: int, nbytes: int) -> None:
+        """Copy `nbytes` from src to dst (the ranges must not overlap)."""
+        if nbytes <= 0:
+            return
+        kind, dev = self.device
+        binding = self._sess.io_binding()
+        binding.bind_input("src", kind, dev, np.uint8, [nbytes], src_ptr)
+        binding.bind_output("dst", kind, dev, np.uint8, [nbytes], dst_ptr)
+        try:
+            self._sess.run_with_iobinding(binding)
+        except Exception as exc:  # onnxruntime raises its own exception types
+            raise EngineError(f"device copy of {nbytes} bytes failed: {exc}") from exc
+
+
+class BoundRunner(Protocol):
+    """What BoundStepCache needs of a session (OrtSession has it)."""
+
+    def io_binding(self) -> ort.IOBinding: ...
+
+    def run_bound(self, binding: ort.IOBinding) -> None: ...
+
+
+class BoundStepCache:
+    """StepCache in device memory, bound to the estimator by pointer."""
+
+    def __init__(self, session: BoundRunner, spec: StepCacheSpec, copier: DeviceCopier) -> None:
+        self.spec = spec
+        self._session = session
+        self._copier = copier
+        self._device = copier.device
+        self.length = 0
+        self.growths = 0  # reallocations that moved committed rows (tests, logs)
+        self._buf: ort.OrtValue | None = None
+        self._capacity = 0
+        self._reserve(max(spec.initial_frames, 1))
+        kind, dev = self._device
+        self._conv: ort.OrtValue | None = ort.OrtValue.ortvalue_from_numpy(
+            np.zeros(spec.conv, dtype=np.float32), kind, dev)
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    def _ptr(self, frame: int) -> int:
+        assert self._buf is not None
+        return int(self._buf.data_ptr()) + frame * self.spec.row_bytes
+
+    def _reserve(self, frames: int) -> None:
+        """Room for `frames` rows: a new buffer of double the capacity (or
+        more) and a device-to-device copy of the committed rows."""
+        if frames <= self._capacity:
+            return
+        capacity = max(2 * self._capacity, frames)
+        kind, dev = self._device
+        grown = ort.OrtValue.ortvalue_from_shape_and_type([capacity, *self.spec.row], self.spec.dtype.type, kind, dev)
+        if self._buf is not None and self.length:
+            self._copier.copy(int(grown.data_ptr()), self._ptr(0), self.length * self.spec.row_bytes)
+            self.growths += 1
+            log.debug("flow cache: %d -> %d frames (%.1f MiB) on %s:%d, %d rows copied", self._capacity, capacity,
+                      capacity * self.spec.row_bytes / (1 << 20), kind, dev, self.length)
+        self._buf, self._capacity = grown, capacity
+
+    def run(self, feeds: Mapping[str, np.ndarray], commit: int) -> np.ndarray:
+        if self._buf is None or self._conv is None:
+            raise RuntimeError("flow cache used after close()")
+        self._reserve(self.length + commit)  # before binding: growth moves the buffer
+        kind, dev = self._device
+        dtype = self.spec.dtype.type
+        first = 0 if self.spec.visible < 0 else max(self.length - self.spec.visible, 0)
+        binding = self._session.io_binding()
+        for name, value in feeds.items():
+            binding.bind_cpu_input(name, np.ascontiguousarray(value))
+        binding.bind_input(ATT_CACHE, kind, dev, dtype, [self.length - first, *self.spec.row], self._ptr(first))
+        binding.bind_ortvalue_input(CONV_CACHE, self._conv)
+        binding.bind_output(DPHI_DT, "cpu")
+        if commit:
+            # Zero-copy append: the graph writes the new rows after the committed ones.
+            binding.bind_output(ATT_CACHE_NEW, kind, dev, dtype, [commit, *self.spec.row], self._ptr(self.length))
+            binding.bind_output(CONV_CACHE_NEW, kind, dev)
+        self._session.run_bound(binding)
+        outputs = binding.get_outputs()
+        if commit:
+            self.length += commit
+            self._conv = outputs[2]
+        return np.asarray(outputs[0].numpy())
+
+    def trim(self) -> None:
+        """As HostKvBuffer.trim: the last `visible` rows move to the front once
+        the dropped ones fill half the buffer (length > 2 * keep: no overlap)."""
+        keep = self.spec.visible
+        if keep < 0 or self._buf is None:
+            return
+        if self.length > max(2 * keep, 1) and self.length - keep >= self._capacity // 2:
+            self._copier.copy(self._ptr(0), self._ptr(self.length - keep), keep * self.spec.row_bytes)
+            self.length = keep
+
+    def nbytes(self) -> int:
+        if self._buf is None:
+            return 0
+        return self._capacity * self.spec.row_bytes + self.spec.conv_bytes
+
+    def close(self) -> None:
+        # Drops the only references: the memory goes back to onnxruntime's
+        # allocator for the device (its arena reuses it for the next request).
+        self._buf = None
+        self._conv = None
+        self._capacity = 0
+        self.length = 0
+
+
+class BoundCacheFactory:
+    """Backend.flow_cache over IOBinding for one device; the copier is made
+    on first use and shared by the requests (thread-safe)."""
+
+    def __init__(self, device_type: str, device_id: int = 0) -> None:
+        self.device = (device_type, device_id)
+        self._copier: DeviceCopier | None = None
+        self._lock = threading.Lock()
+
+    def copier(self) -> DeviceCopier:
+        with self._lock:
+            if self._copier is None:
+                kind, dev = self.device
+                # onnxruntime's Python binding creates its allocator for a device on
+                # first use without a lock; do that here, before request threads race.
+                ort.OrtValue.ortvalue_from_shape_and_type([1], np.uint8, kind, dev)
+                self._copier = DeviceCopier(kind, dev)
+            return self._copier
+
+    def __call__(self, session: BoundRunner, spec: StepCacheSpec) -> BoundStepCache:
+        return BoundStepCache(session, spec, self.copier())
