@@ -422,10 +422,15 @@ class CosyVoiceEngine:
         return pcm
 
 
-def load_engine(bundle_dir: Path | str, backend: str = "ort",
+def load_engine(bundle_dir: Path | str, backend: str | None = None,
                 settings: EngineSettings | None = None) -> CosyVoiceEngine:
-    """Load a bundle and its sessions; raises BundleError with what to do."""
-    settings = settings or EngineSettings(backend=backend)
+    """Load a bundle and its sessions on `settings.backend` (or `backend`
+    without settings); raises BundleError with what to do."""
+    if settings is None:
+        settings = EngineSettings(backend=backend or "ort")
+    elif backend is not None and backend != settings.backend:
+        raise ValueError(f"backend {backend!r} differs from settings.backend {settings.backend!r}")
+    name = settings.backend
     # The trt backend loads the bundle's TensorRT plans, checked against this GPU.
-    bundle = load_bundle(bundle_dir, precision=settings.precision, backend="trt" if backend == "trt" else "ort")
-    return CosyVoiceEngine(bundle, create_backend(backend), settings)
+    bundle = load_bundle(bundle_dir, precision=settings.precision, backend="trt" if name == "trt" else "ort")
+    return CosyVoiceEngine(bundle, create_backend(name), settings)

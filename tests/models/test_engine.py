@@ -13,7 +13,7 @@ import pytest
 
 from models.api import PromptAudio, SynthesisRequest
 from models.bundle import load_bundle
-from models.engine import CosyVoiceEngine
+from models.engine import CosyVoiceEngine, EngineSettings, load_engine
 from models.errors import BundleError, RequestError
 from models.features import prompt_mel
 from models.flow import FlowPrompt
@@ -181,3 +181,14 @@ def test_bad_bundles_say_what_was_expected(tiny_bundle: Path, tmp_path: Path) ->
     (copy / "llm_decode.onnx").unlink()
     with pytest.raises(BundleError, match="llm_decode.onnx is missing"):
         load_bundle(copy)
+
+
+def test_load_engine_uses_the_settings_backend(tiny_bundle: Path) -> None:
+    # The bench and the daemon pass only settings: the backend they name must be the one loaded.
+    engine = load_engine(tiny_bundle, settings=EngineSettings(backend="ort-cuda", threads=1))
+    try:
+        assert engine.backend.name == "ort-cuda"
+    finally:
+        engine.close()
+    with pytest.raises(ValueError, match="differs"):
+        load_engine(tiny_bundle, backend="ort", settings=EngineSettings(backend="ort-cuda"))
