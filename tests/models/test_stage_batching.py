@@ -1,0 +1,360 @@
+"""Flow estimator and HiFT calls batched across requests
+(models/stage_batcher.py, models/stage_merge.py): merged calls give each
+request what it gets alone (up to float reassociation in the bigger GEMMs),
+with ragged lengths padded and masked; the queue honours the batch size,
+the delay and priorities; errors reach exactly the calls of the failed run;
+nothing hangs when the worker is gone."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from models.api import SynthesisRequest
+from models.backends.base import Session
+from models.backends.profiles import all_input_ranges
+from models.batch_policy import BatchSettings
+from models.engine import CosyVoiceEngine, EngineSettings, load_engine
+from models.errors import EngineError
+from models.flow import FlowPrompt
+from models.stage_batcher import StageBatcher, call_priority, current_priority
+from models.stage_merge import Axes, AxisMerger, estimator_merger, hift_source_merger, profile_fits
+from models.vocoder import HiftVocoder
+
+TEXTS = ["Hello world one two.", "The quick brown fox jumps over the lazy dog", "A", "Numbers and dates today"]
+TOL = 1e-5  # estimator outputs and mel: float reassociation only
+
+
+class Recorder:
+    """A session that keeps the feeds of every call."""
+
+    def __init__(self, inner: Session) -> None:
+        self.inner = inner
+        self.name, self.input_names, self.output_names = inner.name, inner.input_names, inner.output_names
+        self.feeds: list[dict[str, np.ndarray]] = []
+
+    def run(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        self.feeds.append(dict(inputs))
+        return self.inner.run(inputs, outputs)
+
+    def memory_bytes(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
+class RowSum:
+    """A fake graph: out[n, t] = running sum of x[n, :t+1] * mask (causal,
+    masked: right padding must not change the valid frames); counts runs."""
+
+    def __init__(self, fail_on: set[int] | None = None) -> None:
+        self.name = "fake"
+        self.input_names: tuple[str, ...] = ("x", "mask")
+        self.output_names: tuple[str, ...] = ("y",)
+        self.runs: list[int] = []  # rows per run
+        self.fail_on = fail_on or set()
+
+    def run(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        self.runs.append(int(inputs["x"].shape[0]))
+        if len(self.runs) in self.fail_on:
+            raise RuntimeError("injected failure")
+        return {"y": np.cumsum(inputs["x"] * inputs["mask"], axis=1)}
+
+    def memory_bytes(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
+ROW_MERGER = AxisMerger({"x": Axes(0, 1), "mask": Axes(0, 1)}, {"y": Axes(0, 1)}, time_ref="x")
+
+
+def row_call(length: int, seed: int) -> dict[str, np.ndarray]:
+    x = np.random.default_rng(seed).standard_normal((1, length)).astype(np.float32)
+    return {"x": x, "mask": np.ones_like(x)}
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_ragged_calls_are_padded_merged_and_split_back() -> None:
+    calls = [row_call(n, i) for i, n in enumerate((5, 2, 9))]
+    session = RowSum()
+    batcher = StageBatcher(session, ROW_MERGER, BatchSettings(max_batch_size=4))
+    futures = [batcher.submit(c) for c in calls]
+    assert batcher.run_once() == (True, None)
+    assert session.runs == [3]
+    for c, f in zip(calls, futures, strict=True):
+        assert f is not None
+        np.testing.assert_array_equal(f.future.result()["y"], np.cumsum(c["x"], axis=1))
+    assert batcher.stats.as_dict() == {"runs": 1, "calls": 3, "largest": 3, "alone": 0, "mean_batch": 3.0}
+
+
+def test_calls_that_cannot_merge_run_alone_on_the_callers_thread() -> None:
+    batcher = StageBatcher(RowSum(), ROW_MERGER, BatchSettings())
+    assert batcher.submit({"x": np.zeros((1, 3), np.float32)}) is None  # an input missing: another graph
+    assert batcher.submit(row_call(3, 0), outputs=["other"]) is None
+    assert batcher.stats.alone == 2
+    # Other dims must agree exactly: a [1, 3] and a [1, 3, 2] input never share a key.
+    assert ROW_MERGER.key(row_call(3, 0), None) == ROW_MERGER.key(row_call(7, 1), None)
+    assert ROW_MERGER.key(row_call(3, 0), None) != ROW_MERGER.key({"x": np.zeros((1, 3, 2), np.float32),
+                                                                  "mask": np.ones((1, 3, 2), np.float32)}, None)
+
+
+def test_estimator_keys_separate_cache_lengths() -> None:
+    merger = estimator_merger()
+
+    def feeds(t: int, s: int, r: int) -> dict[str, np.ndarray]:
+        return {"x": np.zeros((2, 4, t), np.float32), "mask": np.ones((2, 1, t), np.float32),
+                "mu": np.zeros((2, 4, t), np.float32), "cond": np.zeros((2, 4, t), np.float32),
+                "t": np.zeros(2, np.float32), "spks": np.zeros((2, 4), np.float32),
+                "chunk_frames": np.zeros(2, np.int64), "att_cache": np.zeros((s, 3, 2, 2, 2, 8), np.float32),
+                "conv_cache": np.zeros((5, 2, 16, 2), np.float32), "commit": np.zeros(r, np.float32)}
+
+    assert merger.key(feeds(10, 0, 0), None) == merger.key(feeds(33, 0, 0), None)
+    assert merger.key(feeds(10, 0, 0), None) != merger.key(feeds(10, 50, 0), None)  # cached keys: all visible
+    assert merger.key(feeds(10, 0, 0), None) != merger.key(feeds(10, 0, 4), None)
+    assert estimator_merger(pad_time=False).key(feeds(10, 0, 0), None) != \
+        estimator_merger(pad_time=False).key(feeds(33, 0, 0), None)
+
+
+@pytest.fixture(scope="module")
+def prompt(engine: CosyVoiceEngine) -> FlowPrompt:
+    return engine.conditioning.build(SynthesisRequest(text="hi")).flow
+
+
+def test_estimator_calls_of_different_lengths_and_steps_merge_exactly(engine: CosyVoiceEngine,
+                                                                      prompt: FlowPrompt) -> None:
+    flow = engine.flow
+    recorder = Recorder(flow.estimator)
+    flow.estimator = recorder
+    try:
+        rng = np.random.default_rng(0)
+        for n in (40, 13, 27):
+            flow.mel(rng.integers(0, 100, n), prompt, finalize=True, streaming=False)
+    finally:
+        flow.estimator = recorder.inner
+    steps = flow.config.n_timesteps
+    # request 0 at its first Euler step, 1 at its fourth, 2 at its last: t differs per row
+    feeds = [recorder.feeds[0], recorder.feeds[steps + 3], recorder.feeds[3 * steps - 1]]
+    assert len({f["x"].shape[2] for f in feeds}) == 3 and len({float(f["t"][0]) for f in feeds}) == 3
+    alone = [recorder.inner.run(f) for f in feeds]
+    batcher = StageBatcher(recorder.inner, estimator_merger(), BatchSettings(max_batch_size=4))
+    calls = [batcher.submit(f) for f in feeds]
+    batcher.run_once()
+    assert batcher.stats.largest == 3
+    for a, c in zip(alone, calls, strict=True):
+        assert c is not None
+        got = c.future.result()
+        assert got["dphi_dt"].shape == a["dphi_dt"].shape
+        assert float(np.abs(got["dphi_dt"] - a["dphi_dt"]).max()) < TOL
+        np.testing.assert_array_equal(got["conv_cache_new"], a["conv_cache_new"])
+
+
+def run_threads(n: int, work: Any) -> dict[int, Any]:
+    results: dict[int, Any] = {}
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            results[i] = work(i)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a caller hung"
+    if errors:
+        raise errors[0]
+    return results
+
+
+def test_streaming_windows_in_lockstep_merge_with_their_caches(engine: CosyVoiceEngine, prompt: FlowPrompt) -> None:
+    """Two streams of the same schedule have equal cache lengths at every
+    window, so their cached windows merge too (each row its own cache)."""
+    rng = np.random.default_rng(1)
+    tokens = [rng.integers(0, 100, 80) for _ in range(2)]
+    hops = (20, 45, 70)
+
+    def stream_mel(i: int) -> np.ndarray:
+        s = engine.flow.stream(prompt, "cached")
+        parts = [s.push(tokens[i][:h]) for h in hops] + [s.finish(tokens[i])]
+        return np.concatenate(parts, axis=2)
+
+    alone = {i: stream_mel(i) for i in range(2)}
+    inner = engine.flow.estimator
+    # Preferred size 2 and a long delay: every call waits for its partner.
+    batcher = StageBatcher(inner, estimator_merger(),
+                           BatchSettings(max_batch_size=2, preferred_batch_sizes=(2,), max_queue_delay_ms=10_000))
+    engine.flow.estimator = batcher.start()
+    try:
+        merged = run_threads(2, stream_mel)
+    finally:
+        engine.flow.estimator = inner
+        batcher.stop()
+    assert batcher.stats.runs == batcher.stats.calls // 2 and batcher.stats.largest == 2
+    for i in range(2):
+        assert merged[i].shape == alone[i].shape
+        assert float(np.abs(merged[i] - alone[i]).max()) < TOL
+
+
+def test_vocoder_merges_equal_lengths_with_per_request_noise(engine: CosyVoiceEngine) -> None:
+    voc: HiftVocoder = engine.vocoder
+    mels = [np.random.default_rng(i).standard_normal((1, engine.bundle.mel_bins, 30)).astype(np.float32) - 5
+            for i in range(3)]
+    alone = [voc.run(m, np.random.default_rng(10 + i))[0] for i, m in enumerate(mels)]
+    inner = voc.source_session
+    batcher = StageBatcher(inner, hift_source_merger(),
+                           BatchSettings(max_batch_size=3, preferred_batch_sizes=(3,), max_queue_delay_ms=10_000))
+    voc.source_session = batcher.start()
+    try:
+        got = run_threads(3, lambda i: voc.run(mels[i], np.random.default_rng(10 + i))[0])
+    finally:
+        voc.source_session = inner
+        batcher.stop()
+    assert batcher.stats.as_dict()["largest"] == 3
+    for i in range(3):
+        assert float(np.abs(got[i] - alone[i]).max()) < TOL
+
+
+def test_queue_delay_preferred_sizes_and_priority() -> None:
+    clock = FakeClock()
+    session = RowSum()
+    batcher = StageBatcher(session, ROW_MERGER, BatchSettings(max_batch_size=4, preferred_batch_sizes=(2,),
+                                                              max_queue_delay_ms=50), clock=clock)
+    a = batcher.submit(row_call(3, 0))
+    assert batcher.run_once() == (False, pytest.approx(100.05))
+    clock.t = 100.049
+    assert batcher.run_once()[0] is False
+    b = batcher.submit(row_call(6, 1))  # the preferred size is reached: both run now, before the delay
+    assert batcher.run_once()[0] is True and session.runs == [2]
+    assert a is not None and b is not None and a.future.done() and b.future.done()
+    c = batcher.submit(row_call(4, 2))
+    clock.t = 100.2
+    assert batcher.run_once()[0] is True and session.runs == [2, 1]  # the delay ran out: alone
+    assert c is not None and c.future.done()
+
+    # max_batch_size 1: the higher priority runs first, FIFO within a priority
+    one = StageBatcher(session, ROW_MERGER, BatchSettings(max_batch_size=1), clock=clock)
+    low = one.submit(row_call(3, 0), priority=0)
+    with call_priority(5):
+        assert current_priority() == 5
+        high = one.submit(row_call(3, 1))
+    assert current_priority() == 0
+    one.run_once()
+    assert high is not None and low is not None and high.future.done() and not low.future.done()
+    one.run_once()
+    assert low.future.done()
+
+
+def test_a_failed_batched_run_fails_its_calls_and_the_worker_goes_on() -> None:
+    session = RowSum(fail_on={1})
+    settings = BatchSettings(max_batch_size=2, preferred_batch_sizes=(2,), max_queue_delay_ms=10_000)
+    with StageBatcher(session, ROW_MERGER, settings) as batcher:
+        def call(i: int) -> Any:
+            try:
+                return batcher.run(row_call(3 + i, i))
+            except EngineError as exc:
+                return exc
+
+        first = run_threads(2, call)
+        for exc in first.values():
+            assert isinstance(exc, EngineError)
+            assert "fake: batched run of 2 requests failed: injected failure" in str(exc)
+        again = run_threads(2, call)
+        for i, out in again.items():
+            np.testing.assert_array_equal(out["y"], np.cumsum(row_call(3 + i, i)["x"], axis=1))
+    assert session.runs == [2, 2]
+
+
+def test_stop_and_a_missing_worker_never_hang() -> None:
+    batcher = StageBatcher(RowSum(), ROW_MERGER, BatchSettings())
+    with pytest.raises(EngineError, match="stage batcher is not running"):
+        batcher.run(row_call(3, 0))  # never started: the caller gives up instead of waiting
+    assert batcher.waiting == 0
+    pending = batcher.submit(row_call(3, 0))
+    batcher.stop()
+    assert pending is not None
+    with pytest.raises(EngineError, match="stopped before the call ran"):
+        pending.future.result(timeout=1)
+    with pytest.raises(EngineError, match="stage batcher is stopped"):
+        batcher.run(row_call(3, 0))
+
+
+def test_a_full_queue_runs_the_call_alone() -> None:
+    session = RowSum()
+    batcher = StageBatcher(session, ROW_MERGER, BatchSettings(max_queue_size=1))
+    assert batcher.submit(row_call(3, 0)) is not None
+    out = batcher.run(row_call(4, 1))  # the queue is full: on this thread, no worker needed
+    np.testing.assert_array_equal(out["y"], np.cumsum(row_call(4, 1)["x"], axis=1))
+    assert batcher.stats.alone == 1 and batcher.waiting == 1
+
+
+def test_trt_profiles_cap_the_merged_batch(engine: CosyVoiceEngine, prompt: FlowPrompt) -> None:
+    """The estimator's offline profile takes 4 requests (N <= 8), its streaming
+    profile one (N == 2): streaming windows with commits then run one by one."""
+    fits = profile_fits(all_input_ranges(engine.bundle.stages["flow_estimator"].raw, "flow_estimator"))
+    recorder = Recorder(engine.flow.estimator)
+    engine.flow.estimator = recorder
+    try:
+        engine.flow.mel(np.arange(20), prompt, finalize=True, streaming=False)
+        engine.flow.stream(prompt, "cached").push(np.arange(60))
+    finally:
+        engine.flow.estimator = recorder.inner
+    offline, window = recorder.feeds[0], recorder.feeds[-1]
+    assert window["commit"].shape[0] > 0
+    session = RowSum()  # never run: only the admission is looked at
+    for feeds, expected in ((offline, 4), (window, 1)):
+        batcher = StageBatcher(session, estimator_merger(), BatchSettings(max_batch_size=6), fits=fits)
+        calls = [batcher.submit(feeds) for _ in range(6)]
+        assert all(c is not None for c in calls)
+        picked, _ = batcher._pick(batcher.clock())
+        assert len(picked) == expected
+
+
+@pytest.fixture(scope="module")
+def flow_batched(tiny_bundle: Path) -> Iterator[CosyVoiceEngine]:
+    # A delay long enough for the four requests' LLMs to finish: their flows then run in lockstep.
+    settings = BatchSettings(max_batch_size=4, max_queue_delay_ms=300)
+    eng = load_engine(tiny_bundle, settings=EngineSettings(flow_batching=settings))
+    yield eng
+    eng.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_engine_output_is_the_same_alone_and_flow_batched(engine: CosyVoiceEngine, flow_batched: CosyVoiceEngine,
+                                                          stream: bool) -> None:
+    def synth(eng: CosyVoiceEngine, i: int) -> tuple[np.ndarray, int]:
+        chunks = list(eng.synthesize(SynthesisRequest(text=TEXTS[i], seed=20 + i, stream=stream)))
+        return np.concatenate([c.pcm for c in chunks]), int(chunks[-1].times.llm_tokens)
+
+    alone = {i: synth(engine, i) for i in range(4)}
+    before = {b.name: b.stats.calls - b.stats.runs for b in flow_batched.stage_batchers}
+    batched = run_threads(4, lambda i: synth(flow_batched, i))
+    merged = {b.name: b.stats.calls - b.stats.runs - before[b.name] for b in flow_batched.stage_batchers}
+    assert merged["flow_estimator"] > 0, "no estimator calls were merged"
+    for i in range(4):
+        assert batched[i][1] == alone[i][1]  # seeded tokens: the same
+        assert batched[i][0].shape == alone[i][0].shape
+        # HiFT turns the mel's float noise into ~3x more in the samples
+        assert float(np.abs(batched[i][0] - alone[i][0]).max()) < 1e-4
+
+
+def test_engine_settings_check_flow_batching() -> None:
+    with pytest.raises(ValueError, match="flow_batching must be a BatchSettings or None, got int"):
+        EngineSettings(flow_batching=4)  # type: ignore[arg-type]
