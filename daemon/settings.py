@@ -93,6 +93,16 @@ class TtsSettings:
         0.0, "with llm_max_batch_size: how long a request may wait to join so that the batch fills up",
         min=0, max=10_000,
     )
+    flow_max_batch_size: int = setting(
+        0, "run the flow estimator and vocoder calls of up to this many concurrent requests as one batch "
+        "(0: off, each runs alone)",
+        min=0, max=256,
+    )
+    flow_max_queue_delay_ms: float = setting(
+        0.0, "with flow_max_batch_size: how long a flow or vocoder call may wait for others to batch with "
+        "(per call: a request makes about 10 estimator calls)",
+        min=0, max=10_000,
+    )
     overlap_stages: str = setting(
         "auto", "streaming: the LLM decodes the next chunk on its own thread while flow and vocoder work on this "
         "one; auto: on with a GPU backend or 4+ CPU cores",
