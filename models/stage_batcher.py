@@ -12,6 +12,15 @@ Calls that cannot merge with anything (other graph inputs, more than the
 stage's profiles take) run on the caller's thread as without batching, and
 so do calls when the queue is full.
 
+How long a call waits: a request calls a stage many times in a row (ten
+Euler steps), so the callers served by the last run are about to call
+again. A call waits, at most `max_queue_delay_ms`, only while such a caller
+is still expected (its call returned less than the delay ago and it has not
+called again) and the batch is below its preferred or maximum size; with no
+caller expected it runs at once, so a lone request never waits. Without this
+the batches stay out of phase: with four requests, one call runs alone while
+the other three queue, then those three while the first one queues, and so on.
+
 The priority comes from the calling thread (`call_priority`), which the
 engine sets from the request around each stage call, so the Session
 signature stays the same."""
@@ -82,6 +91,7 @@ class _Call:
     arrived: float
     feeds: Mapping[str, np.ndarray]
     outputs: Sequence[str] | None
+    thread: int = field(default_factory=threading.get_ident)
     future: Future[dict[str, np.ndarray]] = field(default_factory=Future)
 
     def waiting(self) -> Waiting:
@@ -106,6 +116,7 @@ class StageBatcher:
         self._cond = threading.Condition()
         self._waiting: list[_Call] = []
         self._limits: dict[Hashable, BatchSettings] = {}
+        self._served: dict[int, float] = {}  # thread -> when its last call returned (worker-written, under _cond)
         self._kicked = False
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -169,6 +180,7 @@ class StageBatcher:
         with self._cond:
             if self._stopping:
                 raise EngineError(f"{self.name}: the stage batcher is stopped")
+            self._served.pop(threading.get_ident(), None)  # it called again: no longer expected
             if call is None or len(self._waiting) >= self.settings.max_queue_size:
                 self.stats.alone += 1
                 return None
@@ -224,14 +236,20 @@ class StageBatcher:
             groups.setdefault(call.group, []).append(call)
         # The group of the most urgent call first; each group by the admission rule.
         ordered = sorted(groups.values(), key=lambda calls: min((-c.priority, c.key) for c in calls))
+        delay_ms = self.settings.max_queue_delay_ms if self.delay_ms is None else self.delay_ms
+        # Callers expected back soon (see the module doc); the others are forgotten.
+        self._served = {t: at for t, at in self._served.items() if now - at < delay_ms / 1e3}
+        expires = min(self._served.values(), default=now) + delay_ms / 1e3
         wake_at: float | None = None
         for calls in ordered:
-            decision = admit(self._settings_for(calls), [c.waiting() for c in calls], 0, now, self.delay_ms)
+            decision = admit(self._settings_for(calls), [c.waiting() for c in calls], 0, now,
+                             delay_ms if self._served else 0.0)
             if decision.join:
                 chosen = {w.key for w in decision.join}
                 return [c for c in calls if c.key in chosen], wake_at
             if decision.wake_at is not None:
-                wake_at = decision.wake_at if wake_at is None else min(wake_at, decision.wake_at)
+                due = min(decision.wake_at, expires)
+                wake_at = due if wake_at is None else min(wake_at, due)
         return [], wake_at
 
     def _settings_for(self, calls: list[_Call]) -> BatchSettings:
@@ -275,6 +293,10 @@ class StageBatcher:
         self.stats.runs += 1
         self.stats.calls += len(batch)
         self.stats.largest = max(self.stats.largest, len(batch))
+        done = self.clock()
+        with self._cond:
+            for call in batch:
+                self._served[call.thread] = done
         for call, part in zip(batch, parts, strict=True):
             call.future.set_result(part)
 

@@ -8,6 +8,7 @@ nothing hangs when the worker is gone."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,14 @@ from models.engine import CosyVoiceEngine, EngineSettings, load_engine
 from models.errors import EngineError
 from models.flow import FlowPrompt
 from models.stage_batcher import StageBatcher, call_priority, current_priority
-from models.stage_merge import Axes, AxisMerger, estimator_merger, hift_source_merger, profile_fits
+from models.stage_merge import (
+    Axes,
+    AxisMerger,
+    estimator_merger,
+    hift_decoder_merger,
+    hift_source_merger,
+    profile_fits,
+)
 from models.vocoder import HiftVocoder
 
 TEXTS = ["Hello world one two.", "The quick brown fox jumps over the lazy dog", "A", "Numbers and dates today"]
@@ -186,7 +194,9 @@ def run_threads(n: int, work: Any) -> dict[int, Any]:
 
 def test_streaming_windows_in_lockstep_merge_with_their_caches(engine: CosyVoiceEngine, prompt: FlowPrompt) -> None:
     """Two streams of the same schedule have equal cache lengths at every
-    window, so their cached windows merge too (each row its own cache)."""
+    window, so their cached windows merge too (each row its own cache). Once
+    a call returned its thread is expected back, so the two stay paired (the
+    worker starts once both first calls wait, so they start paired)."""
     rng = np.random.default_rng(1)
     tokens = [rng.integers(0, 100, 80) for _ in range(2)]
     hops = (20, 45, 70)
@@ -199,12 +209,20 @@ def test_streaming_windows_in_lockstep_merge_with_their_caches(engine: CosyVoice
     alone = {i: stream_mel(i) for i in range(2)}
     inner = engine.flow.estimator
     # Preferred size 2 and a long delay: every call waits for its partner.
-    batcher = StageBatcher(inner, estimator_merger(),
-                           BatchSettings(max_batch_size=2, preferred_batch_sizes=(2,), max_queue_delay_ms=10_000))
-    engine.flow.estimator = batcher.start()
+    batcher = StageBatcher(inner, estimator_merger(), BatchSettings(max_batch_size=2, max_queue_delay_ms=10_000))
+    engine.flow.estimator = batcher
+
+    def start_when_both_wait() -> None:
+        while batcher.waiting < 2:
+            time.sleep(0.0005)
+        batcher.start()
+
+    starter = threading.Thread(target=start_when_both_wait)
+    starter.start()
     try:
         merged = run_threads(2, stream_mel)
     finally:
+        starter.join(10)
         engine.flow.estimator = inner
         batcher.stop()
     assert batcher.stats.runs == batcher.stats.calls // 2 and batcher.stats.largest == 2
@@ -213,41 +231,77 @@ def test_streaming_windows_in_lockstep_merge_with_their_caches(engine: CosyVoice
         assert float(np.abs(merged[i] - alone[i]).max()) < TOL
 
 
-def test_vocoder_merges_equal_lengths_with_per_request_noise(engine: CosyVoiceEngine) -> None:
+def test_vocoder_calls_of_equal_length_merge_and_keep_their_noise(engine: CosyVoiceEngine) -> None:
     voc: HiftVocoder = engine.vocoder
-    mels = [np.random.default_rng(i).standard_normal((1, engine.bundle.mel_bins, 30)).astype(np.float32) - 5
-            for i in range(3)]
-    alone = [voc.run(m, np.random.default_rng(10 + i))[0] for i, m in enumerate(mels)]
-    inner = voc.source_session
-    batcher = StageBatcher(inner, hift_source_merger(),
-                           BatchSettings(max_batch_size=3, preferred_batch_sizes=(3,), max_queue_delay_ms=10_000))
-    voc.source_session = batcher.start()
-    try:
-        got = run_threads(3, lambda i: voc.run(mels[i], np.random.default_rng(10 + i))[0])
-    finally:
-        voc.source_session = inner
-        batcher.stop()
-    assert batcher.stats.as_dict()["largest"] == 3
+    frames = 30
+    feeds = []
     for i in range(3):
-        assert float(np.abs(got[i] - alone[i]).max()) < TOL
+        rng = np.random.default_rng(i)
+        mel = rng.standard_normal((1, engine.bundle.mel_bins, frames)).astype(np.float32) - 5
+        noise = rng.standard_normal((1, frames * voc.upsample, voc.harmonics)).astype(np.float32)
+        feeds.append({"mel": mel, "noise": noise})
+    for session, merger, make in ((voc.source_session, hift_source_merger(), lambda f: f),
+                                  (voc.decoder_session, hift_decoder_merger(),
+                                   lambda f: {"mel": f["mel"], "source": voc.source_session.run(f)["source"]})):
+        calls = [make(f) for f in feeds]
+        alone = [session.run(c) for c in calls]
+        batcher = StageBatcher(session, merger, BatchSettings(max_batch_size=4))
+        futures = [batcher.submit(c) for c in calls]
+        # a call of another length waits for a batch of its own
+        other = batcher.submit({k: v[:, :, :-1] if k == "mel" else v[:, : -voc.upsample] for k, v in calls[0].items()})
+        batcher.run_once()
+        assert batcher.stats.largest == 3 and other is not None and not other.future.done()
+        for a, f in zip(alone, futures, strict=True):
+            assert f is not None
+            got = f.future.result()
+            (name,) = got
+            assert got[name].shape == a[name].shape and float(np.abs(got[name] - a[name]).max()) < TOL
+        batcher.run_once()
+        assert other.future.done()
 
 
-def test_queue_delay_preferred_sizes_and_priority() -> None:
+def submit_elsewhere(batcher: StageBatcher, feeds: dict[str, np.ndarray]) -> Any:
+    """Submit from another thread (another request)."""
+    box: list[Any] = []
+    t = threading.Thread(target=lambda: box.append(batcher.submit(feeds)))
+    t.start()
+    t.join()
+    return box[0]
+
+
+def test_a_call_waits_only_for_callers_expected_back_and_at_most_the_delay() -> None:
+    clock = FakeClock()
+    session = RowSum()
+    batcher = StageBatcher(session, ROW_MERGER, BatchSettings(max_batch_size=4, max_queue_delay_ms=50), clock=clock)
+    a = batcher.submit(row_call(3, 0))
+    assert batcher.run_once() == (True, None) and session.runs == [1]  # a lone request never waits
+    assert a is not None and a.future.done()
+    # This thread's call just returned: it is expected back, so another request's call waits for it ...
+    clock.t = 100.01
+    b = submit_elsewhere(batcher, row_call(5, 1))
+    assert batcher.run_once() == (False, pytest.approx(100.05))  # ... until this thread's call is 50 ms old
+    c = batcher.submit(row_call(4, 2))  # back: nobody else is expected, both run now
+    assert batcher.run_once()[0] is True and session.runs == [1, 2]
+    assert b.future.done() and c is not None and c.future.done()
+    # Both threads are expected now; only one comes back: it waits until the other's 50 ms are over.
+    d = submit_elsewhere(batcher, row_call(2, 3))
+    assert batcher.run_once() == (False, pytest.approx(100.06))
+    clock.t = 100.06
+    assert batcher.run_once()[0] is True and session.runs == [1, 2, 1] and d.future.done()
+
+
+def test_preferred_sizes_and_priority() -> None:
     clock = FakeClock()
     session = RowSum()
     batcher = StageBatcher(session, ROW_MERGER, BatchSettings(max_batch_size=4, preferred_batch_sizes=(2,),
                                                               max_queue_delay_ms=50), clock=clock)
-    a = batcher.submit(row_call(3, 0))
-    assert batcher.run_once() == (False, pytest.approx(100.05))
-    clock.t = 100.049
+    batcher.submit(row_call(3, 0))
+    batcher.run_once()  # this thread is now expected back
+    a = submit_elsewhere(batcher, row_call(3, 1))
     assert batcher.run_once()[0] is False
-    b = batcher.submit(row_call(6, 1))  # the preferred size is reached: both run now, before the delay
-    assert batcher.run_once()[0] is True and session.runs == [2]
-    assert a is not None and b is not None and a.future.done() and b.future.done()
-    c = batcher.submit(row_call(4, 2))
-    clock.t = 100.2
-    assert batcher.run_once()[0] is True and session.runs == [2, 1]  # the delay ran out: alone
-    assert c is not None and c.future.done()
+    b = submit_elsewhere(batcher, row_call(6, 2))  # the preferred size is reached: both run before the delay
+    assert batcher.run_once()[0] is True and session.runs == [1, 2]
+    assert a.future.done() and b.future.done()
 
     # max_batch_size 1: the higher priority runs first, FIFO within a priority
     one = StageBatcher(session, ROW_MERGER, BatchSettings(max_batch_size=1), clock=clock)
@@ -264,22 +318,17 @@ def test_queue_delay_preferred_sizes_and_priority() -> None:
 
 def test_a_failed_batched_run_fails_its_calls_and_the_worker_goes_on() -> None:
     session = RowSum(fail_on={1})
-    settings = BatchSettings(max_batch_size=2, preferred_batch_sizes=(2,), max_queue_delay_ms=10_000)
-    with StageBatcher(session, ROW_MERGER, settings) as batcher:
-        def call(i: int) -> Any:
-            try:
-                return batcher.run(row_call(3 + i, i))
-            except EngineError as exc:
-                return exc
-
-        first = run_threads(2, call)
-        for exc in first.values():
-            assert isinstance(exc, EngineError)
-            assert "fake: batched run of 2 requests failed: injected failure" in str(exc)
-        again = run_threads(2, call)
-        for i, out in again.items():
-            np.testing.assert_array_equal(out["y"], np.cumsum(row_call(3 + i, i)["x"], axis=1))
-    assert session.runs == [2, 2]
+    batcher = StageBatcher(session, ROW_MERGER, BatchSettings(max_batch_size=2))
+    first = [batcher.submit(row_call(3 + i, i)) for i in range(2)]
+    with batcher:  # the worker starts with both calls waiting: one merged run, which fails
+        for call in first:
+            assert call is not None
+            with pytest.raises(EngineError, match="fake: batched run of 2 requests failed: injected failure"):
+                call.future.result(timeout=10)
+        again = run_threads(2, lambda i: batcher.run(row_call(3 + i, i)))
+    for i, out in again.items():
+        np.testing.assert_array_equal(out["y"], np.cumsum(row_call(3 + i, i)["x"], axis=1))
+    assert session.runs[0] == 2 and sum(session.runs[1:]) == 2
 
 
 def test_stop_and_a_missing_worker_never_hang() -> None:
