@@ -245,8 +245,10 @@ class StageBatcher:
             decision = admit(self._settings_for(calls), [c.waiting() for c in calls], 0, now,
                              delay_ms if self._served else 0.0)
             if decision.join:
-                chosen = {w.key for w in decision.join}
-                return [c for c in calls if c.key in chosen], wake_at
+                by_key = {c.key: c for c in calls}
+                joining = [by_key[w.key] for w in decision.join]
+                # Ragged lengths: only those close to the first's (stage_merge.MIN_FILL).
+                return [joining[i] for i in self.merger.select([c.feeds for c in joining])], wake_at
             if decision.wake_at is not None:
                 due = min(decision.wake_at, expires)
                 wake_at = due if wake_at is None else min(wake_at, due)

@@ -98,16 +98,21 @@ class FakeClock:
 
 
 def test_ragged_calls_are_padded_merged_and_split_back() -> None:
-    calls = [row_call(n, i) for i, n in enumerate((5, 2, 9))]
+    # 9 and 12 share a run with 10 (each >= 75% of the padded 12); 5 would be mostly padding: next run
+    calls = [row_call(n, i) for i, n in enumerate((10, 5, 9, 12))]
     session = RowSum()
     batcher = StageBatcher(session, ROW_MERGER, BatchSettings(max_batch_size=4))
     futures = [batcher.submit(c) for c in calls]
     assert batcher.run_once() == (True, None)
     assert session.runs == [3]
+    assert [f is not None and f.future.done() for f in futures] == [True, False, True, True]
+    batcher.run_once()
+    assert session.runs == [3, 1]
     for c, f in zip(calls, futures, strict=True):
         assert f is not None
         np.testing.assert_array_equal(f.future.result()["y"], np.cumsum(c["x"], axis=1))
-    assert batcher.stats.as_dict() == {"runs": 1, "calls": 3, "largest": 3, "alone": 0, "mean_batch": 3.0}
+    assert batcher.stats.as_dict() == {"runs": 2, "calls": 4, "largest": 3, "alone": 0, "mean_batch": 2.0}
+    assert AxisMerger(ROW_MERGER.inputs, ROW_MERGER.outputs, "x", min_fill=0.0).select(calls) == [0, 1, 2, 3]
 
 
 def test_calls_that_cannot_merge_run_alone_on_the_callers_thread() -> None:
@@ -150,7 +155,7 @@ def test_estimator_calls_of_different_lengths_and_steps_merge_exactly(engine: Co
     flow.estimator = recorder
     try:
         rng = np.random.default_rng(0)
-        for n in (40, 13, 27):
+        for n in (40, 33, 36):  # frames within MIN_FILL of each other
             flow.mel(rng.integers(0, 100, n), prompt, finalize=True, streaming=False)
     finally:
         flow.estimator = recorder.inner
@@ -299,7 +304,7 @@ def test_preferred_sizes_and_priority() -> None:
     batcher.run_once()  # this thread is now expected back
     a = submit_elsewhere(batcher, row_call(3, 1))
     assert batcher.run_once()[0] is False
-    b = submit_elsewhere(batcher, row_call(6, 2))  # the preferred size is reached: both run before the delay
+    b = submit_elsewhere(batcher, row_call(4, 2))  # the preferred size is reached: both run before the delay
     assert batcher.run_once()[0] is True and session.runs == [1, 2]
     assert a.future.done() and b.future.done()
 
