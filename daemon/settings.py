@@ -99,8 +99,8 @@ class TtsSettings:
         min=0, max=256,
     )
     flow_max_queue_delay_ms: float = setting(
-        0.0, "with flow_max_batch_size: how long a flow or vocoder call may wait for others to batch with "
-        "(per call: a request makes about 10 estimator calls)",
+        0.0, "with flow_max_batch_size: how long a flow or vocoder call may wait for the requests whose "
+        "previous call just returned (a lone request never waits); 0: only calls already queued merge",
         min=0, max=10_000,
     )
     overlap_stages: str = setting(
