@@ -72,20 +72,25 @@ def load_factory(spec: str) -> Callable[..., Engine]:
 def engine_kwargs(params: dict[str, str], backend: str) -> dict[str, Any]:
     """Extra factory arguments from the model parameters: LLM_MAX_BATCH_SIZE > 0
     turns on the engine's continuous batching, so the requests of a Triton
-    batch (served on parallel threads) share the LLM's decode steps."""
-    try:
-        size = int(params.get("LLM_MAX_BATCH_SIZE") or 0)
-        delay_ms = float(params.get("LLM_MAX_QUEUE_DELAY_MS") or 0.0)
-    except ValueError as exc:
-        raise CosyEdgeError(f"LLM_MAX_BATCH_SIZE must be an integer and LLM_MAX_QUEUE_DELAY_MS a number: {exc}") \
-            from exc
-    if size <= 0:
-        return {}
+    batch (served on parallel threads) share the LLM's decode steps;
+    FLOW_MAX_BATCH_SIZE > 0 batches their flow estimator and vocoder calls."""
     from models.batch_policy import BatchSettings
+
+    def batching(prefix: str) -> BatchSettings | None:
+        try:
+            size = int(params.get(f"{prefix}_MAX_BATCH_SIZE") or 0)
+            delay_ms = float(params.get(f"{prefix}_MAX_QUEUE_DELAY_MS") or 0.0)
+        except ValueError as exc:
+            raise CosyEdgeError(f"{prefix}_MAX_BATCH_SIZE must be an integer and {prefix}_MAX_QUEUE_DELAY_MS a "
+                                f"number: {exc}") from exc
+        return BatchSettings(max_batch_size=size, max_queue_delay_ms=delay_ms) if size > 0 else None
+
+    llm, flow = batching("LLM"), batching("FLOW")
+    if llm is None and flow is None:
+        return {}
     from models.engine import EngineSettings
 
-    batching = BatchSettings(max_batch_size=size, max_queue_delay_ms=delay_ms)
-    return {"settings": EngineSettings(backend=backend, batching=batching)}
+    return {"settings": EngineSettings(backend=backend, batching=llm, flow_batching=flow)}
 
 
 class TritonPythonModel:

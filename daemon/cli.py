@@ -132,6 +132,15 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                    help="batch the LLM across concurrent requests, up to this many (0: off, each decodes alone)")
     p.add_argument("--max-queue-delay-ms", type=float, default=0.0,
                    help="with --batching: how long a request may wait to join so that the batch fills up")
+    p.add_argument("--flow-batching", type=int, default=0, metavar="MAX_BATCH_SIZE",
+                   help="batch the flow estimator and vocoder calls of up to this many concurrent requests "
+                        "(0: off, each runs alone)")
+    p.add_argument("--flow-queue-delay-ms", type=float, default=0.0,
+                   help="with --flow-batching: how long a flow or vocoder call may wait for others")
+    p.add_argument("--concurrency-mode", choices=("stream", "offline", "both"), default="stream",
+                   help="whether the --concurrency requests stream (default), run offline, or both")
+    p.add_argument("--concurrency-only", action="store_true",
+                   help="after a warm-up, measure only the --concurrency runs")
     p.add_argument("--llm-only", action="store_true",
                    help="measure only the LLM (speech tokens/s at each --concurrency), no flow or vocoder")
     p.add_argument("--first-hop", metavar="N[,M..]",

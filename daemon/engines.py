@@ -27,8 +27,11 @@ def load_local_engine(settings: Settings, bundle: str | None = None) -> Engine:
 
     batching = BatchSettings(max_batch_size=tts.llm_max_batch_size, max_queue_delay_ms=tts.llm_max_queue_delay_ms) \
         if tts.llm_max_batch_size else None
+    flow_batching = BatchSettings(max_batch_size=tts.flow_max_batch_size,
+                                  max_queue_delay_ms=tts.flow_max_queue_delay_ms) if tts.flow_max_batch_size else None
     engine = load_engine(path, settings=EngineSettings(
-        backend=tts.backend, batching=batching, overlap_stages={"on": True, "off": False}.get(tts.overlap_stages),
+        backend=tts.backend, batching=batching, flow_batching=flow_batching,
+        overlap_stages={"on": True, "off": False}.get(tts.overlap_stages),
         first_hop_tokens=tts.first_hop_tokens or None, hop_scale=tts.stream_hop_scale,
         flow_final_chunk=tts.flow_final_chunk,  # type: ignore[arg-type]
         flow_left_chunks=tts.flow_left_chunks))

@@ -37,7 +37,7 @@ VERSION = "0.1.0"
 _RELOAD_KEYS = {("tts", "bundle"), ("tts", "backend"), ("tts", "engine"), ("tts", "llm_max_batch_size"),
                 ("tts", "llm_max_queue_delay_ms"), ("tts", "overlap_stages"), ("tts", "first_hop_tokens"),
                 ("tts", "flow_final_chunk"), ("tts", "flow_left_chunks"),
-                ("tts", "stream_hop_scale")}
+                ("tts", "stream_hop_scale"), ("tts", "flow_max_batch_size"), ("tts", "flow_max_queue_delay_ms")}
 
 
 class Service:

@@ -100,6 +100,16 @@ class TtsSettings:
         f"else min(llm_max_batch_size, {AUTO_WORKERS_MAX})",
         choices=("auto",), min=1, max=64,
     )
+    flow_max_batch_size: int = setting(
+        0, "run the flow estimator and vocoder calls of up to this many concurrent requests as one batch "
+        "(0: off, each runs alone)",
+        min=0, max=256,
+    )
+    flow_max_queue_delay_ms: float = setting(
+        0.0, "with flow_max_batch_size: how long a flow or vocoder call may wait for the requests whose "
+        "previous call just returned (a lone request never waits); 0: only calls already queued merge",
+        min=0, max=10_000,
+    )
     overlap_stages: str = setting(
         "auto", "streaming: the LLM decodes the next chunk on its own thread while flow and vocoder work on this "
         "one; auto: on with a GPU backend or 4+ CPU cores",

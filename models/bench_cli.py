@@ -213,23 +213,39 @@ def run_parallel(n: int, worker: Callable[[int], None]) -> float:
     return time.perf_counter() - t0
 
 
-def run_concurrent(engine: CosyVoiceEngine, text: str, n: int) -> dict[str, float]:
+def run_concurrent(engine: CosyVoiceEngine, text: str, n: int, stream: bool = True) -> dict[str, float]:
     results: list[dict[str, Any]] = [{} for _ in range(n)]
+    before = {b.name: (b.stats.runs, b.stats.calls) for b in engine.stage_batchers}
 
     def worker(i: int) -> None:
-        results[i] = run_once(engine, text, stream=True, seed=1000 + i)
+        results[i] = run_once(engine, text, stream=stream, seed=1000 + i)
 
     wall = run_parallel(n, worker)
     firsts = [r["first_audio_ms"] for r in results if r.get("first_audio_ms") is not None]
     tokens = sum(int(r["stages_ms"].get("llm_tokens", 0)) for r in results)
     audio = sum(r["audio_s"] for r in results)
-    return {
+    out = {
         "requests_per_s": round(n / wall, 4),
         "tokens_per_s": round(tokens / wall, 2),
         "first_audio_ms_p50": round(float(np.percentile(firsts, 50)), 1) if firsts else float("nan"),
         "first_audio_ms_p95": round(float(np.percentile(firsts, 95)), 1) if firsts else float("nan"),
         "rtf": round(wall / audio, 4) if audio else float("nan"),
     }
+    for b in engine.stage_batchers:
+        # requests per graph run at this level (1.0: nothing merged)
+        runs, calls = b.stats.runs - before[b.name][0], b.stats.calls - before[b.name][1]
+        out[f"{b.name}_mean_batch"] = round(calls / runs, 3) if runs else 0.0
+    return out
+
+
+def concurrency_report(engine: CosyVoiceEngine, text: str, levels: list[int], mode: str) -> dict[str, Any]:
+    """`concurrency` (streaming requests) and/or `concurrency_offline`, per level."""
+    out: dict[str, Any] = {}
+    if mode in ("stream", "both"):
+        out["concurrency"] = {str(n): run_concurrent(engine, text, n, stream=True) for n in levels}
+    if mode in ("offline", "both"):
+        out["concurrency_offline"] = {str(n): run_concurrent(engine, text, n, stream=False) for n in levels}
+    return out
 
 
 def llm_tokens(engine: CosyVoiceEngine, text: str, seed: int) -> int:
@@ -262,9 +278,14 @@ def bench_command(args: argparse.Namespace) -> int:
     concurrency = int_list(args.concurrency, "--concurrency") if args.concurrency else []
     batching = BatchSettings(max_batch_size=args.batching, max_queue_delay_ms=args.max_queue_delay_ms) \
         if args.batching else None
+    flow_size = getattr(args, "flow_batching", 0)
+    flow_batching = BatchSettings(max_batch_size=flow_size, max_queue_delay_ms=getattr(args, "flow_queue_delay_ms",
+                                                                                        0.0)) if flow_size else None
+    mode = getattr(args, "concurrency_mode", "stream")
     overlap = False if getattr(args, "serial", False) else getattr(args, "overlap", None)
     settings = EngineSettings(backend=args.backend, overlap_stages=overlap,
-                              batching=batching, flow_final_chunk=getattr(args, "flow_final_chunk", "cached"),
+                              batching=batching, flow_batching=flow_batching,
+                              flow_final_chunk=getattr(args, "flow_final_chunk", "cached"),
                               hop_scale=getattr(args, "hop_scale", 1.0))
     engine = load_engine(args.bundle, settings=settings)
     try:
@@ -279,6 +300,18 @@ def bench_command(args: argparse.Namespace) -> int:
                 Path(args.json).write_text(json.dumps(report_llm, indent=2) + "\n")
             return 0
         run_once(engine, text, stream=True, seed=0)  # warm-up: session arenas, page-in of weights
+        if getattr(args, "concurrency_only", False):
+            run_once(engine, text, stream=False, seed=0)  # the offline shapes too
+            report_c = {"machine": machine(), "bundle": str(Path(args.bundle).resolve()),
+                        "precision": engine.bundle.precision, "backend": engine.backend.describe(),
+                        "batching": None if batching is None else vars(batching),
+                        "flow_batching": None if flow_batching is None else vars(flow_batching),
+                        "overlap_stages": engine.overlap, "text": text,
+                        **concurrency_report(engine, text, concurrency, mode)}
+            print(json.dumps(report_c, indent=2))
+            if args.json:
+                Path(args.json).write_text(json.dumps(report_c, indent=2) + "\n")
+            return 0
         log.info("warm-up done; offline and streaming runs")
         offline = [run_once(engine, text, stream=False, seed=r) for r in range(args.repeats)]
         streaming = [run_once(engine, text, stream=True, seed=r) for r in range(args.repeats)]
@@ -289,6 +322,7 @@ def bench_command(args: argparse.Namespace) -> int:
             "precision": engine.bundle.precision,
             "backend": engine.backend.describe(),
             "batching": None if batching is None else vars(batching),
+            "flow_batching": None if flow_batching is None else vars(flow_batching),
             "overlap_stages": engine.overlap,
             "text": text,
             "audio_s": round(statistics.median(r["audio_s"] for r in offline), 3),
@@ -326,7 +360,7 @@ def bench_command(args: argparse.Namespace) -> int:
         log.info("streaming cost %s", report["streaming_cost_vs_offline"])
         if hops:
             report["first_hop"] = first_hop_sweep(engine, text, hops, args.repeats)
-        report["concurrency"] = {str(n): run_concurrent(engine, text, n) for n in concurrency}
+        report.update(concurrency_report(engine, text, concurrency, mode))
         report["session_memory_bytes"] = engine.session_memory_bytes()
         report["peak_rss_mb"] = round(peak_rss_mb(), 1)  # before other bundles load and the reference loads torch
         if compare:

@@ -34,6 +34,7 @@ from models.errors import BundleError, RequestError
 from models.flow import FINAL_CHUNK_MODES, EstimatorWork, FinalChunk, FlowDecoder, FlowStream
 from models.llm import LlmInput, LlmStats, SpeechTokenLM
 from models.sampling import TokenSampler
+from models.stage_batcher import call_priority, start_stage_batching
 from models.streaming import ChunkSchedule
 from models.text.frontend import TextFrontend
 from models.text.tokenizer import TextTokenizer
@@ -54,6 +55,9 @@ class EngineSettings:
     # stream_scale_factor); 1.0: a fixed hop, as CosyVoice 2 upstream.
     hop_scale: float = 1.0
     batching: BatchSettings | None = None  # None: every request decodes alone (batch 1)
+    # Flow estimator and HiFT calls of concurrent requests merged into one run
+    # (models/stage_batcher.py); max_batch_size counts requests. None: each runs alone.
+    flow_batching: BatchSettings | None = None
     # Streaming: the LLM on a producer thread while flow + vocoder run (False: serial).
     # None: auto (resolve_overlap): on with a GPU backend or >= 4 CPU cores.
     overlap_stages: bool | None = None
@@ -88,6 +92,8 @@ class EngineSettings:
             raise ValueError(f"first_hop_tokens must be >= 1 or None, got {self.first_hop_tokens}")
         if self.batching is not None and not isinstance(self.batching, BatchSettings):
             raise ValueError(f"batching must be a BatchSettings or None, got {type(self.batching).__name__}")
+        if self.flow_batching is not None and not isinstance(self.flow_batching, BatchSettings):
+            raise ValueError(f"flow_batching must be a BatchSettings or None, got {type(self.flow_batching).__name__}")
         if self.producer_threads < 1:
             raise ValueError(f"producer_threads must be >= 1, got {self.producer_threads}")
         if self.overlap_queue_tokens < 1:
@@ -193,6 +199,8 @@ class CosyVoiceEngine:
         self.frontend = TextFrontend(self.tokenizer, max_text_chars=settings.max_text_chars)
         self.conditioning = ConditioningBuilder(bundle, self.tokenizer, self.frontend)
         self.batcher = start_batcher(bundle, backend.name, self.lm, settings.batching)
+        self.stage_batchers = start_stage_batching(bundle, backend.name, self.flow, self.vocoder,
+                                                   settings.flow_batching)
         self._producers: ProducerPool | None = None
         self.overlap = resolve_overlap(settings.overlap_stages, backend.name, os.cpu_count())
         if self.overlap:
@@ -279,12 +287,17 @@ class CosyVoiceEngine:
 
     def set_load_level(self, level: str) -> None:
         """The daemon's load hint: under load ("degraded") requests join the LLM batch without delay."""
+        delay = 0.0 if level == "degraded" else None
         if self.batcher is not None:
-            self.batcher.delay_ms = 0.0 if level == "degraded" else None
+            self.batcher.delay_ms = delay
+        for stage in self.stage_batchers:
+            stage.delay_ms = delay
 
     def close(self) -> None:
         if self.batcher is not None:
             self.batcher.stop()
+        for stage in self.stage_batchers:
+            stage.stop()
         if self._producers is not None:
             self._producers.stop()  # before the sessions it runs are closed
         if self.lm.fixed_size_decode is not None:
@@ -326,8 +339,9 @@ class CosyVoiceEngine:
               streaming: bool) -> np.ndarray:
         t0 = time.perf_counter()
         work = EstimatorWork()
-        mel = self.flow.mel(np.asarray(tokens, dtype=np.int64), cond.flow, finalize=finalize, streaming=streaming,
-                            work=work)
+        with call_priority(state.priority):
+            mel = self.flow.mel(np.asarray(tokens, dtype=np.int64), cond.flow, finalize=finalize,
+                                streaming=streaming, work=work)
         t1 = time.perf_counter()
         state.times.flow_ms += (t1 - t0) * 1e3
         state.times.flow_frames += work.frames
@@ -338,7 +352,8 @@ class CosyVoiceEngine:
         t0 = time.perf_counter()
         before = flow.work.frames
         array = np.asarray(tokens, dtype=np.int64)
-        mel = flow.finish(array) if final else flow.push(array)
+        with call_priority(state.priority):
+            mel = flow.finish(array) if final else flow.push(array)
         t1 = time.perf_counter()
         state.times.flow_ms += (t1 - t0) * 1e3
         state.times.flow_frames += flow.work.frames - before
@@ -363,7 +378,8 @@ class CosyVoiceEngine:
         if speed != 1.0:
             mel = linear_resize(mel, int(mel.shape[2] / speed))
         t0 = time.perf_counter()
-        audio, _ = self.vocoder.run(mel, state.noise)
+        with call_priority(state.priority):
+            audio, _ = self.vocoder.run(mel, state.noise)
         t1 = time.perf_counter()
         state.times.vocoder_ms += (t1 - t0) * 1e3
         state.event("vocoder", t0, t1)
@@ -415,7 +431,8 @@ class CosyVoiceEngine:
 
     def _vocode(self, stream: VocoderStream, mel: np.ndarray, state: _RequestState, final: bool) -> np.ndarray:
         t0 = time.perf_counter()
-        pcm = stream.push(mel, final=final)
+        with call_priority(state.priority):
+            pcm = stream.push(mel, final=final)
         t1 = time.perf_counter()
         state.times.vocoder_ms += (t1 - t0) * 1e3
         state.event("vocoder", t0, t1)

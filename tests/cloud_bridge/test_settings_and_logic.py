@@ -107,3 +107,8 @@ def test_triton_model_llm_batching_parameters() -> None:
     assert settings.batching == BatchSettings(max_batch_size=8, max_queue_delay_ms=2.5)
     with pytest.raises(CosyEdgeError, match="LLM_MAX_BATCH_SIZE must be an integer"):
         engine_kwargs({"LLM_MAX_BATCH_SIZE": "many"}, "ort")
+    assert settings.flow_batching is None
+    flow = engine_kwargs({"FLOW_MAX_BATCH_SIZE": "4", "FLOW_MAX_QUEUE_DELAY_MS": "1"}, "ort")["settings"]
+    assert (flow.batching, flow.flow_batching) == (None, BatchSettings(max_batch_size=4, max_queue_delay_ms=1.0))
+    with pytest.raises(CosyEdgeError, match="FLOW_MAX_BATCH_SIZE must be an integer"):
+        engine_kwargs({"FLOW_MAX_BATCH_SIZE": "x"}, "ort")

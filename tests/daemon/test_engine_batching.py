@@ -1,4 +1,5 @@
-"""`[tts] llm_max_batch_size` / `llm_max_queue_delay_ms` reach the engine's LLM batcher."""
+"""`[tts] llm_max_batch_size` / `llm_max_queue_delay_ms` reach the engine's LLM batcher,
+`flow_max_batch_size` / `flow_max_queue_delay_ms` its flow and vocoder batchers."""
 
 from __future__ import annotations
 
@@ -10,13 +11,18 @@ from daemon.settings import Settings, TtsSettings
 
 def test_batching_settings_reach_the_engine(tiny_bundle: Path) -> None:
     off = load_local_engine(Settings(device_id="t"), bundle=str(tiny_bundle))
-    on = load_local_engine(Settings(device_id="t", tts=TtsSettings(llm_max_batch_size=3, llm_max_queue_delay_ms=5)),
+    on = load_local_engine(Settings(device_id="t", tts=TtsSettings(llm_max_batch_size=3, llm_max_queue_delay_ms=5,
+                                                                   flow_max_batch_size=2, flow_max_queue_delay_ms=1.5)),
                            bundle=str(tiny_bundle))
     try:
         assert getattr(off, "batcher", "missing") is None
+        assert getattr(off, "stage_batchers", "missing") == []
         batcher = getattr(on, "batcher", None)
         assert batcher is not None
         assert (batcher.settings.max_batch_size, batcher.settings.max_queue_delay_ms) == (3, 5)
+        stages = getattr(on, "stage_batchers", [])
+        assert [s.name for s in stages] == ["flow_estimator", "hift_source", "hift_decoder"]
+        assert {(s.settings.max_batch_size, s.settings.max_queue_delay_ms) for s in stages} == {(2, 1.5)}
     finally:
         off.close()
         on.close()

@@ -69,6 +69,23 @@ def test_bench_json_with_first_hop_and_compare(tiny_bundle: Path, fp16_variant: 
     assert fp16["jetson_budget"]["engines_mb"] < fp32["jetson_budget"]["engines_mb"]
 
 
+def test_bench_concurrency_only_offline_and_streaming_with_flow_batching(tiny_bundle: Path, tmp_path: Path) -> None:
+    out = tmp_path / "c.json"
+    assert main(["bench", "--bundle", str(tiny_bundle), "--concurrency", "1,2", "--concurrency-mode", "both",
+                 "--concurrency-only", "--flow-batching", "2", "--flow-queue-delay-ms", "1", "--json",
+                 str(out)]) == 0
+    r: dict[str, Any] = json.loads(out.read_text())
+    assert r["flow_batching"]["max_batch_size"] == 2 and r["flow_batching"]["max_queue_delay_ms"] == 1.0
+    assert "rtf" not in r and "timeline" not in r  # only the concurrency runs
+    for key in ("concurrency", "concurrency_offline"):
+        assert set(r[key]) == {"1", "2"}
+        for level in r[key].values():
+            assert level["requests_per_s"] > 0
+            for stage in ("flow_estimator", "hift_source", "hift_decoder"):
+                assert 1.0 <= level[f"{stage}_mean_batch"] <= 2.0
+        assert r[key]["1"]["flow_estimator_mean_batch"] == 1.0
+
+
 def test_bench_rejects_a_bad_hop_list(tiny_bundle: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--bundle", str(tiny_bundle), "--first-hop", "0,x"]) != 0
     assert "--first-hop" in capsys.readouterr().err
