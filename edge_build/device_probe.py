@@ -39,7 +39,7 @@ def estimator_feeds(engine: CosyVoiceEngine, frames: int, seed: int = 0) -> dict
     flow = engine.flow
     rng = np.random.default_rng(seed)
     c = flow.mel_bins
-    empty = flow._empty  # the offline calls' empty caches
+    empty = flow.empty_cache()
     return {
         "x": rng.standard_normal((CFG_BATCH, c, frames), dtype=np.float32),
         "mask": np.ones((CFG_BATCH, 1, frames), dtype=np.float32),

@@ -146,7 +146,6 @@ class FlowDecoder:
         # fp16 bundles: the graph takes and gives the K/V cache in fp16 (half the memory)
         self.cache_dtype = np.dtype(np.float16 if "att_cache" in raw.get("fp16_io", ()) else np.float32)
         self.cache_factory = cache_factory
-        self._empty = HostStepCache(estimator, self.cache_spec())  # offline calls: no history
         self.encoder_dims = encoder_cache_dims(bundle.stages["flow_encoder"].raw)
         self._empty_encoder = EncoderCache(self.encoder_dims)
 
@@ -155,6 +154,10 @@ class FlowDecoder:
         return StepCacheSpec(row=(d.blocks, 2, CFG_BATCH, d.heads, d.head_dim),
                              conv=(d.convs, CFG_BATCH, d.conv_channels, d.conv_history), dtype=self.cache_dtype,
                              visible=visible, initial_frames=initial_frames)
+
+    def empty_cache(self) -> HostStepCache:
+        """An offline call's caches: no history (zero rows, zero conv history)."""
+        return HostStepCache(self.estimator, self.cache_spec())
 
     def encode(self, tokens: np.ndarray, embedding: np.ndarray, lookahead: int, chunk_tokens: int,
                cache: EncoderCache | None = None, commit: int = 0,
@@ -209,8 +212,11 @@ class FlowDecoder:
         t_span = self.t_span
         t = t_span[0]
         dt = t_span[1] - t_span[0]
+        # Offline calls: no history, through the estimator as it is now (the
+        # engine's stage batcher wraps it after this decoder is built).
+        empty = self.empty_cache()
         for step in range(1, len(t_span)):
-            cache = caches[step - 1] if caches is not None else self._empty
+            cache = caches[step - 1] if caches is not None else empty
             x_in = np.concatenate([x, x], axis=0)
             t_in = np.full((CFG_BATCH,), t, dtype=np.float32)
             d = cache.run({"x": x_in, "mask": mask_in, "mu": mu_in, "t": t_in, "spks": spks_in, "cond": cond_in,
