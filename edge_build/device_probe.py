@@ -19,6 +19,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +126,39 @@ def offline_run(bundle: Path, backend: str, settings: EngineSettings, request: S
         engine.close()
 
 
+CONV_VARIANTS: dict[str, dict[str, str]] = {
+    "heuristic": {"cudnn_conv_algo_search": "HEURISTIC"},  # the backend's choice
+    "heuristic_pad_nc1d": {"cudnn_conv_algo_search": "HEURISTIC", "cudnn_conv1d_pad_to_nc1d": "1"},
+    "exhaustive": {"cudnn_conv_algo_search": "EXHAUSTIVE"},
+    "exhaustive_pad_nc1d": {"cudnn_conv_algo_search": "EXHAUSTIVE", "cudnn_conv1d_pad_to_nc1d": "1"},
+}
+
+
+def vocoder_feeds(engine: CosyVoiceEngine, frames: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """One HiFT decoder call over `frames` mel frames (a random excitation stands in for the source)."""
+    rng = np.random.default_rng(seed)
+    voc = engine.vocoder
+    return {"mel": rng.standard_normal((1, engine.bundle.mel_bins, frames), dtype=np.float32),
+            "source": (0.1 * rng.standard_normal((1, 1, frames * voc.upsample))).astype(np.float32)}
+
+
+def conv_variants(path: Path, feeds: dict[str, np.ndarray], repeats: int, device_id: int = 0) -> dict[str, Any]:
+    """ms per call of one graph under the cuDNN settings of CONV_VARIANTS (its convolutions dominate on the GPU)."""
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        return {"skipped": "onnxruntime has no CUDAExecutionProvider here"}
+    result: dict[str, Any] = {}
+    for name, options in CONV_VARIANTS.items():
+        try:
+            sess = ort.InferenceSession(str(path), providers=[("CUDAExecutionProvider",
+                                                               {"device_id": str(device_id), **options})])
+            result[name] = _timed(partial(sess.run, None, feeds), repeats)
+        except Exception as exc:  # an option this onnxruntime does not know
+            result[name] = str(exc).splitlines()[0][:200]
+    return result
+
+
 def probe(bundle: Path, backend: str, out: Path, frames: Sequence[int], repeats: int) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     request = SynthesisRequest(text=PROBE_TEXT, stream=False, seed=1)
@@ -138,6 +172,12 @@ def probe(bundle: Path, backend: str, out: Path, frames: Sequence[int], repeats:
     try:
         path = engine.bundle.stages["flow_estimator"].path
         report["estimator"] = [estimator_ways(path, estimator_feeds(engine, n), repeats) for n in frames]
+        hift = engine.bundle.stages["hift_decoder"].path
+        report["conv_variants"] = {
+            "hift_decoder_56": conv_variants(hift, vocoder_feeds(engine, 56), repeats),
+            "hift_decoder_500": conv_variants(hift, vocoder_feeds(engine, 500), repeats),
+            "flow_estimator_500": conv_variants(path, estimator_feeds(engine, 500), repeats),
+        }
     finally:
         engine.close()
     prof_dir = out / "ort_profile"

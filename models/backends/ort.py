@@ -23,6 +23,21 @@ log = logging.getLogger(__name__)
 CUDA_GRAPH_STAGES = ("llm_decode_static",)
 
 
+def cudnn_options() -> dict[str, str]:
+    """The CUDA provider's cuDNN settings. HEURISTIC by default: the default
+    exhaustive search re-benchmarks every conv for each new sequence length,
+    and lengths change per request here. COSYEDGE_ORT_CUDNN_SEARCH
+    (HEURISTIC, EXHAUSTIVE, DEFAULT) and COSYEDGE_ORT_CONV1D_PAD_NC1D=1 override
+    it, to measure (edge_build/device_probe.py compares them per stage)."""
+    search = os.environ.get("COSYEDGE_ORT_CUDNN_SEARCH", "HEURISTIC").upper()
+    if search not in ("HEURISTIC", "EXHAUSTIVE", "DEFAULT"):
+        raise BundleError(f"COSYEDGE_ORT_CUDNN_SEARCH={search!r}: allowed values: HEURISTIC, EXHAUSTIVE, DEFAULT")
+    options = {"cudnn_conv_algo_search": search}
+    if os.environ.get("COSYEDGE_ORT_CONV1D_PAD_NC1D") == "1":
+        options["cudnn_conv1d_pad_to_nc1d"] = "1"
+    return options
+
+
 class OrtSession:
     def __init__(self, name: str, path: Path, providers: Sequence[str], device_id: int, threads: int | None,
                  cuda_graph: bool = False) -> None:
@@ -50,9 +65,7 @@ class OrtSession:
             if p not in available:
                 continue
             if p == "CUDAExecutionProvider":
-                # The default exhaustive cuDNN search re-benchmarks every conv for
-                # each new sequence length; lengths change per request here.
-                options = {"device_id": str(device_id), "cudnn_conv_algo_search": "HEURISTIC"}
+                options = {"device_id": str(device_id), **cudnn_options()}
                 if cuda_graph:
                     options["enable_cuda_graph"] = "1"
                 chosen.append((p, options))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_build.device_probe import estimator_feeds, main
+from edge_build.device_probe import estimator_feeds, main, vocoder_feeds
 from models.engine import EngineSettings, load_engine
 
 
@@ -21,17 +21,20 @@ def test_probe_on_the_cpu_reports_stages_and_skips_the_gpu_part(tiny_bundle: Pat
     assert off["llm_tokens"] > 0 and off["flow_ms"] > 0 and off["audio_s"] > 0
     assert report["estimator"][0]["frames"] == 40
     assert "CUDAExecutionProvider" in report["estimator"][0]["skipped"]
+    assert "CUDAExecutionProvider" in report["conv_variants"]["hift_decoder_56"]["skipped"]
     assert "flow_estimator:" in (tmp_path / "profile.txt").read_text()
 
 
-def test_estimator_feeds_run_on_the_graph(tiny_bundle: Path) -> None:
+def test_estimator_and_vocoder_feeds_run_on_their_graphs(tiny_bundle: Path) -> None:
     engine = load_engine(tiny_bundle, settings=EngineSettings(threads=1, overlap_stages=False))
     try:
         out = engine.flow.estimator.run(estimator_feeds(engine, 30))
+        audio = engine.vocoder.decoder_session.run(vocoder_feeds(engine, 20))["audio"]
     finally:
         engine.close()
     assert out["dphi_dt"].shape == (2, engine.flow.mel_bins, 30)
     assert np.isfinite(out["dphi_dt"]).all()
+    assert audio.shape == (1, 20 * engine.vocoder.upsample) and np.isfinite(audio).all()
 
 
 def test_probe_compares_fixed_size_and_dynamic_decode(tiny_static_bundle: Path) -> None:

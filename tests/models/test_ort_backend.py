@@ -68,3 +68,18 @@ def test_bound_loop_on_cuda_provider(tiny_bundle: Path) -> None:
     pre = backend.load("llm_prefill", bundle.stages["llm_prefill"].path)
     assert isinstance(backend.decode_loop(pre, dec), BoundDecodeLoop)
     _compare(backend, tiny_bundle, "cuda")
+
+
+def test_cudnn_options_default_and_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
+    from models.backends.ort import cudnn_options
+    from models.errors import BundleError
+
+    monkeypatch.delenv("COSYEDGE_ORT_CUDNN_SEARCH", raising=False)
+    monkeypatch.delenv("COSYEDGE_ORT_CONV1D_PAD_NC1D", raising=False)
+    assert cudnn_options() == {"cudnn_conv_algo_search": "HEURISTIC"}
+    monkeypatch.setenv("COSYEDGE_ORT_CUDNN_SEARCH", "exhaustive")
+    monkeypatch.setenv("COSYEDGE_ORT_CONV1D_PAD_NC1D", "1")
+    assert cudnn_options() == {"cudnn_conv_algo_search": "EXHAUSTIVE", "cudnn_conv1d_pad_to_nc1d": "1"}
+    monkeypatch.setenv("COSYEDGE_ORT_CUDNN_SEARCH", "fastest")
+    with pytest.raises(BundleError, match="allowed values"):
+        cudnn_options()
