@@ -5,11 +5,7 @@
 # times upstream's CosyVoice2Model.tts on the GPU. Usage: device_reference.sh OUTDIR
 set -euo pipefail
 out=${1:?usage: device_reference.sh OUTDIR}
-mkdir -p "$out" /tmp/site
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-[ -f /tmp/full/ckpt/cosyvoice2.yaml ] || python3 -m daemon build tiny --size full --out /tmp/full/ckpt >"$out/build.log" 2>&1
-[ -f /tmp/full/bundle/manifest.json ] || python3 -m daemon build export --model-dir /tmp/full/ckpt --out /tmp/full/bundle --static-decode-len "${STATIC_DECODE_LEN:-1536}" >>"$out/build.log" 2>&1
+source "$(dirname "$0")/device_setup.sh"
 python3 - "$out/reference_h200.json" <<'PY' 2>&1 | grep -v -i warn
 import json, sys
 from edge_build.reference_pipeline import run_reference

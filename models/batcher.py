@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from models.backends.profiles import stage_profiles
 from models.batch_kv import BatchDecoder
 from models.batch_policy import BatchSettings, Waiting, admit
+from models.batch_worker import BatchWorker
 from models.bundle import Bundle
 from models.errors import BundleError, EngineError
 from models.llm import LlmInput, LlmStats, RequestDecode, SpeechTokenLM
@@ -30,7 +31,6 @@ from models.sampling import TokenSampler
 
 log = logging.getLogger(__name__)
 
-_IDLE_TICK_S = 0.25  # an idle worker looks at cancel events and the stop flag at least this often
 
 
 class _End:
@@ -97,46 +97,27 @@ class TokenStream:
             self._batcher.kick()
 
 
-class LlmBatcher:
+class LlmBatcher(BatchWorker):
     def __init__(self, lm: SpeechTokenLM, settings: BatchSettings,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__("llm-batcher", clock)
         self.lm = lm
         self.settings = settings
-        self.clock = clock
         self.decoder = BatchDecoder(lm.prefill_session, lm.decode_session,
                                     compact_min_columns=settings.compact_min_columns)
         self.delay_ms: float | None = None  # None: settings.max_queue_delay_ms
         self.stats = BatchStats()
         self._keys = itertools.count()
-        self._cond = threading.Condition()
         self._waiting: list[_Request] = []
         self._active: dict[int, _Request] = {}  # worker-owned
-        self._kicked = False
-        self._stopping = False
-        self._thread: threading.Thread | None = None
 
-    # --- lifecycle ---------------------------------------------------------------------
-    def start(self) -> LlmBatcher:
-        if self._thread is None:
-            self._stopping = False
-            self._thread = threading.Thread(target=self._worker, name="llm-batcher", daemon=True)
-            self._thread.start()
-        return self
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            self._thread = None
+    # --- lifecycle (start/stop: BatchWorker) -------------------------------------------
+    def _stopped(self) -> None:
         self._fail_all(EngineError("the LLM batcher stopped before the request finished"))
 
-    def __enter__(self) -> LlmBatcher:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    def _round_failed(self, exc: Exception) -> None:
+        # Fail the batch rather than leave its consumers waiting.
+        self._fail_active(_as_engine_error(exc, "LLM batcher round failed"))
 
     # --- consumer side -----------------------------------------------------------------
     def submit(self, inp: LlmInput, sampler: TokenSampler, stats: LlmStats | None = None, *,
@@ -150,8 +131,7 @@ class LlmBatcher:
                 raise EngineError(f"the LLM batcher's queue is full ({len(self._waiting)} requests wait to join; "
                                   f"max_queue_size is {self.settings.max_queue_size})")
             self._waiting.append(request)
-            self._kicked = True
-            self._cond.notify_all()
+            self._kick()
         return TokenStream(self, request)
 
     def generate(self, inp: LlmInput, sampler: TokenSampler, stats: LlmStats | None = None, *,
@@ -161,8 +141,7 @@ class LlmBatcher:
 
     def kick(self) -> None:
         with self._cond:
-            self._kicked = True
-            self._cond.notify_all()
+            self._kick()
 
     @property
     def active(self) -> int:
@@ -174,26 +153,6 @@ class LlmBatcher:
             return len(self._waiting)
 
     # --- worker side -------------------------------------------------------------------
-    def _worker(self) -> None:
-        while True:
-            try:
-                worked, wake_at = self.run_once()
-            except Exception as exc:
-                # run_once fails requests itself; reaching here is a bug. Fail the batch
-                # rather than leave its consumers waiting, and keep serving.
-                log.exception("LLM batcher round failed")
-                self._fail_active(_as_engine_error(exc, "LLM batcher round failed"))
-                worked, wake_at = True, None
-            with self._cond:
-                if self._stopping:
-                    return
-                if worked or self._kicked:
-                    self._kicked = False
-                    continue
-                timeout = _IDLE_TICK_S if wake_at is None else min(_IDLE_TICK_S, max(0.0, wake_at - self.clock()))
-                self._cond.wait(timeout)
-                self._kicked = False
-
     def run_once(self) -> tuple[bool, float | None]:
         """One round: drop cancelled requests, admit, one decode step. Returns
         (whether anything ran, when waiting requests should be looked at again)."""

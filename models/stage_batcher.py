@@ -42,6 +42,7 @@ import numpy as np
 
 from models.backends.base import Session
 from models.batch_policy import BatchSettings, Waiting, admission_order, admit
+from models.batch_worker import IDLE_TICK_S, BatchWorker
 from models.bundle import Bundle
 from models.errors import EngineError
 from models.flow import FlowDecoder
@@ -50,7 +51,6 @@ from models.vocoder import HiftVocoder
 
 log = logging.getLogger(__name__)
 
-_IDLE_TICK_S = 0.25  # the worker looks at the stop flag at least this often; callers check the worker as often
 _LIMIT_CACHE = 256  # merge keys whose batch limit is remembered (they include lengths: bounded)
 
 _local = threading.local()
@@ -98,7 +98,7 @@ class _Call:
         return Waiting(self.key, self.priority, self.arrived)
 
 
-class StageBatcher:
+class StageBatcher(BatchWorker):
     """A Session over `session` whose calls from several threads are merged."""
 
     def __init__(self, session: Session, merger: AxisMerger, settings: BatchSettings, *,
@@ -108,44 +108,21 @@ class StageBatcher:
         self.merger = merger
         self.settings = settings
         self.fits = fits  # None: any merged shape runs (ONNX Runtime); else the engine's profiles decide
-        self.clock = clock
+        super().__init__(f"batch-{session.name}", clock)
         self.name, self.input_names, self.output_names = session.name, session.input_names, session.output_names
         self.delay_ms: float | None = None  # None: settings.max_queue_delay_ms (the engine's load hint sets 0)
         self.stats = StageStats()
         self._keys = itertools.count()
-        self._cond = threading.Condition()
         self._waiting: list[_Call] = []
         self._limits: dict[Hashable, BatchSettings] = {}
         self._served: dict[int, float] = {}  # thread -> when its last call returned (worker-written, under _cond)
-        self._kicked = False
-        self._stopping = False
-        self._thread: threading.Thread | None = None
 
-    # --- lifecycle ---------------------------------------------------------------------
-    def start(self) -> StageBatcher:
-        if self._thread is None:
-            self._stopping = False
-            self._thread = threading.Thread(target=self._worker, name=f"batch-{self.name}", daemon=True)
-            self._thread.start()
-        return self
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            self._thread = None
+    # --- lifecycle (start/stop: BatchWorker) -------------------------------------------
+    def _stopped(self) -> None:
         with self._cond:
             waiting, self._waiting = self._waiting, []
         for call in waiting:
             call.future.set_exception(EngineError(f"{self.name}: the stage batcher stopped before the call ran"))
-
-    def __enter__(self) -> StageBatcher:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     # --- Session -----------------------------------------------------------------------
     def run(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
@@ -154,10 +131,10 @@ class StageBatcher:
             return self.session.run(inputs, outputs)
         while True:
             try:
-                return call.future.result(timeout=_IDLE_TICK_S)
+                return call.future.result(timeout=IDLE_TICK_S)
             except FutureTimeout:
                 # Never wait on a worker that is gone (stopped, or never started).
-                if self._thread is None or not self._thread.is_alive():
+                if not self.worker_alive:
                     self._drop(call)
                     if not call.future.done():
                         raise EngineError(f"{self.name}: the stage batcher is not running") from None
@@ -185,8 +162,7 @@ class StageBatcher:
                 self.stats.alone += 1
                 return None
             self._waiting.append(call)
-            self._kicked = True
-            self._cond.notify_all()
+            self._kick()
         return call
 
     def _drop(self, call: _Call) -> None:
@@ -200,24 +176,6 @@ class StageBatcher:
             return len(self._waiting)
 
     # --- worker ------------------------------------------------------------------------
-    def _worker(self) -> None:
-        while True:
-            try:
-                worked, wake_at = self.run_once()
-            except Exception:
-                # run_once fails its calls itself; reaching here is a bug: keep serving.
-                log.exception("%s: stage batcher round failed", self.name)
-                worked, wake_at = True, None
-            with self._cond:
-                if self._stopping:
-                    return
-                if worked or self._kicked:
-                    self._kicked = False
-                    continue
-                timeout = _IDLE_TICK_S if wake_at is None else min(_IDLE_TICK_S, max(0.0, wake_at - self.clock()))
-                self._cond.wait(timeout)
-                self._kicked = False
-
     def run_once(self) -> tuple[bool, float | None]:
         """Run the next batch if one is due. Returns (whether a batch ran, when
         the waiting calls should be looked at again)."""
