@@ -306,7 +306,8 @@ def bench_command(args: argparse.Namespace) -> int:
                         "precision": engine.bundle.precision, "backend": engine.backend.describe(),
                         "batching": None if batching is None else vars(batching),
                         "flow_batching": None if flow_batching is None else vars(flow_batching),
-                        "overlap_stages": engine.overlap, "text": text,
+                        "overlap_stages": engine.overlap,
+                        "fixed_size_decode": engine.lm.fixed_size_decode is not None, "text": text,
                         **concurrency_report(engine, text, concurrency, mode)}
             print(json.dumps(report_c, indent=2))
             if args.json:
@@ -324,6 +325,7 @@ def bench_command(args: argparse.Namespace) -> int:
             "batching": None if batching is None else vars(batching),
             "flow_batching": None if flow_batching is None else vars(flow_batching),
             "overlap_stages": engine.overlap,
+            "fixed_size_decode": engine.lm.fixed_size_decode is not None,  # the CUDA-graph LLM step
             "text": text,
             "audio_s": round(statistics.median(r["audio_s"] for r in offline), 3),
             "rtf": round(statistics.median(r["rtf"] for r in offline), 4),

@@ -45,6 +45,7 @@ def test_bench_json_with_first_hop_and_compare(tiny_bundle: Path, fp16_variant: 
         assert key in r, key
     assert r["rtf"] > 0 and r["first_audio_ms"] > 0
     assert r["overlap_stages"] is resolve_overlap(None, "ort", os.cpu_count())
+    assert r["fixed_size_decode"] is False  # the tiny bundle has no fixed-size step
     assert set(r["concurrency"]["1"]) == {"requests_per_s", "tokens_per_s", "first_audio_ms_p50",
                                           "first_audio_ms_p95", "rtf"}
     cost = r["streaming_cost_vs_offline"]
