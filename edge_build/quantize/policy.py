@@ -48,7 +48,10 @@ UNITS: tuple[UnitPolicy, ...] = (
         groups=(("time_embedding", r"time_mlp|time_emb"), ("final_proj", r"final_(block|proj)"),
                 ("attn_proj", r"/to_(q|k|v|out)"), ("attn_scores", r"^/MatMul(_\d+)?$"), ("ff", r"/ff/"),
                 ("resnet", r"block[12]|res_conv|/mlp/"), ("resample", r"_blocks\.\d+\.2/")),
-        always_fp32=("time_embedding",),
+        # attn_scores: the attention over the streaming cache has its own
+        # matmuls, and calibration (offline calls, no cache) never sees their
+        # inputs: int8 ranges for them would be guesses.
+        always_fp32=("time_embedding", "attn_scores"),
     ),
     UnitPolicy(
         name="vocoder", stages=("hift_decoder",),
