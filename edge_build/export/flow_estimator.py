@@ -61,7 +61,7 @@ BATCH = [2, 2, 8]  # 2 x requests (conditional and unconditional halves)
 # frames before it, R: frames it commits).
 OFFLINE_PROFILE = {"N": BATCH, "T": FRAMES, "S": [0, 0, 0], "R": [0, 0, 0]}
 STREAM_PROFILE = {"N": [2, 2, 2], "T": [2, 100, 1500], "S": [0, 300, 1500], "R": [0, 50, 1500]}
-GRAPH_VERSION = 3  # 1: no caches; 2: caches; 3: the same I/O, cache attended without concatenation
+GRAPH_VERSION = 3  # 1: no caches; 2: caches; 3: the same I/O, the cache rearranged once per call
 # upstream's mask_to_bias: masked attention gets this additive bias
 _MASK_BIAS = -1.0e10
 _KERNEL = 3  # upstream's CausalConv1d kernel in CausalBlock1D and the last down/up sample
@@ -166,11 +166,7 @@ def make_estimator_graph(estimator: Any) -> Any:
 
         @staticmethod
         def transformer(block: Any, x: Any, bias: Any, k_cache: Any, v_cache: Any) -> tuple[Any, Any, Any]:
-            """Returns the block's output and the window's K, V [N, H, T, D].
-            `bias` masks the window's keys only: cached keys are always visible.
-            Cache and window are attended in two parts that share one softmax,
-            so the cache is never concatenated with the window (in onnxruntime
-            every concatenation is a copy of the whole cache, per block and call)."""
+            """Returns the block's output and the window's K, V [N, H, T, D]."""
             attn = block.attn1
             b, t = x.shape[0], x.shape[1]
             n = block.norm1(x)
@@ -180,13 +176,10 @@ def make_estimator_graph(estimator: Any) -> Any:
             q = q.view(b, t, heads, hd).transpose(1, 2)
             k = k.view(b, t, heads, hd).transpose(1, 2)
             v = v.view(b, t, heads, hd).transpose(1, 2)
-            scale = 1.0 / math.sqrt(hd)
-            s_cache = torch.matmul(q, k_cache.transpose(-1, -2)) * scale
-            s_window = torch.matmul(q, k.transpose(-1, -2)) * scale + bias
-            p = torch.softmax(torch.cat((s_cache, s_window), dim=-1), dim=-1)
-            cached = k_cache.shape[2]
-            ctx = torch.matmul(p[..., :cached], v_cache) + torch.matmul(p[..., cached:], v)
-            ctx = ctx.transpose(1, 2).reshape(b, t, heads * hd)
+            keys = torch.cat((k_cache, k), dim=2)
+            values = torch.cat((v_cache, v), dim=2)
+            scores = torch.matmul(q, keys.transpose(-1, -2)) * (1.0 / math.sqrt(hd)) + bias
+            ctx = torch.matmul(torch.softmax(scores, dim=-1), values).transpose(1, 2).reshape(b, t, heads * hd)
             x = attn.to_out[0](ctx) + x
             return block.ff(block.norm3(x)) + x, k, v
 
@@ -221,8 +214,11 @@ def make_estimator_graph(estimator: Any) -> Any:
             block_index = [0]
             # The time-major cache [S, L, 2, N, H, D] rearranged once per call to
             # [L * 2, N, H, S, D]: each block's K and V are then contiguous slabs
-            # (onnxruntime cuts them with one Split), not a strided slice, a
-            # transpose and a concatenation per block. (Reshaped while S leads:
+            # (onnxruntime cuts them with one fast Split), instead of strided
+            # slices (which onnxruntime fused into one slow Split of the whole
+            # cache) and a transpose per block. The concatenation with the
+            # window stays: attending to the cache in a separate part avoids it
+            # but copies the score matrix instead, which is worse offline. (Reshaped while S leads:
             # in ONNX a 0 in a shape copies the input's dimension, so with no
             # cache, S = 0 must stay where it is.)
             frames, blocks_, kv, rows, heads_, head_dim = att_cache.shape
@@ -232,8 +228,10 @@ def make_estimator_graph(estimator: Any) -> Any:
                 h = resnet(r, h, m, temb).transpose(1, 2)
                 tw = h.shape[1]
                 allowed = (m > 0) & chunk_allowed(torch, tw, chunk_frames)  # [N, T, T]
-                # the window's keys; committed frames precede its chunks: always visible
                 bias = ((1.0 - allowed.float()) * _MASK_BIAS).unsqueeze(1)
+                # committed frames precede the window's chunks: always visible
+                cached = torch.zeros(bias.shape[0], 1, tw, att_cache.shape[0], dtype=bias.dtype)
+                bias = torch.cat((cached, bias), dim=-1)
                 for block in blocks:
                     j = block_index[0]
                     block_index[0] += 1

@@ -48,10 +48,7 @@ UNITS: tuple[UnitPolicy, ...] = (
         groups=(("time_embedding", r"time_mlp|time_emb"), ("final_proj", r"final_(block|proj)"),
                 ("attn_proj", r"/to_(q|k|v|out)"), ("attn_scores", r"^/MatMul(_\d+)?$"), ("ff", r"/ff/"),
                 ("resnet", r"block[12]|res_conv|/mlp/"), ("resample", r"_blocks\.\d+\.2/")),
-        # attn_scores: the attention over the streaming cache has its own
-        # matmuls, and calibration (offline calls, no cache) never sees their
-        # inputs: int8 ranges for them would be guesses.
-        always_fp32=("time_embedding", "attn_scores"),
+        always_fp32=("time_embedding",),
     ),
     UnitPolicy(
         name="vocoder", stages=("hift_decoder",),
