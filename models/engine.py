@@ -193,14 +193,17 @@ class CosyVoiceEngine:
         load = self._load
         self.lm = SpeechTokenLM(bundle, backend, load("llm_prefill"), load("llm_decode"))
         self.lm.fixed_size_decode = self._fixed_size_decode()
-        self.flow = FlowDecoder(bundle, load("flow_encoder"), load("flow_estimator"), backend.flow_cache)
-        self.vocoder = HiftVocoder(bundle, load("hift_source"), load("hift_decoder"))
+        # With flow batching the flow and the vocoder run their graphs through the stage batchers.
+        stages = {stage: load(stage) for stage in ("flow_estimator", "hift_source", "hift_decoder")}
+        batchers = start_stage_batching(bundle, backend.name, stages, settings.flow_batching)
+        self.stage_batchers = list(batchers.values())
+        stages.update(batchers)
+        self.flow = FlowDecoder(bundle, load("flow_encoder"), stages["flow_estimator"], backend.flow_cache)
+        self.vocoder = HiftVocoder(bundle, stages["hift_source"], stages["hift_decoder"])
         self.tokenizer = TextTokenizer.from_file(bundle.file("tokenizer"))
         self.frontend = TextFrontend(self.tokenizer, max_text_chars=settings.max_text_chars)
         self.conditioning = ConditioningBuilder(bundle, self.tokenizer, self.frontend)
         self.batcher = start_batcher(bundle, backend.name, self.lm, settings.batching)
-        self.stage_batchers = start_stage_batching(bundle, backend.name, self.flow, self.vocoder,
-                                                   settings.flow_batching)
         self._producers: ProducerPool | None = None
         self.overlap = resolve_overlap(settings.overlap_stages, backend.name, os.cpu_count())
         if self.overlap:

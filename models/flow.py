@@ -212,9 +212,7 @@ class FlowDecoder:
         t_span = self.t_span
         t = t_span[0]
         dt = t_span[1] - t_span[0]
-        # Offline calls: no history, through the estimator as it is now (the
-        # engine's stage batcher wraps it after this decoder is built).
-        empty = self.empty_cache()
+        empty = self.empty_cache()  # offline calls: no history
         for step in range(1, len(t_span)):
             cache = caches[step - 1] if caches is not None else empty
             x_in = np.concatenate([x, x], axis=0)

@@ -45,9 +45,8 @@ from models.batch_policy import BatchSettings, Waiting, admission_order, admit
 from models.batch_worker import IDLE_TICK_S, BatchWorker
 from models.bundle import Bundle
 from models.errors import EngineError
-from models.flow import FlowDecoder
+from models.flow import CacheDims
 from models.stage_merge import AxisMerger, estimator_merger, hift_decoder_merger, hift_source_merger, profile_fits
-from models.vocoder import HiftVocoder
 
 log = logging.getLogger(__name__)
 
@@ -261,21 +260,21 @@ class StageBatcher(BatchWorker):
             call.future.set_result(part)
 
 
-def start_stage_batching(bundle: Bundle, backend: str, flow: FlowDecoder, vocoder: HiftVocoder,
-                         settings: BatchSettings | None) -> list[StageBatcher]:
-    """Wrap the flow estimator and the two HiFT sessions in running batchers
-    (none when `settings` is None). On the trt backend merged calls are
+def start_stage_batching(bundle: Bundle, backend: str, sessions: Mapping[str, Session],
+                         settings: BatchSettings | None) -> dict[str, StageBatcher]:
+    """Running batchers over the flow estimator and the two HiFT sessions in
+    `sessions` (by stage name), to build the flow decoder and the vocoder on;
+    none when `settings` is None. On the trt backend merged calls are
     limited to what the engines' optimization profiles take."""
     if settings is None:
-        return []
+        return {}
     from models.backends.profiles import all_input_ranges
 
-    def wrap(stage: str, session: Session, merger: AxisMerger) -> StageBatcher:
+    stream_cache = CacheDims.from_manifest(bundle.stages["flow_estimator"].raw).stream_cache
+    mergers = {"flow_estimator": estimator_merger(pad_time=stream_cache), "hift_source": hift_source_merger(),
+               "hift_decoder": hift_decoder_merger()}
+    batchers = {}
+    for stage, merger in mergers.items():
         fits = profile_fits(all_input_ranges(bundle.stages[stage].raw, stage)) if backend == "trt" else None
-        return StageBatcher(session, merger, settings, fits=fits).start()
-
-    estimator = wrap("flow_estimator", flow.estimator, estimator_merger(pad_time=flow.cache_dims.stream_cache))
-    source = wrap("hift_source", vocoder.source_session, hift_source_merger())
-    decoder = wrap("hift_decoder", vocoder.decoder_session, hift_decoder_merger())
-    flow.estimator, vocoder.source_session, vocoder.decoder_session = estimator, source, decoder
-    return [estimator, source, decoder]
+        batchers[stage] = StageBatcher(sessions[stage], merger, settings, fits=fits).start()
+    return batchers

@@ -76,6 +76,13 @@ class StepCache(Protocol):
         ...
 
 
+def trim_due(length: int, keep: int, capacity: int) -> bool:
+    """Bounded left context: move the last `keep` frames to the front once the
+    dropped ones fill half the buffer (amortized, like the growth; length >
+    2 * keep, so the moved rows never overlap their new place)."""
+    return length > max(2 * keep, 1) and length - keep >= capacity // 2
+
+
 class HostKvBuffer:
     """A growing time-major K/V buffer [frames, ...] in host memory: a prefix
     (or, with a bounded left context, a suffix) of it is passed to the graph
@@ -95,7 +102,7 @@ class HostKvBuffer:
     def trim(self, keep: int) -> None:
         """Drop all but the last `keep` frames once they take more than half the
         buffer (bounded left context): amortized, like the growth."""
-        if self.length > max(2 * keep, 1) and self.length - keep >= self._kv.shape[0] // 2:
+        if trim_due(self.length, keep, self._kv.shape[0]):
             self._kv[:keep] = self._kv[self.length - keep: self.length].copy()
             self.length = keep
 

@@ -163,6 +163,23 @@ class OrtBackend:
         }
 
 
+def bound_lm_run(session: OrtSession, embeds: np.ndarray, past: ort.OrtValue | None, past_len: int,
+                 device: tuple[str, int]) -> tuple[np.ndarray, ort.OrtValue]:
+    """One LLM prefill (past None) or decode run through IOBinding: the
+    embeddings go in from the host, the log-probabilities come back to it,
+    the cache stays a runtime tensor on `device`. Returns (logp, present_kv)."""
+    binding = session.io_binding()
+    binding.bind_cpu_input("inputs_embeds", np.ascontiguousarray(embeds, dtype=np.float32))
+    binding.bind_cpu_input("attention_mask", np.ones((embeds.shape[0], past_len + embeds.shape[1]), np.int64))
+    if past is not None:
+        binding.bind_ortvalue_input("past_kv", past)
+    binding.bind_output("logp", "cpu")
+    binding.bind_output("present_kv", device[0], device[1])
+    session.run_bound(binding)
+    logp, kv = binding.get_outputs()
+    return np.asarray(logp.numpy()), kv
+
+
 class BoundDecodeLoop:
     """DecodeLoop over ONNX Runtime IOBinding: the KV cache that one step
     returns is bound, as the runtime's own device tensor, as the next step's
@@ -178,18 +195,9 @@ class BoundDecodeLoop:
         self._len = 0
 
     def _run(self, session: OrtSession, embeds: np.ndarray, past: ort.OrtValue | None) -> np.ndarray:
-        binding = session.io_binding()
-        binding.bind_cpu_input("inputs_embeds", np.ascontiguousarray(embeds, dtype=np.float32))
-        binding.bind_cpu_input("attention_mask", np.ones((embeds.shape[0], self._len + embeds.shape[1]), np.int64))
-        if past is not None:
-            binding.bind_ortvalue_input("past_kv", past)
-        binding.bind_output("logp", "cpu")
-        binding.bind_output("present_kv", self._device[0], self._device[1])
-        session.run_bound(binding)
-        logp, kv = binding.get_outputs()
-        self._kv = kv
-        self._len = int(kv.shape()[4])
-        return np.asarray(logp.numpy())
+        logp, self._kv = bound_lm_run(session, embeds, past, self._len, self._device)
+        self._len = int(self._kv.shape()[4])
+        return logp
 
     def prefill(self, inputs_embeds: np.ndarray) -> np.ndarray:
         self._len = 0

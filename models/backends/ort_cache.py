@@ -31,6 +31,7 @@ from models.backends.flow_cache import (
     CONV_CACHE_NEW,
     DPHI_DT,
     StepCacheSpec,
+    trim_due,
 )
 from models.errors import EngineError
 
@@ -182,12 +183,11 @@ class BoundStepCache:
         return np.asarray(outputs[0].numpy())
 
     def trim(self) -> None:
-        """As HostKvBuffer.trim: the last `visible` rows move to the front once
-        the dropped ones fill half the buffer (length > 2 * keep: no overlap)."""
+        """As HostKvBuffer.trim (trim_due), with a device-to-device copy."""
         keep = self.spec.visible
         if keep < 0 or self._buf is None:
             return
-        if self.length > max(2 * keep, 1) and self.length - keep >= self._capacity // 2:
+        if trim_due(self.length, keep, self._capacity):
             self._copier.copy(self._ptr(0), self._ptr(self.length - keep), keep * self.spec.row_bytes)
             self.length = keep
 

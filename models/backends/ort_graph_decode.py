@@ -25,7 +25,7 @@ import threading
 import numpy as np
 import onnxruntime as ort
 
-from models.backends.ort import OrtSession
+from models.backends.ort import OrtSession, bound_lm_run
 from models.errors import EngineError
 
 log = logging.getLogger(__name__)
@@ -125,24 +125,17 @@ class GraphDecodeLoop:
     def prefill(self, inputs_embeds: np.ndarray) -> np.ndarray:
         slot = self._slot_or_raise()
         dec = self._decoder
-        kind, dev = dec.device
         t = inputs_embeds.shape[1]
         if inputs_embeds.shape[0] != 1 or t >= slot.positions:
             raise EngineError(f"static decode: a prompt of {t} positions does not fit {slot.positions}")
-        binding = dec.prefill_session.io_binding()
-        binding.bind_cpu_input("inputs_embeds", np.ascontiguousarray(inputs_embeds, dtype=np.float32))
-        binding.bind_cpu_input("attention_mask", np.ones((1, t), np.int64))
-        binding.bind_output("logp", "cpu")
-        binding.bind_output("present_kv", kind, dev)
-        dec.prefill_session.run_bound(binding)
-        logp, present = binding.get_outputs()
+        logp, present = bound_lm_run(dec.prefill_session, inputs_embeds, None, 0, dec.device)
         pad = dec.pad_session.io_binding()
         pad.bind_ortvalue_input("present_kv", present)
         pad.bind_ortvalue_output("padded_kv", slot.kv[0])
         dec.pad_session.run_bound(pad)
         self._src = 0
         self._len = t
-        return np.asarray(logp.numpy())
+        return logp
 
     def step(self, inputs_embeds: np.ndarray) -> np.ndarray:
         slot = self._slot_or_raise()

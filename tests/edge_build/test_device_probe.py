@@ -46,12 +46,3 @@ def test_probe_compares_fixed_size_and_dynamic_decode(tiny_static_bundle: Path) 
     dynamic = offline_run(tiny_static_bundle, "ort", EngineSettings(threads=1, graph_decode=False), request)
     assert fixed["fixed_size_decode"] and not dynamic["fixed_size_decode"]
     assert fixed["llm_tokens"] == dynamic["llm_tokens"] > 0
-
-
-def test_pick_cudnn_takes_the_fastest_measured_variant() -> None:
-    from edge_build.pick_cudnn import pick
-
-    report = {"conv_variants": {"hift_decoder_56": {"heuristic": 150.0, "exhaustive": 12.0,
-                                                    "heuristic_pad_nc1d": "unknown option"}}}
-    assert pick(report) == "exhaustive"
-    assert pick({"conv_variants": {"hift_decoder_56": {"skipped": "no CUDA"}}}) == "heuristic"
