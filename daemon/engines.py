@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from daemon.default_bundle import ensure_tiny_bundle
 from daemon.espeak_engine import EspeakEngine
 from daemon.settings import FallbackSettings, Settings
 from models.api import Engine
@@ -20,7 +19,10 @@ def load_local_engine(settings: Settings, bundle: str | None = None) -> Engine:
     tts, fb = settings.tts, settings.fallback
     if tts.engine == "espeak-ng":
         return EspeakEngine(fb.voice, fb.rate_wpm, fb.sample_rate, fb.binary)
-    path = Path(bundle or tts.bundle) if (bundle or tts.bundle) else ensure_tiny_bundle()
+    if not (bundle or tts.bundle):
+        # `cosyedge run` resolves the default (tiny) bundle before the service starts.
+        raise EngineError("no bundle configured: set [tts] bundle or --bundle")
+    path = Path(bundle or tts.bundle)
     # lazily: the CosyVoice runtime (onnxruntime, tokenizers)
     from models.batch_policy import BatchSettings
     from models.engine import EngineSettings, load_engine

@@ -8,19 +8,32 @@ import argparse
 import logging
 import queue
 import signal
+import sys
 
 from daemon.audio.vad_worker import VadWorker
 from daemon.audio_wiring import open_sink, start_voice_input
 from daemon.config import load_settings, parse_broker_url
+from daemon.default_bundle import ensure_tiny_bundle
 from daemon.local_broker import ensure_broker
 from daemon.service import Service
-from models.errors import CosyEdgeError
+from models.errors import CosyEdgeError, MissingExtraError
 
 log = logging.getLogger(__name__)
 
 
 def run_command(args: argparse.Namespace) -> int:
     settings = load_settings(getattr(args, "config", None), args)
+    if settings.tts.engine == "cosyvoice" and not settings.tts.bundle:
+        # No bundle configured: the tiny test bundle, built once with the build extra.
+        try:
+            args.bundle = str(ensure_tiny_bundle())
+        except MissingExtraError:
+            print("cosyedge run: no bundle configured and the build extra is not installed: build a bundle on a "
+                  "build host (cosyedge build export, see README.md) and pass --bundle DIR or set [tts] bundle, "
+                  "or install the build extra (pip install 'cosyedge[build]') for the tiny test model",
+                  file=sys.stderr)
+            return 2
+        settings = load_settings(getattr(args, "config", None), args)
     log.info(
         "device %s, topics %s/…, broker %s", settings.device_id, settings.topic_prefix, settings.mqtt.broker
     )

@@ -162,3 +162,28 @@ def test_default_bundle_location(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
     assert not _current(built)
     (built / "manifest.json").write_text("{not json")
     assert not _current(built)
+
+
+def test_run_without_bundle_or_build_extra_says_how_to_get_one(tmp_path: Path) -> None:
+    """A board without the build extra (no torch): `cosyedge run` with no bundle
+    configured prints one line naming both ways to get a bundle and exits 2,
+    before it starts a broker or loads anything."""
+    import os
+    import subprocess
+    import sys
+
+    blocker = tmp_path / "no-torch" / "torch"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'torch'\", name='torch')\n")
+    env = {**os.environ, "PYTHONPATH": str(blocker.parent), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    env.pop("CACHE_DIRECTORY", None)
+    proc = subprocess.run(
+        [sys.executable, "-c", "import sys; from daemon.cli import main; sys.exit(main())", "run",
+         "--broker", f"mqtt://127.0.0.1:{free_port()}", "--audio", "none"],
+        env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("cosyedge run:")]
+    assert len(lines) == 1, proc.stderr
+    assert "--bundle" in lines[0] and "pip install 'cosyedge[build]'" in lines[0]
+    assert not (tmp_path / "cache" / "cosyedge" / "tiny-bundle").exists()
