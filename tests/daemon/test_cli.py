@@ -176,7 +176,8 @@ def test_run_without_bundle_or_build_extra_says_how_to_get_one(tmp_path: Path) -
     blocker.mkdir(parents=True)
     (blocker / "__init__.py").write_text(
         "raise ModuleNotFoundError(\"No module named 'torch'\", name='torch')\n")
-    env = {**os.environ, "PYTHONPATH": str(blocker.parent), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    path = os.pathsep.join(p for p in (str(blocker.parent), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "XDG_CACHE_HOME": str(tmp_path / "cache")}
     env.pop("CACHE_DIRECTORY", None)
     proc = subprocess.run(
         [sys.executable, "-c", "import sys; from daemon.cli import main; sys.exit(main())", "run",
