@@ -41,6 +41,8 @@ def run_command(args: argparse.Namespace) -> int:
             worker = voice_input
             service.speaking_listeners.append(worker.set_speaking)  # half-duplex
             service.extra_liveness["vad"] = lambda: bool(worker.alive)
+            if service.wyoming is not None and service.wyoming.satellite is not None:
+                worker.taps.append(service.wyoming.satellite)  # the mic, streamed to Home Assistant
         while True:
             try:
                 # A timeout, not a plain blocking get: when the kernel delivers
