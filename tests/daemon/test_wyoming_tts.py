@@ -150,8 +150,8 @@ def test_requests_share_the_scheduler_trace_and_metrics(daemons: DaemonFactory,
     lines = [json.loads(r.message) for r in caplog.records if r.name == "daemon.trace"]
     line = next(x for x in lines if x["id"].startswith("wyoming-"))
     assert (line["outcome"], line["route"], line["output"]) == ("completed", "local", "publish")
-    metrics = svc.metrics.render().decode() if hasattr(svc.metrics, "render") else ""
-    assert not metrics or 'route="local"' in metrics
+    assert svc.metrics.registry.get_sample_value(
+        "cosyedge_tts_requests_total", {"route": "local", "outcome": "completed"}) == 1.0
 
 
 def test_busy_when_the_queue_is_full(daemons: DaemonFactory) -> None:
@@ -172,6 +172,7 @@ def test_busy_when_the_queue_is_full(daemons: DaemonFactory) -> None:
     codes = sorted(e.data.get("code", e.type) for got in run(release_later()) for e in got
                    if e.type in ("error", "audio-stop"))
     assert codes == ["audio-stop", "audio-stop", "busy"]
+    assert svc.metrics.registry.get_sample_value("cosyedge_tts_rejected_total", {"code": "busy"}) == 1.0
 
 
 def test_raw_events_frame_reader_matches_package(daemons: DaemonFactory) -> None:

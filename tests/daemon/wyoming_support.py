@@ -77,13 +77,20 @@ def read_raw_events(sock: socket.socket, timeout_s: float = 10.0) -> list[dict[s
         if not part:
             break
         buf += part
+    return parse_events(buf)
+
+
+def parse_events(buf: bytes) -> list[dict[str, Any]]:
+    """The complete events in `buf` (an incomplete last one is left out)."""
     out = []
     while b"\n" in buf:
-        line, buf = buf.split(b"\n", 1)
+        line, rest = buf.split(b"\n", 1)
         header = json.loads(line)
-        n = header.get("data_length", 0)
-        data = json.loads(buf[:n]) if n else header.get("data", {})
-        buf = buf[n + header.get("payload_length", 0):]
+        n, p = header.get("data_length", 0), header.get("payload_length", 0)
+        if len(rest) < n + p:
+            break
+        data = json.loads(rest[:n]) if n else header.get("data", {})
+        buf = rest[n + p:]
         out.append({"type": header["type"], "data": data})
     return out
 
