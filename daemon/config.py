@@ -67,7 +67,7 @@ def default_device_id() -> str:
 
 
 def settings_from_mapping(data: Mapping[str, Any]) -> Settings:
-    known = {"device_id", *SECTIONS, *_RAW_SECTIONS}
+    known = {"device_id", *(n.split(".")[0] for n in SECTIONS), *_RAW_SECTIONS}
     unknown = sorted(set(data) - known)
     if unknown:
         raise ConfigError(f"unknown top-level key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
