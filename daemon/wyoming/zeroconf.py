@@ -40,7 +40,7 @@ def advertised_addresses(host: str) -> list[str]:
         try:
             return [str(ipaddress.ip_address(host))]
         except ValueError:
-            return sorted({info[4][0] for info in socket.getaddrinfo(host, None, socket.AF_INET)})
+            return sorted({str(info[4][0]) for info in socket.getaddrinfo(host, None, socket.AF_INET)})
     import ifaddr  # a dependency of zeroconf
 
     found = sorted({

@@ -119,7 +119,8 @@ def test_speech_over_the_answer_is_a_barge_in(daemons: DaemonFactory, clips: dic
     vs = VadSettings(barge_in="stop")
     m = mix([clips["phrase1"]], [1.0], 3.5, "white", 25, seed=2)
     sink = MemorySink(24000)
-    svc = daemons.start(sink=sink, local=FakeEngine(), fallback=None, wyoming={"zeroconf": "off", "satellite": SAT}, vad={"barge_in": "stop"})
+    svc = daemons.start(sink=sink, local=FakeEngine(), fallback=None, wyoming={"zeroconf": "off", "satellite": SAT},
+                        vad={"barge_in": "stop"})
     worker, _source = _mic(svc, m.pcm16, vs)
 
     async def home_assistant() -> list[Event]:
