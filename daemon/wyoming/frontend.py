@@ -45,7 +45,6 @@ class WyomingFrontend:
                 intake=intake, responder=self.responder, info=lambda: build_info(engines, version),
                 voice_for=lambda v: voice_for(engines, v), priority=w.priority,
                 max_buffered_bytes=lambda rate: int(w.max_buffered_audio_s * rate * 2),
-                executor=self.runtime.executor,
             )
             self.tts = Listener("tts", host, port, lambda writer: TtsHandler(ctx, writer), w, w.idle_timeout_s)
         s = settings.wyoming_satellite

@@ -6,7 +6,6 @@ connection ends alone; the listener keeps serving everyone else."""
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
 import threading
@@ -44,7 +43,6 @@ class EventLoopThread:
     def __init__(self, name: str = "wyoming") -> None:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self.executor = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix=f"{name}-admit")
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
@@ -63,7 +61,6 @@ class EventLoopThread:
         if self._thread.is_alive():
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(5)
-        self.executor.shutdown(wait=False, cancel_futures=True)
         if not self.loop.is_running():
             self.loop.close()
 

@@ -8,7 +8,6 @@ its answers come back through the WyomingResponder."""
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import time
 import uuid
@@ -46,7 +45,6 @@ class TtsContext:
     voice_for: Callable[[SynthesizeVoice | None], str | None]
     priority: int
     max_buffered_bytes: Callable[[int], int]  # for a sample rate
-    executor: concurrent.futures.Executor  # admission off the loop (validation may tokenize)
 
 
 class _Run:
@@ -194,7 +192,9 @@ class TtsHandler:
         self.ctx.responder.attach(job.id, channel)
         self.jobs[job.id] = job
         try:
-            await self.loop.run_in_executor(self.ctx.executor, self.ctx.intake.admit, job)
+            # On the loop, not a helper thread: validation is short (a tokenizer pass) and one thread
+            # hop less is measurably sooner first audio on a busy two-core board.
+            self.ctx.intake.admit(job)
         except ApiError as exc:
             self._forget(job)
             await self._error(exc.code, exc.message)
@@ -225,8 +225,8 @@ class TtsHandler:
                         await write_event(AudioStop().event(), self.writer)
                     await self._error(item.code, item.message)
                     return False
-        finally:
-            self._forget(job)
+        finally:  # answered, or the connection failed while sending (then cancel it here: nobody else will)
+            self._cancel(job)
 
     # --- the end --------------------------------------------------------------------------
     async def closed(self) -> None:
@@ -240,7 +240,7 @@ class TtsHandler:
     def _cancel(self, job: Job) -> None:
         if not job.finished:
             log.info("Wyoming client gone: cancelling %s", job.id)
-            self.loop.run_in_executor(self.ctx.executor, self.ctx.intake.cancel, job.id)
+            self.ctx.intake.cancel(job.id)
         self._forget(job)
 
     def _forget(self, job: Job) -> None:
