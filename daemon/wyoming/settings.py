@@ -4,8 +4,9 @@ schema: daemon/config_schema.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from urllib.parse import urlparse
 
-from daemon.config_schema import setting
+from daemon.config_schema import ConfigError, setting
 
 
 @dataclass(frozen=True)
@@ -60,10 +61,6 @@ class SatelliteSettings:
 
 def parse_tcp_uri(uri: str, where: str) -> tuple[str, int]:
     """(host, port) of tcp://HOST:PORT (IPv6 in brackets); ConfigError naming `where` otherwise."""
-    from urllib.parse import urlparse
-
-    from daemon.config_schema import ConfigError
-
     try:
         parsed = urlparse(uri.strip())
         host, port = parsed.hostname, parsed.port

@@ -108,3 +108,37 @@ def test_end_to_end_on_the_cosyvoice_tiny_bundle(daemons: DaemonFactory, tiny_bu
     assert kinds[0] == "audio-start" and kinds[-1] == "audio-stop" and kinds.count("audio-chunk") >= 2, kinds
     pcm = np.frombuffer(b"".join(e.payload or b"" for e in got if e.type == "audio-chunk"), "<i2")
     assert pcm.size > 24000 and np.abs(pcm).max() > 0
+
+
+class _VoicedEngine(FakeEngine):
+    name = "cosyvoice-ort"
+
+    def voices(self) -> list[str]:
+        return ["alice", "bob"]
+
+
+def test_info_voices_and_voice_choice() -> None:
+    from wyoming.tts import SynthesizeVoice
+
+    from daemon.routing import EngineSet
+    from daemon.settings import RoutingSettings
+    from daemon.wyoming.info import build_info, voice_for
+
+    engines = EngineSet(RoutingSettings())
+    engines.slots["local"].swap(_VoicedEngine())
+    prog = build_info(engines, "1.2.3").tts[0]
+    assert [v.name for v in prog.voices] == ["alice", "bob"] and prog.version == "1.2.3"
+    assert all("en" in v.languages and "zh" in v.languages for v in prog.voices)
+    assert voice_for(engines, SynthesizeVoice(name="bob")) == "bob"
+    assert voice_for(engines, SynthesizeVoice(name="default")) is None
+    assert voice_for(engines, SynthesizeVoice(language="zh")) == "alice"
+    assert voice_for(engines, SynthesizeVoice(language="xx")) is None and voice_for(engines, None) is None
+
+
+def test_cli_flags_parse() -> None:
+    from daemon.cli import build_parser
+
+    run_args = build_parser().parse_args(["run", "--wyoming-uri", "tcp://0.0.0.0:10200"])
+    assert run_args.wyoming_uri == "tcp://0.0.0.0:10200"
+    say_args = build_parser().parse_args(["say", "--wyoming", "tcp://h:10200", "--wyoming-stream", "Hi."])
+    assert (say_args.wyoming, say_args.wyoming_stream, say_args.text) == ("tcp://h:10200", True, "Hi.")
