@@ -37,6 +37,8 @@ def run_command(args: argparse.Namespace) -> int:
         service.load_engines()
         service.start()
         voice_input = start_voice_input(settings, service.voice)
+        if voice_input is None and settings.wyoming_satellite.uri:
+            log.warning("[wyoming.satellite]: no microphone (or [vad] disabled); the satellite only plays")
         if voice_input is not None:
             worker = voice_input
             service.speaking_listeners.append(worker.set_speaking)  # half-duplex
