@@ -34,6 +34,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device-id", help="device id; the topic prefix is cosyedge/<device-id>")
     p.add_argument("--bundle", help="model bundle directory (default: the tiny bundle, built on first use)")
     p.add_argument("--audio", help="audio device: none, default or a device name")
+    p.add_argument("--wyoming-uri", help="serve Wyoming TTS (Home Assistant) on tcp://HOST:PORT (port 10200)")
 
 
 def _add_say(sub: argparse._SubParsersAction) -> None:
@@ -47,6 +48,8 @@ def _add_say(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mode", choices=["sft", "zero_shot", "cross_lingual", "instruct"])
     p.add_argument("--instruct-text")
     p.add_argument("--timeout-s", type=float, default=120.0)
+    p.add_argument("--wyoming", metavar="tcp://HOST:PORT", help="ask a Wyoming TTS server instead of MQTT")
+    p.add_argument("--wyoming-stream", action="store_true", help="with --wyoming: streaming synthesis")
 
 
 def _add_synth(sub: argparse._SubParsersAction) -> None:

@@ -14,7 +14,8 @@ from types import MappingProxyType
 from typing import Any
 
 from daemon.config_schema import ConfigError, build_section, describe, replace_checked
-from daemon.settings import SECTIONS, Settings
+from daemon.settings import SECTIONS, Settings, section_attr
+from daemon.wyoming.settings import parse_tcp_uri
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -66,7 +67,7 @@ def default_device_id() -> str:
 
 
 def settings_from_mapping(data: Mapping[str, Any]) -> Settings:
-    known = {"device_id", *SECTIONS, *_RAW_SECTIONS}
+    known = {"device_id", *(n.split(".")[0] for n in SECTIONS), *_RAW_SECTIONS}
     unknown = sorted(set(data) - known)
     if unknown:
         raise ConfigError(f"unknown top-level key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
@@ -74,7 +75,7 @@ def settings_from_mapping(data: Mapping[str, Any]) -> Settings:
     if not isinstance(device_id, str):
         raise ConfigError(f"device_id: expected a string, got {device_id!r}")
     sections: dict[str, Any] = {
-        name: build_section(cls, data.get(name, {}), name) for name, cls in SECTIONS.items()
+        section_attr(name): build_section(cls, _table(data, name), name) for name, cls in SECTIONS.items()
     }
     raw: dict[str, Any] = {}
     for name in _RAW_SECTIONS:
@@ -90,9 +91,25 @@ def settings_from_mapping(data: Mapping[str, Any]) -> Settings:
     for site in settings.hermes.site_ids:
         if not site or any(c in site for c in "/+#"):
             raise ConfigError(f"[hermes] site_ids: {site!r} is not a valid siteId (no / + # or empty)")
+    for where, uri in (("[wyoming] uri", settings.wyoming.uri), ("[wyoming.satellite] uri",
+                                                                 settings.wyoming_satellite.uri)):
+        if uri:
+            parse_tcp_uri(uri, where)
     if any(c in settings.mqtt.topic_prefix for c in "+#") or settings.mqtt.topic_prefix.endswith("/"):
         raise ConfigError(f"[mqtt] topic_prefix = {settings.mqtt.topic_prefix!r}: no + # or trailing /")
     return settings
+
+
+def _table(data: Mapping[str, Any], name: str) -> Any:
+    """The TOML table of a section; "a.b" is the sub-table b of [a], and [a]'s
+    own keys exclude its sub-tables that are sections."""
+    table: Any = data
+    for part in name.split("."):
+        table = table.get(part, {}) if isinstance(table, Mapping) else table
+    if isinstance(table, Mapping):
+        subs = {n.split(".", 1)[1] for n in SECTIONS if n.startswith(name + ".")}
+        table = {k: v for k, v in table.items() if k not in subs}
+    return table
 
 
 def read_toml(path: Path) -> dict[str, Any]:
@@ -114,6 +131,9 @@ def apply_flags(settings: Settings, args: Any) -> Settings:
         settings = replace(settings, mqtt=replace_checked(settings.mqtt, "mqtt", broker=args.broker))
     if getattr(args, "bundle", None):
         settings = replace(settings, tts=replace_checked(settings.tts, "tts", bundle=str(args.bundle)))
+    if getattr(args, "wyoming_uri", None):
+        parse_tcp_uri(args.wyoming_uri, "--wyoming-uri")
+        settings = replace(settings, wyoming=replace(settings.wyoming, uri=args.wyoming_uri))
     if getattr(args, "audio", None):
         settings = replace(settings, audio=MappingProxyType({**settings.audio, "device": args.audio}))
     return settings

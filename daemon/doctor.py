@@ -254,6 +254,37 @@ def check_espeak(settings: Settings) -> Check:
     )
 
 
+def check_wyoming(settings: Settings) -> list[Check]:
+    """Each configured Wyoming listener: answering describe (the daemon runs),
+    free (`cosyedge run` will listen there), or taken by something else."""
+    import asyncio
+
+    from daemon.wyoming.client import describe
+    from daemon.wyoming.settings import parse_tcp_uri
+
+    checks = []
+    for name, uri in (("Wyoming TTS", settings.wyoming.uri), ("Wyoming satellite", settings.wyoming_satellite.uri)):
+        if not uri:
+            checks.append(Check(name, True, "off ([wyoming] uri / [wyoming.satellite] uri, or --wyoming-uri)",
+                                required=False))
+            continue
+        host, port = parse_tcp_uri(uri, name)
+        probe_host = "127.0.0.1" if host in ("0.0.0.0", "") else ("::1" if host == "::" else host)
+        if not port_open(probe_host, port, timeout_s=2.0):
+            checks.append(Check(name, True, f"{uri}: free; `cosyedge run` listens there"))
+            continue
+        try:
+            info = asyncio.run(describe(f"tcp://{probe_host}:{port}"))
+        except Exception as exc:
+            checks.append(Check(name, False, f"{uri}: something listens there but does not answer describe "
+                                f"({exc})", "stop what holds the port or pick another one"))
+            continue
+        what = (f"TTS {info.tts[0].name}, {len(info.tts[0].voices)} voice(s)" if info.tts
+                else f"satellite {info.satellite.name}" if info.satellite else "no TTS program")
+        checks.append(Check(name, True, f"{uri}: answering ({what})"))
+    return checks
+
+
 def run_checks(settings: Settings) -> list[Check]:
     trt = settings.tts.backend == "trt" and settings.tts.engine == "cosyvoice"
     return [
@@ -264,6 +295,7 @@ def run_checks(settings: Settings) -> list[Check]:
         check_audio(settings),
         check_broker(settings),
         check_espeak(settings),
+        *check_wyoming(settings),
     ]
 
 

@@ -230,6 +230,25 @@ class Intake:
             log.info("request %s (priority %d) preempts %s", job.id, job.priority, other.id)
             self.pipeline.stop_job(other, "preempted")
 
+    def admit(self, job: Job) -> None:
+        """Validate and queue a job of another front end (Wyoming), as `_say`
+        does for MQTT: same router check, scheduler, preemption and metrics.
+        Raises ApiError (counted as rejected); the caller answers it."""
+        try:
+            self._validate(job.request)
+            preempted = self.scheduler.submit(job)
+        except ApiError as exc:
+            self._rejected(exc.code)
+            log.info("request %s rejected: %s: %s", job.id, exc.code, exc.message)
+            raise
+        for other in preempted:
+            log.info("request %s (priority %d) preempts %s", job.id, job.priority, other.id)
+            self.pipeline.stop_job(other, "preempted")
+
+    def cancel(self, request_id: str) -> None:
+        """Cancel a queued or running request (any thread), as tts/cancel does."""
+        self._cancel(request_id)
+
     def _validate(self, request: TtsRequest) -> None:
         decision = self.router.decide(request)
         with self.router.engines.lease(decision.target) as engine:

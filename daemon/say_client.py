@@ -84,6 +84,10 @@ def _play_here(pcm16: bytes, rate: int) -> None:
 
 
 def say_command(args: argparse.Namespace) -> int:
+    if getattr(args, "wyoming", None):
+        from daemon.wyoming.client import say_command as say_wyoming
+
+        return say_wyoming(args)
     addr = parse_broker_url(args.broker or "mqtt://localhost:1883")
     prefix = f"cosyedge/{validate_device_id(args.device_id or default_device_id())}"
     client = mqtt.Client(

@@ -26,9 +26,11 @@ from daemon.responders import NativeResponder
 from daemon.routing import EngineSet, Router
 from daemon.scheduler import Scheduler
 from daemon.sdnotify import SdNotifier
-from daemon.settings import SECTIONS, Settings
+from daemon.settings import SECTIONS, Settings, section_attr
 from daemon.tts_api import TtsRequest
 from daemon.voice_link import VoiceLink
+from daemon.wyoming.frontend import WyomingFrontend
+from daemon.wyoming.frontend import enabled as wyoming_enabled
 from models.api import Engine
 
 log = logging.getLogger(__name__)
@@ -98,6 +100,10 @@ class Service:
             settings.site_ids[0] if settings.hermes.enabled else None,
         )
         self.extra_liveness: dict[str, Callable[[], bool]] = {}  # e.g. the audio capture worker
+        self.wyoming: WyomingFrontend | None = None
+        if wyoming_enabled(settings):
+            self.wyoming = WyomingFrontend(settings, self.intake, self.engines, self.pipeline, self.voice, VERSION)
+            self.extra_liveness["wyoming"] = self.wyoming.alive
         self.health = HealthMonitor(
             self.notifier,
             self.liveness,
@@ -177,6 +183,8 @@ class Service:
             self.sink.start()
         self.pipeline.start()
         self.intake.start()
+        if self.wyoming is not None:
+            self.wyoming.start()
         self.conn.start()
         if not self.conn.wait_connected(connect_timeout_s):
             log.warning(
@@ -207,6 +215,8 @@ class Service:
         for job in self.scheduler.running():  # a stuck engine: answer anyway
             self.completer.complete(job)
         self.health.stop()
+        if self.wyoming is not None:
+            self.wyoming.stop()
         self.pipeline.stop(2.0)
         self.intake.stop()
         self.state = "stopped"
@@ -228,7 +238,7 @@ class Service:
         merged: dict[str, Any] = {}
         reload_engine = False
         for name, cls in SECTIONS.items():
-            old_sec, new_sec = getattr(self.settings, name), getattr(new, name)
+            old_sec, new_sec = getattr(self.settings, section_attr(name)), getattr(new, section_attr(name))
             changes = {}
             for f in dataclasses.fields(cls):
                 before, after = getattr(old_sec, f.name), getattr(new_sec, f.name)
@@ -239,7 +249,7 @@ class Service:
                     reload_engine |= (name, f.name) in _RELOAD_KEYS
                 else:
                     restart.append(f"[{name}] {f.name}")
-            merged[name] = dataclasses.replace(old_sec, **changes)
+            merged[section_attr(name)] = dataclasses.replace(old_sec, **changes)
         if (new.tts.synthesis_workers == old_workers == "auto"
                 and new.tts.synthesis_worker_count != self.pipeline.workers):
             restart.append("[tts] synthesis_workers (auto follows llm_max_batch_size)")
@@ -301,6 +311,7 @@ class Service:
             "audio": {"output": self.sink is not None, "speaking": self.pipeline.speaking},
             "mqtt": {"protocol": self.settings.mqtt.protocol},
             "cloud": {"enabled": self.cloud is not None, "link": describe_link(self.cloud)},
+            "wyoming": self.wyoming.describe() if self.wyoming is not None else {},
             "queue_depth": self.scheduler.depth,
             "in_flight": len(self.scheduler.running()),
             "synthesizing": self.pipeline.active_syntheses,

@@ -50,10 +50,14 @@ def run_command(args: argparse.Namespace) -> int:
         service.load_engines()
         service.start()
         voice_input = start_voice_input(settings, service.voice)
+        if voice_input is None and settings.wyoming_satellite.uri:
+            log.warning("[wyoming.satellite]: no microphone (or [vad] disabled); the satellite only plays")
         if voice_input is not None:
             worker = voice_input
             service.speaking_listeners.append(worker.set_speaking)  # half-duplex
             service.extra_liveness["vad"] = lambda: bool(worker.alive)
+            if service.wyoming is not None and service.wyoming.satellite is not None:
+                worker.taps.append(service.wyoming.satellite)  # the mic, streamed to Home Assistant
         while True:
             try:
                 # A timeout, not a plain blocking get: when the kernel delivers

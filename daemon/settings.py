@@ -10,6 +10,7 @@ from typing import Any
 
 from daemon.audio.settings import AudioSettings, VadSettings
 from daemon.config_schema import setting
+from daemon.wyoming.settings import SatelliteSettings, WyomingSettings
 
 PRIORITY_MIN, PRIORITY_MAX = -1000, 1000
 AUTO_WORKERS_MAX = 4  # synthesis_workers = "auto": beyond this the flow/vocoder, not the LLM, bound a board
@@ -332,6 +333,8 @@ class Settings:
     cloud: CloudSettings = field(default_factory=CloudSettings)
     hermes: HermesSettings = field(default_factory=HermesSettings)
     health: HealthSettings = field(default_factory=HealthSettings)
+    wyoming: WyomingSettings = field(default_factory=WyomingSettings)
+    wyoming_satellite: SatelliteSettings = field(default_factory=SatelliteSettings)
     # Owned by the audio side: validated by AudioSettings / VadSettings
     # (audio_settings / vad_settings below, checked when the config loads).
     audio: Mapping[str, Any] = field(default_factory=lambda: _frozen({}))
@@ -388,4 +391,11 @@ SECTIONS: dict[str, type] = {
     "cloud": CloudSettings,
     "hermes": HermesSettings,
     "health": HealthSettings,
+    "wyoming": WyomingSettings,
+    "wyoming.satellite": SatelliteSettings,  # a sub-table: [wyoming.satellite]
 }
+
+
+def section_attr(name: str) -> str:
+    """The Settings attribute of a SECTIONS key ("wyoming.satellite" -> wyoming_satellite)."""
+    return name.replace(".", "_")

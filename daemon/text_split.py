@@ -27,3 +27,20 @@ def split_sentences(text: str, max_chars: int = 400) -> list[str]:
         if part:
             out.append(part)
     return out
+
+
+def complete_sentences(text: str, max_chars: int = 400) -> tuple[list[str], str]:
+    """For streamed text: (the sentences already complete, the unfinished rest).
+    A sentence is complete once a boundary follows it (a mark and then
+    whitespace, a CJK mark, a line break), so "3." + "14" or "Mr" + "." stay
+    open until more text shows where the boundary is."""
+    end = 0
+    for m in _BOUNDARY.finditer(text):
+        end = m.end()
+    head, rest = text[:end], text[end:]
+    # an over-long unfinished sentence is cut as split_sentences would cut it
+    while len(rest) > max_chars:
+        cut = rest.rfind(" ", 0, max_chars)
+        cut = max_chars if cut <= 0 else cut
+        head, rest = head + rest[:cut] + "\n", rest[cut:].lstrip()
+    return split_sentences(head, max_chars), rest

@@ -18,6 +18,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from .interfaces import AudioSource, VadEvent
 from .pcm import wav_bytes
@@ -28,6 +29,16 @@ log = logging.getLogger(__name__)
 
 EventCallback = Callable[[VadEvent], None]
 SegmentCallback = Callable[[bytes, float, float], None]  # (WAV bytes, start_s, end_s)
+
+
+class FrameTap(Protocol):
+    """Another consumer of the classified stream (the Wyoming satellite), on
+    the worker's thread: each VAD event, then each frame that was classified
+    (never the frames muted by half-duplex). Must not block."""
+
+    def on_vad_event(self, event: VadEvent) -> None: ...
+
+    def on_frame(self, frame: bytes, t: float) -> None: ...
 
 
 class VadWorker:
@@ -54,6 +65,7 @@ class VadWorker:
         self.events = 0
         self.segments = 0
         self.callback_errors = 0
+        self.taps: list[FrameTap] = []
 
     # --- control ----------------------------------------------------------------
     def start(self) -> None:
@@ -131,6 +143,12 @@ class VadWorker:
                 log.exception("VAD failed on a frame; skipping it")
                 continue
             self._emit(outputs)
+            for tap in self.taps:
+                try:
+                    tap.on_frame(frame, t)
+                except Exception:
+                    self.callback_errors += 1
+                    log.exception("VAD frame tap failed")
 
     def _emit(self, outputs: list[SegmenterOutput]) -> None:
         for out in outputs:
@@ -142,6 +160,8 @@ class VadWorker:
                 else:
                     self.events += 1
                     self._on_event(out)
+                    for tap in self.taps:
+                        tap.on_vad_event(out)
             except Exception:  # a failing publisher must not stop the microphone
                 self.callback_errors += 1
                 log.exception("VAD callback failed")

@@ -1,0 +1,1 @@
+"""Tools of the daemon side (benchmarks), apart from the runtime modules."""
