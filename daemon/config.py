@@ -13,7 +13,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from daemon.config_schema import ConfigError, build_section, describe, replace_checked
+from daemon.audio.settings import AudioSettings, VadSettings
+from daemon.config_schema import ConfigError, build_section, example_lines, replace_checked
 from daemon.settings import SECTIONS, Settings
 
 if sys.version_info >= (3, 11):
@@ -136,16 +137,17 @@ def example_toml() -> str:
         'device_id = ""',
     ]
     for name, cls in SECTIONS.items():
-        lines += ["", f"[{name}]"]
-        for key, default, doc, constraint in describe(cls):
-            lines.append(f"# {doc}" + (f" ({constraint})" if constraint else ""))
-            lines.append(f"{key} = {default}")
+        lines += ["", *example_lines(name, cls)]
+    audio = example_lines("audio", AudioSettings, commented=("output_device", "input_device"))
     lines += [
         "",
-        "# [audio] and [vad]: see the README's 'Audio and VAD' section.",
-        "[audio]",
-        '# device: "none", "default" or a device name (cosyedge doctor lists them)',
+        audio[0],
+        '# speaker and microphone (what --audio sets): "none", "default", a device name or index',
+        '# (cosyedge doctor lists them), or "wav:PATH"; output_device / input_device override it',
         'device = "default"',
+        *audio[1:],
+        "",
+        *example_lines("vad", VadSettings),
         "",
     ]
     return "\n".join(lines)

@@ -65,14 +65,16 @@ class TtsSettings:
     engine: str = setting(
         "cosyvoice",
         "the local engine: a CosyVoice bundle, or espeak-ng only",
-        choices=("cosyvoice", "espeak-ng"),
+        choices=("cosyvoice", "espeak-ng"), reload=True,
     )
     bundle: str = setting(
         "",
         "model bundle directory; empty: the tiny bundle in the cache directory, "
-        "built on first use (needs the build extra)",
+        "built on first use (needs the build extra)", reload=True,
     )
-    backend: str = setting("ort", "inference backend of the bundle", choices=("ort", "ort-cuda", "ort-trt", "trt"))
+    backend: str = setting(
+        "ort", "inference backend of the bundle", choices=("ort", "ort-cuda", "ort-trt", "trt"), reload=True
+    )
     default_voice: str = setting(
         "", "voice when a request names none; empty: the bundle's default", live=True
     )
@@ -88,11 +90,11 @@ class TtsSettings:
     max_prompt_s: float = setting(30.0, "longest voice-reference (prompt) audio", min=1, max=600, live=True)
     llm_max_batch_size: int = setting(
         0, "decode the LLM of up to this many concurrent requests as one batch (0: off, each decodes alone)",
-        min=0, max=256,
+        min=0, max=256, reload=True,
     )
     llm_max_queue_delay_ms: float = setting(
         0.0, "with llm_max_batch_size: how long a request may wait to join so that the batch fills up",
-        min=0, max=10_000,
+        min=0, max=10_000, reload=True,
     )
     synthesis_workers: int | str = setting(
         "auto", "requests synthesized at once (each on its own worker thread, so the LLM batcher can batch "
@@ -103,36 +105,36 @@ class TtsSettings:
     flow_max_batch_size: int = setting(
         0, "run the flow estimator and vocoder calls of up to this many concurrent requests as one batch "
         "(0: off, each runs alone)",
-        min=0, max=256,
+        min=0, max=256, reload=True,
     )
     flow_max_queue_delay_ms: float = setting(
         0.0, "with flow_max_batch_size: how long a flow or vocoder call may wait for the requests whose "
         "previous call just returned (a lone request never waits); 0: only calls already queued merge",
-        min=0, max=10_000,
+        min=0, max=10_000, reload=True,
     )
     overlap_stages: str = setting(
         "auto", "streaming: the LLM decodes the next chunk on its own thread while flow and vocoder work on this "
         "one; auto: on with a GPU backend or 4+ CPU cores",
-        choices=("auto", "on", "off"),
+        choices=("auto", "on", "off"), reload=True,
     )
     first_hop_tokens: int = setting(
         0, "speech tokens before the first audio chunk (smaller: sooner first audio); 0: upstream's aligned hop",
-        min=0, max=200,
+        min=0, max=200, reload=True,
     )
     stream_hop_scale: float = setting(
         1.0, "grow the streaming hop by this factor after each chunk, up to 4x (upstream's stream_scale_factor; "
         "2: chunks of 25, 50, then 100 tokens, less total work, same first audio); 1: a fixed hop",
-        min=1.0, max=4.0,
+        min=1.0, max=4.0, reload=True,
     )
     flow_final_chunk: str = setting(
         "cached", "streaming's last flow chunk: through the per-request caches (linear cost) or upstream's "
         "full-length pass (exactly upstream's audio, about twice the flow cost)",
-        choices=("cached", "upstream"),
+        choices=("cached", "upstream"), reload=True,
     )
     flow_left_chunks: int = setting(
         -1, "streaming flow context in 1 s chunks; -1: all (exact); N: the last N only, bounding the cache "
         "memory (about 219 MiB per second of audio at full size) but changing the audio",
-        min=-1, max=100_000,
+        min=-1, max=100_000, reload=True,
     )
 
     @property
@@ -363,11 +365,11 @@ class Settings:
 
     @property
     def vad_settings(self) -> VadSettings:
-        return VadSettings.from_mapping({k: v for k, v in self.vad.items() if k != "enabled"})
+        return VadSettings.from_mapping(self.vad)
 
     @property
     def vad_enabled(self) -> bool:
-        return bool(self.vad.get("enabled", True)) and self.audio_settings.capture
+        return self.vad_settings.enabled and self.audio_settings.capture
 
     @property
     def barge_in(self) -> str:
