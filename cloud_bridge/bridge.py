@@ -53,7 +53,7 @@ from cloud_bridge.protocol import (
     parse_request,
     peek_request_id,
 )
-from cloud_bridge.settings import BridgeSettings
+from cloud_bridge.settings import BridgeSettings, read_password
 from cloud_bridge.triton_stream import SynthesisFailed, TritonStreamer
 from cloud_bridge.versions import VersionSelector
 
@@ -92,7 +92,7 @@ class BridgeService:
             t.allowed_versions,
             seed=None if t.canary_seed < 0 else t.canary_seed,
         )
-        self.admission = Admission(lim.max_in_flight + lim.max_queued, lim.dedup_window)
+        self.admission = Admission(lim.max_in_flight + lim.max_queued, lim.dedupe_max_ids)
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._running: dict[Key, Job] = {}
         self._running_lock = threading.Lock()
@@ -115,7 +115,7 @@ class BridgeService:
         client.on_disconnect = self._on_disconnect
         client.on_subscribe = self._on_subscribe
         client.on_message = self._on_message
-        password = m.read_password()
+        password = read_password(m)
         if m.username:
             client.username_pw_set(m.username, password)
         if m.tls:

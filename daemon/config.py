@@ -14,7 +14,7 @@ from types import MappingProxyType
 from typing import Any
 
 from daemon.audio.settings import AudioSettings, VadSettings
-from daemon.config_schema import ConfigError, build_section, example_lines, replace_checked
+from daemon.config_schema import ConfigError, build_section, example_lines, reference_table, replace_checked
 from daemon.settings import SECTIONS, Settings
 
 if sys.version_info >= (3, 11):
@@ -153,9 +153,38 @@ def example_toml() -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    """python -m daemon.config: print the example config."""
-    print(example_toml(), end="")
+def reference_markdown() -> str:
+    """docs/configuration.md: the reference of every daemon setting."""
+    lines = [
+        "# Daemon configuration reference",
+        "",
+        "Generated from the settings schema (`python -m daemon.config --markdown > docs/configuration.md`);",
+        "a test checks it is current. A TOML file (`cosyedge run --config FILE`); every key is optional.",
+        "`systemd/cosyedge.toml` is the example with every key at its default (`python -m daemon.config`).",
+        "Unknown keys and invalid values stop the start with a message that names the key and the allowed",
+        "values. SIGHUP re-reads the file: keys marked *reloaded by SIGHUP* apply at once, keys marked",
+        "*SIGHUP reloads the engine* reload the local engine, every other change is logged as needing a",
+        "restart.",
+        "",
+        "Top level: `device_id` (default: the host name; 1-64 characters of `A-Z a-z 0-9 . _ -`).",
+        "",
+    ]
+    for name, cls in SECTIONS.items():
+        lines += reference_table(name, cls)
+    lines += reference_table("audio", AudioSettings)
+    lines += [
+        "`[audio] device` (what `--audio` sets) names the speaker and the microphone together;",
+        "`output_device` / `input_device` override it.",
+        "",
+    ]
+    lines += reference_table("vad", VadSettings)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """python -m daemon.config [--markdown]: print the example config (or the reference)."""
+    args = sys.argv[1:] if argv is None else argv
+    print(reference_markdown() if "--markdown" in args else example_toml(), end="")
 
 
 if __name__ == "__main__":

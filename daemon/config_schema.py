@@ -145,9 +145,9 @@ def _typed(tp: Any, value: Any) -> tuple[bool, Any]:
             return True, float(value)
         if m is str and isinstance(value, str):
             return True, value
-        if typing.get_origin(m) is tuple and isinstance(value, list | tuple):
-            if all(isinstance(v, str) for v in value):
-                return True, tuple(value)
+        if (typing.get_origin(m) is tuple and isinstance(value, list | tuple)
+                and all(isinstance(v, str) for v in value)):
+            return True, tuple(value)
     return False, value
 
 
@@ -163,7 +163,7 @@ def check_value(section: str, f: dataclasses.Field[Any], tp: Any, value: Any) ->
         raise ConfigError(f"{where}: expected {_type_name(tp)}, got {_toml_any(value)}")
     if value is None:
         return value
-    choices = meta.get("choices")
+    choices: tuple[Any, ...] = meta.get("choices") or ()
     lo, hi = meta.get("min"), meta.get("max")
     if _is_int_or_choice(tp, meta):
         good = value in choices if isinstance(value, str) else (lo is None or lo <= value) and (
@@ -219,7 +219,7 @@ def build_section(cls: type[T], table: Mapping[str, Any], section: str) -> T:
     values: dict[str, Any] = {}
     for key, v in table.items():
         name = aliases.get(key, key)
-        if name in values:
+        if name != key and name in table:
             raise ConfigError(f"[{section}] {key} is the old name of {name}; give only {name}")
         values[name] = check_value(section, fields[name], hints[name], v)
     return cls(**values)
@@ -270,6 +270,6 @@ def reference_table(section: str, cls: type[Any]) -> list[str]:
     lines = [f"### `[{section}]`", "", "| key | default | meaning | allowed |", "|---|---|---|---|"]
     for key, default, doc, constraint in describe(cls):
         cell = f"`{default}`" if default else "unset"
-        doc_cell, allowed_cell = doc.replace("|", r"\|"), constraint.replace("|", r"\|")
+        doc_cell, allowed_cell = (t.replace("|", r"\|").replace("<", "&lt;") for t in (doc, constraint))
         lines.append(f"| `{key}` | {cell} | {doc_cell} | {allowed_cell} |")
     return lines + [""]

@@ -12,7 +12,6 @@ from typing import Any, Literal
 
 from daemon.config_schema import ConfigError, build_section, check_fields, setting
 
-
 AudioSettingsError = ConfigError  # an audio or VAD setting is out of range or of the wrong type
 
 

@@ -6,12 +6,14 @@ from pathlib import Path
 
 import pytest
 
+from daemon.audio.settings import AudioSettings, VadSettings
 from daemon.config import (
     ConfigError,
     apply_flags,
     example_toml,
     load_settings,
     parse_broker_url,
+    reference_markdown,
     settings_from_mapping,
 )
 from daemon.settings import SECTIONS
@@ -142,6 +144,24 @@ def test_example_config_is_current_and_complete() -> None:
     s = load_settings(ROOT / "systemd" / "cosyedge.toml")
     assert s.scheduler == SECTIONS["scheduler"]()
     assert s.mqtt == SECTIONS["mqtt"]()
+
+
+def test_reference_docs_are_generated_and_current() -> None:
+    """docs/configuration.md is what the schema renders and names every key."""
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    assert text == reference_markdown(), "regenerate: python -m daemon.config --markdown > docs/configuration.md"
+    for name, cls in {**SECTIONS, "audio": AudioSettings, "vad": VadSettings}.items():
+        for f in dataclasses.fields(cls):
+            assert f"| `{f.name}` |" in text, f"[{name}] {f.name} missing from docs/configuration.md"
+    assert "| `bundle` | `\"\"` |" in text and "SIGHUP reloads the engine" in text
+
+
+def test_live_and_reload_keys_come_from_the_schema() -> None:
+    from daemon.config_schema import live_fields, reload_fields
+
+    assert {"bundle", "backend", "engine", "llm_max_batch_size"} <= set(reload_fields(SECTIONS["tts"]))
+    assert "max_text_chars" in live_fields(SECTIONS["tts"]) and "bundle" not in live_fields(SECTIONS["tts"])
+    assert "dedupe_window_s" in live_fields(SECTIONS["scheduler"])
 
 
 def test_readme_documents_every_key() -> None:
