@@ -46,7 +46,7 @@ def make_fallback(settings: FallbackSettings, sample_rate: int | None) -> Engine
         return None
     try:
         return EspeakEngine(
-            settings.voice, settings.rate_wpm, sample_rate or settings.sample_rate, settings.binary
+            settings.voice, settings.rate_wpm, sample_rate or settings.sample_rate_hz, settings.binary
         )
     except EngineError as exc:
         log.warning("no fallback voice: %s", exc)

@@ -155,10 +155,11 @@ class FallbackSettings:
     binary: str = setting("espeak-ng", "the espeak-ng executable")
     voice: str = setting("en-us", "espeak-ng voice (espeak-ng --voices)")
     rate_wpm: int = setting(175, "speaking rate in words per minute", min=80, max=500)
-    sample_rate: int = setting(
+    sample_rate_hz: int = setting(
         24000,
         "output rate when no bundle is loaded (else the bundle's rate)",
         choices=(16000, 22050, 24000, 44100, 48000),
+        aliases=("sample_rate",),
     )
 
 
