@@ -164,6 +164,12 @@ def test_live_and_reload_keys_come_from_the_schema() -> None:
     assert "dedupe_window_s" in live_fields(SECTIONS["scheduler"])
 
 
+def test_old_key_names_are_still_read() -> None:
+    assert settings_from_mapping({"fallback": {"sample_rate": 16000}}).fallback.sample_rate_hz == 16000
+    with pytest.raises(ConfigError, match="sample_rate is the old name of sample_rate_hz"):
+        settings_from_mapping({"fallback": {"sample_rate": 16000, "sample_rate_hz": 16000}})
+
+
 def test_readme_documents_every_key() -> None:
     readme = (ROOT / "README.md").read_text()
     section = readme.split("<!-- section: daemon -->")[1].split("<!-- /section: daemon -->")[0]
