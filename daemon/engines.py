@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 def load_local_engine(settings: Settings, bundle: str | None = None) -> Engine:
     tts, fb = settings.tts, settings.fallback
     if tts.engine == "espeak-ng":
-        return EspeakEngine(fb.voice, fb.rate_wpm, fb.sample_rate, fb.binary)
+        return EspeakEngine(fb.voice, fb.rate_wpm, fb.sample_rate_hz, fb.binary)
     path = Path(bundle or tts.bundle) if (bundle or tts.bundle) else ensure_tiny_bundle()
     # lazily: the CosyVoice runtime (onnxruntime, tokenizers)
     from models.batch_policy import BatchSettings

@@ -14,6 +14,7 @@ import numpy as np
 
 Mode = Literal["sft", "zero_shot", "cross_lingual", "instruct"]
 MODES: tuple[Mode, ...] = ("sft", "zero_shot", "cross_lingual", "instruct")
+PROMPT_MODES: tuple[Mode, ...] = ("zero_shot", "cross_lingual")  # modes that clone the voice of a prompt
 
 
 @dataclass(frozen=True)
