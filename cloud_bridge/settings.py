@@ -11,8 +11,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
+from cloud_bridge.mqtt_factory import BrokerAddress, MqttSetupError, parse_broker_url
 from daemon.config_schema import ConfigError, build_section, check_fields, reference_table, setting
 
 if sys.version_info >= (3, 11):
@@ -24,8 +24,11 @@ SettingsError = ConfigError  # a setting with a wrong value; the message names t
 
 
 def _broker_ok(url: str) -> bool:
-    parsed = urlparse(url)
-    return parsed.scheme in ("mqtt", "mqtts", "tcp", "ssl") and bool(parsed.hostname)
+    try:
+        parse_broker_url(url)
+    except MqttSetupError:
+        return False
+    return True
 
 
 def _topic_word_ok(value: str) -> bool:
@@ -73,17 +76,8 @@ class MqttSettings:
             raise SettingsError("[mqtt] password and password_file: set one, not both")
 
     @property
-    def tls(self) -> bool:
-        return urlparse(self.broker).scheme in ("mqtts", "ssl")
-
-    @property
-    def host(self) -> str:
-        return urlparse(self.broker).hostname or "localhost"
-
-    @property
-    def port(self) -> int:
-        url = urlparse(self.broker)
-        return url.port or (8883 if self.tls else 1883)
+    def address(self) -> BrokerAddress:
+        return parse_broker_url(self.broker)
 
 
 @dataclass(frozen=True)
@@ -162,16 +156,6 @@ def build_settings(doc: dict[str, Any]) -> BridgeSettings:
         raise SettingsError(f"unknown section(s) {', '.join(unknown)}; allowed: {', '.join(_SECTIONS)}")
     parts: dict[str, Any] = {name: build_section(cls, doc.get(name, {}), name) for name, cls in _SECTIONS.items()}
     return BridgeSettings(**parts)
-
-
-def read_password(mqtt: MqttSettings) -> str | None:
-    """The broker password: password_file's first line, else password, else None."""
-    if mqtt.password_file:
-        try:
-            return Path(mqtt.password_file).read_text().splitlines()[0]
-        except (OSError, IndexError) as exc:
-            raise SettingsError(f"[mqtt] password_file {mqtt.password_file!r} cannot be read: {exc}") from None
-    return mqtt.password or None
 
 
 def load_settings(

@@ -8,11 +8,13 @@ import re
 import socket
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from cloud_bridge.mqtt_factory import BrokerAddress, MqttSetupError
+from cloud_bridge.mqtt_factory import parse_broker_url as _parse_broker_url
 from daemon.audio.settings import AudioSettings, VadSettings
 from daemon.config_schema import ConfigError, build_section, example_lines, reference_table, replace_checked
 from daemon.settings import SECTIONS, Settings
@@ -26,29 +28,13 @@ _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _RAW_SECTIONS = ("audio", "vad")  # validated by the audio side's settings
 
 
-@dataclass(frozen=True)
-class BrokerAddress:
-    host: str
-    port: int
-    tls: bool
-    username: str = ""
-    password: str = ""
-
-
 def parse_broker_url(url: str) -> BrokerAddress:
-    """mqtt://[user[:pass]@]host[:port] or mqtts://…; a bare host[:port] means mqtt://."""
-    m = re.match(
-        r"^(?:(mqtts?|tcp|ssl)://)?(?:([^:@/]*)(?::([^@/]*))?@)?(\[[^\]]+\]|[^:/]+)(?::(\d+))?/?$",
-        url.strip(),
-    )
-    if not m:
-        raise ConfigError(f"[mqtt] broker = {url!r}: expected mqtt://host[:port] or mqtts://host[:port]")
-    scheme, user, password, host, port = m.groups()
-    tls = scheme in ("mqtts", "ssl")
-    port_n = int(port) if port else (8883 if tls else 1883)
-    if not 0 < port_n < 65536:
-        raise ConfigError(f"[mqtt] broker = {url!r}: port must be between 1 and 65535")
-    return BrokerAddress(host.strip("[]"), port_n, tls, user or "", password or "")
+    """mqtt://[user[:pass]@]host[:port] or mqtts://…; a bare host[:port] means mqtt://
+    (the MQTT client factory's parser, with the config's error)."""
+    try:
+        return _parse_broker_url(url)
+    except MqttSetupError as exc:
+        raise ConfigError(f"[mqtt] {exc}") from None
 
 
 def validate_device_id(device_id: str) -> str:

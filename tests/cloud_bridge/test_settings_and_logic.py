@@ -19,10 +19,10 @@ def test_defaults_and_overrides(tmp_path: Path) -> None:
     cfg = tmp_path / "bridge.toml"
     cfg.write_text('[mqtt]\nbroker = "mqtts://cloud:8883"\n[limits]\nmax_in_flight = 3\noverflow = "wait"\n')
     s = load_settings(cfg, triton_url="triton:9001")
-    assert s.mqtt.tls and s.mqtt.port == 8883 and s.mqtt.host == "cloud"
+    assert s.mqtt.address.tls and s.mqtt.address.port == 8883 and s.mqtt.address.host == "cloud"
     assert s.limits.max_in_flight == 3 and s.limits.overflow == "wait"
     assert s.triton.url == "triton:9001"
-    assert load_settings(cfg, broker="mqtt://other:1999").mqtt.port == 1999
+    assert load_settings(cfg, broker="mqtt://other:1999").mqtt.address.port == 1999
 
 
 @pytest.mark.parametrize(
@@ -38,6 +38,7 @@ def test_defaults_and_overrides(tmp_path: Path) -> None:
         ({"triton": {"allowed_versions": ["1", "x"]}}, "[triton] allowed_versions"),
         ({"triton": {"url": "localhost"}}, '[triton] url = "localhost": allowed values: host:port'),
         ({"mqtt": {"broker": "http://x"}}, '[mqtt] broker = "http://x": allowed values: mqtt://host:1883'),
+        ({"mqtt": {"broker": "mqtt://h:70000"}}, '[mqtt] broker = "mqtt://h:70000": allowed values'),
         ({"mqtt": {"client_id": "a/b"}}, '[mqtt] client_id = "a/b": allowed values: a non-empty string'),
         ({"mqtt": {"password": "p", "password_file": "/f"}}, "password and password_file: set one, not both"),
         ({"mqtt": {"colour": "red"}}, "[mqtt] unknown key colour; known keys: broker"),
