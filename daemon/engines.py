@@ -10,13 +10,13 @@ from pathlib import Path
 from daemon.default_bundle import ensure_tiny_bundle
 from daemon.espeak_engine import EspeakEngine
 from daemon.settings import FallbackSettings, Settings
-from models.api import Engine
+from models.api import ServedEngine
 from models.errors import EngineError
 
 log = logging.getLogger(__name__)
 
 
-def load_local_engine(settings: Settings, bundle: str | None = None) -> Engine:
+def load_local_engine(settings: Settings, bundle: str | None = None) -> ServedEngine:
     tts, fb = settings.tts, settings.fallback
     if tts.engine == "espeak-ng":
         return EspeakEngine(fb.voice, fb.rate_wpm, fb.sample_rate_hz, fb.binary)
@@ -39,7 +39,7 @@ def load_local_engine(settings: Settings, bundle: str | None = None) -> Engine:
     return engine
 
 
-def make_fallback(settings: FallbackSettings, sample_rate: int | None) -> Engine | None:
+def make_fallback(settings: FallbackSettings, sample_rate: int | None) -> ServedEngine | None:
     """The espeak-ng fallback at the local engine's rate, or None (disabled or
     not installed: logged, the daemon then answers engine_unavailable)."""
     if not settings.enabled:

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import numpy as np
 import soxr
 
-from models.api import AudioChunk, Mode, StageTimes, SynthesisRequest
+from models.api import AudioChunk, EngineDefaults, Mode, StageTimes, SynthesisRequest
 from models.errors import EngineError, RequestError
 from models.text.split import is_only_punctuation, split_paragraph
 
@@ -79,7 +79,7 @@ def list_espeak_voices(binary: str) -> list[str]:
     return sorted(names)
 
 
-class EspeakEngine:
+class EspeakEngine(EngineDefaults):
     """espeak-ng as an Engine. Thread-safe: each call runs its own processes."""
 
     name = "espeak-ng"

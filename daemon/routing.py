@@ -1,4 +1,4 @@
-"""Where a request is synthesized. One Engine per target ('local', 'cloud',
+"""Where a request is synthesized. One engine per target ('local', 'cloud',
 'fallback') in an EngineSet; the Router picks a target by trying its rules
 in order (explicit cloud, the route=auto rules, local/fallback), and says
 what to try after a failure (cloud -> local, local -> cloud, either -> the
@@ -18,7 +18,7 @@ from typing import Literal
 
 from daemon.settings import RoutingSettings
 from daemon.tts_api import ApiError, TtsRequest
-from models.api import Engine
+from models.api import ServedEngine
 from models.errors import RequestError
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ class EngineSlot:
         self.settings = settings
         self._clock = clock
         self._lock = threading.Lock()
-        self._engine: Engine | None = None
+        self._engine: ServedEngine | None = None
         self._leases: dict[int, int] = {}
         self.state = "absent"  # absent | loading | ready | failed
         self.error = ""
@@ -51,13 +51,13 @@ class EngineSlot:
         self._unhealthy_since: float | None = None
 
     @property
-    def engine(self) -> Engine | None:
+    def engine(self) -> ServedEngine | None:
         return self._engine
 
     def set_state(self, state: str, error: str = "") -> None:
         self.state, self.error = state, error
 
-    def swap(self, engine: Engine | None) -> None:
+    def swap(self, engine: ServedEngine | None) -> None:
         with self._lock:
             old, self._engine = self._engine, engine
             self.failures, self._unhealthy_since = 0, None
@@ -66,14 +66,14 @@ class EngineSlot:
         if close_now and old is not None:
             _close(old)
 
-    def acquire(self) -> Engine | None:
+    def acquire(self) -> ServedEngine | None:
         with self._lock:
             engine = self._engine
             if engine is not None:
                 self._leases[id(engine)] = self._leases.get(id(engine), 0) + 1
             return engine
 
-    def release(self, engine: Engine) -> None:
+    def release(self, engine: ServedEngine) -> None:
         with self._lock:
             left = self._leases.get(id(engine), 1) - 1
             if left:
@@ -91,8 +91,7 @@ class EngineSlot:
         `unhealthy_retry_s`."""
         if self._engine is None:
             return False
-        probe = getattr(self._engine, "available", None)
-        if callable(probe) and not probe():
+        if not self._engine.available():
             return False
         if self._unhealthy_since is None:
             return True
@@ -112,22 +111,21 @@ class EngineSlot:
         state = self.state
         if engine is not None and not self.healthy:
             state = "unhealthy"
-            probe = getattr(engine, "available", None)
-            if callable(probe) and not probe():
+            if not engine.available():
                 state = "unreachable"
         return {
             "state": state,
-            "engine": getattr(engine, "name", None),
+            "engine": None if engine is None else engine.name,
             "error": self.error or None,
             "failures": self.failures,
         }
 
 
-def _close(engine: Engine) -> None:
+def _close(engine: ServedEngine) -> None:
     try:
         engine.close()
     except Exception:
-        log.exception("closing engine %s failed", getattr(engine, "name", engine))
+        log.exception("closing engine %s failed", engine.name)
 
 
 class EngineSet:
@@ -142,7 +140,7 @@ class EngineSet:
         return self.slots[target].healthy
 
     @contextmanager
-    def lease(self, target: Target) -> Iterator[Engine]:
+    def lease(self, target: Target) -> Iterator[ServedEngine]:
         slot = self.slots[target]
         engine = slot.acquire()
         if engine is None:

@@ -30,7 +30,7 @@ from daemon.sdnotify import SdNotifier
 from daemon.settings import SECTIONS, Settings
 from daemon.tts_api import TtsRequest
 from daemon.voice_link import VoiceLink
-from models.api import Engine
+from models.api import ServedEngine
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ class Service:
         """For the router: requests waiting, and the estimated wait before this one is done locally."""
         return self.scheduler.depth, self.scheduler.estimated_wait_s(request.priority)
 
-    def set_engines(self, local: Engine | None, fallback: Engine | None) -> None:
+    def set_engines(self, local: ServedEngine | None, fallback: ServedEngine | None) -> None:
         self.engines.slots["local"].swap(local)
         self.engines.slots["fallback"].swap(fallback)
 
