@@ -182,7 +182,9 @@ class Pipeline:
         if job.cancel.is_set():
             return None
         try:
-            return self._synthesize(job, self.router.decide(job.request))
+            # decided when the request was accepted (jobs made elsewhere are admitted here)
+            decision = job.decision if job.decision is not None else self.router.admit(job.request)
+            return self._synthesize(job, decision)
         except ApiError as exc:
             return (exc.code, exc.message)
 
@@ -193,6 +195,15 @@ class Pipeline:
             job.route, job.route_reason, job.route_rule = decision.target, decision.reason, decision.rule
             tried.add(decision.target)
             slot = self.router.engines.slots[decision.target]
+            if not slot.healthy:  # it went away while the job waited: on as after a failure
+                moved = self.router.after_failure(
+                    decision, "it became unavailable while the request waited", audio_out=False,
+                    request=job.request, tried=tried,
+                )
+                if moved is None:
+                    return ("engine_unavailable", f"the {decision.target} engine is unavailable")
+                decision = moved
+                continue
             try:
                 with self.router.engines.lease(decision.target) as engine:
                     job.engine_name = engine.name

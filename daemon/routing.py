@@ -204,9 +204,11 @@ def local_down_reason(engines: EngineSet) -> str:
     }.get(slot.state, "local engine is unhealthy")
 
 
-def local_lacks(request: TtsRequest, engines: EngineSet) -> str | None:
+def local_lacks(request: TtsRequest, engines: EngineSet, *, validate: bool = False) -> str | None:
     """Why the loaded local engine cannot serve the request (its modes, its
-    voices, its own validation); None: it can, or no engine is loaded to ask."""
+    voices and, with `validate`, its own validation); None: it can, or no
+    engine is loaded to ask. Routing a new request leaves the validation to
+    `Router.admit`, which validates once, on the engine chosen."""
     engine = engines.slots["local"].engine
     if engine is None:
         return None
@@ -215,10 +217,11 @@ def local_lacks(request: TtsRequest, engines: EngineSet) -> str | None:
     voices = engine.voices()
     if request.voice and voices and request.voice not in voices:
         return f"the local engine has no voice '{request.voice}'"
-    try:
-        engine.validate(request.synthesis_request())
-    except RequestError as exc:
-        return f"the local engine cannot serve it: {exc}"
+    if validate:
+        try:
+            engine.validate(request.synthesis_request())
+        except RequestError as exc:
+            return f"the local engine cannot serve it: {exc}"
     return None
 
 
@@ -237,7 +240,36 @@ class Router:
         if not self.rules:
             self.rules = [cloud_rule, self.auto_rule, local_rule]
 
+    def admit(self, request: TtsRequest) -> RouteDecision:
+        """The route of a new request, decided once (the pipeline runs the job
+        there and moves on only through `after_failure`), with the request
+        validated once, by the engine chosen. route=auto: what the local
+        engine rejects goes to the cloud when it is up."""
+        decision = self.decide(request)
+        try:
+            self._validate(decision, request)
+            return decision
+        except RequestError as exc:
+            if decision.target != "local" or request.route != "auto":
+                raise ApiError(exc.code, str(exc), request.id) from None
+            lacks = f"the local engine cannot serve it: {exc}"
+            if self.engines.available("cloud"):
+                cloud = RouteDecision("cloud", lacks, "local_lacks")
+                try:
+                    self._validate(cloud, request)
+                except RequestError as cloud_exc:
+                    raise ApiError(cloud_exc.code, str(cloud_exc), request.id) from None
+                return cloud
+            if self.engines.slots["cloud"].engine is not None:
+                raise ApiError("cloud_unavailable", f"{lacks}, and the cloud is unavailable", request.id) from None
+            raise ApiError(exc.code, str(exc), request.id) from None
+
+    def _validate(self, decision: RouteDecision, request: TtsRequest) -> None:
+        with self.engines.lease(decision.target) as engine:
+            engine.validate(request.synthesis_request(fallback=decision.target == "fallback"))
+
     def decide(self, request: TtsRequest) -> RouteDecision:
+        """The target by the rules alone (no engine validation: see `admit`)."""
         for rule in self.rules:
             decision = rule(request, self.engines)
             if decision is not None:
@@ -313,7 +345,8 @@ class Router:
             return None
         engines = self.engines
         if failed.target == "cloud" and request is not None:
-            if "local" not in tried and engines.available("local") and local_lacks(request, engines) is None:
+            if "local" not in tried and engines.available("local") and local_lacks(
+                    request, engines, validate=True) is None:
                 return RouteDecision("local", f"cloud failed: {error}", "cloud_failed")
             if request.mode != "sft":  # the fallback voice would ignore what was asked for
                 return None
