@@ -38,7 +38,14 @@ from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from cloud_bridge.admission import Admission, Key, Verdict
 from cloud_bridge.metrics import BridgeMetrics
-from cloud_bridge.mqtt_factory import MqttOptions, connect, make_client, publish_properties
+from cloud_bridge.mqtt_factory import (
+    MqttOptions,
+    ReceivedProperties,
+    connect,
+    make_client,
+    publish_properties,
+    received_properties,
+)
 from cloud_bridge.protocol import (
     CloudRequest,
     CloudTopics,
@@ -213,8 +220,8 @@ class BridgeService:
             log.warning("ignoring a message on %s (not a request topic)", msg.topic)
             self._ack(msg.mid, msg.qos)
             return
-        props = getattr(msg, "properties", None)
-        correlation = getattr(props, "CorrelationData", None)
+        props = received_properties(msg)
+        correlation = props.correlation_data
         limits = self.settings.limits
         if len(msg.payload) > limits.max_payload_bytes:
             self._reject(
@@ -291,9 +298,9 @@ class BridgeService:
         self._ack(msg.mid, msg.qos)
 
     @staticmethod
-    def _first_chunk_by(request: CloudRequest, props: Any, now: float) -> float | None:
+    def _first_chunk_by(request: CloudRequest, props: ReceivedProperties, now: float) -> float | None:
         limits = []
-        expiry = getattr(props, "MessageExpiryInterval", None)
+        expiry = props.message_expiry_s
         if expiry is not None:
             # what is left of the expiry when the broker forwarded it: no clock sync needed
             limits.append(now + float(expiry))

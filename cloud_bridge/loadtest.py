@@ -32,7 +32,13 @@ from typing import Any
 
 import paho.mqtt.client as mqtt
 
-from cloud_bridge.mqtt_factory import MqttOptions, connect, make_client, publish_properties
+from cloud_bridge.mqtt_factory import (
+    MqttOptions,
+    connect,
+    make_client,
+    publish_properties,
+    received_properties,
+)
 from cloud_bridge.protocol import AudioMessage, CloudRequest, CloudTopics, DoneMessage, decode_response
 
 log = logging.getLogger(__name__)
@@ -95,8 +101,7 @@ class LoadClient:
         if pending is None:
             return
         now = time.monotonic()
-        props = getattr(msg, "properties", None)
-        answer = decode_response(bytes(msg.payload), getattr(props, "UserProperty", None), rid or "_")
+        answer = decode_response(bytes(msg.payload), received_properties(msg).user_properties, rid or "_")
         if isinstance(answer, AudioMessage):
             if pending.first is None:
                 pending.first = now

@@ -186,3 +186,27 @@ def publish_properties(
     if message_expiry_s is not None:
         props.MessageExpiryInterval = message_expiry_s
     return props
+
+
+@dataclass(frozen=True)
+class ReceivedProperties:
+    """The MQTT v5 properties of a received message (all empty for v3.1.1)."""
+
+    user_properties: list[tuple[str, str]]
+    response_topic: str | None = None
+    correlation_data: bytes | None = None
+    message_expiry_s: int | None = None  # what was left of the expiry when the broker forwarded it
+
+
+def received_properties(msg: mqtt.MQTTMessage) -> ReceivedProperties:
+    """The v5 properties of `msg`. paho's Properties object has an attribute only
+    for a property the sender set, so they are read here, once, for every client."""
+    props = msg.properties
+    if props is None:
+        return ReceivedProperties([])
+    return ReceivedProperties(
+        list(getattr(props, "UserProperty", None) or []),
+        getattr(props, "ResponseTopic", None) or None,
+        getattr(props, "CorrelationData", None),
+        getattr(props, "MessageExpiryInterval", None),
+    )

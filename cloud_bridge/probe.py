@@ -22,7 +22,13 @@ from typing import Any
 import numpy as np
 import paho.mqtt.client as mqtt
 
-from cloud_bridge.mqtt_factory import MqttOptions, connect, make_client, publish_properties
+from cloud_bridge.mqtt_factory import (
+    MqttOptions,
+    connect,
+    make_client,
+    publish_properties,
+    received_properties,
+)
 from cloud_bridge.protocol import (
     AudioMessage,
     CloudRequest,
@@ -69,7 +75,7 @@ def probe(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
         subscribed.put(not any(r.is_failure for r in reasons))
 
     def on_message(_c: mqtt.Client, _u: Any, msg: mqtt.MQTTMessage) -> None:
-        user = getattr(getattr(msg, "properties", None), "UserProperty", None)
+        user = received_properties(msg).user_properties
         try:
             inbox.put(decode_response(bytes(msg.payload), user, rid))
         except ProtocolError as exc:

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import paho.mqtt.client as mqtt
 
-from cloud_bridge.mqtt_factory import MqttOptions, connect, make_client
+from cloud_bridge.mqtt_factory import MqttOptions, connect, make_client, received_properties
 from daemon.config import default_device_id, parse_broker_url, validate_device_id
 from daemon.tts_api import decode_audio
 from models.errors import CosyEdgeError
@@ -36,7 +36,7 @@ class _Session:
     def on_message(self, _c: Any, _u: Any, msg: mqtt.MQTTMessage) -> None:
         kind = msg.topic[len(self.prefix) + 5 :].split("/")[0]  # after "<prefix>/tts/"
         if kind == "audio":
-            props = getattr(getattr(msg, "properties", None), "UserProperty", None)
+            props = received_properties(msg).user_properties
             chunk = decode_audio(bytes(msg.payload), props)
             self.sample_rate = chunk.sample_rate
             self.chunks.append(chunk.pcm16)
