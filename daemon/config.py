@@ -70,15 +70,9 @@ def settings_from_mapping(data: Mapping[str, Any]) -> Settings:
             raise ConfigError(f"[{name}] must be a table")
         raw[name] = MappingProxyType(dict(table))
     settings = Settings(device_id=validate_device_id(device_id or default_device_id()), **sections, **raw)
-    parse_broker_url(settings.mqtt.broker)
     settings.audio_settings, settings.vad_settings  # noqa: B018 -- validate the audio side's tables now
     if settings.mqtt.reconnect_min_delay_s > settings.mqtt.reconnect_max_delay_s:
         raise ConfigError("[mqtt] reconnect_min_delay_s must not exceed reconnect_max_delay_s")
-    for site in settings.hermes.site_ids:
-        if not site or any(c in site for c in "/+#"):
-            raise ConfigError(f"[hermes] site_ids: {site!r} is not a valid siteId (no / + # or empty)")
-    if any(c in settings.mqtt.topic_prefix for c in "+#") or settings.mqtt.topic_prefix.endswith("/"):
-        raise ConfigError(f"[mqtt] topic_prefix = {settings.mqtt.topic_prefix!r}: no + # or trailing /")
     return settings
 
 
@@ -97,7 +91,6 @@ def apply_flags(settings: Settings, args: Any) -> Settings:
     if getattr(args, "device_id", None):
         settings = replace(settings, device_id=validate_device_id(args.device_id))
     if getattr(args, "broker", None):
-        parse_broker_url(args.broker)
         settings = replace(settings, mqtt=replace_checked(settings.mqtt, "mqtt", broker=args.broker))
     if getattr(args, "bundle", None):
         settings = replace(settings, tts=replace_checked(settings.tts, "tts", bundle=str(args.bundle)))

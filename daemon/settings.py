@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from cloud_bridge.mqtt_factory import MqttSetupError, parse_broker_url
 from daemon.audio.settings import AudioSettings, VadSettings
 from daemon.config_schema import setting
 
@@ -15,13 +16,33 @@ PRIORITY_MIN, PRIORITY_MAX = -1000, 1000
 AUTO_WORKERS_MAX = 4  # synthesis_workers = "auto": beyond this the flow/vocoder, not the LLM, bound a board
 
 
+def _broker_ok(url: str) -> bool:
+    try:
+        parse_broker_url(url)
+    except MqttSetupError:
+        return False
+    return True
+
+
+def _prefix_ok(prefix: str) -> bool:
+    return not any(c in prefix for c in "+#") and not prefix.endswith("/")
+
+
+def _site_ids_ok(sites: tuple[str, ...]) -> bool:
+    return all(site and not any(c in site for c in "/+#") for site in sites)
+
+
 @dataclass(frozen=True)
 class MqttSettings:
     broker: str = setting(
-        "mqtt://localhost:1883", "broker URL: mqtt://host[:port] (1883) or mqtts://host[:port] (TLS, 8883)"
+        "mqtt://localhost:1883", "broker URL: mqtt://host[:port] (1883) or mqtts://host[:port] (TLS, 8883)",
+        check=_broker_ok, allowed="mqtt://host[:port] or mqtts://host[:port]",
     )
     protocol: str = setting("5", "MQTT protocol version", choices=("5", "3.1.1"))
-    topic_prefix: str = setting("", "topic prefix; empty: cosyedge/<device_id>")
+    topic_prefix: str = setting(
+        "", "topic prefix; empty: cosyedge/<device_id>",
+        check=_prefix_ok, allowed="topic levels without + # or a trailing /",
+    )
     username: str = setting("", "user name (empty: anonymous)")
     password: str = setting("", "password (prefer password_file)")
     password_file: str = setting("", "file whose first line is the password (e.g. a systemd credential)")
@@ -291,7 +312,10 @@ class CloudSettings:
 @dataclass(frozen=True)
 class HermesSettings:
     enabled: bool = setting(True, "serve Rhasspy Hermes topics (hermes/tts/say, voiceActivity)")
-    site_ids: tuple[str, ...] = setting((), "siteIds this device answers for; empty: its device id")
+    site_ids: tuple[str, ...] = setting(
+        (), "siteIds this device answers for; empty: its device id",
+        check=_site_ids_ok, allowed="siteIds, each non-empty without / + #",
+    )
     output: str = setting(
         "play",
         "play: speak locally; publish: WAV on hermes/audioServer/<siteId>/playBytes/<id>",
