@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from types import MappingProxyType
 from typing import Any
 
@@ -380,7 +381,7 @@ class Settings:
         """'none', 'default' or a device name."""
         return str(self.audio.get("device", self.audio.get("output_device", "default")))
 
-    @property
+    @cached_property  # built (and validated) once per Settings: when the config loads
     def audio_settings(self) -> AudioSettings:
         table = {k: v for k, v in self.audio.items() if k != "device"}
         if "device" in self.audio:
@@ -388,7 +389,7 @@ class Settings:
             table.setdefault("input_device", self.audio["device"])
         return AudioSettings.from_mapping(table)
 
-    @property
+    @cached_property
     def vad_settings(self) -> VadSettings:
         return VadSettings.from_mapping(self.vad)
 
