@@ -18,7 +18,7 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from cloud_bridge.mqtt_factory import MqttOptions, connect, make_client
+from cloud_bridge.mqtt_factory import MqttOptions, connect, make_client, received_properties
 from daemon.config import parse_broker_url
 from daemon.settings import MqttSettings
 
@@ -128,10 +128,9 @@ class MqttConnection:
         self.connected.clear()
 
     def _handle_message(self, _c: mqtt.Client, _u: Any, msg: mqtt.MQTTMessage) -> None:
-        props = getattr(msg, "properties", None)
-        response_topic = getattr(props, "ResponseTopic", None) if props else None
-        correlation = getattr(props, "CorrelationData", None) if props else None
-        user_props = tuple(getattr(props, "UserProperty", None) or ()) if props else ()
+        props = received_properties(msg)
+        response_topic, correlation = props.response_topic, props.correlation_data
+        user_props = tuple(props.user_properties)
         try:
             self._on_message(
                 InboundMessage(
