@@ -113,7 +113,7 @@ class MqttConnection:
     def _handle_subscribe(self, client: mqtt.Client, _u: Any, mid: int, reasons: Any, _p: Any) -> None:
         if mid != self._subscribe_mid:
             return
-        refused = [str(r) for r in reasons if getattr(r, "is_failure", False)]
+        refused = [str(r) for r in reasons if r.is_failure]
         if refused:
             log.error("the broker refused subscriptions (%s); check its ACLs for %s", ", ".join(refused),
                       self.subscriptions)
