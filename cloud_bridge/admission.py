@@ -29,11 +29,11 @@ class _Held:
 
 
 class Admission:
-    def __init__(self, capacity: int, dedup_window: int) -> None:
+    def __init__(self, capacity: int, dedupe_max_ids: int) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
-        self.dedup_window = dedup_window
+        self.dedupe_max_ids = dedupe_max_ids
         self._lock = threading.Lock()
         self._held: dict[Key, _Held] = {}
         self._done: OrderedDict[Key, None] = OrderedDict()
@@ -65,9 +65,9 @@ class Admission:
         """Forget a held request; returns the delivery tags to acknowledge."""
         with self._lock:
             held = self._held.pop(key, None)
-            if self.dedup_window > 0:
+            if self.dedupe_max_ids > 0:
                 self._done[key] = None
-                while len(self._done) > self.dedup_window:
+                while len(self._done) > self.dedupe_max_ids:
                     self._done.popitem(last=False)
             self._idle.notify_all()
             return held.tags if held else []

@@ -34,14 +34,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import paho.mqtt.client as mqtt
-from paho.mqtt.enums import CallbackAPIVersion
-from paho.mqtt.packettypes import PacketTypes
-from paho.mqtt.properties import Properties
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from cloud_bridge.admission import Admission, Key, Verdict
 from cloud_bridge.metrics import BridgeMetrics
-from cloud_bridge.net import set_nodelay
+from cloud_bridge.mqtt_factory import (
+    MqttOptions,
+    ReceivedProperties,
+    connect,
+    make_client,
+    publish_properties,
+    received_properties,
+)
 from cloud_bridge.protocol import (
     CloudRequest,
     CloudTopics,
@@ -92,7 +96,7 @@ class BridgeService:
             t.allowed_versions,
             seed=None if t.canary_seed < 0 else t.canary_seed,
         )
-        self.admission = Admission(lim.max_in_flight + lim.max_queued, lim.dedup_window)
+        self.admission = Admission(lim.max_in_flight + lim.max_queued, lim.dedupe_max_ids)
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._running: dict[Key, Job] = {}
         self._running_lock = threading.Lock()
@@ -107,24 +111,23 @@ class BridgeService:
         self._client = self._make_client()
 
     # --- MQTT ---------------------------------------------------------------------------------
-    def _make_client(self) -> mqtt.Client:
+    def _mqtt_options(self) -> MqttOptions:
+        """A persistent v5 session; deliveries acknowledged once handled."""
         m = self.settings.mqtt
-        client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=m.client_id, protocol=mqtt.MQTTv5, manual_ack=True)
-        client.on_socket_open = set_nodelay
+        return MqttOptions(
+            broker=m.broker, client_id=m.client_id, username=m.username, password=m.password,
+            password_file=m.password_file, tls_ca_file=m.tls_ca_file, tls_cert_file=m.tls_cert_file,
+            tls_key_file=m.tls_key_file, keepalive_s=m.keepalive_s, session_expiry_s=m.session_expiry_s,
+            receive_maximum=self._receive_maximum(), reconnect_min_delay_s=1, reconnect_max_delay_s=30,
+            manual_ack=True,
+        )
+
+    def _make_client(self) -> mqtt.Client:
+        client = make_client(self._mqtt_options())
         client.on_connect = self._on_connect
         client.on_disconnect = self._on_disconnect
         client.on_subscribe = self._on_subscribe
         client.on_message = self._on_message
-        password = m.read_password()
-        if m.username:
-            client.username_pw_set(m.username, password)
-        if m.tls:
-            client.tls_set(
-                ca_certs=m.tls_ca_file or None,
-                certfile=m.tls_cert_file or None,
-                keyfile=m.tls_key_file or None,
-            )
-        client.reconnect_delay_set(min_delay=1, max_delay=30)
         return client
 
     def _receive_maximum(self) -> int:
@@ -182,11 +185,10 @@ class BridgeService:
     def _publish(
         self, topic: str, payload: bytes, user_props: list[tuple[str, str]], correlation: bytes | None = None
     ) -> None:
-        props = Properties(PacketTypes.PUBLISH)
-        props.MessageExpiryInterval = self.settings.mqtt.response_expiry_s
-        props.UserProperty = user_props
-        if correlation is not None:
-            props.CorrelationData = correlation
+        props = publish_properties(
+            user_properties=user_props, correlation_data=correlation,
+            message_expiry_s=self.settings.mqtt.response_expiry_s,
+        )
         info = self._client.publish(topic, payload, qos=1, properties=props)
         with self._pubs_lock:
             self._pubs.append(info)
@@ -218,8 +220,8 @@ class BridgeService:
             log.warning("ignoring a message on %s (not a request topic)", msg.topic)
             self._ack(msg.mid, msg.qos)
             return
-        props = getattr(msg, "properties", None)
-        correlation = getattr(props, "CorrelationData", None)
+        props = received_properties(msg)
+        correlation = props.correlation_data
         limits = self.settings.limits
         if len(msg.payload) > limits.max_payload_bytes:
             self._reject(
@@ -296,9 +298,9 @@ class BridgeService:
         self._ack(msg.mid, msg.qos)
 
     @staticmethod
-    def _first_chunk_by(request: CloudRequest, props: Any, now: float) -> float | None:
+    def _first_chunk_by(request: CloudRequest, props: ReceivedProperties, now: float) -> float | None:
         limits = []
-        expiry = getattr(props, "MessageExpiryInterval", None)
+        expiry = props.message_expiry_s
         if expiry is not None:
             # what is left of the expiry when the broker forwarded it: no clock sync needed
             limits.append(now + float(expiry))
@@ -428,17 +430,14 @@ class BridgeService:
 
     # --- life cycle ----------------------------------------------------------------------------
     def start(self, connect_timeout_s: float | None = None) -> None:
-        m, lim = self.settings.mqtt, self.settings.limits
+        lim = self.settings.limits
         if self.settings.metrics.port:
             self._metrics_server = self.metrics.serve(self.settings.metrics.port, self.settings.metrics.address)
         for i in range(lim.max_in_flight):
             worker = threading.Thread(target=self._work, name=f"bridge-worker-{i}", daemon=True)
             worker.start()
             self._workers.append(worker)
-        props = Properties(PacketTypes.CONNECT)
-        props.SessionExpiryInterval = m.session_expiry_s
-        props.ReceiveMaximum = self._receive_maximum()
-        self._client.connect_async(m.host, m.port, keepalive=m.keepalive_s, clean_start=False, properties=props)
+        connect(self._client, self._mqtt_options(), background=True)
         self._client.loop_start()
         if connect_timeout_s is not None and not self._subscribed.wait(connect_timeout_s):
             log.warning(

@@ -31,11 +31,14 @@ from pathlib import Path
 from typing import Any
 
 import paho.mqtt.client as mqtt
-from paho.mqtt.enums import CallbackAPIVersion
-from paho.mqtt.packettypes import PacketTypes
-from paho.mqtt.properties import Properties
 
-from cloud_bridge.net import set_nodelay
+from cloud_bridge.mqtt_factory import (
+    MqttOptions,
+    connect,
+    make_client,
+    publish_properties,
+    received_properties,
+)
 from cloud_bridge.protocol import AudioMessage, CloudRequest, CloudTopics, DoneMessage, decode_response
 
 log = logging.getLogger(__name__)
@@ -77,18 +80,15 @@ class LoadClient:
     collects the answers per request id."""
 
     def __init__(self, broker: str, device_id: str, topics: CloudTopics, timeout_s: float) -> None:
-        host, _, port = broker.removeprefix("mqtt://").partition(":")
         self.device_id, self.topics, self.timeout_s = device_id, topics, timeout_s
         self._pending: dict[str, _Pending] = {}
         self._lock = threading.Lock()
-        self.client = mqtt.Client(
-            CallbackAPIVersion.VERSION2, client_id=f"loadtest-{uuid.uuid4().hex[:8]}", protocol=mqtt.MQTTv5
-        )
-        self.client.on_socket_open = set_nodelay
+        opts = MqttOptions(broker=broker, client_id=f"loadtest-{uuid.uuid4().hex[:8]}")
+        self.client = make_client(opts)
         self.client.on_message = self._on_message
         subscribed = threading.Event()
         self.client.on_subscribe = lambda *_a: subscribed.set()
-        self.client.connect(host or "localhost", int(port or 1883))
+        connect(self.client, opts)
         self.client.subscribe(topics.response_filter(device_id), qos=1)
         self.client.loop_start()
         if not subscribed.wait(10):
@@ -101,8 +101,7 @@ class LoadClient:
         if pending is None:
             return
         now = time.monotonic()
-        props = getattr(msg, "properties", None)
-        answer = decode_response(bytes(msg.payload), getattr(props, "UserProperty", None), rid or "_")
+        answer = decode_response(bytes(msg.payload), received_properties(msg).user_properties, rid or "_")
         if isinstance(answer, AudioMessage):
             if pending.first is None:
                 pending.first = now
@@ -117,8 +116,7 @@ class LoadClient:
         pending = _Pending(time.monotonic())
         with self._lock:
             self._pending[rid] = pending
-        props = Properties(PacketTypes.PUBLISH)
-        props.MessageExpiryInterval = int(self.timeout_s)
+        props = publish_properties(message_expiry_s=int(self.timeout_s))
         body = CloudRequest(id=rid, text=text, seed=seed).to_json()
         pending.sent = time.monotonic()
         self.client.publish(self.topics.request(self.device_id), body, qos=1, properties=props)

@@ -1,4 +1,4 @@
-"""Socket details shared by the bridge and the device-side tools."""
+"""Socket details shared by every MQTT client (see cloud_bridge/mqtt_factory.py)."""
 
 from __future__ import annotations
 
@@ -10,5 +10,6 @@ from typing import Any
 def set_nodelay(_client: Any, _userdata: Any, sock: Any) -> None:
     """paho's on_socket_open: without TCP_NODELAY every small publish waits
     for Nagle's delayed ACK (~40-90 ms a hop on loopback)."""
+    raw = getattr(sock, "_sock", sock)  # paho's websocket wrapper keeps the socket inside
     with contextlib.suppress(OSError, AttributeError):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -18,15 +18,17 @@ import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
-from urllib.parse import urlparse
 
 import numpy as np
 import paho.mqtt.client as mqtt
-from paho.mqtt.enums import CallbackAPIVersion
-from paho.mqtt.packettypes import PacketTypes
-from paho.mqtt.properties import Properties
 
-from cloud_bridge.net import set_nodelay
+from cloud_bridge.mqtt_factory import (
+    MqttOptions,
+    connect,
+    make_client,
+    publish_properties,
+    received_properties,
+)
 from cloud_bridge.protocol import (
     AudioMessage,
     CloudRequest,
@@ -58,7 +60,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def probe(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
-    url = urlparse(args.broker)
     topics = CloudTopics(args.topic_root)
     rid = f"probe-{uuid.uuid4().hex[:12]}"
     inbox: queue.Queue[ResponseMessage] = queue.Queue()
@@ -74,20 +75,19 @@ def probe(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
         subscribed.put(not any(r.is_failure for r in reasons))
 
     def on_message(_c: mqtt.Client, _u: Any, msg: mqtt.MQTTMessage) -> None:
-        user = getattr(getattr(msg, "properties", None), "UserProperty", None)
+        user = received_properties(msg).user_properties
         try:
             inbox.put(decode_response(bytes(msg.payload), user, rid))
         except ProtocolError as exc:
             print(f"probe: unreadable response on {msg.topic}: {exc}", file=sys.stderr)
 
-    client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"{args.device_id}-{rid}", protocol=mqtt.MQTTv5)
-    client.on_socket_open = set_nodelay
+    opts = MqttOptions(
+        broker=args.broker, client_id=f"{args.device_id}-{rid}", password=args.password or "",
+        username=(args.username or args.device_id) if args.password else "", tls_ca_file=args.ca_file or "",
+    )
+    client = make_client(opts)
     client.on_connect, client.on_subscribe, client.on_message = on_connect, on_subscribe, on_message
-    if args.password:
-        client.username_pw_set(args.username or args.device_id, args.password)
-    if url.scheme in ("mqtts", "ssl"):
-        client.tls_set(ca_certs=args.ca_file)
-    client.connect(url.hostname or "localhost", url.port or (8883 if url.scheme in ("mqtts", "ssl") else 1883))
+    connect(client, opts)
     client.loop_start()
     report: dict[str, Any] = {"id": rid, "device_id": args.device_id}
     try:
@@ -105,8 +105,7 @@ def probe(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
             deadline_unix_ms=now_unix_ms() + int(args.timeout_s * 1000),
             sent_unix_ms=now_unix_ms(),
         )
-        props = Properties(PacketTypes.PUBLISH)
-        props.MessageExpiryInterval = max(1, int(args.timeout_s))
+        props = publish_properties(message_expiry_s=max(1, int(args.timeout_s)))
         started = time.monotonic()
         client.publish(topics.request(args.device_id), request.to_json(), qos=1, properties=props)
         chunks: list[AudioMessage] = []

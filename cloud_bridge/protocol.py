@@ -52,13 +52,18 @@ from typing import Any, Literal
 
 import numpy as np
 
+from models.api import MODES, PROMPT_MODES
+
 PROTOCOL_VERSION = 1
-MODES = ("sft", "zero_shot", "cross_lingual", "instruct")
 NO_ID = "_"
 # one topic level, no wildcards, no '/': usable as an MQTT user name and in topics
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.:@-]{1,128}$")
 _VERSION_RE = re.compile(r"^[1-9][0-9]{0,8}$")
 
+# The audio chunk header, for MQTT v3.1.1 receivers (they get no user properties;
+# the daemon's native API and the bridge both use it): 16 bytes little-endian,
+# magic "CEA1", sample rate (uint32), sequence number (uint32), flags (uint16,
+# bit 0 = last chunk), reserved (uint16, 0); PCM16 LE mono follows.
 AUDIO_MAGIC = b"CEA1"
 AUDIO_HEADER = struct.Struct("<4sIIHH")
 
@@ -301,7 +306,7 @@ def parse_request(payload: bytes, *, max_text_chars: int = 5000) -> CloudRequest
 
 def _parse_prompt(raw: Any, mode: str, rid: str) -> CloudPrompt | None:
     if raw is None:
-        if mode in ("zero_shot", "cross_lingual"):
+        if mode in PROMPT_MODES:
             raise ProtocolError(
                 "bad_request", f"mode '{mode}' needs field 'prompt' ({{audio_b64, sample_rate, text}})", rid
             )
@@ -336,6 +341,18 @@ def _parse_prompt(raw: Any, mode: str, rid: str) -> CloudPrompt | None:
 
 
 # --- responses -------------------------------------------------------------------------------------
+
+
+def pack_audio_header(sample_rate: int, seq: int, last: bool) -> bytes:
+    return AUDIO_HEADER.pack(AUDIO_MAGIC, sample_rate, seq, 1 if last else 0, 0)
+
+
+def unpack_audio_header(payload: bytes) -> tuple[bytes, int, int, bool] | None:
+    """(PCM16 body, sample rate, seq, last) of a chunk that starts with the header, else None."""
+    if payload[:4] != AUDIO_MAGIC or len(payload) < AUDIO_HEADER.size:
+        return None
+    _, rate, seq, flags, _ = AUDIO_HEADER.unpack_from(payload)
+    return payload[AUDIO_HEADER.size :], rate, seq, bool(flags & 1)
 
 
 def pcm16_bytes(pcm: np.ndarray) -> bytes:
@@ -389,7 +406,7 @@ def encode_audio(
     ]
     if header:
         props.append(("header", "true"))
-        body = AUDIO_HEADER.pack(AUDIO_MAGIC, sample_rate, seq, 1 if last else 0, 0) + body
+        body = pack_audio_header(sample_rate, seq, last) + body
     return body, props
 
 
@@ -424,9 +441,9 @@ def decode_response(payload: bytes, user_properties: Properties | None, request_
             )
         except (KeyError, ValueError) as exc:
             raise ProtocolError("bad_request", f"audio chunk with bad user properties: {exc}") from None
-    if kind is None and payload[:4] == AUDIO_MAGIC and len(payload) >= AUDIO_HEADER.size:
-        _, rate, seq, flags, _ = AUDIO_HEADER.unpack_from(payload)
-        return AudioMessage(request_id, payload[AUDIO_HEADER.size :], rate, seq, bool(flags & 1))
+    framed = unpack_audio_header(payload) if kind is None else None
+    if framed is not None:
+        return AudioMessage(request_id, *framed)
     try:
         doc = json.loads(payload.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError):

@@ -1,87 +1,68 @@
-"""Typed settings of the cloud bridge, built once from a TOML file and the
-command line flags, validated with messages that name the field and what is
-allowed.
-
-Example (every key optional; these are the defaults)::
-
-    [mqtt]
-    broker = "mqtt://localhost:1883"     # mqtts://host:8883 for TLS
-    client_id = "cosyedge-bridge-1"      # fixed: the persistent session is keyed by it; one per replica
-    username = ""                        # the bridge's privileged broker user
-    password_file = ""                   # file holding the password (or `password`)
-    topic_root = "cosyedge"
-    share_group = "cosyedge-bridge"      # replicas with the same group split the requests
-    session_expiry_s = 3600
-    keepalive_s = 30
-    response_expiry_s = 300              # MQTT v5 message expiry of the responses
-
-    [triton]
-    url = "localhost:8001"               # gRPC
-    model = "cosyvoice2"
-    default_version = ""                 # "": the highest version Triton has loaded
-    canary_version = ""                  # e.g. "2"
-    canary_share = 0.0                   # share of unpinned requests sent to canary_version
-    allowed_versions = []                # versions a request may pin; empty: any loaded
-    first_chunk_timeout_s = 60.0
-    chunk_timeout_s = 30.0
-    request_timeout_s = 600.0
-    retries = 2                          # on transient errors, before the first chunk only
-    retry_backoff_ms = 250
-
-    [limits]
-    max_in_flight = 8                    # concurrent Triton streams
-    max_queued = 16                      # accepted, waiting for a stream
-    overflow = "busy"                    # "busy": answer busy when full; "wait": the broker holds them
-    max_payload_bytes = 4000000
-    max_text_chars = 5000
-    drain_timeout_s = 30.0
-
-    [metrics]
-    port = 9109                          # Prometheus /metrics; 0 turns it off
-    address = "127.0.0.1"
-"""
+"""Typed settings of the cloud bridge, in the one settings schema
+(daemon/config_schema.py): built once from a TOML file and the command line
+flags, validated with messages that name the field and what is allowed.
+docs/bridge-configuration.md is the reference, generated from this file
+(`python -m cloud_bridge.settings > docs/bridge-configuration.md`; a test
+checks it is current)."""
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, get_type_hints
-from urllib.parse import urlparse
+from typing import Any
 
-from models.errors import CosyEdgeError
+from cloud_bridge.mqtt_factory import BrokerAddress, MqttSetupError, parse_broker_url
+from daemon.config_schema import ConfigError, build_section, check_fields, reference_table, setting
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-
-class SettingsError(CosyEdgeError):
-    """A setting with a wrong value; the message names the field."""
+SettingsError = ConfigError  # a setting with a wrong value; the message names the field
 
 
-def setting(
-    default: Any,
-    doc: str,
-    *,
-    min: float | None = None,
-    max: float | None = None,
-    choices: tuple[str, ...] | None = None,
-) -> Any:
-    return field(default=default, metadata={"doc": doc, "min": min, "max": max, "choices": choices})
+def _broker_ok(url: str) -> bool:
+    try:
+        parse_broker_url(url)
+    except MqttSetupError:
+        return False
+    return True
+
+
+def _topic_word_ok(value: str) -> bool:
+    return bool(value) and not any(c in value for c in "/+#")
+
+
+def _host_port_ok(url: str) -> bool:
+    host, _, port = url.rpartition(":")
+    return bool(host) and port.isdigit()
+
+
+def _version_ok(value: str) -> bool:
+    return value.isdigit() and int(value) > 0
+
+
+def _versions_ok(values: tuple[str, ...]) -> bool:
+    return all(_version_ok(v) for v in values)
+
+
+_TOPIC_WORD = "a non-empty string without '/', '+' or '#'"
 
 
 @dataclass(frozen=True)
 class MqttSettings:
-    broker: str = setting("mqtt://localhost:1883", "broker URL: mqtt://host:port or mqtts://host:port")
-    client_id: str = setting("cosyedge-bridge-1", "fixed client id (the persistent session); one per replica")
-    username: str = setting("", "broker user name")
+    broker: str = setting("mqtt://localhost:1883", "broker URL: mqtt://host:port or mqtts://host:port (TLS)",
+                          check=_broker_ok, allowed="mqtt://host:1883 or mqtts://host:8883")
+    client_id: str = setting("cosyedge-bridge-1", "fixed client id (the persistent session); one per replica",
+                             check=_topic_word_ok, allowed=_TOPIC_WORD)
+    username: str = setting("", "broker user name (the bridge's privileged user)")
     password: str = setting("", "broker password (prefer password_file)")
     password_file: str = setting("", "file whose first line is the broker password")
     topic_root: str = setting("cosyedge", "topic root; devices use <root>/<device_id>/cloud/...")
-    share_group: str = setting("cosyedge-bridge", "shared subscription group of the replicas")
+    share_group: str = setting("cosyedge-bridge", "shared subscription group: replicas with the same group "
+                               "split the requests", check=_topic_word_ok, allowed=_TOPIC_WORD)
     session_expiry_s: int = setting(3600, "MQTT v5 session expiry", min=0, max=2**32 - 1)
     keepalive_s: int = setting(30, "MQTT keepalive", min=5, max=3600)
     response_expiry_s: int = setting(300, "MQTT v5 message expiry of responses", min=1, max=86400)
@@ -90,68 +71,40 @@ class MqttSettings:
     tls_key_file: str = setting("", "client key (mutual TLS)")
 
     def __post_init__(self) -> None:
-        url = urlparse(self.broker)
-        if url.scheme not in ("mqtt", "mqtts", "tcp", "ssl") or not url.hostname:
-            raise SettingsError(
-                f"mqtt.broker must look like mqtt://host:1883 or mqtts://host:8883, got {self.broker!r}"
-            )
-        for name in ("client_id", "share_group"):
-            value = getattr(self, name)
-            if not value or any(c in value for c in "/+#"):
-                raise SettingsError(f"mqtt.{name} must be non-empty without '/', '+' or '#', got {value!r}")
+        check_fields(self, "mqtt")
         if self.password and self.password_file:
-            raise SettingsError("set mqtt.password or mqtt.password_file, not both")
+            raise SettingsError("[mqtt] password and password_file: set one, not both")
 
     @property
-    def tls(self) -> bool:
-        return urlparse(self.broker).scheme in ("mqtts", "ssl")
-
-    @property
-    def host(self) -> str:
-        return urlparse(self.broker).hostname or "localhost"
-
-    @property
-    def port(self) -> int:
-        url = urlparse(self.broker)
-        return url.port or (8883 if self.tls else 1883)
-
-    def read_password(self) -> str | None:
-        if self.password_file:
-            try:
-                return Path(self.password_file).read_text().splitlines()[0]
-            except (OSError, IndexError) as exc:
-                raise SettingsError(f"mqtt.password_file {self.password_file!r} cannot be read: {exc}") from None
-        return self.password or None
+    def address(self) -> BrokerAddress:
+        return parse_broker_url(self.broker)
 
 
 @dataclass(frozen=True)
 class TritonSettings:
-    url: str = setting("localhost:8001", "Triton gRPC endpoint host:port")
+    url: str = setting("localhost:8001", "Triton gRPC endpoint host:port", check=_host_port_ok,
+                       allowed="host:port (gRPC)")
     model: str = setting("cosyvoice2", "model name in the repository")
-    default_version: str = setting("", "version for unpinned requests; empty: Triton's highest loaded")
-    canary_version: str = setting("", "a new version that gets canary_share of the unpinned requests")
+    default_version: str = setting("", "version for unpinned requests; empty: Triton's highest loaded",
+                                   check=lambda v: not v or _version_ok(v),
+                                   allowed='empty or a version number like "2"')
+    canary_version: str = setting("", "a new version that gets canary_share of the unpinned requests",
+                                  check=lambda v: not v or _version_ok(v),
+                                  allowed='empty or a version number like "2"')
     canary_share: float = setting(0.0, "share of unpinned requests for canary_version", min=0.0, max=1.0)
     canary_seed: int = setting(-1, "seed of the canary selection (-1: random); for tests", min=-1)
-    allowed_versions: tuple[str, ...] = setting((), "versions a request may pin; empty: any")
+    allowed_versions: tuple[str, ...] = setting((), "versions a request may pin; empty: any loaded",
+                                                check=_versions_ok, allowed='version numbers like ["1", "2"]')
     first_chunk_timeout_s: float = setting(60.0, "wait for the first chunk", min=0.1, max=3600)
     chunk_timeout_s: float = setting(30.0, "wait between chunks", min=0.1, max=3600)
     request_timeout_s: float = setting(600.0, "whole request (gRPC stream deadline)", min=1, max=86400)
-    retries: int = setting(2, "retries on transient errors before the first chunk", min=0, max=10)
+    retries: int = setting(2, "retries on transient errors, before the first chunk only", min=0, max=10)
     retry_backoff_ms: int = setting(250, "first retry delay, doubled each retry", min=0, max=60000)
 
     def __post_init__(self) -> None:
-        host, _, port = self.url.rpartition(":")
-        if not host or not port.isdigit():
-            raise SettingsError(f"triton.url must be host:port (gRPC), got {self.url!r}")
-        for name in ("default_version", "canary_version"):
-            value = getattr(self, name)
-            if value and not (value.isdigit() and int(value) > 0):
-                raise SettingsError(f'triton.{name} must be empty or a version number like "2", got {value!r}')
-        for v in self.allowed_versions:
-            if not (v.isdigit() and int(v) > 0):
-                raise SettingsError(f'triton.allowed_versions must hold version numbers like "2", got {v!r}')
+        check_fields(self, "triton")
         if self.canary_share > 0 and not self.canary_version:
-            raise SettingsError("triton.canary_share > 0 needs triton.canary_version")
+            raise SettingsError("[triton] canary_share > 0 needs canary_version")
 
 
 @dataclass(frozen=True)
@@ -159,18 +112,25 @@ class LimitSettings:
     max_in_flight: int = setting(8, "concurrent Triton streams", min=1, max=1024)
     max_queued: int = setting(16, "accepted requests waiting for a stream", min=0, max=100000)
     overflow: str = setting(
-        "busy", "when full: 'busy' answers busy; 'wait' lets the broker hold them", choices=("busy", "wait")
+        "busy", "when full: busy answers busy; wait lets the broker hold them", choices=("busy", "wait")
     )
     max_payload_bytes: int = setting(4_000_000, "largest request payload", min=1024, max=256_000_000)
     max_text_chars: int = setting(5000, "longest text", min=1, max=1_000_000)
     drain_timeout_s: float = setting(30.0, "on SIGTERM, time to finish in-flight requests", min=0, max=3600)
-    dedup_window: int = setting(4096, "recent request ids remembered to drop redeliveries", min=0, max=10**6)
+    dedupe_max_ids: int = setting(4096, "recent request ids remembered to drop redeliveries (0: off)",
+                                  min=0, max=10**6, aliases=("dedup_window",))
+
+    def __post_init__(self) -> None:
+        check_fields(self, "limits")
 
 
 @dataclass(frozen=True)
 class MetricsSettings:
     port: int = setting(9109, "Prometheus /metrics port; 0: off", min=0, max=65535)
     address: str = setting("127.0.0.1", "address the metrics endpoint binds")
+
+    def __post_init__(self) -> None:
+        check_fields(self, "metrics")
 
 
 @dataclass(frozen=True)
@@ -189,56 +149,12 @@ _SECTIONS: dict[str, type] = {
 }
 
 
-def _coerce(section: str, cls: type, name: str, value: Any) -> Any:
-    f = next(f for f in dataclasses.fields(cls) if f.name == name)
-    hint = get_type_hints(cls)[name]
-    where = f"{section}.{name}"
-    meta = f.metadata
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise SettingsError(f"{where} must be true or false, got {value!r}")
-    elif hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise SettingsError(f"{where} must be an integer, got {value!r}")
-    elif hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise SettingsError(f"{where} must be a number, got {value!r}")
-        value = float(value)
-    elif hint is str:
-        if not isinstance(value, str):
-            raise SettingsError(f"{where} must be a string, got {value!r}")
-    else:  # tuple[str, ...]
-        if isinstance(value, str) or not all(isinstance(v, (str, int)) and not isinstance(v, bool) for v in value):
-            raise SettingsError(f"{where} must be a list of strings, got {value!r}")
-        value = tuple(str(v) for v in value)
-    if meta.get("choices") and value not in meta["choices"]:
-        raise SettingsError(f"{where} must be one of {', '.join(meta['choices'])}, got {value!r}")
-    if meta.get("min") is not None and value < meta["min"]:
-        raise SettingsError(f"{where} must be >= {meta['min']}, got {value!r}")
-    if meta.get("max") is not None and value > meta["max"]:
-        raise SettingsError(f"{where} must be <= {meta['max']}, got {value!r}")
-    return value
-
-
 def build_settings(doc: dict[str, Any]) -> BridgeSettings:
     """Settings from a parsed TOML document (sections mqtt, triton, limits, metrics)."""
     unknown = sorted(set(doc) - set(_SECTIONS))
     if unknown:
         raise SettingsError(f"unknown section(s) {', '.join(unknown)}; allowed: {', '.join(_SECTIONS)}")
-    parts: dict[str, Any] = {}
-    for section, cls in _SECTIONS.items():
-        values = doc.get(section, {})
-        if not isinstance(values, dict):
-            raise SettingsError(f"[{section}] must be a table")
-        names = [f.name for f in dataclasses.fields(cls)]
-        bad = sorted(set(values) - set(names))
-        if bad:
-            raise SettingsError(
-                f"unknown key(s) {', '.join(section + '.' + b for b in bad)}; "
-                f"allowed in [{section}]: {', '.join(names)}"
-            )
-        kwargs = {k: _coerce(section, cls, k, v) for k, v in values.items()}
-        parts[section] = cls(**kwargs)
+    parts: dict[str, Any] = {name: build_section(cls, doc.get(name, {}), name) for name, cls in _SECTIONS.items()}
     return BridgeSettings(**parts)
 
 
@@ -259,3 +175,28 @@ def load_settings(
     if triton_url:
         doc.setdefault("triton", {})["url"] = triton_url
     return build_settings(doc)
+
+
+def reference_markdown() -> str:
+    """docs/bridge-configuration.md: the reference of every bridge setting."""
+    lines = [
+        "# Cloud bridge configuration reference",
+        "",
+        "Generated from `cloud_bridge/settings.py` (`python -m cloud_bridge.settings`);",
+        "a test checks it is current. A TOML file (`cosyedge bridge --config FILE`); every key is",
+        "optional. Unknown keys and invalid values stop the start with a message that names the key",
+        "and the allowed values. `systemd/cloud/bridge-1.toml` is the example of one replica.",
+        "",
+    ]
+    for name, cls in _SECTIONS.items():
+        lines += reference_table(name, cls)
+    return "\n".join(lines)
+
+
+def main() -> None:
+    """python -m cloud_bridge.settings: print the configuration reference."""
+    print(reference_markdown(), end="")
+
+
+if __name__ == "__main__":
+    main()

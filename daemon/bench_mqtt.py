@@ -18,10 +18,10 @@ import time
 import uuid
 from typing import Any
 
-from daemon.config import parse_broker_url, settings_from_mapping
+from cloud_bridge.mqtt_factory import MqttOptions, connect, make_client
+from daemon.config import settings_from_mapping
 from daemon.espeak_engine import EspeakEngine
 from daemon.local_broker import LocalBroker
-from daemon.mqtt_client import set_nodelay
 from daemon.service import Service
 
 
@@ -44,14 +44,8 @@ def _probe(broker_url: str, topics: list[str]) -> Any:
     """A minimal subscriber that timestamps arrivals (paho, TCP_NODELAY)."""
     import threading
 
-    import paho.mqtt.client as mqtt
-    from paho.mqtt.enums import CallbackAPIVersion
-
-    addr = parse_broker_url(broker_url)
-    client = mqtt.Client(
-        CallbackAPIVersion.VERSION2, client_id=f"bench-{uuid.uuid4().hex[:8]}", protocol=mqtt.MQTTv5
-    )
-    client.on_socket_open = lambda _c, _u, s: set_nodelay(s)
+    opts = MqttOptions(broker=broker_url, client_id=f"bench-{uuid.uuid4().hex[:8]}")
+    client = make_client(opts)
     arrivals: dict[str, list[tuple[float, str, bytes]]] = {}
     cond = threading.Condition()
     subscribed = threading.Event()
@@ -67,7 +61,7 @@ def _probe(broker_url: str, topics: list[str]) -> Any:
     client.on_message = on_message
     client.on_connect = lambda c, *_: c.subscribe([(t, 1) for t in topics])
     client.on_subscribe = lambda *_: subscribed.set()
-    client.connect(addr.host, addr.port, 30)
+    connect(client, opts)
     client.loop_start()
     subscribed.wait(10)
     return client, arrivals, cond

@@ -11,6 +11,8 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
+from models.api import MODES
+
 # subcommand -> "module:function"; the function takes the parsed arguments
 # and returns the process exit status.
 _HANDLERS: dict[str, str] = {
@@ -45,7 +47,7 @@ def _add_say(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", help="write the audio to this WAV file instead of playing it")
     p.add_argument("--voice")
     p.add_argument("--route", choices=["auto", "local", "cloud"], default="auto")
-    p.add_argument("--mode", choices=["sft", "zero_shot", "cross_lingual", "instruct"])
+    p.add_argument("--mode", choices=MODES)
     p.add_argument("--instruct-text")
     p.add_argument("--timeout-s", type=float, default=120.0)
     p.add_argument("--wyoming", metavar="tcp://HOST:PORT", help="ask a Wyoming TTS server instead of MQTT")
@@ -59,7 +61,7 @@ def _add_synth(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="output WAV file")
     p.add_argument("--stream", action="store_true", help="synthesize in streaming chunks")
     p.add_argument("--voice")
-    p.add_argument("--mode", choices=["sft", "zero_shot", "cross_lingual", "instruct"], default=None)
+    p.add_argument("--mode", choices=MODES, default=None)
     p.add_argument("--instruct-text")
     p.add_argument("--prompt-wav", help="voice reference audio for zero_shot / cross_lingual")
     p.add_argument("--prompt-text", help="transcript of --prompt-wav (zero_shot)")

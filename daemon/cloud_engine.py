@@ -27,7 +27,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any
 
 from cloud_bridge.protocol import (
     MODES,
@@ -44,7 +43,7 @@ from cloud_bridge.protocol import (
 )
 from daemon.mqtt_client import InboundMessage, MqttConnection
 from daemon.settings import CloudSettings
-from models.api import AudioChunk, Mode, StageTimes, SynthesisRequest
+from models.api import AudioChunk, LoadLevel, Mode, StageTimes, SynthesisRequest, SynthesizeFn
 from models.errors import EngineError, RequestError
 
 log = logging.getLogger(__name__)
@@ -121,25 +120,23 @@ class CloudEngine:
         return []  # the cloud's voices are the bridge's business; it answers unknown_voice
 
     def modes(self) -> tuple[Mode, ...]:
-        return MODES  # type: ignore[return-value]
+        return MODES
 
     def validate(self, request: SynthesisRequest) -> None:
         return None  # the bridge validates (and the router sends only what it may)
 
-    def set_load_level(self, level: str) -> None:
+    def set_load_level(self, level: LoadLevel) -> None:
         return None
 
     def close(self) -> None:
         with self._lock:
             self._pending.clear()
 
-    def for_job(
-        self, request_id: str, deadline_at: float | None
-    ) -> Callable[..., Iterator[AudioChunk]]:
+    def for_job(self, job_id: str, deadline_at: float | None) -> SynthesizeFn:
         """`synthesize` for one daemon job: its id and deadline go to the cloud."""
 
         def synth(request: SynthesisRequest, cancel: threading.Event | None = None) -> Iterator[AudioChunk]:
-            return self.synthesize(request, cancel, request_id=request_id, deadline_at=deadline_at)
+            return self.synthesize(request, cancel, request_id=job_id, deadline_at=deadline_at)
 
         return synth
 
@@ -266,7 +263,7 @@ def _error(msg: ErrorMessage) -> Exception:
     return RequestError(msg.code, text)
 
 
-def describe_link(engine: Any) -> str:
-    """'up', 'down' or 'unknown' for the health JSON."""
-    up = getattr(engine, "link_up", None)
+def describe_link(engine: CloudEngine | None) -> str:
+    """'up', 'down' or 'unknown' (no cloud engine, or no link state seen) for the health JSON."""
+    up = None if engine is None else engine.link_up
     return "unknown" if up is None else ("up" if up else "down")

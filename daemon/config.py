@@ -8,12 +8,15 @@ import re
 import socket
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from daemon.config_schema import ConfigError, build_section, describe, replace_checked
+from cloud_bridge.mqtt_factory import BrokerAddress, MqttSetupError
+from cloud_bridge.mqtt_factory import parse_broker_url as _parse_broker_url
+from daemon.audio.settings import AudioSettings, VadSettings
+from daemon.config_schema import ConfigError, build_section, example_lines, reference_table, replace_checked
 from daemon.settings import SECTIONS, Settings, section_attr
 from daemon.wyoming.settings import parse_tcp_uri
 
@@ -26,29 +29,13 @@ _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _RAW_SECTIONS = ("audio", "vad")  # validated by the audio side's settings
 
 
-@dataclass(frozen=True)
-class BrokerAddress:
-    host: str
-    port: int
-    tls: bool
-    username: str = ""
-    password: str = ""
-
-
 def parse_broker_url(url: str) -> BrokerAddress:
-    """mqtt://[user[:pass]@]host[:port] or mqtts://…; a bare host[:port] means mqtt://."""
-    m = re.match(
-        r"^(?:(mqtts?|tcp|ssl)://)?(?:([^:@/]*)(?::([^@/]*))?@)?(\[[^\]]+\]|[^:/]+)(?::(\d+))?/?$",
-        url.strip(),
-    )
-    if not m:
-        raise ConfigError(f"[mqtt] broker = {url!r}: expected mqtt://host[:port] or mqtts://host[:port]")
-    scheme, user, password, host, port = m.groups()
-    tls = scheme in ("mqtts", "ssl")
-    port_n = int(port) if port else (8883 if tls else 1883)
-    if not 0 < port_n < 65536:
-        raise ConfigError(f"[mqtt] broker = {url!r}: port must be between 1 and 65535")
-    return BrokerAddress(host.strip("[]"), port_n, tls, user or "", password or "")
+    """mqtt://[user[:pass]@]host[:port] or mqtts://…; a bare host[:port] means mqtt://
+    (the MQTT client factory's parser, with the config's error)."""
+    try:
+        return _parse_broker_url(url)
+    except MqttSetupError as exc:
+        raise ConfigError(f"[mqtt] {exc}") from None
 
 
 def validate_device_id(device_id: str) -> str:
@@ -84,19 +71,13 @@ def settings_from_mapping(data: Mapping[str, Any]) -> Settings:
             raise ConfigError(f"[{name}] must be a table")
         raw[name] = MappingProxyType(dict(table))
     settings = Settings(device_id=validate_device_id(device_id or default_device_id()), **sections, **raw)
-    parse_broker_url(settings.mqtt.broker)
     settings.audio_settings, settings.vad_settings  # noqa: B018 -- validate the audio side's tables now
     if settings.mqtt.reconnect_min_delay_s > settings.mqtt.reconnect_max_delay_s:
         raise ConfigError("[mqtt] reconnect_min_delay_s must not exceed reconnect_max_delay_s")
-    for site in settings.hermes.site_ids:
-        if not site or any(c in site for c in "/+#"):
-            raise ConfigError(f"[hermes] site_ids: {site!r} is not a valid siteId (no / + # or empty)")
     for where, uri in (("[wyoming] uri", settings.wyoming.uri), ("[wyoming.satellite] uri",
                                                                  settings.wyoming_satellite.uri)):
         if uri:
             parse_tcp_uri(uri, where)
-    if any(c in settings.mqtt.topic_prefix for c in "+#") or settings.mqtt.topic_prefix.endswith("/"):
-        raise ConfigError(f"[mqtt] topic_prefix = {settings.mqtt.topic_prefix!r}: no + # or trailing /")
     return settings
 
 
@@ -127,7 +108,6 @@ def apply_flags(settings: Settings, args: Any) -> Settings:
     if getattr(args, "device_id", None):
         settings = replace(settings, device_id=validate_device_id(args.device_id))
     if getattr(args, "broker", None):
-        parse_broker_url(args.broker)
         settings = replace(settings, mqtt=replace_checked(settings.mqtt, "mqtt", broker=args.broker))
     if getattr(args, "bundle", None):
         settings = replace(settings, tts=replace_checked(settings.tts, "tts", bundle=str(args.bundle)))
@@ -156,24 +136,54 @@ def example_toml() -> str:
         'device_id = ""',
     ]
     for name, cls in SECTIONS.items():
-        lines += ["", f"[{name}]"]
-        for key, default, doc, constraint in describe(cls):
-            lines.append(f"# {doc}" + (f" ({constraint})" if constraint else ""))
-            lines.append(f"{key} = {default}")
+        lines += ["", *example_lines(name, cls)]
+    audio = example_lines("audio", AudioSettings, commented=("output_device", "input_device"))
     lines += [
         "",
-        "# [audio] and [vad]: see the README's 'Audio and VAD' section.",
-        "[audio]",
-        '# device: "none", "default" or a device name (cosyedge doctor lists them)',
+        audio[0],
+        '# speaker and microphone (what --audio sets): "none", "default", a device name or index',
+        '# (cosyedge doctor lists them), or "wav:PATH"; output_device / input_device override it',
         'device = "default"',
+        *audio[1:],
+        "",
+        *example_lines("vad", VadSettings),
         "",
     ]
     return "\n".join(lines)
 
 
-def main() -> None:
-    """python -m daemon.config: print the example config."""
-    print(example_toml(), end="")
+def reference_markdown() -> str:
+    """docs/configuration.md: the reference of every daemon setting."""
+    lines = [
+        "# Daemon configuration reference",
+        "",
+        "Generated from the settings schema (`python -m daemon.config --markdown > docs/configuration.md`);",
+        "a test checks it is current. A TOML file (`cosyedge run --config FILE`); every key is optional.",
+        "`systemd/cosyedge.toml` is the example with every key at its default (`python -m daemon.config`).",
+        "Unknown keys and invalid values stop the start with a message that names the key and the allowed",
+        "values. SIGHUP re-reads the file: keys marked *reloaded by SIGHUP* apply at once, keys marked",
+        "*SIGHUP reloads the engine* reload the local engine, every other change is logged as needing a",
+        "restart.",
+        "",
+        "Top level: `device_id` (default: the host name; 1-64 characters of `A-Z a-z 0-9 . _ -`).",
+        "",
+    ]
+    for name, cls in SECTIONS.items():
+        lines += reference_table(name, cls)
+    lines += reference_table("audio", AudioSettings)
+    lines += [
+        "`[audio] device` (what `--audio` sets) names the speaker and the microphone together;",
+        "`output_device` / `input_device` override it.",
+        "",
+    ]
+    lines += reference_table("vad", VadSettings)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """python -m daemon.config [--markdown]: print the example config (or the reference)."""
+    args = sys.argv[1:] if argv is None else argv
+    print(reference_markdown() if "--markdown" in args else example_toml(), end="")
 
 
 if __name__ == "__main__":

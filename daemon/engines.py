@@ -9,16 +9,16 @@ from pathlib import Path
 
 from daemon.espeak_engine import EspeakEngine
 from daemon.settings import FallbackSettings, Settings
-from models.api import Engine
+from models.api import ServedEngine
 from models.errors import EngineError
 
 log = logging.getLogger(__name__)
 
 
-def load_local_engine(settings: Settings, bundle: str | None = None) -> Engine:
+def load_local_engine(settings: Settings, bundle: str | None = None) -> ServedEngine:
     tts, fb = settings.tts, settings.fallback
     if tts.engine == "espeak-ng":
-        return EspeakEngine(fb.voice, fb.rate_wpm, fb.sample_rate, fb.binary)
+        return EspeakEngine(fb.voice, fb.rate_wpm, fb.sample_rate_hz, fb.binary)
     if not (bundle or tts.bundle):
         # `cosyedge run` resolves the default (tiny) bundle before the service starts.
         raise EngineError("no bundle configured: set [tts] bundle or --bundle")
@@ -41,14 +41,14 @@ def load_local_engine(settings: Settings, bundle: str | None = None) -> Engine:
     return engine
 
 
-def make_fallback(settings: FallbackSettings, sample_rate: int | None) -> Engine | None:
+def make_fallback(settings: FallbackSettings, sample_rate: int | None) -> ServedEngine | None:
     """The espeak-ng fallback at the local engine's rate, or None (disabled or
     not installed: logged, the daemon then answers engine_unavailable)."""
     if not settings.enabled:
         return None
     try:
         return EspeakEngine(
-            settings.voice, settings.rate_wpm, sample_rate or settings.sample_rate, settings.binary
+            settings.voice, settings.rate_wpm, sample_rate or settings.sample_rate_hz, settings.binary
         )
     except EngineError as exc:
         log.warning("no fallback voice: %s", exc)

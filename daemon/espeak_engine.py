@@ -15,13 +15,32 @@ from collections.abc import Iterator
 import numpy as np
 import soxr
 
-from daemon.text_split import split_sentences
-from models.api import AudioChunk, Mode, StageTimes, SynthesisRequest
+from models.api import AudioChunk, EngineDefaults, Mode, StageTimes, SynthesisRequest
 from models.errors import EngineError, RequestError
+from models.text.split import is_only_punctuation, split_paragraph
 
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.05  # how often a running espeak-ng process checks the cancel flag
+_MAX_SENTENCE_CHARS = 400  # a longer sentence is cut (at a pause mark or a space) so no chunk grows unbounded
+
+
+def _chars(text: str) -> range:
+    return range(len(text))
+
+
+def sentence_chunks(text: str, max_chars: int = _MAX_SENTENCE_CHARS) -> list[str]:
+    """The text cut into sentences for per-sentence streaming (the models' one
+    splitter, lengths in characters, no merging; a cut piece may gain the closing mark); text of
+    punctuation only stays one chunk."""
+    chunks: list[str] = []
+    for part in split_paragraph(text, _chars, "other", 0, 0, 0, max_segment_n=max_chars):
+        part = part.strip()
+        if chunks and is_only_punctuation(part):
+            chunks[-1] += part  # e.g. the terminal mark the splitter adds after a cut
+        elif part:
+            chunks.append(part)
+    return chunks or [text.strip()]
 
 
 def pcm_from_wav_stream(data: bytes) -> tuple[np.ndarray, int]:
@@ -60,7 +79,7 @@ def list_espeak_voices(binary: str) -> list[str]:
     return sorted(names)
 
 
-class EspeakEngine:
+class EspeakEngine(EngineDefaults):
     """espeak-ng as an Engine. Thread-safe: each call runs its own processes."""
 
     name = "espeak-ng"
@@ -114,7 +133,7 @@ class EspeakEngine:
         cancel = cancel or threading.Event()
         voice = request.voice or self.default_voice
         rate = max(80, min(500, round(self.rate_wpm * request.speed)))
-        sentences = split_sentences(request.text) if request.stream else [request.text.strip()]
+        sentences = sentence_chunks(request.text) if request.stream else [request.text.strip()]
         times = StageTimes()
         start = time.perf_counter()
         for index, sentence in enumerate(sentences):

@@ -30,7 +30,6 @@ from daemon.responders import NativeResponder, Publisher
 from daemon.scheduler import DedupeMemory, Scheduler, Terminal
 from daemon.settings import Settings
 from daemon.tts_api import ApiError, RequestLimits, TtsRequest, parse_cancel, parse_say
-from models.errors import RequestError
 
 log = logging.getLogger(__name__)
 
@@ -219,7 +218,7 @@ class Intake:
                     f"output '{request.output}' needs an audio device; this "
                     "daemon runs without one (use output 'publish')",
                 )
-            self._validate(request)
+            job.decision = self.router.admit(request)
             preempted = self.scheduler.submit(job)
         except ApiError as exc:
             self._rejected(exc.code)
@@ -232,10 +231,10 @@ class Intake:
 
     def admit(self, job: Job) -> None:
         """Validate and queue a job of another front end (Wyoming), as `_say`
-        does for MQTT: same router check, scheduler, preemption and metrics.
-        Raises ApiError (counted as rejected); the caller answers it."""
+        does for MQTT: the route decided once, the same scheduler, preemption
+        and metrics. Raises ApiError (counted as rejected); the caller answers it."""
         try:
-            self._validate(job.request)
+            job.decision = self.router.admit(job.request)
             preempted = self.scheduler.submit(job)
         except ApiError as exc:
             self._rejected(exc.code)
@@ -248,14 +247,6 @@ class Intake:
     def cancel(self, request_id: str) -> None:
         """Cancel a queued or running request (any thread), as tts/cancel does."""
         self._cancel(request_id)
-
-    def _validate(self, request: TtsRequest) -> None:
-        decision = self.router.decide(request)
-        with self.router.engines.lease(decision.target) as engine:
-            try:
-                engine.validate(request.synthesis_request(fallback=decision.target == "fallback"))
-            except RequestError as exc:
-                raise ApiError(exc.code, str(exc), request.id) from None
 
     def _duplicate(self, job: Job, seen: str | Terminal) -> None:
         """A redelivered (or repeated) id is never spoken again: in flight →

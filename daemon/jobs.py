@@ -6,11 +6,14 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from daemon.tts_api import TtsRequest
+
+if TYPE_CHECKING:
+    from daemon.routing import RouteDecision
 
 # Why a job was stopped before its end. The first three end with `done`
 # (the audio so far was delivered), the others with `error`.
@@ -34,6 +37,7 @@ class Job:
     responder: Responder
     cancel: threading.Event = field(default_factory=threading.Event)
     stop_reason: str | None = None
+    decision: RouteDecision | None = None  # the route, decided once when the request was accepted
     route: str | None = None
     route_reason: str = ""
     route_rule: str = ""  # the routing rule's stable label (metrics)

@@ -1,28 +1,25 @@
 """The daemon's MQTT connection (paho-mqtt 2.x, VERSION2 callbacks): a fixed
 client id with a persistent session, retained online/offline status with
 the offline last will, subscriptions made in on_connect (so they survive
-reconnects), TLS and credentials, TCP_NODELAY. Callbacks only wrap the
-message and hand it to `on_message`, which must only parse and queue."""
+reconnects); TLS, credentials, TCP_NODELAY and the session come from the
+one MQTT client factory. Callbacks only wrap the message and hand it to
+`on_message`, which must only parse and queue."""
 
 from __future__ import annotations
 
 import logging
-import socket
-import ssl
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import paho.mqtt.client as mqtt
-from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
+from cloud_bridge.mqtt_factory import MqttOptions, connect, make_client, received_properties
 from daemon.config import parse_broker_url
-from daemon.config_schema import ConfigError
 from daemon.settings import MqttSettings
 
 log = logging.getLogger(__name__)
@@ -49,13 +46,17 @@ class Reply:
     correlation_data: bytes | None
 
 
-def set_nodelay(sock: Any) -> None:
-    """Without TCP_NODELAY small publishes wait for delayed ACKs (~40-90 ms on loopback)."""
-    raw = getattr(sock, "_sock", sock)  # paho's websocket wrapper keeps the socket inside
-    try:
-        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    except (OSError, AttributeError) as exc:
-        log.debug("TCP_NODELAY not set: %s", exc)
+def mqtt_options(settings: MqttSettings, client_id: str, status_topic: str) -> MqttOptions:
+    """The daemon's connection: a persistent session and the retained offline will."""
+    s = settings
+    return MqttOptions(
+        broker=s.broker, client_id=client_id, protocol="5" if s.protocol == "5" else "3.1.1",
+        username=s.username, password=s.password, password_file=s.password_file,
+        tls_ca_file=s.tls_ca_file, tls_cert_file=s.tls_cert_file, tls_key_file=s.tls_key_file,
+        tls_insecure=s.tls_insecure, keepalive_s=s.keepalive_s, session_expiry_s=s.session_expiry_s,
+        reconnect_min_delay_s=s.reconnect_min_delay_s, reconnect_max_delay_s=s.reconnect_max_delay_s,
+        will_topic=status_topic, will_payload=OFFLINE, max_queued_messages=_MAX_OFFLINE_QUEUE,
+    )
 
 
 class MqttConnection:
@@ -78,53 +79,20 @@ class MqttConnection:
         self._subscribe_mid: int | None = None
         self._on_message = on_message
         self._on_connected = on_connected
-        protocol = mqtt.MQTTv5 if self.v5 else mqtt.MQTTv311
-        self.client = mqtt.Client(
-            CallbackAPIVersion.VERSION2,
-            client_id=client_id,
-            clean_session=None if self.v5 else False,
-            protocol=protocol,
-        )
+        self.options = mqtt_options(settings, client_id, status_topic)
+        self.client = make_client(self.options)
         self._configure()
 
     def _configure(self) -> None:
-        s, c = self.settings, self.client
+        c = self.client
         c.on_connect = self._handle_connect
         c.on_subscribe = self._handle_subscribe
         c.on_disconnect = self._handle_disconnect
         c.on_message = self._handle_message
-        c.on_socket_open = lambda _c, _u, sock: set_nodelay(sock)
-        c.reconnect_delay_set(s.reconnect_min_delay_s, s.reconnect_max_delay_s)  # type: ignore[arg-type]
-        c.max_queued_messages_set(_MAX_OFFLINE_QUEUE)
-        c.will_set(self.status_topic, OFFLINE, qos=1, retain=True)
-        user = s.username or self.address.username
-        password = s.password or self.address.password
-        if s.password_file:
-            try:
-                password = Path(s.password_file).read_text().splitlines()[0]
-            except (OSError, IndexError) as exc:
-                raise ConfigError(
-                    f"[mqtt] password_file = {s.password_file!r}: cannot read it ({exc})"
-                ) from None
-        if user:
-            c.username_pw_set(user, password or None)
-        if self.address.tls:
-            c.tls_set(
-                ca_certs=s.tls_ca_file or None,
-                certfile=s.tls_cert_file or None,
-                keyfile=s.tls_key_file or None,
-                cert_reqs=ssl.CERT_REQUIRED,
-            )
-            c.tls_insecure_set(s.tls_insecure)
 
     def start(self) -> None:
         """Connect in the background; paho's loop thread reconnects with backoff."""
-        props = None
-        if self.v5:
-            props = Properties(PacketTypes.CONNECT)
-            props.SessionExpiryInterval = self.settings.session_expiry_s
-        kwargs: dict[str, Any] = {"clean_start": False, "properties": props} if self.v5 else {}
-        self.client.connect_async(self.address.host, self.address.port, self.settings.keepalive_s, **kwargs)
+        connect(self.client, self.options, background=True)
         self.client.loop_start()
 
     def wait_connected(self, timeout_s: float) -> bool:
@@ -145,7 +113,7 @@ class MqttConnection:
     def _handle_subscribe(self, client: mqtt.Client, _u: Any, mid: int, reasons: Any, _p: Any) -> None:
         if mid != self._subscribe_mid:
             return
-        refused = [str(r) for r in reasons if getattr(r, "is_failure", False)]
+        refused = [str(r) for r in reasons if r.is_failure]
         if refused:
             log.error("the broker refused subscriptions (%s); check its ACLs for %s", ", ".join(refused),
                       self.subscriptions)
@@ -160,10 +128,9 @@ class MqttConnection:
         self.connected.clear()
 
     def _handle_message(self, _c: mqtt.Client, _u: Any, msg: mqtt.MQTTMessage) -> None:
-        props = getattr(msg, "properties", None)
-        response_topic = getattr(props, "ResponseTopic", None) if props else None
-        correlation = getattr(props, "CorrelationData", None) if props else None
-        user_props = tuple(getattr(props, "UserProperty", None) or ()) if props else ()
+        props = received_properties(msg)
+        response_topic, correlation = props.response_topic, props.correlation_data
+        user_props = tuple(props.user_properties)
         try:
             self._on_message(
                 InboundMessage(

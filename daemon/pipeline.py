@@ -24,7 +24,7 @@ from daemon.routing import RouteDecision, Router
 from daemon.scheduler import Scheduler
 from daemon.settings import SchedulerSettings
 from daemon.tts_api import ApiError
-from models.api import AudioChunk, Engine
+from models.api import AudioChunk, ServedEngine
 from models.errors import RequestError
 
 log = logging.getLogger(__name__)
@@ -182,7 +182,9 @@ class Pipeline:
         if job.cancel.is_set():
             return None
         try:
-            return self._synthesize(job, self.router.decide(job.request))
+            # decided when the request was accepted (jobs made elsewhere are admitted here)
+            decision = job.decision if job.decision is not None else self.router.admit(job.request)
+            return self._synthesize(job, decision)
         except ApiError as exc:
             return (exc.code, exc.message)
 
@@ -193,15 +195,22 @@ class Pipeline:
             job.route, job.route_reason, job.route_rule = decision.target, decision.reason, decision.rule
             tried.add(decision.target)
             slot = self.router.engines.slots[decision.target]
+            if not slot.healthy:  # it went away while the job waited: on as after a failure
+                moved = self.router.after_failure(
+                    decision, "it became unavailable while the request waited", audio_out=False,
+                    request=job.request, tried=tried,
+                )
+                if moved is None:
+                    return ("engine_unavailable", f"the {decision.target} engine is unavailable")
+                decision = moved
+                continue
             try:
                 with self.router.engines.lease(decision.target) as engine:
                     job.engine_name = engine.name
                     self._hint_load(engine)
                     request = job.request.synthesis_request(fallback=decision.target == "fallback")
-                    # Optional engine hook: the cloud takes the job's id and deadline along.
-                    for_job = getattr(engine, "for_job", None)
-                    synthesize = for_job(job.id, job.deadline_at) if callable(for_job) else engine.synthesize
-                    for chunk in synthesize(request, cancel=job.cancel):
+                    # the cloud takes the job's id and deadline along; other engines ignore them
+                    for chunk in engine.for_job(job.id, job.deadline_at)(request, cancel=job.cancel):
                         if job.cancel.is_set():
                             break
                         self._deliver(job, chunk)
@@ -224,11 +233,9 @@ class Pipeline:
                     return ("engine_error", f"the {decision.target} engine failed: {exc}")
                 decision = following
 
-    def _hint_load(self, engine: Engine) -> None:
-        # Optional engine hook: under load an engine may cut its batching delay.
-        hint = getattr(engine, "set_load_level", None)
-        if callable(hint):
-            hint("degraded" if self.scheduler.degraded() else "normal")
+    def _hint_load(self, engine: ServedEngine) -> None:
+        # under load an engine may cut its batching delay
+        engine.set_load_level("degraded" if self.scheduler.degraded() else "normal")
 
     def _ahead_limit(self) -> int:
         n = self.settings.synth_ahead_chunks

@@ -1,4 +1,4 @@
-"""Where a request is synthesized. One Engine per target ('local', 'cloud',
+"""Where a request is synthesized. One engine per target ('local', 'cloud',
 'fallback') in an EngineSet; the Router picks a target by trying its rules
 in order (explicit cloud, the route=auto rules, local/fallback), and says
 what to try after a failure (cloud -> local, local -> cloud, either -> the
@@ -18,7 +18,7 @@ from typing import Literal
 
 from daemon.settings import RoutingSettings
 from daemon.tts_api import ApiError, TtsRequest
-from models.api import Engine
+from models.api import ServedEngine
 from models.errors import RequestError
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ class EngineSlot:
         self.settings = settings
         self._clock = clock
         self._lock = threading.Lock()
-        self._engine: Engine | None = None
+        self._engine: ServedEngine | None = None
         self._leases: dict[int, int] = {}
         self.state = "absent"  # absent | loading | ready | failed
         self.error = ""
@@ -51,13 +51,13 @@ class EngineSlot:
         self._unhealthy_since: float | None = None
 
     @property
-    def engine(self) -> Engine | None:
+    def engine(self) -> ServedEngine | None:
         return self._engine
 
     def set_state(self, state: str, error: str = "") -> None:
         self.state, self.error = state, error
 
-    def swap(self, engine: Engine | None) -> None:
+    def swap(self, engine: ServedEngine | None) -> None:
         with self._lock:
             old, self._engine = self._engine, engine
             self.failures, self._unhealthy_since = 0, None
@@ -66,14 +66,14 @@ class EngineSlot:
         if close_now and old is not None:
             _close(old)
 
-    def acquire(self) -> Engine | None:
+    def acquire(self) -> ServedEngine | None:
         with self._lock:
             engine = self._engine
             if engine is not None:
                 self._leases[id(engine)] = self._leases.get(id(engine), 0) + 1
             return engine
 
-    def release(self, engine: Engine) -> None:
+    def release(self, engine: ServedEngine) -> None:
         with self._lock:
             left = self._leases.get(id(engine), 1) - 1
             if left:
@@ -91,8 +91,7 @@ class EngineSlot:
         `unhealthy_retry_s`."""
         if self._engine is None:
             return False
-        probe = getattr(self._engine, "available", None)
-        if callable(probe) and not probe():
+        if not self._engine.available():
             return False
         if self._unhealthy_since is None:
             return True
@@ -112,22 +111,21 @@ class EngineSlot:
         state = self.state
         if engine is not None and not self.healthy:
             state = "unhealthy"
-            probe = getattr(engine, "available", None)
-            if callable(probe) and not probe():
+            if not engine.available():
                 state = "unreachable"
         return {
             "state": state,
-            "engine": getattr(engine, "name", None),
+            "engine": None if engine is None else engine.name,
             "error": self.error or None,
             "failures": self.failures,
         }
 
 
-def _close(engine: Engine) -> None:
+def _close(engine: ServedEngine) -> None:
     try:
         engine.close()
     except Exception:
-        log.exception("closing engine %s failed", getattr(engine, "name", engine))
+        log.exception("closing engine %s failed", engine.name)
 
 
 class EngineSet:
@@ -142,7 +140,7 @@ class EngineSet:
         return self.slots[target].healthy
 
     @contextmanager
-    def lease(self, target: Target) -> Iterator[Engine]:
+    def lease(self, target: Target) -> Iterator[ServedEngine]:
         slot = self.slots[target]
         engine = slot.acquire()
         if engine is None:
@@ -206,9 +204,11 @@ def local_down_reason(engines: EngineSet) -> str:
     }.get(slot.state, "local engine is unhealthy")
 
 
-def local_lacks(request: TtsRequest, engines: EngineSet) -> str | None:
+def local_lacks(request: TtsRequest, engines: EngineSet, *, validate: bool = False) -> str | None:
     """Why the loaded local engine cannot serve the request (its modes, its
-    voices, its own validation); None: it can, or no engine is loaded to ask."""
+    voices and, with `validate`, its own validation); None: it can, or no
+    engine is loaded to ask. Routing a new request leaves the validation to
+    `Router.admit`, which validates once, on the engine chosen."""
     engine = engines.slots["local"].engine
     if engine is None:
         return None
@@ -217,10 +217,11 @@ def local_lacks(request: TtsRequest, engines: EngineSet) -> str | None:
     voices = engine.voices()
     if request.voice and voices and request.voice not in voices:
         return f"the local engine has no voice '{request.voice}'"
-    try:
-        engine.validate(request.synthesis_request())
-    except RequestError as exc:
-        return f"the local engine cannot serve it: {exc}"
+    if validate:
+        try:
+            engine.validate(request.synthesis_request())
+        except RequestError as exc:
+            return f"the local engine cannot serve it: {exc}"
     return None
 
 
@@ -239,7 +240,36 @@ class Router:
         if not self.rules:
             self.rules = [cloud_rule, self.auto_rule, local_rule]
 
+    def admit(self, request: TtsRequest) -> RouteDecision:
+        """The route of a new request, decided once (the pipeline runs the job
+        there and moves on only through `after_failure`), with the request
+        validated once, by the engine chosen. route=auto: what the local
+        engine rejects goes to the cloud when it is up."""
+        decision = self.decide(request)
+        try:
+            self._validate(decision, request)
+            return decision
+        except RequestError as exc:
+            if decision.target != "local" or request.route != "auto":
+                raise ApiError(exc.code, str(exc), request.id) from None
+            lacks = f"the local engine cannot serve it: {exc}"
+            if self.engines.available("cloud"):
+                cloud = RouteDecision("cloud", lacks, "local_lacks")
+                try:
+                    self._validate(cloud, request)
+                except RequestError as cloud_exc:
+                    raise ApiError(cloud_exc.code, str(cloud_exc), request.id) from None
+                return cloud
+            if self.engines.slots["cloud"].engine is not None:
+                raise ApiError("cloud_unavailable", f"{lacks}, and the cloud is unavailable", request.id) from None
+            raise ApiError(exc.code, str(exc), request.id) from None
+
+    def _validate(self, decision: RouteDecision, request: TtsRequest) -> None:
+        with self.engines.lease(decision.target) as engine:
+            engine.validate(request.synthesis_request(fallback=decision.target == "fallback"))
+
     def decide(self, request: TtsRequest) -> RouteDecision:
+        """The target by the rules alone (no engine validation: see `admit`)."""
         for rule in self.rules:
             decision = rule(request, self.engines)
             if decision is not None:
@@ -315,7 +345,8 @@ class Router:
             return None
         engines = self.engines
         if failed.target == "cloud" and request is not None:
-            if "local" not in tried and engines.available("local") and local_lacks(request, engines) is None:
+            if "local" not in tried and engines.available("local") and local_lacks(
+                    request, engines, validate=True) is None:
                 return RouteDecision("local", f"cloud failed: {error}", "cloud_failed")
             if request.mode != "sft":  # the fallback voice would ignore what was asked for
                 return None

@@ -15,10 +15,9 @@ from typing import Any
 
 import numpy as np
 import paho.mqtt.client as mqtt
-from paho.mqtt.enums import CallbackAPIVersion
 
+from cloud_bridge.mqtt_factory import MqttOptions, connect, make_client, received_properties
 from daemon.config import default_device_id, parse_broker_url, validate_device_id
-from daemon.mqtt_client import set_nodelay
 from daemon.tts_api import decode_audio
 from models.errors import CosyEdgeError
 
@@ -37,7 +36,7 @@ class _Session:
     def on_message(self, _c: Any, _u: Any, msg: mqtt.MQTTMessage) -> None:
         kind = msg.topic[len(self.prefix) + 5 :].split("/")[0]  # after "<prefix>/tts/"
         if kind == "audio":
-            props = getattr(getattr(msg, "properties", None), "UserProperty", None)
+            props = received_properties(msg).user_properties
             chunk = decode_audio(bytes(msg.payload), props)
             self.sample_rate = chunk.sample_rate
             self.chunks.append(chunk.pcm16)
@@ -90,16 +89,10 @@ def say_command(args: argparse.Namespace) -> int:
         return say_wyoming(args)
     addr = parse_broker_url(args.broker or "mqtt://localhost:1883")
     prefix = f"cosyedge/{validate_device_id(args.device_id or default_device_id())}"
-    client = mqtt.Client(
-        CallbackAPIVersion.VERSION2, client_id=f"cosyedge-say-{uuid.uuid4().hex[:8]}", protocol=mqtt.MQTTv5
-    )
-    client.on_socket_open = lambda _c, _u, s: set_nodelay(s)
-    if addr.username:
-        client.username_pw_set(addr.username, addr.password or None)
-    if addr.tls:
-        client.tls_set()
+    opts = MqttOptions(broker=args.broker or "mqtt://localhost:1883", client_id=f"cosyedge-say-{uuid.uuid4().hex[:8]}")
+    client = make_client(opts)
     try:
-        client.connect(addr.host, addr.port, 30)
+        connect(client, opts)
     except OSError as exc:
         raise CosyEdgeError(f"cannot reach the broker at {addr.host}:{addr.port}: {exc}") from None
     client.loop_start()

@@ -16,6 +16,7 @@ from daemon.audio.barge_in import BargeInPolicy
 from daemon.audio.interfaces import AudioSink
 from daemon.cloud_engine import CloudEngine, describe_link
 from daemon.completion import Completer
+from daemon.config_schema import live_fields, reload_fields
 from daemon.engines import load_local_engine, make_fallback
 from daemon.health import HealthMonitor
 from daemon.intake import Intake
@@ -31,15 +32,11 @@ from daemon.tts_api import TtsRequest
 from daemon.voice_link import VoiceLink
 from daemon.wyoming.frontend import WyomingFrontend
 from daemon.wyoming.frontend import enabled as wyoming_enabled
-from models.api import Engine
+from models.api import ServedEngine
 
 log = logging.getLogger(__name__)
 
 VERSION = "0.1.0"
-_RELOAD_KEYS = {("tts", "bundle"), ("tts", "backend"), ("tts", "engine"), ("tts", "llm_max_batch_size"),
-                ("tts", "llm_max_queue_delay_ms"), ("tts", "overlap_stages"), ("tts", "first_hop_tokens"),
-                ("tts", "flow_final_chunk"), ("tts", "flow_left_chunks"),
-                ("tts", "stream_hop_scale"), ("tts", "flow_max_batch_size"), ("tts", "flow_max_queue_delay_ms")}
 
 
 class Service:
@@ -130,7 +127,7 @@ class Service:
         """For the router: requests waiting, and the estimated wait before this one is done locally."""
         return self.scheduler.depth, self.scheduler.estimated_wait_s(request.priority)
 
-    def set_engines(self, local: Engine | None, fallback: Engine | None) -> None:
+    def set_engines(self, local: ServedEngine | None, fallback: ServedEngine | None) -> None:
         self.engines.slots["local"].swap(local)
         self.engines.slots["fallback"].swap(fallback)
 
@@ -244,9 +241,9 @@ class Service:
                 before, after = getattr(old_sec, f.name), getattr(new_sec, f.name)
                 if before == after:
                     continue
-                if f.metadata.get("live") or (name, f.name) in _RELOAD_KEYS:
+                if f.name in live_fields(cls) or f.name in reload_fields(cls):
                     changes[f.name] = after
-                    reload_engine |= (name, f.name) in _RELOAD_KEYS
+                    reload_engine |= f.name in reload_fields(cls)
                 else:
                     restart.append(f"[{name}] {f.name}")
             merged[section_attr(name)] = dataclasses.replace(old_sec, **changes)
@@ -358,8 +355,4 @@ class Service:
 
 def _live(section: object) -> dict[str, Any]:
     """The fields of a settings section that SIGHUP may change."""
-    return {
-        f.name: getattr(section, f.name)
-        for f in dataclasses.fields(section)  # type: ignore[arg-type]
-        if f.metadata.get("live")
-    }
+    return {name: getattr(section, name) for name in live_fields(type(section))}

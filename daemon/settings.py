@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from types import MappingProxyType
 from typing import Any
 
+from cloud_bridge.mqtt_factory import MqttSetupError, parse_broker_url
 from daemon.audio.settings import AudioSettings, VadSettings
 from daemon.config_schema import setting
 from daemon.wyoming.settings import SatelliteSettings, WyomingSettings
@@ -16,13 +18,33 @@ PRIORITY_MIN, PRIORITY_MAX = -1000, 1000
 AUTO_WORKERS_MAX = 4  # synthesis_workers = "auto": beyond this the flow/vocoder, not the LLM, bound a board
 
 
+def _broker_ok(url: str) -> bool:
+    try:
+        parse_broker_url(url)
+    except MqttSetupError:
+        return False
+    return True
+
+
+def _prefix_ok(prefix: str) -> bool:
+    return not any(c in prefix for c in "+#") and not prefix.endswith("/")
+
+
+def _site_ids_ok(sites: tuple[str, ...]) -> bool:
+    return all(site and not any(c in site for c in "/+#") for site in sites)
+
+
 @dataclass(frozen=True)
 class MqttSettings:
     broker: str = setting(
-        "mqtt://localhost:1883", "broker URL: mqtt://host[:port] (1883) or mqtts://host[:port] (TLS, 8883)"
+        "mqtt://localhost:1883", "broker URL: mqtt://host[:port] (1883) or mqtts://host[:port] (TLS, 8883)",
+        check=_broker_ok, allowed="mqtt://host[:port] or mqtts://host[:port]",
     )
     protocol: str = setting("5", "MQTT protocol version", choices=("5", "3.1.1"))
-    topic_prefix: str = setting("", "topic prefix; empty: cosyedge/<device_id>")
+    topic_prefix: str = setting(
+        "", "topic prefix; empty: cosyedge/<device_id>",
+        check=_prefix_ok, allowed="topic levels without + # or a trailing /",
+    )
     username: str = setting("", "user name (empty: anonymous)")
     password: str = setting("", "password (prefer password_file)")
     password_file: str = setting("", "file whose first line is the password (e.g. a systemd credential)")
@@ -66,14 +88,16 @@ class TtsSettings:
     engine: str = setting(
         "cosyvoice",
         "the local engine: a CosyVoice bundle, or espeak-ng only",
-        choices=("cosyvoice", "espeak-ng"),
+        choices=("cosyvoice", "espeak-ng"), reload=True,
     )
     bundle: str = setting(
         "",
         "model bundle directory; empty: the tiny bundle in the cache directory, "
-        "built on first use (needs the build extra)",
+        "built on first use (needs the build extra)", reload=True,
     )
-    backend: str = setting("ort", "inference backend of the bundle", choices=("ort", "ort-cuda", "ort-trt", "trt"))
+    backend: str = setting(
+        "ort", "inference backend of the bundle", choices=("ort", "ort-cuda", "ort-trt", "trt"), reload=True
+    )
     default_voice: str = setting(
         "", "voice when a request names none; empty: the bundle's default", live=True
     )
@@ -89,11 +113,11 @@ class TtsSettings:
     max_prompt_s: float = setting(30.0, "longest voice-reference (prompt) audio", min=1, max=600, live=True)
     llm_max_batch_size: int = setting(
         0, "decode the LLM of up to this many concurrent requests as one batch (0: off, each decodes alone)",
-        min=0, max=256,
+        min=0, max=256, reload=True,
     )
     llm_max_queue_delay_ms: float = setting(
         0.0, "with llm_max_batch_size: how long a request may wait to join so that the batch fills up",
-        min=0, max=10_000,
+        min=0, max=10_000, reload=True,
     )
     synthesis_workers: int | str = setting(
         "auto", "requests synthesized at once (each on its own worker thread, so the LLM batcher can batch "
@@ -104,36 +128,36 @@ class TtsSettings:
     flow_max_batch_size: int = setting(
         0, "run the flow estimator and vocoder calls of up to this many concurrent requests as one batch "
         "(0: off, each runs alone)",
-        min=0, max=256,
+        min=0, max=256, reload=True,
     )
     flow_max_queue_delay_ms: float = setting(
         0.0, "with flow_max_batch_size: how long a flow or vocoder call may wait for the requests whose "
         "previous call just returned (a lone request never waits); 0: only calls already queued merge",
-        min=0, max=10_000,
+        min=0, max=10_000, reload=True,
     )
     overlap_stages: str = setting(
         "auto", "streaming: the LLM decodes the next chunk on its own thread while flow and vocoder work on this "
         "one; auto: on with a GPU backend or 4+ CPU cores",
-        choices=("auto", "on", "off"),
+        choices=("auto", "on", "off"), reload=True,
     )
     first_hop_tokens: int = setting(
         0, "speech tokens before the first audio chunk (smaller: sooner first audio); 0: upstream's aligned hop",
-        min=0, max=200,
+        min=0, max=200, reload=True,
     )
     stream_hop_scale: float = setting(
         1.0, "grow the streaming hop by this factor after each chunk, up to 4x (upstream's stream_scale_factor; "
         "2: chunks of 25, 50, then 100 tokens, less total work, same first audio); 1: a fixed hop",
-        min=1.0, max=4.0,
+        min=1.0, max=4.0, reload=True,
     )
     flow_final_chunk: str = setting(
         "cached", "streaming's last flow chunk: through the per-request caches (linear cost) or upstream's "
         "full-length pass (exactly upstream's audio, about twice the flow cost)",
-        choices=("cached", "upstream"),
+        choices=("cached", "upstream"), reload=True,
     )
     flow_left_chunks: int = setting(
         -1, "streaming flow context in 1 s chunks; -1: all (exact); N: the last N only, bounding the cache "
         "memory (about 219 MiB per second of audio at full size) but changing the audio",
-        min=-1, max=100_000,
+        min=-1, max=100_000, reload=True,
     )
 
     @property
@@ -154,10 +178,11 @@ class FallbackSettings:
     binary: str = setting("espeak-ng", "the espeak-ng executable")
     voice: str = setting("en-us", "espeak-ng voice (espeak-ng --voices)")
     rate_wpm: int = setting(175, "speaking rate in words per minute", min=80, max=500)
-    sample_rate: int = setting(
+    sample_rate_hz: int = setting(
         24000,
         "output rate when no bundle is loaded (else the bundle's rate)",
         choices=(16000, 22050, 24000, 44100, 48000),
+        aliases=("sample_rate",),
     )
 
 
@@ -289,7 +314,10 @@ class CloudSettings:
 @dataclass(frozen=True)
 class HermesSettings:
     enabled: bool = setting(True, "serve Rhasspy Hermes topics (hermes/tts/say, voiceActivity)")
-    site_ids: tuple[str, ...] = setting((), "siteIds this device answers for; empty: its device id")
+    site_ids: tuple[str, ...] = setting(
+        (), "siteIds this device answers for; empty: its device id",
+        check=_site_ids_ok, allowed="siteIds, each non-empty without / + #",
+    )
     output: str = setting(
         "play",
         "play: speak locally; publish: WAV on hermes/audioServer/<siteId>/playBytes/<id>",
@@ -356,7 +384,7 @@ class Settings:
         """'none', 'default' or a device name."""
         return str(self.audio.get("device", self.audio.get("output_device", "default")))
 
-    @property
+    @cached_property  # built (and validated) once per Settings: when the config loads
     def audio_settings(self) -> AudioSettings:
         table = {k: v for k, v in self.audio.items() if k != "device"}
         if "device" in self.audio:
@@ -364,13 +392,13 @@ class Settings:
             table.setdefault("input_device", self.audio["device"])
         return AudioSettings.from_mapping(table)
 
-    @property
+    @cached_property
     def vad_settings(self) -> VadSettings:
-        return VadSettings.from_mapping({k: v for k, v in self.vad.items() if k != "enabled"})
+        return VadSettings.from_mapping(self.vad)
 
     @property
     def vad_enabled(self) -> bool:
-        return bool(self.vad.get("enabled", True)) and self.audio_settings.capture
+        return self.vad_settings.enabled and self.audio_settings.capture
 
     @property
     def barge_in(self) -> str:

@@ -9,16 +9,16 @@ import binascii
 import io
 import json
 import re
-import struct
 import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
 
+from cloud_bridge.protocol import pack_audio_header, pcm16_bytes, unpack_audio_header
 from daemon.mqtt_client import Reply
 from daemon.settings import PRIORITY_MAX, PRIORITY_MIN
-from models.api import MODES, Mode, PromptAudio, SynthesisRequest
+from models.api import MODES, PROMPT_MODES, Mode, PromptAudio, SynthesisRequest
 
 Output = Literal["play", "publish", "both"]
 Route = Literal["auto", "local", "cloud"]
@@ -43,11 +43,7 @@ SAY_FIELDS = (
 )
 
 # v3.1.1 has no user properties, so there (and with audio_header = "always")
-# every audio chunk starts with this 16-byte little-endian header:
-# magic "CEA1", sample rate (uint32), sequence number (uint32), flags
-# (uint16, bit 0 = last chunk), reserved (uint16, 0); PCM16 LE mono follows.
-AUDIO_MAGIC = b"CEA1"
-AUDIO_HEADER = struct.Struct("<4sIIHH")
+# every audio chunk starts with the wire's one audio header (cloud_bridge.protocol).
 
 
 class ApiError(Exception):
@@ -231,7 +227,7 @@ def parse_say(
     stream = _field(obj, "stream", bool, "true or false", rid)
     voice = _field(obj, "voice", str, "a string", rid)
     prompt = parse_prompt(obj["prompt"], limits.max_prompt_s, rid) if obj.get("prompt") is not None else None
-    if mode in ("zero_shot", "cross_lingual") and prompt is None and voice is None:
+    if mode in PROMPT_MODES and prompt is None and voice is None:
         raise ApiError("invalid_field", f"mode '{mode}' needs a 'prompt' (or a voice with a prompt)", rid)
     return TtsRequest(
         id=rid or new_request_id(),
@@ -259,15 +255,11 @@ def parse_cancel(payload: bytes, max_bytes: int) -> str:
     return str(obj["id"])
 
 
-def pcm16_bytes(pcm: np.ndarray) -> bytes:
-    return (np.clip(pcm, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
-
-
 def audio_payload(pcm: np.ndarray, sample_rate: int, seq: int, last: bool, header: bool) -> bytes:
     body = pcm16_bytes(pcm)
     if not header:
         return body
-    return AUDIO_HEADER.pack(AUDIO_MAGIC, sample_rate, seq, 1 if last else 0, 0) + body
+    return pack_audio_header(sample_rate, seq, last) + body
 
 
 def audio_properties(sample_rate: int, seq: int, last: bool, request_id: str) -> list[tuple[str, str]]:
@@ -289,9 +281,9 @@ class DecodedAudio:
 
 def decode_audio(payload: bytes, user_properties: list[tuple[str, str]] | None) -> DecodedAudio:
     """For clients: a chunk from either form (header, or v5 user properties)."""
-    if payload[:4] == AUDIO_MAGIC and len(payload) >= AUDIO_HEADER.size:
-        _, rate, seq, flags, _ = AUDIO_HEADER.unpack_from(payload)
-        return DecodedAudio(payload[AUDIO_HEADER.size :], rate, seq, bool(flags & 1))
+    framed = unpack_audio_header(payload)
+    if framed is not None:
+        return DecodedAudio(*framed)
     props = dict(user_properties or [])
     if "sample_rate" not in props:
         raise ValueError("audio chunk has neither the CEA1 header nor v5 user properties")

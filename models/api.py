@@ -6,6 +6,7 @@ fallback voice)."""
 from __future__ import annotations
 
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
@@ -14,6 +15,7 @@ import numpy as np
 
 Mode = Literal["sft", "zero_shot", "cross_lingual", "instruct"]
 MODES: tuple[Mode, ...] = ("sft", "zero_shot", "cross_lingual", "instruct")
+PROMPT_MODES: tuple[Mode, ...] = ("zero_shot", "cross_lingual")  # modes that clone the voice of a prompt
 
 
 @dataclass(frozen=True)
@@ -120,3 +122,53 @@ class Engine(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+LoadLevel = Literal["normal", "degraded"]
+
+
+class SynthesizeFn(Protocol):
+    """`Engine.synthesize`'s call shape (what `ServedEngine.for_job` returns)."""
+
+    def __call__(self, request: SynthesisRequest, cancel: threading.Event | None = None) -> Iterator[AudioChunk]: ...
+
+
+class ServedEngine(Engine, Protocol):
+    """What the daemon may ask of an engine it serves with, besides synthesis.
+    Every engine the daemon uses implements it (the CosyVoice engine, the
+    espeak-ng fallback, the cloud engine); `EngineDefaults` gives the neutral
+    answers to an engine with nothing more to say."""
+
+    def available(self) -> bool:
+        """Whether it can take a request now (the cloud: connected, its bridge
+        link up); the router does not send a request to an engine that says no."""
+        ...
+
+    def set_load_level(self, level: LoadLevel) -> None:
+        """The daemon's load hint before each request: under "degraded" load an
+        engine may cut its batching delay."""
+        ...
+
+    def for_job(self, job_id: str, deadline_at: float | None) -> SynthesizeFn:
+        """`synthesize` for one daemon job (the cloud carries the job's id and
+        deadline, a `time.monotonic()` time, along)."""
+        ...
+
+
+class EngineDefaults(ABC):
+    """The neutral `ServedEngine` answers: always available, no use for the
+    load hint, the same `synthesize` for every job."""
+
+    @abstractmethod
+    def synthesize(
+        self, request: SynthesisRequest, cancel: threading.Event | None = None
+    ) -> Iterator[AudioChunk]: ...
+
+    def available(self) -> bool:
+        return True
+
+    def set_load_level(self, level: LoadLevel) -> None:
+        return None
+
+    def for_job(self, job_id: str, deadline_at: float | None) -> SynthesizeFn:
+        return self.synthesize

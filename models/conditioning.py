@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from models.api import SynthesisRequest
+from models.api import PROMPT_MODES, SynthesisRequest
 from models.backends.base import Session
 from models.bundle import Bundle
 from models.errors import RequestError
@@ -70,7 +70,7 @@ class ConditioningBuilder:
         if name not in self.bundle.voices:
             raise RequestError("unknown_voice", f"unknown voice {name!r}; voices: "
                                                 f"{', '.join(sorted(self.bundle.voices)) or 'none'}")
-        if request.mode in ("zero_shot", "cross_lingual"):
+        if request.mode in PROMPT_MODES:
             voice = self._voice(name)
             if voice.prompt_speech_token.size == 0:
                 raise RequestError("voice_unsuitable", f"voice {name!r} has no reference recording, so it serves "

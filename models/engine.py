@@ -24,7 +24,17 @@ from pathlib import Path
 
 import numpy as np
 
-from models.api import MODES, AudioChunk, Mode, StageEvent, StageTimes, SynthesisRequest, TimelineStage
+from models.api import (
+    MODES,
+    AudioChunk,
+    EngineDefaults,
+    LoadLevel,
+    Mode,
+    StageEvent,
+    StageTimes,
+    SynthesisRequest,
+    TimelineStage,
+)
 from models.backends.base import Backend, FixedSizeDecode, Session, create_backend
 from models.batch_policy import BatchSettings
 from models.batcher import start_batcher
@@ -178,7 +188,7 @@ def default_noise(seq: np.random.SeedSequence) -> NoiseSource:
     return np.random.default_rng(seq)
 
 
-class CosyVoiceEngine:
+class CosyVoiceEngine(EngineDefaults):
     # The vocoder's random source per request; parity tests swap in one that
     # draws exactly what upstream's torch code draws.
     noise_factory: Callable[[np.random.SeedSequence], NoiseSource] = staticmethod(default_noise)
@@ -288,7 +298,7 @@ class CosyVoiceEngine:
         """What the stage sessions hold (Session.memory_bytes, best effort), for benchmarks."""
         return sum(s.memory_bytes() for s in self._sessions)
 
-    def set_load_level(self, level: str) -> None:
+    def set_load_level(self, level: LoadLevel) -> None:
         """The daemon's load hint: under load ("degraded") requests join the LLM batch without delay."""
         delay = 0.0 if level == "degraded" else None
         if self.batcher is not None:

@@ -1,21 +1,18 @@
-"""Typed, validated settings for audio I/O and the VAD. Built once (from the
-`[audio]` and `[vad]` tables of the daemon's TOML config via `from_mapping`,
-or with `dataclasses.replace` for CLI overrides); every error names the field
+"""Typed, validated settings for audio I/O and the VAD: the `[audio]` and
+`[vad]` tables of the daemon's TOML config, in the one settings schema
+(daemon/config_schema.py). Built once (`from_mapping`, or
+`dataclasses.replace`, which validates too); every error names the field
 and the allowed values."""
 
 from __future__ import annotations
 
-import dataclasses
-import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from models.errors import CosyEdgeError
+from daemon.config_schema import ConfigError, build_section, check_fields, setting
 
-
-class AudioSettingsError(CosyEdgeError, ValueError):
-    """An audio or VAD setting is out of range or of the wrong type."""
+AudioSettingsError = ConfigError  # an audio or VAD setting is out of range or of the wrong type
 
 
 BargeIn = Literal["off", "stop", "duck"]
@@ -24,17 +21,23 @@ FRAME_MS_CHOICES: tuple[int, ...] = (10, 20, 30)
 RESAMPLE_QUALITIES: tuple[str, ...] = ("QQ", "LQ", "MQ", "HQ", "VHQ")
 VAD_SAMPLE_RATE = 16000  # webrtcvad and the capture path work at 16 kHz mono PCM16
 
+_DEVICE_WORDS = '"none", "default", a device name (substring), a device index >= 0, or "wav:PATH"'
 
-def _check(cond: bool, section: str, name: str, allowed: str, value: object) -> None:
+
+def _device_ok(value: str | int) -> bool:
+    if isinstance(value, int):
+        return value >= 0
+    return value.strip() != "" and (not value.startswith("wav:") or len(value) > 4)
+
+
+def _device(default: str, doc: str) -> Any:
+    return setting(default, doc, check=_device_ok, allowed=_DEVICE_WORDS)
+
+
+def _need(cond: bool, section: str, name: str, allowed: str, value: object) -> None:
+    """A rule between fields (the schema checks each field alone)."""
     if not cond:
-        raise AudioSettingsError(f"[{section}] {name} = {value!r} is invalid: allowed {allowed}")
-
-
-def _check_device(section: str, name: str, value: object) -> None:
-    ok = (isinstance(value, int) and not isinstance(value, bool) and value >= 0) or (
-        isinstance(value, str) and value.strip() != "" and (not value.startswith("wav:") or len(value) > 4))
-    _check(ok, section, name,
-           '"none", "default", a device name (substring), a device index >= 0, or "wav:PATH"', value)
+        raise AudioSettingsError(f"[{section}] {name} = {value!r}: allowed values: {allowed}")
 
 
 @dataclass(frozen=True)
@@ -44,78 +47,74 @@ class AudioSettings:
     `cosyedge doctor` lists them, or "wav:PATH" (write the output to / read
     the input from a WAV file; for tests and machines without a sound card)."""
 
-    output_device: str | int = "default"
-    output_rate_hz: int | None = None  # None: the device's default rate; soxr resamples the engine rate to it
-    output_channels: int = 1  # mono is copied to every channel
-    output_buffer_ms: int = 500  # playback queue; `write` blocks while it is full (back-pressure)
-    output_block_ms: int = 20  # audio callback period
-    output_latency_ms: int = 60  # PortAudio's suggested device latency
-    input_device: str | int = "default"
-    capture: bool = True  # microphone + VAD on/off
-    input_rate_hz: int | None = None  # None: 16 kHz if the device takes it, else its default rate (resampled)
-    input_queue_ms: int = 2000  # capture queue; when full, frames are dropped and counted
-    resample_quality: str = "HQ"
+    output_device: str | int = _device("default", "speaker (default: [audio] device)")
+    output_rate_hz: int | None = setting(
+        None, "speaker rate; unset: the device's default rate (soxr resamples the engine rate to it)",
+        min=8000, max=192000)
+    output_channels: int = setting(1, "speaker channels; mono is copied to every channel", min=1, max=8)
+    output_buffer_ms: int = setting(
+        500, "playback queue; writing blocks while it is full (back-pressure)", min=50, max=10000)
+    output_block_ms: int = setting(20, "audio callback period", min=5, max=200)
+    output_latency_ms: int = setting(60, "PortAudio's suggested device latency", min=1, max=1000)
+    input_device: str | int = _device("default", "microphone (default: [audio] device)")
+    capture: bool = setting(True, "microphone and VAD on or off")
+    input_rate_hz: int | None = setting(
+        None, "microphone rate; unset: 16 kHz if the device takes it, else its default rate (resampled)",
+        min=8000, max=192000)
+    input_queue_ms: int = setting(
+        2000, "capture queue; when full, frames are dropped and counted", min=100, max=60000)
+    resample_quality: str = setting("HQ", "soxr resampling quality", choices=RESAMPLE_QUALITIES)
 
     def __post_init__(self) -> None:
-        s = "audio"
-        _check_device(s, "output_device", self.output_device)
-        _check_device(s, "input_device", self.input_device)
-        for name in ("output_rate_hz", "input_rate_hz"):
-            v = getattr(self, name)
-            _check(v is None or 8000 <= v <= 192000, s, name, "8000..192000 or unset (device default)", v)
-        _check(1 <= self.output_channels <= 8, s, "output_channels", "1..8", self.output_channels)
-        _check(50 <= self.output_buffer_ms <= 10000, s, "output_buffer_ms", "50..10000",
-               self.output_buffer_ms)
-        _check(5 <= self.output_block_ms <= 200, s, "output_block_ms", "5..200", self.output_block_ms)
-        _check(1 <= self.output_latency_ms <= 1000, s, "output_latency_ms", "1..1000", self.output_latency_ms)
-        _check(100 <= self.input_queue_ms <= 60000, s, "input_queue_ms", "100..60000", self.input_queue_ms)
-        _check(self.resample_quality in RESAMPLE_QUALITIES, s, "resample_quality",
-               ", ".join(RESAMPLE_QUALITIES), self.resample_quality)
+        check_fields(self, "audio")
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> AudioSettings:
-        return _from_mapping(cls, data, "audio")
+        return build_section(cls, data, "audio")
 
 
 @dataclass(frozen=True)
 class VadSettings:
-    """WebRTC VAD segmentation (see README "Audio and VAD"). Times are stream
+    """WebRTC VAD segmentation (see docs "Audio and VAD"). Times are stream
     times of the 16 kHz capture; every `*_ms` value is rounded to whole frames."""
 
-    aggressiveness: int = 3  # webrtcvad mode: 0 (least) .. 3 (most aggressive at rejecting non-speech)
-    frame_ms: int = 30
-    start_window_ms: int = 150  # start hysteresis: look at the last start_window_ms of frames ...
-    start_voiced_ms: int = 90  # ... and start when at least this much of them is voiced
-    hangover_ms: int = 600  # end after this long without voice (bridges pauses between words)
-    pre_roll_ms: int = 300  # audio kept before the detected start in the utterance WAV
-    post_roll_ms: int = 150  # audio kept after the detected end in the utterance WAV (<= hangover_ms)
-    min_utterance_ms: int = 210  # shorter bursts (clicks, coughs) raise no event at all
-    max_utterance_ms: int = 15000  # longer speech is split: speech_end (forced) + a new speech_start
-    half_duplex: bool = False  # ignore the microphone while the daemon speaks (no echo canceller)
-    half_duplex_tail_ms: int = 300  # ... and this long after it stops (device latency, room echo)
-    barge_in: str = "stop"  # speech while speaking: "off", "stop" the playback, or "duck" it
-    duck_gain: float = 0.25  # playback gain while ducked (0..1)
+    enabled: bool = setting(True, "voice activity detection on the microphone on or off")
+    aggressiveness: int = setting(
+        3, "webrtcvad mode: 0 (least) .. 3 (most aggressive at rejecting non-speech)", choices=(0, 1, 2, 3))
+    frame_ms: int = setting(30, "VAD frame length", choices=FRAME_MS_CHOICES)
+    start_window_ms: int = setting(
+        150, "start hysteresis: look at the last start_window_ms of frames ...", min=10, max=3000)
+    start_voiced_ms: int = setting(
+        90, "... and start when at least this much of them is voiced (<= start_window_ms)", min=10, max=3000)
+    hangover_ms: int = setting(
+        600, "end after this long without voice (bridges pauses between words)", min=10, max=10000)
+    pre_roll_ms: int = setting(300, "audio kept before the detected start in the utterance WAV", min=0, max=5000)
+    post_roll_ms: int = setting(
+        150, "audio kept after the detected end in the utterance WAV (<= hangover_ms)", min=0, max=10000)
+    min_utterance_ms: int = setting(
+        210, "shorter bursts (clicks, coughs) raise no event at all", min=0, max=10000)
+    max_utterance_ms: int = setting(
+        15000, "longer speech is split: speech_end (forced) + a new speech_start (above min_utterance_ms)",
+        min=1000, max=600000)
+    half_duplex: bool = setting(False, "ignore the microphone while the daemon speaks (no echo canceller)")
+    half_duplex_tail_ms: int = setting(
+        300, "... and this long after it stops (device latency, room echo)", min=0, max=5000)
+    barge_in: str = setting(
+        "stop", "speech while speaking: off, stop the playback, or duck it", choices=BARGE_IN_CHOICES)
+    duck_gain: float = setting(0.25, "playback gain while ducked", min=0.0, max=1.0)
 
     def __post_init__(self) -> None:
         s = "vad"
-        _check(self.aggressiveness in (0, 1, 2, 3), s, "aggressiveness", "0, 1, 2, 3", self.aggressiveness)
-        _check(self.frame_ms in FRAME_MS_CHOICES, s, "frame_ms", "10, 20, 30", self.frame_ms)
-        _check(self.frame_ms <= self.start_window_ms <= 3000, s, "start_window_ms",
-               f"{self.frame_ms}..3000 (at least one frame)", self.start_window_ms)
-        _check(self.frame_ms <= self.start_voiced_ms <= self.start_window_ms, s, "start_voiced_ms",
-               f"{self.frame_ms}..start_window_ms ({self.start_window_ms})", self.start_voiced_ms)
-        _check(self.frame_ms <= self.hangover_ms <= 10000, s, "hangover_ms", f"{self.frame_ms}..10000",
-               self.hangover_ms)
-        _check(0 <= self.pre_roll_ms <= 5000, s, "pre_roll_ms", "0..5000", self.pre_roll_ms)
-        _check(0 <= self.post_roll_ms <= self.hangover_ms, s, "post_roll_ms",
-               f"0..hangover_ms ({self.hangover_ms})", self.post_roll_ms)
-        _check(0 <= self.min_utterance_ms <= 10000, s, "min_utterance_ms", "0..10000", self.min_utterance_ms)
-        _check(max(1000, self.min_utterance_ms + self.frame_ms) <= self.max_utterance_ms <= 600000, s,
-               "max_utterance_ms", "1000..600000 and above min_utterance_ms", self.max_utterance_ms)
-        _check(0 <= self.half_duplex_tail_ms <= 5000, s, "half_duplex_tail_ms", "0..5000",
-               self.half_duplex_tail_ms)
-        _check(self.barge_in in BARGE_IN_CHOICES, s, "barge_in", '"off", "stop", "duck"', self.barge_in)
-        _check(0.0 <= self.duck_gain <= 1.0, s, "duck_gain", "0.0..1.0", self.duck_gain)
+        check_fields(self, s)
+        _need(self.frame_ms <= self.start_window_ms, s, "start_window_ms",
+              f"{self.frame_ms}..3000 (at least one frame)", self.start_window_ms)
+        _need(self.frame_ms <= self.start_voiced_ms <= self.start_window_ms, s, "start_voiced_ms",
+              f"{self.frame_ms}..start_window_ms ({self.start_window_ms})", self.start_voiced_ms)
+        _need(self.frame_ms <= self.hangover_ms, s, "hangover_ms", f"{self.frame_ms}..10000", self.hangover_ms)
+        _need(self.post_roll_ms <= self.hangover_ms, s, "post_roll_ms",
+              f"0..hangover_ms ({self.hangover_ms})", self.post_roll_ms)
+        _need(self.min_utterance_ms + self.frame_ms <= self.max_utterance_ms, s,
+              "max_utterance_ms", "1000..600000 and above min_utterance_ms", self.max_utterance_ms)
         if self.half_duplex and self.barge_in != "off":
             raise AudioSettingsError(
                 f'[vad] half_duplex = true with barge_in = "{self.barge_in}" is invalid: half-duplex '
@@ -132,48 +131,4 @@ class VadSettings:
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> VadSettings:
-        return _from_mapping(cls, data, "vad")
-
-
-_T = typing.TypeVar("_T")
-
-
-def _type_ok(value: object, annotation: object) -> bool:
-    """Check a TOML value against a field annotation (int, float, bool, str and
-    their `| None` unions); bool is never accepted for a number."""
-    options = typing.get_args(annotation) or (annotation,)
-    for opt in options:
-        if opt is type(None) and value is None:
-            return True
-        if opt is bool and isinstance(value, bool):
-            return True
-        if opt is int and isinstance(value, int) and not isinstance(value, bool):
-            return True
-        if opt is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return True
-        if opt is str and isinstance(value, str):
-            return True
-    return False
-
-
-def _type_name(annotation: object) -> str:
-    options = typing.get_args(annotation) or (annotation,)
-    return " or ".join("unset" if o is type(None) else getattr(o, "__name__", str(o)) for o in options)
-
-
-def _from_mapping(cls: type[_T], data: Mapping[str, Any], section: str) -> _T:
-    if not isinstance(data, Mapping):
-        raise AudioSettingsError(f"[{section}] must be a table, got {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
-    unknown = sorted(set(data) - set(names))
-    if unknown:
-        raise AudioSettingsError(
-            f"[{section}] unknown key(s) {', '.join(unknown)}: allowed keys are {', '.join(names)}")
-    kwargs: dict[str, Any] = {}
-    for name, value in data.items():
-        if not _type_ok(value, hints[name]):
-            raise AudioSettingsError(
-                f"[{section}] {name} = {value!r} has the wrong type: expected {_type_name(hints[name])}")
-        kwargs[name] = float(value) if hints[name] is float else value
-    return cls(**kwargs)
+        return build_section(cls, data, "vad")

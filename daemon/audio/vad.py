@@ -100,10 +100,18 @@ def _frame_db(frame: bytes) -> float:
 
 
 class Segmenter:
-    def __init__(self, settings: VadSettings, classify: Classifier | None = None) -> None:
+    def __init__(
+        self, settings: VadSettings, classify: Classifier | None = None,
+        overhang: Callable[[int], int] | None = None,
+    ) -> None:
+        """`classify`: the per-frame decision (default: webrtcvad, whose built-in
+        hangover `overhang` then takes off the end of each voiced run)."""
         self.settings = settings
-        self._classify = classify or WebRtcClassifier(settings.aggressiveness, settings.frame_ms)
-        self._overhang = getattr(self._classify, "trailing_overhang", None)
+        if classify is None:
+            webrtc = WebRtcClassifier(settings.aggressiveness, settings.frame_ms)
+            classify, overhang = webrtc, webrtc.trailing_overhang
+        self._classify: Classifier = classify
+        self._overhang = overhang
         self._run = 0  # observed consecutive voiced frames up to now
         self._frame_s = settings.frame_ms / 1000.0
         self._frame_bytes = settings.frame_samples * 2

@@ -1,11 +1,11 @@
 """Streaming text (synthesize-chunk) cut into sentences as soon as each is
-complete, with the daemon's sentence splitter (daemon/text_split.py). Pure
+complete, with the project's sentence splitter (models/text/split.py). Pure
 logic: text in, complete sentences out; the rest waits for more text or for
 synthesize-stop."""
 
 from __future__ import annotations
 
-from daemon.text_split import complete_sentences, split_sentences
+from models.text.split import complete_sentences, cut_sentences
 
 
 class SentenceBuffer:
@@ -26,7 +26,7 @@ class SentenceBuffer:
     def finish(self) -> list[str]:
         """synthesize-stop: whatever is left, as sentences."""
         rest, self._pending = self._pending, ""
-        return split_sentences(rest)
+        return cut_sentences(rest)
 
     @property
     def pending(self) -> str:

@@ -205,3 +205,50 @@ def split_with(text: str, tokenize: Tokenize, lang: SplitLanguage, settings: Spl
         first_segment_max_n=settings.first_segment_max_n,
         max_segment_n=settings.max_segment_n,
     )
+
+
+# Streaming text (Wyoming synthesize-chunk): a sentence is complete once a
+# sentence mark is followed by whitespace (or, for the full-width marks, at
+# once; a closing quote stays with it) or at a line break, so "3." + "14" or
+# "Mr" + "." stay open until more text shows where the boundary is.
+_HALF = re.escape("".join(m for m in OTHER_SENTENCE_MARKS if ord(m) < 128))
+_FULL = re.escape("".join(m for m in OTHER_SENTENCE_MARKS if ord(m) >= 128))
+_QUOTES = re.escape("".join(CLOSING_QUOTES))
+_STREAM_BOUNDARY = re.compile(rf"(?<=[{_HALF}])[{_QUOTES}]?\s+|(?<=[{_FULL}])[{_QUOTES}]?|\n+")
+
+
+def cut_sentences(text: str, max_chars: int = 400) -> list[str]:
+    """Non-empty, stripped sentences at the streaming boundaries; one longer
+    than `max_chars` is cut at its last space (or hard), so no piece grows
+    unbounded."""
+    out: list[str] = []
+    start = 0
+    pieces = []
+    for m in _STREAM_BOUNDARY.finditer(text):
+        pieces.append(text[start:m.end()])
+        start = m.end()
+    pieces.append(text[start:])
+    for part in pieces:
+        part = part.strip()
+        while len(part) > max_chars:
+            cut = part.rfind(" ", 0, max_chars)
+            cut = max_chars if cut <= 0 else cut
+            out.append(part[:cut].strip())
+            part = part[cut:].strip()
+        if part:
+            out.append(part)
+    return out
+
+
+def complete_sentences(text: str, max_chars: int = 400) -> tuple[list[str], str]:
+    """For streamed text: (the sentences already complete, the unfinished rest)."""
+    end = 0
+    for m in _STREAM_BOUNDARY.finditer(text):
+        end = m.end()
+    head, rest = text[:end], text[end:]
+    # an over-long unfinished sentence is cut as cut_sentences would cut it
+    while len(rest) > max_chars:
+        cut = rest.rfind(" ", 0, max_chars)
+        cut = max_chars if cut <= 0 else cut
+        head, rest = head + rest[:cut] + "\n", rest[cut:].lstrip()
+    return cut_sentences(head, max_chars), rest

@@ -4,17 +4,16 @@ per request id (what the daemon's CloudEngine will do)."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import paho.mqtt.client as mqtt
-from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
+from cloud_bridge.mqtt_factory import MqttOptions, connect, make_client
 from cloud_bridge.protocol import (
     AudioMessage,
     CloudRequest,
@@ -65,26 +64,16 @@ class Device:
         self._subscribed = threading.Event()
         self._subscribe_own = subscribe
         self.refused: str | None = None
-        host, port = broker_url.removeprefix("mqtt://").rsplit(":", 1)
-        kwargs: dict[str, Any] = {
-            "client_id": client_id or f"dev-{device_id}-{time.monotonic_ns()}",
-            "protocol": protocol,
-        }
-        if protocol != mqtt.MQTTv5:
-            kwargs["clean_session"] = clean
-        self.client = mqtt.Client(CallbackAPIVersion.VERSION2, **kwargs)
-        self.client.on_socket_open = lambda _c, _u, sock: sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        opts = MqttOptions(
+            broker=broker_url, client_id=client_id or f"dev-{device_id}-{time.monotonic_ns()}",
+            protocol="5" if protocol == mqtt.MQTTv5 else "3.1.1", username=username or "",
+            password=password or "", session_expiry_s=None if clean else 3600,
+        )
+        self.client = make_client(opts)
         self.client.on_connect = self._on_connect
         self.client.on_message = self._on_message
         self.client.on_subscribe = self._on_subscribe
-        if username:
-            self.client.username_pw_set(username, password)
-        if protocol == mqtt.MQTTv5:
-            props = Properties(PacketTypes.CONNECT)
-            props.SessionExpiryInterval = 0 if clean else 3600
-            self.client.connect(host, int(port), clean_start=clean, properties=props)
-        else:
-            self.client.connect(host, int(port))
+        connect(self.client, opts)
         self.client.loop_start()
         if not self._connected.wait(10):
             self.client.loop_stop()

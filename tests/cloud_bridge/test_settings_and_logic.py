@@ -10,7 +10,7 @@ import pytest
 
 from cloud_bridge.admission import Admission, Verdict
 from cloud_bridge.protocol import ProtocolError
-from cloud_bridge.settings import SettingsError, build_settings, load_settings
+from cloud_bridge.settings import SettingsError, build_settings, load_settings, reference_markdown
 from cloud_bridge.versions import VersionSelector
 from models.errors import CosyEdgeError
 
@@ -19,25 +19,29 @@ def test_defaults_and_overrides(tmp_path: Path) -> None:
     cfg = tmp_path / "bridge.toml"
     cfg.write_text('[mqtt]\nbroker = "mqtts://cloud:8883"\n[limits]\nmax_in_flight = 3\noverflow = "wait"\n')
     s = load_settings(cfg, triton_url="triton:9001")
-    assert s.mqtt.tls and s.mqtt.port == 8883 and s.mqtt.host == "cloud"
+    assert s.mqtt.address.tls and s.mqtt.address.port == 8883 and s.mqtt.address.host == "cloud"
     assert s.limits.max_in_flight == 3 and s.limits.overflow == "wait"
     assert s.triton.url == "triton:9001"
-    assert load_settings(cfg, broker="mqtt://other:1999").mqtt.port == 1999
+    assert load_settings(cfg, broker="mqtt://other:1999").mqtt.address.port == 1999
 
 
 @pytest.mark.parametrize(
     ("doc", "fragment"),
     [
-        ({"limits": {"overflow": "drop"}}, "limits.overflow must be one of busy, wait"),
-        ({"limits": {"max_in_flight": 0}}, "limits.max_in_flight must be >= 1"),
-        ({"limits": {"max_in_flight": "4"}}, "limits.max_in_flight must be an integer"),
-        ({"triton": {"canary_share": 1.5}}, "triton.canary_share must be <= 1.0"),
-        ({"triton": {"canary_share": 0.2}}, "needs triton.canary_version"),
-        ({"triton": {"default_version": "v2"}}, "triton.default_version"),
-        ({"triton": {"url": "localhost"}}, "triton.url must be host:port"),
-        ({"mqtt": {"broker": "http://x"}}, "mqtt.broker"),
-        ({"mqtt": {"client_id": "a/b"}}, "mqtt.client_id"),
-        ({"mqtt": {"colour": "red"}}, "unknown key(s) mqtt.colour; allowed in [mqtt]: broker"),
+        ({"limits": {"overflow": "drop"}}, '[limits] overflow = "drop": allowed values: "busy", "wait"'),
+        ({"limits": {"max_in_flight": 0}}, "[limits] max_in_flight = 0: must be between 1 and 1024"),
+        ({"limits": {"max_in_flight": "4"}}, '[limits] max_in_flight: expected an integer, got "4"'),
+        ({"limits": {"dedup_window": 5, "dedupe_max_ids": 5}}, "dedup_window is the old name of dedupe_max_ids"),
+        ({"triton": {"canary_share": 1.5}}, "[triton] canary_share = 1.5: must be between 0.0 and 1.0"),
+        ({"triton": {"canary_share": 0.2}}, "canary_share > 0 needs canary_version"),
+        ({"triton": {"default_version": "v2"}}, '[triton] default_version = "v2": allowed values: empty or a'),
+        ({"triton": {"allowed_versions": ["1", "x"]}}, "[triton] allowed_versions"),
+        ({"triton": {"url": "localhost"}}, '[triton] url = "localhost": allowed values: host:port'),
+        ({"mqtt": {"broker": "http://x"}}, '[mqtt] broker = "http://x": allowed values: mqtt://host:1883'),
+        ({"mqtt": {"broker": "mqtt://h:70000"}}, '[mqtt] broker = "mqtt://h:70000": allowed values'),
+        ({"mqtt": {"client_id": "a/b"}}, '[mqtt] client_id = "a/b": allowed values: a non-empty string'),
+        ({"mqtt": {"password": "p", "password_file": "/f"}}, "password and password_file: set one, not both"),
+        ({"mqtt": {"colour": "red"}}, "[mqtt] unknown key colour; known keys: broker"),
         ({"mqttt": {}}, "unknown section(s) mqttt; allowed: mqtt, triton, limits, metrics"),
     ],
 )
@@ -45,6 +49,20 @@ def test_bad_settings_name_the_field(doc: dict, fragment: str) -> None:  # type:
     with pytest.raises(SettingsError) as info:
         build_settings(doc)
     assert fragment in str(info.value)
+
+
+def test_old_key_name_is_read_and_docs_are_current() -> None:
+    """`dedup_window` (the old name) still sets `dedupe_max_ids`; the reference in
+    docs/ is what the schema generates; the replica example loads."""
+    assert build_settings({"limits": {"dedup_window": 7}}).limits.dedupe_max_ids == 7
+    root = Path(__file__).resolve().parents[2]
+    text = (root / "docs" / "bridge-configuration.md").read_text()
+    assert text == reference_markdown(), "regenerate: python -m cloud_bridge.settings > docs/bridge-configuration.md"
+    for section in ("mqtt", "triton", "limits", "metrics"):
+        assert f"### `[{section}]`" in text
+    assert "| `dedupe_max_ids` | `4096` |" in text
+    replica = load_settings(root / "systemd" / "cloud" / "bridge-1.toml")
+    assert replica.triton.canary_version == "2" and replica.limits.max_in_flight == 16
 
 
 def test_bad_toml_is_reported(tmp_path: Path) -> None:
@@ -75,7 +93,7 @@ def test_canary_share_is_respected_statistically() -> None:
 
 
 def test_admission_cap_duplicates_and_drain() -> None:
-    adm = Admission(capacity=2, dedup_window=2)
+    adm = Admission(capacity=2, dedupe_max_ids=2)
     assert adm.offer(("d", "a"), 1) is Verdict.ACCEPT
     assert adm.offer(("d", "a"), 7) is Verdict.DUPLICATE_RUNNING  # a redelivery while it runs
     assert adm.offer(("d", "b"), 2) is Verdict.ACCEPT

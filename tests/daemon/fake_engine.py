@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from models.api import AudioChunk, Mode, SynthesisRequest
+from models.api import AudioChunk, EngineDefaults, Mode, SynthesisRequest
 from models.errors import EngineError
 
 
@@ -27,7 +27,7 @@ class Seen:
     left: threading.Event = field(default_factory=threading.Event)
 
 
-class FakeEngine:
+class FakeEngine(EngineDefaults):
     name = "fake"
     sample_rate = 24000
 

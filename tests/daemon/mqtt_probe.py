@@ -4,7 +4,6 @@ message it receives (with v5 properties) for assertions."""
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 import uuid
@@ -13,11 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import paho.mqtt.client as mqtt
-from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from daemon.config import parse_broker_url
+from cloud_bridge.mqtt_factory import MqttOptions, connect, make_client
 
 
 @dataclass
@@ -35,13 +33,11 @@ class Received:
 
 class Probe:
     def __init__(self, broker_url: str, topics: list[str], protocol: str = "5") -> None:
-        addr = parse_broker_url(broker_url)
         self.v5 = protocol == "5"
-        self.client = mqtt.Client(
-            CallbackAPIVersion.VERSION2,
-            client_id=f"probe-{uuid.uuid4().hex[:8]}",
-            protocol=mqtt.MQTTv5 if self.v5 else mqtt.MQTTv311,
+        opts = MqttOptions(
+            broker=broker_url, client_id=f"probe-{uuid.uuid4().hex[:8]}", protocol="5" if self.v5 else "3.1.1"
         )
+        self.client = make_client(opts)
         self.messages: list[Received] = []
         self._cond = threading.Condition()
         self._subscribed = threading.Event()
@@ -49,8 +45,7 @@ class Probe:
         self.client.on_connect = self._on_connect
         self.client.on_message = self._on_message
         self.client.on_subscribe = lambda *a: self._subscribed.set()
-        self.client.on_socket_open = lambda _c, _u, s: s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.client.connect(addr.host, addr.port, 30)
+        connect(self.client, opts)
         self.client.loop_start()
         if not self._subscribed.wait(10):
             raise TimeoutError("probe did not subscribe")

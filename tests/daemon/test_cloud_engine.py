@@ -15,10 +15,8 @@ from typing import Any
 import numpy as np
 import paho.mqtt.client as mqtt
 import pytest
-from paho.mqtt.enums import CallbackAPIVersion
-from paho.mqtt.packettypes import PacketTypes
-from paho.mqtt.properties import Properties
 
+from cloud_bridge.mqtt_factory import MqttOptions, connect, make_client, publish_properties, received_properties
 from cloud_bridge.protocol import CloudTopics, encode_audio, encode_done, encode_error, parse_request
 from daemon.cloud_engine import CloudEngine, CloudUnavailable
 from daemon.mqtt_client import MqttConnection
@@ -38,12 +36,12 @@ class Peer:
         self.topics = CloudTopics()
         self.script = script
         self.requests: list[tuple[dict[str, Any], int | None]] = []
-        self.client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"peer-{uuid.uuid4().hex[:6]}",
-                                  protocol=mqtt.MQTTv5)
+        opts = MqttOptions(broker=broker.url, client_id=f"peer-{uuid.uuid4().hex[:6]}")
+        self.client = make_client(opts)
         self.client.on_message = self._on_message
         ready = threading.Event()
         self.client.on_subscribe = lambda *a: ready.set()
-        self.client.connect("127.0.0.1", broker.port)
+        connect(self.client, opts)
         self.client.subscribe(self.topics.request_filter(), qos=1)
         self.client.loop_start()
         assert ready.wait(10)
@@ -51,14 +49,13 @@ class Peer:
     def _on_message(self, _c: Any, _u: Any, msg: mqtt.MQTTMessage) -> None:
         device = self.topics.device_of_request(msg.topic)
         request = parse_request(msg.payload)
-        expiry = getattr(msg.properties, "MessageExpiryInterval", None)
+        expiry = received_properties(msg).message_expiry_s
         self.requests.append((json.loads(msg.payload), expiry))
         assert device is not None
         threading.Thread(target=self.script, args=(self, device, request), daemon=True).start()
 
     def send(self, device: str, rid: str, payload: bytes, props: list[tuple[str, str]]) -> None:
-        p = Properties(PacketTypes.PUBLISH)
-        p.UserProperty = props
+        p = publish_properties(user_properties=props)
         self.client.publish(self.topics.response(device, rid), payload, qos=1, properties=p)
 
     def audio(self, device: str, rid: str, seq: int, last: bool, value: float = 0.1) -> None:

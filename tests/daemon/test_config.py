@@ -6,12 +6,14 @@ from pathlib import Path
 
 import pytest
 
+from daemon.audio.settings import AudioSettings, VadSettings
 from daemon.config import (
     ConfigError,
     apply_flags,
     example_toml,
     load_settings,
     parse_broker_url,
+    reference_markdown,
     settings_from_mapping,
 )
 from daemon.settings import SECTIONS
@@ -68,9 +70,10 @@ def test_file_and_flags(tmp_path: Path) -> None:
         ({"mqtt": {"brokr": "x"}}, "[mqtt] unknown key brokr; known keys: broker, protocol"),
         ({"mqt": {}}, "unknown top-level key(s) mqt"),
         ({"hermes": {"site_ids": "kitchen"}}, "[hermes] site_ids: expected a list of strings"),
-        ({"hermes": {"site_ids": ["a/b"]}}, "is not a valid siteId"),
+        ({"hermes": {"site_ids": ["a/b"]}}, '[hermes] site_ids = ["a/b"]: allowed values: siteIds, each non-empty'),
+        ({"mqtt": {"topic_prefix": "a/#"}}, '[mqtt] topic_prefix = "a/#": allowed values: topic levels without'),
         ({"device_id": "my device"}, "device_id = 'my device': use 1-64 characters"),
-        ({"mqtt": {"broker": "http://x"}}, "[mqtt] broker = 'http://x': expected mqtt://"),
+        ({"mqtt": {"broker": "http://x"}}, '[mqtt] broker = "http://x": allowed values: mqtt://host[:port]'),
         ({"tts": {"backend": "cuda"}}, '[tts] backend = "cuda": allowed values: "ort", "ort-cuda", "ort-trt", "trt"'),
         ({"mqtt": {"reconnect_min_delay_s": 50, "reconnect_max_delay_s": 10}}, "must not exceed"),
         ({"tts": {"synthesis_workers": "many"}},
@@ -144,8 +147,27 @@ def test_example_config_is_current_and_complete() -> None:
     assert s.mqtt == SECTIONS["mqtt"]()
 
 
-def test_configuration_reference_documents_every_key() -> None:
-    section = (ROOT / "docs" / "configuration.md").read_text()
-    for name, cls in SECTIONS.items():
+def test_reference_docs_are_generated_and_current() -> None:
+    """docs/configuration.md is what the schema renders and names every key."""
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    assert text == reference_markdown(), "regenerate: python -m daemon.config --markdown > docs/configuration.md"
+    for name, cls in {**SECTIONS, "audio": AudioSettings, "vad": VadSettings}.items():
         for f in dataclasses.fields(cls):
-            assert f"`{f.name}`" in section, f"docs/configuration.md lacks [{name}] {f.name}"
+            assert f"| `{f.name}` |" in text, f"[{name}] {f.name} missing from docs/configuration.md"
+    assert "| `bundle` | `\"\"` |" in text and "SIGHUP reloads the engine" in text
+
+
+def test_live_and_reload_keys_come_from_the_schema() -> None:
+    from daemon.config_schema import live_fields, reload_fields
+
+    assert {"bundle", "backend", "engine", "llm_max_batch_size"} <= set(reload_fields(SECTIONS["tts"]))
+    assert "max_text_chars" in live_fields(SECTIONS["tts"]) and "bundle" not in live_fields(SECTIONS["tts"])
+    assert "dedupe_window_s" in live_fields(SECTIONS["scheduler"])
+
+
+def test_old_key_names_are_still_read() -> None:
+    assert settings_from_mapping({"fallback": {"sample_rate": 16000}}).fallback.sample_rate_hz == 16000
+    with pytest.raises(ConfigError, match="sample_rate is the old name of sample_rate_hz"):
+        settings_from_mapping({"fallback": {"sample_rate": 16000, "sample_rate_hz": 16000}})
+
+

@@ -8,8 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from daemon.espeak_engine import EspeakEngine, pcm_from_wav_stream
-from daemon.text_split import split_sentences
+from daemon.espeak_engine import EspeakEngine, pcm_from_wav_stream, sentence_chunks
 from models.api import SynthesisRequest
 from models.errors import EngineError, RequestError
 
@@ -22,11 +21,12 @@ def engine() -> EspeakEngine:
         pytest.skip(str(exc))
 
 
-def test_split_sentences() -> None:
-    assert split_sentences("One. Two!  Three?\nFour") == ["One.", "Two!", "Three?", "Four"]
-    assert split_sentences("你好。世界！") == ["你好。", "世界！"]
-    parts = split_sentences("word " * 200, max_chars=100)
-    assert all(len(p) <= 100 for p in parts) and " ".join(parts).split() == ["word"] * 200
+def test_sentence_chunks_use_the_models_splitter() -> None:
+    assert sentence_chunks("One. Two!  Three?\nFour") == ["One.", "Two!", "Three?", "Four."]
+    assert sentence_chunks("你好。世界！") == ["你好。", "世界！"]
+    parts = sentence_chunks("word " * 200, max_chars=100)
+    assert all(len(p) <= 101 for p in parts) and " ".join(parts).replace(".", "").split() == ["word"] * 200
+    assert sentence_chunks("...") == ["..."]  # punctuation only: one chunk, not none
 
 
 def test_streams_one_chunk_per_sentence_at_the_output_rate(engine: EspeakEngine) -> None:

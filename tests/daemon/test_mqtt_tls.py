@@ -14,8 +14,8 @@ from pathlib import Path
 
 import paho.mqtt.client as mqtt
 import pytest
-from paho.mqtt.enums import CallbackAPIVersion
 
+from cloud_bridge.mqtt_factory import MqttOptions, connect, make_client
 from daemon.service import Service
 from tests.daemon.conftest import EngineFactory, make_settings
 from tests.support.broker import free_port, mosquitto_binary, wait_for_port
@@ -93,9 +93,9 @@ def test_tls_and_password(tls_broker: tuple[int, Path], engine_factory: EngineFa
         assert svc.conn.connected.is_set()
         got: list[mqtt.MQTTMessage] = []
         done = threading.Event()
-        c = mqtt.Client(CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
-        c.tls_set(ca_certs=str(work / "server.crt"))
-        c.username_pw_set("dev-tls", "s3cret")
+        opts = MqttOptions(broker=f"mqtts://localhost:{port}", tls_ca_file=str(work / "server.crt"),
+                           username="dev-tls", password="s3cret")
+        c = make_client(opts)
 
         def on_message(_c: object, _u: object, m: mqtt.MQTTMessage) -> None:
             got.append(m)
@@ -104,7 +104,7 @@ def test_tls_and_password(tls_broker: tuple[int, Path], engine_factory: EngineFa
 
         c.on_message = on_message
         c.on_connect = lambda cl, *_: cl.subscribe("cosyedge/dev-tls/#", qos=1)
-        c.connect("localhost", port)
+        connect(c, opts)
         c.loop_start()
         c.publish(
             "cosyedge/dev-tls/tts/say",

@@ -19,6 +19,7 @@ import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
+from cloud_bridge.mqtt_factory import MqttOptions, connect, make_client
 from tests.support.broker import free_port, mosquitto_binary, wait_for_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,14 +89,13 @@ def test_sysusers_and_tmpfiles_apply(tmp_path: Path) -> None:
 
 def _client(port: int, user: str, password: str) -> tuple[mqtt.Client, list[str]]:
     got: list[str] = []
-    c = mqtt.Client(
-        CallbackAPIVersion.VERSION2, client_id=f"{user}-{uuid.uuid4().hex[:6]}", protocol=mqtt.MQTTv5
-    )
-    c.username_pw_set(user, password)
+    opts = MqttOptions(broker=f"mqtt://127.0.0.1:{port}", client_id=f"{user}-{uuid.uuid4().hex[:6]}",
+                       username=user, password=password)
+    c = make_client(opts)
     connected = threading.Event()
     c.on_connect = lambda *_a: connected.set()
     c.on_message = lambda _c, _u, m: got.append(m.topic)
-    c.connect("127.0.0.1", port)
+    connect(c, opts)
     c.loop_start()
     assert connected.wait(5)
     return c, got

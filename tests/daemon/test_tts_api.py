@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import soundfile
 
+from cloud_bridge.protocol import AUDIO_HEADER
 from daemon.tts_api import (
-    AUDIO_HEADER,
     ApiError,
     RequestLimits,
     audio_payload,

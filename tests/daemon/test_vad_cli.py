@@ -58,4 +58,4 @@ def test_vad_command_errors(tmp_path: Path) -> None:
     config = tmp_path / "bad.toml"
     config.write_text("[vad]\nframe_ms = 25\n")
     wrong = _vad(str(garbage), "--config", str(config))
-    assert wrong.returncode == 2 and "frame_ms = 25 is invalid: allowed 10, 20, 30" in wrong.stderr
+    assert wrong.returncode == 2 and "[vad] frame_ms = 25: allowed values: 10, 20, 30" in wrong.stderr

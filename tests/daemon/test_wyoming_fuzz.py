@@ -9,7 +9,7 @@ import asyncio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from daemon.text_split import split_sentences
+from models.text.split import cut_sentences as split_sentences
 from daemon.wyoming.framing import FrameError, read_event
 from daemon.wyoming.streaming import SentenceBuffer
 from tests.daemon.wyoming_support import raw_frame

@@ -195,3 +195,15 @@ def test_other_scripts_split_on_full_width_marks(text_tokenizer: TextTokenizer) 
     )
     assert segments[:3] == ["こんにちは。", "げんきですか？", "はい、げんきです！"]
     assert "".join(segments) == text  # it already ends in a mark
+
+
+def test_one_sentence_per_segment_in_characters() -> None:
+    """The daemon's per-sentence streaming (espeak-ng) uses this splitter with no
+    merging and a character cap: every sentence is its own segment."""
+    def chars(s: str) -> range:
+        return range(len(s))
+
+    parts = split_paragraph("One. Two!  Three?\nFour", chars, "other", 0, 0, 0, max_segment_n=400)
+    assert [p.strip() for p in parts] == ["One.", "Two!", "Three?", "Four."]
+    long = split_paragraph("word " * 200, chars, "other", 0, 0, 0, max_segment_n=100)
+    assert all(len(p) <= 100 for p in long) and "".join(long).split() == ["word"] * 200 + ["."]

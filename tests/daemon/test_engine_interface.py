@@ -1,0 +1,34 @@
+"""The typed interface the daemon asks of an engine (models.api.ServedEngine):
+the neutral defaults, and the router reading `available` without probing."""
+
+from __future__ import annotations
+
+from daemon.cloud_engine import describe_link
+from daemon.routing import EngineSlot
+from daemon.settings import RoutingSettings
+from models.api import ServedEngine, SynthesisRequest
+from tests.daemon.fake_engine import FakeEngine
+
+
+class _Away(FakeEngine):
+    def available(self) -> bool:
+        return False
+
+
+def test_defaults_of_an_engine_with_nothing_more_to_say() -> None:
+    engine: ServedEngine = FakeEngine(chunks=2)
+    assert engine.available()
+    engine.set_load_level("degraded")  # accepted, ignored
+    synth = engine.for_job("job-1", None)
+    chunks = list(synth(SynthesisRequest(text="hi")))
+    assert [c.index for c in chunks] == [0, 1] and chunks[-1].last
+
+
+def test_router_slot_uses_available() -> None:
+    slot = EngineSlot("cloud", RoutingSettings())
+    slot.swap(FakeEngine())
+    assert slot.healthy and slot.describe()["state"] == "ready"
+    slot.swap(_Away())
+    assert not slot.healthy and slot.describe() == {
+        "state": "unreachable", "engine": "fake", "error": None, "failures": 0}
+    assert describe_link(None) == "unknown"

@@ -1,0 +1,101 @@
+"""A request's route is decided once, when it is accepted, and it is validated
+once, by the engine chosen; the pipeline runs the job on that route and moves
+on only the way it does after an engine failure. Each job gets exactly one
+answer either way."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from daemon.jobs import Job
+from daemon.routing import EngineSet, RouteDecision, Router
+from daemon.settings import RoutingSettings
+from daemon.tts_api import ApiError, TtsRequest
+from models.api import SynthesisRequest
+from models.errors import RequestError
+from tests.daemon.fake_engine import FakeEngine
+from tests.daemon.test_pipeline_workers import Answers, make
+
+
+class Counting(FakeEngine):
+    """Counts validations; rejects texts that contain `rejects`."""
+
+    def __init__(self, name: str = "fake", rejects: str = "NOPE", **kw: object) -> None:
+        super().__init__(**kw)  # type: ignore[arg-type]
+        self.name = name
+        self.rejects = rejects
+        self.validations = 0
+
+    def validate(self, request: SynthesisRequest) -> None:
+        self.validations += 1
+        if self.rejects and self.rejects in request.text:
+            raise RequestError("voice_unsuitable", "this engine cannot say NOPE")
+
+
+def _router(local: Counting, cloud: Counting | None = None) -> Router:
+    engines = EngineSet(RoutingSettings())
+    engines.slots["local"].swap(local)
+    engines.slots["cloud"].swap(cloud)
+    return Router(engines, RoutingSettings())
+
+
+def test_auto_validates_once_on_the_chosen_engine() -> None:
+    local, cloud = Counting(), Counting("cloudy", rejects="")
+    router = _router(local, cloud)
+    decision = router.admit(TtsRequest(id="a", text="hello"))
+    assert decision.target == "local" and (local.validations, cloud.validations) == (1, 0)
+    # what the local engine rejects goes to the cloud, validated there (once each)
+    moved = router.admit(TtsRequest(id="b", text="NOPE please"))
+    assert (moved.target, moved.rule) == ("cloud", "local_lacks") and "cannot say NOPE" in moved.reason
+    assert (local.validations, cloud.validations) == (2, 1)
+
+
+def test_rejection_without_a_cloud_is_the_engines_error() -> None:
+    local = Counting()
+    router = _router(local)
+    with pytest.raises(ApiError) as err:
+        router.admit(TtsRequest(id="c", text="NOPE"))
+    assert err.value.code == "voice_unsuitable" and local.validations == 1
+    router.engines.slots["cloud"].swap(_Down())
+    with pytest.raises(ApiError) as err:
+        router.admit(TtsRequest(id="d", text="NOPE"))
+    assert err.value.code == "cloud_unavailable" and "cannot say NOPE" in err.value.message
+
+
+class _Down(FakeEngine):
+    def available(self) -> bool:
+        return False
+
+
+def test_pipeline_runs_the_admitted_route_without_deciding_again() -> None:
+    local, fallback = Counting(chunks=1), Counting("fallback-fake", chunks=1)
+    p = make(local, workers=1)
+    p.router.engines.slots["fallback"].swap(fallback)
+
+    def no_second_decision(_request: TtsRequest) -> RouteDecision:
+        raise AssertionError("the route was decided again")
+
+    p.router.decide = no_second_decision  # type: ignore[method-assign]
+    rec = Answers()
+    p.start()
+    try:
+        job = Job(TtsRequest(id="j1", text="hello", output="publish", received_at=time.monotonic()), rec)
+        job.decision = RouteDecision("fallback", "chosen at intake", "local_unavailable")
+        p.scheduler.submit(job)
+        # the local engine went away while this one waited: on as after a failure (to the fallback)
+        gone = Job(TtsRequest(id="j2", text="hello", output="publish", received_at=time.monotonic()), rec)
+        gone.decision = RouteDecision("local", "chosen at intake", "default")
+        for _ in range(RoutingSettings().max_consecutive_failures):
+            p.router.engines.slots["local"].report(False)
+        p.scheduler.submit(gone)
+        rec.wait(2)
+    finally:
+        p.stop()
+    assert rec.answers == {"j1": ("done", "completed"), "j2": ("done", "completed")}
+    assert rec.order.count("j1") == 1 and rec.order.count("j2") == 1  # one answer each
+    assert (job.route, job.engine_name) == ("fallback", "fallback-fake")
+    assert (gone.route, gone.route_rule) == ("fallback", "local_failed")
+    assert fallback.started == ["hello", "hello"]
+    assert local.started == [] and (local.validations, fallback.validations) == (0, 0)
