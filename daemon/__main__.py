@@ -1,3 +1,3 @@
-from daemon.cli import main
+from cosyedge_daemon.cli.main import main
 
 raise SystemExit(main())

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from models.errors import CosyEdgeError
+from cosyedge_models.errors import CosyEdgeError
 
 
 def check_new_dir(out: Path, what: str) -> None:

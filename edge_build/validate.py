@@ -17,11 +17,11 @@ from typing import Any
 
 import numpy as np
 
-from models.api import SynthesisRequest
-from models.backends.ort import OrtBackend
-from models.bundle import load_bundle, sha256_file
-from models.engine import load_engine
-from models.errors import CosyEdgeError
+from cosyedge_models.synthesis.api import SynthesisRequest
+from cosyedge_models.backends.ort import OrtBackend
+from cosyedge_models.bundle.loader import load_bundle, sha256_file
+from cosyedge_models.synthesis.synthesizer import load_synthesizer
+from cosyedge_models.errors import CosyEdgeError
 
 TEXT = "Validation of the exported bundle, one two three."
 SEED = 3
@@ -57,12 +57,12 @@ def check_files(bundle_dir: Path, manifest: dict[str, Any]) -> list[str]:
 def compare_with_reference(bundle_dir: Path, model_dir: Path) -> dict[str, Any]:
     import torch
 
-    from edge_build import reference_pipeline as rp
-    from models.llm import LlmInput
-    from models.prompt import PromptFeatures
-    from models.sampling import TokenSampler
+    import cosyedge_build.reference.pipeline as rp
+    from cosyedge_models.synthesis.llm import LlmInput
+    from cosyedge_models.synthesis.prompt import PromptFeatures
+    from cosyedge_models.synthesis.sampling import TokenSampler
 
-    engine = load_engine(bundle_dir)
+    engine = load_synthesizer(bundle_dir)
     try:
         engine.noise_factory = lambda _seq: TorchNoise(torch)  # type: ignore[method-assign,assignment]
         refs = rp.load_reference(model_dir)
@@ -109,7 +109,7 @@ def validate_command(args: argparse.Namespace) -> int:
             problems.append(f"{stage}: inputs {list(session.input_names)}, manifest says {want}")
         session.close()
     print(f"stages: {len(bundle.stages)} load in ONNX Runtime")
-    engine = load_engine(bundle_dir)
+    engine = load_synthesizer(bundle_dir)
     try:
         for stream in (False, True):
             pcm = np.concatenate([c.pcm for c in engine.synthesize(SynthesisRequest(text=TEXT, stream=stream,

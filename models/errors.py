@@ -25,7 +25,7 @@ class RequestError(CosyEdgeError):
         self.code = code
 
 
-class EngineError(CosyEdgeError):
+class SynthesisError(CosyEdgeError):
     """The engine failed at run time (a backend session raised, a GPU error)."""
 
 

@@ -41,17 +41,17 @@ def _cached_dir(name: str, key: str, build) -> Path:  # type: ignore[no-untyped-
 
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
-    from edge_build.tiny import build_tiny_checkpoint
+    from cosyedge_build.checkpoint.tiny import build_tiny_checkpoint
 
-    key = _code_hash("edge_build")
+    key = _code_hash("cosyedge_build")
     return _cached_dir("tiny-ckpt", key, lambda out: build_tiny_checkpoint(out, seed=0, size="tiny"))
 
 
 @pytest.fixture(scope="session")
 def tiny_bundle(tiny_model_dir: Path) -> Path:
-    from edge_build.export import export_bundle
+    from cosyedge_build.export import export_bundle
 
-    key = _code_hash("edge_build", "models")
+    key = _code_hash("cosyedge_build", "cosyedge_models")
     return _cached_dir("tiny-bundle", key, lambda out: export_bundle(tiny_model_dir, out))
 
 
@@ -61,9 +61,9 @@ STATIC_DECODE_LEN = 256  # positions of the tiny bundle's fixed-size decode step
 @pytest.fixture(scope="session")
 def tiny_static_bundle(tiny_model_dir: Path) -> Path:
     """The tiny bundle with the optional fixed-size decode step (build export --static-decode-len)."""
-    from edge_build.export import export_bundle
+    from cosyedge_build.export import export_bundle
 
-    key = _code_hash("edge_build", "models")
+    key = _code_hash("cosyedge_build", "cosyedge_models")
     return _cached_dir("tiny-static-bundle", key,
                        lambda out: export_bundle(tiny_model_dir, out, static_decode_len=STATIC_DECODE_LEN))
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from .interfaces import VadEvent
-from .settings import VadSettings
+from cosyedge_daemon.audio.interfaces import VadEvent
+from cosyedge_daemon.audio.settings import VadSettings
 
 ActionKind = Literal["none", "stop", "duck", "unduck"]
 

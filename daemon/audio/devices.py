@@ -7,11 +7,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .errors import AudioDeviceError
-from .interfaces import AudioSink, AudioSource
-from .settings import AudioSettings, VadSettings
-from .sinks import NullSink, WavFileSink
-from .sources import wav_file_source
+from cosyedge_daemon.audio.errors import AudioDeviceError
+from cosyedge_daemon.audio.interfaces import AudioSink, AudioSource
+from cosyedge_daemon.audio.settings import AudioSettings, VadSettings
+from cosyedge_daemon.audio.sinks import NullSink, WavFileSink
+from cosyedge_daemon.audio.sources import wav_file_source
 
 __all__ = ["AudioDeviceError", "create_sink", "create_source", "list_devices", "resolve_device"]
 
@@ -82,7 +82,7 @@ def create_sink(settings: AudioSettings, sample_rate: int) -> AudioSink:
         return NullSink(sample_rate)
     if isinstance(spec, str) and spec.startswith("wav:"):
         return WavFileSink(spec[4:], sample_rate, channels=settings.output_channels)
-    from .sd_sink import SoundDeviceSink
+    from cosyedge_daemon.audio.sd_sink import SoundDeviceSink
 
     return SoundDeviceSink(sample_rate, settings, device=resolve_device(spec, "output"))
 
@@ -95,6 +95,6 @@ def create_source(settings: AudioSettings, vad: VadSettings | None = None) -> Au
         return None
     if isinstance(spec, str) and spec.startswith("wav:"):
         return wav_file_source(spec[4:], frame_ms, realtime=True)
-    from .sd_source import SoundDeviceSource
+    from cosyedge_daemon.audio.sd_source import SoundDeviceSource
 
     return SoundDeviceSource(settings, frame_ms, device=resolve_device(spec, "input"))

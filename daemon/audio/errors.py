@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from models.errors import CosyEdgeError
+from cosyedge_models.errors import CosyEdgeError
 
 
 class AudioDeviceError(CosyEdgeError):

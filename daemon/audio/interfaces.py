@@ -1,7 +1,7 @@
 """The audio interfaces the daemon is written against. The real
 implementations (sounddevice, WAV files, MQTT) and the test doubles for
 missing hardware implement the same protocols; devices are created in one
-place (`daemon.audio.devices`) so tests can replace them."""
+place (`cosyedge_daemon.audio.devices`) so tests can replace them."""
 
 from __future__ import annotations
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import numpy as np
 
-from models.errors import CosyEdgeError
+from cosyedge_models.errors import CosyEdgeError
 
-from .settings import VAD_SAMPLE_RATE
+from cosyedge_daemon.audio.settings import VAD_SAMPLE_RATE
 
 
 class AudioFileError(CosyEdgeError):

@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from .errors import AudioDeviceError
-from .ring import FloatRing
-from .settings import AudioSettings
+from cosyedge_daemon.audio.errors import AudioDeviceError
+from cosyedge_daemon.audio.ring import FloatRing
+from cosyedge_daemon.audio.settings import AudioSettings
 
 log = logging.getLogger(__name__)
 

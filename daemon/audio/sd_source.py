@@ -10,11 +10,11 @@ from typing import Any
 
 import numpy as np
 
-from .errors import AudioDeviceError
-from .interfaces import FrameCallback
-from .pcm import Framer
-from .settings import VAD_SAMPLE_RATE, AudioSettings
-from .sources import check_frame_ms
+from cosyedge_daemon.audio.errors import AudioDeviceError
+from cosyedge_daemon.audio.interfaces import FrameCallback
+from cosyedge_daemon.audio.pcm import Framer
+from cosyedge_daemon.audio.settings import VAD_SAMPLE_RATE, AudioSettings
+from cosyedge_daemon.audio.sources import check_frame_ms
 
 log = logging.getLogger(__name__)
 

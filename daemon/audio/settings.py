@@ -1,6 +1,6 @@
 """Typed, validated settings for audio I/O and the VAD: the `[audio]` and
 `[vad]` tables of the daemon's TOML config, in the one settings schema
-(daemon/config_schema.py). Built once (`from_mapping`, or
+(models/settings_schema.py). Built once (`from_mapping`, or
 `dataclasses.replace`, which validates too); every error names the field
 and the allowed values."""
 
@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from daemon.config_schema import ConfigError, build_section, check_fields, setting
+from cosyedge_models.settings_schema import ConfigError, build_section, check_fields, setting
 
 AudioSettingsError = ConfigError  # an audio or VAD setting is out of range or of the wrong type
 

@@ -29,9 +29,9 @@ from typing import Literal
 
 import numpy as np
 
-from .interfaces import VadEvent
-from .pcm import iter_frames
-from .settings import VAD_SAMPLE_RATE, VadSettings
+from cosyedge_daemon.audio.interfaces import VadEvent
+from cosyedge_daemon.audio.pcm import iter_frames
+from cosyedge_daemon.audio.settings import VAD_SAMPLE_RATE, VadSettings
 
 Classifier = Callable[[bytes], bool]
 

@@ -20,10 +20,10 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from .interfaces import AudioSource, VadEvent
-from .pcm import wav_bytes
-from .settings import VAD_SAMPLE_RATE, VadSettings
-from .vad import Classifier, Segmenter, SegmenterOutput, Utterance
+from cosyedge_daemon.audio.interfaces import AudioSource, VadEvent
+from cosyedge_daemon.audio.pcm import wav_bytes
+from cosyedge_daemon.audio.settings import VAD_SAMPLE_RATE, VadSettings
+from cosyedge_daemon.audio.vad import Classifier, Segmenter, SegmenterOutput, Utterance
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Wyoming overhead benchmark: `python -m daemon.tools.bench_wyoming --bundle DIR --json FILE`.
+"""Wyoming overhead benchmark: `python -m cosyedge_daemon.tools.bench_wyoming --bundle DIR --json FILE`.
 
 A daemon in this process (its engine on the bundle, a private mosquitto on
 a free loopback port) serves Wyoming on loopback; the `wyoming` package's
@@ -28,19 +28,19 @@ from typing import Any
 
 import numpy as np
 
-from daemon.config import parse_broker_url, settings_from_mapping
-from daemon.local_broker import ensure_broker
-from daemon.service import Service
-from daemon.wyoming.client import synthesize
-from models.api import AudioChunk, Engine, Mode, StageTimes, SynthesisRequest
-from models.engine import load_engine
-from models.errors import CosyEdgeError
+from cosyedge_daemon.service.config import parse_broker_url, settings_from_mapping
+from cosyedge_cloud.wire.broker import ensure_broker
+from cosyedge_daemon.service.service import Service
+from cosyedge_daemon.wyoming.client import synthesize
+from cosyedge_models.synthesis.api import AudioChunk, EngineDefaults, Mode, ServedEngine, StageTimes, SynthesisRequest
+from cosyedge_models.synthesis.synthesizer import load_synthesizer
+from cosyedge_models.errors import CosyEdgeError
 
 TEXT = "Hello from the kitchen, the weather is fine today."
 GOAL_MS = 5.0
 
 
-class InstantEngine:
+class InstantEngine(EngineDefaults):
     """An engine whose audio is ready at once (one silent chunk): what is left
     of the time to first audio is the daemon's and the protocol's own path."""
 
@@ -109,11 +109,11 @@ def measure(bundle: Path | None, runs: int, warmup: int = 2) -> dict[str, Any]:
         print(f"no MQTT broker ({exc}); measuring Wyoming without one")
         broker = None
     traces = _Traces()
-    trace_log = logging.getLogger("daemon.trace")
+    trace_log = logging.getLogger("cosyedge_daemon.trace")
     trace_log.addHandler(traces)
     trace_log.setLevel(logging.INFO)
     service = Service(settings)
-    engine: Engine = load_engine(bundle) if bundle is not None else InstantEngine()
+    engine: ServedEngine = load_synthesizer(bundle) if bundle is not None else InstantEngine()
     service.set_engines(engine, None)
     service.start(connect_timeout_s=10 if broker is not None else 0.5)
     assert service.wyoming is not None and service.wyoming.tts is not None

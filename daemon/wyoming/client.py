@@ -18,8 +18,8 @@ from wyoming.event import Event
 from wyoming.info import Describe, Info
 from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped, SynthesizeVoice
 
-from daemon.wyoming.settings import parse_tcp_uri
-from models.errors import CosyEdgeError
+from cosyedge_daemon.wyoming.settings import parse_tcp_uri
+from cosyedge_models.errors import CosyEdgeError
 
 
 @dataclass
@@ -112,7 +112,7 @@ def say_command(args: argparse.Namespace) -> int:
         return 1
     seconds = len(spoken.pcm16) / 2 / spoken.sample_rate if spoken.sample_rate else 0.0
     if args.out:
-        from daemon.say_client import _write_wav
+        from cosyedge_daemon.cli.say import _write_wav
 
         _write_wav(args.out, bytes(spoken.pcm16), spoken.sample_rate)
     first = spoken.first_audio_ms

@@ -8,18 +8,18 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from daemon.intake import Intake
-from daemon.pipeline import Pipeline
-from daemon.routing import EngineSet
-from daemon.settings import Settings
-from daemon.voice_link import VoiceLink
-from daemon.wyoming.info import build_info, voice_for
-from daemon.wyoming.responder import WyomingResponder
-from daemon.wyoming.satellite import Satellite
-from daemon.wyoming.server import EventLoopThread, Listener
-from daemon.wyoming.settings import parse_tcp_uri
-from daemon.wyoming.tts_server import TtsContext, TtsHandler
-from daemon.wyoming.zeroconf import Advert, Advertiser, advertised_addresses, should_advertise
+from cosyedge_daemon.api.intake import Intake
+from cosyedge_daemon.serving.pipeline import Pipeline
+from cosyedge_daemon.synthesizers.routing import SynthesizerSet
+from cosyedge_daemon.service.settings import Settings
+from cosyedge_daemon.api.vad_topics import VoiceLink
+from cosyedge_daemon.wyoming.info import build_info, voice_for
+from cosyedge_daemon.wyoming.responder import WyomingResponder
+from cosyedge_daemon.wyoming.satellite import Satellite
+from cosyedge_daemon.wyoming.server import EventLoopThread, Listener
+from cosyedge_daemon.wyoming.settings import parse_tcp_uri
+from cosyedge_daemon.wyoming.tts_server import TtsContext, TtsHandler
+from cosyedge_daemon.wyoming.zeroconf import Advert, Advertiser, advertised_addresses, should_advertise
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ def enabled(settings: Settings) -> bool:
 
 
 class WyomingFrontend:
-    def __init__(self, settings: Settings, intake: Intake, engines: EngineSet, pipeline: Pipeline,
+    def __init__(self, settings: Settings, intake: Intake, engines: SynthesizerSet, pipeline: Pipeline,
                  voice: VoiceLink, version: str) -> None:
         self.settings = settings
         self.runtime = EventLoopThread()

@@ -8,7 +8,7 @@ from __future__ import annotations
 from wyoming.info import Attribution, Info, TtsProgram, TtsVoice
 from wyoming.tts import SynthesizeVoice
 
-from daemon.routing import EngineSet
+from cosyedge_daemon.synthesizers.routing import SynthesizerSet
 
 DEFAULT_VOICE = "default"
 COSYVOICE_LANGUAGES = ["zh", "en", "ja", "ko", "yue"]  # CosyVoice 2's languages
@@ -21,7 +21,7 @@ def _languages(engine_name: str, voice: str) -> list[str]:
     return list(COSYVOICE_LANGUAGES)
 
 
-def engine_voices(engines: EngineSet) -> tuple[str, list[str]]:
+def engine_voices(engines: SynthesizerSet) -> tuple[str, list[str]]:
     """(engine name, its voices) of the local engine (or the fallback while it is missing)."""
     for target in ("local", "fallback"):
         engine = engines.slots[target].engine  # type: ignore[index]
@@ -30,7 +30,7 @@ def engine_voices(engines: EngineSet) -> tuple[str, list[str]]:
     return "none", []
 
 
-def build_info(engines: EngineSet, version: str) -> Info:
+def build_info(engines: SynthesizerSet, version: str) -> Info:
     name, voices = engine_voices(engines)
     listed = voices or [DEFAULT_VOICE]
     return Info(tts=[TtsProgram(
@@ -45,7 +45,7 @@ def build_info(engines: EngineSet, version: str) -> Info:
     )])
 
 
-def voice_for(engines: EngineSet, voice: SynthesizeVoice | None) -> str | None:
+def voice_for(engines: SynthesizerSet, voice: SynthesizeVoice | None) -> str | None:
     """The engine voice of a request: a listed name as is (`default`: the
     engine's default), a language: the first voice that speaks it; else None
     (the default voice). An unknown name is passed on so the engine's own

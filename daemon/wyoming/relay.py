@@ -1,6 +1,6 @@
 """Home Assistant's TTS audio for the satellite, played through the daemon's
 own playback: each audio-start … audio-stop becomes a Job with a playback
-lane (daemon/playback.py), so barge-in, ducking, half-duplex and the one
+lane (daemon/serving/playback.py), so barge-in, ducking, half-duplex and the one
 speaker order apply to it as to the daemon's own speech, and it shows in the
 trace with route `satellite`. No synthesis, so it skips the scheduler."""
 
@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from daemon.jobs import Job
-from daemon.pipeline import Pipeline
-from daemon.tts_api import TtsRequest
+from cosyedge_daemon.serving.jobs import Job
+from cosyedge_daemon.serving.pipeline import Pipeline
+from cosyedge_daemon.api.tts_messages import TtsRequest
 
 
 class PlayedResponder:

@@ -1,4 +1,4 @@
-"""The Wyoming answer path beside the MQTT one (daemon/responders.py): the
+"""The Wyoming answer path beside the MQTT one (daemon/api/responders.py): the
 Responder of a Wyoming job. The synthesis workers call it on their threads;
 it converts the chunk to PCM16 there and hands it to the connection's event
 loop, where the job's `Channel` is read in order by the connection. Audio a
@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from daemon.jobs import Job
-from daemon.tts_api import pcm16_bytes
+from cosyedge_daemon.serving.jobs import Job
+from cosyedge_daemon.api.tts_messages import pcm16_bytes
 
 log = logging.getLogger(__name__)
 

@@ -32,14 +32,14 @@ from wyoming.snd import Played
 from wyoming.tts import Synthesize
 from wyoming.vad import VoiceStopped
 
-from daemon.audio.interfaces import VadEvent
-from daemon.audio.settings import VAD_SAMPLE_RATE, VadSettings
-from daemon.jobs import Job
-from daemon.pipeline import Pipeline
-from daemon.voice_link import VoiceLink
-from daemon.wyoming.framing import write_event
-from daemon.wyoming.relay import PlaybackRelay, PlayedResponder, pcm16_to_float
-from daemon.wyoming.settings import SatelliteSettings
+from cosyedge_daemon.audio.interfaces import VadEvent
+from cosyedge_daemon.audio.settings import VAD_SAMPLE_RATE, VadSettings
+from cosyedge_daemon.serving.jobs import Job
+from cosyedge_daemon.serving.pipeline import Pipeline
+from cosyedge_daemon.api.vad_topics import VoiceLink
+from cosyedge_daemon.wyoming.framing import write_event
+from cosyedge_daemon.wyoming.relay import PlaybackRelay, PlayedResponder, pcm16_to_float
+from cosyedge_daemon.wyoming.settings import SatelliteSettings
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from typing import Any, Protocol, TypeVar
 from wyoming.error import Error
 from wyoming.event import Event
 
-from daemon.wyoming.framing import HEADER_LIMIT, FrameError, read_event, write_event
-from daemon.wyoming.settings import WyomingSettings
+from cosyedge_daemon.wyoming.framing import HEADER_LIMIT, FrameError, read_event, write_event
+from cosyedge_daemon.wyoming.settings import WyomingSettings
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

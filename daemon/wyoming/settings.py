@@ -1,12 +1,12 @@
 """The `[wyoming]` and `[wyoming.satellite]` config tables (the one settings
-schema: daemon/config_schema.py)."""
+schema: models/settings_schema.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
-from daemon.config_schema import ConfigError, setting
+from cosyedge_models.settings_schema import ConfigError, setting
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ synthesize-stop."""
 
 from __future__ import annotations
 
-from models.text.split import complete_sentences, cut_sentences
+from cosyedge_models.text.split import complete_sentences, cut_sentences
 
 
 class SentenceBuffer:

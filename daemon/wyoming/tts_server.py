@@ -21,12 +21,12 @@ from wyoming.info import Describe, Info
 from wyoming.ping import Ping, Pong
 from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped, SynthesizeVoice
 
-from daemon.intake import Intake
-from daemon.jobs import Job
-from daemon.tts_api import ApiError, TtsRequest
-from daemon.wyoming.framing import write_event
-from daemon.wyoming.responder import Audio, Budget, Channel, Done, Failed, WyomingResponder
-from daemon.wyoming.streaming import SentenceBuffer
+from cosyedge_daemon.api.intake import Intake
+from cosyedge_daemon.serving.jobs import Job
+from cosyedge_daemon.api.tts_messages import ApiError, TtsRequest
+from cosyedge_daemon.wyoming.framing import write_event
+from cosyedge_daemon.wyoming.responder import Audio, Budget, Channel, Done, Failed, WyomingResponder
+from cosyedge_daemon.wyoming.streaming import SentenceBuffer
 
 log = logging.getLogger(__name__)
 

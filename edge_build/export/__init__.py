@@ -1,5 +1,5 @@
 """`cosyedge build export`: a CosyVoice 2 checkpoint directory to a model
-bundle (models/BUNDLE.md): one ONNX graph per stage the device runs, the
+bundle (models/bundle/BUNDLE.md): one ONNX graph per stage the device runs, the
 embedding tables, the tokenizer, the carried ONNX models, the voices and
 manifest.json. Written to a scratch folder beside `out` and renamed into
 place at the end, so a failed export leaves nothing half-written."""
@@ -10,15 +10,15 @@ import logging
 import time
 from pathlib import Path
 
-from edge_build.scratch_dir import check_new_dir, scratch_for
+from cosyedge_build.scratch_dir import check_new_dir, scratch_for
 
 log = logging.getLogger(__name__)
 
 
 def export_bundle(model_dir: Path, out: Path, static_decode_len: int = 0) -> Path:
     """`static_decode_len` > 0 adds the fixed-size decode step (CUDA graphs on ort-cuda) for that many positions."""
-    from edge_build import reference
-    from edge_build.export import (
+    import cosyedge_build.reference.modules as reference
+    from cosyedge_build.export import (
         bundle,
         flow_encoder,
         flow_estimator,

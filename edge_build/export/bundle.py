@@ -1,4 +1,4 @@
-"""manifest.json: what models/BUNDLE.md specifies, with the sha256 of every
+"""manifest.json: what models/bundle/BUNDLE.md specifies, with the sha256 of every
 file, the stages' I/O and profiles, the hyper-parameters, the source
 checkpoint's hashes and the build environment."""
 
@@ -13,9 +13,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from edge_build.export.graphs import OPSET, StageGraph, TensorSpec
-from edge_build.reference import CARRIED_ONNX, require
-from models.bundle import sha256_file
+from cosyedge_build.export.graphs import OPSET, StageGraph, TensorSpec
+from cosyedge_build.reference.modules import CARRIED_ONNX, require
+from cosyedge_models.bundle.loader import sha256_file
 
 FORMAT = "cosyedge-bundle"
 FORMAT_VERSION = 2  # 2: the flow estimator takes and returns streaming caches

@@ -27,9 +27,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-from edge_build.export.graphs import MASK_NEGATIVE, StageGraph, TensorSpec, export_stage, module_base
-from edge_build.reference import require
-from models.errors import CheckpointError
+from cosyedge_build.export.graphs import MASK_NEGATIVE, StageGraph, TensorSpec, export_stage, module_base
+from cosyedge_build.reference.modules import require
+from cosyedge_models.errors import CheckpointError
 
 TOKENS = [1, 150, 750]  # up to 30 s of speech (25 tokens/s), prompt included
 BATCH = [1, 1, 4]

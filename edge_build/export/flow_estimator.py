@@ -48,10 +48,10 @@ from typing import Any
 
 import numpy as np
 
-from edge_build.export.flow_encoder import chunk_allowed
-from edge_build.export.graphs import StageGraph, TensorSpec, export_stage, module_base
-from edge_build.reference import require
-from models.errors import CheckpointError
+from cosyedge_build.export.flow_encoder import chunk_allowed
+from cosyedge_build.export.graphs import StageGraph, TensorSpec, export_stage, module_base
+from cosyedge_build.reference.modules import require
+from cosyedge_models.errors import CheckpointError
 
 FRAMES = [2, 300, 1500]  # mel frames per window: up to 30 s at 50 frames/s, prompt included
 BATCH = [2, 2, 8]  # 2 x requests (conditional and unconditional halves)

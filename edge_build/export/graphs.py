@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from edge_build.reference import require
+from cosyedge_build.reference.modules import require
 
 log = logging.getLogger(__name__)
 

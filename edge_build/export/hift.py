@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from edge_build.export.graphs import StageGraph, TensorSpec, export_stage, module_base
-from edge_build.reference import require
-from models.errors import CheckpointError
+from cosyedge_build.export.graphs import StageGraph, TensorSpec, export_stage, module_base
+from cosyedge_build.reference.modules import require
+from cosyedge_models.errors import CheckpointError
 
 FRAMES = [1, 200, 1500]  # mel frames: up to 30 s
 BATCH = [1, 1, 4]

@@ -9,10 +9,10 @@ import inspect
 import re
 from typing import Any
 
-from edge_build.export.hift import upsample_factor
-from edge_build.export.llm import llm_dims
-from edge_build.reference import ReferenceModels
-from models.errors import CheckpointError
+from cosyedge_build.export.hift import upsample_factor
+from cosyedge_build.export.llm import llm_dims
+from cosyedge_build.reference.modules import ReferenceModels
+from cosyedge_models.errors import CheckpointError
 
 
 def _default(func: Any, name: str) -> Any:

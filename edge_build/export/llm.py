@@ -9,9 +9,9 @@ from typing import Any
 
 import numpy as np
 
-from edge_build.export.graphs import MASK_NEGATIVE, StageGraph, TensorSpec, export_stage, module_base
-from edge_build.reference import require
-from models.errors import CheckpointError
+from cosyedge_build.export.graphs import MASK_NEGATIVE, StageGraph, TensorSpec, export_stage, module_base
+from cosyedge_build.reference.modules import require
+from cosyedge_models.errors import CheckpointError
 
 # prompt length (sos + text + task + prompt speech) and generated tokens on a board
 PREFILL_T = [1, 128, 512]

@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from edge_build import reference
-from models.errors import CheckpointError
+import cosyedge_build.reference.modules as reference
+from cosyedge_models.errors import CheckpointError
 
 FILE = "tokenizer.json"
 

@@ -1,6 +1,6 @@
 """voices/<name>.npz from upstream's spk2info.pt: sft speakers (an
 embedding only) and zero-shot speakers (embedding plus prompt text, speech
-tokens and mel), in the layout models/BUNDLE.md describes."""
+tokens and mel), in the layout models/bundle/BUNDLE.md describes."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from edge_build.export.tokenizer import decode
-from edge_build.reference import require
-from models.errors import CheckpointError
+from cosyedge_build.export.tokenizer import decode
+from cosyedge_build.reference.modules import require
+from cosyedge_models.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 

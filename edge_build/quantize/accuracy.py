@@ -9,27 +9,27 @@ from typing import Any
 
 import numpy as np
 
-from edge_build.quantize.metrics import logits_cosine, matched_prefix, snr_db, top1_agreement
-from edge_build.quantize.settings import AccuracyBudget
-from models.api import SynthesisRequest
-from models.engine import CosyVoiceEngine, EngineSettings, load_engine
-from models.llm import LlmInput
-from models.sampling import TokenSampler
+from cosyedge_build.quantize.metrics import logits_cosine, matched_prefix, snr_db, top1_agreement
+from cosyedge_build.quantize.settings import AccuracyBudget
+from cosyedge_models.synthesis.api import SynthesisRequest
+from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, SynthesisSettings, load_synthesizer
+from cosyedge_models.synthesis.llm import LlmInput
+from cosyedge_models.synthesis.sampling import TokenSampler
 
 
-def _inputs(engine: CosyVoiceEngine, text: str) -> tuple[list[LlmInput], Any]:
+def _inputs(engine: CosyVoiceSynthesizer, text: str) -> tuple[list[LlmInput], Any]:
     cond = engine.conditioning.build(SynthesisRequest(text=text))
     segments = engine.frontend.prepare(text)
     return [LlmInput(text=s.token_ids.tolist(), prompt_text=cond.prompt_text, prompt_speech=cond.prompt_speech)
             for s in segments], cond
 
 
-def _tokens(engine: CosyVoiceEngine, inp: LlmInput, seed: int) -> list[int]:
+def _tokens(engine: CosyVoiceSynthesizer, inp: LlmInput, seed: int) -> list[int]:
     sampler = TokenSampler(engine.bundle.llm.sampling, engine.bundle.llm.eos_token, np.random.default_rng(seed))
     return list(engine.lm.generate(inp, sampler))
 
 
-def _teacher_forced(engine: CosyVoiceEngine, inp: LlmInput, tokens: Sequence[int]) -> np.ndarray:
+def _teacher_forced(engine: CosyVoiceSynthesizer, inp: LlmInput, tokens: Sequence[int]) -> np.ndarray:
     """logp at every step with the given tokens fed back: [steps, V]."""
     loop = engine.lm.decode_loop()
     try:
@@ -43,8 +43,8 @@ def _teacher_forced(engine: CosyVoiceEngine, inp: LlmInput, tokens: Sequence[int
 
 def compare_bundles(fp32_dir: Path, test_dir: Path, precision: str, texts: Sequence[str],
                     seed: int = 0) -> dict[str, float]:
-    ref = load_engine(fp32_dir, settings=EngineSettings(precision="fp32"))
-    test = load_engine(test_dir, settings=EngineSettings(precision=precision))
+    ref = load_synthesizer(fp32_dir, settings=SynthesisSettings(precision="fp32"))
+    test = load_synthesizer(test_dir, settings=SynthesisSettings(precision=precision))
     cos: list[float] = []
     top1: list[float] = []
     mel_snr: list[float] = []

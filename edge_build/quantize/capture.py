@@ -10,11 +10,11 @@ from pathlib import Path
 
 import numpy as np
 
-from models.api import SynthesisRequest
-from models.backends.base import Backend, DecodeLoop, HostDecodeLoop, Session, create_backend
-from models.backends.flow_cache import HostStepCache, StepCache, StepCacheSpec
-from models.bundle import load_bundle
-from models.engine import CosyVoiceEngine, EngineSettings
+from cosyedge_models.synthesis.api import SynthesisRequest
+from cosyedge_models.backends.base import Backend, DecodeLoop, HostDecodeLoop, Session, create_backend
+from cosyedge_models.backends.flow_cache import HostStepCache, StepCache, StepCacheSpec
+from cosyedge_models.bundle.loader import load_bundle
+from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, SynthesisSettings
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +96,8 @@ def capture_feeds(bundle_dir: Path, texts: Sequence[str], cap_per_stage: int, se
     bundle = load_bundle(bundle_dir, precision="fp32")
     # Serial stages: with overlap the LLM's and the flow's feeds would reach the
     # store's reservoir sampler in a thread-dependent order (irreproducible calibration).
-    engine = CosyVoiceEngine(bundle, CapturingBackend(create_backend("ort"), store),
-                             EngineSettings(overlap_stages=False))
+    engine = CosyVoiceSynthesizer(bundle, CapturingBackend(create_backend("ort"), store),
+                             SynthesisSettings(overlap_stages=False))
     try:
         for i, text in enumerate(texts):
             request = SynthesisRequest(text=text, stream=i % 2 == 0, seed=seed + i)

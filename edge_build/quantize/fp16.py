@@ -10,8 +10,8 @@ from pathlib import Path
 
 import onnx
 
-from edge_build.quantize.policy import FP32_OPS
-from models.errors import MissingExtraError
+from cosyedge_build.quantize.policy import FP32_OPS
+from cosyedge_models.errors import MissingExtraError
 
 # Besides FP32_OPS: index and shape arithmetic that must stay exact, and
 # reductions whose sums overflow fp16's 65504.

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from edge_build.quantize.capture import Feed
-from edge_build.quantize.policy import QUANT_OPS
+from cosyedge_build.quantize.capture import Feed
+from cosyedge_build.quantize.policy import QUANT_OPS
 
 log = logging.getLogger(__name__)
 

@@ -13,17 +13,17 @@ from typing import Any
 import numpy as np
 import onnx
 
-from edge_build.quantize.accuracy import compare_bundles, failures
-from edge_build.quantize.capture import capture_feeds
-from edge_build.quantize.fp16 import FP16_IO, convert_fp16
-from edge_build.quantize.policy import UNITS, fp32_node_names, groups_in
-from edge_build.quantize.sensitivity import _outputs, quantize_unit, stage_metrics
-from edge_build.quantize.settings import QuantizeSettings
-from edge_build.quantize.texts import HELD_OUT_TEXTS, calibration_texts
-from edge_build.quantize.weight_only import quantize_weight_only
-from edge_build.quantize.writer import add_variants, link_bundle
-from models.bundle import load_bundle
-from models.errors import CosyEdgeError
+from cosyedge_build.quantize.accuracy import compare_bundles, failures
+from cosyedge_build.quantize.capture import capture_feeds
+from cosyedge_build.quantize.fp16 import FP16_IO, convert_fp16
+from cosyedge_build.quantize.policy import UNITS, fp32_node_names, groups_in
+from cosyedge_build.quantize.sensitivity import _outputs, quantize_unit, stage_metrics
+from cosyedge_build.quantize.settings import QuantizeSettings
+from cosyedge_build.quantize.texts import HELD_OUT_TEXTS, calibration_texts
+from cosyedge_build.quantize.weight_only import quantize_weight_only
+from cosyedge_build.quantize.writer import add_variants, link_bundle
+from cosyedge_models.bundle.loader import load_bundle
+from cosyedge_models.errors import CosyEdgeError
 
 log = logging.getLogger(__name__)
 REPORT_FILE = "quantize_report.json"

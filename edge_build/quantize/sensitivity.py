@@ -13,11 +13,11 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from edge_build.quantize.capture import Feed
-from edge_build.quantize.int8 import quantize_int8
-from edge_build.quantize.metrics import logits_cosine, snr_db, top1_agreement
-from edge_build.quantize.policy import UnitPolicy, groups_in
-from edge_build.quantize.settings import AccuracyBudget
+from cosyedge_build.quantize.capture import Feed
+from cosyedge_build.quantize.int8 import quantize_int8
+from cosyedge_build.quantize.metrics import logits_cosine, snr_db, top1_agreement
+from cosyedge_build.quantize.policy import UnitPolicy, groups_in
+from cosyedge_build.quantize.settings import AccuracyBudget
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import onnx
 
-from models.errors import MissingExtraError
+from cosyedge_models.errors import MissingExtraError
 
 log = logging.getLogger(__name__)
 BLOCK_SIZE = 32

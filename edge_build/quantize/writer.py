@@ -9,9 +9,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from edge_build.quantize.fp16 import FP16_IO
-from edge_build.quantize.policy import FP32_STAGES
-from models.bundle import STAGES, sha256_file
+from cosyedge_build.quantize.fp16 import FP16_IO
+from cosyedge_build.quantize.policy import FP32_STAGES
+from cosyedge_models.bundle.loader import STAGES, sha256_file
 
 
 def link_bundle(src: Path, dst: Path) -> None:

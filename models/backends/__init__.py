@@ -4,6 +4,6 @@ inference loop in `models` only ever talks to this interface."""
 
 from __future__ import annotations
 
-from models.backends.base import Backend, Session, create_backend
+from cosyedge_models.backends.base import Backend, Session, create_backend
 
 __all__ = ["Backend", "Session", "create_backend"]

@@ -8,8 +8,8 @@ from typing import Protocol
 
 import numpy as np
 
-from models.backends.flow_cache import StepCache, StepCacheSpec
-from models.errors import BundleError
+from cosyedge_models.backends.flow_cache import StepCache, StepCacheSpec
+from cosyedge_models.errors import BundleError
 
 BACKENDS = ("ort", "ort-cuda", "ort-trt", "trt")
 
@@ -121,22 +121,22 @@ def create_backend(name: str, *, device_id: int = 0) -> Backend:
     """`ort`: ONNX Runtime on the CPU; `ort-cuda` / `ort-trt`: ONNX Runtime with
     the CUDA / TensorRT execution provider; `trt`: TensorRT engines (.plan)."""
     if name == "ort":
-        from models.backends.ort import OrtBackend
+        from cosyedge_models.backends.ort import OrtBackend
 
         return OrtBackend(providers=("CPUExecutionProvider",))
     if name == "ort-cuda":
-        from models.backends.ort import OrtBackend
+        from cosyedge_models.backends.ort import OrtBackend
 
         return OrtBackend(providers=("CUDAExecutionProvider", "CPUExecutionProvider"), device_id=device_id)
     if name == "ort-trt":
-        from models.backends.ort import OrtBackend
+        from cosyedge_models.backends.ort import OrtBackend
 
         return OrtBackend(
             providers=("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"),
             device_id=device_id,
         )
     if name == "trt":
-        from models.backends.trt import TrtBackend
+        from cosyedge_models.backends.trt import TrtBackend
 
         return TrtBackend(device_id=device_id)
     raise BundleError(f"unknown backend {name!r}; allowed: {', '.join(BACKENDS)}")

@@ -27,8 +27,8 @@ from typing import Any, Protocol, cast
 
 import numpy as np
 
-from models.backends.gpu_probe import probe_gpu
-from models.errors import EngineError, MissingExtraError
+from cosyedge_models.backends.gpu_probe import probe_gpu
+from cosyedge_models.errors import SynthesisError, MissingExtraError
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ def driver() -> _Driver:
         if _driver is None:
             gpu = probe_gpu()
             if not gpu.available:
-                raise EngineError(f"no usable GPU: {gpu.reason}")
+                raise SynthesisError(f"no usable GPU: {gpu.reason}")
             try:
                 mod = importlib.import_module("pycuda.driver")
             except ImportError as exc:
@@ -255,7 +255,7 @@ class GraphApi:
     @staticmethod
     def check(rc: int, what: str) -> None:
         if rc != 0:
-            raise EngineError(f"{what} failed with CUDA error {rc}")
+            raise SynthesisError(f"{what} failed with CUDA error {rc}")
 
     def begin(self, stream_handle: int) -> None:
         self.check(self._begin(ctypes.c_void_p(stream_handle), ctypes.c_int(self._MODE_THREAD_LOCAL)),

@@ -1,7 +1,7 @@
 """The manifest's `engines` section: what `cosyedge build engines` records
 about the TensorRT plans it wrote, and the check that refuses plans built for
 another GPU or TensorRT version. Pure logic (no TensorRT, no GPU); the local
-identity is probed by `models.backends.gpu_probe`.
+identity is probed by `cosyedge_models.backends.gpu_probe`.
 
 ```json
 "engines": {
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from models.errors import BundleError
+from cosyedge_models.errors import BundleError
 
 REBUILD_HINT = "rebuild them on this device with: cosyedge build engines --bundle {root}"
 ENGINE_FIELDS = ("tensorrt", "gpu", "compute_capability", "stages")

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 if TYPE_CHECKING:
-    from models.backends.base import Session
+    from cosyedge_models.backends.base import Session
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import threading
 from dataclasses import dataclass, field
 from types import ModuleType
 
-from models.backends.engine_meta import EngineIdentity
+from cosyedge_models.backends.engine_meta import EngineIdentity
 
 # cuDeviceGetAttribute ids (CUDA driver API, stable since CUDA 2.x)
 _ATTR_MULTIPROCESSOR_COUNT = 16
@@ -144,25 +144,25 @@ def probe_tensorrt() -> TrtProbe:
 
 
 def import_tensorrt() -> ModuleType:
-    """The real tensorrt module, or a MissingExtraError/EngineError saying why not."""
-    from models.errors import EngineError
+    """The real tensorrt module, or a MissingExtraError/SynthesisError saying why not."""
+    from cosyedge_models.errors import SynthesisError
 
     probe = probe_tensorrt()
     if not probe.available:
-        raise EngineError(f"TensorRT is not usable here: {probe.reason}")
+        raise SynthesisError(f"TensorRT is not usable here: {probe.reason}")
     return importlib.import_module("tensorrt")
 
 
 def local_identity(device_id: int = 0) -> EngineIdentity:
     """The GPU and TensorRT this process would run engines with."""
-    from models.errors import EngineError
+    from cosyedge_models.errors import SynthesisError
 
     gpu = probe_gpu()
     trt = probe_tensorrt()
     if not trt.available or trt.version is None:
-        raise EngineError(f"TensorRT is not usable here: {trt.reason}")
+        raise SynthesisError(f"TensorRT is not usable here: {trt.reason}")
     devices = {d.index: d for d in gpu.devices}
     if device_id not in devices:
-        raise EngineError(f"GPU {device_id} does not exist (have: {sorted(devices)})")
+        raise SynthesisError(f"GPU {device_id} does not exist (have: {sorted(devices)})")
     dev = devices[device_id]
     return EngineIdentity(trt.version, dev.name, dev.compute_capability, dev.multiprocessors)

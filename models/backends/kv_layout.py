@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from models.errors import EngineError
+from cosyedge_models.errors import SynthesisError
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ class KvPlan:
 
     def bucket_for(self, length: int) -> int:
         if length > self.p_max:
-            raise EngineError(f"llm_decode: the KV cache would grow to {length} positions, past the engine's maximum "
+            raise SynthesisError(f"llm_decode: the KV cache would grow to {length} positions, past the engine's maximum "
                               f"of {self.p_max}; rebuild the engines with a larger llm_decode profile or send shorter "
                               "text")
         assert self.buckets is not None

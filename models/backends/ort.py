@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from models.backends.base import DecodeLoop, HostDecodeLoop, Session
-from models.backends.flow_cache import HostStepCache, StepCache, StepCacheSpec
-from models.backends.ort_cache import BoundCacheFactory
-from models.errors import BundleError, EngineError
-from models.ort_profile import profile_dir
+from cosyedge_models.backends.base import DecodeLoop, HostDecodeLoop, Session
+from cosyedge_models.backends.flow_cache import HostStepCache, StepCache, StepCacheSpec
+from cosyedge_models.backends.ort_cache import BoundCacheFactory
+from cosyedge_models.errors import BundleError, SynthesisError
+from cosyedge_models.tools.ort_profile import profile_dir
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ def cudnn_options() -> dict[str, str]:
     exhaustive search re-benchmarks every conv for each new sequence length,
     and lengths change per request here. COSYEDGE_ORT_CUDNN_SEARCH
     (HEURISTIC, EXHAUSTIVE, DEFAULT) and COSYEDGE_ORT_CONV1D_PAD_NC1D=1 override
-    it, to measure (edge_build/device_probe.py compares them per stage)."""
+    it, to measure (edge_build/tools/device_probe.py compares them per stage)."""
     search = os.environ.get("COSYEDGE_ORT_CUDNN_SEARCH", "HEURISTIC").upper()
     if search not in ("HEURISTIC", "EXHAUSTIVE", "DEFAULT"):
         raise BundleError(f"COSYEDGE_ORT_CUDNN_SEARCH={search!r}: allowed values: HEURISTIC, EXHAUSTIVE, DEFAULT")
@@ -54,7 +54,7 @@ class OrtSession:
         spinning = os.environ.get("COSYEDGE_ORT_SPINNING", "0") == "1"
         opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
         profiles = profile_dir()
-        if profiles is not None:  # models/ort_profile.py sums these traces
+        if profiles is not None:  # models/tools/ort_profile.py sums these traces
             profiles.mkdir(parents=True, exist_ok=True)
             opts.enable_profiling = True
             opts.profile_file_prefix = str(profiles / name)
@@ -96,7 +96,7 @@ class OrtSession:
         try:
             values = self._sess.run(names, dict(inputs))
         except Exception as exc:
-            raise EngineError(f"{self.name}: onnxruntime failed: {exc}") from exc
+            raise SynthesisError(f"{self.name}: onnxruntime failed: {exc}") from exc
         return dict(zip(names, values, strict=True))
 
     def io_binding(self) -> ort.IOBinding:
@@ -106,7 +106,7 @@ class OrtSession:
         try:
             self._sess.run_with_iobinding(binding, run_options)
         except Exception as exc:
-            raise EngineError(f"{self.name}: onnxruntime failed: {exc}") from exc
+            raise SynthesisError(f"{self.name}: onnxruntime failed: {exc}") from exc
 
     @property
     def on_device(self) -> bool:

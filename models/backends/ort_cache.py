@@ -24,7 +24,7 @@ from typing import Protocol
 import numpy as np
 import onnxruntime as ort
 
-from models.backends.flow_cache import (
+from cosyedge_models.backends.flow_cache import (
     ATT_CACHE,
     ATT_CACHE_NEW,
     CONV_CACHE,
@@ -33,7 +33,7 @@ from models.backends.flow_cache import (
     StepCacheSpec,
     trim_due,
 )
-from models.errors import EngineError
+from cosyedge_models.errors import SynthesisError
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ class DeviceCopier:
         try:
             self._sess.run_with_iobinding(binding)
         except Exception as exc:  # onnxruntime raises its own exception types
-            raise EngineError(f"device copy of {nbytes} bytes failed: {exc}") from exc
+            raise SynthesisError(f"device copy of {nbytes} bytes failed: {exc}") from exc
 
 
 class BoundRunner(Protocol):

@@ -25,8 +25,8 @@ import threading
 import numpy as np
 import onnxruntime as ort
 
-from models.backends.ort import OrtSession, bound_lm_run
-from models.errors import EngineError
+from cosyedge_models.backends.ort import OrtSession, bound_lm_run
+from cosyedge_models.errors import SynthesisError
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ class GraphDecodeLoop:
         dec = self._decoder
         t = inputs_embeds.shape[1]
         if inputs_embeds.shape[0] != 1 or t >= slot.positions:
-            raise EngineError(f"static decode: a prompt of {t} positions does not fit {slot.positions}")
+            raise SynthesisError(f"static decode: a prompt of {t} positions does not fit {slot.positions}")
         logp, present = bound_lm_run(dec.prefill_session, inputs_embeds, None, 0, dec.device)
         pad = dec.pad_session.io_binding()
         pad.bind_ortvalue_input("present_kv", present)
@@ -142,7 +142,7 @@ class GraphDecodeLoop:
         if self._len == 0:
             raise RuntimeError("step() before prefill()")
         if self._len >= slot.positions:
-            raise EngineError(f"static decode: the cache of {slot.positions} positions is full")
+            raise SynthesisError(f"static decode: the cache of {slot.positions} positions is full")
         slot.embeds.update_inplace(np.ascontiguousarray(inputs_embeds, dtype=np.float32).reshape(1, 1, -1))
         slot.position.update_inplace(np.array([self._len], dtype=np.int64))
         with self._decoder.run_lock:

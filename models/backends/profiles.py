@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from models.errors import BundleError, EngineError
+from cosyedge_models.errors import BundleError, SynthesisError
 
 Dim = int | str
 Shape = tuple[int, ...]
@@ -130,7 +130,7 @@ def choose_profile(profiles: Sequence[ProfileShapes], shapes: Mapping[str, Seque
     if not fits:
         have = "; ".join(", ".join(f"{n} {list(r.min)}..{list(r.max)}" for n, r in p.items()) for p in profiles)
         got = ", ".join(f"{n} {list(s)}" for n, s in shapes.items())
-        raise EngineError(f"{stage}: input shapes {got} are outside the engine's optimization profiles ({have}); "
+        raise SynthesisError(f"{stage}: input shapes {got} are outside the engine's optimization profiles ({have}); "
                           "rebuild the engines with a larger profile in the manifest")
     return min(fits, key=lambda i: sum(math.prod(r.max) for r in profiles[i].values()))
 

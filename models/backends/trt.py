@@ -10,14 +10,14 @@ execute_async_v3 / set_optimization_profile_async, device_memory_size_v2
 
 Threads: an engine (ICudaEngine: weights) is deserialized once per stage and
 shared; each worker thread that runs a session gets, on first use, its own
-CUDA stream (models.backends.cuda.ThreadCuda), its own IExecutionContext and
+CUDA stream (cosyedge_models.backends.cuda.ThreadCuda), its own IExecutionContext and
 its own I/O buffers: device buffers and pinned host buffers allocated once
 per optimization profile at that profile's max shapes and reused for every
 call. Sessions can therefore be shared between threads like ONNX Runtime
 sessions, while the GPU work of each thread stays on its own stream.
 
 Nothing here runs without a GPU and real TensorRT: `TrtBackend()` checks both
-(models.backends.gpu_probe) before importing tensorrt."""
+(cosyedge_models.backends.gpu_probe) before importing tensorrt."""
 
 from __future__ import annotations
 
@@ -31,17 +31,17 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from models.backends.cuda import DeviceBuffer, ThreadCuda, device_info, driver, pinned_empty
-from models.backends.flow_cache import HostStepCache, StepCache, StepCacheSpec
-from models.backends.gpu_probe import import_tensorrt
-from models.backends.profiles import ProfileShapes, ShapeRange, choose_profile
-from models.errors import BundleError, EngineError
+from cosyedge_models.backends.cuda import DeviceBuffer, ThreadCuda, device_info, driver, pinned_empty
+from cosyedge_models.backends.flow_cache import HostStepCache, StepCache, StepCacheSpec
+from cosyedge_models.backends.gpu_probe import import_tensorrt
+from cosyedge_models.backends.profiles import ProfileShapes, ShapeRange, choose_profile
+from cosyedge_models.errors import BundleError, SynthesisError
 
 if TYPE_CHECKING:
     import tensorrt as trt
 
-    from models.backends.base import Session
-    from models.backends.trt_decode import TrtDecodeLoop
+    from cosyedge_models.backends.base import Session
+    from cosyedge_models.backends.trt_decode import TrtDecodeLoop
 
 log = logging.getLogger(__name__)
 
@@ -160,11 +160,11 @@ class TrtSession:
         st: ThreadState | None = getattr(self._local, "state", None)
         if st is None:
             if self._closed:
-                raise EngineError(f"{self.name}: session is closed")
+                raise SynthesisError(f"{self.name}: session is closed")
             cuda = thread_cuda(self.device_id)
             context = self.engine.create_execution_context()
             if context is None:
-                raise EngineError(f"{self.name}: TensorRT could not create an execution context "
+                raise SynthesisError(f"{self.name}: TensorRT could not create an execution context "
                                   "(out of GPU memory?)")
             st = ThreadState(cuda, context)
             self._local.state = st
@@ -175,7 +175,7 @@ class TrtSession:
     def select_profile(self, st: ThreadState, profile: int) -> None:
         if st.profile != profile:
             if not st.context.set_optimization_profile_async(profile, st.cuda.handle):
-                raise EngineError(f"{self.name}: cannot select optimization profile {profile}")
+                raise SynthesisError(f"{self.name}: cannot select optimization profile {profile}")
             st.profile = profile
 
     def activate(self, st: ThreadState, profile: int) -> dict[str, IoBuffers]:
@@ -204,7 +204,7 @@ class TrtSession:
         for n in self.output_names:
             shape = dims(ctx.get_tensor_shape(n))
             if any(d < 0 for d in shape):
-                raise EngineError(f"{self.name}: output {n} has a data-dependent shape {shape}; not supported")
+                raise SynthesisError(f"{self.name}: output {n} has a data-dependent shape {shape}; not supported")
             sizes[n] = _volume(shape) * self.specs[n].dtype.itemsize
         return {n: IoBuffers(DeviceBuffer(size), pinned_empty(size)) for n, size in sizes.items()}
 
@@ -213,7 +213,7 @@ class TrtSession:
         dtype = self.specs[name].dtype
         nbytes = _volume(shape) * dtype.itemsize
         if nbytes > buf.host.nbytes:
-            raise EngineError(f"{self.name}: {name} of shape {tuple(shape)} exceeds the buffer sized for the "
+            raise SynthesisError(f"{self.name}: {name} of shape {tuple(shape)} exceeds the buffer sized for the "
                               "profile's max shape")
         return buf.host[:nbytes].view(dtype).reshape(tuple(shape))
 
@@ -221,12 +221,12 @@ class TrtSession:
         spec = self.specs[name]
         arr = np.asarray(value)
         if arr.dtype.kind != spec.dtype.kind and not (arr.dtype.kind in "iu" and spec.dtype.kind in "iu"):
-            raise EngineError(f"{self.name}: input {name} must be {spec.dtype}, got {arr.dtype}")
+            raise SynthesisError(f"{self.name}: input {name} must be {spec.dtype}, got {arr.dtype}")
         buf = bufs[name]
         host = self.host_view(buf, name, arr.shape)
         host[...] = arr
         if not st.context.set_input_shape(name, arr.shape):
-            raise EngineError(f"{self.name}: TensorRT rejected shape {arr.shape} for input {name}")
+            raise SynthesisError(f"{self.name}: TensorRT rejected shape {arr.shape} for input {name}")
         if spec.host_side:
             st.context.set_tensor_address(name, int(host.ctypes.data))
         else:
@@ -238,25 +238,25 @@ class TrtSession:
         for n in self.output_names:
             shape = dims(st.context.get_tensor_shape(n))
             if any(d < 0 for d in shape):
-                raise EngineError(f"{self.name}: shape of output {n} unresolved ({shape}); are all inputs set?")
+                raise SynthesisError(f"{self.name}: shape of output {n} unresolved ({shape}); are all inputs set?")
             if _volume(shape) * self.specs[n].dtype.itemsize > bufs[n].device.nbytes:
-                raise EngineError(f"{self.name}: output {n} {shape} exceeds its buffer")
+                raise SynthesisError(f"{self.name}: output {n} {shape} exceeds its buffer")
             st.context.set_tensor_address(n, bufs[n].device.ptr)
             shapes[n] = shape
         return shapes
 
     def execute(self, st: ThreadState) -> None:
         if not st.context.execute_async_v3(st.cuda.handle):
-            raise EngineError(f"{self.name}: TensorRT execution failed (see the TensorRT log above)")
+            raise SynthesisError(f"{self.name}: TensorRT execution failed (see the TensorRT log above)")
 
     def run(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         missing = [n for n in self.input_names if n not in inputs]
         if missing:
-            raise EngineError(f"{self.name}: missing inputs {missing} (expects {list(self.input_names)})")
+            raise SynthesisError(f"{self.name}: missing inputs {missing} (expects {list(self.input_names)})")
         names = list(outputs) if outputs is not None else list(self.output_names)
         unknown = [n for n in names if n not in self.output_names]
         if unknown:
-            raise EngineError(f"{self.name}: unknown outputs {unknown} (has {list(self.output_names)})")
+            raise SynthesisError(f"{self.name}: unknown outputs {unknown} (has {list(self.output_names)})")
         st = self.state()
         shapes = {n: tuple(np.shape(inputs[n])) for n in self.input_names if not self.specs[n].host_side}
         bufs = self.activate(st, choose_profile(self.profiles, shapes, self.name))
@@ -316,7 +316,7 @@ class TrtBackend:
     name = "trt"
 
     def __init__(self, device_id: int = 0, *, decode_graphs: bool = True) -> None:
-        import_tensorrt()  # probes the GPU first; raises EngineError with the reason
+        import_tensorrt()  # probes the GPU first; raises SynthesisError with the reason
         import tensorrt as trt
 
         self.device_id = device_id
@@ -344,10 +344,10 @@ class TrtBackend:
         return TrtSession(stage, path, engine, self.device_id)
 
     def decode_loop(self, prefill: Session, decode: Session) -> TrtDecodeLoop:
-        from models.backends.trt_decode import TrtDecodeLoop
+        from cosyedge_models.backends.trt_decode import TrtDecodeLoop
 
         if not isinstance(prefill, TrtSession) or not isinstance(decode, TrtSession):
-            raise EngineError("the trt decode loop needs sessions loaded by the trt backend")
+            raise SynthesisError("the trt decode loop needs sessions loaded by the trt backend")
         return TrtDecodeLoop(prefill, decode, use_graphs=self.decode_graphs)
 
     def flow_cache(self, estimator: Session, spec: StepCacheSpec) -> StepCache:

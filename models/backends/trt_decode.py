@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from models.backends.cuda import CudaGraph, DeviceBuffer, pinned_empty
-from models.backends.kv_layout import Copy2D, KvPlan, MaskFill, MaskSet, bucket_mask, decode_buckets
-from models.backends.profiles import choose_profile
-from models.backends.trt import TrtSession, dims
-from models.errors import EngineError
+from cosyedge_models.backends.cuda import CudaGraph, DeviceBuffer, pinned_empty
+from cosyedge_models.backends.kv_layout import Copy2D, KvPlan, MaskFill, MaskSet, bucket_mask, decode_buckets
+from cosyedge_models.backends.profiles import choose_profile
+from cosyedge_models.backends.trt import TrtSession, dims
+from cosyedge_models.errors import SynthesisError
 
 if TYPE_CHECKING:
     import tensorrt as trt
@@ -92,12 +92,12 @@ class TrtDecodeLoop:
     def __init__(self, prefill: TrtSession, decode: TrtSession, *, use_graphs: bool = True) -> None:
         for sess, ins in ((prefill, _PREFILL_IN), (decode, _DECODE_IN)):
             if set(sess.input_names) != set(ins) or not set(_OUT) <= set(sess.output_names):
-                raise EngineError(f"{sess.name}: engine I/O {sess.input_names} -> {sess.output_names} is not the "
+                raise SynthesisError(f"{sess.name}: engine I/O {sess.input_names} -> {sess.output_names} is not the "
                                   f"LLM contract (inputs {ins}, outputs {_OUT}); re-export the bundle")
         self._pre, self._dec = prefill, decode
         kv_spec = decode.specs["past_kv"]
         if prefill.specs["present_kv"].dtype != kv_spec.dtype or decode.specs["present_kv"].dtype != kv_spec.dtype:
-            raise EngineError("llm_prefill and llm_decode disagree on the KV cache dtype; rebuild the engines")
+            raise SynthesisError("llm_prefill and llm_decode disagree on the KV cache dtype; rebuild the engines")
         self._kv_dtype = kv_spec.dtype
         past = decode.profiles[0]["past_kv"]
         self._kv_shape = past.max  # [L, 2, B, Hkv, Pmax, hd]; the loop runs B = 1
@@ -112,7 +112,7 @@ class TrtDecodeLoop:
         self._pst = prefill.state()
         self._dst = decode.state()
         if self._pst.cuda is not self._dst.cuda:
-            raise EngineError("llm_prefill and llm_decode must run on the same thread")
+            raise SynthesisError("llm_prefill and llm_decode must run on the same thread")
         self._res = self._resources()
         self._started = False
 
@@ -161,7 +161,7 @@ class TrtDecodeLoop:
             st.context.set_input_shape(n, r.min)
         shape = dims(st.context.get_tensor_shape("logp"))
         if len(shape) != 2 or shape[1] < 1:
-            raise EngineError(f"llm_decode: logp shape {shape} is not [B, V]")
+            raise SynthesisError(f"llm_decode: logp shape {shape} is not [B, V]")
         self._vocab = int(shape[1])
         return self._vocab
 
@@ -173,9 +173,9 @@ class TrtDecodeLoop:
     def prefill(self, inputs_embeds: np.ndarray) -> np.ndarray:
         b, t, d = inputs_embeds.shape
         if b != 1:
-            raise EngineError(f"the TensorRT decode loop runs one request at a time (batch 1), got batch {b}")
+            raise SynthesisError(f"the TensorRT decode loop runs one request at a time (batch 1), got batch {b}")
         if t > self._t_max:
-            raise EngineError(f"llm_prefill: prompt of {t} positions exceeds the engine's maximum of {self._t_max}; "
+            raise SynthesisError(f"llm_prefill: prompt of {t} positions exceeds the engine's maximum of {self._t_max}; "
                               "rebuild the engines with a larger llm_prefill profile or send shorter text")
         res, st, sess = self._res, self._pst, self._pre
         sess.select_profile(st, choose_profile(sess.profiles, {"inputs_embeds": (1, t, d), "attention_mask": (1, t)},
@@ -239,9 +239,9 @@ class TrtDecodeLoop:
     def _bucket_context(self, profile: int, kv_shape: tuple[int, ...]) -> trt.IExecutionContext:
         ctx = self._dec.engine.create_execution_context()
         if ctx is None:
-            raise EngineError("llm_decode: TensorRT could not create an execution context (out of GPU memory?)")
+            raise SynthesisError("llm_decode: TensorRT could not create an execution context (out of GPU memory?)")
         if not ctx.set_optimization_profile_async(profile, self._dst.cuda.handle):
-            raise EngineError(f"llm_decode: cannot select optimization profile {profile}")
+            raise SynthesisError(f"llm_decode: cannot select optimization profile {profile}")
         self._bind_step(ctx, kv_shape)
         return ctx
 
@@ -251,7 +251,7 @@ class TrtDecodeLoop:
               and ctx.set_input_shape("attention_mask", (1, kv_shape[4] + 1))
               and ctx.set_input_shape("past_kv", kv_shape))
         if not ok:
-            raise EngineError(f"llm_decode: TensorRT rejected the step shapes (past {kv_shape})")
+            raise SynthesisError(f"llm_decode: TensorRT rejected the step shapes (past {kv_shape})")
         ctx.set_tensor_address("inputs_embeds", res.step_embeds.device.ptr)
         ctx.set_tensor_address("attention_mask", res.mask.device.ptr if plan.bucketed else res.ones.ptr)
         ctx.set_tensor_address("past_kv", res.kv[plan.past_buf].ptr)
@@ -263,7 +263,7 @@ class TrtDecodeLoop:
         emb = res.step_embeds
         cuda.htod(emb.device.ptr, emb.host[:emb.device.nbytes])
         if not ctx.execute_async_v3(cuda.handle):
-            raise EngineError("llm_decode: TensorRT execution failed (see the TensorRT log above)")
+            raise SynthesisError("llm_decode: TensorRT execution failed (see the TensorRT log above)")
         cuda.dtoh(res.logp.host[:res.logp.device.nbytes], res.logp.device.ptr)
 
     def _capture(self, key: tuple[int, int], ctx: trt.IExecutionContext) -> None:

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from models.errors import RequestError
-from models.text.normalize import LANGUAGE_CHOICES, Language, detect_language, normalize_text
-from models.text.split import SplitSettings, is_only_punctuation, split_with
-from models.text.tokenizer import END_OF_PROMPT, TextTokenizer
+from cosyedge_models.errors import RequestError
+from cosyedge_models.text.normalize import LANGUAGE_CHOICES, Language, detect_language, normalize_text
+from cosyedge_models.text.split import SplitSettings, is_only_punctuation, split_with
+from cosyedge_models.text.tokenizer import END_OF_PROMPT, TextTokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -35,9 +35,9 @@ import unicodedata
 from collections.abc import Iterable
 from typing import Literal
 
-from models.text.normalize_en import normalize_english
-from models.text.normalize_zh import normalize_chinese
-from models.text.tokenizer import COSYVOICE_SPECIAL_TOKENS
+from cosyedge_models.text.normalize_en import normalize_english
+from cosyedge_models.text.normalize_zh import normalize_chinese
+from cosyedge_models.text.tokenizer import COSYVOICE_SPECIAL_TOKENS
 
 logger = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import re
 
-from models.text import numbers_en as en
-from models.text.rules import NUM, Rule, alternation, rule, spaced
+import cosyedge_models.text.numbers_en as en
+from cosyedge_models.text.rules import NUM, Rule, alternation, rule, spaced
 
 _CURRENCIES: dict[str, tuple[str, str, str | None, str | None]] = {
     # symbol: (one, many, one subunit, many subunits)

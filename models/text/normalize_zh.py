@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import re
 
-from models.text import numbers_zh as zh
-from models.text.rules import NUM, Rule, alternation, rule
+import cosyedge_models.text.numbers_zh as zh
+from cosyedge_models.text.rules import NUM, Rule, alternation, rule
 
 _CURRENCIES = {"¥": "元", "￥": "元", "$": "美元", "US$": "美元", "€": "欧元", "£": "英镑", "₩": "韩元",
                "HK$": "港元", "₹": "卢比"}

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from models.errors import BundleError
+from cosyedge_models.errors import BundleError
 
 logger = logging.getLogger(__name__)
 

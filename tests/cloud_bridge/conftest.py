@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from cloud_bridge.bridge import BridgeService
-from cloud_bridge.settings import BridgeSettings, build_settings
-from cloud_bridge.triton_launcher import (
+from cosyedge_cloud.bridge.service import BridgeService
+from cosyedge_cloud.bridge.settings import BridgeSettings, build_settings
+from cosyedge_cloud.triton.launcher import (
     REPOSITORY,
     LaunchSettings,
     TritonError,

@@ -1,6 +1,6 @@
 """A device's side of the cloud protocol for tests: a paho MQTT v5 client
 that publishes requests on its own request topic and collects the responses
-per request id (what the daemon's CloudEngine will do)."""
+per request id (what the daemon's CloudSynthesizer will do)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from cloud_bridge.mqtt_factory import MqttOptions, connect, make_client
-from cloud_bridge.protocol import (
+from cosyedge_cloud.wire.mqtt import MqttOptions, connect, make_client
+from cosyedge_cloud.wire.protocol import (
     AudioMessage,
     CloudRequest,
     CloudTopics,

@@ -14,26 +14,26 @@ from typing import Any
 
 import numpy as np
 
-from daemon.espeak_engine import EspeakEngine
-from daemon.service import Service
-from daemon.tts_api import decode_audio
-from models.api import Engine
+from cosyedge_daemon.synthesizers.espeak import EspeakSynthesizer
+from cosyedge_daemon.service.service import Service
+from cosyedge_daemon.api.tts_messages import decode_audio
+from cosyedge_models.synthesis.api import Synthesizer
 from tests.daemon.conftest import make_settings
 from tests.daemon.memory_sink import MemorySink
 from tests.daemon.mqtt_probe import Probe, Received
 
 
-def load_local(bundle: Path) -> Engine:
-    from models.engine import load_engine
+def load_local(bundle: Path) -> Synthesizer:
+    from cosyedge_models.synthesis.synthesizer import load_synthesizer
 
-    return load_engine(bundle)
+    return load_synthesizer(bundle)
 
 
 class Edge:
     def __init__(
         self,
         broker_url: str,
-        local: Engine | None,
+        local: Synthesizer | None,
         sink_speed: float = 20.0,
         device_id: str | None = None,
         **sections: Any,
@@ -43,7 +43,7 @@ class Edge:
         self.settings = make_settings(broker_url, self.device_id, **sections)
         self.sink = MemorySink(sample_rate=24000, speed=sink_speed)
         self.service = Service(self.settings, sink=self.sink)
-        fallback = EspeakEngine(sample_rate=24000) if shutil.which("espeak-ng") else None
+        fallback = EspeakSynthesizer(sample_rate=24000) if shutil.which("espeak-ng") else None
         self.service.set_engines(local, fallback)
         self.service.start(connect_timeout_s=10)
         self.prefix = self.settings.topic_prefix

@@ -7,7 +7,7 @@ import time
 import urllib.request
 from collections.abc import Callable
 
-from cloud_bridge.triton_launcher import TritonServer
+from cosyedge_cloud.triton.launcher import TritonServer
 
 
 def triton_metric(server: TritonServer, name: str, **labels: str) -> float:

@@ -1,5 +1,5 @@
-"""A test fixture, not the product: an Engine (models.api) that streams sine
-tones, loaded by the real Triton orchestrator (cloud_bridge/triton_model.py)
+"""A test fixture, not the product: an Synthesizer (cosyedge_models.synthesis.api) that streams sine
+tones, loaded by the real Triton orchestrator (cloud_bridge/triton/orchestrator.py)
 through its ENGINE_FACTORY parameter, so the plumbing (Triton streaming,
 batching, versions, the bridge) can be tested with timing the test controls.
 
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from models.api import MODES, AudioChunk, Mode, StageTimes, SynthesisRequest
-from models.errors import EngineError, RequestError
+from cosyedge_models.synthesis.api import MODES, AudioChunk, Mode, StageTimes, SynthesisRequest
+from cosyedge_models.errors import SynthesisError, RequestError
 
 _DIRECTIVE = re.compile(r"\{(\w+)=(\d+)\}")
 VOICES = ("default", "bright")
@@ -64,7 +64,7 @@ class SineEngine:
                 return
             time.sleep(delay_s)
             if i == fail_at:
-                raise EngineError(f"sine engine told to fail at chunk {i}")
+                raise SynthesisError(f"sine engine told to fail at chunk {i}")
             t = (np.arange(CHUNK_SAMPLES) + i * CHUNK_SAMPLES) / self.sample_rate
             pcm = (0.5 * np.sin(2 * np.pi * freq * t)).astype(np.float32)
             if times.first_audio_ms is None:

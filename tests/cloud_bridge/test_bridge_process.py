@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from cloud_bridge.protocol import CloudRequest
-from cloud_bridge.triton_launcher import TritonServer
+from cosyedge_cloud.wire.protocol import CloudRequest
+from cosyedge_cloud.triton.launcher import TritonServer
 from tests.cloud_bridge.conftest import SINE_MODEL
 from tests.cloud_bridge.device import Device
 from tests.cloud_bridge.helpers import wait_for
@@ -29,7 +29,7 @@ class BridgeProcess:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "daemon", "bridge", "--config", str(self.config)],
+            [sys.executable, "-m", "cosyedge_daemon", "bridge", "--config", str(self.config)],
             cwd=ROOT,
             stdout=self.log.open("ab"),
             stderr=subprocess.STDOUT,

@@ -10,8 +10,8 @@ import time
 import numpy as np
 import paho.mqtt.client as mqtt
 
-from cloud_bridge.protocol import CloudPrompt, CloudRequest, now_unix_ms
-from cloud_bridge.versions import VersionSelector
+from cosyedge_cloud.wire.protocol import CloudPrompt, CloudRequest, now_unix_ms
+from cosyedge_cloud.bridge.versions import VersionSelector
 from tests.cloud_bridge.conftest import SINE_MODEL, V1_HZ, V2_HZ, bridge_settings
 from tests.cloud_bridge.device import Device
 from tests.cloud_bridge.helpers import settled_metric, triton_metric, wait_for
@@ -249,7 +249,7 @@ def test_backpressure_wait_lets_the_broker_hold_requests(broker, make_bridge) ->
 
 
 def test_triton_unreachable_is_retried_then_unavailable(broker, triton) -> None:  # type: ignore[no-untyped-def]
-    from cloud_bridge.bridge import BridgeService
+    from cosyedge_cloud.bridge.service import BridgeService
 
     settings = bridge_settings(
         broker, triton, triton={"url": f"127.0.0.1:{free_port()}", "retries": 2, "retry_backoff_ms": 50}
@@ -339,7 +339,7 @@ def test_probe_reports_a_request(broker, make_bridge, tmp_path, capsys) -> None:
 
     import soundfile
 
-    from cloud_bridge.probe import main as probe_main
+    from cosyedge_cloud.tools.probe import main as probe_main
 
     make_bridge()
     out = tmp_path / "probe.wav"

@@ -1,5 +1,5 @@
 """The product path: the cosyvoice2 Triton model (the orchestrator over the
-tiny bundle through models.engine.load_engine) behind the bridge. The cloud
+tiny bundle through cosyedge_models.synthesis.synthesizer.load_synthesizer) behind the bridge. The cloud
 audio must be the audio the local engine makes for the same request."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from cloud_bridge.protocol import CloudPrompt, CloudRequest, pcm16_bytes
-from models.api import PromptAudio, SynthesisRequest
+from cosyedge_cloud.wire.protocol import CloudPrompt, CloudRequest, pcm16_bytes
+from cosyedge_models.synthesis.api import PromptAudio, SynthesisRequest
 from tests.cloud_bridge.device import Device
 from tests.cloud_bridge.helpers import settled_metric
 
@@ -17,9 +17,9 @@ PRODUCT = {"model": "cosyvoice2", "first_chunk_timeout_s": 120.0, "chunk_timeout
 
 
 def _local_chunks(bundle: Path, request: SynthesisRequest) -> list[bytes]:
-    from models.engine import load_engine
+    from cosyedge_models.synthesis.synthesizer import load_synthesizer
 
-    engine = load_engine(bundle)
+    engine = load_synthesizer(bundle)
     try:
         return [pcm16_bytes(c.pcm) for c in engine.synthesize(request)]
     finally:

@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cloud_bridge.triton_launcher import TritonServer
-from models.api import Engine
+from cosyedge_cloud.triton.launcher import TritonServer
+from cosyedge_models.synthesis.api import Synthesizer
 from tests.cloud_bridge.conftest import SINE_MODEL, V1_HZ, V2_HZ, device_broker_conf
 from tests.cloud_bridge.edge import Edge, load_local, wait
 from tests.cloud_bridge.sine_engine import CHUNK_SAMPLES
@@ -33,7 +33,7 @@ LONG = " ".join(f"This is sentence number {n} of a long announcement." for n in 
 
 
 @pytest.fixture()
-def local_engine(tiny_bundle: Path) -> Engine:
+def local_engine(tiny_bundle: Path) -> Synthesizer:
     return load_local(tiny_bundle)  # the daemon closes it when it stops
 
 
@@ -41,7 +41,7 @@ def local_engine(tiny_bundle: Path) -> Engine:
 def edges(broker: Broker) -> Iterator[Callable[..., Edge]]:
     made: list[Edge] = []
 
-    def make(local: Engine | None, **sections: dict) -> Edge:  # type: ignore[type-arg]
+    def make(local: Synthesizer | None, **sections: dict) -> Edge:  # type: ignore[type-arg]
         edge = Edge(broker.url, local, **sections)
         made.append(edge)
         return edge

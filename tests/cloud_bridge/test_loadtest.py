@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from cloud_bridge.loadtest import percentiles, run, table
+from cosyedge_cloud.tools.loadtest import percentiles, run, table
 from tests.cloud_bridge.conftest import bridge_settings
 
 

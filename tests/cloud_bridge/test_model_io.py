@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cloud_bridge.model_io import (
+from cosyedge_cloud.triton.model_io import (
     BadTensors,
     error_message,
     model_chunk,
@@ -14,9 +14,9 @@ from cloud_bridge.model_io import (
     response_tensors,
     synthesis_request,
 )
-from cloud_bridge.triton_launcher import set_parameters
-from cloud_bridge.triton_model import resolve_bundle
-from models.errors import CosyEdgeError
+from cosyedge_cloud.triton.launcher import set_parameters
+from cosyedge_cloud.triton.orchestrator import resolve_bundle
+from cosyedge_models.errors import CosyEdgeError
 
 
 def test_request_tensors_round_trip() -> None:

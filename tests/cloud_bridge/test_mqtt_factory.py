@@ -13,7 +13,7 @@ from typing import Any
 import paho.mqtt.client as mqtt
 import pytest
 
-from cloud_bridge.mqtt_factory import (
+from cosyedge_cloud.wire.mqtt import (
     MqttOptions,
     MqttSetupError,
     connect,

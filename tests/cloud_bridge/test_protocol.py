@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from cloud_bridge.protocol import (
+from cosyedge_cloud.wire.protocol import (
     AUDIO_MAGIC,
     AudioMessage,
     CloudPrompt,

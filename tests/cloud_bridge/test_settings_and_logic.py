@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from cloud_bridge.admission import Admission, Verdict
-from cloud_bridge.protocol import ProtocolError
-from cloud_bridge.settings import SettingsError, build_settings, load_settings, reference_markdown
-from cloud_bridge.versions import VersionSelector
-from models.errors import CosyEdgeError
+from cosyedge_cloud.bridge.admission import Admission, Verdict
+from cosyedge_cloud.wire.protocol import ProtocolError
+from cosyedge_cloud.bridge.settings import SettingsError, build_settings, load_settings, reference_markdown
+from cosyedge_cloud.bridge.versions import VersionSelector
+from cosyedge_models.errors import CosyEdgeError
 
 
 def test_defaults_and_overrides(tmp_path: Path) -> None:
@@ -57,7 +57,7 @@ def test_old_key_name_is_read_and_docs_are_current() -> None:
     assert build_settings({"limits": {"dedup_window": 7}}).limits.dedupe_max_ids == 7
     root = Path(__file__).resolve().parents[2]
     text = (root / "docs" / "bridge-configuration.md").read_text()
-    assert text == reference_markdown(), "regenerate: python -m cloud_bridge.settings > docs/bridge-configuration.md"
+    assert text == reference_markdown(), "regenerate: python -m cosyedge_cloud.bridge.settings > docs/bridge-configuration.md"
     for section in ("mqtt", "triton", "limits", "metrics"):
         assert f"### `[{section}]`" in text
     assert "| `dedupe_max_ids` | `4096` |" in text
@@ -115,8 +115,8 @@ def test_admission_cap_duplicates_and_drain() -> None:
 
 
 def test_triton_model_llm_batching_parameters() -> None:
-    from cloud_bridge.triton_model import engine_kwargs
-    from models.batch_policy import BatchSettings
+    from cosyedge_cloud.triton.orchestrator import engine_kwargs
+    from cosyedge_models.batching.policy import BatchSettings
 
     assert engine_kwargs({}, "ort") == {}
     assert engine_kwargs({"LLM_MAX_BATCH_SIZE": "0"}, "ort") == {}

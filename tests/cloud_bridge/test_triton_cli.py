@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cloud_bridge.model_io import OUTPUTS, request_tensors
-from cloud_bridge.triton_launcher import TritonError, find_server
+from cosyedge_cloud.triton.model_io import OUTPUTS, request_tensors
+from cosyedge_cloud.triton.launcher import TritonError, find_server
 from tests.cloud_bridge.helpers import wait_for
 from tests.support.broker import free_port
 
@@ -33,7 +33,7 @@ def test_triton_command_serves_the_bundle(tiny_bundle: Path, tmp_path: Path) -> 
     cmd = [
         sys.executable,
         "-m",
-        "daemon",
+        "cosyedge_daemon",
         "triton",
         "--bundle",
         str(tiny_bundle),

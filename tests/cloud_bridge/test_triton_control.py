@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from cloud_bridge.protocol import CloudRequest
-from cloud_bridge.triton_launcher import LaunchSettings, TritonError
-from models.errors import BundleError
+from cosyedge_cloud.wire.protocol import CloudRequest
+from cosyedge_cloud.triton.launcher import LaunchSettings, TritonError
+from cosyedge_models.errors import BundleError
 from tests.cloud_bridge.conftest import SINE_MODEL
 from tests.cloud_bridge.device import Device
 from tests.cloud_bridge.sine_engine import dominant_frequency, write_sine_bundle

@@ -12,33 +12,33 @@ from typing import Any
 
 import pytest
 
-from daemon.audio.interfaces import AudioSink
-from daemon.config import settings_from_mapping
-from daemon.espeak_engine import EspeakEngine
-from daemon.service import Service
-from daemon.settings import Settings
-from models.api import Engine
+from cosyedge_daemon.audio.interfaces import AudioSink
+from cosyedge_daemon.service.config import settings_from_mapping
+from cosyedge_daemon.synthesizers.espeak import EspeakSynthesizer
+from cosyedge_daemon.service.service import Service
+from cosyedge_daemon.service.settings import Settings
+from cosyedge_models.synthesis.api import Synthesizer
 from tests.daemon.mqtt_probe import Probe
 from tests.support.broker import Broker
 
-EngineFactory = Callable[[], Engine]
+SynthesizerFactory = Callable[[], Synthesizer]
 
 
-def _espeak() -> Engine:
+def _espeak() -> Synthesizer:
     if shutil.which("espeak-ng") is None:
         pytest.skip("espeak-ng is not installed (apt-get install espeak-ng); .ci/setup installs it")
-    return EspeakEngine(voice="en-us", sample_rate=24000)
+    return EspeakSynthesizer(voice="en-us", sample_rate=24000)
 
 
 # The engine the daemon serves with in these tests. To run the suite on the
-# CosyVoice tiny bundle too, add a param that loads it (models.engine.load_engine).
+# CosyVoice tiny bundle too, add a param that loads it (cosyedge_models.synthesis.synthesizer.load_synthesizer).
 @pytest.fixture(params=["espeak-ng"])
-def engine_factory(request: pytest.FixtureRequest) -> EngineFactory:
+def engine_factory(request: pytest.FixtureRequest) -> SynthesizerFactory:
     return {"espeak-ng": _espeak}[request.param]
 
 
 @pytest.fixture()
-def fallback_factory() -> EngineFactory:
+def fallback_factory() -> SynthesizerFactory:
     return _espeak
 
 
@@ -53,7 +53,7 @@ def make_settings(broker_url: str, device_id: str | None = None, **sections: dic
 
 class DaemonFactory:
     def __init__(
-        self, broker: Broker, engine_factory: EngineFactory, fallback_factory: EngineFactory
+        self, broker: Broker, engine_factory: SynthesizerFactory, fallback_factory: SynthesizerFactory
     ) -> None:
         self.broker = broker
         self.engine_factory = engine_factory
@@ -65,8 +65,8 @@ class DaemonFactory:
         self,
         *,
         sink: AudioSink | None = None,
-        local: Engine | None | str = "default",
-        fallback: Engine | None | str = "default",
+        local: Synthesizer | None | str = "default",
+        fallback: Synthesizer | None | str = "default",
         settings: Settings | None = None,
         **sections: dict[str, Any],
     ) -> Service:
@@ -100,7 +100,7 @@ class DaemonFactory:
 
 @pytest.fixture()
 def daemons(
-    broker: Broker, engine_factory: EngineFactory, fallback_factory: EngineFactory
+    broker: Broker, engine_factory: SynthesizerFactory, fallback_factory: SynthesizerFactory
 ) -> Iterator[DaemonFactory]:
     factory = DaemonFactory(broker, engine_factory, fallback_factory)
     try:

@@ -1,4 +1,4 @@
-"""An Engine for the concurrency tests (models.api.Engine protocol): each
+"""An Synthesizer for the concurrency tests (cosyedge_models.synthesis.api.Synthesizer protocol): each
 request yields `chunks` chunks of a constant level chosen per text (so the
 played audio tells whose it was), records what it saw (priority, overlap
 with other requests, cancel) and can be held inside synthesis until the test
@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from models.api import AudioChunk, EngineDefaults, Mode, SynthesisRequest
-from models.errors import EngineError
+from cosyedge_models.synthesis.api import AudioChunk, EngineDefaults, Mode, SynthesisRequest
+from cosyedge_models.errors import SynthesisError
 
 
 @dataclass
@@ -80,7 +80,7 @@ class FakeEngine(EngineDefaults):
                     seen.cancelled = True
                     return
                 if "FAIL" in text and n == 0:
-                    raise EngineError(f"injected failure on {text!r}")
+                    raise SynthesisError(f"injected failure on {text!r}")
                 seen.produced += 1
                 pcm = np.full(self.chunk_samples, level, dtype=np.float32)
                 yield AudioChunk(pcm, self.sample_rate, n, n == self.chunks - 1)

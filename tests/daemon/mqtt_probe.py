@@ -15,7 +15,7 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from cloud_bridge.mqtt_factory import MqttOptions, connect, make_client
+from cosyedge_cloud.wire.mqtt import MqttOptions, connect, make_client
 
 
 @dataclass

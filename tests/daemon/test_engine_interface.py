@@ -1,12 +1,12 @@
-"""The typed interface the daemon asks of an engine (models.api.ServedEngine):
+"""The typed interface the daemon asks of an engine (cosyedge_models.synthesis.api.ServedEngine):
 the neutral defaults, and the router reading `available` without probing."""
 
 from __future__ import annotations
 
-from daemon.cloud_engine import describe_link
-from daemon.routing import EngineSlot
-from daemon.settings import RoutingSettings
-from models.api import ServedEngine, SynthesisRequest
+from cosyedge_daemon.synthesizers.cloud import describe_link
+from cosyedge_daemon.synthesizers.routing import SynthesizerSlot
+from cosyedge_daemon.service.settings import RoutingSettings
+from cosyedge_models.synthesis.api import ServedEngine, SynthesisRequest
 from tests.daemon.fake_engine import FakeEngine
 
 
@@ -25,7 +25,7 @@ def test_defaults_of_an_engine_with_nothing_more_to_say() -> None:
 
 
 def test_router_slot_uses_available() -> None:
-    slot = EngineSlot("cloud", RoutingSettings())
+    slot = SynthesizerSlot("cloud", RoutingSettings())
     slot.swap(FakeEngine())
     assert slot.healthy and slot.describe()["state"] == "ready"
     slot.swap(_Away())

@@ -9,14 +9,14 @@ import time
 
 import pytest
 
-from daemon.jobs import Job
-from daemon.routing import EngineSet, RouteDecision, Router
-from daemon.settings import RoutingSettings
-from daemon.tts_api import ApiError, TtsRequest
-from models.api import SynthesisRequest
-from models.errors import RequestError
+from cosyedge_daemon.serving.jobs import Job
+from cosyedge_daemon.synthesizers.routing import SynthesizerSet, RouteDecision, Router
+from cosyedge_daemon.service.settings import RoutingSettings
+from cosyedge_daemon.api.tts_messages import ApiError, TtsRequest
+from cosyedge_models.synthesis.api import SynthesisRequest
+from cosyedge_models.errors import RequestError
 from tests.daemon.fake_engine import FakeEngine
-from tests.daemon.test_pipeline_workers import Answers, make
+from tests.daemon.serving.test_pipeline_workers import Answers, make
 
 
 class Counting(FakeEngine):
@@ -35,7 +35,7 @@ class Counting(FakeEngine):
 
 
 def _router(local: Counting, cloud: Counting | None = None) -> Router:
-    engines = EngineSet(RoutingSettings())
+    engines = SynthesizerSet(RoutingSettings())
     engines.slots["local"].swap(local)
     engines.slots["cloud"].swap(cloud)
     return Router(engines, RoutingSettings())

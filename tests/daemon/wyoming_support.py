@@ -16,9 +16,9 @@ import numpy as np
 from wyoming.client import AsyncTcpClient
 from wyoming.event import Event
 
-from daemon.service import Service
-from models.api import AudioChunk as EngineChunk
-from models.api import Mode, SynthesisRequest
+from cosyedge_daemon.service.service import Service
+from cosyedge_models.synthesis.api import AudioChunk as EngineChunk
+from cosyedge_models.synthesis.api import Mode, SynthesisRequest
 from tests.daemon.fake_engine import FakeEngine
 
 

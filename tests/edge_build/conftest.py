@@ -20,7 +20,7 @@ class Checkpoint:
     name: str
     model_dir: Path
     bundle: Path
-    refs: Any  # edge_build.reference.ReferenceModels
+    refs: Any  # cosyedge_build.reference.modules.ReferenceModels
     sessions: dict[str, Any] = field(default_factory=dict)
 
     def session(self, stage: str) -> Any:
@@ -38,21 +38,21 @@ class Checkpoint:
 
 @pytest.fixture(scope="session")
 def tiny2_model_dir() -> Path:
-    from edge_build.tiny import build_tiny_checkpoint
+    from cosyedge_build.checkpoint.tiny import build_tiny_checkpoint
 
     return _cached_dir(
         "tiny2-ckpt",
-        _code_hash("edge_build"),
+        _code_hash("cosyedge_build"),
         lambda out: build_tiny_checkpoint(out, seed=SECOND_SEED, size="tiny2"),
     )
 
 
 @pytest.fixture(scope="session")
 def tiny2_bundle(tiny2_model_dir: Path) -> Path:
-    from edge_build.export import export_bundle
+    from cosyedge_build.export import export_bundle
 
     return _cached_dir(
-        "tiny2-bundle", _code_hash("edge_build", "models"), lambda out: export_bundle(tiny2_model_dir, out)
+        "tiny2-bundle", _code_hash("cosyedge_build", "cosyedge_models"), lambda out: export_bundle(tiny2_model_dir, out)
     )
 
 
@@ -61,7 +61,7 @@ _REFS: dict[str, Checkpoint] = {}
 
 @pytest.fixture(scope="session", params=["tiny", "tiny2"])
 def checkpoint(request: pytest.FixtureRequest) -> Checkpoint:
-    from edge_build.reference import load_reference
+    from cosyedge_build.reference.modules import load_reference
 
     name = request.param
     if name not in _REFS:

@@ -1,4 +1,4 @@
-"""The bundle export against models/BUNDLE.md: files, hashes, every stage's
+"""The bundle export against models/bundle/BUNDLE.md: files, hashes, every stage's
 I/O as onnxruntime sees it, profiles, hyper-parameters read from the
 checkpoint, voices, and what a failed export leaves behind."""
 
@@ -13,8 +13,8 @@ import numpy as np
 import onnx
 import pytest
 
-from edge_build.export import export_bundle
-from models.errors import CheckpointError, CosyEdgeError
+from cosyedge_build.export import export_bundle
+from cosyedge_models.errors import CheckpointError, CosyEdgeError
 from tests.edge_build.conftest import Checkpoint
 
 STAGES = ["llm_prefill", "llm_decode", "flow_encoder", "flow_estimator", "hift_source", "hift_decoder"]
@@ -173,8 +173,8 @@ def test_zero_shot_speaker_becomes_a_prompt_voice(tiny_model_dir: Path, tmp_path
     prompt tokens, speech tokens, mel and a decoded transcript."""
     import torch
 
-    from edge_build.export.tokenizer import export_tokenizer
-    from edge_build.export.voices import export_voices
+    from cosyedge_build.export.tokenizer import export_tokenizer
+    from cosyedge_build.export.voices import export_voices
 
     model = tmp_path / "ckpt"
     model.mkdir()
@@ -235,8 +235,8 @@ def test_export_of_a_bad_dir_leaves_nothing(tiny_model_dir: Path, tmp_path: Path
 def test_estimator_profiles_cover_offline_and_streaming_calls(checkpoint: Checkpoint) -> None:
     """TensorRT profiles of the cache-capable estimator: offline calls (any
     batch, empty cache) and streaming calls (one request, cache of up to 30 s)."""
-    from edge_build.engine_plan import batch_caps, build_profiles
-    from models.backends.profiles import choose_profile
+    from cosyedge_build.tensorrt.engine_plan import batch_caps, build_profiles
+    from cosyedge_models.backends.profiles import choose_profile
 
     entry = load_manifest(checkpoint.bundle)["stages"]["flow_estimator"]
     d = entry["cache"]

@@ -1,4 +1,4 @@
-"""edge_build/device_probe.py on the CPU: the stage times, the estimator
+"""edge_build/tools/device_probe.py on the CPU: the stage times, the estimator
 feeds the graph accepts, the per-stage profile, and the GPU part skipped
 with its reason."""
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_build.device_probe import estimator_feeds, main, vocoder_feeds
-from models.engine import EngineSettings, load_engine
+from cosyedge_build.tools.device_probe import estimator_feeds, main, vocoder_feeds
+from cosyedge_models.synthesis.synthesizer import SynthesisSettings, load_synthesizer
 
 
 def test_probe_on_the_cpu_reports_stages_and_skips_the_gpu_part(tiny_bundle: Path, tmp_path: Path) -> None:
@@ -26,7 +26,7 @@ def test_probe_on_the_cpu_reports_stages_and_skips_the_gpu_part(tiny_bundle: Pat
 
 
 def test_estimator_and_vocoder_feeds_run_on_their_graphs(tiny_bundle: Path) -> None:
-    engine = load_engine(tiny_bundle, settings=EngineSettings(threads=1, overlap_stages=False))
+    engine = load_synthesizer(tiny_bundle, settings=SynthesisSettings(threads=1, overlap_stages=False))
     try:
         out = engine.flow.estimator.run(estimator_feeds(engine, 30))
         audio = engine.vocoder.decoder_session.run(vocoder_feeds(engine, 20))["audio"]
@@ -38,11 +38,11 @@ def test_estimator_and_vocoder_feeds_run_on_their_graphs(tiny_bundle: Path) -> N
 
 
 def test_probe_compares_fixed_size_and_dynamic_decode(tiny_static_bundle: Path) -> None:
-    from edge_build.device_probe import offline_run
-    from models.api import SynthesisRequest
+    from cosyedge_build.tools.device_probe import offline_run
+    from cosyedge_models.synthesis.api import SynthesisRequest
 
     request = SynthesisRequest(text="Two ways to decode.", stream=False, seed=2)
-    fixed = offline_run(tiny_static_bundle, "ort", EngineSettings(threads=1, graph_decode=True), request)
-    dynamic = offline_run(tiny_static_bundle, "ort", EngineSettings(threads=1, graph_decode=False), request)
+    fixed = offline_run(tiny_static_bundle, "ort", SynthesisSettings(threads=1, graph_decode=True), request)
+    dynamic = offline_run(tiny_static_bundle, "ort", SynthesisSettings(threads=1, graph_decode=False), request)
     assert fixed["fixed_size_decode"] and not dynamic["fixed_size_decode"]
     assert fixed["llm_tokens"] == dynamic["llm_tokens"] > 0

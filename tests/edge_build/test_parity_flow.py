@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from models.api import SynthesisRequest
+from cosyedge_models.synthesis.api import SynthesisRequest
 from tests.edge_build.conftest import Checkpoint
 from tests.edge_build.parity import TOLERANCE, empty_encoder_caches, empty_estimator_caches, max_rel, to_numpy
 
@@ -277,9 +277,9 @@ def test_flow_stream_matches_the_full_prefix_pass_on_both_checkpoints(checkpoint
     """The runtime's FlowStream: with caches where the manifest allows them
     (tiny), recomputing the prefix where it does not (tiny2), the chunks are
     upstream's full-prefix streaming chunks."""
-    from models.engine import load_engine
+    from cosyedge_models.synthesis.synthesizer import load_synthesizer
 
-    engine = load_engine(checkpoint.bundle)
+    engine = load_synthesizer(checkpoint.bundle)
     try:
         dims = manifest(checkpoint)["stages"]["flow_estimator"]["cache"]
         voice = engine.conditioning.build(SynthesisRequest(text="x")).flow

@@ -21,16 +21,16 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from edge_build.engine_plan import precision_mode
-from edge_build.quantize.capture import FeedStore, capture_feeds
-from edge_build.quantize.metrics import matched_prefix, snr_db
-from edge_build.quantize.pipeline import REPORT_FILE, QuantizeBudgetError, quantize_bundle
-from edge_build.quantize.qdq_rules import check_qdq
-from edge_build.quantize.sensitivity import _outputs
-from edge_build.quantize.settings import AccuracyBudget, QuantizeSettings
-from edge_build.quantize.texts import HELD_OUT_TEXTS, calibration_texts
-from models.api import SynthesisRequest
-from models.engine import EngineSettings, load_engine
+from cosyedge_build.tensorrt.engine_plan import precision_mode
+from cosyedge_build.quantize.capture import FeedStore, capture_feeds
+from cosyedge_build.quantize.metrics import matched_prefix, snr_db
+from cosyedge_build.quantize.pipeline import REPORT_FILE, QuantizeBudgetError, quantize_bundle
+from cosyedge_build.quantize.qdq_rules import check_qdq
+from cosyedge_build.quantize.sensitivity import _outputs
+from cosyedge_build.quantize.settings import AccuracyBudget, QuantizeSettings
+from cosyedge_build.quantize.texts import HELD_OUT_TEXTS, calibration_texts
+from cosyedge_models.synthesis.api import SynthesisRequest
+from cosyedge_models.synthesis.synthesizer import SynthesisSettings, load_synthesizer
 
 TINY_BUDGET = AccuracyBudget(e2e_match_min=0.0)
 QUANT_STAGES = ("llm_prefill", "llm_decode", "flow_estimator", "hift_decoder")
@@ -67,8 +67,8 @@ def fp16_bundle(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 @pytest.mark.parametrize("precision", ["int8", "fp16"])
 def test_bundle_loads_and_synthesizes(precision: str, int8_bundle: Any, fp16_bundle: Any) -> None:
     out, _ = int8_bundle if precision == "int8" else fp16_bundle
-    for settings in (EngineSettings(), EngineSettings(precision=precision)):
-        engine = load_engine(out, settings=settings)
+    for settings in (SynthesisSettings(), SynthesisSettings(precision=precision)):
+        engine = load_synthesizer(out, settings=settings)
         try:
             assert engine.bundle.precision == precision
             for stage in QUANT_STAGES:
@@ -231,7 +231,7 @@ def test_prefill_and_decode_share_int8_weights(int8_bundle: Any) -> None:
 def test_cli_arguments_and_table(int8_bundle: Any) -> None:
     import argparse
 
-    from edge_build.quantize_cli import add_quantize_arguments, format_report, settings_from_args
+    from cosyedge_daemon.cli.build_quantize import add_quantize_arguments, format_report, settings_from_args
 
     p = argparse.ArgumentParser()
     add_quantize_arguments(p)
@@ -246,8 +246,8 @@ def test_cli_arguments_and_table(int8_bundle: Any) -> None:
 
 
 def test_sensitivity_pass_excludes_worst_groups_until_budget(tiny_bundle: Path, tmp_path: Path) -> None:
-    from edge_build.quantize.policy import unit
-    from edge_build.quantize.sensitivity import quantize_unit
+    from cosyedge_build.quantize.policy import unit
+    from cosyedge_build.quantize.sensitivity import quantize_unit
 
     vocoder = unit("vocoder")
     calib = capture_feeds(tiny_bundle, calibration_texts(2), cap_per_stage=6).feeds
@@ -295,7 +295,7 @@ def test_weight_only_int8_bundle(int8w_bundle: Any) -> None:
         assert not any(n.op_type == "MatMulNBits" and re.search(r"time_mlp|time_emb", n.name)
                        for n in model.graph.node)
         assert report["sizes"][stage]["variant_bytes"] < report["sizes"][stage]["fp32_bytes"]
-    engine = load_engine(out, settings=EngineSettings(precision="int8w"))
+    engine = load_synthesizer(out, settings=SynthesisSettings(precision="int8w"))
     try:
         assert engine.bundle.stages["llm_decode"].path.name == "llm_decode.int8w.onnx"
         chunks = list(engine.synthesize(SynthesisRequest(text="Hello world, 你好。", stream=True, seed=3)))
@@ -306,8 +306,8 @@ def test_weight_only_int8_bundle(int8w_bundle: Any) -> None:
 
 
 def test_engines_refuse_weight_only_bundle(int8w_bundle: Any) -> None:
-    from edge_build.engines import build_engines
-    from models.errors import BundleError
+    from cosyedge_build.tensorrt.engines import build_engines
+    from cosyedge_models.errors import BundleError
 
     out, _ = int8w_bundle
     with pytest.raises(BundleError, match=r"not int8w \(an onnxruntime-only format\); pass --precision int8 or fp16"):
@@ -315,10 +315,10 @@ def test_engines_refuse_weight_only_bundle(int8w_bundle: Any) -> None:
 
 
 def test_daemon_cli_offers_every_precision() -> None:
-    """daemon/cli.py declares the quantize options itself (the board's CLI must not
+    """daemon/cli/main.py declares the quantize options itself (the board's CLI must not
     import the build side); it must offer what the quantizer takes."""
-    from daemon.cli import build_parser
-    from edge_build.quantize.settings import PRECISIONS
+    from cosyedge_daemon.cli.main import build_parser
+    from cosyedge_build.quantize.settings import PRECISIONS
 
     parser = build_parser()
     for precision in PRECISIONS:

@@ -13,12 +13,12 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from daemon.cli import main
-from edge_build import reference
-from edge_build.reference import StandInModule, load_reference, require
-from edge_build.tiny import build_tiny_checkpoint
-from edge_build.tiny_sizes import PRESETS
-from models.errors import CheckpointError, CosyEdgeError, MissingExtraError
+from cosyedge_daemon.cli.main import main
+import cosyedge_build.reference.modules as reference
+from cosyedge_build.reference.modules import StandInModule, load_reference, require
+from cosyedge_build.checkpoint.tiny import build_tiny_checkpoint
+from cosyedge_build.checkpoint.tiny_sizes import PRESETS
+from cosyedge_models.errors import CheckpointError, CosyEdgeError, MissingExtraError
 from tests.edge_build.conftest import Checkpoint
 
 LAYOUT = [
@@ -259,7 +259,7 @@ def test_model_part_keeps_scalars_and_model_blocks(checkpoint: Checkpoint) -> No
 def test_full_size_checkpoint_exports(tmp_path: Path) -> None:
     """The real CosyVoice2-0.5B dimensions load strictly and export
     (minutes, ~10 GB of memory, ~8 GB of disk)."""
-    from edge_build.export import export_bundle
+    from cosyedge_build.export import export_bundle
     from tests.edge_build.parity import TOLERANCE, max_rel, to_numpy
     from tests.edge_build.test_parity_llm import cache_array, lm_input, upstream_prefill
 

@@ -8,7 +8,7 @@ import json
 import pytest
 from tokenizers import Tokenizer
 
-from edge_build.reference import load_qwen_tokenizer
+from cosyedge_build.reference.modules import load_qwen_tokenizer
 from tests.edge_build.conftest import Checkpoint
 
 TEXTS = [

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from models.engine import CosyVoiceEngine, load_engine
+from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, load_synthesizer
 
 # What upstream's QwenTokenizer.__init__ adds (cosyvoice/tokenizer/tokenizer.py).
 UPSTREAM_SPECIAL_TOKENS = {
@@ -60,10 +60,10 @@ TRAINING_TEXT = [
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_bundle: Path) -> Iterator[CosyVoiceEngine]:
+def engine(tiny_bundle: Path) -> Iterator[CosyVoiceSynthesizer]:
     """The tiny bundle's engine, one per test module (test_pipeline_parity
     overrides it with upstream's vocoder noise)."""
-    eng = load_engine(tiny_bundle)
+    eng = load_synthesizer(tiny_bundle)
     yield eng
     eng.close()
 
@@ -118,7 +118,7 @@ def tokenizer_json(hf_tokenizer: Any, tmp_path_factory: pytest.TempPathFactory) 
 
 @pytest.fixture(scope="session")
 def text_tokenizer(tokenizer_json: Path) -> Any:
-    from models.text.tokenizer import TextTokenizer
+    from cosyedge_models.text.tokenizer import TextTokenizer
 
     return TextTokenizer.from_file(tokenizer_json)
 
@@ -127,7 +127,7 @@ def text_tokenizer(tokenizer_json: Path) -> Any:
 
 
 def trt_unavailable_reason() -> str | None:
-    from models.backends.gpu_probe import probe_gpu, probe_tensorrt
+    from cosyedge_models.backends.gpu_probe import probe_gpu, probe_tensorrt
 
     gpu = probe_gpu()
     if not gpu.available:

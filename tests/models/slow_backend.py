@@ -13,15 +13,15 @@ from pathlib import Path
 
 import numpy as np
 
-from models.backends.base import Backend, DecodeLoop, HostDecodeLoop, Session
-from models.backends.flow_cache import HostStepCache, StepCache, StepCacheSpec
-from models.errors import EngineError
+from cosyedge_models.backends.base import Backend, DecodeLoop, HostDecodeLoop, Session
+from cosyedge_models.backends.flow_cache import HostStepCache, StepCache, StepCacheSpec
+from cosyedge_models.errors import SynthesisError
 
 
 @dataclass
 class StagePlan:
     delay_s: dict[str, float] = field(default_factory=dict)  # stage -> sleep per run
-    fail_after: dict[str, int] = field(default_factory=dict)  # stage -> calls that succeed, then EngineError
+    fail_after: dict[str, int] = field(default_factory=dict)  # stage -> calls that succeed, then SynthesisError
     calls: dict[str, int] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -44,7 +44,7 @@ class SlowSession:
         n = self._plan.count(self.name)
         limit = self._plan.fail_after.get(self.name)
         if limit is not None and n > limit:
-            raise EngineError(f"{self.name}: injected failure at call {n}")
+            raise SynthesisError(f"{self.name}: injected failure at call {n}")
         time.sleep(self._plan.delay_s.get(self.name, 0.0))
         return self._inner.run(inputs, outputs)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from daemon.audio.pcm import read_audio_file, resample
+from cosyedge_daemon.audio.pcm import read_audio_file, resample
 
 RATE = 16000
 GERMAN = "was_der_mensch_saet_das_wird_er_vielfach_ernten_44100Hz_mono_lead_trail_silence.wav"

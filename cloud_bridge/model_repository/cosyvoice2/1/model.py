@@ -1,9 +1,9 @@
-"""cosyvoice2, this version: the orchestrator of cloud_bridge/triton_model.py.
+"""cosyvoice2, this version: the orchestrator of cloud_bridge/triton/orchestrator.py.
 The bundle of this version is the `bundle` link beside this file (made by
 `cosyedge triton`), else the BUNDLE_DIR parameter or $COSYEDGE_BUNDLE."""
 
 try:
-    from cloud_bridge.triton_model import TritonPythonModel  # noqa: F401
+    from cosyedge_cloud.triton.orchestrator import TritonPythonModel  # noqa: F401
 except ImportError as exc:  # pragma: no cover - inside tritonserver only
     raise ImportError(
         "the cosyedge project must be importable by Triton's Python backend "

@@ -1,0 +1,167 @@
+"""The Triton Python-backend model `cosyvoice2`: an orchestrator that loads
+a model bundle through `cosyedge_models.synthesis.synthesizer.load_synthesizer` and streams every audio
+chunk of a request back as its own response (a decoupled model).
+
+Runs inside tritonserver's Python backend stub (the `model.py` of each
+version directory imports `TritonPythonModel` from here); the project must be
+importable there (`.venv-triton` puts this checkout on its path).
+
+Batching: Triton's dynamic batcher hands `execute` up to max_batch_size
+requests at once; they are synthesized concurrently on a thread pool of that
+size (the engine serves concurrent requests, each with its own streaming
+state), and `execute` returns when the batch is done, so Triton queues and
+batches what arrives meanwhile. More instances (instance_group count) run
+more batches at once.
+
+Where the bundle comes from, first match wins:
+  1. `<model dir>/<version>/bundle` (a link that `cosyedge triton` creates),
+  2. the model parameter BUNDLE_DIR,
+  3. the environment variable COSYEDGE_BUNDLE.
+Other parameters: ENGINE_BACKEND (`ort` here, `trt` on a GPU server with the
+bundle's TensorRT engines) and ENGINE_FACTORY (`module:function`, called as
+``factory(bundle_dir, backend=...)``; default `cosyedge_models.synthesis.synthesizer:load_synthesizer`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
+from pathlib import Path
+from typing import Any
+
+from cosyedge_cloud.triton.model_io import INPUTS, BadTensors, error_message, response_tensors, synthesis_request
+from cosyedge_models.synthesis.api import Synthesizer
+from cosyedge_models.errors import BundleError, CosyEdgeError, RequestError
+
+DEFAULT_FACTORY = "cosyedge_models.synthesis.synthesizer:load_synthesizer"
+
+
+def resolve_bundle(
+    model_dir: Path,
+    version: str,
+    params: dict[str, str],
+    environ: dict[str, str] | os._Environ[str] = os.environ,
+) -> Path:
+    link = model_dir / version / "bundle"
+    if link.exists():
+        return link.resolve()
+    if params.get("BUNDLE_DIR"):
+        return Path(params["BUNDLE_DIR"])
+    if environ.get("COSYEDGE_BUNDLE"):
+        return Path(environ["COSYEDGE_BUNDLE"])
+    raise CosyEdgeError(
+        f"no model bundle for {model_dir.name} version {version}: link it at {link}, set the model "
+        "parameter BUNDLE_DIR, or the environment variable COSYEDGE_BUNDLE "
+        "(cosyedge triton --bundle does the first)"
+    )
+
+
+def load_factory(spec: str) -> Callable[..., Synthesizer]:
+    module_name, _, func = spec.partition(":")
+    if not module_name or not func:
+        raise CosyEdgeError(f"ENGINE_FACTORY must be 'module:function', got {spec!r}")
+    factory: Callable[..., Synthesizer] = getattr(importlib.import_module(module_name), func)
+    return factory
+
+
+def engine_kwargs(params: dict[str, str], backend: str) -> dict[str, Any]:
+    """Extra factory arguments from the model parameters: LLM_MAX_BATCH_SIZE > 0
+    turns on the engine's continuous batching, so the requests of a Triton
+    batch (served on parallel threads) share the LLM's decode steps;
+    FLOW_MAX_BATCH_SIZE > 0 batches their flow estimator and vocoder calls."""
+    from cosyedge_models.batching.policy import BatchSettings
+
+    def batching(prefix: str) -> BatchSettings | None:
+        try:
+            size = int(params.get(f"{prefix}_MAX_BATCH_SIZE") or 0)
+            delay_ms = float(params.get(f"{prefix}_MAX_QUEUE_DELAY_MS") or 0.0)
+        except ValueError as exc:
+            raise CosyEdgeError(f"{prefix}_MAX_BATCH_SIZE must be an integer and {prefix}_MAX_QUEUE_DELAY_MS a "
+                                f"number: {exc}") from exc
+        return BatchSettings(max_batch_size=size, max_queue_delay_ms=delay_ms) if size > 0 else None
+
+    llm, flow = batching("LLM"), batching("FLOW")
+    if llm is None and flow is None:
+        return {}
+    from cosyedge_models.synthesis.synthesizer import SynthesisSettings
+
+    return {"settings": SynthesisSettings(backend=backend, batching=llm, flow_batching=flow)}
+
+
+class TritonPythonModel:
+    """The class name is what the Python backend looks for."""
+
+    def initialize(self, args: dict[str, str]) -> None:
+        import triton_python_backend_utils as pb_utils  # only inside the server
+
+        self.pb = pb_utils
+        self.log = pb_utils.Logger
+        config: dict[str, Any] = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(config):
+            raise CosyEdgeError(
+                "cosyvoice2 streams chunks: its config needs model_transaction_policy { decoupled: true }"
+            )
+        params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
+        self.version = args["model_version"]
+        bundle = resolve_bundle(Path(args["model_repository"]), self.version, params)
+        backend = params.get("ENGINE_BACKEND") or "ort"
+        factory = load_factory(params.get("ENGINE_FACTORY") or DEFAULT_FACTORY)
+        started = time.perf_counter()
+        self.engine = factory(bundle, backend=backend, **engine_kwargs(params, backend))
+        self.log.log_info(
+            f"cosyvoice2 v{self.version}: {self.engine.name} from {bundle} "
+            f"({self.engine.sample_rate} Hz) in {time.perf_counter() - started:.1f} s"
+        )
+        self.pool = ThreadPoolExecutor(
+            max_workers=max(1, int(config.get("max_batch_size") or 1)),
+            thread_name_prefix=f"cosyvoice2-v{self.version}",
+        )
+
+    def execute(self, requests: list[Any]) -> None:
+        futures = [self.pool.submit(self._serve, request) for request in requests]
+        wait(futures)
+        return None  # decoupled: every response went out through the senders
+
+    def _inputs(self, request: Any) -> dict[str, Any]:
+        tensors = {}
+        for name in INPUTS:
+            tensor = self.pb.get_input_tensor_by_name(request, name)
+            if tensor is not None:
+                tensors[name] = tensor.as_numpy()
+        return tensors
+
+    def _error(self, sender: Any, kind: str, code: str, text: str) -> None:
+        error = self.pb.TritonError(error_message(kind, code, text))
+        sender.send(self.pb.InferenceResponse(error=error), flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def _serve(self, request: Any) -> None:
+        pb = self.pb
+        sender = request.get_response_sender()
+        cancel = threading.Event()
+        try:
+            synth = synthesis_request(self._inputs(request))
+            for chunk in self.engine.synthesize(synth, cancel):
+                if request.is_cancelled():
+                    cancel.set()  # the client went away: stop the engine, no more responses
+                    break
+                tensors = response_tensors(chunk.pcm, chunk.sample_rate, chunk.index, chunk.last, chunk.times.as_dict())
+                sender.send(pb.InferenceResponse(output_tensors=[pb.Tensor(k, v) for k, v in tensors.items()]))
+            sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        except BadTensors as exc:
+            self._error(sender, "request", "bad_tensors", str(exc))
+        except RequestError as exc:
+            self._error(sender, "request", exc.code, str(exc))
+        except BundleError as exc:  # e.g. zero-shot on a bundle without the speech tokenizer
+            self._error(sender, "request", "unsupported", str(exc))
+        except Exception as exc:  # a run-time failure answers this request only; the model keeps serving
+            self.log.log_error(f"cosyvoice2 v{self.version}: synthesis failed: {type(exc).__name__}: {exc}")
+            self._error(sender, "engine", "engine_error", f"{type(exc).__name__}: {exc}")
+
+    def finalize(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.engine.close()

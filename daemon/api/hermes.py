@@ -1,0 +1,154 @@
+"""Rhasspy Hermes compatibility: `hermes/tts/say` for our siteIds is spoken
+locally or published as one WAV on `hermes/audioServer/<siteId>/playBytes/
+<id>`, then answered with `hermes/tts/sayFinished` (also after an error, as
+Rhasspy's own TTS services do, so a dialogue manager never waits forever);
+errors go to `hermes/error/tts`; VAD events become
+`hermes/voiceActivity/<siteId>/vadUp|vadDown`."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import wave
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from cosyedge_daemon.audio.interfaces import VadEvent
+from cosyedge_daemon.serving.jobs import Job
+from cosyedge_daemon.api.responders import Publisher
+from cosyedge_daemon.api.tts_messages import (
+    ApiError,
+    RequestLimits,
+    TtsRequest,
+    decode_json_object,
+    new_request_id,
+    pcm16_bytes,
+    valid_id,
+)
+
+log = logging.getLogger(__name__)
+
+SAY_TOPIC = "hermes/tts/say"
+SAY_FINISHED_TOPIC = "hermes/tts/sayFinished"
+ERROR_TOPIC = "hermes/error/tts"
+_MAX_WAV_S = 600.0  # one playBytes message holds at most this much audio
+
+
+@dataclass(frozen=True)
+class HermesSay:
+    request: TtsRequest
+    site_id: str
+    session_id: str | None
+    hermes_id: str | None  # echoed back as given (may be null)
+
+
+def parse_hermes_say(
+    payload: bytes, limits: RequestLimits, site_ids: tuple[str, ...], output: str, received_at: float
+) -> HermesSay | None:
+    """The request, None when it is for another site; ApiError (with
+    `site_id`/`session_id` attributes when known) when it is malformed."""
+    try:
+        obj = decode_json_object(payload, limits.max_payload_bytes)
+    except ApiError as exc:
+        raise HermesError(exc.message, "default", None) from None
+    site_id = obj.get("siteId", "default")
+    if not isinstance(site_id, str):
+        raise HermesError("'siteId' must be a string", "default", None)
+    if site_id not in site_ids:
+        return None
+    session_id = obj.get("sessionId")
+    session_id = session_id if isinstance(session_id, str) else None
+    hermes_id = obj.get("id")
+    hermes_id = hermes_id if isinstance(hermes_id, str) else None
+    text = obj.get("text")
+    if not isinstance(text, str) or not text.strip():
+        raise HermesError("'text' must be a non-empty string", site_id, session_id)
+    if len(text) > limits.max_text_chars:
+        raise HermesError(
+            f"'text' has {len(text)} characters; the limit is {limits.max_text_chars}", site_id, session_id
+        )
+    rid = hermes_id if hermes_id is not None and valid_id(hermes_id) else new_request_id()
+    request = TtsRequest(
+        id=rid,
+        text=text,
+        voice=limits.default_voice,
+        output="play" if output == "play" else "publish",
+        route=limits.default_route,
+        priority=limits.default_priority,
+        deadline_ms=limits.default_deadline_ms or None,
+        received_at=received_at,
+    )
+    return HermesSay(request, site_id, session_id, hermes_id)
+
+
+class HermesError(ApiError):
+    def __init__(self, message: str, site_id: str, session_id: str | None) -> None:
+        super().__init__("invalid_request", message)
+        self.site_id = site_id
+        self.session_id = session_id
+
+
+def wav_bytes(pcm: np.ndarray, sample_rate: int) -> bytes:
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(sample_rate)
+        w.writeframes(pcm16_bytes(pcm))
+    return buf.getvalue()
+
+
+def publish_error(
+    publisher: Publisher, message: str, site_id: str, session_id: str | None, context: str | None = None
+) -> None:
+    payload = {"error": message, "siteId": site_id, "context": context, "sessionId": session_id}
+    publisher.publish(ERROR_TOPIC, json.dumps(payload))
+
+
+def publish_say_finished(
+    publisher: Publisher, hermes_id: str | None, site_id: str, session_id: str | None
+) -> None:
+    publisher.publish(
+        SAY_FINISHED_TOPIC, json.dumps({"id": hermes_id, "siteId": site_id, "sessionId": session_id})
+    )
+
+
+class HermesResponder:
+    """The answers of one Hermes say (one instance per request)."""
+
+    def __init__(self, publisher: Publisher, say: HermesSay) -> None:
+        self.publisher = publisher
+        self.say = say
+        self._pcm: list[np.ndarray] = []
+        self._samples = 0
+
+    def audio(self, job: Job, pcm: np.ndarray, sample_rate: int, seq: int, last: bool) -> None:
+        if self._samples + pcm.size > _MAX_WAV_S * sample_rate:
+            job.stop("cancelled")
+            return
+        self._pcm.append(pcm)
+        self._samples += pcm.size
+
+    def done(self, job: Job, summary: dict[str, Any]) -> None:
+        s = self.say
+        if job.publishes and self._pcm:
+            play_id = s.hermes_id if valid_id(s.hermes_id) else job.id
+            wav = wav_bytes(np.concatenate(self._pcm), job.sample_rate)
+            self.publisher.publish(f"hermes/audioServer/{s.site_id}/playBytes/{play_id}", wav)
+            self._pcm.clear()
+        publish_say_finished(self.publisher, s.hermes_id, s.site_id, s.session_id)
+
+    def error(self, job: Job, code: str, message: str) -> None:
+        s = self.say
+        publish_error(self.publisher, f"{code}: {message}", s.site_id, s.session_id, context=s.hermes_id)
+        publish_say_finished(self.publisher, s.hermes_id, s.site_id, s.session_id)
+
+
+def publish_voice_activity(publisher: Publisher, site_id: str, event: VadEvent) -> None:
+    """vadUp on speech_start, vadDown on speech_end (Snips/Rhasspy Hermes)."""
+    kind = "vadUp" if event.kind == "speech_start" else "vadDown"
+    payload = {"siteId": site_id, "signalMs": int(round(event.time_s * 1000.0))}
+    publisher.publish(f"hermes/voiceActivity/{site_id}/{kind}", json.dumps(payload), qos=0)

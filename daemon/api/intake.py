@@ -1,0 +1,290 @@
+"""From MQTT messages to queued jobs. `on_message` runs on paho's network
+thread and only parses and queues (bounded); the intake thread then checks
+duplicates, asks the router and the engine whether the request can be
+served, and submits it to the scheduler — or answers with an error."""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from cosyedge_daemon.api.hermes import (
+    SAY_TOPIC,
+    HermesError,
+    HermesResponder,
+    HermesSay,
+    parse_hermes_say,
+    publish_error,
+    publish_say_finished,
+)
+from cosyedge_daemon.serving.jobs import Job, Responder
+from cosyedge_daemon.service.metrics import Metrics
+from cosyedge_daemon.api.connection import InboundMessage, Reply
+from cosyedge_daemon.serving.pipeline import Pipeline
+from cosyedge_daemon.api.responders import NativeResponder, Publisher
+from cosyedge_daemon.serving.scheduler import DedupeMemory, Scheduler, Terminal
+from cosyedge_daemon.service.settings import Settings
+from cosyedge_daemon.api.tts_messages import ApiError, RequestLimits, TtsRequest, parse_cancel, parse_say
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Say:
+    request: TtsRequest
+    hermes: HermesSay | None = None
+
+
+@dataclass(frozen=True)
+class _Reject:
+    request_id: str | None
+    code: str
+    message: str
+    reply: Reply | None
+
+
+@dataclass(frozen=True)
+class _Cancel:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _Reload:
+    bundle: str | None
+
+
+_Item = _Say | _Reject | _Cancel | _Reload | HermesError
+
+
+def request_limits(settings: Settings, has_sink: bool) -> RequestLimits:
+    t, s = settings.tts, settings.scheduler
+    output = t.default_output if t.default_output != "auto" else ("play" if has_sink else "publish")
+    return RequestLimits(
+        max_payload_bytes=settings.mqtt.max_payload_bytes,
+        max_text_chars=t.max_text_chars,
+        max_prompt_s=t.max_prompt_s,
+        default_voice=t.default_voice or None,
+        default_output=output,  # type: ignore[arg-type]
+        default_route=settings.routing.default_route,  # type: ignore[arg-type]
+        default_priority=s.default_priority,
+        default_deadline_ms=s.default_deadline_ms,
+    )
+
+
+class Intake:
+    def __init__(
+        self,
+        settings: Settings,
+        scheduler: Scheduler,
+        pipeline: Pipeline,
+        publisher: Publisher,
+        native: NativeResponder,
+        metrics: Metrics | None,
+        on_reload: Callable[[str | None], object],
+    ) -> None:
+        self.scheduler = scheduler
+        self.pipeline = pipeline
+        self.router = pipeline.router
+        self.publisher = publisher
+        self.native = native
+        self.metrics = metrics
+        self.on_reload = on_reload
+        prefix = settings.topic_prefix
+        self.say_topic, self.cancel_topic = f"{prefix}/tts/say", f"{prefix}/tts/cancel"
+        self.reload_topic = f"{prefix}/admin/reload"
+        self.has_sink = pipeline.sink is not None
+        self.reconfigure(settings)
+        self._queue: queue.Queue[_Item] = queue.Queue(maxsize=settings.mqtt.inbound_queue)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.heartbeat = time.monotonic()
+
+    def reconfigure(self, settings: Settings) -> None:
+        self.settings = settings
+        self.limits = request_limits(settings, self.has_sink)
+
+    def subscriptions(self) -> list[str]:
+        topics = [self.say_topic, self.cancel_topic, self.reload_topic]
+        return topics + ([SAY_TOPIC] if self.settings.hermes.enabled else [])
+
+    # --- paho's thread: parse and queue --------------------------------------------
+    def on_message(self, msg: InboundMessage) -> None:
+        item = self._parse(msg)
+        if item is None:
+            return
+        try:
+            self._queue.put_nowait(item)
+        except queue.Full:
+            log.warning("inbound queue full; answering busy")
+            if isinstance(item, _Say) and item.hermes is None:
+                self.native.reject(
+                    item.request.id,
+                    "busy",
+                    "the daemon is overloaded (inbound queue full)",
+                    item.request.reply,
+                )
+
+    def _parse(self, msg: InboundMessage) -> _Item | None:
+        reply = Reply(msg.response_topic, msg.correlation_data) if msg.response_topic else None
+        try:
+            if msg.topic == self.say_topic:
+                return _Say(parse_say(msg.payload, self.limits, reply=reply, received_at=msg.received_at))
+            if msg.topic == self.cancel_topic:
+                return _Cancel(parse_cancel(msg.payload, self.limits.max_payload_bytes))
+            if msg.topic == self.reload_topic:
+                return _Reload(_reload_bundle(msg.payload))
+            if msg.topic == SAY_TOPIC:
+                h = self.settings.hermes
+                say = parse_hermes_say(
+                    msg.payload, self.limits, self.settings.site_ids, h.output, msg.received_at
+                )
+                return None if say is None else _Say(say.request, say)
+        except HermesError as exc:
+            return exc
+        except ApiError as exc:
+            return _Reject(exc.request_id, exc.code, exc.message, reply)
+        log.debug("ignoring a message on %s", msg.topic)
+        return None
+
+    # --- the intake thread -------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="intake", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+
+    def alive(self, stall_s: float) -> bool:
+        return (
+            self._thread is not None
+            and self._thread.is_alive()
+            and time.monotonic() - self.heartbeat < stall_s
+        )
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.heartbeat = time.monotonic()
+            try:
+                item = self._queue.get(timeout=0.25)
+            except queue.Empty:
+                continue
+            try:
+                self.handle(item)
+            except Exception:
+                log.exception("handling %s failed", type(item).__name__)
+
+    def handle(self, item: _Item) -> None:
+        if isinstance(item, _Say):
+            self._say(item)
+        elif isinstance(item, _Reject):
+            self._rejected(item.code)
+            self.native.reject(item.request_id, item.code, item.message, item.reply)
+        elif isinstance(item, _Cancel):
+            self._cancel(item.request_id)
+        elif isinstance(item, _Reload):
+            self.on_reload(item.bundle)
+        elif isinstance(item, HermesError):
+            self._rejected(item.code)
+            publish_error(self.publisher, item.message, item.site_id, item.session_id)
+            publish_say_finished(self.publisher, None, item.site_id, item.session_id)
+
+    def _rejected(self, code: str) -> None:
+        if self.metrics is not None:
+            self.metrics.rejected.labels(code=code).inc()
+
+    def _say(self, item: _Say) -> None:
+        request = item.request
+        responder: Responder = (
+            HermesResponder(self.publisher, item.hermes) if item.hermes is not None else self.native
+        )
+        if item.hermes is not None and request.output == "play" and not self.has_sink:
+            request = _with_output(request, "publish")  # no speaker here: hand Hermes the WAV instead
+        job = Job(request, responder)
+        seen = self.scheduler.check_duplicate(request.id)
+        if seen is not None:
+            self._duplicate(job, seen)
+            return
+        try:
+            if request.output in ("play", "both") and not self.has_sink:
+                raise ApiError(
+                    "no_audio_device",
+                    f"output '{request.output}' needs an audio device; this "
+                    "cosyedge_daemon runs without one (use output 'publish')",
+                )
+            job.decision = self.router.admit(request)
+            preempted = self.scheduler.submit(job)
+        except ApiError as exc:
+            self._rejected(exc.code)
+            log.info("request %s rejected: %s: %s", request.id, exc.code, exc.message)
+            responder.error(job, exc.code, exc.message)
+            return
+        for other in preempted:
+            log.info("request %s (priority %d) preempts %s", job.id, job.priority, other.id)
+            self.pipeline.stop_job(other, "preempted")
+
+    def admit(self, job: Job) -> None:
+        """Validate and queue a job of another front end (Wyoming), as `_say`
+        does for MQTT: the route decided once, the same scheduler, preemption
+        and metrics. Raises ApiError (counted as rejected); the caller answers it."""
+        try:
+            job.decision = self.router.admit(job.request)
+            preempted = self.scheduler.submit(job)
+        except ApiError as exc:
+            self._rejected(exc.code)
+            log.info("request %s rejected: %s: %s", job.id, exc.code, exc.message)
+            raise
+        for other in preempted:
+            log.info("request %s (priority %d) preempts %s", job.id, job.priority, other.id)
+            self.pipeline.stop_job(other, "preempted")
+
+    def cancel(self, request_id: str) -> None:
+        """Cancel a queued or running request (any thread), as tts/cancel does."""
+        self._cancel(request_id)
+
+    def _duplicate(self, job: Job, seen: str | Terminal) -> None:
+        """A redelivered (or repeated) id is never spoken again: in flight →
+        ignored; finished → the original answer is sent again."""
+        if seen == DedupeMemory.PENDING or not isinstance(seen, Terminal):
+            log.info("duplicate request %s ignored (still in progress)", job.id)
+            return
+        log.info("duplicate request %s: replaying its %s", job.id, seen.kind)
+        if seen.kind == "done":
+            job.responder.done(job, seen.payload)
+        else:
+            job.responder.error(job, str(seen.payload["code"]), str(seen.payload["message"]))
+
+    def _cancel(self, request_id: str) -> None:
+        job, was_queued = self.scheduler.cancel(request_id)
+        if job is None:
+            log.info("cancel of %s: no such request queued or running (ignored)", request_id)
+            return
+        if was_queued:
+            job.stop("cancelled")
+            self.pipeline.completer.complete(job)
+        else:
+            self.pipeline.stop_job(job, "cancelled")
+
+
+def _with_output(request: TtsRequest, output: str) -> TtsRequest:
+    return replace(request, output=output)  # type: ignore[arg-type]
+
+
+def _reload_bundle(payload: bytes) -> str | None:
+    """admin/reload: empty, or {"bundle": "/path"} to switch bundles."""
+    if not payload.strip():
+        return None
+    try:
+        obj = json.loads(payload.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise ApiError("invalid_json", 'admin/reload takes an empty payload or {"bundle": "/path"}') from None
+    bundle = obj.get("bundle") if isinstance(obj, dict) else None
+    if bundle is not None and not isinstance(bundle, str):
+        raise ApiError("invalid_field", "'bundle' must be a string")
+    return bundle

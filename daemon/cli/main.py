@@ -1,0 +1,239 @@
+"""The one `cosyedge` command line. It only parses and dispatches: every
+subcommand lives in its own module, imported when it is chosen, so that
+`cosyedge run` on a board never imports torch, the build side or the cloud
+side."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Callable, Sequence
+
+from cosyedge_models.synthesis.api import MODES
+
+# subcommand -> "module:function"; the function takes the parsed arguments
+# and returns the process exit status.
+_HANDLERS: dict[str, str] = {
+    "run": "cosyedge_daemon.cli.run:run_command",
+    "say": "cosyedge_daemon.cli.say:say_command",
+    "synth": "cosyedge_daemon.cli.synth:synth_command",
+    "build": "cosyedge_daemon.cli.build:build_command",
+    "vad": "cosyedge_daemon.cli.vad:vad_command",
+    "bench": "cosyedge_models.tools.bench:bench_command",
+    "bridge": "cosyedge_cloud.bridge.main:bridge_command",
+    "triton": "cosyedge_cloud.triton.launcher:triton_command",
+    "doctor": "cosyedge_daemon.cli.doctor:doctor_command",
+    "voice": "cosyedge_daemon.cli.voice:voice_command",
+}
+
+
+def _add_run(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("run", help="run the daemon in the foreground (systemd runs this)")
+    p.add_argument("--config", help="TOML config file (optional; flags override it)")
+    p.add_argument("--broker", help="MQTT broker URL, e.g. mqtt://localhost:1883 or mqtts://host:8883")
+    p.add_argument("--device-id", help="device id; the topic prefix is cosyedge/<device-id>")
+    p.add_argument("--bundle", help="model bundle directory (default: the tiny bundle, built on first use)")
+    p.add_argument("--audio", help="audio device: none, default or a device name")
+    p.add_argument("--wyoming-uri", help="serve Wyoming TTS (Home Assistant) on tcp://HOST:PORT (port 10200)")
+
+
+def _add_say(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("say", help="send one request to a running daemon over MQTT")
+    p.add_argument("text")
+    p.add_argument("--broker", help="MQTT broker URL (default mqtt://localhost:1883)")
+    p.add_argument("--device-id", help="device id of the daemon")
+    p.add_argument("--out", help="write the audio to this WAV file instead of playing it")
+    p.add_argument("--voice")
+    p.add_argument("--route", choices=["auto", "local", "cloud"], default="auto")
+    p.add_argument("--mode", choices=MODES)
+    p.add_argument("--instruct-text")
+    p.add_argument("--timeout-s", type=float, default=120.0)
+    p.add_argument("--wyoming", metavar="tcp://HOST:PORT", help="ask a Wyoming TTS server instead of MQTT")
+    p.add_argument("--wyoming-stream", action="store_true", help="with --wyoming: streaming synthesis")
+
+
+def _add_synth(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("synth", help="offline synthesis: no daemon, no broker")
+    p.add_argument("text")
+    p.add_argument("--bundle", required=True)
+    p.add_argument("--out", required=True, help="output WAV file")
+    p.add_argument("--stream", action="store_true", help="synthesize in streaming chunks")
+    p.add_argument("--voice")
+    p.add_argument("--mode", choices=MODES, default=None)
+    p.add_argument("--instruct-text")
+    p.add_argument("--prompt-wav", help="voice reference audio for zero_shot / cross_lingual")
+    p.add_argument("--prompt-text", help="transcript of --prompt-wav (zero_shot)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--backend", default="ort", help="inference backend: ort or trt")
+
+
+def _add_build(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("build", help="build side: tiny checkpoint, export, quantize, engines, validate")
+    bs = p.add_subparsers(dest="build_cmd", required=True)
+    t = bs.add_parser("tiny", help="write a randomly initialised CosyVoice 2 checkpoint (official layout)")
+    t.add_argument("--out", required=True)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--size", choices=["tiny", "full"], default="tiny")
+    e = bs.add_parser("export", help="export a CosyVoice 2 checkpoint to an ONNX bundle")
+    e.add_argument("--model-dir", required=True)
+    e.add_argument("--out", required=True)
+    e.add_argument("--static-decode-len", type=int, default=0, metavar="POSITIONS",
+                   help="also export a fixed-size LLM decode step for this many positions (prompt + speech "
+                        "tokens): ort-cuda replays it as a CUDA graph; it adds a copy of the LLM weights (0: off)")
+    q = bs.add_parser("quantize", help="INT8 / FP16 Q/DQ bundle with an accuracy gate")
+    q.add_argument("--bundle", required=True)
+    q.add_argument("--out", required=True)
+    q.add_argument("--precision", choices=["int8", "int8w", "fp16"], default="int8",
+                   help="int8: Q/DQ for TensorRT; int8w: weight-only for onnxruntime; fp16")
+    q.add_argument("--calibration-size", type=int, default=None, help="calibration texts (default 8)")
+    q.add_argument("--held-out-size", type=int, default=None, help="held-out texts for the report (default 3)")
+    q.add_argument("--feeds-per-stage", type=int, default=None, help="recorded inputs per stage (default 32)")
+    q.add_argument("--calibration-method", choices=["minmax", "percentile"], default=None)
+    q.add_argument("--min-llm-cosine", type=float, default=None, help="budget: LLM logits cosine (default 0.99)")
+    q.add_argument("--min-llm-top1", type=float, default=None, help="budget: LLM top-1 agreement (default 0.90)")
+    q.add_argument("--min-mel-snr-db", type=float, default=None, help="budget: flow mel SNR (default 15)")
+    q.add_argument("--min-wav-snr-db", type=float, default=None, help="budget: vocoder SNR (default 10)")
+    q.add_argument("--min-e2e-match", type=float, default=None,
+                   help="budget: share of speech tokens equal to fp32 under seeded sampling (default 0.5)")
+    q.add_argument("--force", action="store_true", help="write the bundle even if it misses the budget")
+    g = bs.add_parser("engines", help="build TensorRT engines for a bundle (on the board)")
+    g.add_argument("--bundle", required=True)
+    g.add_argument("--precision", choices=["fp32", "fp16", "int8"],
+                   help="which stage variant to build from (default: the bundle's own)")
+    g.add_argument("--board", choices=["agx-orin-32gb", "agx-orin-64gb", "orin-nano-8gb", "orin-nx-16gb"],
+                   help="Jetson module to size the workspace and the memory check for "
+                        "(default: guessed on a Jetson)")
+    g.add_argument("--workspace-mib", type=int, help="TensorRT builder workspace limit (default: per board)")
+    g.add_argument("--max-batch", type=int, help="cap the batch dimension of every profile")
+    g.add_argument("--stages", help="comma-separated subset of the bundle's stages")
+    g.add_argument("--device", type=int, default=0, help="CUDA device index")
+    g.add_argument("--json", dest="json_out", help="also write the engines metadata to this file")
+    v = bs.add_parser("validate", help="check a bundle against its source checkpoint")
+    v.add_argument("--bundle", required=True)
+    v.add_argument("--model-dir", help="source checkpoint (default: the path in the manifest)")
+
+
+def _add_vad(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("vad", help="run the daemon's VAD segmentation on a recording")
+    p.add_argument("wav")
+    p.add_argument("--aggressiveness", type=int, choices=[0, 1, 2, 3])
+    p.add_argument("--frame-ms", type=int, choices=[10, 20, 30])
+    p.add_argument("--config", help="TOML config file whose [vad] section to use")
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="engine and end-to-end benchmarks")
+    p.add_argument("--bundle", required=True)
+    p.add_argument("--reference", action="store_true",
+                   help="also run the official PyTorch pipeline on the same checkpoint")
+    p.add_argument("--concurrency", default="1", help="comma-separated request concurrency, e.g. 1,2,4")
+    p.add_argument("--json", help="write the results to this JSON file")
+    p.add_argument("--backend", default="ort")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--text", help="benchmark text (default: a built-in sentence)")
+    p.add_argument("--batching", type=int, default=0, metavar="MAX_BATCH_SIZE",
+                   help="batch the LLM across concurrent requests, up to this many (0: off, each decodes alone)")
+    p.add_argument("--max-queue-delay-ms", type=float, default=0.0,
+                   help="with --batching: how long a request may wait to join so that the batch fills up")
+    p.add_argument("--flow-batching", type=int, default=0, metavar="MAX_BATCH_SIZE",
+                   help="batch the flow estimator and vocoder calls of up to this many concurrent requests "
+                        "(0: off, each runs alone)")
+    p.add_argument("--flow-queue-delay-ms", type=float, default=0.0,
+                   help="with --flow-batching: how long a flow or vocoder call may wait for others")
+    p.add_argument("--concurrency-mode", choices=("stream", "offline", "both"), default="stream",
+                   help="whether the --concurrency requests stream (default), run offline, or both")
+    p.add_argument("--concurrency-only", action="store_true",
+                   help="after a warm-up, measure only the --concurrency runs")
+    p.add_argument("--llm-only", action="store_true",
+                   help="measure only the LLM (speech tokens/s at each --concurrency), no flow or vocoder")
+    p.add_argument("--first-hop", metavar="N[,M..]",
+                   help="also measure time to first audio for these first hops (speech tokens)")
+    p.add_argument("--compare", "--bundles", dest="compare", metavar="B1,B2,..",
+                   help="also measure these bundles (e.g. fp32/fp16/int8 from build quantize) on the same backend")
+    p.add_argument("--long-seconds", type=float, default=20.0,
+                   help="length of the utterance for streaming vs offline cost (default: 20 s)")
+    p.add_argument("--serial", action="store_true",
+                   help="run the streaming stages one after another (no LLM / flow+vocoder overlap)")
+    p.add_argument("--hop-scale", type=float, default=1.0,
+                   help="grow the streaming hop by this factor after each chunk, up to 4x "
+                        "(upstream: stream_scale_factor)")
+    p.add_argument("--overlap", action="store_true", default=None,
+                   help="overlap the streaming stages even on a CPU of fewer than 4 cores (default: auto)")
+    p.add_argument("--flow-final-chunk", choices=("cached", "upstream"), default="cached",
+                   help="streaming's last flow chunk: through the estimator caches (linear cost, default) "
+                        "or upstream's full-length pass (exact)")
+
+
+def _add_bridge(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bridge", help="the cloud bridge service (MQTT <-> Triton)")
+    p.add_argument("--config")
+    p.add_argument("--broker")
+    p.add_argument("--triton", help="Triton gRPC URL, e.g. localhost:8001")
+
+
+def _add_triton(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("triton", help="a local Triton server on the repository in cloud_bridge/")
+    p.add_argument("--bundle", required=True)
+    p.add_argument("--grpc-port", type=int, default=8001)
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--version-bundle", action="append", default=[], metavar="V=DIR",
+                   help="serve model version V from bundle DIR (repeatable; default: every version from --bundle)")
+    p.add_argument("--address", default="127.0.0.1", help="address the server listens on")
+    p.add_argument("--workdir", help="where the prepared model repository is written (default: a temp dir)")
+
+
+def _add_doctor(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("doctor", help="check GPU, TensorRT, engines, audio devices and broker")
+    p.add_argument("--config")
+    p.add_argument("--bundle")
+    p.add_argument("--broker")
+
+
+def _add_voice(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("voice", help="manage the voices of a bundle")
+    vs = p.add_subparsers(dest="voice_cmd", required=True)
+    a = vs.add_parser("add", help="add a voice from a reference recording")
+    a.add_argument("name")
+    a.add_argument("--bundle", required=True)
+    a.add_argument("--wav", required=True)
+    a.add_argument("--text", required=True, help="transcript of the recording")
+    ls = vs.add_parser("list", help="list the voices of a bundle")
+    ls.add_argument("--bundle", required=True)
+
+
+_ADDERS: Sequence[Callable[[argparse._SubParsersAction], None]] = (
+    _add_run, _add_say, _add_synth, _add_build, _add_vad, _add_bench,
+    _add_bridge, _add_triton, _add_doctor, _add_voice,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cosyedge", description=__doc__.split("\n\n")[0])
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in _ADDERS:
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    level = logging.WARNING - 10 * min(args.verbose, 2) if args.command not in ("run", "bridge") else (
+        logging.DEBUG if args.verbose >= 2 else logging.INFO)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    module_name, func_name = _HANDLERS[args.command].split(":")
+    try:
+        handler = getattr(importlib.import_module(module_name), func_name)
+        return int(handler(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # a clean message for expected errors, not a traceback
+        from cosyedge_models.errors import CosyEdgeError
+
+        if isinstance(exc, CosyEdgeError):
+            print(f"cosyedge {args.command}: {exc}", file=sys.stderr)
+            return 2
+        raise

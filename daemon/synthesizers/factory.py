@@ -1,0 +1,55 @@
+"""Creating the engines the daemon serves with: the local engine (a
+CosyVoice bundle through `cosyedge_models.synthesis.synthesizer.load_synthesizer`, imported lazily, or
+espeak-ng when `[tts] engine = "espeak-ng"`) and the espeak-ng fallback."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from cosyedge_daemon.synthesizers.espeak import EspeakSynthesizer
+from cosyedge_daemon.service.settings import FallbackSettings, Settings
+from cosyedge_models.synthesis.api import ServedEngine
+from cosyedge_models.errors import SynthesisError
+
+log = logging.getLogger(__name__)
+
+
+def load_local_synthesizer(settings: Settings, bundle: str | None = None) -> ServedEngine:
+    tts, fb = settings.tts, settings.fallback
+    if tts.engine == "espeak-ng":
+        return EspeakSynthesizer(fb.voice, fb.rate_wpm, fb.sample_rate_hz, fb.binary)
+    if not (bundle or tts.bundle):
+        # `cosyedge run` resolves the default (tiny) bundle before the service starts.
+        raise SynthesisError("no bundle configured: set [tts] bundle or --bundle")
+    path = Path(bundle or tts.bundle)
+    # lazily: the CosyVoice runtime (onnxruntime, tokenizers)
+    from cosyedge_models.batching.policy import BatchSettings
+    from cosyedge_models.synthesis.synthesizer import SynthesisSettings, load_synthesizer
+
+    batching = BatchSettings(max_batch_size=tts.llm_max_batch_size, max_queue_delay_ms=tts.llm_max_queue_delay_ms) \
+        if tts.llm_max_batch_size else None
+    flow_batching = BatchSettings(max_batch_size=tts.flow_max_batch_size,
+                                  max_queue_delay_ms=tts.flow_max_queue_delay_ms) if tts.flow_max_batch_size else None
+    engine = load_synthesizer(path, settings=SynthesisSettings(
+        backend=tts.backend, batching=batching, flow_batching=flow_batching,
+        overlap_stages={"on": True, "off": False}.get(tts.overlap_stages),
+        first_hop_tokens=tts.first_hop_tokens or None, hop_scale=tts.stream_hop_scale,
+        flow_final_chunk=tts.flow_final_chunk,  # type: ignore[arg-type]
+        flow_left_chunks=tts.flow_left_chunks))
+    log.info("loaded %s from %s (%d Hz)", engine.name, path, engine.sample_rate)
+    return engine
+
+
+def make_fallback(settings: FallbackSettings, sample_rate: int | None) -> ServedEngine | None:
+    """The espeak-ng fallback at the local engine's rate, or None (disabled or
+    not installed: logged, the daemon then answers engine_unavailable)."""
+    if not settings.enabled:
+        return None
+    try:
+        return EspeakSynthesizer(
+            settings.voice, settings.rate_wpm, sample_rate or settings.sample_rate_hz, settings.binary
+        )
+    except SynthesisError as exc:
+        log.warning("no fallback voice: %s", exc)
+        return None

@@ -1,0 +1,363 @@
+"""Where a request is synthesized. One engine per target ('local', 'cloud',
+'fallback') in an SynthesizerSet; the Router picks a target by trying its rules
+in order (explicit cloud, the route=auto rules, local/fallback), and says
+what to try after a failure (cloud -> local, local -> cloud, either -> the
+fallback voice). Pure logic: the engines, the clock and the local load
+come in from outside, so the rules are tested alone."""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable, Collection, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Literal
+
+from cosyedge_daemon.service.settings import RoutingSettings
+from cosyedge_daemon.api.tts_messages import ApiError, TtsRequest
+from cosyedge_models.synthesis.api import ServedEngine
+from cosyedge_models.errors import RequestError
+
+log = logging.getLogger(__name__)
+
+Target = Literal["local", "cloud", "fallback"]
+TARGETS: tuple[Target, ...] = ("local", "cloud", "fallback")
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    target: Target
+    reason: str  # for people: done.route_reason
+    rule: str = field(default="default", compare=False)  # a stable label for the metrics
+
+
+class SynthesizerSlot:
+    """One target's engine: swapped without dropping requests (the old one is
+    closed when its last lease ends), and its health from recent failures."""
+
+    def __init__(self, name: Target, settings: RoutingSettings, clock: Callable[[], float] = time.monotonic):
+        self.name = name
+        self.settings = settings
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._engine: ServedEngine | None = None
+        self._leases: dict[int, int] = {}
+        self.state = "absent"  # absent | loading | ready | failed
+        self.error = ""
+        self.failures = 0
+        self._unhealthy_since: float | None = None
+
+    @property
+    def engine(self) -> ServedEngine | None:
+        return self._engine
+
+    def set_state(self, state: str, error: str = "") -> None:
+        self.state, self.error = state, error
+
+    def swap(self, engine: ServedEngine | None) -> None:
+        with self._lock:
+            old, self._engine = self._engine, engine
+            self.failures, self._unhealthy_since = 0, None
+            close_now = old is not None and old is not engine and self._leases.get(id(old), 0) == 0
+            self.state = "ready" if engine is not None else "absent"
+        if close_now and old is not None:
+            _close(old)
+
+    def acquire(self) -> ServedEngine | None:
+        with self._lock:
+            engine = self._engine
+            if engine is not None:
+                self._leases[id(engine)] = self._leases.get(id(engine), 0) + 1
+            return engine
+
+    def release(self, engine: ServedEngine) -> None:
+        with self._lock:
+            left = self._leases.get(id(engine), 1) - 1
+            if left:
+                self._leases[id(engine)] = left
+            else:
+                self._leases.pop(id(engine), None)
+            close_now = left == 0 and engine is not self._engine
+        if close_now:
+            _close(engine)
+
+    @property
+    def healthy(self) -> bool:
+        """Loaded, reachable (an engine may say it is not: the cloud's link)
+        and not failing; an unhealthy engine gets a retry after
+        `unhealthy_retry_s`."""
+        if self._engine is None:
+            return False
+        if not self._engine.available():
+            return False
+        if self._unhealthy_since is None:
+            return True
+        return self._clock() - self._unhealthy_since >= self.settings.unhealthy_retry_s
+
+    def report(self, ok: bool) -> None:
+        with self._lock:
+            if ok:
+                self.failures, self._unhealthy_since = 0, None
+                return
+            self.failures += 1
+            if self.failures >= self.settings.max_consecutive_failures:
+                self._unhealthy_since = self._clock()
+
+    def describe(self) -> dict[str, object]:
+        engine = self._engine
+        state = self.state
+        if engine is not None and not self.healthy:
+            state = "unhealthy"
+            if not engine.available():
+                state = "unreachable"
+        return {
+            "state": state,
+            "engine": None if engine is None else engine.name,
+            "error": self.error or None,
+            "failures": self.failures,
+        }
+
+
+def _close(engine: ServedEngine) -> None:
+    try:
+        engine.close()
+    except Exception:
+        log.exception("closing engine %s failed", engine.name)
+
+
+class SynthesizerSet:
+    def __init__(self, settings: RoutingSettings) -> None:
+        self.slots = {t: SynthesizerSlot(t, settings) for t in TARGETS}
+
+    def reconfigure(self, settings: RoutingSettings) -> None:
+        for slot in self.slots.values():
+            slot.settings = settings
+
+    def available(self, target: Target) -> bool:
+        return self.slots[target].healthy
+
+    @contextmanager
+    def lease(self, target: Target) -> Iterator[ServedEngine]:
+        slot = self.slots[target]
+        engine = slot.acquire()
+        if engine is None:
+            raise ApiError("engine_unavailable", f"no {target} engine is loaded")
+        try:
+            yield engine
+        finally:
+            slot.release(engine)
+
+    def close(self) -> None:
+        for slot in self.slots.values():
+            slot.swap(None)
+
+
+Rule = Callable[[TtsRequest, SynthesizerSet], "RouteDecision | None"]
+LoadProbe = Callable[[TtsRequest], tuple[int, float]]  # (requests waiting, estimated local wait in s)
+
+_TOKEN_RE = re.compile(r"\w+|[^\w\s]")
+
+
+def count_tokens(text: str) -> int:
+    """Words and punctuation marks: a tokenizer-free stand-in for the LLM's text tokens."""
+    return len(_TOKEN_RE.findall(text))
+
+
+def cloud_rule(request: TtsRequest, engines: SynthesizerSet) -> RouteDecision | None:
+    """route=cloud: the cloud engine or an error."""
+    if request.route != "cloud":
+        return None
+    if engines.available("cloud"):
+        return RouteDecision("cloud", "requested", "requested")
+    raise ApiError(
+        "cloud_unavailable",
+        "route 'cloud' was requested but no cloud engine is configured or it is unavailable",
+        request.id,
+    )
+
+
+def local_rule(request: TtsRequest, engines: SynthesizerSet) -> RouteDecision | None:
+    """route=local/auto: the local engine when loaded and healthy, else the fallback voice."""
+    if request.route not in ("local", "auto"):
+        return None
+    if engines.available("local"):
+        if request.route == "local":
+            return RouteDecision("local", "requested", "requested")
+        return RouteDecision("local", "local engine ready", "default")
+    why = local_down_reason(engines)
+    if engines.available("fallback"):
+        return RouteDecision("fallback", why, "local_unavailable")
+    raise ApiError("engine_unavailable", f"{why}, and the fallback voice is off or missing", request.id)
+
+
+def local_down_reason(engines: SynthesizerSet) -> str:
+    slot = engines.slots["local"]
+    if slot.engine is not None and not slot.healthy:
+        return f"local engine is unhealthy ({slot.failures} failures)"
+    return {
+        "loading": "local engine is loading",
+        "failed": f"local engine failed to load: {slot.error}",
+        "absent": "no local engine",
+    }.get(slot.state, "local engine is unhealthy")
+
+
+def local_lacks(request: TtsRequest, engines: SynthesizerSet, *, validate: bool = False) -> str | None:
+    """Why the loaded local engine cannot serve the request (its modes, its
+    voices and, with `validate`, its own validation); None: it can, or no
+    engine is loaded to ask. Routing a new request leaves the validation to
+    `Router.admit`, which validates once, on the engine chosen."""
+    engine = engines.slots["local"].engine
+    if engine is None:
+        return None
+    if request.mode not in engine.modes():
+        return f"the local engine does not serve mode '{request.mode}'"
+    voices = engine.voices()
+    if request.voice and voices and request.voice not in voices:
+        return f"the local engine has no voice '{request.voice}'"
+    if validate:
+        try:
+            engine.validate(request.synthesis_request())
+        except RequestError as exc:
+            return f"the local engine cannot serve it: {exc}"
+    return None
+
+
+@dataclass
+class Router:
+    """Rules in order; the first that decides wins. With route=auto the cloud
+    gets what the local engine cannot or should not serve (when it is up)."""
+
+    engines: SynthesizerSet
+    settings: RoutingSettings
+    load: LoadProbe | None = None
+    clock: Callable[[], float] = time.monotonic
+    rules: list[Rule] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.rules:
+            self.rules = [cloud_rule, self.auto_rule, local_rule]
+
+    def admit(self, request: TtsRequest) -> RouteDecision:
+        """The route of a new request, decided once (the pipeline runs the job
+        there and moves on only through `after_failure`), with the request
+        validated once, by the engine chosen. route=auto: what the local
+        engine rejects goes to the cloud when it is up."""
+        decision = self.decide(request)
+        try:
+            self._validate(decision, request)
+            return decision
+        except RequestError as exc:
+            if decision.target != "local" or request.route != "auto":
+                raise ApiError(exc.code, str(exc), request.id) from None
+            lacks = f"the local engine cannot serve it: {exc}"
+            if self.engines.available("cloud"):
+                cloud = RouteDecision("cloud", lacks, "local_lacks")
+                try:
+                    self._validate(cloud, request)
+                except RequestError as cloud_exc:
+                    raise ApiError(cloud_exc.code, str(cloud_exc), request.id) from None
+                return cloud
+            if self.engines.slots["cloud"].engine is not None:
+                raise ApiError("cloud_unavailable", f"{lacks}, and the cloud is unavailable", request.id) from None
+            raise ApiError(exc.code, str(exc), request.id) from None
+
+    def _validate(self, decision: RouteDecision, request: TtsRequest) -> None:
+        with self.engines.lease(decision.target) as engine:
+            engine.validate(request.synthesis_request(fallback=decision.target == "fallback"))
+
+    def decide(self, request: TtsRequest) -> RouteDecision:
+        """The target by the rules alone (no engine validation: see `admit`)."""
+        for rule in self.rules:
+            decision = rule(request, self.engines)
+            if decision is not None:
+                return decision
+        raise ApiError("engine_unavailable", f"no route serves route={request.route!r}", request.id)
+
+    def auto_rule(self, request: TtsRequest, engines: SynthesizerSet) -> RouteDecision | None:
+        """route=auto: the cloud when a rule says so and it is up; None: local_rule decides."""
+        if request.route != "auto":
+            return None
+        s = self.settings
+        cloud_up = engines.available("cloud")
+        lacks = local_lacks(request, engines)
+        if lacks is not None:
+            if cloud_up:
+                return RouteDecision("cloud", lacks, "local_lacks")
+            if engines.slots["cloud"].engine is None:
+                return None  # no cloud configured: the local engine answers with its own error
+            raise ApiError(
+                "cloud_unavailable",
+                f"{lacks}, and the cloud is unavailable",
+                request.id,
+            )
+        if not cloud_up:
+            return None
+        if not engines.available("local"):
+            return RouteDecision("cloud", local_down_reason(engines), "local_unavailable")
+        if request.mode in s.cloud_modes:
+            return RouteDecision("cloud", f"mode '{request.mode}' goes to the cloud", "mode")
+        if request.voice and request.voice in s.cloud_voices:
+            return RouteDecision("cloud", f"voice '{request.voice}' goes to the cloud", "voice")
+        chars = len(request.text)
+        if s.cloud_min_chars and chars >= s.cloud_min_chars:
+            return RouteDecision("cloud", f"text of {chars} characters (>= {s.cloud_min_chars})", "text_length")
+        if s.cloud_min_tokens:
+            tokens = count_tokens(request.text)
+            if tokens >= s.cloud_min_tokens:
+                return RouteDecision("cloud", f"text of {tokens} tokens (>= {s.cloud_min_tokens})", "text_length")
+        return self._load_rule(request)
+
+    def _load_rule(self, request: TtsRequest) -> RouteDecision | None:
+        if self.load is None:
+            return None
+        s = self.settings
+        depth, wait_s = self.load(request)
+        if s.cloud_queue_depth and depth >= s.cloud_queue_depth:
+            return RouteDecision(
+                "cloud", f"{depth} requests wait locally (>= {s.cloud_queue_depth})", "queue_depth"
+            )
+        if request.deadline_ms:
+            left_s = request.received_at + request.deadline_ms / 1000.0 - self.clock()
+            need_s = wait_s + s.deadline_margin_ms / 1000.0
+            if need_s > left_s:
+                return RouteDecision(
+                    "cloud",
+                    f"estimated local wait {need_s * 1000:.0f} ms exceeds the {max(left_s, 0) * 1000:.0f} ms "
+                    "left to the deadline",
+                    "deadline",
+                )
+        return None
+
+    def after_failure(
+        self,
+        failed: RouteDecision,
+        error: str,
+        audio_out: bool,
+        request: TtsRequest | None = None,
+        tried: Collection[str] = (),
+    ) -> RouteDecision | None:
+        """What to try after `failed` raised; None: give up (error to the client).
+        Nothing is retried after audio went out (it would be spoken twice)."""
+        if audio_out or failed.target == "fallback":
+            return None
+        engines = self.engines
+        if failed.target == "cloud" and request is not None:
+            if "local" not in tried and engines.available("local") and local_lacks(
+                    request, engines, validate=True) is None:
+                return RouteDecision("local", f"cloud failed: {error}", "cloud_failed")
+            if request.mode != "sft":  # the fallback voice would ignore what was asked for
+                return None
+        if (
+            failed.target == "local"
+            and request is not None
+            and request.route == "auto"
+            and "cloud" not in tried
+            and engines.available("cloud")
+        ):
+            return RouteDecision("cloud", f"local engine failed: {error}", "local_failed")
+        if self.settings.fallback_on_error and engines.available("fallback"):
+            return RouteDecision("fallback", f"{failed.target} engine failed: {error}", f"{failed.target}_failed")
+        return None

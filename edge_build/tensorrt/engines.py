@@ -1,0 +1,233 @@
+"""`cosyedge build engines`: one TensorRT engine per stage from the bundle's
+ONNX, on the device that will run it.
+
+Uses the TensorRT 10 Python API as typed by tensorrt-stubs 10.13 (JetPack
+7.0); every call also exists in TensorRT 10.3 (JetPack 6.2): Builder,
+create_network(STRONGLY_TYPED), OnnxParser.parse_from_file, IBuilderConfig
+(set_flag, set_memory_pool_limit(WORKSPACE), add_optimization_profile,
+create_timing_cache / set_timing_cache / get_timing_cache().serialize()),
+build_serialized_network, Runtime.deserialize_cuda_engine,
+device_memory_size_v2 (10.1+), ILayer.precision / set_output_type.
+
+The decisions (precision mode, profiles, workspace) are made in
+edge_build/tensorrt/engine_plan.py, which needs no TensorRT and is tested on the CPU.
+The timing cache persists in the bundle (`timing.cache`), so a rebuild after
+a re-export reuses the measured tactics."""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import onnx
+
+from cosyedge_build.tensorrt.engine_plan import (
+    PrecisionMode,
+    batch_caps,
+    build_profiles,
+    onnx_node_of,
+    precision_mode,
+    resolve_board,
+    workspace_bytes,
+)
+from cosyedge_models.backends.engine_meta import plan_file_name, with_engines, write_manifest
+from cosyedge_models.backends.gpu_probe import import_tensorrt, local_identity, probe_gpu
+from cosyedge_models.backends.profiles import stage_profiles
+from cosyedge_models.bundle.loader import STAGES, load_bundle, sha256_file
+from cosyedge_models.errors import BundleError, SynthesisError
+from cosyedge_models.bundle.memory_budget import BOARDS, MIB, bundle_budget
+
+if TYPE_CHECKING:
+    import tensorrt as trt
+
+log = logging.getLogger(__name__)
+TIMING_CACHE = "timing.cache"
+
+
+@dataclass(frozen=True)
+class EngineBuildSettings:
+    precision: str | None = None  # None: the bundle's own
+    board: str | None = None  # BOARDS key; None: guessed from the GPU's memory on Jetson
+    workspace_mib: int | None = None  # None: the board's default
+    max_batch: int | None = None  # caps B (and N = 2B) in every profile
+    stages: tuple[str, ...] = STAGES
+    device_id: int = 0
+
+    def __post_init__(self) -> None:
+        if self.board is not None:
+            resolve_board(self.board)
+        unknown = [s for s in self.stages if s not in STAGES]
+        if unknown:
+            raise ValueError(f"unknown stages {unknown}; allowed: {', '.join(STAGES)}")
+        if self.max_batch is not None and self.max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+
+
+def guess_board(name: str, total_memory_bytes: int) -> str | None:
+    """A Jetson (integrated GPU named 'Orin') is sized by its shared memory."""
+    if "orin" not in name.lower():
+        return None
+    for key, board in sorted(BOARDS.items(), key=lambda kv: kv[1].usable_bytes):
+        if total_memory_bytes <= board.usable_bytes * 1.1:
+            return key
+    return None
+
+
+def _write_atomic(path: Path, data: bytes | memoryview) -> None:
+    tmp = path.with_name("." + path.name + ".tmp")
+    with tmp.open("wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def _pin_fp32(network: trt.INetworkDefinition, mode: PrecisionMode) -> int:
+    """Pin the layers of the sensitive ONNX nodes to fp32; returns how many."""
+    import tensorrt as trt
+
+    wanted = set(mode.fp32_nodes)
+    pinned = 0
+    for i in range(network.num_layers):
+        layer = network.get_layer(i)
+        if onnx_node_of(layer.name, layer.metadata, wanted) is None:
+            continue
+        layer.precision = trt.float32
+        for j in range(layer.num_outputs):
+            if layer.get_output(j).dtype in (trt.float32, trt.float16):
+                layer.set_output_type(j, trt.float32)
+        pinned += 1
+    return pinned
+
+
+def _parse(builder: trt.Builder, onnx_path: Path, strongly_typed: bool) -> tuple[trt.INetworkDefinition, Any]:
+    import tensorrt as trt
+
+    from cosyedge_models.backends.trt import trt_logger
+
+    flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED) if strongly_typed else 0
+    network = builder.create_network(flags)
+    parser = trt.OnnxParser(network, trt_logger())
+    if not parser.parse_from_file(str(onnx_path)):
+        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise SynthesisError(f"{onnx_path.name}: TensorRT's ONNX parser failed: {errors}")
+    return network, parser  # the parser must outlive the network's use
+
+
+ENGINE_PRECISIONS = ("fp32", "fp16", "int8")
+
+
+def build_engines(bundle_dir: Path | str, settings: EngineBuildSettings | None = None,
+                  progress: Callable[[str], None] = print) -> dict[str, Any]:
+    """Build and record the engines; returns the manifest's new `engines` section."""
+    settings = settings or EngineBuildSettings()
+    root = Path(bundle_dir)
+    bundle = load_bundle(root, settings.precision)
+    if bundle.precision not in ENGINE_PRECISIONS:
+        raise BundleError(f"{root}: TensorRT engines are built from fp32, fp16 or int8 (Q/DQ) stages, not "
+                          f"{bundle.precision} (an onnxruntime-only format); pass --precision int8 or fp16")
+    import_tensorrt()
+    import tensorrt as trt
+
+    from cosyedge_models.backends.cuda import driver
+    from cosyedge_models.backends.trt import thread_cuda, trt_logger
+
+    identity = local_identity(settings.device_id)
+    gpu = {d.index: d for d in probe_gpu().devices}[settings.device_id]
+    board = settings.board or guess_board(gpu.name, gpu.total_memory_bytes)
+    workspace = workspace_bytes(board, settings.workspace_mib)
+    driver()
+    thread_cuda(settings.device_id)
+    builder = trt.Builder(trt_logger())
+    runtime = trt.Runtime(trt_logger())
+    cache_path = root / TIMING_CACHE
+    cache_bytes = cache_path.read_bytes() if cache_path.exists() else b""
+    cache: trt.ITimingCache | None = None
+    progress(f"TensorRT {identity.tensorrt} on {identity.gpu} (cc {identity.compute_capability}); "
+             f"board {board or 'not a Jetson'}; workspace {workspace // MIB} MiB; precision {bundle.precision}")
+    old = bundle.manifest.get("engines") or {}
+    same = (old.get("precision") == bundle.precision and old.get("gpu") == identity.gpu
+            and old.get("tensorrt") == identity.tensorrt)
+    # Keep earlier plans only when they are for this precision, GPU and TensorRT (a partial rebuild).
+    records: dict[str, Any] = dict(old.get("stages", {})) if same else {}
+    for stage in settings.stages:
+        info = bundle.stages[stage]
+        onnx_path = info.path
+        model = onnx.load(str(onnx_path), load_external_data=False)
+        mode = precision_mode(model, info.raw.get("fp32_nodes", ()))
+        caps = batch_caps(stage_profiles(info.raw, stage), settings.max_batch)
+        profiles = build_profiles(info.raw, stage, model, caps)
+        t0 = time.monotonic()
+        network, parser = _parse(builder, onnx_path, mode.strongly_typed)
+        config = builder.create_builder_config()
+        config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, workspace)
+        for flag in mode.flags:
+            config.set_flag(getattr(trt.BuilderFlag, flag))
+        pinned = _pin_fp32(network, mode) if mode.fp32_nodes else 0
+        for prof in profiles:
+            p = builder.create_optimization_profile()
+            for name, rng in prof.items():
+                p.set_shape(name, trt.Dims(list(rng.min)), trt.Dims(list(rng.opt)), trt.Dims(list(rng.max)))
+            config.add_optimization_profile(p)
+        if cache is None:
+            cache = config.create_timing_cache(cache_bytes)
+        config.set_timing_cache(cache, False)
+        progress(f"{stage}: building from {onnx_path.name} ({mode.reason}"
+                 + (f"; {pinned} layers pinned to fp32" if mode.fp32_nodes else "") + ")")
+        serialized = builder.build_serialized_network(network, config)
+        if serialized is None:
+            raise SynthesisError(f"{stage}: TensorRT could not build the engine (see the TensorRT log above; "
+                              f"a smaller --workspace-mib or --max-batch may help on a small board)")
+        del parser
+        plan_name = plan_file_name(stage, bundle.precision)
+        data = memoryview(serialized)
+        _write_atomic(root / plan_name, data)
+        engine = runtime.deserialize_cuda_engine(data)
+        records[stage] = {
+            "file": plan_name,
+            "sha256": sha256_file(root / plan_name),
+            "plan_bytes": (root / plan_name).stat().st_size,
+            "onnx": onnx_path.name,
+            "onnx_sha256": info.sha256 or sha256_file(onnx_path),
+            "precision": info.precision,
+            "strongly_typed": mode.strongly_typed,
+            "flags": list(mode.flags),
+            "fp32_layers": pinned,
+            "profiles": [{n: [list(r.min), list(r.opt), list(r.max)] for n, r in p.items()} for p in profiles],
+            "device_memory_bytes": int(engine.device_memory_size_v2) if engine is not None else None,
+            "build_seconds": round(time.monotonic() - t0, 1),
+        }
+        progress(f"{stage}: {plan_name} {records[stage]['plan_bytes'] / MIB:.1f} MiB in "
+                 f"{records[stage]['build_seconds']} s")
+        if cache is not None:
+            _write_atomic(cache_path, memoryview(cache.serialize()))
+    engines = {
+        "tensorrt": identity.tensorrt,
+        "gpu": identity.gpu,
+        "compute_capability": identity.compute_capability,
+        "multiprocessors": identity.multiprocessors,
+        "cuda_driver": probe_gpu().driver_version,
+        "host": platform.node(),
+        "built": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "precision": bundle.precision,
+        "board": board,
+        "workspace_bytes": workspace,
+        "timing_cache": TIMING_CACHE,
+        "stages": records,
+    }
+    missing = [s for s in STAGES if s not in records]
+    if missing:
+        raise BundleError(f"engines are missing for {missing}; build all stages (omit --stages)")
+    manifest = with_engines(bundle.manifest, engines)
+    write_manifest(root, manifest)
+    budget = bundle_budget(root, manifest, bundle.precision)
+    if board:
+        fit = budget.fit(BOARDS[board])
+        progress(f"memory on {fit['label']}: needs {fit['needed_bytes'] / MIB:.0f} MiB of "
+                 f"{fit['limit_bytes'] / MIB:.0f} MiB usable -> {'fits' if fit['fits'] else 'DOES NOT FIT'}")
+    return engines

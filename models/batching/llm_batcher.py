@@ -1,0 +1,272 @@
+"""Continuous batching of the LLM across requests: one worker thread owns the
+batched decode (models/batching/kv.py) and runs, round after round, (1) drop
+cancelled requests, (2) admit waiting requests (models/batching/policy.py),
+prefill each alone and add its cache to the batch, (3) one decode step for
+every active request. Each request's tokens go to its own queue; its
+`generate` iterator reads them. Sampling and the length/EOS/fill rules are
+per request (`RequestDecode`, shared with the unbatched path), so a seeded
+request yields the same tokens alone or in a batch.
+
+`run_once` is one round; the worker calls it in a loop, tests call it
+directly to place joins and leaves at chosen steps."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from cosyedge_models.backends.profiles import stage_profiles
+from cosyedge_models.batching.kv import BatchDecoder
+from cosyedge_models.batching.policy import BatchSettings, Waiting, admit
+from cosyedge_models.batching.worker import BatchWorker
+from cosyedge_models.bundle.loader import Bundle
+from cosyedge_models.errors import BundleError, SynthesisError
+from cosyedge_models.synthesis.llm import LlmInput, LlmStats, RequestDecode, SpeechTokenLM
+from cosyedge_models.synthesis.sampling import TokenSampler
+
+log = logging.getLogger(__name__)
+
+
+
+class _End:
+    """Queue marker: the request is done."""
+
+
+_END = _End()
+
+
+@dataclass(eq=False)
+class _Request:
+    key: int
+    priority: int
+    arrived: float
+    decode: RequestDecode
+    cancel: threading.Event | None
+    closed: threading.Event = field(default_factory=threading.Event)  # the consumer went away
+    # Never blocks the worker: a request yields at most max_len tokens, plus the end marker.
+    out: queue.Queue[int | _End | BaseException] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.out = queue.Queue(maxsize=self.decode.max_len + 2)
+
+    def cancelled(self) -> bool:
+        return self.closed.is_set() or (self.cancel is not None and self.cancel.is_set())
+
+    def waiting(self) -> Waiting:
+        return Waiting(self.key, self.priority, self.arrived)
+
+
+@dataclass
+class BatchStats:
+    """Counters of the batched decode (written by the worker only): how often
+    requests really shared a step, for tests and diagnostics."""
+
+    steps: int = 0  # decode steps run
+    shared_steps: int = 0  # of them, steps with more than one request in the batch
+    peak_batch: int = 0  # the most requests in one step
+
+
+class TokenStream:
+    """The consumer side of one batched request: iterate for tokens; close()
+    (or leaving a for loop early and dropping it) frees its batch row."""
+
+    def __init__(self, batcher: LlmBatcher, request: _Request) -> None:
+        self._batcher = batcher
+        self._request = request
+
+    def __iter__(self) -> Iterator[int]:
+        try:
+            while True:
+                item = self._request.out.get()
+                if isinstance(item, _End):
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if not self._request.closed.is_set():
+            self._request.closed.set()
+            self._batcher.kick()
+
+
+class LlmBatcher(BatchWorker):
+    def __init__(self, lm: SpeechTokenLM, settings: BatchSettings,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__("llm-batcher", clock)
+        self.lm = lm
+        self.settings = settings
+        self.decoder = BatchDecoder(lm.prefill_session, lm.decode_session,
+                                    compact_min_columns=settings.compact_min_columns)
+        self.delay_ms: float | None = None  # None: settings.max_queue_delay_ms
+        self.stats = BatchStats()
+        self._keys = itertools.count()
+        self._waiting: list[_Request] = []
+        self._active: dict[int, _Request] = {}  # worker-owned
+
+    # --- lifecycle (start/stop: BatchWorker) -------------------------------------------
+    def _stopped(self) -> None:
+        self._fail_all(SynthesisError("the LLM batcher stopped before the request finished"))
+
+    def _round_failed(self, exc: Exception) -> None:
+        # Fail the batch rather than leave its consumers waiting.
+        self._fail_active(_as_engine_error(exc, "LLM batcher round failed"))
+
+    # --- consumer side -----------------------------------------------------------------
+    def submit(self, inp: LlmInput, sampler: TokenSampler, stats: LlmStats | None = None, *,
+               priority: int = 0, cancel: threading.Event | None = None) -> TokenStream:
+        request = _Request(next(self._keys), priority, self.clock(),
+                           self.lm.start(inp, sampler, stats), cancel)
+        with self._cond:
+            if self._stopping:
+                raise SynthesisError("the LLM batcher is stopped")
+            if len(self._waiting) >= self.settings.max_queue_size:
+                raise SynthesisError(f"the LLM batcher's queue is full ({len(self._waiting)} requests wait to join; "
+                                  f"max_queue_size is {self.settings.max_queue_size})")
+            self._waiting.append(request)
+            self._kick()
+        return TokenStream(self, request)
+
+    def generate(self, inp: LlmInput, sampler: TokenSampler, stats: LlmStats | None = None, *,
+                 priority: int = 0, cancel: threading.Event | None = None) -> Iterator[int]:
+        """Like `SpeechTokenLM.generate`, with the decode steps shared with the other active requests."""
+        return iter(self.submit(inp, sampler, stats, priority=priority, cancel=cancel))
+
+    def kick(self) -> None:
+        with self._cond:
+            self._kick()
+
+    @property
+    def active(self) -> int:
+        return len(self._active)
+
+    @property
+    def waiting(self) -> int:
+        with self._cond:
+            return len(self._waiting)
+
+    # --- worker side -------------------------------------------------------------------
+    def run_once(self) -> tuple[bool, float | None]:
+        """One round: drop cancelled requests, admit, one decode step. Returns
+        (whether anything ran, when waiting requests should be looked at again)."""
+        self._drop_cancelled()
+        with self._cond:
+            decision = admit(self.settings, [r.waiting() for r in self._waiting], len(self._active),
+                             self.clock(), self.delay_ms)
+            chosen = {w.key for w in decision.join}
+            joining = sorted((r for r in self._waiting if r.key in chosen), key=lambda r: (-r.priority, r.key))
+            self._waiting = [r for r in self._waiting if r.key not in chosen]
+        for request in joining:
+            self._join(request)
+        stepped = self._step()
+        return bool(joining) or stepped, decision.wake_at
+
+    def _drop_cancelled(self) -> None:
+        with self._cond:
+            gone = [r for r in self._waiting if r.cancelled()]
+            self._waiting = [r for r in self._waiting if not r.cancelled()]
+        for r in gone:
+            r.out.put_nowait(_END)
+        for r in [r for r in self._active.values() if r.cancelled()]:
+            self._finish(r)
+
+    def _join(self, request: _Request) -> None:
+        req = request.decode
+        try:
+            t0 = time.perf_counter()
+            logp, cache = self.decoder.prefill(req.prompt)
+            req.stats.prefill_ms += (time.perf_counter() - t0) * 1e3
+            if not req.finished:
+                self._emit(request, req.accept(logp[0]))
+            if req.finished:
+                request.out.put_nowait(_END)
+                return
+            self.decoder.join(request.key, cache)
+        except Exception as exc:
+            # Only this request fails: the batch's cache is untouched until join's ops ran.
+            request.out.put_nowait(_as_engine_error(exc, "LLM prefill failed"))
+            return
+        self._active[request.key] = request
+
+    def _step(self) -> bool:
+        if not self._active:
+            return False
+        inputs = {key: r.decode.next_input for key, r in self._active.items()}
+        t0 = time.perf_counter()
+        try:
+            logps = self.decoder.step(inputs)
+        except Exception as exc:
+            # The batch's cache is not trusted after a failed run: every row fails, the worker goes on.
+            err = _as_engine_error(exc, f"LLM batched decode step failed ({len(self._active)} requests in the batch)")
+            log.error("%s", err)
+            self._fail_active(err)
+            return True
+        ms = (time.perf_counter() - t0) * 1e3
+        self.stats.steps += 1
+        self.stats.shared_steps += len(logps) > 1
+        self.stats.peak_batch = max(self.stats.peak_batch, len(logps))
+        for key, logp in logps.items():
+            request = self._active[key]
+            request.decode.stats.decode_ms += ms
+            try:
+                self._emit(request, request.decode.accept(logp))
+            except Exception as exc:
+                self._finish(request, _as_engine_error(exc, "LLM sampling failed"))
+                continue
+            if request.decode.finished:
+                self._finish(request)
+        return True
+
+    @staticmethod
+    def _emit(request: _Request, token: int | None) -> None:
+        if token is not None and not request.cancelled():
+            request.out.put_nowait(token)
+
+    def _finish(self, request: _Request, error: BaseException | None = None) -> None:
+        self._active.pop(request.key, None)
+        if request.key in self.decoder.slots:
+            self.decoder.leave(request.key)
+        request.out.put_nowait(_END if error is None else error)
+
+    def _fail_active(self, error: SynthesisError) -> None:
+        active, self._active = list(self._active.values()), {}
+        self.decoder.reset()
+        for r in active:
+            r.out.put_nowait(error)
+
+    def _fail_all(self, error: SynthesisError) -> None:
+        with self._cond:
+            waiting, self._waiting = self._waiting, []
+        for r in waiting:
+            r.out.put_nowait(error)
+        self._fail_active(error)
+
+
+def start_batcher(bundle: Bundle, backend: str, lm: SpeechTokenLM,
+                  settings: BatchSettings | None) -> LlmBatcher | None:
+    """The engine's running batcher, or None when batching is off. TensorRT
+    engines only run the batch sizes their profiles cover, so a larger
+    max_batch_size is refused here rather than failing at the first full batch."""
+    if settings is None:
+        return None
+    if backend == "trt":
+        entry = bundle.stages["llm_decode"].raw
+        b_max = max((p["B"][2] for p in stage_profiles(entry, "llm_decode") if "B" in p), default=1)
+        if settings.max_batch_size > b_max:
+            raise BundleError(f"batching max_batch_size {settings.max_batch_size} exceeds the llm_decode engine's "
+                              f"largest batch ({b_max}); lower max_batch_size or rebuild the engines with a larger "
+                              "B profile")
+    return LlmBatcher(lm, settings).start()
+
+
+def _as_engine_error(exc: Exception, what: str) -> SynthesisError:
+    err = SynthesisError(f"{what}: {exc}")
+    err.__cause__ = exc
+    return err

@@ -1,0 +1,387 @@
+"""Speech tokens to mel: the flow encoder graph and the conditional flow
+matching (CFM) Euler solver with classifier-free guidance over the estimator
+graph, as upstream `CausalMaskedDiffWithXvec.inference` and
+`CausalConditionalCFM` do it (fixed start noise, cosine time schedule).
+
+Streaming (`FlowStream`) keeps, per Euler step, the estimator's caches of
+the frames whose mask chunks are complete (edge_build/export/flow_estimator.py
+explains why that is exact), so each chunk costs the estimator only its new
+frames plus the unfinished mask chunk before them, instead of the whole
+prefix as upstream's streaming does."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from cosyedge_models.backends.base import Session
+from cosyedge_models.backends.flow_cache import HostKvBuffer, HostStepCache, StepCache, StepCacheSpec
+from cosyedge_models.bundle.loader import Bundle, FlowConfig
+from cosyedge_models.errors import BundleError
+
+log = logging.getLogger(__name__)
+
+FinalChunk = Literal["upstream", "cached"]
+FINAL_CHUNK_MODES: tuple[FinalChunk, ...] = ("upstream", "cached")
+CFG_BATCH = 2  # conditional and unconditional rows
+
+
+@dataclass(frozen=True)
+class FlowPrompt:
+    """The flow's conditioning from the voice: prompt speech tokens, their mel
+    (2 frames per token) and the speaker embedding."""
+
+    tokens: np.ndarray  # [Tp] int64
+    feat: np.ndarray  # [2 * Tp, C] float32
+    embedding: np.ndarray  # [E] float32
+
+
+@dataclass(frozen=True)
+class CacheDims:
+    """The estimator's cache shapes (the manifest's stages.flow_estimator.cache)."""
+
+    blocks: int  # transformer blocks: one K and one V per block and frame
+    heads: int
+    head_dim: int
+    convs: int  # causal convolutions
+    conv_channels: int  # their widest input
+    conv_history: int  # kernel - 1 frames
+    stream_cache: bool  # the estimator is chunk-causal (single-level U-Net)
+
+    @classmethod
+    def from_manifest(cls, entry: dict[str, Any]) -> CacheDims:
+        raw = entry.get("cache")
+        if not isinstance(raw, dict):
+            raise BundleError("manifest: stages.flow_estimator has no cache dimensions; re-export the bundle "
+                              "with this version's 'cosyedge build export'")
+        try:
+            return cls(blocks=int(raw["blocks"]), heads=int(raw["heads"]), head_dim=int(raw["head_dim"]),
+                       convs=int(raw["convs"]), conv_channels=int(raw["conv_channels"]),
+                       conv_history=int(raw["conv_history"]), stream_cache=bool(raw["stream_cache"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise BundleError(f"manifest: stages.flow_estimator.cache is incomplete ({exc}); re-export the bundle") \
+                from exc
+
+
+def cache_bytes_per_frame(dims: CacheDims, n_timesteps: int, itemsize: int = 4) -> int:
+    """Streaming cache of one request per committed mel frame: K and V of
+    every transformer block, for each Euler step and both CFG rows (itemsize
+    2 for fp16 bundles, whose estimator takes the cache in fp16)."""
+    return dims.blocks * n_timesteps * CFG_BATCH * 2 * dims.heads * dims.head_dim * itemsize
+
+
+def stream_cache_bytes(dims: CacheDims, n_timesteps: int, frames: int, itemsize: int = 4) -> int:
+    """The whole cache of a request at `frames` committed mel frames (the
+    conv history is fixed-size and included)."""
+    conv = n_timesteps * dims.convs * CFG_BATCH * dims.conv_channels * dims.conv_history * itemsize
+    return frames * cache_bytes_per_frame(dims, n_timesteps, itemsize) + conv
+
+
+def time_span(n_timesteps: int, scheduler: str) -> np.ndarray:
+    t = np.linspace(0.0, 1.0, n_timesteps + 1, dtype=np.float32)
+    if scheduler == "cosine":
+        t = (1.0 - np.cos(t * np.float32(0.5 * np.pi))).astype(np.float32)
+    return t
+
+
+@dataclass
+class EstimatorWork:
+    """Deterministic cost count: estimator calls and the mel frames they
+    evaluated (one Euler step of one window counts its frames once), and the
+    tokens the encoder ran over."""
+
+    calls: int = 0
+    frames: int = 0
+    encoder_tokens: int = 0
+
+
+class EncoderCache:
+    """One request's flow encoder caches (edge_build/export/flow_encoder.py):
+    K/V of both stacks and the two convolution histories. Small (~1.4 MiB per
+    second of audio at full size), always the full left context."""
+
+    def __init__(self, dims: dict[str, int]) -> None:
+        kv = (2, 1, dims["heads"], dims["head_dim"])
+        self.enc = HostKvBuffer((dims["layers"], *kv))
+        self.up = HostKvBuffer((dims["up_layers"], *kv))
+        self.pre = np.zeros((1, dims["pre_channels"], dims["pre_history"]), dtype=np.float32)
+        self.upconv = np.zeros((1, dims["upconv_channels"], dims["upconv_history"]), dtype=np.float32)
+
+    def nbytes(self) -> int:
+        return self.enc.nbytes() + self.up.nbytes() + self.pre.nbytes + self.upconv.nbytes
+
+
+_ENCODER_DIMS = ("layers", "up_layers", "heads", "head_dim", "pre_channels", "pre_history", "upconv_channels",
+                 "upconv_history")
+
+
+def encoder_cache_dims(entry: dict[str, Any]) -> dict[str, int]:
+    raw = entry.get("cache")
+    if not isinstance(raw, dict) or any(k not in raw for k in _ENCODER_DIMS):
+        raise BundleError("manifest: stages.flow_encoder has no cache dimensions; re-export the bundle "
+                          "with this version's 'cosyedge build export'")
+    return {k: int(raw[k]) for k in _ENCODER_DIMS}
+
+
+# Backend.flow_cache: where a streaming request's step caches live.
+CacheFactory = Callable[[Session, StepCacheSpec], StepCache]
+
+
+class FlowDecoder:
+    def __init__(self, bundle: Bundle, encoder: Session, estimator: Session,
+                 cache_factory: CacheFactory = HostStepCache) -> None:
+        self.config: FlowConfig = bundle.flow
+        self.mel_bins = bundle.mel_bins
+        self.token_mel_ratio = bundle.token_mel_ratio
+        self.encoder = encoder
+        self.estimator = estimator
+        self.noise = np.asarray(bundle.array("flow_noise", mmap=False), dtype=np.float32)
+        self.t_span = time_span(self.config.n_timesteps, self.config.t_scheduler)
+        raw = bundle.stages["flow_estimator"].raw
+        self.cache_dims = CacheDims.from_manifest(raw)
+        # fp16 bundles: the graph takes and gives the K/V cache in fp16 (half the memory)
+        self.cache_dtype = np.dtype(np.float16 if "att_cache" in raw.get("fp16_io", ()) else np.float32)
+        self.cache_factory = cache_factory
+        self.encoder_dims = encoder_cache_dims(bundle.stages["flow_encoder"].raw)
+        self._empty_encoder = EncoderCache(self.encoder_dims)
+
+    def cache_spec(self, visible: int = -1, initial_frames: int = 0) -> StepCacheSpec:
+        d = self.cache_dims
+        return StepCacheSpec(row=(d.blocks, 2, CFG_BATCH, d.heads, d.head_dim),
+                             conv=(d.convs, CFG_BATCH, d.conv_channels, d.conv_history), dtype=self.cache_dtype,
+                             visible=visible, initial_frames=initial_frames)
+
+    def empty_cache(self) -> HostStepCache:
+        """An offline call's caches: no history (zero rows, zero conv history)."""
+        return HostStepCache(self.estimator, self.cache_spec())
+
+    def encode(self, tokens: np.ndarray, embedding: np.ndarray, lookahead: int, chunk_tokens: int,
+               cache: EncoderCache | None = None, commit: int = 0,
+               work: EstimatorWork | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """mu [1, C, frames] for all but the look-ahead tokens, spks [1, C].
+        With `cache`, `tokens` are those after the cached ones, and the first
+        `commit` of them are added to it."""
+        n = tokens.shape[0]
+        c = cache if cache is not None else self._empty_encoder
+        out = self.encoder.run({
+            "token": tokens[None].astype(np.int64, copy=False),
+            "token_len": np.array([n], dtype=np.int64),
+            "lookahead_len": np.array([lookahead], dtype=np.int64),
+            "chunk_tokens": np.array([chunk_tokens], dtype=np.int64),
+            "embedding": embedding[None].astype(np.float32, copy=False),
+            "enc_cache": c.enc.kv, "up_cache": c.up.kv, "pre_cache": c.pre, "upconv_cache": c.upconv,
+            "commit": np.zeros((commit if cache is not None else 0,), dtype=np.float32),
+        })
+        if work is not None:
+            work.encoder_tokens += n
+        if cache is not None and commit:
+            cache.enc.append(out["enc_cache_new"])
+            cache.up.append(out["up_cache_new"])
+            cache.pre, cache.upconv = out["pre_cache_new"], out["upconv_cache_new"]
+        frames = self.token_mel_ratio * (n - lookahead)
+        return out["mu"][:, :, :frames], out["spks"]
+
+    def euler(self, mu: np.ndarray, spks: np.ndarray, cond: np.ndarray, start: int, chunk_frames: int,
+              caches: list[StepCache] | None = None, commit: int = 0,
+              work: EstimatorWork | None = None) -> np.ndarray:
+        """Euler steps from the fixed noise over the window of frames
+        [start, start + mu.shape[2]) (mu, cond [1, C, window]); with `caches`
+        (one per step) the frames before `start` come from them, and the
+        window's first `commit` frames are appended to them. Returns x [1, C, window]."""
+        frames = mu.shape[2]
+        end = start + frames
+        if end > self.noise.shape[1]:
+            raise ValueError(f"{end} mel frames exceed the flow noise table ({self.noise.shape[1]})")
+        c = self.mel_bins
+        x = self.noise[None, :, start:end].copy()
+        # Conditional row 0, unconditional row 1 (zeros), as upstream's solve_euler.
+        mask_in = np.ones((CFG_BATCH, 1, frames), dtype=np.float32)
+        mu_in = np.zeros((CFG_BATCH, c, frames), dtype=np.float32)
+        mu_in[0] = mu[0]
+        spks_in = np.zeros((CFG_BATCH, c), dtype=np.float32)
+        spks_in[0] = spks[0]
+        cond_in = np.zeros((CFG_BATCH, c, frames), dtype=np.float32)
+        cond_in[0] = cond[0]
+        chunk_in = np.full((CFG_BATCH,), chunk_frames, dtype=np.int64)
+        commit_in = np.zeros((commit,), dtype=np.float32)  # only its length is read
+        rate = np.float32(self.config.inference_cfg_rate)
+        t_span = self.t_span
+        t = t_span[0]
+        dt = t_span[1] - t_span[0]
+        empty = self.empty_cache()  # offline calls: no history
+        for step in range(1, len(t_span)):
+            cache = caches[step - 1] if caches is not None else empty
+            x_in = np.concatenate([x, x], axis=0)
+            t_in = np.full((CFG_BATCH,), t, dtype=np.float32)
+            d = cache.run({"x": x_in, "mask": mask_in, "mu": mu_in, "t": t_in, "spks": spks_in, "cond": cond_in,
+                           "chunk_frames": chunk_in, "commit": commit_in}, commit if caches is not None else 0)
+            if work is not None:
+                work.calls += 1
+                work.frames += frames
+            guided = (np.float32(1.0) + rate) * d[:1] - rate * d[1:]
+            x = (x + dt * guided).astype(np.float32, copy=False)
+            t = np.float32(t + dt)
+            if step < len(t_span) - 1:
+                dt = np.float32(t_span[step + 1] - t)
+        return x
+
+    def cond_window(self, prompt_feat: np.ndarray, start: int, end: int) -> np.ndarray:
+        """The prompt mel as the CFM's condition for frames [start, end) (zeros after the prompt)."""
+        cond = np.zeros((1, self.mel_bins, end - start), dtype=np.float32)
+        n = min(prompt_feat.shape[0], end)
+        if n > start:
+            cond[0, :, : n - start] = prompt_feat[start:n].T
+        return cond
+
+    def solve(self, mu: np.ndarray, spks: np.ndarray, prompt_feat: np.ndarray, chunk_frames: int,
+              work: EstimatorWork | None = None) -> np.ndarray:
+        """Euler steps from the fixed noise; returns the mel of all frames
+        (prompt included) [1, C, frames]."""
+        cond = self.cond_window(prompt_feat, 0, mu.shape[2])
+        return self.euler(mu, spks, cond, 0, chunk_frames, work=work)
+
+    def mel(self, tokens: np.ndarray, prompt: FlowPrompt, finalize: bool, streaming: bool,
+            work: EstimatorWork | None = None) -> np.ndarray:
+        """Mel frames [1, C, frames] for `tokens` (prompt excluded), as upstream
+        `flow.inference(..., streaming, finalize)`."""
+        all_tokens = np.concatenate([prompt.tokens.astype(np.int64), tokens.astype(np.int64)])
+        lookahead = 0 if finalize else self.config.pre_lookahead_len
+        chunk = self.config.chunk_tokens if streaming else 0
+        mu, spks = self.encode(all_tokens, prompt.embedding, lookahead, chunk, work=work)
+        feat = self.solve(mu, spks, prompt.feat, chunk * self.token_mel_ratio, work=work)
+        return feat[:, :, prompt.feat.shape[0]:]
+
+    def stream(self, prompt: FlowPrompt, final_chunk: FinalChunk = "upstream", left_chunks: int = -1) -> FlowStream:
+        return FlowStream(self, prompt, final_chunk, left_chunks)
+
+
+class FlowStream:
+    """One streaming request's flow: `push(tokens)` with the growing token
+    prefix (look-ahead included) returns the mel frames not returned before,
+    equal to upstream's full-prefix streaming pass over those frames; `finish`
+    returns the rest once all tokens are known.
+
+    Both flow graphs keep caches: the encoder (EncoderCache) and, per Euler
+    step, the estimator, so each call evaluates only the window from the last
+    complete chunk on. (Re-running the encoder over the whole prefix instead
+    would add ~9% of the offline flow cost for a 20 s utterance at full size,
+    where one encoder pass is ~1.3-2% of the offline estimator; on the tiny
+    test model, whose encoder is 512 wide, it would dominate.)
+
+    Where the commit point goes: the graphs take it (the `commit` input's
+    length), so they slice the conv histories at the right frame themselves;
+    the runtime picks it as the end of the window's last complete chunk."""
+
+    def __init__(self, decoder: FlowDecoder, prompt: FlowPrompt, final_chunk: FinalChunk = "upstream",
+                 left_chunks: int = -1) -> None:
+        if final_chunk not in FINAL_CHUNK_MODES:
+            raise ValueError(f"final_chunk must be one of {', '.join(FINAL_CHUNK_MODES)}, got {final_chunk!r}")
+        if left_chunks < -1:
+            raise ValueError(f"left_chunks must be -1 (full left context) or >= 0, got {left_chunks}")
+        self.decoder = decoder
+        self.prompt = prompt
+        self.final_chunk = final_chunk
+        cfg = decoder.config
+        self.chunk_frames = cfg.chunk_tokens * decoder.token_mel_ratio
+        self.prompt_frames = prompt.feat.shape[0]
+        self.emitted = self.prompt_frames  # frames (prompt included) returned so far
+        self.committed = 0  # frames whose estimator state is in the caches
+        # Multi-level U-Nets (not CosyVoice 2's) are not chunk-causal: recompute the prefix as upstream.
+        self.cached = decoder.cache_dims.stream_cache and self.chunk_frames > 0
+        # left_chunks -1: every committed frame stays visible (exact). >= 0: only
+        # the last left_chunks mask chunks of the cache are kept and attended to
+        # (plus the window's own earlier chunk, if it has one): bounded memory for
+        # long utterances, but the mel then differs from upstream's.
+        self.left_chunks = left_chunks
+        visible = -1 if left_chunks < 0 else left_chunks * self.chunk_frames
+        # Device stores preallocate: the prompt and two chunks, then doubling.
+        spec = decoder.cache_spec(visible, self.prompt_frames + 2 * self.chunk_frames)
+        self.caches: list[StepCache] = []
+        if self.cached:
+            self.caches = [decoder.cache_factory(decoder.estimator, spec) for _ in range(cfg.n_timesteps)]
+        self.encoder_cache = EncoderCache(decoder.encoder_dims) if self.cached else None
+        self.work = EstimatorWork()
+        self._tokens = prompt.tokens.astype(np.int64)
+        self._closed = False
+
+    def cache_bytes(self) -> int:
+        enc = self.encoder_cache.nbytes() if self.encoder_cache is not None else 0
+        return sum(c.nbytes() for c in self.caches) + enc
+
+    def close(self) -> None:
+        """Release the caches (device memory with a device store); idempotent."""
+        for cache in self.caches:
+            cache.close()
+        self.caches = []
+        self.encoder_cache = None
+        self._closed = True
+
+    def __enter__(self) -> FlowStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _window(self, tokens: np.ndarray, finalize: bool) -> np.ndarray:
+        dec = self.decoder
+        cfg = dec.config
+        all_tokens = np.concatenate([self._tokens, np.asarray(tokens, dtype=np.int64)])
+        lookahead = 0 if finalize else cfg.pre_lookahead_len
+        # The encoder's chunks (chunk_tokens) and the estimator's (chunk_frames)
+        # end on the same frames, so both commit up to the same point: the end of
+        # the window's last complete chunk (nothing at the last call, whose
+        # caches are never read again).
+        start = self.committed
+        window = all_tokens[start // dec.token_mel_ratio:]
+        main = window.shape[0] - lookahead
+        commit_tokens = 0 if finalize else main // cfg.chunk_tokens * cfg.chunk_tokens
+        mu, spks = dec.encode(window, self.prompt.embedding, lookahead, cfg.chunk_tokens, self.encoder_cache,
+                              commit_tokens, self.work)
+        end = start + mu.shape[2]
+        if end < self.emitted:
+            raise ValueError(f"the token prefix shrank: {end} mel frames, {self.emitted} already returned")
+        commit = commit_tokens * dec.token_mel_ratio
+        cond = dec.cond_window(self.prompt.feat, start, end)
+        x = dec.euler(mu, spks, cond, start, self.chunk_frames, self.caches, commit, self.work)
+        self.committed += commit
+        for cache in self.caches:
+            cache.trim()
+        out = x[:, :, self.emitted - start:]
+        self.emitted = end
+        return out
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("flow stream used after close()")
+
+    def push(self, tokens: np.ndarray) -> np.ndarray:
+        """New mel frames [1, C, n] for the token prefix `tokens` (prompt
+        excluded, the look-ahead tokens at its end are context only)."""
+        self._check_open()
+        if not self.cached:
+            mel = self.decoder.mel(np.asarray(tokens), self.prompt, finalize=False, streaming=True, work=self.work)
+            out = mel[:, :, self.emitted - self.prompt_frames:]
+            self.emitted = self.prompt_frames + mel.shape[2]
+            return out
+        return self._window(tokens, finalize=False)
+
+    def finish(self, tokens: np.ndarray) -> np.ndarray:
+        """The remaining mel frames once all `tokens` are known. "upstream":
+        upstream's final non-streaming pass over everything (full attention;
+        costs a full-length estimator pass); "cached": the last window through
+        the caches with the chunk mask (linear cost; its frames differ a little
+        from upstream's)."""
+        self._check_open()
+        if self.final_chunk == "upstream" or not self.cached:
+            mel = self.decoder.mel(np.asarray(tokens), self.prompt, finalize=True, streaming=False, work=self.work)
+            out = mel[:, :, self.emitted - self.prompt_frames:]
+            self.emitted = self.prompt_frames + mel.shape[2]
+        else:
+            out = self._window(tokens, finalize=True)
+        log.debug("flow stream: %d mel frames, estimator %d calls over %d frames, caches %.1f MiB",
+                  self.emitted, self.work.calls, self.work.frames, self.cache_bytes() / (1 << 20))
+        return out

@@ -1,0 +1,466 @@
+"""The CosyVoice 2 engine: text in, audio chunks out, over backend sessions.
+
+One `CosyVoiceSynthesizer` serves concurrent requests: the sessions are shared
+(ONNX Runtime sessions are safe to run from several threads) and every
+request carries its own state (sampler, noise, chunk schedule, vocoder
+cache).
+
+Streaming requests overlap their stages (SynthesisSettings.overlap_stages): the
+LLM decodes on a producer thread into a bounded token queue while the
+request's own thread runs flow + vocoder on the chunk before, so time to first
+audio is the first chunk's cost and throughput is bounded by the slowest
+stage (models/synthesis/token_stream.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from cosyedge_models.synthesis.api import (
+    MODES,
+    AudioChunk,
+    EngineDefaults,
+    LoadLevel,
+    Mode,
+    StageEvent,
+    StageTimes,
+    SynthesisRequest,
+    TimelineStage,
+)
+from cosyedge_models.backends.base import Backend, FixedSizeDecode, Session, create_backend
+from cosyedge_models.batching.policy import BatchSettings
+from cosyedge_models.batching.llm_batcher import start_batcher
+from cosyedge_models.bundle.loader import Bundle, load_bundle
+from cosyedge_models.synthesis.conditioning import Conditioning, ConditioningBuilder
+from cosyedge_models.errors import BundleError, RequestError
+from cosyedge_models.synthesis.flow import FINAL_CHUNK_MODES, EstimatorWork, FinalChunk, FlowDecoder, FlowStream
+from cosyedge_models.synthesis.llm import LlmInput, LlmStats, SpeechTokenLM
+from cosyedge_models.synthesis.sampling import TokenSampler
+from cosyedge_models.batching.stage_batcher import call_priority, start_stage_batching
+from cosyedge_models.synthesis.streaming import ChunkSchedule
+from cosyedge_models.text.frontend import TextFrontend
+from cosyedge_models.text.tokenizer import TextTokenizer
+from cosyedge_models.synthesis.token_stream import LlmEnd, ProducedTokens, ProducerPool, SerialTokens, TimedToken
+from cosyedge_models.synthesis.vocoder import HiftVocoder, NoiseSource, VocoderStream
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SynthesisSettings:
+    backend: str = "ort"
+    precision: str | None = None  # None: the bundle's own
+    max_text_chars: int = 2000
+    threads: int | None = None  # intra-op threads per session (None: the runtime's default)
+    first_hop_tokens: int | None = None  # None: upstream's aligned first hop
+    # After each streaming chunk the hop grows by this factor up to 4x (upstream's
+    # stream_scale_factor); 1.0: a fixed hop, as CosyVoice 2 upstream.
+    hop_scale: float = 1.0
+    batching: BatchSettings | None = None  # None: every request decodes alone (batch 1)
+    # Flow estimator and HiFT calls of concurrent requests merged into one run
+    # (models/batching/stage_batcher.py); max_batch_size counts requests. None: each runs alone.
+    flow_batching: BatchSettings | None = None
+    # Streaming: the LLM on a producer thread while flow + vocoder run (False: serial).
+    # None: auto (resolve_overlap): on with a GPU backend or >= 4 CPU cores.
+    overlap_stages: bool | None = None
+    # Cap on LLM producer threads; they start only as concurrent streams need them
+    # (>= the Triton model's max_batch_size, so its batch runs fully in parallel).
+    producer_threads: int = 16
+    overlap_queue_tokens: int = 128  # how far (in tokens) the LLM may run ahead of flow + vocoder
+    # Streaming's last chunk: "cached" runs it through the estimator caches like
+    # the others (linear cost: streaming costs about what offline does; its
+    # frames differ slightly from upstream's); "upstream" reproduces upstream
+    # exactly with a full-length non-streaming pass (streaming then costs about
+    # twice offline).
+    flow_final_chunk: FinalChunk = "cached"
+    # Streaming flow's left context in mask chunks (50 frames = 1 s each): -1
+    # (default) all earlier frames, exactly as upstream; N >= 0 keeps only the
+    # last N chunks in the estimator caches, which bounds their memory (about
+    # 219 MiB per second of audio at full size) for long utterances on 8 GB
+    # boards but CHANGES the output (no longer upstream's mel).
+    flow_left_chunks: int = -1
+    # The LLM's fixed-size decode step, captured as CUDA graphs on ort-cuda
+    # (bundles exported with --static-decode-len): None auto (on for ort-cuda
+    # when the bundle has it), True also on the CPU (no capture: for tests), False off.
+    graph_decode: bool | None = None
+    graph_decode_slots: int = 4  # requests decoding with it at once; more use the ordinary loop
+
+    def __post_init__(self) -> None:
+        if self.max_text_chars < 1:
+            raise ValueError(f"max_text_chars must be >= 1, got {self.max_text_chars}")
+        if self.hop_scale < 1.0:
+            raise ValueError(f"hop_scale must be >= 1.0, got {self.hop_scale}")
+        if self.first_hop_tokens is not None and self.first_hop_tokens < 1:
+            raise ValueError(f"first_hop_tokens must be >= 1 or None, got {self.first_hop_tokens}")
+        if self.batching is not None and not isinstance(self.batching, BatchSettings):
+            raise ValueError(f"batching must be a BatchSettings or None, got {type(self.batching).__name__}")
+        if self.flow_batching is not None and not isinstance(self.flow_batching, BatchSettings):
+            raise ValueError(f"flow_batching must be a BatchSettings or None, got {type(self.flow_batching).__name__}")
+        if self.producer_threads < 1:
+            raise ValueError(f"producer_threads must be >= 1, got {self.producer_threads}")
+        if self.overlap_queue_tokens < 1:
+            raise ValueError(f"overlap_queue_tokens must be >= 1, got {self.overlap_queue_tokens}")
+        if self.flow_left_chunks < -1:
+            raise ValueError(f"flow_left_chunks must be -1 (full left context) or >= 0, got {self.flow_left_chunks}")
+        if self.graph_decode_slots < 1:
+            raise ValueError(f"graph_decode_slots must be >= 1, got {self.graph_decode_slots}")
+        if self.flow_final_chunk not in FINAL_CHUNK_MODES:
+            raise ValueError(f"flow_final_chunk must be one of {', '.join(FINAL_CHUNK_MODES)}, "
+                             f"got {self.flow_final_chunk!r}")
+
+
+@dataclass
+class _RequestState:
+    sampler: TokenSampler
+    noise: NoiseSource
+    times: StageTimes
+    started: float
+    cancel: threading.Event | None
+    priority: int = 0
+    index: int = 0
+    tokens_before: int = 0  # speech tokens of the request's earlier segments
+    # Written by the LLM producer thread while stages overlap; the consumer reads
+    # it for the running totals in each chunk (exact once the segment's LLM ended).
+    llm: LlmStats = field(default_factory=LlmStats)
+
+    def cancelled(self) -> bool:
+        return self.cancel is not None and self.cancel.is_set()
+
+    def event(self, stage: TimelineStage, start: float, end: float) -> None:
+        """Timeline entry for the chunk about to be yielded (perf_counter times)."""
+        self.times.timeline.append(StageEvent(stage, self.index, (start - self.started) * 1e3,
+                                              (end - self.started) * 1e3))
+
+
+class LlmSpans:
+    """Per-chunk LLM spans from timed tokens: a chunk's span runs from the start
+    of the first token after the previous chunk's to the end of the token that
+    completed it (a token that completes several chunks gives only the first a span)."""
+
+    def __init__(self) -> None:
+        self._start: float | None = None
+
+    def add(self, token: TimedToken) -> None:
+        if self._start is None:
+            self._start = token.start
+
+    def take(self, state: _RequestState, until: float) -> None:
+        if self._start is not None:
+            state.event("llm", self._start, until)
+        self._start = None
+
+    def finish(self, state: _RequestState, end: LlmEnd | None) -> None:
+        if end is not None:
+            state.event("llm", self._start if self._start is not None else end.start, end.end)
+        self._start = None
+
+
+def resolve_overlap(setting: bool | None, backend: str, cpu_count: int | None) -> bool:
+    """Whether streaming overlaps its stages. Auto (None): on for GPU backends
+    and CPUs of 4+ cores. On a 2-core CPU both stages' thread pools share the
+    same two cores: measured at full size, the first chunk's flow then took 3x
+    longer and time to first audio went from 2.5 s (serial) to 6.3 s."""
+    if setting is not None:
+        return setting
+    return backend != "ort" or (cpu_count or 1) >= 4
+
+
+def linear_resize(mel: np.ndarray, frames: int) -> np.ndarray:
+    """torch F.interpolate(mode='linear', align_corners=False) along the last axis."""
+    src = mel.shape[-1]
+    pos = (np.arange(frames, dtype=np.float64) + 0.5) * (src / frames) - 0.5
+    pos = np.clip(pos, 0, src - 1)
+    lo = np.floor(pos).astype(np.int64)
+    hi = np.minimum(lo + 1, src - 1)
+    w = (pos - lo).astype(np.float32)
+    return (mel[..., lo] * (1 - w) + mel[..., hi] * w).astype(np.float32)
+
+
+def default_noise(seq: np.random.SeedSequence) -> NoiseSource:
+    return np.random.default_rng(seq)
+
+
+class CosyVoiceSynthesizer(EngineDefaults):
+    # The vocoder's random source per request; parity tests swap in one that
+    # draws exactly what upstream's torch code draws.
+    noise_factory: Callable[[np.random.SeedSequence], NoiseSource] = staticmethod(default_noise)
+
+    def __init__(self, bundle: Bundle, backend: Backend, settings: SynthesisSettings) -> None:
+        self.bundle = bundle
+        self.settings = settings
+        self.backend = backend
+        self.name = f"cosyvoice-{backend.name}"
+        self.sample_rate = bundle.sample_rate
+        self._sessions: list[Session] = []
+        load = self._load
+        self.lm = SpeechTokenLM(bundle, backend, load("llm_prefill"), load("llm_decode"))
+        self.lm.fixed_size_decode = self._fixed_size_decode()
+        # With flow batching the flow and the vocoder run their graphs through the stage batchers.
+        stages = {stage: load(stage) for stage in ("flow_estimator", "hift_source", "hift_decoder")}
+        batchers = start_stage_batching(bundle, backend.name, stages, settings.flow_batching)
+        self.stage_batchers = list(batchers.values())
+        stages.update(batchers)
+        self.flow = FlowDecoder(bundle, load("flow_encoder"), stages["flow_estimator"], backend.flow_cache)
+        self.vocoder = HiftVocoder(bundle, stages["hift_source"], stages["hift_decoder"])
+        self.tokenizer = TextTokenizer.from_file(bundle.file("tokenizer"))
+        self.frontend = TextFrontend(self.tokenizer, max_text_chars=settings.max_text_chars)
+        self.conditioning = ConditioningBuilder(bundle, self.tokenizer, self.frontend)
+        self.batcher = start_batcher(bundle, backend.name, self.lm, settings.batching)
+        self._producers: ProducerPool | None = None
+        self.overlap = resolve_overlap(settings.overlap_stages, backend.name, os.cpu_count())
+        if self.overlap:
+            self._producers = ProducerPool(settings.producer_threads)
+            self._producers.start()
+
+    def _fixed_size_decode(self) -> FixedSizeDecode | None:
+        setting = self.settings.graph_decode
+        has_step = "llm_decode_static" in self.bundle.stages
+        if setting is True and not has_step:
+            raise BundleError(f"{self.bundle.root}: graph_decode needs a bundle exported with "
+                              "'cosyedge build export --static-decode-len N'")
+        on = setting if setting is not None else self.backend.name == "ort-cuda"
+        if not (on and has_step and self.backend.name.startswith("ort")):
+            return None
+        from cosyedge_models.backends.ort import OrtSession
+        from cosyedge_models.backends.ort_graph_decode import GraphDecoder
+
+        step, pad, prefill = self._load("llm_decode_static"), self._load("llm_kv_pad"), self.lm.prefill_session
+        if not (isinstance(step, OrtSession) and isinstance(pad, OrtSession) and isinstance(prefill, OrtSession)):
+            return None  # a wrapped backend (tests): the ordinary loop
+        device = ("cuda", int(getattr(self.backend, "device_id", 0))) if step.on_device else ("cpu", 0)
+        log.info("LLM decode: fixed-size step of %s positions%s", step.input_shapes["past_kv"][4],
+                 ", CUDA graphs" if step.cuda_graph else "")
+        return GraphDecoder(prefill, step, pad, device, self.settings.graph_decode_slots)
+
+    def _load(self, stage: str) -> Session:
+        session = self.backend.load(stage, self.bundle.stages[stage].path, threads=self.settings.threads)
+        self._sessions.append(session)
+        return session
+
+    # --- Synthesizer protocol ---------------------------------------------------------------
+    def voices(self) -> list[str]:
+        return sorted(self.bundle.voices)
+
+    def modes(self) -> tuple[Mode, ...]:
+        return MODES
+
+    def validate(self, request: SynthesisRequest) -> None:
+        if request.mode not in MODES:
+            raise RequestError("unknown_mode", f"mode {request.mode!r} is not one of {', '.join(MODES)}")
+        if not 0.5 <= request.speed <= 2.0:
+            raise RequestError("bad_speed", f"speed must be between 0.5 and 2.0, got {request.speed}")
+        if request.speed != 1.0 and request.stream:
+            raise RequestError("bad_speed", "speed other than 1.0 is only supported with stream=false (as upstream)")
+        self.frontend.check(request.text)
+        self.conditioning.check(request)
+
+    def synthesize(self, request: SynthesisRequest, cancel: threading.Event | None = None) -> Iterator[AudioChunk]:
+        started = time.perf_counter()
+        self.validate(request)
+        seed = request.seed if request.seed is not None else int(np.random.default_rng().integers(1 << 62))
+        sampler_seq, noise_seq = np.random.SeedSequence(seed).spawn(2)
+        state = _RequestState(
+            sampler=TokenSampler(self.bundle.llm.sampling, self.bundle.llm.eos_token,
+                                 np.random.default_rng(sampler_seq)),
+            noise=self.noise_factory(noise_seq),
+            times=StageTimes(),
+            started=started,
+            cancel=cancel,
+            priority=request.priority,
+        )
+        t0 = time.perf_counter()
+        cond = self.conditioning.build(request)
+        segments = self.frontend.prepare(request.text)
+        state.times.frontend_ms += (time.perf_counter() - t0) * 1e3
+        for i, segment in enumerate(segments):
+            last_segment = i == len(segments) - 1
+            llm_in = LlmInput(text=segment.token_ids.tolist(), prompt_text=cond.prompt_text,
+                              prompt_speech=cond.prompt_speech)
+            pieces = self._stream_segment(llm_in, cond, state) if request.stream else self._offline_segment(
+                llm_in, cond, state, request.speed)
+            # closing(): when the caller stops early (break, gen.close()) or a stage
+            # raises, the segment's producer is stopped here, not at garbage collection.
+            with contextlib.closing(pieces):
+                for pcm, final in pieces:
+                    if state.cancelled():
+                        return
+                    yield self._chunk(state, pcm, last=final and last_segment)
+
+    def session_memory_bytes(self) -> int:
+        """What the stage sessions hold (Session.memory_bytes, best effort), for benchmarks."""
+        return sum(s.memory_bytes() for s in self._sessions)
+
+    def set_load_level(self, level: LoadLevel) -> None:
+        """The daemon's load hint: under load ("degraded") requests join the LLM batch without delay."""
+        delay = 0.0 if level == "degraded" else None
+        if self.batcher is not None:
+            self.batcher.delay_ms = delay
+        for stage in self.stage_batchers:
+            stage.delay_ms = delay
+
+    def close(self) -> None:
+        if self.batcher is not None:
+            self.batcher.stop()
+        for stage in self.stage_batchers:
+            stage.stop()
+        if self._producers is not None:
+            self._producers.stop()  # before the sessions it runs are closed
+        if self.lm.fixed_size_decode is not None:
+            self.lm.fixed_size_decode.close()
+        for s in self._sessions:
+            s.close()
+        self._sessions.clear()
+        self.conditioning.close()
+
+    # --- internals ---------------------------------------------------------------------
+    def _chunk(self, state: _RequestState, pcm: np.ndarray, last: bool) -> AudioChunk:
+        times = state.times
+        times.llm_ms = state.llm.prefill_ms + state.llm.decode_ms
+        times.llm_tokens = state.tokens_before + len(state.llm.tokens)
+        if times.first_audio_ms is None and pcm.size:
+            times.first_audio_ms = (time.perf_counter() - state.started) * 1e3
+        chunk = AudioChunk(pcm=pcm.astype(np.float32, copy=False), sample_rate=self.sample_rate,
+                           index=state.index, last=last, times=times)
+        state.index += 1
+        return chunk
+
+    def _tokens(self, llm_in: LlmInput, state: _RequestState) -> Iterator[int]:
+        # The token list is per segment (upstream's repetition window); the count is per request.
+        state.tokens_before += len(state.llm.tokens)
+        state.llm.tokens.clear()
+        if self.batcher is not None:
+            return self.batcher.generate(llm_in, state.sampler, state.llm, priority=state.priority,
+                                         cancel=state.cancel)
+        return self.lm.generate(llm_in, state.sampler, state.llm)
+
+    def _token_source(self, llm_in: LlmInput, state: _RequestState) -> SerialTokens | ProducedTokens:
+        """The segment's tokens: from a producer thread when stages overlap, else pulled here."""
+        tokens = self._tokens(llm_in, state)  # created here: it resets the per-segment stats
+        if self._producers is None:
+            return SerialTokens(tokens)
+        return self._producers.submit(ProducedTokens(tokens, state.cancelled, self.settings.overlap_queue_tokens))
+
+    def _flow(self, tokens: list[int], cond: Conditioning, state: _RequestState, finalize: bool,
+              streaming: bool) -> np.ndarray:
+        t0 = time.perf_counter()
+        work = EstimatorWork()
+        with call_priority(state.priority):
+            mel = self.flow.mel(np.asarray(tokens, dtype=np.int64), cond.flow, finalize=finalize,
+                                streaming=streaming, work=work)
+        t1 = time.perf_counter()
+        state.times.flow_ms += (t1 - t0) * 1e3
+        state.times.flow_frames += work.frames
+        state.event("flow", t0, t1)
+        return mel
+
+    def _flow_stream(self, flow: FlowStream, tokens: list[int], state: _RequestState, final: bool) -> np.ndarray:
+        t0 = time.perf_counter()
+        before = flow.work.frames
+        array = np.asarray(tokens, dtype=np.int64)
+        with call_priority(state.priority):
+            mel = flow.finish(array) if final else flow.push(array)
+        t1 = time.perf_counter()
+        state.times.flow_ms += (t1 - t0) * 1e3
+        state.times.flow_frames += flow.work.frames - before
+        state.event("flow", t0, t1)
+        return mel
+
+    def _offline_segment(self, llm_in: LlmInput, cond: Conditioning, state: _RequestState,
+                         speed: float) -> Generator[tuple[np.ndarray, bool], None, None]:
+        tokens = []
+        spans = LlmSpans()
+        with SerialTokens(self._tokens(llm_in, state)) as source:  # flow needs every token first
+            for timed in source:
+                tokens.append(timed.token)
+                spans.add(timed)
+                if state.cancelled():
+                    return
+            spans.finish(state, source.end)
+        if not tokens:
+            yield np.zeros(0, dtype=np.float32), True
+            return
+        mel = self._flow(tokens, cond, state, finalize=True, streaming=False)
+        if speed != 1.0:
+            mel = linear_resize(mel, int(mel.shape[2] / speed))
+        t0 = time.perf_counter()
+        with call_priority(state.priority):
+            audio, _ = self.vocoder.run(mel, state.noise)
+        t1 = time.perf_counter()
+        state.times.vocoder_ms += (t1 - t0) * 1e3
+        state.event("vocoder", t0, t1)
+        yield audio[0], True
+
+    def _stream_segment(self, llm_in: LlmInput, cond: Conditioning,
+                        state: _RequestState) -> Generator[tuple[np.ndarray, bool], None, None]:
+        # Per request: the estimator caches, so each chunk costs only its new frames
+        # (device memory with a GPU backend): released when the segment ends, fails
+        # or is abandoned (synthesize closes this generator).
+        with self.flow.stream(cond.flow, self.settings.flow_final_chunk, self.settings.flow_left_chunks) as flow:
+            yield from self._stream_chunks(flow, llm_in, cond, state)
+
+    def _stream_chunks(self, flow: FlowStream, llm_in: LlmInput, cond: Conditioning,
+                       state: _RequestState) -> Generator[tuple[np.ndarray, bool], None, None]:
+        lookahead = self.bundle.flow.pre_lookahead_len
+        schedule = ChunkSchedule(self.bundle.streaming.token_hop_len, lookahead,
+                                 prompt_tokens=len(cond.flow.tokens), first_hop=self.settings.first_hop_tokens,
+                                 hop_scale=self.settings.hop_scale)
+        stream = VocoderStream(self.vocoder, state.noise)
+        tokens: list[int] = []
+        spans = LlmSpans()
+        # With overlap the LLM keeps decoding on its producer thread while this
+        # generator runs flow + vocoder below and waits at the yield.
+        with self._token_source(llm_in, state) as source:
+            for timed in source:
+                tokens.append(timed.token)
+                spans.add(timed)
+                while (chunk := schedule.next_chunk(len(tokens))) is not None:
+                    spans.take(state, timed.end)
+                    # the frames of tokens [chunk.start, chunk.end): what upstream's full-prefix pass
+                    # over tokens[:chunk.end + lookahead] gives for them
+                    mel = self._flow_stream(flow, tokens[:chunk.end + lookahead], state, final=False)
+                    yield self._vocode(stream, mel, state, final=False), False
+                if state.cancelled():
+                    return
+            if state.cancelled():
+                return
+            spans.finish(state, source.end)
+        schedule.final_chunk(len(tokens))
+        if tokens:
+            mel = self._flow_stream(flow, tokens, state, final=True)
+        else:
+            mel = np.zeros((1, self.bundle.mel_bins, 0), dtype=np.float32)
+        if mel.shape[2] == 0 and stream.mel is None:
+            yield np.zeros(0, dtype=np.float32), True
+            return
+        yield self._vocode(stream, mel, state, final=True), True
+
+    def _vocode(self, stream: VocoderStream, mel: np.ndarray, state: _RequestState, final: bool) -> np.ndarray:
+        t0 = time.perf_counter()
+        with call_priority(state.priority):
+            pcm = stream.push(mel, final=final)
+        t1 = time.perf_counter()
+        state.times.vocoder_ms += (t1 - t0) * 1e3
+        state.event("vocoder", t0, t1)
+        return pcm
+
+
+def load_synthesizer(bundle_dir: Path | str, backend: str | None = None,
+                settings: SynthesisSettings | None = None) -> CosyVoiceSynthesizer:
+    """Load a bundle and its sessions on `settings.backend` (or `backend`
+    without settings); raises BundleError with what to do."""
+    if settings is None:
+        settings = SynthesisSettings(backend=backend or "ort")
+    elif backend is not None and backend != settings.backend:
+        raise ValueError(f"backend {backend!r} differs from settings.backend {settings.backend!r}")
+    name = settings.backend
+    # The trt backend loads the bundle's TensorRT plans, checked against this GPU.
+    bundle = load_bundle(bundle_dir, precision=settings.precision, backend="trt" if name == "trt" else "ort")
+    return CosyVoiceSynthesizer(bundle, create_backend(name), settings)

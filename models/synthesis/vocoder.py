@@ -1,0 +1,84 @@
+"""Mel to waveform with HiFT, offline or in streaming chunks.
+
+Streaming follows upstream `CosyVoice2Model.token2wav`: each chunk's mel is
+prefixed with the last `mel_cache_len` frames of the previous chunk, the
+harmonic source of those frames is reused (so the excitation is continuous),
+the first `source_cache_len` samples are cross-faded with the previous
+chunk's held-back tail (Hamming window), and the last `source_cache_len`
+samples are held back until the next chunk or the end. The cache lives in a
+`VocoderStream` per request, never on the shared instance."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from cosyedge_models.backends.base import Session
+from cosyedge_models.bundle.loader import Bundle
+
+
+class NoiseSource(Protocol):
+    def standard_normal(self, size: tuple[int, ...], dtype: type[np.float32]) -> np.ndarray: ...
+
+
+def crossfade(head: np.ndarray, prev_tail: np.ndarray, window: np.ndarray) -> np.ndarray:
+    """Mix the first half-window of `head` with `prev_tail` (upstream
+    `fade_in_out`): head * rising half + tail * falling half."""
+    n = window.shape[0] // 2
+    out = head.copy()
+    out[..., :n] = head[..., :n] * window[:n] + prev_tail[..., -n:] * window[n:]
+    return out
+
+
+class HiftVocoder:
+    def __init__(self, bundle: Bundle, source: Session, decoder: Session) -> None:
+        self.source_session = source
+        self.decoder_session = decoder
+        self.upsample = bundle.hift.upsample_factor
+        self.harmonics = bundle.hift.harmonics
+        self.mel_cache_len = bundle.streaming.mel_cache_len
+        self.source_cache_len = bundle.streaming.source_cache_len
+        self.window = np.hamming(2 * self.source_cache_len).astype(np.float32)
+
+    def run(self, mel: np.ndarray, noise: NoiseSource, cache_source: np.ndarray | None = None) -> tuple[
+            np.ndarray, np.ndarray]:
+        """(audio [1, frames * U], source [1, 1, frames * U]) for mel [1, C, frames]."""
+        frames = mel.shape[2]
+        mel = np.ascontiguousarray(mel, dtype=np.float32)
+        draws = noise.standard_normal((1, frames * self.upsample, self.harmonics), np.float32)
+        source = self.source_session.run({"mel": mel, "noise": draws})["source"]
+        if cache_source is not None and cache_source.shape[2]:
+            source = source.copy()
+            source[:, :, :cache_source.shape[2]] = cache_source
+        audio = self.decoder_session.run({"mel": mel, "source": source})["audio"]
+        return audio, source
+
+
+@dataclass
+class VocoderStream:
+    """Per-request streaming state of the vocoder."""
+
+    vocoder: HiftVocoder
+    noise: NoiseSource
+    mel: np.ndarray | None = None
+    source: np.ndarray | None = None
+    speech: np.ndarray | None = None
+
+    def push(self, mel: np.ndarray, final: bool) -> np.ndarray:
+        """Vocode the next chunk's mel [1, C, frames]; returns the samples that
+        are final now (1-D float32)."""
+        v = self.vocoder
+        if self.mel is not None:
+            mel = np.concatenate([self.mel, mel], axis=2)
+        audio, source = v.run(mel, self.noise, self.source)
+        if self.speech is not None:
+            audio = crossfade(audio, self.speech, v.window)
+        if final:
+            self.mel = self.source = self.speech = None
+            return audio[0]
+        self.mel = mel[:, :, -v.mel_cache_len:]
+        self.source = source[:, :, -v.source_cache_len:]
+        self.speech = audio[:, -v.source_cache_len:]
+        return audio[0, :-v.source_cache_len]

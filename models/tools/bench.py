@@ -1,0 +1,386 @@
+"""`cosyedge bench`: real-time factor, time to first audio, time per stage,
+peak memory, throughput under concurrency, streaming vs offline cost on a
+~20 s utterance, the per-chunk stage timeline of one streaming run, time to
+first audio per first hop (--first-hop), other bundles of the same model on
+the same backend (--compare: fp32 / fp16 / int8 side by side, with their
+Jetson memory budget), and (with --reference) the official PyTorch pipeline
+on the same checkpoint in the same run. Writes the keys the project tracks
+with --json; the timeline is also drawn as text on stderr."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import logging
+import os
+import platform
+import resource
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cosyedge_models.synthesis.api import StageEvent, SynthesisRequest
+from cosyedge_models.batching.policy import BatchSettings
+from cosyedge_models.bundle.loader import Bundle
+from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, SynthesisSettings, load_synthesizer
+from cosyedge_models.errors import CosyEdgeError
+from cosyedge_models.synthesis.llm import LlmInput
+from cosyedge_models.bundle.memory_budget import BOARDS, MIB, bundle_budget
+from cosyedge_models.synthesis.sampling import TokenSampler
+from cosyedge_models.tools.timeline import render_timeline
+
+log = logging.getLogger(__name__)
+
+# 20 text tokens with the real Qwen2 tokenizer: a random-weight model then
+# speaks the maximum 20 x 20 = 400 speech tokens (16 s), as upstream measured.
+DEFAULT_TEXT = "The quick brown fox jumps over the lazy dog while the robot reads the news aloud."
+# Words for the long utterance (streaming vs offline cost); as many are taken as
+# give the wanted length (long_text).
+LONG_TEXT = ("The kiosk greets every visitor, explains the opening hours, lists the exhibits on each floor, "
+             "and answers questions about tickets, parking and the cafe")
+LONG_SECONDS = 20.0
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.machine()}"
+
+
+def text_tokens(engine: CosyVoiceSynthesizer, text: str) -> int:
+    return sum(len(seg.token_ids) for seg in engine.frontend.prepare(text))
+
+
+def long_text(engine: CosyVoiceSynthesizer, seconds: float) -> tuple[str, float]:
+    """A text from LONG_TEXT's words (repeated as needed) whose speech at the LLM's
+    maximum length lasts about `seconds`, and that length. The maximum
+    (max_token_text_ratio x text tokens, per segment) is what a random-weight
+    checkpoint speaks; a trained one stops earlier: the measured seconds are
+    reported with the result."""
+    rate = float(engine.bundle.manifest.get("token_rate_hz", 25))
+    ratio = engine.bundle.llm.max_token_text_ratio
+
+    def expected_s(text: str) -> float:
+        return sum(int(len(seg.token_ids) * ratio) for seg in engine.frontend.prepare(text)) / rate
+
+    words = LONG_TEXT.split()
+    text, length = "", 0.0
+    for i in itertools.count():
+        candidate = f"{text} {words[i % len(words)]}".strip()
+        n = expected_s(candidate)
+        if n >= seconds:
+            # The closer of the two; never an empty text.
+            return (candidate, n) if not text or n - seconds <= seconds - length else (text, length)
+        text, length = candidate, n
+    raise AssertionError("unreachable")
+
+
+def long_utterance(engine: CosyVoiceSynthesizer, seconds: float, seed: int, tries: int = 3) -> tuple[
+        str, float, dict[str, Any]]:
+    """(text, its length at the LLM's maximum, the offline run) for an utterance
+    of about `seconds`: starts from the maximum-length rule (exact for random
+    weights) and lengthens the text while the model stops early (trained
+    checkpoints, or a small random model that samples EOS soon after its minimum)."""
+    target = seconds
+    for attempt in range(tries):
+        text, at_max = long_text(engine, target)
+        run = run_once(engine, text, stream=False, seed=seed)
+        if run["audio_s"] >= 0.8 * seconds or attempt == tries - 1:
+            break
+        target = at_max * seconds / max(run["audio_s"], 0.5)
+    return text, at_max, run
+
+
+def graph_bytes(bundle: Bundle) -> int:
+    """Size of the stage graphs the bundle loads (external weight files included)."""
+    total = 0
+    for stage in bundle.stages.values():
+        total += stage.path.stat().st_size
+        data = stage.path.with_name(stage.path.name + ".data")
+        total += data.stat().st_size if data.exists() else 0
+    return total
+
+
+def jetson_budget(bundle: Bundle) -> dict[str, Any]:
+    """cosyedge_models.bundle.memory_budget for the bundle's precision, compacted: totals and, per board, fits + spare."""
+    try:
+        budget = bundle_budget(bundle.root, bundle.manifest, bundle.precision)
+    except (CosyEdgeError, KeyError, ValueError) as exc:
+        return {"error": f"cannot compute the memory budget: {exc}"}
+    boards = {}
+    for board in BOARDS.values():
+        fit = budget.fit(board)
+        boards[board.key] = {"fits": fit["fits"], "spare_mb": round(fit["spare_bytes"] / MIB, 1)}
+    return {"engines_mb": round(budget.engines_bytes / MIB, 1), "cpu_side_mb": round(budget.cpu_side_bytes / MIB, 1),
+            "boards": boards}
+
+
+def run_once(engine: CosyVoiceSynthesizer, text: str, stream: bool, seed: int) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    first = None
+    samples = 0
+    last = None
+    for chunk in engine.synthesize(SynthesisRequest(text=text, stream=stream, seed=seed)):
+        if first is None and chunk.pcm.size:
+            first = (time.perf_counter() - t0) * 1e3
+        samples += chunk.pcm.size
+        last = chunk
+    total = time.perf_counter() - t0
+    audio_s = samples / engine.sample_rate
+    times = last.times.as_dict() if last is not None else {}
+    timeline: list[StageEvent] = list(last.times.timeline) if last is not None else []
+    return {"total_s": total, "audio_s": audio_s, "rtf": total / audio_s if audio_s else float("nan"),
+            "first_audio_ms": first, "stages_ms": times, "timeline": timeline}
+
+
+def median_first_audio(runs: list[dict[str, Any]]) -> float | None:
+    firsts = [r["first_audio_ms"] for r in runs if r["first_audio_ms"] is not None]
+    return round(statistics.median(firsts), 1) if firsts else None
+
+
+def first_hop_sweep(engine: CosyVoiceSynthesizer, text: str, hops: list[int], repeats: int) -> dict[str, float | None]:
+    """Time to first audio per first hop. The engine reads its settings per
+    request, so the hop is swapped on this engine (no reload) and restored."""
+    original = engine.settings
+    out: dict[str, float | None] = {}
+    try:
+        for hop in hops:
+            engine.settings = dataclasses.replace(original, first_hop_tokens=hop)
+            out[str(hop)] = median_first_audio([run_once(engine, text, stream=True, seed=r) for r in range(repeats)])
+    finally:
+        engine.settings = original
+    return out
+
+
+def compare_bundle(bundle_dir: str, settings: SynthesisSettings, text: str, repeats: int) -> dict[str, Any]:
+    """The same core measurements on another bundle (same backend and settings)."""
+    engine = load_synthesizer(bundle_dir, settings=dataclasses.replace(settings, precision=None))
+    try:
+        run_once(engine, text, stream=True, seed=0)  # warm-up
+        offline = [run_once(engine, text, stream=False, seed=r) for r in range(repeats)]
+        streaming = [run_once(engine, text, stream=True, seed=r) for r in range(repeats)]
+        return {
+            "bundle": str(Path(bundle_dir).resolve()),
+            "precision": engine.bundle.precision,
+            "graph_bytes": graph_bytes(engine.bundle),
+            "session_memory_bytes": engine.session_memory_bytes(),
+            "audio_s": round(statistics.median(r["audio_s"] for r in offline), 3),
+            "rtf": round(statistics.median(r["rtf"] for r in offline), 4),
+            "streaming_rtf": round(statistics.median(r["rtf"] for r in streaming), 4),
+            "first_audio_ms": median_first_audio(streaming),
+            "jetson_budget": jetson_budget(engine.bundle),
+        }
+    finally:
+        engine.close()
+
+
+def int_list(value: str, what: str) -> list[int]:
+    try:
+        out = [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise CosyEdgeError(f"{what} takes comma-separated integers, got {value!r}") from None
+    if not out or min(out) < 1:
+        raise CosyEdgeError(f"{what} takes integers >= 1, got {value!r}")
+    return out
+
+
+def run_parallel(n: int, worker: Callable[[int], None]) -> float:
+    """Run worker(0..n-1) on n threads at once; the wall seconds until all ended."""
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
+def run_concurrent(engine: CosyVoiceSynthesizer, text: str, n: int, stream: bool = True) -> dict[str, float]:
+    results: list[dict[str, Any]] = [{} for _ in range(n)]
+    before = {b.name: (b.stats.runs, b.stats.calls) for b in engine.stage_batchers}
+
+    def worker(i: int) -> None:
+        results[i] = run_once(engine, text, stream=stream, seed=1000 + i)
+
+    wall = run_parallel(n, worker)
+    firsts = [r["first_audio_ms"] for r in results if r.get("first_audio_ms") is not None]
+    tokens = sum(int(r["stages_ms"].get("llm_tokens", 0)) for r in results)
+    audio = sum(r["audio_s"] for r in results)
+    out = {
+        "requests_per_s": round(n / wall, 4),
+        "tokens_per_s": round(tokens / wall, 2),
+        "first_audio_ms_p50": round(float(np.percentile(firsts, 50)), 1) if firsts else float("nan"),
+        "first_audio_ms_p95": round(float(np.percentile(firsts, 95)), 1) if firsts else float("nan"),
+        "rtf": round(wall / audio, 4) if audio else float("nan"),
+    }
+    for b in engine.stage_batchers:
+        # requests per graph run at this level (1.0: nothing merged)
+        runs, calls = b.stats.runs - before[b.name][0], b.stats.calls - before[b.name][1]
+        out[f"{b.name}_mean_batch"] = round(calls / runs, 3) if runs else 0.0
+    return out
+
+
+def concurrency_report(engine: CosyVoiceSynthesizer, text: str, levels: list[int], mode: str) -> dict[str, Any]:
+    """`concurrency` (streaming requests) and/or `concurrency_offline`, per level."""
+    out: dict[str, Any] = {}
+    if mode in ("stream", "both"):
+        out["concurrency"] = {str(n): run_concurrent(engine, text, n, stream=True) for n in levels}
+    if mode in ("offline", "both"):
+        out["concurrency_offline"] = {str(n): run_concurrent(engine, text, n, stream=False) for n in levels}
+    return out
+
+
+def llm_tokens(engine: CosyVoiceSynthesizer, text: str, seed: int) -> int:
+    """Speech tokens of the text's segments, through the batcher when the engine has one."""
+    config = engine.bundle.llm
+    sampler = TokenSampler.seeded(config.sampling, config.eos_token, seed)
+    n = 0
+    for segment in engine.frontend.prepare(text):
+        inp = LlmInput(text=segment.token_ids.tolist())
+        gen = engine.batcher.generate(inp, sampler) if engine.batcher else engine.lm.generate(inp, sampler)
+        n += sum(1 for _ in gen)
+    return n
+
+
+def run_concurrent_llm(engine: CosyVoiceSynthesizer, text: str, n: int) -> dict[str, float]:
+    counts = [0] * n
+
+    def worker(i: int) -> None:
+        counts[i] = llm_tokens(engine, text, seed=1000 + i)
+
+    wall = run_parallel(n, worker)
+    return {"tokens": sum(counts), "tokens_per_s": round(sum(counts) / wall, 2),
+            "requests_per_s": round(n / wall, 4)}
+
+
+def bench_command(args: argparse.Namespace) -> int:
+    text = args.text or DEFAULT_TEXT
+    hops = int_list(args.first_hop, "--first-hop") if getattr(args, "first_hop", None) else []
+    compare = [b for b in (getattr(args, "compare", None) or "").split(",") if b.strip()]
+    concurrency = int_list(args.concurrency, "--concurrency") if args.concurrency else []
+    batching = BatchSettings(max_batch_size=args.batching, max_queue_delay_ms=args.max_queue_delay_ms) \
+        if args.batching else None
+    flow_size = getattr(args, "flow_batching", 0)
+    flow_batching = BatchSettings(max_batch_size=flow_size, max_queue_delay_ms=getattr(args, "flow_queue_delay_ms",
+                                                                                        0.0)) if flow_size else None
+    mode = getattr(args, "concurrency_mode", "stream")
+    overlap = False if getattr(args, "serial", False) else getattr(args, "overlap", None)
+    settings = SynthesisSettings(backend=args.backend, overlap_stages=overlap,
+                              batching=batching, flow_batching=flow_batching,
+                              flow_final_chunk=getattr(args, "flow_final_chunk", "cached"),
+                              hop_scale=getattr(args, "hop_scale", 1.0))
+    engine = load_synthesizer(args.bundle, settings=settings)
+    try:
+        if args.llm_only:
+            llm_tokens(engine, text, seed=0)  # warm-up
+            levels = [int(x) for x in args.concurrency.split(",") if x]
+            report_llm = {"bundle": str(Path(args.bundle).resolve()), "backend": engine.backend.describe(),
+                          "batching": None if batching is None else vars(batching),
+                          "concurrency": {str(n): run_concurrent_llm(engine, text, n) for n in levels}}
+            print(json.dumps(report_llm, indent=2))
+            if args.json:
+                Path(args.json).write_text(json.dumps(report_llm, indent=2) + "\n")
+            return 0
+        run_once(engine, text, stream=True, seed=0)  # warm-up: session arenas, page-in of weights
+        if getattr(args, "concurrency_only", False):
+            run_once(engine, text, stream=False, seed=0)  # the offline shapes too
+            report_c = {"machine": machine(), "bundle": str(Path(args.bundle).resolve()),
+                        "precision": engine.bundle.precision, "backend": engine.backend.describe(),
+                        "batching": None if batching is None else vars(batching),
+                        "flow_batching": None if flow_batching is None else vars(flow_batching),
+                        "overlap_stages": engine.overlap,
+                        "fixed_size_decode": engine.lm.fixed_size_decode is not None, "text": text,
+                        **concurrency_report(engine, text, concurrency, mode)}
+            print(json.dumps(report_c, indent=2))
+            if args.json:
+                Path(args.json).write_text(json.dumps(report_c, indent=2) + "\n")
+            return 0
+        log.info("warm-up done; offline and streaming runs")
+        offline = [run_once(engine, text, stream=False, seed=r) for r in range(args.repeats)]
+        streaming = [run_once(engine, text, stream=True, seed=r) for r in range(args.repeats)]
+        shown = streaming[0]
+        report: dict[str, Any] = {
+            "machine": machine(),
+            "bundle": str(Path(args.bundle).resolve()),
+            "precision": engine.bundle.precision,
+            "backend": engine.backend.describe(),
+            "batching": None if batching is None else vars(batching),
+            "flow_batching": None if flow_batching is None else vars(flow_batching),
+            "overlap_stages": engine.overlap,
+            "fixed_size_decode": engine.lm.fixed_size_decode is not None,  # the CUDA-graph LLM step
+            "text": text,
+            "audio_s": round(statistics.median(r["audio_s"] for r in offline), 3),
+            "rtf": round(statistics.median(r["rtf"] for r in offline), 4),
+            "streaming_rtf": round(statistics.median(r["rtf"] for r in streaming), 4),
+            "first_audio_ms": median_first_audio(streaming),
+            "stages_ms": {k: round(statistics.median(float(r["stages_ms"][k] or 0) for r in offline), 1)
+                          for k in ("frontend_ms", "llm_ms", "flow_ms", "vocoder_ms")},
+            # One streaming run's per-chunk stage events (ms since the request started).
+            "timeline": {"seed": 0, "first_audio_ms": round(shown["first_audio_ms"] or 0.0, 1),
+                         "total_ms": round(shown["total_s"] * 1e3, 1),
+                         "events": [e.as_dict() for e in sorted(shown["timeline"], key=lambda e: e.start_ms)]},
+        }
+        log.info("rtf %.4f, first audio %.1f ms; streaming cost on a long text", report["rtf"],
+                 report["first_audio_ms"])
+        long_seconds = getattr(args, "long_seconds", None) or LONG_SECONDS
+        long, at_max_s, long_off = long_utterance(engine, long_seconds, seed=7)
+        long_str = run_once(engine, long, stream=True, seed=7)
+        flow_off, flow_str = long_off["stages_ms"], long_str["stages_ms"]
+        report["streaming_cost_vs_offline"] = {
+            "audio_s": round(long_off["audio_s"], 2),  # the utterance's measured length
+            "target_s": long_seconds,
+            "max_length_s": round(at_max_s, 2),  # at the LLM's maximum length (random weights speak exactly this)
+            "text_tokens": text_tokens(engine, long),
+            "speech_tokens": int(long_off["stages_ms"].get("llm_tokens", 0)),
+            "offline_s": round(long_off["total_s"], 3),
+            "streaming_s": round(long_str["total_s"], 3),
+            "ratio": round(long_str["total_s"] / long_off["total_s"], 3),
+            # the flow alone (where streaming's extra work was): wall time and estimator frames
+            "flow_ms_ratio": round(float(flow_str["flow_ms"] or 0) / max(float(flow_off["flow_ms"] or 0), 1e-9), 3),
+            "flow_frames_ratio": round(float(flow_str.get("flow_frames") or 0)
+                                       / max(float(flow_off.get("flow_frames") or 0), 1.0), 3),
+            "flow_final_chunk": settings.flow_final_chunk,
+        }
+        log.info("streaming cost %s", report["streaming_cost_vs_offline"])
+        if hops:
+            report["first_hop"] = first_hop_sweep(engine, text, hops, args.repeats)
+        report.update(concurrency_report(engine, text, concurrency, mode))
+        report["session_memory_bytes"] = engine.session_memory_bytes()
+        report["peak_rss_mb"] = round(peak_rss_mb(), 1)  # before other bundles load and the reference loads torch
+        if compare:
+            report["compare"] = [compare_bundle(b.strip(), settings, text, args.repeats) for b in compare]
+        if args.reference:
+            from cosyedge_build.reference.pipeline import run_reference
+
+            log.info("the official pipeline")
+            ref = run_reference(engine.bundle, engine.tokenizer, text, repeats=args.repeats)
+            report["reference"] = ref
+            report["speedup_vs_reference"] = round(ref["rtf"] / report["rtf"], 3)
+            report["first_audio_vs_reference"] = round(report["first_audio_ms"] / ref["first_audio_ms"], 3)
+    finally:
+        engine.close()
+    print(render_timeline(shown["timeline"]), file=sys.stderr)
+    text_out = json.dumps(report, indent=2)
+    print(text_out)
+    if args.json:
+        Path(args.json).write_text(text_out + "\n")
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0

@@ -1,0 +1,50 @@
+"""`[tts] llm_max_batch_size` / `llm_max_queue_delay_ms` reach the engine's LLM batcher,
+`flow_max_batch_size` / `flow_max_queue_delay_ms` its flow and vocoder batchers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from cosyedge_daemon.synthesizers.factory import load_local_synthesizer
+from cosyedge_daemon.service.settings import Settings, TtsSettings
+
+
+def test_batching_settings_reach_the_engine(tiny_bundle: Path) -> None:
+    off = load_local_synthesizer(Settings(device_id="t"), bundle=str(tiny_bundle))
+    on = load_local_synthesizer(Settings(device_id="t", tts=TtsSettings(llm_max_batch_size=3, llm_max_queue_delay_ms=5,
+                                                                   flow_max_batch_size=2, flow_max_queue_delay_ms=1.5)),
+                           bundle=str(tiny_bundle))
+    try:
+        assert getattr(off, "batcher", "missing") is None
+        assert getattr(off, "stage_batchers", "missing") == []
+        batcher = getattr(on, "batcher", None)
+        assert batcher is not None
+        assert (batcher.settings.max_batch_size, batcher.settings.max_queue_delay_ms) == (3, 5)
+        stages = getattr(on, "stage_batchers", [])
+        assert [s.name for s in stages] == ["flow_estimator", "hift_source", "hift_decoder"]
+        assert {(s.settings.max_batch_size, s.settings.max_queue_delay_ms) for s in stages} == {(2, 1.5)}
+    finally:
+        off.close()
+        on.close()
+
+
+def test_streaming_settings_reach_the_engine(tiny_bundle: Path, tmp_path: Path) -> None:
+    from cosyedge_daemon.service.config import load_settings
+    from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer
+
+    defaults = load_local_synthesizer(Settings(device_id="t"), bundle=str(tiny_bundle))
+    config = tmp_path / "cosyedge.toml"
+    config.write_text('device_id = "t"\n[tts]\noverlap_stages = "off"\nfirst_hop_tokens = 7\nstream_hop_scale = 2.0\n'
+                      'flow_final_chunk = "upstream"\nflow_left_chunks = 4\n')
+    custom = load_local_synthesizer(load_settings(config), bundle=str(tiny_bundle))
+    try:
+        assert isinstance(defaults, CosyVoiceSynthesizer) and isinstance(custom, CosyVoiceSynthesizer)
+        d, c = defaults.settings, custom.settings
+        assert (d.overlap_stages, d.first_hop_tokens, d.flow_final_chunk, d.flow_left_chunks) == (
+            None, None, "cached", -1)
+        assert (c.overlap_stages, c.first_hop_tokens, c.flow_final_chunk, c.flow_left_chunks) == (
+            False, 7, "upstream", 4)
+        assert (d.hop_scale, c.hop_scale) == (1.0, 2.0)
+    finally:
+        defaults.close()
+        custom.close()

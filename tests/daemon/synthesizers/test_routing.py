@@ -1,0 +1,118 @@
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from cosyedge_daemon.synthesizers.espeak import EspeakSynthesizer
+from cosyedge_daemon.synthesizers.routing import SynthesizerSet, RouteDecision, Router
+from cosyedge_daemon.service.settings import RoutingSettings
+from cosyedge_daemon.api.tts_messages import ApiError, TtsRequest
+from cosyedge_models.synthesis.api import AudioChunk, SynthesisRequest
+
+
+@pytest.fixture()
+def espeak() -> EspeakSynthesizer:
+    pytest.importorskip("soxr")
+    try:
+        return EspeakSynthesizer()
+    except Exception as exc:  # not installed here
+        pytest.skip(str(exc))
+
+
+class Tracked(EspeakSynthesizer):
+    """A real espeak-ng engine that records when it is closed."""
+
+    closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+    def synthesize(
+        self, request: SynthesisRequest, cancel: threading.Event | None = None
+    ) -> Iterator[AudioChunk]:
+        yield from super().synthesize(request, cancel)
+
+
+def req(route: str = "auto") -> TtsRequest:
+    return TtsRequest(id="r", text="hello", route=route)  # type: ignore[arg-type]
+
+
+def test_local_when_ready_else_fallback_else_error(espeak: EspeakSynthesizer) -> None:
+    engines = SynthesizerSet(RoutingSettings())
+    router = Router(engines, RoutingSettings())
+    engines.slots["local"].swap(espeak)
+    engines.slots["fallback"].swap(espeak)
+    assert router.decide(req()) == RouteDecision("local", "local engine ready")
+    assert router.decide(req("local")) == RouteDecision("local", "requested")
+    engines.slots["local"].swap(None)
+    engines.slots["local"].set_state("failed", "bundle missing")
+    d = router.decide(req())
+    assert d.target == "fallback" and "bundle missing" in d.reason
+    engines.slots["fallback"].swap(None)
+    with pytest.raises(ApiError) as err:
+        router.decide(req())
+    assert err.value.code == "engine_unavailable"
+
+
+def test_cloud_without_cloud_engine(espeak: EspeakSynthesizer) -> None:
+    engines = SynthesizerSet(RoutingSettings())
+    engines.slots["local"].swap(espeak)
+    with pytest.raises(ApiError) as err:
+        Router(engines, RoutingSettings()).decide(req("cloud"))
+    assert err.value.code == "cloud_unavailable"
+
+
+def test_unhealthy_after_failures_then_retried(espeak: EspeakSynthesizer) -> None:
+    now = [0.0]
+    settings = RoutingSettings(max_consecutive_failures=2, unhealthy_retry_s=10)
+    engines = SynthesizerSet(settings)
+    slot = engines.slots["local"]
+    slot._clock = lambda: now[0]  # deterministic time
+    slot.swap(espeak)
+    engines.slots["fallback"].swap(espeak)
+    router = Router(engines, settings)
+    slot.report(False)
+    assert router.decide(req()).target == "local"
+    slot.report(False)
+    d = router.decide(req())
+    assert d.target == "fallback" and "unhealthy" in d.reason
+    now[0] = 11.0
+    assert router.decide(req()).target == "local"
+    slot.report(True)
+    assert slot.failures == 0
+
+
+def test_after_failure_rules(espeak: EspeakSynthesizer) -> None:
+    engines = SynthesizerSet(RoutingSettings())
+    engines.slots["fallback"].swap(espeak)
+    router = Router(engines, RoutingSettings())
+    local = RouteDecision("local", "x")
+    nxt = router.after_failure(local, "boom", audio_out=False)
+    assert nxt is not None and nxt.target == "fallback" and "boom" in nxt.reason
+    assert router.after_failure(local, "boom", audio_out=True) is None
+    assert router.after_failure(RouteDecision("fallback", "x"), "boom", audio_out=False) is None
+    router.settings = RoutingSettings(fallback_on_error=False)
+    assert router.after_failure(local, "boom", audio_out=False) is None
+
+
+def test_swap_closes_old_engine_after_its_last_lease() -> None:
+    try:
+        old, new = Tracked(), Tracked()
+    except Exception as exc:
+        pytest.skip(str(exc))
+    engines = SynthesizerSet(RoutingSettings())
+    slot = engines.slots["local"]
+    slot.swap(old)
+    with engines.lease("local") as leased:
+        assert leased is old
+        slot.swap(new)  # a reload while a request runs on the old engine
+        assert not old.closed
+        with engines.lease("local") as second:
+            assert second is new
+    assert old.closed and not new.closed
+    slot.swap(None)
+    assert new.closed
+    with pytest.raises(ApiError), engines.lease("local"):
+        pass

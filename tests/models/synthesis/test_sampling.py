@@ -1,0 +1,103 @@
+"""Our numpy sampler against upstream's ras_sampling (cosyvoice.utils.common)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cosyedge_models.bundle.loader import SamplingConfig
+from cosyedge_models.errors import SynthesisError
+from cosyedge_models.synthesis.sampling import TokenSampler, nucleus_candidates, softmax
+
+torch = pytest.importorskip("torch")
+common = pytest.importorskip("cosyvoice.utils.common")
+
+CFG = SamplingConfig(top_p=0.8, top_k=25, win_size=10, tau_r=0.1)
+
+
+def _upstream_candidates(logp: np.ndarray) -> tuple[list[int], np.ndarray]:
+    """Upstream nucleus_sampling's candidate list, read by replacing the draw:
+    multinomial returns index i, so the i-th candidate comes back."""
+    recorded: dict[str, torch.Tensor] = {}
+    pick = {"i": 0}
+    original = torch.Tensor.multinomial
+
+    def fake_multinomial(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        recorded["prob"] = self.clone()
+        return torch.tensor([pick["i"]])
+
+    torch.Tensor.multinomial = fake_multinomial  # type: ignore[method-assign]
+    try:
+        scores = torch.from_numpy(logp)
+        common.nucleus_sampling(scores, top_p=CFG.top_p, top_k=CFG.top_k)
+        n = recorded["prob"].shape[0]
+        ids = []
+        for i in range(n):
+            pick["i"] = i
+            ids.append(int(common.nucleus_sampling(scores, top_p=CFG.top_p, top_k=CFG.top_k)))
+    finally:
+        torch.Tensor.multinomial = original  # type: ignore[method-assign]
+    return ids, recorded["prob"].numpy()
+
+
+@pytest.mark.parametrize("temperature", [0.3, 1.0, 3.0, 10.0])
+def test_nucleus_candidates_match_upstream(temperature: float) -> None:
+    rng = np.random.default_rng(int(temperature * 10))
+    for _ in range(10):
+        logits = rng.standard_normal(6564).astype(np.float32) * temperature
+        logp = torch.log_softmax(torch.from_numpy(logits), dim=0).numpy()
+        ids, probs = nucleus_candidates(softmax(logp), CFG.top_p, CFG.top_k)
+        up_ids, up_probs = _upstream_candidates(logp)
+        assert ids.tolist() == up_ids
+        np.testing.assert_allclose(probs, up_probs, rtol=1e-5)
+
+
+def test_ties_resolve_to_lowest_ids_like_a_stable_sort() -> None:
+    logp = np.log(np.full(100, 0.01, dtype=np.float32))
+    ids, _ = nucleus_candidates(softmax(logp), 0.8, 25)
+    up_ids, _ = _upstream_candidates(logp)
+    assert ids.tolist() == up_ids == list(range(25))
+
+
+def test_draw_follows_the_nucleus_distribution() -> None:
+    logp = np.log(np.array([0.5, 0.2, 0.15, 0.1, 0.05], dtype=np.float32))
+    sampler = TokenSampler.seeded(SamplingConfig(top_p=0.8, top_k=25, win_size=10, tau_r=0.1), eos_token=99, seed=1)
+    counts = np.zeros(5)
+    for _ in range(20000):
+        counts[sampler.ras(logp, decoded=[])] += 1
+    # Candidates: 0.5, 0.2, 0.15 (cumulative before each < 0.8), renormalised.
+    expected = np.array([0.5, 0.2, 0.15, 0, 0]) / 0.85
+    np.testing.assert_allclose(counts / counts.sum(), expected, atol=0.015)
+
+
+def test_repetition_falls_back_to_the_full_distribution() -> None:
+    logp = np.log(np.array([0.9, 0.04, 0.03, 0.02, 0.01], dtype=np.float32))
+    sampler = TokenSampler.seeded(CFG, eos_token=99, seed=2)
+    # Token 0 is the only nucleus candidate; once it is in the window every
+    # draw is redone over the full distribution.
+    draws = [sampler.ras(logp, decoded=[0]) for _ in range(5000)]
+    share = np.bincount(draws, minlength=5) / len(draws)
+    np.testing.assert_allclose(share, [0.9, 0.04, 0.03, 0.02, 0.01], atol=0.02)
+    assert all(sampler.ras(logp, decoded=[]) == 0 for _ in range(50))
+
+
+def test_eos_is_redrawn_until_the_minimum_length_then_gives_up() -> None:
+    logp = np.log(np.array([0.3, 0.7], dtype=np.float32))
+    sampler = TokenSampler.seeded(SamplingConfig(top_p=1.0, top_k=2, win_size=0, tau_r=0.1), eos_token=1, seed=3)
+    assert all(sampler.sample(logp, [], ignore_eos=True) == 0 for _ in range(200))
+    only_eos = np.log(np.array([1e-12, 1.0], dtype=np.float32))
+    with pytest.raises(SynthesisError, match="EOS"):
+        sampler.sample(only_eos, [], ignore_eos=True)
+
+
+def test_same_seed_same_tokens() -> None:
+    rng = np.random.default_rng(0)
+    logps = [np.log(softmax(rng.standard_normal(300).astype(np.float32))) for _ in range(50)]
+    runs = []
+    for _ in range(2):
+        s = TokenSampler.seeded(CFG, eos_token=299, seed=42)
+        out: list[int] = []
+        for lp in logps:
+            out.append(s.sample(lp, out, ignore_eos=False))
+        runs.append(out)
+    assert runs[0] == runs[1]

@@ -1,0 +1,103 @@
+"""`cosyedge bench` on the tiny bundle: the tracked JSON keys, the timeline,
+--first-hop and --compare against an fp16 variant. Structure and sane values
+only; speeds are not asserted (2 shared CPU cores)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cosyedge_daemon.cli.main import main
+from cosyedge_models.synthesis.api import StageEvent
+from cosyedge_models.synthesis.synthesizer import resolve_overlap
+from cosyedge_models.bundle.memory_budget import BOARDS
+from cosyedge_models.tools.timeline import render_timeline
+
+
+@pytest.fixture(scope="module")
+def fp16_variant(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The cheapest quantized variant: fp16 with the fewest calibration feeds."""
+    from cosyedge_build.quantize.pipeline import quantize_bundle
+    from cosyedge_build.quantize.settings import AccuracyBudget, QuantizeSettings
+
+    out = tmp_path_factory.mktemp("bench") / "b16"
+    quantize_bundle(tiny_bundle, out, QuantizeSettings(precision="fp16", calibration_size=1, held_out_size=1,
+                                                       feeds_per_stage=2, budget=AccuracyBudget(e2e_match_min=0.0)))
+    return out
+
+
+def test_bench_json_with_first_hop_and_compare(tiny_bundle: Path, fp16_variant: Path, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--bundle", str(tiny_bundle), "--repeats", "1", "--concurrency", "1",
+                 "--first-hop", "5,12", "--long-seconds", "2", "--compare", f"{tiny_bundle},{fp16_variant}",
+                 "--json", str(out)]) == 0
+    captured = capsys.readouterr()
+    r: dict[str, Any] = json.loads(out.read_text())
+    assert json.loads(captured.out) == r
+
+    for key in ("machine", "bundle", "rtf", "first_audio_ms", "stages_ms", "peak_rss_mb", "concurrency",
+                "streaming_cost_vs_offline", "timeline", "first_hop", "compare"):
+        assert key in r, key
+    assert r["rtf"] > 0 and r["first_audio_ms"] > 0
+    assert r["overlap_stages"] is resolve_overlap(None, "ort", os.cpu_count())
+    assert r["fixed_size_decode"] is False  # the tiny bundle has no fixed-size step
+    assert set(r["concurrency"]["1"]) == {"requests_per_s", "tokens_per_s", "first_audio_ms_p50",
+                                          "first_audio_ms_p95", "rtf"}
+    cost = r["streaming_cost_vs_offline"]
+    assert cost["target_s"] == 2 and cost["audio_s"] > 0 and cost["ratio"] > 0 and cost["max_length_s"] > 0
+
+    events = r["timeline"]["events"]
+    assert {e["stage"] for e in events} == {"llm", "flow", "vocoder"}
+    assert all(0 <= e["start_ms"] <= e["end_ms"] <= r["timeline"]["total_ms"] for e in events)
+    assert "llm     |" in captured.err and "vocoder |" in captured.err  # the text rendering
+
+    assert set(r["first_hop"]) == {"5", "12"} and all(v > 0 for v in r["first_hop"].values())
+
+    fp32, fp16 = r["compare"]
+    assert (fp32["precision"], fp16["precision"]) == ("fp32", "fp16")
+    for entry in (fp32, fp16):
+        assert entry["graph_bytes"] > 0 and entry["session_memory_bytes"] > 0
+        assert entry["rtf"] > 0 and entry["first_audio_ms"] > 0 and entry["audio_s"] > 0
+        budget = entry["jetson_budget"]
+        assert set(budget["boards"]) == set(BOARDS) and budget["engines_mb"] > 0
+        assert all(isinstance(b["fits"], bool) for b in budget["boards"].values())
+    assert fp16["graph_bytes"] < fp32["graph_bytes"]
+    assert fp16["jetson_budget"]["engines_mb"] < fp32["jetson_budget"]["engines_mb"]
+
+
+def test_bench_concurrency_only_offline_and_streaming_with_flow_batching(tiny_bundle: Path, tmp_path: Path) -> None:
+    out = tmp_path / "c.json"
+    assert main(["bench", "--bundle", str(tiny_bundle), "--concurrency", "1,2", "--concurrency-mode", "both",
+                 "--concurrency-only", "--flow-batching", "2", "--flow-queue-delay-ms", "1", "--json",
+                 str(out)]) == 0
+    r: dict[str, Any] = json.loads(out.read_text())
+    assert r["flow_batching"]["max_batch_size"] == 2 and r["flow_batching"]["max_queue_delay_ms"] == 1.0
+    assert "rtf" not in r and "timeline" not in r  # only the concurrency runs
+    for key in ("concurrency", "concurrency_offline"):
+        assert set(r[key]) == {"1", "2"}
+        for level in r[key].values():
+            assert level["requests_per_s"] > 0
+            for stage in ("flow_estimator", "hift_source", "hift_decoder"):
+                assert 1.0 <= level[f"{stage}_mean_batch"] <= 2.0
+        assert r[key]["1"]["flow_estimator_mean_batch"] == 1.0
+
+
+def test_bench_rejects_a_bad_hop_list(tiny_bundle: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--bundle", str(tiny_bundle), "--first-hop", "0,x"]) != 0
+    assert "--first-hop" in capsys.readouterr().err
+
+
+def test_timeline_rendering_shows_overlap() -> None:
+    events = [StageEvent("llm", 0, 0, 100), StageEvent("flow", 0, 100, 200), StageEvent("llm", 1, 100, 200),
+              StageEvent("vocoder", 0, 200, 250), StageEvent("flow", 1, 250, 300)]
+    text = render_timeline(events, width=30)
+    rows = {line.split("|")[0].strip(): line.split("|")[1] for line in text.splitlines()[1:]}
+    assert rows["llm"] == "0" * 10 + "1" * 10 + " " * 10
+    assert rows["flow"] == " " * 10 + "0" * 10 + " " * 5 + "1" * 5
+    assert rows["vocoder"] == " " * 20 + "0" * 5 + " " * 5
+    assert render_timeline([]) == "timeline: no events"
