@@ -16,12 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from cosyedge_models.synthesis.api import SynthesisRequest
 from cosyedge_models.backends.ort import OrtBackend
 from cosyedge_models.bundle.loader import load_bundle, sha256_file
-from cosyedge_models.synthesis.synthesizer import load_synthesizer
 from cosyedge_models.errors import CosyEdgeError
+from cosyedge_models.synthesis.api import SynthesisRequest
+from cosyedge_models.synthesis.synthesizer import load_synthesizer
 
 TEXT = "Validation of the exported bundle, one two three."
 SEED = 3
@@ -55,9 +54,8 @@ def check_files(bundle_dir: Path, manifest: dict[str, Any]) -> list[str]:
 
 
 def compare_with_reference(bundle_dir: Path, model_dir: Path) -> dict[str, Any]:
-    import torch
-
     import cosyedge_build.reference.pipeline as rp
+    import torch
     from cosyedge_models.synthesis.llm import LlmInput
     from cosyedge_models.synthesis.prompt import PromptFeatures
     from cosyedge_models.synthesis.sampling import TokenSampler

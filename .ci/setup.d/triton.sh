@@ -4,7 +4,7 @@
 # backend) pins numpy < 2 and protobuf < 7. It also holds what the
 # Python-backend model `cosyvoice2` imports when the server runs it: numpy,
 # onnxruntime, tokenizers, soxr, soundfile and this project (installed with
-# --no-deps, so `models` and `cloud_bridge` import from it).
+# --no-deps, so `cosyedge_models` and `cosyedge_cloud` import from it).
 # `cosyedge triton` finds the server here. Idempotent: a stamp of this file
 # and pyproject.toml skips the work when nothing changed.
 set -euo pipefail
@@ -40,10 +40,11 @@ log "creating $VENV"
     tokenizers==0.21.4 \
     soxr==1.1.0 \
     soundfile==0.14.0
-# The project itself, on the path without its dependencies (they pin numpy 2):
-# a .pth file, so the server runs the code of this checkout.
+# The project itself, editable and without its dependencies (they pin numpy 2),
+# so the server runs the code of this checkout under its cosyedge_* names.
 site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-pwd > "$site/cosyedge-checkout.pth"
-"$VENV/bin/python" -c "import numpy, onnxruntime, tokenizers, soxr, soundfile, models, cloud_bridge; assert numpy.__version__.startswith('1.')"
+rm -f "$site/cosyedge-checkout.pth"
+"$VENV/bin/python" -m pip install -q --no-deps -e .
+"$VENV/bin/python" -c "import numpy, onnxruntime, tokenizers, soxr, soundfile, cosyedge_models, cosyedge_cloud; assert numpy.__version__.startswith('1.')"
 echo "$stamp_src" > "$VENV/.cosyedge-stamp"
 log "$VENV ready"

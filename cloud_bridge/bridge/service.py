@@ -34,10 +34,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import paho.mqtt.client as mqtt
-from paho.mqtt.subscribeoptions import SubscribeOptions
-
 from cosyedge_cloud.bridge.admission import Admission, Key, Verdict
 from cosyedge_cloud.bridge.metrics import BridgeMetrics
+from cosyedge_cloud.bridge.settings import BridgeSettings
+from cosyedge_cloud.bridge.versions import VersionSelector
+from cosyedge_cloud.triton.stream import SynthesisFailed, TritonStreamer
 from cosyedge_cloud.wire.mqtt import (
     MqttOptions,
     ReceivedProperties,
@@ -57,9 +58,7 @@ from cosyedge_cloud.wire.protocol import (
     parse_request,
     peek_request_id,
 )
-from cosyedge_cloud.bridge.settings import BridgeSettings
-from cosyedge_cloud.triton.stream import SynthesisFailed, TritonStreamer
-from cosyedge_cloud.bridge.versions import VersionSelector
+from paho.mqtt.subscribeoptions import SubscribeOptions
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 import paho.mqtt.client as mqtt
-
 from cosyedge_cloud.wire.mqtt import (
     MqttOptions,
     connect,

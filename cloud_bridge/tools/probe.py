@@ -21,7 +21,6 @@ from typing import Any
 
 import numpy as np
 import paho.mqtt.client as mqtt
-
 from cosyedge_cloud.wire.mqtt import (
     MqttOptions,
     connect,

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
 from cosyedge_models.synthesis.api import MODES, PromptAudio, SynthesisRequest
 
 INPUTS = ("TEXT", "PARAMS", "PROMPT_PCM", "PROMPT_SAMPLE_RATE")

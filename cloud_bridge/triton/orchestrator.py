@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from cosyedge_cloud.triton.model_io import INPUTS, BadTensors, error_message, response_tensors, synthesis_request
-from cosyedge_models.synthesis.api import Synthesizer
 from cosyedge_models.errors import BundleError, CosyEdgeError, RequestError
+from cosyedge_models.synthesis.api import Synthesizer
 
 DEFAULT_FACTORY = "cosyedge_models.synthesis.synthesizer:load_synthesizer"
 

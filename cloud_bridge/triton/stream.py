@@ -15,10 +15,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-
+from cosyedge_cloud.bridge.settings import TritonSettings
 from cosyedge_cloud.triton.model_io import OUTPUTS, BadTensors, ModelChunk, model_chunk, parse_error, request_tensors
 from cosyedge_cloud.wire.protocol import CloudRequest
-from cosyedge_cloud.bridge.settings import TritonSettings
 from cosyedge_models.errors import MissingExtraError
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from cosyedge_daemon.service.config import BrokerAddress
+from cosyedge_cloud.wire.mqtt import BrokerAddress
 from cosyedge_models.errors import CosyEdgeError
 
 log = logging.getLogger(__name__)

@@ -18,12 +18,11 @@ from pathlib import Path
 from typing import Literal
 
 import paho.mqtt.client as mqtt
+from cosyedge_cloud.wire.net import set_nodelay
+from cosyedge_models.errors import CosyEdgeError
 from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
-
-from cosyedge_cloud.wire.net import set_nodelay
-from cosyedge_models.errors import CosyEdgeError
 
 Protocol = Literal["5", "3.1.1"]
 UserProperties = Iterable[tuple[str, str]]

@@ -15,12 +15,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import paho.mqtt.client as mqtt
-from paho.mqtt.packettypes import PacketTypes
-from paho.mqtt.properties import Properties
-
 from cosyedge_cloud.wire.mqtt import MqttOptions, connect, make_client, received_properties
 from cosyedge_daemon.service.config import parse_broker_url
 from cosyedge_daemon.service.settings import MqttSettings
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
-from cosyedge_daemon.audio.interfaces import VadEvent
-from cosyedge_daemon.serving.jobs import Job
 from cosyedge_daemon.api.responders import Publisher
 from cosyedge_daemon.api.tts_messages import (
     ApiError,
@@ -28,6 +25,8 @@ from cosyedge_daemon.api.tts_messages import (
     pcm16_bytes,
     valid_id,
 )
+from cosyedge_daemon.audio.interfaces import VadEvent
+from cosyedge_daemon.serving.jobs import Job
 
 log = logging.getLogger(__name__)
 

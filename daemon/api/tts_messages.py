@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
-
 from cosyedge_cloud.wire.protocol import pack_audio_header, pcm16_bytes, unpack_audio_header
 from cosyedge_daemon.api.connection import Reply
 from cosyedge_daemon.service.settings import PRIORITY_MAX, PRIORITY_MIN

@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 import logging
 
+from cosyedge_daemon.api.hermes import publish_voice_activity
+from cosyedge_daemon.api.responders import Publisher
 from cosyedge_daemon.audio.barge_in import BargeInAction, BargeInPolicy
 from cosyedge_daemon.audio.interfaces import VadEvent
-from cosyedge_daemon.api.hermes import publish_voice_activity
 from cosyedge_daemon.service.metrics import Metrics
 from cosyedge_daemon.serving.pipeline import Pipeline
-from cosyedge_daemon.api.responders import Publisher
 
 log = logging.getLogger(__name__)
 

@@ -8,10 +8,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-
-from cosyedge_models.errors import CosyEdgeError
-
 from cosyedge_daemon.audio.settings import VAD_SAMPLE_RATE
+from cosyedge_models.errors import CosyEdgeError
 
 
 class AudioFileError(CosyEdgeError):

@@ -12,7 +12,6 @@ import time
 from typing import Any
 
 import numpy as np
-
 from cosyedge_daemon.audio.errors import AudioDeviceError
 from cosyedge_daemon.audio.ring import FloatRing
 from cosyedge_daemon.audio.settings import AudioSettings

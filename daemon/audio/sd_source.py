@@ -9,7 +9,6 @@ import threading
 from typing import Any
 
 import numpy as np
-
 from cosyedge_daemon.audio.errors import AudioDeviceError
 from cosyedge_daemon.audio.interfaces import FrameCallback
 from cosyedge_daemon.audio.pcm import Framer

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
-
 from cosyedge_daemon.audio.interfaces import VadEvent
 from cosyedge_daemon.audio.pcm import iter_frames
 from cosyedge_daemon.audio.settings import VAD_SAMPLE_RATE, VadSettings

@@ -9,9 +9,9 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from cosyedge_daemon.api.vad_topics import VoiceLink
 from cosyedge_daemon.audio.interfaces import AudioSink
 from cosyedge_daemon.service.settings import Settings
-from cosyedge_daemon.api.vad_topics import VoiceLink
 from cosyedge_models.errors import CosyEdgeError
 
 if TYPE_CHECKING:

@@ -50,8 +50,8 @@ def ensure_tiny_bundle(path: Path | None = None) -> Path:
     if _current(path):
         return path
     try:
-        from cosyedge_build.export import export_bundle
         from cosyedge_build.checkpoint.tiny import build_tiny_checkpoint
+        from cosyedge_build.export import export_bundle
     except ImportError as exc:
         if getattr(exc, "name", "") and str(exc.name).split(".")[0] == "cosyedge_build":
             raise

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cosyedge_daemon.service.config import load_settings, parse_broker_url
-from cosyedge_daemon.cli.default_bundle import tiny_bundle_dir
 from cosyedge_cloud.wire.broker import LOCAL_HOSTS, find_mosquitto, port_open
+from cosyedge_daemon.cli.default_bundle import tiny_bundle_dir
+from cosyedge_daemon.service.config import load_settings, parse_broker_url
 from cosyedge_daemon.service.settings import Settings
 from cosyedge_models.backends.gpu_probe import probe_gpu, probe_tensorrt
 from cosyedge_models.backends.report import engine_report, tensorrt_status

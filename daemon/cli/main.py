@@ -21,7 +21,7 @@ _HANDLERS: dict[str, str] = {
     "synth": "cosyedge_daemon.cli.synth:synth_command",
     "build": "cosyedge_daemon.cli.build:build_command",
     "vad": "cosyedge_daemon.cli.vad:vad_command",
-    "bench": "cosyedge_models.tools.bench:bench_command",
+    "bench": "cosyedge_daemon.cli.bench:bench_command",
     "bridge": "cosyedge_cloud.bridge.main:bridge_command",
     "triton": "cosyedge_cloud.triton.launcher:triton_command",
     "doctor": "cosyedge_daemon.cli.doctor:doctor_command",

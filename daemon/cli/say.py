@@ -15,10 +15,9 @@ from typing import Any
 
 import numpy as np
 import paho.mqtt.client as mqtt
-
 from cosyedge_cloud.wire.mqtt import MqttOptions, connect, make_client, received_properties
-from cosyedge_daemon.service.config import default_device_id, parse_broker_url, validate_device_id
 from cosyedge_daemon.api.tts_messages import decode_audio
+from cosyedge_daemon.service.config import default_device_id, parse_broker_url, validate_device_id
 from cosyedge_models.errors import CosyEdgeError
 
 
@@ -84,9 +83,7 @@ def _play_here(pcm16: bytes, rate: int) -> None:
 
 def say_command(args: argparse.Namespace) -> int:
     if getattr(args, "wyoming", None):
-        from cosyedge_daemon.wyoming.client import say_command as say_wyoming
-
-        return say_wyoming(args)
+        return _say_wyoming(args)
     addr = parse_broker_url(args.broker or "mqtt://localhost:1883")
     prefix = f"cosyedge/{validate_device_id(args.device_id or default_device_id())}"
     opts = MqttOptions(broker=args.broker or "mqtt://localhost:1883", client_id=f"cosyedge-say-{uuid.uuid4().hex[:8]}")
@@ -130,3 +127,27 @@ def say_command(args: argparse.Namespace) -> int:
 
 def _fmt(value: Any) -> str:
     return "?" if value is None else f"{float(value):.1f}"
+
+
+def _say_wyoming(args: argparse.Namespace) -> int:
+    """`cosyedge say --wyoming tcp://HOST:PORT TEXT`: as Home Assistant would ask."""
+    import asyncio
+
+    from cosyedge_daemon.wyoming.client import synthesize
+
+    try:
+        spoken = asyncio.run(synthesize(args.wyoming, args.text, voice=args.voice,
+                                        stream=bool(args.wyoming_stream), timeout_s=args.timeout_s))
+    except OSError as exc:
+        raise CosyEdgeError(f"cannot reach the Wyoming server at {args.wyoming}: {exc}") from None
+    if spoken.error is not None:
+        print(f"error {spoken.error.code}: {spoken.error.text}", file=sys.stderr)
+        return 1
+    seconds = len(spoken.pcm16) / 2 / spoken.sample_rate if spoken.sample_rate else 0.0
+    if args.out:
+        _write_wav(args.out, bytes(spoken.pcm16), spoken.sample_rate)
+    first = spoken.first_audio_ms
+    print(f"wyoming {'streaming ' if args.wyoming_stream else ''}synthesis: time to first audio "
+          f"{'?' if first is None else f'{first:.1f}'} ms; {spoken.chunks} chunks, {seconds:.2f} s of audio"
+          + (f" -> {args.out}" if args.out else ""))
+    return 0

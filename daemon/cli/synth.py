@@ -10,7 +10,6 @@ from typing import cast
 
 import numpy as np
 import soundfile as sf
-
 from cosyedge_models.synthesis.api import Mode, PromptAudio, SynthesisRequest
 from cosyedge_models.synthesis.synthesizer import SynthesisSettings, load_synthesizer
 

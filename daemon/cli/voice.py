@@ -9,10 +9,10 @@ import os
 import re
 from pathlib import Path
 
-from cosyedge_models.synthesis.api import PromptAudio, SynthesisRequest
 from cosyedge_models.bundle.loader import load_bundle
-from cosyedge_models.synthesis.conditioning import ConditioningBuilder
 from cosyedge_models.errors import RequestError
+from cosyedge_models.synthesis.api import PromptAudio, SynthesisRequest
+from cosyedge_models.synthesis.conditioning import ConditioningBuilder
 from cosyedge_models.synthesis.features import load_audio
 from cosyedge_models.synthesis.prompt import PromptFeatures
 from cosyedge_models.text.frontend import TextFrontend

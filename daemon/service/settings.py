@@ -11,8 +11,8 @@ from typing import Any
 
 from cosyedge_cloud.wire.mqtt import MqttSetupError, parse_broker_url
 from cosyedge_daemon.audio.settings import AudioSettings, VadSettings
-from cosyedge_models.settings_schema import setting
 from cosyedge_daemon.wyoming.settings import SatelliteSettings, WyomingSettings
+from cosyedge_models.settings_schema import setting
 
 PRIORITY_MIN, PRIORITY_MAX = -1000, 1000
 AUTO_WORKERS_MAX = 4  # synthesis_workers = "auto": beyond this the flow/vocoder, not the LLM, bound a board

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
-
 from cosyedge_daemon.api.tts_messages import TtsRequest
 
 if TYPE_CHECKING:

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import soxr
-
 from cosyedge_daemon.audio.interfaces import AudioSink
 from cosyedge_daemon.serving.answer import Completer
 from cosyedge_daemon.serving.jobs import Job

@@ -43,8 +43,8 @@ from cosyedge_cloud.wire.protocol import (
 )
 from cosyedge_daemon.api.connection import InboundMessage, MqttConnection
 from cosyedge_daemon.service.settings import CloudSettings
+from cosyedge_models.errors import RequestError, SynthesisError
 from cosyedge_models.synthesis.api import AudioChunk, LoadLevel, Mode, StageTimes, SynthesisRequest, SynthesizeFn
-from cosyedge_models.errors import SynthesisError, RequestError
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,8 @@ from collections.abc import Iterator
 
 import numpy as np
 import soxr
-
+from cosyedge_models.errors import RequestError, SynthesisError
 from cosyedge_models.synthesis.api import AudioChunk, EngineDefaults, Mode, StageTimes, SynthesisRequest
-from cosyedge_models.errors import SynthesisError, RequestError
 from cosyedge_models.text.split import is_only_punctuation, split_paragraph
 
 log = logging.getLogger(__name__)

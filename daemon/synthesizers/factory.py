@@ -7,10 +7,10 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from cosyedge_daemon.synthesizers.espeak import EspeakSynthesizer
 from cosyedge_daemon.service.settings import FallbackSettings, Settings
-from cosyedge_models.synthesis.api import ServedEngine
+from cosyedge_daemon.synthesizers.espeak import EspeakSynthesizer
 from cosyedge_models.errors import SynthesisError
+from cosyedge_models.synthesis.api import ServedEngine
 
 log = logging.getLogger(__name__)
 

@@ -16,10 +16,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal
 
-from cosyedge_daemon.service.settings import RoutingSettings
 from cosyedge_daemon.api.tts_messages import ApiError, TtsRequest
-from cosyedge_models.synthesis.api import ServedEngine
+from cosyedge_daemon.service.settings import RoutingSettings
 from cosyedge_models.errors import RequestError
+from cosyedge_models.synthesis.api import ServedEngine
 
 log = logging.getLogger(__name__)
 

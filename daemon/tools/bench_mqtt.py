@@ -18,11 +18,11 @@ import time
 import uuid
 from typing import Any
 
+from cosyedge_cloud.wire.broker import LocalBroker
 from cosyedge_cloud.wire.mqtt import MqttOptions, connect, make_client
 from cosyedge_daemon.service.config import settings_from_mapping
-from cosyedge_daemon.synthesizers.espeak import EspeakSynthesizer
-from cosyedge_cloud.wire.broker import LocalBroker
 from cosyedge_daemon.service.service import Service
+from cosyedge_daemon.synthesizers.espeak import EspeakSynthesizer
 
 
 def _free_port() -> int:

@@ -27,14 +27,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from cosyedge_daemon.service.config import parse_broker_url, settings_from_mapping
 from cosyedge_cloud.wire.broker import ensure_broker
+from cosyedge_daemon.service.config import parse_broker_url, settings_from_mapping
 from cosyedge_daemon.service.service import Service
 from cosyedge_daemon.wyoming.client import synthesize
+from cosyedge_models.errors import CosyEdgeError
 from cosyedge_models.synthesis.api import AudioChunk, EngineDefaults, Mode, ServedEngine, StageTimes, SynthesisRequest
 from cosyedge_models.synthesis.synthesizer import load_synthesizer
-from cosyedge_models.errors import CosyEdgeError
 
 TEXT = "Hello from the kitchen, the weather is fine today."
 GOAL_MS = 5.0

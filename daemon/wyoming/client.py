@@ -5,21 +5,18 @@ package's own AsyncTcpClient."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import sys
 import time
 from dataclasses import dataclass, field
 
+from cosyedge_daemon.wyoming.settings import parse_tcp_uri
+from cosyedge_models.errors import CosyEdgeError
 from wyoming.audio import AudioChunk, AudioStart, AudioStop
 from wyoming.client import AsyncTcpClient
 from wyoming.error import Error
 from wyoming.event import Event
 from wyoming.info import Describe, Info
 from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped, SynthesizeVoice
-
-from cosyedge_daemon.wyoming.settings import parse_tcp_uri
-from cosyedge_models.errors import CosyEdgeError
 
 
 @dataclass
@@ -99,24 +96,3 @@ async def describe(uri: str, timeout_s: float = 5.0) -> Info:
         raise CosyEdgeError(f"{uri} closed the connection without answering describe")
 
     return await asyncio.wait_for(ask(), timeout_s)
-
-
-def say_command(args: argparse.Namespace) -> int:
-    try:
-        spoken = asyncio.run(synthesize(args.wyoming, args.text, voice=args.voice,
-                                        stream=bool(args.wyoming_stream), timeout_s=args.timeout_s))
-    except OSError as exc:
-        raise CosyEdgeError(f"cannot reach the Wyoming server at {args.wyoming}: {exc}") from None
-    if spoken.error is not None:
-        print(f"error {spoken.error.code}: {spoken.error.text}", file=sys.stderr)
-        return 1
-    seconds = len(spoken.pcm16) / 2 / spoken.sample_rate if spoken.sample_rate else 0.0
-    if args.out:
-        from cosyedge_daemon.cli.say import _write_wav
-
-        _write_wav(args.out, bytes(spoken.pcm16), spoken.sample_rate)
-    first = spoken.first_audio_ms
-    print(f"wyoming {'streaming ' if args.wyoming_stream else ''}synthesis: time to first audio "
-          f"{'?' if first is None else f'{first:.1f}'} ms; {spoken.chunks} chunks, {seconds:.2f} s of audio"
-          + (f" -> {args.out}" if args.out else ""))
-    return 0

@@ -9,10 +9,10 @@ import logging
 from typing import Any
 
 from cosyedge_daemon.api.intake import Intake
+from cosyedge_daemon.api.vad_topics import VoiceLink
+from cosyedge_daemon.service.settings import Settings
 from cosyedge_daemon.serving.pipeline import Pipeline
 from cosyedge_daemon.synthesizers.routing import SynthesizerSet
-from cosyedge_daemon.service.settings import Settings
-from cosyedge_daemon.api.vad_topics import VoiceLink
 from cosyedge_daemon.wyoming.info import build_info, voice_for
 from cosyedge_daemon.wyoming.responder import WyomingResponder
 from cosyedge_daemon.wyoming.satellite import Satellite

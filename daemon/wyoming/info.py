@@ -5,10 +5,9 @@ when it names none."""
 
 from __future__ import annotations
 
+from cosyedge_daemon.synthesizers.routing import SynthesizerSet
 from wyoming.info import Attribution, Info, TtsProgram, TtsVoice
 from wyoming.tts import SynthesizeVoice
-
-from cosyedge_daemon.synthesizers.routing import SynthesizerSet
 
 DEFAULT_VOICE = "default"
 COSYVOICE_LANGUAGES = ["zh", "en", "ja", "ko", "yue"]  # CosyVoice 2's languages

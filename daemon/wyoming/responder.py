@@ -14,9 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
-from cosyedge_daemon.serving.jobs import Job
 from cosyedge_daemon.api.tts_messages import pcm16_bytes
+from cosyedge_daemon.serving.jobs import Job
 
 log = logging.getLogger(__name__)
 

@@ -19,6 +19,14 @@ import contextlib
 import logging
 import time
 
+from cosyedge_daemon.api.vad_topics import VoiceLink
+from cosyedge_daemon.audio.interfaces import VadEvent
+from cosyedge_daemon.audio.settings import VAD_SAMPLE_RATE, VadSettings
+from cosyedge_daemon.serving.jobs import Job
+from cosyedge_daemon.serving.pipeline import Pipeline
+from cosyedge_daemon.wyoming.framing import write_event
+from cosyedge_daemon.wyoming.relay import PlaybackRelay, PlayedResponder, pcm16_to_float
+from cosyedge_daemon.wyoming.settings import SatelliteSettings
 from wyoming.asr import Transcript
 from wyoming.audio import AudioChunk, AudioStart, AudioStop
 from wyoming.error import Error
@@ -31,15 +39,6 @@ from wyoming.satellite import PauseSatellite, RunSatellite
 from wyoming.snd import Played
 from wyoming.tts import Synthesize
 from wyoming.vad import VoiceStopped
-
-from cosyedge_daemon.audio.interfaces import VadEvent
-from cosyedge_daemon.audio.settings import VAD_SAMPLE_RATE, VadSettings
-from cosyedge_daemon.serving.jobs import Job
-from cosyedge_daemon.serving.pipeline import Pipeline
-from cosyedge_daemon.api.vad_topics import VoiceLink
-from cosyedge_daemon.wyoming.framing import write_event
-from cosyedge_daemon.wyoming.relay import PlaybackRelay, PlayedResponder, pcm16_to_float
-from cosyedge_daemon.wyoming.settings import SatelliteSettings
 
 log = logging.getLogger(__name__)
 

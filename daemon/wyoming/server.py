@@ -12,11 +12,10 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, Protocol, TypeVar
 
-from wyoming.error import Error
-from wyoming.event import Event
-
 from cosyedge_daemon.wyoming.framing import HEADER_LIMIT, FrameError, read_event, write_event
 from cosyedge_daemon.wyoming.settings import WyomingSettings
+from wyoming.error import Error
+from wyoming.event import Event
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

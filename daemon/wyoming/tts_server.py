@@ -14,19 +14,18 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from cosyedge_daemon.api.intake import Intake
+from cosyedge_daemon.api.tts_messages import ApiError, TtsRequest
+from cosyedge_daemon.serving.jobs import Job
+from cosyedge_daemon.wyoming.framing import write_event
+from cosyedge_daemon.wyoming.responder import Audio, Budget, Channel, Done, Failed, WyomingResponder
+from cosyedge_daemon.wyoming.streaming import SentenceBuffer
 from wyoming.audio import AudioChunk, AudioStart, AudioStop
 from wyoming.error import Error
 from wyoming.event import Event
 from wyoming.info import Describe, Info
 from wyoming.ping import Ping, Pong
 from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped, SynthesizeVoice
-
-from cosyedge_daemon.api.intake import Intake
-from cosyedge_daemon.serving.jobs import Job
-from cosyedge_daemon.api.tts_messages import ApiError, TtsRequest
-from cosyedge_daemon.wyoming.framing import write_event
-from cosyedge_daemon.wyoming.responder import Audio, Budget, Channel, Done, Failed, WyomingResponder
-from cosyedge_daemon.wyoming.streaming import SentenceBuffer
 
 log = logging.getLogger(__name__)
 

@@ -11,16 +11,13 @@ import math
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-import cosyedge_build.reference.modules as reference
-
 import cosyedge_build.checkpoint.tiny_onnx as tiny_onnx
-
 import cosyedge_build.checkpoint.tiny_tokenizer as tiny_tokenizer
+import cosyedge_build.reference.modules as reference
+import numpy as np
+from cosyedge_build.checkpoint.tiny_sizes import PRESETS, CheckpointSizes, render_yaml
 from cosyedge_build.reference.modules import QWEN_DIR, require
 from cosyedge_build.scratch_dir import check_new_dir, scratch_for
-from cosyedge_build.checkpoint.tiny_sizes import PRESETS, CheckpointSizes, render_yaml
 from cosyedge_models.errors import CosyEdgeError
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-
 from cosyedge_build.reference.modules import require
 
 OPSET = 17

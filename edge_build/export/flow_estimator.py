@@ -47,7 +47,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from cosyedge_build.export.flow_encoder import chunk_allowed
 from cosyedge_build.export.graphs import StageGraph, TensorSpec, export_stage, module_base
 from cosyedge_build.reference.modules import require

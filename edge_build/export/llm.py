@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from cosyedge_build.export.graphs import MASK_NEGATIVE, StageGraph, TensorSpec, export_stage, module_base
 from cosyedge_build.reference.modules import require
 from cosyedge_models.errors import CheckpointError

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from cosyedge_build.export.tokenizer import decode
 from cosyedge_build.reference.modules import require
 from cosyedge_models.errors import CheckpointError

@@ -8,13 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from cosyedge_build.quantize.metrics import logits_cosine, matched_prefix, snr_db, top1_agreement
 from cosyedge_build.quantize.settings import AccuracyBudget
 from cosyedge_models.synthesis.api import SynthesisRequest
-from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, SynthesisSettings, load_synthesizer
 from cosyedge_models.synthesis.llm import LlmInput
 from cosyedge_models.synthesis.sampling import TokenSampler
+from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, SynthesisSettings, load_synthesizer
 
 
 def _inputs(engine: CosyVoiceSynthesizer, text: str) -> tuple[list[LlmInput], Any]:

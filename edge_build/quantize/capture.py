@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-
-from cosyedge_models.synthesis.api import SynthesisRequest
-from cosyedge_models.backends.base import Backend, DecodeLoop, HostDecodeLoop, Session, create_backend
+from cosyedge_models.backends.base import Backend, DecodeLoop, HostDecodeLoop, Session
+from cosyedge_models.backends.factory import create_backend
 from cosyedge_models.backends.flow_cache import HostStepCache, StepCache, StepCacheSpec
 from cosyedge_models.bundle.loader import load_bundle
+from cosyedge_models.synthesis.api import SynthesisRequest
 from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, SynthesisSettings
 
 log = logging.getLogger(__name__)

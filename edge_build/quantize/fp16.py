@@ -9,7 +9,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import onnx
-
 from cosyedge_build.quantize.policy import FP32_OPS
 from cosyedge_models.errors import MissingExtraError
 

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-
 from cosyedge_build.quantize.capture import Feed
 from cosyedge_build.quantize.policy import QUANT_OPS
 

@@ -12,7 +12,6 @@ from typing import Any
 
 import numpy as np
 import onnx
-
 from cosyedge_build.quantize.accuracy import compare_bundles, failures
 from cosyedge_build.quantize.capture import capture_feeds
 from cosyedge_build.quantize.fp16 import FP16_IO, convert_fp16

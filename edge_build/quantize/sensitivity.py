@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnxruntime as ort
-
 from cosyedge_build.quantize.capture import Feed
 from cosyedge_build.quantize.int8 import quantize_int8
 from cosyedge_build.quantize.metrics import logits_cosine, snr_db, top1_agreement

@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import onnx
-
 from cosyedge_models.errors import MissingExtraError
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from cosyedge_build.reference.modules import ReferenceModels, install_stand_ins, load_reference, require
 from cosyedge_models.bundle.loader import Bundle
 from cosyedge_models.synthesis.prompt import PromptFeatures

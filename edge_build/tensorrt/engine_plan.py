@@ -30,10 +30,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import onnx
-
 from cosyedge_models.backends.profiles import ShapeRange, all_input_ranges, cap_profile, input_ranges, stage_profiles
-from cosyedge_models.errors import BundleError
 from cosyedge_models.bundle.memory_budget import BOARDS, MIB, Board
+from cosyedge_models.errors import BundleError
 
 QDQ_OPS = {"QuantizeLinear", "DequantizeLinear"}
 

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import onnx
-
 from cosyedge_build.tensorrt.engine_plan import (
     PrecisionMode,
     batch_caps,
@@ -41,8 +40,8 @@ from cosyedge_models.backends.engine_meta import plan_file_name, with_engines, w
 from cosyedge_models.backends.gpu_probe import import_tensorrt, local_identity, probe_gpu
 from cosyedge_models.backends.profiles import stage_profiles
 from cosyedge_models.bundle.loader import STAGES, load_bundle, sha256_file
-from cosyedge_models.errors import BundleError, SynthesisError
 from cosyedge_models.bundle.memory_budget import BOARDS, MIB, bundle_budget
+from cosyedge_models.errors import BundleError, SynthesisError
 
 if TYPE_CHECKING:
     import tensorrt as trt
@@ -107,7 +106,6 @@ def _pin_fp32(network: trt.INetworkDefinition, mode: PrecisionMode) -> int:
 
 def _parse(builder: trt.Builder, onnx_path: Path, strongly_typed: bool) -> tuple[trt.INetworkDefinition, Any]:
     import tensorrt as trt
-
     from cosyedge_models.backends.trt import trt_logger
 
     flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED) if strongly_typed else 0
@@ -133,7 +131,6 @@ def build_engines(bundle_dir: Path | str, settings: EngineBuildSettings | None =
                           f"{bundle.precision} (an onnxruntime-only format); pass --precision int8 or fp16")
     import_tensorrt()
     import tensorrt as trt
-
     from cosyedge_models.backends.cuda import driver
     from cosyedge_models.backends.trt import thread_cuda, trt_logger
 

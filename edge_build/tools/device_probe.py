@@ -24,10 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from cosyedge_models.synthesis.api import SynthesisRequest
-from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, SynthesisSettings, load_synthesizer
 from cosyedge_models.synthesis.flow import CFG_BATCH
+from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, SynthesisSettings, load_synthesizer
 from cosyedge_models.tools.ort_profile import PROFILE_ENV, render, summarize_dir
 
 log = logging.getLogger(__name__)
@@ -197,7 +196,8 @@ def probe(bundle: Path, backend: str, out: Path, frames: Sequence[int], repeats:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cosyedge_build.tools.device_probe", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m cosyedge_build.tools.device_probe",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--bundle", type=Path, required=True)
     p.add_argument("--backend", default="ort-cuda")
     p.add_argument("--out", type=Path, required=True)

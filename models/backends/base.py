@@ -7,9 +7,7 @@ from pathlib import Path
 from typing import Protocol
 
 import numpy as np
-
 from cosyedge_models.backends.flow_cache import StepCache, StepCacheSpec
-from cosyedge_models.errors import BundleError
 
 BACKENDS = ("ort", "ort-cuda", "ort-trt", "trt")
 
@@ -115,28 +113,3 @@ class HostDecodeLoop:
 
     def close(self) -> None:
         self._kv = None
-
-
-def create_backend(name: str, *, device_id: int = 0) -> Backend:
-    """`ort`: ONNX Runtime on the CPU; `ort-cuda` / `ort-trt`: ONNX Runtime with
-    the CUDA / TensorRT execution provider; `trt`: TensorRT engines (.plan)."""
-    if name == "ort":
-        from cosyedge_models.backends.ort import OrtBackend
-
-        return OrtBackend(providers=("CPUExecutionProvider",))
-    if name == "ort-cuda":
-        from cosyedge_models.backends.ort import OrtBackend
-
-        return OrtBackend(providers=("CUDAExecutionProvider", "CPUExecutionProvider"), device_id=device_id)
-    if name == "ort-trt":
-        from cosyedge_models.backends.ort import OrtBackend
-
-        return OrtBackend(
-            providers=("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"),
-            device_id=device_id,
-        )
-    if name == "trt":
-        from cosyedge_models.backends.trt import TrtBackend
-
-        return TrtBackend(device_id=device_id)
-    raise BundleError(f"unknown backend {name!r}; allowed: {', '.join(BACKENDS)}")

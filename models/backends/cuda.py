@@ -26,9 +26,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 import numpy as np
-
 from cosyedge_models.backends.gpu_probe import probe_gpu
-from cosyedge_models.errors import SynthesisError, MissingExtraError
+from cosyedge_models.errors import MissingExtraError, SynthesisError
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-
 from cosyedge_models.errors import SynthesisError
 
 
@@ -124,9 +123,9 @@ class KvPlan:
 
     def bucket_for(self, length: int) -> int:
         if length > self.p_max:
-            raise SynthesisError(f"llm_decode: the KV cache would grow to {length} positions, past the engine's maximum "
-                              f"of {self.p_max}; rebuild the engines with a larger llm_decode profile or send shorter "
-                              "text")
+            raise SynthesisError(
+                f"llm_decode: the KV cache would grow to {length} positions, past the engine's maximum "
+                f"of {self.p_max}; rebuild the engines with a larger llm_decode profile or send shorter text")
         assert self.buckets is not None
         return next(b for b in self.buckets if b >= length)
 

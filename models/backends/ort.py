@@ -9,12 +9,11 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
-
 from cosyedge_models.backends.base import DecodeLoop, HostDecodeLoop, Session
 from cosyedge_models.backends.flow_cache import HostStepCache, StepCache, StepCacheSpec
 from cosyedge_models.backends.ort_cache import BoundCacheFactory
+from cosyedge_models.backends.profiling import profile_dir
 from cosyedge_models.errors import BundleError, SynthesisError
-from cosyedge_models.tools.ort_profile import profile_dir
 
 log = logging.getLogger(__name__)
 

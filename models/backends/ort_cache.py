@@ -23,7 +23,6 @@ from typing import Protocol
 
 import numpy as np
 import onnxruntime as ort
-
 from cosyedge_models.backends.flow_cache import (
     ATT_CACHE,
     ATT_CACHE_NEW,

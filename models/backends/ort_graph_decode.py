@@ -24,7 +24,6 @@ import threading
 
 import numpy as np
 import onnxruntime as ort
-
 from cosyedge_models.backends.ort import OrtSession, bound_lm_run
 from cosyedge_models.errors import SynthesisError
 

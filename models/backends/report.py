@@ -13,8 +13,8 @@ from typing import Any
 
 from cosyedge_models.backends.engine_meta import engine_mismatches, engine_warnings
 from cosyedge_models.backends.gpu_probe import local_identity, probe_gpu, probe_tensorrt
-from cosyedge_models.errors import CosyEdgeError
 from cosyedge_models.bundle.memory_budget import BOARDS, PRECISIONS, bundle_budget, format_table
+from cosyedge_models.errors import CosyEdgeError
 
 ASSUMPTIONS = (
     "usable memory = MemTotal of each module; OS 1.0 GiB (headless JetPack); CUDA + TensorRT runtime 0.6 GiB; "

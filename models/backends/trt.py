@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
-
 from cosyedge_models.backends.cuda import DeviceBuffer, ThreadCuda, device_info, driver, pinned_empty
 from cosyedge_models.backends.flow_cache import HostStepCache, StepCache, StepCacheSpec
 from cosyedge_models.backends.gpu_probe import import_tensorrt
@@ -39,7 +38,6 @@ from cosyedge_models.errors import BundleError, SynthesisError
 
 if TYPE_CHECKING:
     import tensorrt as trt
-
     from cosyedge_models.backends.base import Session
     from cosyedge_models.backends.trt_decode import TrtDecodeLoop
 

@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
-
 from cosyedge_models.backends.cuda import CudaGraph, DeviceBuffer, pinned_empty
 from cosyedge_models.backends.kv_layout import Copy2D, KvPlan, MaskFill, MaskSet, bucket_mask, decode_buckets
 from cosyedge_models.backends.profiles import choose_profile

@@ -15,7 +15,6 @@ import logging
 from collections.abc import Mapping
 
 import numpy as np
-
 from cosyedge_models.backends.base import Session
 from cosyedge_models.batching.slots import AppendRow, DropColumns, DropRow, PadColumns, SlotOp, SlotTable
 

@@ -39,14 +39,19 @@ from concurrent.futures import TimeoutError as FutureTimeout  # the builtin's al
 from dataclasses import dataclass, field
 
 import numpy as np
-
 from cosyedge_models.backends.base import Session
 from cosyedge_models.batching.policy import BatchSettings, Waiting, admission_order, admit
+from cosyedge_models.batching.stage_merge import (
+    AxisMerger,
+    estimator_merger,
+    hift_decoder_merger,
+    hift_source_merger,
+    profile_fits,
+)
 from cosyedge_models.batching.worker import IDLE_TICK_S, BatchWorker
 from cosyedge_models.bundle.loader import Bundle
 from cosyedge_models.errors import SynthesisError
 from cosyedge_models.synthesis.flow import CacheDims
-from cosyedge_models.batching.stage_merge import AxisMerger, estimator_merger, hift_decoder_merger, hift_source_merger, profile_fits
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,6 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-
 from cosyedge_models.backends.profiles import ProfileShapes
 
 log = logging.getLogger(__name__)

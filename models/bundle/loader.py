@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from cosyedge_models.backends.engine_meta import EngineIdentity, check_engines
 from cosyedge_models.errors import BundleError, CosyEdgeError
 

@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
-
 from cosyedge_models.errors import CosyEdgeError, RequestError
 
 logger = logging.getLogger(__name__)

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
-
 from cosyedge_models.backends.base import Session
 from cosyedge_models.backends.flow_cache import HostKvBuffer, HostStepCache, StepCache, StepCacheSpec
 from cosyedge_models.bundle.loader import Bundle, FlowConfig

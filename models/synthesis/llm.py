@@ -10,7 +10,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-
 from cosyedge_models.backends.base import Backend, DecodeLoop, FixedSizeDecode, Session
 from cosyedge_models.bundle.loader import Bundle, LlmConfig
 from cosyedge_models.synthesis.sampling import TokenSampler

@@ -27,8 +27,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
-
-from cosyedge_models.errors import BundleError, SynthesisError, RequestError
+from cosyedge_models.errors import BundleError, RequestError, SynthesisError
 from cosyedge_models.synthesis.features import (
     FLOW_SAMPLE_RATE,
     WHISPER_SAMPLE_RATE,

@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-
 from cosyedge_models.bundle.loader import SamplingConfig
 from cosyedge_models.errors import SynthesisError
 

@@ -23,7 +23,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-
+from cosyedge_models.backends.base import Backend, FixedSizeDecode, Session
+from cosyedge_models.backends.factory import create_backend
+from cosyedge_models.batching.llm_batcher import start_batcher
+from cosyedge_models.batching.policy import BatchSettings
+from cosyedge_models.batching.stage_batcher import call_priority, start_stage_batching
+from cosyedge_models.bundle.loader import Bundle, load_bundle
+from cosyedge_models.errors import BundleError, RequestError
 from cosyedge_models.synthesis.api import (
     MODES,
     AudioChunk,
@@ -35,21 +41,15 @@ from cosyedge_models.synthesis.api import (
     SynthesisRequest,
     TimelineStage,
 )
-from cosyedge_models.backends.base import Backend, FixedSizeDecode, Session, create_backend
-from cosyedge_models.batching.policy import BatchSettings
-from cosyedge_models.batching.llm_batcher import start_batcher
-from cosyedge_models.bundle.loader import Bundle, load_bundle
 from cosyedge_models.synthesis.conditioning import Conditioning, ConditioningBuilder
-from cosyedge_models.errors import BundleError, RequestError
 from cosyedge_models.synthesis.flow import FINAL_CHUNK_MODES, EstimatorWork, FinalChunk, FlowDecoder, FlowStream
 from cosyedge_models.synthesis.llm import LlmInput, LlmStats, SpeechTokenLM
 from cosyedge_models.synthesis.sampling import TokenSampler
-from cosyedge_models.batching.stage_batcher import call_priority, start_stage_batching
 from cosyedge_models.synthesis.streaming import ChunkSchedule
-from cosyedge_models.text.frontend import TextFrontend
-from cosyedge_models.text.tokenizer import TextTokenizer
 from cosyedge_models.synthesis.token_stream import LlmEnd, ProducedTokens, ProducerPool, SerialTokens, TimedToken
 from cosyedge_models.synthesis.vocoder import HiftVocoder, NoiseSource, VocoderStream
+from cosyedge_models.text.frontend import TextFrontend
+from cosyedge_models.text.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
 

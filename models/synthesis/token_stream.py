@@ -153,7 +153,8 @@ class ProducedTokens:
                 if self._done.is_set() and self._queue.empty():
                     # Without LlmEnd: stopped from outside (the engine closed mid-request);
                     # the audio would be cut short, so say so.
-                    raise SynthesisError("the LLM stopped before the end of the speech (was the engine closed?)") from None
+                    raise SynthesisError(
+                        "the LLM stopped before the end of the speech (was the engine closed?)") from None
                 continue
             if isinstance(item, TimedToken):
                 yield item

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
-
 from cosyedge_models.backends.base import Session
 from cosyedge_models.bundle.loader import Bundle
 

@@ -20,7 +20,6 @@ import unicodedata
 from dataclasses import dataclass
 
 import numpy as np
-
 from cosyedge_models.errors import RequestError
 from cosyedge_models.text.normalize import LANGUAGE_CHOICES, Language, detect_language, normalize_text
 from cosyedge_models.text.split import SplitSettings, is_only_punctuation, split_with

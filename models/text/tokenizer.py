@@ -15,9 +15,8 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
-from tokenizers import Tokenizer
-
 from cosyedge_models.errors import BundleError
+from tokenizers import Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -26,15 +26,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from cosyedge_models.synthesis.api import StageEvent, SynthesisRequest
 from cosyedge_models.batching.policy import BatchSettings
 from cosyedge_models.bundle.loader import Bundle
-from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, SynthesisSettings, load_synthesizer
-from cosyedge_models.errors import CosyEdgeError
-from cosyedge_models.synthesis.llm import LlmInput
 from cosyedge_models.bundle.memory_budget import BOARDS, MIB, bundle_budget
+from cosyedge_models.errors import CosyEdgeError
+from cosyedge_models.synthesis.api import StageEvent, SynthesisRequest
+from cosyedge_models.synthesis.llm import LlmInput
 from cosyedge_models.synthesis.sampling import TokenSampler
+from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, SynthesisSettings, load_synthesizer
 from cosyedge_models.tools.timeline import render_timeline
 
 log = logging.getLogger(__name__)
@@ -120,7 +119,8 @@ def graph_bytes(bundle: Bundle) -> int:
 
 
 def jetson_budget(bundle: Bundle) -> dict[str, Any]:
-    """cosyedge_models.bundle.memory_budget for the bundle's precision, compacted: totals and, per board, fits + spare."""
+    """The bundle's memory budget (bundle/memory_budget.py) for its precision, compacted: totals and,
+    per board, fits + spare."""
     try:
         budget = bundle_budget(bundle.root, bundle.manifest, bundle.precision)
     except (CosyEdgeError, KeyError, ValueError) as exc:
@@ -271,7 +271,12 @@ def run_concurrent_llm(engine: CosyVoiceSynthesizer, text: str, n: int) -> dict[
             "requests_per_s": round(n / wall, 4)}
 
 
-def bench_command(args: argparse.Namespace) -> int:
+# The official pipeline's measurement (cosyedge_build.reference.pipeline.run_reference),
+# handed in by the CLI: the runtime package never imports the build side.
+ReferenceRunner = Callable[..., dict[str, Any]]
+
+
+def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = None) -> int:
     text = args.text or DEFAULT_TEXT
     hops = int_list(args.first_hop, "--first-hop") if getattr(args, "first_hop", None) else []
     compare = [b for b in (getattr(args, "compare", None) or "").split(",") if b.strip()]
@@ -368,10 +373,10 @@ def bench_command(args: argparse.Namespace) -> int:
         if compare:
             report["compare"] = [compare_bundle(b.strip(), settings, text, args.repeats) for b in compare]
         if args.reference:
-            from cosyedge_build.reference.pipeline import run_reference
-
+            if reference is None:
+                raise CosyEdgeError("--reference needs the official pipeline: run it through `cosyedge bench`")
             log.info("the official pipeline")
-            ref = run_reference(engine.bundle, engine.tokenizer, text, repeats=args.repeats)
+            ref = reference(engine.bundle, engine.tokenizer, text, repeats=args.repeats)
             report["reference"] = ref
             report["speedup_vs_reference"] = round(ref["rtf"] / report["rtf"], 3)
             report["first_audio_vs_reference"] = round(report["first_audio_ms"] / ref["first_audio_ms"], 3)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
 from collections import defaultdict
@@ -22,15 +21,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-PROFILE_ENV = "COSYEDGE_ORT_PROFILE"
+from cosyedge_models.backends.profiling import PROFILE_ENV
+
 _COPY_OPS = ("MemcpyToHost", "MemcpyFromHost")
 _STAMP = re.compile(r"_\d{4}-\d{2}-\d{2}_[\d_-]+$")  # e.g. _2026-11-29_19-57-30_938
-
-
-def profile_dir() -> Path | None:
-    """The directory the sessions profile into (COSYEDGE_ORT_PROFILE), or None: no profiling."""
-    value = os.environ.get(PROFILE_ENV, "").strip()
-    return Path(value) if value else None
 
 
 @dataclass
@@ -124,7 +118,8 @@ def render(profiles: Sequence[StageProfile]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cosyedge_models.tools.ort_profile", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m cosyedge_models.tools.ort_profile",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("directory", type=Path)
     parser.add_argument("--top", type=int, default=8, help="operator types shown per stage")
     parser.add_argument("--json", type=Path, help="also write the summary here")

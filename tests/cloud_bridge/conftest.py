@@ -10,7 +10,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-
 from cosyedge_cloud.bridge.service import BridgeService
 from cosyedge_cloud.bridge.settings import BridgeSettings, build_settings
 from cosyedge_cloud.triton.launcher import (
@@ -21,6 +20,7 @@ from cosyedge_cloud.triton.launcher import (
     find_server,
     set_parameters,
 )
+
 from tests.cloud_bridge.sine_engine import write_sine_bundle
 from tests.support.broker import Broker, free_port, mosquitto_binary
 

@@ -10,9 +10,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import paho.mqtt.client as mqtt
-from paho.mqtt.packettypes import PacketTypes
-from paho.mqtt.properties import Properties
-
 from cosyedge_cloud.wire.mqtt import MqttOptions, connect, make_client
 from cosyedge_cloud.wire.protocol import (
     AudioMessage,
@@ -23,6 +20,8 @@ from cosyedge_cloud.wire.protocol import (
     ResponseMessage,
     decode_response,
 )
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
 
 
 @dataclass

@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from cosyedge_daemon.synthesizers.espeak import EspeakSynthesizer
-from cosyedge_daemon.service.service import Service
 from cosyedge_daemon.api.tts_messages import decode_audio
+from cosyedge_daemon.service.service import Service
+from cosyedge_daemon.synthesizers.espeak import EspeakSynthesizer
 from cosyedge_models.synthesis.api import Synthesizer
+
 from tests.daemon.conftest import make_settings
 from tests.daemon.memory_sink import MemorySink
 from tests.daemon.mqtt_probe import Probe, Received

@@ -18,9 +18,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-
+from cosyedge_models.errors import RequestError, SynthesisError
 from cosyedge_models.synthesis.api import MODES, AudioChunk, Mode, StageTimes, SynthesisRequest
-from cosyedge_models.errors import SynthesisError, RequestError
 
 _DIRECTIVE = re.compile(r"\{(\w+)=(\d+)\}")
 VOICES = ("default", "bright")

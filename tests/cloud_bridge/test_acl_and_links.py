@@ -11,9 +11,9 @@ import time
 from pathlib import Path
 
 import pytest
-
 from cosyedge_cloud.bridge.service import BridgeService
 from cosyedge_cloud.wire.protocol import CloudRequest
+
 from tests.cloud_bridge.conftest import USERS, bridge_settings, device_broker_conf
 from tests.cloud_bridge.device import Device
 from tests.cloud_bridge.helpers import wait_for
@@ -46,7 +46,7 @@ def test_a_device_cannot_read_another_devices_responses(cloud_broker, cloud_brid
     assert own.done is not None
     assert "secret" not in a.answers and not [t for t, _ in a.stray if "devB" in t]
     assert set(b.answers) == {"secret"}  # nothing of devA's (and no forged request) reached devB
-    assert cosyedge_cloud.bridge.metrics.value("cosyedge_bridge_requests_total", version="1", outcome="done") == 2
+    assert cloud_bridge.metrics.value("cosyedge_bridge_requests_total", version="1", outcome="done") == 2
 
 
 def test_wrong_password_is_refused(cloud_broker) -> None:  # type: ignore[no-untyped-def]

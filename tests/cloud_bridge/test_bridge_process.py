@@ -11,9 +11,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-
-from cosyedge_cloud.wire.protocol import CloudRequest
 from cosyedge_cloud.triton.launcher import TritonServer
+from cosyedge_cloud.wire.protocol import CloudRequest
+
 from tests.cloud_bridge.conftest import SINE_MODEL
 from tests.cloud_bridge.device import Device
 from tests.cloud_bridge.helpers import wait_for

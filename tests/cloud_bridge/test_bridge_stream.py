@@ -9,9 +9,9 @@ import time
 
 import numpy as np
 import paho.mqtt.client as mqtt
-
-from cosyedge_cloud.wire.protocol import CloudPrompt, CloudRequest, now_unix_ms
 from cosyedge_cloud.bridge.versions import VersionSelector
+from cosyedge_cloud.wire.protocol import CloudPrompt, CloudRequest, now_unix_ms
+
 from tests.cloud_bridge.conftest import SINE_MODEL, V1_HZ, V2_HZ, bridge_settings
 from tests.cloud_bridge.device import Device
 from tests.cloud_bridge.helpers import settled_metric, triton_metric, wait_for
@@ -338,7 +338,6 @@ def test_probe_reports_a_request(broker, make_bridge, tmp_path, capsys) -> None:
     import json
 
     import soundfile
-
     from cosyedge_cloud.tools.probe import main as probe_main
 
     make_bridge()

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from cosyedge_cloud.triton.launcher import TritonServer
 from cosyedge_models.synthesis.api import Synthesizer
+
 from tests.cloud_bridge.conftest import SINE_MODEL, V1_HZ, V2_HZ, device_broker_conf
 from tests.cloud_bridge.edge import Edge, load_local, wait
 from tests.cloud_bridge.sine_engine import CHUNK_SAMPLES

@@ -7,8 +7,8 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from cosyedge_cloud.tools.loadtest import percentiles, run, table
+
 from tests.cloud_bridge.conftest import bridge_settings
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
+from cosyedge_cloud.triton.launcher import set_parameters
 from cosyedge_cloud.triton.model_io import (
     BadTensors,
     error_message,
@@ -14,7 +14,6 @@ from cosyedge_cloud.triton.model_io import (
     response_tensors,
     synthesis_request,
 )
-from cosyedge_cloud.triton.launcher import set_parameters
 from cosyedge_cloud.triton.orchestrator import resolve_bundle
 from cosyedge_models.errors import CosyEdgeError
 

@@ -12,7 +12,6 @@ from typing import Any
 
 import paho.mqtt.client as mqtt
 import pytest
-
 from cosyedge_cloud.wire.mqtt import (
     MqttOptions,
     MqttSetupError,
@@ -21,6 +20,7 @@ from cosyedge_cloud.wire.mqtt import (
     parse_broker_url,
     publish_properties,
 )
+
 from tests.cloud_bridge.conftest import USERS
 from tests.support.broker import Broker
 

@@ -8,7 +8,6 @@ import json
 
 import numpy as np
 import pytest
-
 from cosyedge_cloud.wire.protocol import (
     AUDIO_MAGIC,
     AudioMessage,

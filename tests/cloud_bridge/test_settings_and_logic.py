@@ -7,11 +7,10 @@ import threading
 from pathlib import Path
 
 import pytest
-
 from cosyedge_cloud.bridge.admission import Admission, Verdict
-from cosyedge_cloud.wire.protocol import ProtocolError
 from cosyedge_cloud.bridge.settings import SettingsError, build_settings, load_settings, reference_markdown
 from cosyedge_cloud.bridge.versions import VersionSelector
+from cosyedge_cloud.wire.protocol import ProtocolError
 from cosyedge_models.errors import CosyEdgeError
 
 
@@ -57,7 +56,8 @@ def test_old_key_name_is_read_and_docs_are_current() -> None:
     assert build_settings({"limits": {"dedup_window": 7}}).limits.dedupe_max_ids == 7
     root = Path(__file__).resolve().parents[2]
     text = (root / "docs" / "bridge-configuration.md").read_text()
-    assert text == reference_markdown(), "regenerate: python -m cosyedge_cloud.bridge.settings > docs/bridge-configuration.md"
+    assert text == reference_markdown(), \
+        "regenerate: python -m cosyedge_cloud.bridge.settings > docs/bridge-configuration.md"
     for section in ("mqtt", "triton", "limits", "metrics"):
         assert f"### `[{section}]`" in text
     assert "| `dedupe_max_ids` | `4096` |" in text

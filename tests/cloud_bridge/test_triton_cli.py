@@ -12,9 +12,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from cosyedge_cloud.triton.model_io import OUTPUTS, request_tensors
 from cosyedge_cloud.triton.launcher import TritonError, find_server
+from cosyedge_cloud.triton.model_io import OUTPUTS, request_tensors
+
 from tests.cloud_bridge.helpers import wait_for
 from tests.support.broker import free_port
 

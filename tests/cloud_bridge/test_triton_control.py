@@ -8,10 +8,10 @@ import shutil
 from pathlib import Path
 
 import pytest
-
-from cosyedge_cloud.wire.protocol import CloudRequest
 from cosyedge_cloud.triton.launcher import LaunchSettings, TritonError
+from cosyedge_cloud.wire.protocol import CloudRequest
 from cosyedge_models.errors import BundleError
+
 from tests.cloud_bridge.conftest import SINE_MODEL
 from tests.cloud_bridge.device import Device
 from tests.cloud_bridge.sine_engine import dominant_frequency, write_sine_bundle

@@ -11,13 +11,13 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-
 from cosyedge_daemon.audio.interfaces import AudioSink
 from cosyedge_daemon.service.config import settings_from_mapping
-from cosyedge_daemon.synthesizers.espeak import EspeakSynthesizer
 from cosyedge_daemon.service.service import Service
 from cosyedge_daemon.service.settings import Settings
+from cosyedge_daemon.synthesizers.espeak import EspeakSynthesizer
 from cosyedge_models.synthesis.api import Synthesizer
+
 from tests.daemon.mqtt_probe import Probe
 from tests.support.broker import Broker
 

@@ -11,9 +11,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
-
-from cosyedge_models.synthesis.api import AudioChunk, EngineDefaults, Mode, SynthesisRequest
 from cosyedge_models.errors import SynthesisError
+from cosyedge_models.synthesis.api import AudioChunk, EngineDefaults, Mode, SynthesisRequest
 
 
 @dataclass

@@ -12,10 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import paho.mqtt.client as mqtt
+from cosyedge_cloud.wire.mqtt import MqttOptions, connect, make_client
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
-
-from cosyedge_cloud.wire.mqtt import MqttOptions, connect, make_client
 
 
 @dataclass

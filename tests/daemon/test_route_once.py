@@ -8,13 +8,13 @@ from __future__ import annotations
 import time
 
 import pytest
-
-from cosyedge_daemon.serving.jobs import Job
-from cosyedge_daemon.synthesizers.routing import SynthesizerSet, RouteDecision, Router
-from cosyedge_daemon.service.settings import RoutingSettings
 from cosyedge_daemon.api.tts_messages import ApiError, TtsRequest
-from cosyedge_models.synthesis.api import SynthesisRequest
+from cosyedge_daemon.service.settings import RoutingSettings
+from cosyedge_daemon.serving.jobs import Job
+from cosyedge_daemon.synthesizers.routing import RouteDecision, Router, SynthesizerSet
 from cosyedge_models.errors import RequestError
+from cosyedge_models.synthesis.api import SynthesisRequest
+
 from tests.daemon.fake_engine import FakeEngine
 from tests.daemon.serving.test_pipeline_workers import Answers, make
 

@@ -13,12 +13,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-from wyoming.client import AsyncTcpClient
-from wyoming.event import Event
-
 from cosyedge_daemon.service.service import Service
 from cosyedge_models.synthesis.api import AudioChunk as EngineChunk
 from cosyedge_models.synthesis.api import Mode, SynthesisRequest
+from wyoming.client import AsyncTcpClient
+from wyoming.event import Event
+
 from tests.daemon.fake_engine import FakeEngine
 
 

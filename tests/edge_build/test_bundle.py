@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-
 from cosyedge_build.export import export_bundle
 from cosyedge_models.errors import CheckpointError, CosyEdgeError
+
 from tests.edge_build.conftest import Checkpoint
 
 STAGES = ["llm_prefill", "llm_decode", "flow_encoder", "flow_estimator", "hift_source", "hift_decoder"]
@@ -172,7 +172,6 @@ def test_zero_shot_speaker_becomes_a_prompt_voice(tiny_model_dir: Path, tmp_path
     """A zero-shot entry (as upstream's add_zero_shot_spk saves it) keeps its
     prompt tokens, speech tokens, mel and a decoded transcript."""
     import torch
-
     from cosyedge_build.export.tokenizer import export_tokenizer
     from cosyedge_build.export.voices import export_voices
 

@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import numpy as np
-
 from cosyedge_build.tools.device_probe import estimator_feeds, main, vocoder_feeds
 from cosyedge_models.synthesis.synthesizer import SynthesisSettings, load_synthesizer
 

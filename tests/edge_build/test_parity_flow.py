@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-
 from cosyedge_models.synthesis.api import SynthesisRequest
+
 from tests.edge_build.conftest import Checkpoint
 from tests.edge_build.parity import TOLERANCE, empty_encoder_caches, empty_estimator_caches, max_rel, to_numpy
 

@@ -19,9 +19,6 @@ from typing import Any
 import numpy as np
 import onnx
 import pytest
-from onnx import numpy_helper
-
-from cosyedge_build.tensorrt.engine_plan import precision_mode
 from cosyedge_build.quantize.capture import FeedStore, capture_feeds
 from cosyedge_build.quantize.metrics import matched_prefix, snr_db
 from cosyedge_build.quantize.pipeline import REPORT_FILE, QuantizeBudgetError, quantize_bundle
@@ -29,8 +26,10 @@ from cosyedge_build.quantize.qdq_rules import check_qdq
 from cosyedge_build.quantize.sensitivity import _outputs
 from cosyedge_build.quantize.settings import AccuracyBudget, QuantizeSettings
 from cosyedge_build.quantize.texts import HELD_OUT_TEXTS, calibration_texts
+from cosyedge_build.tensorrt.engine_plan import precision_mode
 from cosyedge_models.synthesis.api import SynthesisRequest
 from cosyedge_models.synthesis.synthesizer import SynthesisSettings, load_synthesizer
+from onnx import numpy_helper
 
 TINY_BUDGET = AccuracyBudget(e2e_match_min=0.0)
 QUANT_STAGES = ("llm_prefill", "llm_decode", "flow_estimator", "hift_decoder")
@@ -317,8 +316,8 @@ def test_engines_refuse_weight_only_bundle(int8w_bundle: Any) -> None:
 def test_daemon_cli_offers_every_precision() -> None:
     """daemon/cli/main.py declares the quantize options itself (the board's CLI must not
     import the build side); it must offer what the quantizer takes."""
-    from cosyedge_daemon.cli.main import build_parser
     from cosyedge_build.quantize.settings import PRECISIONS
+    from cosyedge_daemon.cli.main import build_parser
 
     parser = build_parser()
     for precision in PRECISIONS:

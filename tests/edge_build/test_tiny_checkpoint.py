@@ -8,17 +8,17 @@ import json
 import sys
 from pathlib import Path
 
+import cosyedge_build.reference.modules as reference
 import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
-
-from cosyedge_daemon.cli.main import main
-import cosyedge_build.reference.modules as reference
-from cosyedge_build.reference.modules import StandInModule, load_reference, require
 from cosyedge_build.checkpoint.tiny import build_tiny_checkpoint
 from cosyedge_build.checkpoint.tiny_sizes import PRESETS
+from cosyedge_build.reference.modules import StandInModule, load_reference, require
+from cosyedge_daemon.cli.main import main
 from cosyedge_models.errors import CheckpointError, CosyEdgeError, MissingExtraError
+
 from tests.edge_build.conftest import Checkpoint
 
 LAYOUT = [
@@ -260,6 +260,7 @@ def test_full_size_checkpoint_exports(tmp_path: Path) -> None:
     """The real CosyVoice2-0.5B dimensions load strictly and export
     (minutes, ~10 GB of memory, ~8 GB of disk)."""
     from cosyedge_build.export import export_bundle
+
     from tests.edge_build.parity import TOLERANCE, max_rel, to_numpy
     from tests.edge_build.test_parity_llm import cache_array, lm_input, upstream_prefill
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from cosyedge_build.reference.modules import load_qwen_tokenizer
 from tokenizers import Tokenizer
 
-from cosyedge_build.reference.modules import load_qwen_tokenizer
 from tests.edge_build.conftest import Checkpoint
 
 TEXTS = [

@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _validate(bundle: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "cosyedge_daemon", "build", "validate", "--bundle", str(bundle), *extra],
+    return subprocess.run([sys.executable, "-m", "cosyedge_daemon", "build", "validate",
+                           "--bundle", str(bundle), *extra],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, load_synthesizer
 
 # What upstream's QwenTokenizer.__init__ adds (cosyvoice/tokenizer/tokenizer.py).

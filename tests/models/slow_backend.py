@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-
 from cosyedge_models.backends.base import Backend, DecodeLoop, HostDecodeLoop, Session
 from cosyedge_models.backends.flow_cache import HostStepCache, StepCache, StepCacheSpec
 from cosyedge_models.errors import SynthesisError

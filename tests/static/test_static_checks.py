@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.support.typecheck import run_mypy
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -20,5 +22,5 @@ def test_ruff_clean() -> None:
 
 
 def test_mypy_clean() -> None:
-    result = _run("mypy")
+    result = run_mypy()
     assert result.returncode == 0, result.stdout + result.stderr

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-
 from cosyedge_daemon.audio.pcm import read_audio_file, resample
 
 RATE = 16000

@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 
 import numpy as np
-
 from cosyedge_daemon.api.tts_messages import decode_audio
+
 from tests.daemon.conftest import DaemonFactory
 from tests.daemon.memory_sink import MemorySink
 

@@ -7,11 +7,12 @@ import json
 import time
 from pathlib import Path
 
-from cosyedge_daemon.synthesizers.espeak import EspeakSynthesizer
 from cosyedge_daemon.api.tts_messages import decode_audio
+from cosyedge_daemon.synthesizers.espeak import EspeakSynthesizer
+
+from tests.daemon.api.test_daemon_api import LONG, THREE
 from tests.daemon.conftest import DaemonFactory, make_settings
 from tests.daemon.memory_sink import MemorySink
-from tests.daemon.api.test_daemon_api import LONG, THREE
 
 
 def failing_espeak(tmp_path: Path, when: str = "always") -> EspeakSynthesizer:

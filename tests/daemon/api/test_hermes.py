@@ -10,8 +10,8 @@ import json
 import wave
 
 import pytest
-
 from cosyedge_daemon.audio.interfaces import VadEvent
+
 from tests.daemon.conftest import DaemonFactory
 from tests.daemon.memory_sink import MemorySink
 

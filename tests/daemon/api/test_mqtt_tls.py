@@ -14,9 +14,9 @@ from pathlib import Path
 
 import paho.mqtt.client as mqtt
 import pytest
-
 from cosyedge_cloud.wire.mqtt import MqttOptions, connect, make_client
 from cosyedge_daemon.service.service import Service
+
 from tests.daemon.conftest import SynthesizerFactory, make_settings
 from tests.support.broker import free_port, mosquitto_binary, wait_for_port
 

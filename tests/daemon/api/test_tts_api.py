@@ -7,7 +7,6 @@ import json
 import numpy as np
 import pytest
 import soundfile
-
 from cosyedge_cloud.wire.protocol import AUDIO_HEADER
 from cosyedge_daemon.api.tts_messages import (
     ApiError,

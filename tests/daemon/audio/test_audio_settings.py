@@ -3,7 +3,6 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-
 from cosyedge_daemon.audio.settings import AudioSettings, AudioSettingsError, VadSettings
 
 

@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile as sf
-
 from cosyedge_daemon.audio.devices import create_sink, create_source
 from cosyedge_daemon.audio.pcm import AudioFileError, Framer, read_pcm16_16k, wav_bytes
 from cosyedge_daemon.audio.ring import FloatRing

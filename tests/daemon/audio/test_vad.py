@@ -9,10 +9,10 @@ import io
 import numpy as np
 import pytest
 import soundfile as sf
-
 from cosyedge_daemon.audio.interfaces import VadEvent
 from cosyedge_daemon.audio.settings import VadSettings
 from cosyedge_daemon.audio.vad import Segmenter, Utterance, WebRtcClassifier, segment_pcm
+
 from tests.support.speech import Clip, load_clips, mix, speech_data_dir
 
 TOLERANCE_S = 0.090  # the bound on boundary errors

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile as sf
-
 from cosyedge_daemon.audio.pcm import resample
+
 from tests.support.speech import load_clips, mix, speech_data_dir
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile as sf
-
+from cosyedge_daemon.cli.voice import add_voice
+from cosyedge_models.errors import RequestError
 from cosyedge_models.synthesis.api import SynthesisRequest
 from cosyedge_models.synthesis.synthesizer import load_synthesizer
-from cosyedge_models.errors import RequestError
-from cosyedge_daemon.cli.voice import add_voice
+
 from tests.models.synthesis.test_synthesizer import prompt_audio
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -44,8 +44,9 @@ def test_add_a_voice_then_clone_it(tiny_bundle: Path, tmp_path: Path) -> None:
 
 def test_synth_cli_writes_a_wav(tiny_bundle: Path, tmp_path: Path) -> None:
     out = tmp_path / "o.wav"
-    res = subprocess.run([sys.executable, "-m", "cosyedge_daemon", "synth", "Hello there.", "--bundle", str(tiny_bundle),
-                          "--out", str(out), "--stream"], cwd=ROOT, capture_output=True, text=True)
+    res = subprocess.run([sys.executable, "-m", "cosyedge_daemon", "synth", "Hello there.",
+                          "--bundle", str(tiny_bundle), "--out", str(out), "--stream"],
+                         cwd=ROOT, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     data, sr = sf.read(out)
     assert sr == 24000 and data.size > 0 and "RTF" in res.stderr

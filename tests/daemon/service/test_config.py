@@ -5,7 +5,6 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-
 from cosyedge_daemon.audio.settings import AudioSettings, VadSettings
 from cosyedge_daemon.service.config import (
     ConfigError,
@@ -150,7 +149,8 @@ def test_example_config_is_current_and_complete() -> None:
 def test_reference_docs_are_generated_and_current() -> None:
     """docs/configuration.md is what the schema renders and names every key."""
     text = (ROOT / "docs" / "configuration.md").read_text()
-    assert text == reference_markdown(), "regenerate: python -m cosyedge_daemon.service.config --markdown > docs/configuration.md"
+    assert text == reference_markdown(), \
+        "regenerate: python -m cosyedge_daemon.service.config --markdown > docs/configuration.md"
     for name, cls in {**SECTIONS, "audio": AudioSettings, "vad": VadSettings}.items():
         for f in dataclasses.fields(cls):
             assert f"| `{f.name}` |" in text, f"[{name}] {f.name} missing from docs/configuration.md"

@@ -11,13 +11,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from cosyedge_daemon.audio.interfaces import VadEvent
 from cosyedge_daemon.service.sdnotify import SdNotifier
 from cosyedge_daemon.service.service import Service
+
+from tests.daemon.api.test_daemon_api import LONG
 from tests.daemon.conftest import DaemonFactory, make_settings
 from tests.daemon.memory_sink import MemorySink
-from tests.daemon.api.test_daemon_api import LONG
 from tests.support.broker import free_port
 
 

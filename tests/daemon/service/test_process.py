@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemon.mqtt_probe import Probe
 from tests.daemon.api.test_daemon_api import LONG
+from tests.daemon.mqtt_probe import Probe
 from tests.support.broker import Broker
 
 ROOT = Path(__file__).resolve().parents[3]

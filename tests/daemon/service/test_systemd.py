@@ -17,9 +17,9 @@ from pathlib import Path
 
 import paho.mqtt.client as mqtt
 import pytest
+from cosyedge_cloud.wire.mqtt import MqttOptions, connect, make_client
 from paho.mqtt.enums import CallbackAPIVersion
 
-from cosyedge_cloud.wire.mqtt import MqttOptions, connect, make_client
 from tests.support.broker import free_port, mosquitto_binary, wait_for_port
 
 ROOT = Path(__file__).resolve().parents[3]

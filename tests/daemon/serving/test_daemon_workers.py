@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from cosyedge_daemon.synthesizers.factory import load_local_synthesizer
+
 from tests.daemon.conftest import DaemonFactory, make_settings
 from tests.daemon.fake_engine import FakeEngine
 from tests.daemon.memory_sink import MemorySink

@@ -9,16 +9,16 @@ from typing import Any
 
 import numpy as np
 import pytest
-
+from cosyedge_daemon.api.tts_messages import TtsRequest
+from cosyedge_daemon.service.settings import RoutingSettings, SchedulerSettings
 from cosyedge_daemon.serving.answer import Completer
-from cosyedge_daemon.synthesizers.espeak import EspeakSynthesizer
 from cosyedge_daemon.serving.jobs import Job
 from cosyedge_daemon.serving.pipeline import Pipeline
-from cosyedge_daemon.synthesizers.routing import SynthesizerSet, Router
 from cosyedge_daemon.serving.scheduler import Scheduler
-from cosyedge_daemon.service.settings import RoutingSettings, SchedulerSettings
-from cosyedge_daemon.api.tts_messages import TtsRequest
+from cosyedge_daemon.synthesizers.espeak import EspeakSynthesizer
+from cosyedge_daemon.synthesizers.routing import Router, SynthesizerSet
 from cosyedge_models.errors import SynthesisError
+
 from tests.daemon.memory_sink import MemorySink
 
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from cosyedge_daemon.api.tts_messages import decode_audio
 from cosyedge_models.synthesis.synthesizer import load_synthesizer
+
 from tests.daemon.conftest import DaemonFactory, SynthesizerFactory
 
 

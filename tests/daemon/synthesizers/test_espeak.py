@@ -7,10 +7,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from cosyedge_daemon.synthesizers.espeak import EspeakSynthesizer, pcm_from_wav_stream, sentence_chunks
+from cosyedge_models.errors import RequestError, SynthesisError
 from cosyedge_models.synthesis.api import SynthesisRequest
-from cosyedge_models.errors import SynthesisError, RequestError
 
 
 @pytest.fixture(scope="module")

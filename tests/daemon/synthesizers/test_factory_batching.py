@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cosyedge_daemon.synthesizers.factory import load_local_synthesizer
 from cosyedge_daemon.service.settings import Settings, TtsSettings
+from cosyedge_daemon.synthesizers.factory import load_local_synthesizer
 
 
 def test_batching_settings_reach_the_engine(tiny_bundle: Path) -> None:

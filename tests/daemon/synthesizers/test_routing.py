@@ -4,11 +4,10 @@ import threading
 from collections.abc import Iterator
 
 import pytest
-
-from cosyedge_daemon.synthesizers.espeak import EspeakSynthesizer
-from cosyedge_daemon.synthesizers.routing import SynthesizerSet, RouteDecision, Router
-from cosyedge_daemon.service.settings import RoutingSettings
 from cosyedge_daemon.api.tts_messages import ApiError, TtsRequest
+from cosyedge_daemon.service.settings import RoutingSettings
+from cosyedge_daemon.synthesizers.espeak import EspeakSynthesizer
+from cosyedge_daemon.synthesizers.routing import RouteDecision, Router, SynthesizerSet
 from cosyedge_models.synthesis.api import AudioChunk, SynthesisRequest
 
 

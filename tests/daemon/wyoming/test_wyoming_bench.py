@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from cosyedge_daemon.tools.bench_wyoming import measure
 
 

@@ -11,14 +11,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cosyedge_daemon.cli.doctor import check_wyoming
+from cosyedge_daemon.cli.say import say_command
+from cosyedge_daemon.service.config import apply_flags, settings_from_mapping
+from cosyedge_daemon.wyoming.client import synthesize
+from cosyedge_daemon.wyoming.zeroconf import SERVICE_TYPE, Advert, advertised_addresses, service_info, should_advertise
+from cosyedge_models.settings_schema import ConfigError
+from cosyedge_models.synthesis.synthesizer import load_synthesizer
 from wyoming.tts import Synthesize
 
-from cosyedge_daemon.service.config import apply_flags, settings_from_mapping
-from cosyedge_models.settings_schema import ConfigError
-from cosyedge_daemon.cli.doctor import check_wyoming
-from cosyedge_daemon.wyoming.client import say_command, synthesize
-from cosyedge_daemon.wyoming.zeroconf import SERVICE_TYPE, Advert, advertised_addresses, service_info, should_advertise
-from cosyedge_models.synthesis.synthesizer import load_synthesizer
 from tests.daemon.conftest import DaemonFactory
 from tests.daemon.fake_engine import FakeEngine
 from tests.daemon.wyoming_support import exchange, run, tts_port
@@ -118,11 +119,10 @@ class _VoicedEngine(FakeEngine):
 
 
 def test_info_voices_and_voice_choice() -> None:
-    from wyoming.tts import SynthesizeVoice
-
-    from cosyedge_daemon.synthesizers.routing import SynthesizerSet
     from cosyedge_daemon.service.settings import RoutingSettings
+    from cosyedge_daemon.synthesizers.routing import SynthesizerSet
     from cosyedge_daemon.wyoming.info import build_info, voice_for
+    from wyoming.tts import SynthesizeVoice
 
     engines = SynthesizerSet(RoutingSettings())
     engines.slots["local"].swap(_VoicedEngine())

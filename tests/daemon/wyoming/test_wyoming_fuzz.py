@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import asyncio
 
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from cosyedge_daemon.wyoming.framing import FrameError, read_event
 from cosyedge_daemon.wyoming.streaming import SentenceBuffer
 from cosyedge_models.text.split import cut_sentences as split_sentences
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from tests.daemon.wyoming_support import raw_frame
 
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import socket
 import time
 
+from cosyedge_daemon.service.service import Service
 from wyoming.tts import Synthesize
 
-from cosyedge_daemon.service.service import Service
 from tests.daemon.conftest import DaemonFactory
 from tests.daemon.fake_engine import FakeEngine
 from tests.daemon.wyoming_support import GatedEngine, exchange, parse_events, raw_frame, read_raw_events, run, tts_port

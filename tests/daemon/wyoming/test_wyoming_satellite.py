@@ -11,6 +11,10 @@ import asyncio
 
 import numpy as np
 import pytest
+from cosyedge_daemon.audio.settings import VadSettings
+from cosyedge_daemon.audio.sources import ArraySource
+from cosyedge_daemon.audio.vad_worker import VadWorker
+from cosyedge_daemon.service.service import Service
 from wyoming.audio import AudioChunk, AudioStart, AudioStop
 from wyoming.client import AsyncTcpClient
 from wyoming.event import Event
@@ -18,10 +22,6 @@ from wyoming.info import Describe, Info
 from wyoming.satellite import RunSatellite
 from wyoming.tts import Synthesize
 
-from cosyedge_daemon.audio.settings import VadSettings
-from cosyedge_daemon.audio.sources import ArraySource
-from cosyedge_daemon.audio.vad_worker import VadWorker
-from cosyedge_daemon.service.service import Service
 from tests.daemon.conftest import DaemonFactory
 from tests.daemon.fake_engine import FakeEngine
 from tests.daemon.memory_sink import MemorySink

@@ -10,9 +10,16 @@ import threading
 
 import numpy as np
 import pytest
-
 from cosyedge_models.backends.gpu_probe import probe_gpu
-from cosyedge_models.backends.kv_layout import Copy2D, KvPlan, MaskFill, MaskSet, apply_host, bucket_mask, decode_buckets
+from cosyedge_models.backends.kv_layout import (
+    Copy2D,
+    KvPlan,
+    MaskFill,
+    MaskSet,
+    apply_host,
+    bucket_mask,
+    decode_buckets,
+)
 
 pytestmark = pytest.mark.gpu
 

@@ -13,16 +13,16 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import pytest
-
-from cosyedge_models.synthesis.api import SynthesisRequest
-from cosyedge_models.backends.base import Session, create_backend
+from cosyedge_models.backends.base import Session
+from cosyedge_models.backends.factory import create_backend
 from cosyedge_models.backends.flow_cache import HostStepCache, StepCache, StepCacheSpec
 from cosyedge_models.backends.ort import OrtBackend
 from cosyedge_models.backends.ort_cache import BoundCacheFactory, BoundStepCache, DeviceCopier, identity_model
 from cosyedge_models.bundle.loader import load_bundle
-from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer
+from cosyedge_models.synthesis.api import SynthesisRequest
 from cosyedge_models.synthesis.flow import CacheFactory, FlowDecoder, FlowPrompt
 from cosyedge_models.synthesis.streaming import ChunkSchedule
+from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer
 
 
 class Recording:

@@ -12,14 +12,15 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-
-from cosyedge_models.synthesis.api import SynthesisRequest
-from cosyedge_models.backends.base import HostDecodeLoop, create_backend
+from cosyedge_models.backends.base import HostDecodeLoop
+from cosyedge_models.backends.factory import create_backend
 from cosyedge_models.backends.ort import OrtBackend
 from cosyedge_models.backends.ort_graph_decode import GraphDecodeLoop, GraphDecoder
 from cosyedge_models.bundle.loader import load_bundle
-from cosyedge_models.synthesis.synthesizer import SynthesisSettings, load_synthesizer
 from cosyedge_models.errors import BundleError, SynthesisError
+from cosyedge_models.synthesis.api import SynthesisRequest
+from cosyedge_models.synthesis.synthesizer import SynthesisSettings, load_synthesizer
+
 from tests.conftest import STATIC_DECODE_LEN
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import pytest
-
-from cosyedge_models.backends.base import HostDecodeLoop, create_backend
+from cosyedge_models.backends.base import HostDecodeLoop
+from cosyedge_models.backends.factory import create_backend
 from cosyedge_models.backends.ort import BoundDecodeLoop, OrtBackend, OrtSession
 from cosyedge_models.bundle.loader import load_bundle
 

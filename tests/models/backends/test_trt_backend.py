@@ -16,11 +16,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-
-from cosyedge_models.synthesis.api import SynthesisRequest
-from cosyedge_models.backends.base import HostDecodeLoop, Session, create_backend
+from cosyedge_models.backends.base import HostDecodeLoop, Session
+from cosyedge_models.backends.factory import create_backend
 from cosyedge_models.bundle.loader import STAGES, load_bundle
 from cosyedge_models.errors import BundleError
+from cosyedge_models.synthesis.api import SynthesisRequest
 
 pytestmark = pytest.mark.gpu
 

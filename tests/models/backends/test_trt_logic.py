@@ -16,8 +16,6 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper, numpy_helper
-
 from cosyedge_build.tensorrt.engine_plan import (
     batch_caps,
     build_profiles,
@@ -50,10 +48,12 @@ from cosyedge_models.backends.profiles import (
     eval_dim,
     stage_profiles,
 )
-from cosyedge_models.bundle.loader import FORMAT_VERSION, STAGES, load_bundle
 from cosyedge_models.backends.report import engine_report, tensorrt_status
-from cosyedge_models.errors import BundleError, SynthesisError
+from cosyedge_models.bundle.loader import FORMAT_VERSION, STAGES, load_bundle
 from cosyedge_models.bundle.memory_budget import BOARDS, GIB, MIB, Board, bundle_budget, format_table
+from cosyedge_models.errors import BundleError, SynthesisError
+from onnx import TensorProto, helper, numpy_helper
+
 from tests.models import tiny_llm
 
 # --- profiles ------------------------------------------------------------------------------

@@ -17,10 +17,13 @@ from pathlib import Path
 import pytest
 
 from tests.support.trt_stubs import installed_stub_root, patched_stubs
+from tests.support.typecheck import link_farm
 
 ROOT = Path(__file__).resolve().parents[3]
-MODULES = ("models/backends/trt.py", "models/backends/trt_decode.py", "models/backends/cuda.py",
-           "models/backends/gpu_probe.py", "edge_build/tensorrt/engines.py", "edge_build/tensorrt/engine_plan.py")
+# By module name, over the link farm of tests/support/typecheck.py, so their own imports resolve.
+MODULES = ("cosyedge_models.backends.trt", "cosyedge_models.backends.trt_decode", "cosyedge_models.backends.cuda",
+           "cosyedge_models.backends.gpu_probe", "cosyedge_build.tensorrt.engines",
+           "cosyedge_build.tensorrt.engine_plan")
 
 
 def _config(tmp: Path, stubs: Path) -> Path:
@@ -29,7 +32,7 @@ def _config(tmp: Path, stubs: Path) -> Path:
     except ModuleNotFoundError:  # Python 3.10
         import tomli as tomllib
     repo = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mypy"]
-    lines = ["[mypy]", f"mypy_path = {stubs}"]
+    lines = ["[mypy]", f"mypy_path = {stubs}:{link_farm()}"]
     for key in ("python_version", "ignore_missing_imports", "check_untyped_defs", "warn_unused_ignores"):
         if key in repo:
             lines.append(f"{key} = {repo[key]}")
@@ -67,5 +70,5 @@ def test_stubs_are_in_effect(stub_config: Path, tmp_path: Path) -> None:
 
 
 def test_trt_modules_typecheck_against_stubs(stub_config: Path) -> None:
-    result = _mypy(stub_config, *MODULES)
+    result = _mypy(stub_config, *(a for m in MODULES for a in ("-m", m)))
     assert result.returncode == 0, result.stdout + result.stderr

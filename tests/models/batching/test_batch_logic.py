@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from cosyedge_models.batching.kv import apply_op
 from cosyedge_models.batching.policy import BatchSettings, Waiting, admit
 from cosyedge_models.batching.slots import AppendRow, DropColumns, DropRow, PadColumns, SlotTable

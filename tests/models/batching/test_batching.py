@@ -13,16 +13,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from cosyedge_models.synthesis.api import SynthesisRequest
 from cosyedge_models.backends.base import HostDecodeLoop, Session
 from cosyedge_models.batching.kv import BatchDecoder
-from cosyedge_models.batching.policy import BatchSettings
 from cosyedge_models.batching.llm_batcher import LlmBatcher, TokenStream, start_batcher
-from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, SynthesisSettings, load_synthesizer
+from cosyedge_models.batching.policy import BatchSettings
 from cosyedge_models.errors import BundleError, SynthesisError
+from cosyedge_models.synthesis.api import SynthesisRequest
 from cosyedge_models.synthesis.llm import LlmInput, SpeechTokenLM
 from cosyedge_models.synthesis.sampling import TokenSampler
+from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, SynthesisSettings, load_synthesizer
 
 TEXTS = [
     "Hello world one two.",
@@ -239,7 +238,8 @@ def test_a_failed_step_fails_the_batch_and_the_worker_keeps_serving(engine: Cosy
         s0 = batcher.submit(llm_input(engine, 0), sampler(flaky_lm, seeds[0]))
         s1 = batcher.submit(llm_input(engine, 1), sampler(flaky_lm, seeds[0]))
         for s in (s0, s1):
-            with pytest.raises(SynthesisError, match=r"batched decode step failed \(2 requests in the batch\).*injected"):
+            with pytest.raises(SynthesisError,
+                               match=r"batched decode step failed \(2 requests in the batch\).*injected"):
                 list(s)
         assert batcher.active == 0 and len(batcher.decoder) == 0
         batcher.delay_ms = 0.0  # the engine's load hint: a lone request joins at once

@@ -15,14 +15,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-
-from cosyedge_models.synthesis.api import SynthesisRequest
 from cosyedge_models.backends.base import Session
 from cosyedge_models.backends.profiles import all_input_ranges
 from cosyedge_models.batching.policy import BatchSettings
-from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, SynthesisSettings, load_synthesizer
-from cosyedge_models.errors import SynthesisError
-from cosyedge_models.synthesis.flow import FlowPrompt
 from cosyedge_models.batching.stage_batcher import StageBatcher, call_priority, current_priority
 from cosyedge_models.batching.stage_merge import (
     Axes,
@@ -32,6 +27,10 @@ from cosyedge_models.batching.stage_merge import (
     hift_source_merger,
     profile_fits,
 )
+from cosyedge_models.errors import SynthesisError
+from cosyedge_models.synthesis.api import SynthesisRequest
+from cosyedge_models.synthesis.flow import FlowPrompt
+from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, SynthesisSettings, load_synthesizer
 from cosyedge_models.synthesis.vocoder import HiftVocoder
 
 TEXTS = ["Hello world one two.", "The quick brown fox jumps over the lazy dog", "A", "Numbers and dates today"]
@@ -197,7 +196,8 @@ def run_threads(n: int, work: Any) -> dict[int, Any]:
     return results
 
 
-def test_streaming_windows_in_lockstep_merge_with_their_caches(engine: CosyVoiceSynthesizer, prompt: FlowPrompt) -> None:
+def test_streaming_windows_in_lockstep_merge_with_their_caches(engine: CosyVoiceSynthesizer,
+                                                               prompt: FlowPrompt) -> None:
     """Two streams of the same schedule have equal cache lengths at every
     window, so their cached windows merge too (each row its own cache). Once
     a call returned its thread is expected back, so the two stay paired (the
@@ -391,8 +391,8 @@ def flow_batched(tiny_bundle: Path) -> Iterator[CosyVoiceSynthesizer]:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_engine_output_is_the_same_alone_and_flow_batched(engine: CosyVoiceSynthesizer, flow_batched: CosyVoiceSynthesizer,
-                                                          stream: bool) -> None:
+def test_engine_output_is_the_same_alone_and_flow_batched(engine: CosyVoiceSynthesizer,
+                                                          flow_batched: CosyVoiceSynthesizer, stream: bool) -> None:
     def synth(eng: CosyVoiceSynthesizer, i: int) -> tuple[np.ndarray, int]:
         chunks = list(eng.synthesize(SynthesisRequest(text=TEXTS[i], seed=20 + i, stream=stream)))
         return np.concatenate([c.pcm for c in chunks]), int(chunks[-1].times.llm_tokens)

@@ -8,10 +8,9 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
+import cosyedge_models.synthesis.features as features
 import numpy as np
 import pytest
-
-import cosyedge_models.synthesis.features as features
 from cosyedge_models.errors import RequestError
 
 torch = pytest.importorskip("torch")

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from cosyedge_models.synthesis.api import AudioChunk, StageEvent, SynthesisRequest
-from cosyedge_models.backends.base import create_backend
+from cosyedge_models.backends.factory import create_backend
 from cosyedge_models.bundle.loader import load_bundle
-from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, SynthesisSettings
 from cosyedge_models.errors import SynthesisError
+from cosyedge_models.synthesis.api import AudioChunk, StageEvent, SynthesisRequest
+from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, SynthesisSettings
+
 from tests.models.slow_backend import SlowBackend, StagePlan
 
 TEXT = "Hello from the tiny model, one two three."

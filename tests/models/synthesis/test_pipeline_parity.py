@@ -13,12 +13,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from cosyedge_models.synthesis.api import SynthesisRequest
-from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, SynthesisSettings, load_synthesizer
 from cosyedge_models.synthesis.llm import LlmInput
 from cosyedge_models.synthesis.prompt import PromptFeatures
 from cosyedge_models.synthesis.sampling import TokenSampler
+from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, SynthesisSettings, load_synthesizer
 
 torch = pytest.importorskip("torch")
 reference_pipeline = pytest.importorskip("cosyedge_build.reference.pipeline")

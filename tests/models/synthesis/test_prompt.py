@@ -10,8 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-
-from cosyedge_models.errors import BundleError, SynthesisError, RequestError
+from cosyedge_models.errors import BundleError, RequestError, SynthesisError
 from cosyedge_models.synthesis.features import load_audio, resample
 from cosyedge_models.synthesis.prompt import (
     PromptFeatures,
@@ -21,6 +20,7 @@ from cosyedge_models.synthesis.prompt import (
 )
 from cosyedge_models.text.frontend import TextFrontend
 from cosyedge_models.text.tokenizer import TextTokenizer
+
 from tests.models.synthesis.test_features import _knf_fbank, _speechlike, _whisper_reference
 
 torch = pytest.importorskip("torch")
@@ -270,7 +270,8 @@ def test_runtime_modules_import_light() -> None:
     import sys
 
     code = (
-        "import sys, cosyedge_models.synthesis.prompt, cosyedge_models.synthesis.features, cosyedge_models.text.frontend;"
+        "import sys, cosyedge_models.synthesis.prompt, cosyedge_models.synthesis.features;"
+        "import cosyedge_models.text.frontend;"
         "heavy = {'torch', 'transformers', 'librosa', 'scipy', 'regex', 'inflect', 'soxr', 'soundfile',"
         " 'onnxruntime', 'kaldi_native_fbank', 'matcha', 'cosyvoice'};"
         "print(sorted(heavy & set(sys.modules)))"

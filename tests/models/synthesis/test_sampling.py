@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from cosyedge_models.bundle.loader import SamplingConfig
 from cosyedge_models.errors import SynthesisError
 from cosyedge_models.synthesis.sampling import TokenSampler, nucleus_candidates, softmax

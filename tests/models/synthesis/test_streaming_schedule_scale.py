@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from cosyedge_models.synthesis.streaming import ChunkSchedule
 
 
@@ -37,7 +36,6 @@ def test_fixed_hop_by_default_and_custom_cap() -> None:
 
 def test_engine_streams_with_growing_hop(tiny_bundle: object) -> None:
     import numpy as np
-
     from cosyedge_models.synthesis.api import SynthesisRequest
     from cosyedge_models.synthesis.synthesizer import SynthesisSettings, load_synthesizer
 

@@ -10,13 +10,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from cosyedge_models.synthesis.api import PromptAudio, SynthesisRequest
 from cosyedge_models.bundle.loader import load_bundle
-from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, SynthesisSettings, load_synthesizer
 from cosyedge_models.errors import BundleError, RequestError
+from cosyedge_models.synthesis.api import PromptAudio, SynthesisRequest
 from cosyedge_models.synthesis.features import prompt_mel
 from cosyedge_models.synthesis.flow import FlowPrompt
+from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, SynthesisSettings, load_synthesizer
 from cosyedge_models.synthesis.vocoder import VocoderStream
 
 TEXT = "Hello from the tiny model, one two three."

@@ -8,7 +8,6 @@ import time
 from collections.abc import Iterator
 
 import pytest
-
 from cosyedge_models.errors import SynthesisError
 from cosyedge_models.synthesis.token_stream import ProducedTokens, ProducerPool, SerialTokens
 

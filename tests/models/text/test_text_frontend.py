@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from cosyedge_models.errors import RequestError
 from cosyedge_models.text.frontend import TextFrontend
 from cosyedge_models.text.normalize import normalize_text

@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import random
 
-import pytest
-
 import cosyedge_models.text.numbers_en as numbers_en
-
 import cosyedge_models.text.numbers_zh as numbers_zh
+import pytest
 from cosyedge_models.text.normalize import (
     clean_characters,
     contains_chinese,

@@ -7,7 +7,6 @@ import random
 from collections.abc import Callable
 
 import pytest
-
 from cosyedge_models.text.split import SplitSettings, is_only_punctuation, split_paragraph, split_with
 from cosyedge_models.text.tokenizer import TextTokenizer
 

@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from cosyedge_models.errors import BundleError
 from cosyedge_models.text.tokenizer import COSYVOICE_SPECIAL_TOKENS, END_OF_PROMPT, TextTokenizer
+
 from tests.models.conftest import UPSTREAM_SPECIAL_TOKENS
 
 TEXTS = [

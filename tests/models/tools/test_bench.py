@@ -10,11 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from cosyedge_daemon.cli.main import main
+from cosyedge_models.bundle.memory_budget import BOARDS
 from cosyedge_models.synthesis.api import StageEvent
 from cosyedge_models.synthesis.synthesizer import resolve_overlap
-from cosyedge_models.bundle.memory_budget import BOARDS
 from cosyedge_models.tools.timeline import render_timeline
 
 
