@@ -43,7 +43,7 @@ from cosyedge_models.errors import BundleError, CosyEdgeError, MissingExtraError
 
 log = logging.getLogger(__name__)
 
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parents[1]  # cloud_bridge/
 REPOSITORY = PACKAGE_DIR / "model_repository"
 CHECKOUT = PACKAGE_DIR.parent
 
