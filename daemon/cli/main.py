@@ -133,6 +133,12 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", default="ort")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--text", help="benchmark text (default: a built-in sentence)")
+    p.add_argument("--voice", metavar="NAME",
+                   help="measure everything with this saved zero-shot voice (and its cache off vs on: voice_cache)")
+    p.add_argument("--voice-wav", metavar="WAV",
+                   help="with --voice: the voice's recording, also sent inline with each request (not cacheable)")
+    p.add_argument("--voice-cache-mb", type=int, default=None,
+                   help="the per-voice prompt cache budget in MiB (default: the engine's; 0: off)")
     p.add_argument("--batching", type=int, default=0, metavar="MAX_BATCH_SIZE",
                    help="batch the LLM across concurrent requests, up to this many (0: off, each decodes alone)")
     p.add_argument("--max-queue-delay-ms", type=float, default=0.0,

@@ -81,17 +81,18 @@ def patch_sampling(llm: Any, sample: Callable[[np.ndarray, list[int]], int]) -> 
 
 
 def run_reference(bundle: Bundle, tokenizer: Any, text: str, repeats: int = 3,
-                  model_dir: Path | None = None) -> dict[str, Any]:
+                  model_dir: Path | None = None, voice: str | None = None) -> dict[str, Any]:
     """RTF (offline) and time to first audio (streaming) of the official
-    pipeline on the bundle's source checkpoint, with upstream's own sampler."""
+    pipeline on the bundle's source checkpoint, with upstream's own sampler;
+    with `voice`, that saved voice in zero_shot mode (else the default voice, sft)."""
     import torch
 
     src = model_dir or Path(bundle.manifest.get("source", {}).get("model_dir", ""))
     refs = load_reference(src)
     model = official_model(refs)
-    voice_name = bundle.default_voice or next(iter(bundle.voices))
-    voice = PromptFeatures.load(bundle.voices[voice_name])
-    inputs = model_inputs(voice, tokenizer.encode(text))
+    voice_name = voice or bundle.default_voice or next(iter(bundle.voices))
+    features = PromptFeatures.load(bundle.voices[voice_name])
+    inputs = model_inputs(features, tokenizer.encode(text), "zero_shot" if voice else "sft")
     threads = torch.get_num_threads()
     rtfs: list[float] = []
     firsts: list[float] = []
@@ -110,5 +111,5 @@ def run_reference(bundle: Bundle, tokenizer: Any, text: str, repeats: int = 3,
         firsts.append(first if first is not None else float("nan"))
     return {"rtf": round(statistics.median(rtfs), 4), "first_audio_ms": round(statistics.median(firsts), 1),
             "audio_s": round(audio, 2), "torch": torch.__version__, "torch_threads": threads,
-            "device": str(model.device),
+            "device": str(model.device), "voice": voice_name, "mode": "zero_shot" if voice else "sft",
             "model_dir": str(src)}

@@ -8,7 +8,8 @@ through onnxruntime IOBinding in models/backends/ort_cache.py."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -67,6 +68,12 @@ class StepCache(Protocol):
         """Bounded left context: drop frames no longer visible (amortized)."""
         ...
 
+    def preload(self, rows: PrefixRows, conv: np.ndarray) -> None:
+        """Start from saved state instead of nothing (a voice's prompt chunks,
+        models/synthesis/voice_cache.py): its K/V rows and the conv history; before the
+        first run. The saved arrays are read, never written."""
+        ...
+
     def nbytes(self) -> int:
         """Memory held (the K/V buffer's capacity and the conv history)."""
         ...
@@ -74,6 +81,33 @@ class StepCache(Protocol):
     def close(self) -> None:
         """Release the buffers; the cache is unusable afterwards."""
         ...
+
+
+class PrefixRows:
+    """One Euler step's saved K/V rows [frames, *row] (a voice's prompt
+    chunks) in host memory, plus one copy per device, made by the first
+    request there (`on_device`), so that later requests seed their device
+    caches with a device-to-device copy instead of a host-to-device one."""
+
+    def __init__(self, host: np.ndarray) -> None:
+        self.host = host
+        self._device: dict[tuple[str, int], Any] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def frames(self) -> int:
+        return int(self.host.shape[0])
+
+    def on_device(self, device: tuple[str, int], upload: Callable[[np.ndarray], Any]) -> Any:
+        """The copy on `device`, uploaded with `upload(host)` on first use."""
+        with self._lock:
+            if device not in self._device:
+                self._device[device] = upload(self.host)
+            return self._device[device]
+
+    def device_nbytes(self) -> int:
+        with self._lock:
+            return self.host.nbytes * len(self._device)
 
 
 def trim_due(length: int, keep: int, capacity: int) -> bool:
@@ -86,41 +120,70 @@ def trim_due(length: int, keep: int, capacity: int) -> bool:
 class HostKvBuffer:
     """A growing time-major K/V buffer [frames, ...] in host memory: a prefix
     (or, with a bounded left context, a suffix) of it is passed to the graph
-    without a copy."""
+    without a copy. Rows appended past the capacity wait until the next read,
+    so the growth copy happens at the next call rather than on the way to
+    this call's output (a stream's first chunk, where the rows are a voice's
+    shared prompt cache, returns without copying them)."""
 
     def __init__(self, tail: tuple[int, ...], visible: int = -1, dtype: np.dtype[Any] | None = None) -> None:
         self.dtype = np.dtype(np.float32) if dtype is None else dtype
         self._kv = np.zeros((0, *tail), dtype=self.dtype)
-        self.length = 0
+        self._held = 0  # rows in _kv
+        self._pending: list[np.ndarray] = []  # appended rows not yet in _kv
+        self.length = 0  # committed rows: held + pending
         self.visible = visible  # -1: all committed frames; else only the last `visible`
 
     @property
     def kv(self) -> np.ndarray:
+        self._flush()
         first = 0 if self.visible < 0 else max(self.length - self.visible, 0)
         return self._kv[first: self.length]
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        if self.length > self._kv.shape[0]:
+            grown = np.empty((max(2 * self._kv.shape[0], self.length), *self._kv.shape[1:]), dtype=self.dtype)
+            grown[: self._held] = self._kv[: self._held]
+            self._kv = grown
+        for rows in self._pending:
+            self._kv[self._held: self._held + rows.shape[0]] = rows
+            self._held += rows.shape[0]
+        self._pending.clear()
 
     def trim(self, keep: int) -> None:
         """Drop all but the last `keep` frames once they take more than half the
         buffer (bounded left context): amortized, like the growth."""
+        self._flush()
         if trim_due(self.length, keep, self._kv.shape[0]):
             self._kv[:keep] = self._kv[self.length - keep: self.length].copy()
-            self.length = keep
+            self.length = self._held = keep
+
+    def share(self, kv: np.ndarray) -> None:
+        """Start from `kv` without a copy: it is held read-only and exactly
+        full, so the first append moves it into a buffer of this one's own."""
+        if self.length:
+            raise RuntimeError("share() on a buffer that holds frames")
+        view = kv.view()
+        view.flags.writeable = False
+        self._kv, self._held, self.length = view, view.shape[0], view.shape[0]
 
     def append(self, new: np.ndarray) -> None:
         n = new.shape[0]
-        if self.length + n > self._kv.shape[0]:
-            grown = np.empty((max(2 * self._kv.shape[0], self.length + n), *self._kv.shape[1:]), dtype=self.dtype)
-            grown[: self.length] = self._kv[: self.length]
-            self._kv = grown
-        self._kv[self.length: self.length + n] = new
+        if not self._pending and self.length + n <= self._kv.shape[0] and self._kv.flags.writeable:
+            self._kv[self.length: self.length + n] = new
+            self._held += n
+        else:
+            self._pending.append(new)
         self.length += n
 
     def nbytes(self) -> int:
-        return self._kv.nbytes
+        return self._kv.nbytes + sum(p.nbytes for p in self._pending)
 
     def clear(self) -> None:
         self._kv = self._kv[:0]
-        self.length = 0
+        self._pending.clear()
+        self.length = self._held = 0
 
 
 class HostStepCache:
@@ -155,6 +218,10 @@ class HostStepCache:
     def trim(self) -> None:
         if self.spec.visible >= 0:
             self._buf.trim(self.spec.visible)
+
+    def preload(self, rows: PrefixRows, conv: np.ndarray) -> None:
+        self._buf.share(rows.host)  # shared with the voice cache until the first commit
+        self.conv = conv
 
     def nbytes(self) -> int:
         return self._buf.nbytes() + self.conv.nbytes

@@ -29,6 +29,7 @@ from cosyedge_models.backends.flow_cache import (
     CONV_CACHE,
     CONV_CACHE_NEW,
     DPHI_DT,
+    PrefixRows,
     StepCacheSpec,
     trim_due,
 )
@@ -189,6 +190,23 @@ class BoundStepCache:
         if trim_due(self.length, keep, self._capacity):
             self._copier.copy(self._ptr(0), self._ptr(self.length - keep), keep * self.spec.row_bytes)
             self.length = keep
+
+    def preload(self, rows: PrefixRows, conv: np.ndarray) -> None:
+        """The saved rows copied into the device buffer from their copy on this
+        device (uploaded once per voice and device), the conv history uploaded."""
+        if self.length:
+            raise RuntimeError("preload() on a cache that holds frames")
+        kind, dev = self._device
+        dtype = self.spec.dtype
+
+        def upload(host: np.ndarray) -> ort.OrtValue:
+            return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(host, dtype=dtype), kind, dev)
+
+        src = rows.on_device(self._device, upload)
+        self._reserve(rows.frames)
+        self._copier.copy(self._ptr(0), int(src.data_ptr()), rows.frames * self.spec.row_bytes)
+        self.length = rows.frames
+        self._conv = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(conv, dtype=np.float32), kind, dev)
 
     def nbytes(self) -> int:
         if self._buf is None:

@@ -33,6 +33,7 @@ class Conditioning:
     prompt_text: list[int]
     prompt_speech: list[int]
     flow: FlowPrompt
+    voice: str | None = None  # the saved voice it came from (None: a prompt sent with the request)
 
 
 class ConditioningBuilder:
@@ -79,7 +80,8 @@ class ConditioningBuilder:
                                                        "zero_shot; use cross_lingual")
 
     def build(self, request: SynthesisRequest) -> Conditioning:
-        voice = self.prompt_features(request) if request.prompt is not None else self._voice(self.voice_name(request))
+        saved = None if request.prompt is not None else self.voice_name(request)
+        voice = self.prompt_features(request) if saved is None else self._voice(saved)
         empty_feat = np.zeros((0, self.bundle.mel_bins), dtype=np.float32)
         empty_tokens = np.zeros(0, dtype=np.int64)
         full_flow = FlowPrompt(voice.prompt_speech_token.astype(np.int64), voice.prompt_feat.astype(np.float32),
@@ -87,10 +89,11 @@ class ConditioningBuilder:
         if request.mode == "sft":
             return Conditioning([], [], FlowPrompt(empty_tokens, empty_feat, full_flow.embedding))
         if request.mode == "zero_shot":
-            return Conditioning(voice.prompt_text.tolist(), voice.prompt_speech_token.tolist(), full_flow)
+            return Conditioning(voice.prompt_text.tolist(), voice.prompt_speech_token.tolist(), full_flow, saved)
         if request.mode == "cross_lingual":
-            return Conditioning([], [], full_flow)
-        return Conditioning(self.frontend.prepare_instruct(request.instruct_text or "").tolist(), [], full_flow)
+            return Conditioning([], [], full_flow, saved)
+        return Conditioning(self.frontend.prepare_instruct(request.instruct_text or "").tolist(), [], full_flow,
+                            saved)
 
     def _voice(self, name: str) -> PromptFeatures:
         with self._lock:

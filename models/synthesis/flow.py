@@ -12,15 +12,18 @@ prefix as upstream's streaming does."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from cosyedge_models.backends.base import Session
 from cosyedge_models.backends.flow_cache import HostKvBuffer, HostStepCache, StepCache, StepCacheSpec
 from cosyedge_models.bundle.loader import Bundle, FlowConfig
 from cosyedge_models.errors import BundleError
+
+if TYPE_CHECKING:
+    from cosyedge_models.synthesis.voice_cache import FlowPrefix
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +127,36 @@ def encoder_cache_dims(entry: dict[str, Any]) -> dict[str, int]:
         raise BundleError("manifest: stages.flow_encoder has no cache dimensions; re-export the bundle "
                           "with this version's 'cosyedge build export'")
     return {k: int(raw[k]) for k in _ENCODER_DIMS}
+
+
+def prompt_commit_frames(decoder: FlowDecoder, prompt_tokens: int) -> int:
+    """Mel frames of the prompt's complete chunks whose look-ahead tokens are
+    in the prompt too: the same for every request with that prompt (0: none)."""
+    cfg = decoder.config
+    if not decoder.cache_dims.stream_cache or cfg.chunk_tokens <= 0:
+        return 0
+    main = max(prompt_tokens - cfg.pre_lookahead_len, 0)
+    return main // cfg.chunk_tokens * cfg.chunk_tokens * decoder.token_mel_ratio
+
+
+def commit_prompt(decoder: FlowDecoder, prompt: FlowPrompt, encoder: EncoderCache, caches: Sequence[StepCache],
+                  work: EstimatorWork | None = None) -> int:
+    """Run the prompt's complete chunks (tokens up to the commit point plus
+    their look-ahead) into empty caches; returns the frames committed. Chunk-
+    causal: the rows equal those a window over the prompt and any later
+    tokens commits (up to summation order). models/synthesis/voice_cache.py keeps them."""
+    cfg = decoder.config
+    commit = prompt_commit_frames(decoder, prompt.tokens.size)
+    if commit == 0:
+        return 0
+    commit_tokens = commit // decoder.token_mel_ratio
+    lookahead = cfg.pre_lookahead_len
+    tokens = prompt.tokens[: commit_tokens + lookahead].astype(np.int64)
+    mu, spks = decoder.encode(tokens, prompt.embedding, lookahead, cfg.chunk_tokens, encoder, commit_tokens, work)
+    cond = decoder.cond_window(prompt.feat, 0, commit)
+    decoder.euler(mu[:, :, :commit], spks, cond, 0, cfg.chunk_tokens * decoder.token_mel_ratio, list(caches), commit,
+                  work)
+    return commit
 
 
 # Backend.flow_cache: where a streaming request's step caches live.
@@ -254,8 +287,9 @@ class FlowDecoder:
         feat = self.solve(mu, spks, prompt.feat, chunk * self.token_mel_ratio, work=work)
         return feat[:, :, prompt.feat.shape[0]:]
 
-    def stream(self, prompt: FlowPrompt, final_chunk: FinalChunk = "upstream", left_chunks: int = -1) -> FlowStream:
-        return FlowStream(self, prompt, final_chunk, left_chunks)
+    def stream(self, prompt: FlowPrompt, final_chunk: FinalChunk = "upstream", left_chunks: int = -1,
+               prefix: FlowPrefix | None = None) -> FlowStream:
+        return FlowStream(self, prompt, final_chunk, left_chunks, prefix)
 
 
 class FlowStream:
@@ -273,10 +307,15 @@ class FlowStream:
 
     Where the commit point goes: the graphs take it (the `commit` input's
     length), so they slice the conv histories at the right frame themselves;
-    the runtime picks it as the end of the window's last complete chunk."""
+    the runtime picks it as the end of the window's last complete chunk.
+
+    `prefix` (models/synthesis/voice_cache.py): the caches of the prompt's complete
+    chunks, computed once per voice; the stream then starts after them.
+    `prime()` computes the same into this stream's own caches, so a voice
+    served with and without its cache gives the same mel, bit for bit."""
 
     def __init__(self, decoder: FlowDecoder, prompt: FlowPrompt, final_chunk: FinalChunk = "upstream",
-                 left_chunks: int = -1) -> None:
+                 left_chunks: int = -1, prefix: FlowPrefix | None = None) -> None:
         if final_chunk not in FINAL_CHUNK_MODES:
             raise ValueError(f"final_chunk must be one of {', '.join(FINAL_CHUNK_MODES)}, got {final_chunk!r}")
         if left_chunks < -1:
@@ -303,9 +342,24 @@ class FlowStream:
         if self.cached:
             self.caches = [decoder.cache_factory(decoder.estimator, spec) for _ in range(cfg.n_timesteps)]
         self.encoder_cache = EncoderCache(decoder.encoder_dims) if self.cached else None
+        if prefix is not None:
+            if not self.cached or left_chunks >= 0:
+                raise ValueError("a voice prefix needs the cached stream with the full left context")
+            self.encoder_cache = prefix.apply(self.caches, self.encoder_cache)
+            self.committed = prefix.committed
         self.work = EstimatorWork()
         self._tokens = prompt.tokens.astype(np.int64)
         self._closed = False
+
+    def prime(self) -> np.ndarray:
+        """Commit the prompt's complete chunks before the first push (what a
+        voice prefix holds); only for a fresh cached stream with the full left
+        context. Returns the new frames, as push does: none (prompt frames are not returned)."""
+        self._check_open()
+        if not self.cached or self.left_chunks >= 0 or self.committed or self.encoder_cache is None:
+            raise ValueError("prime() needs a fresh cached stream with the full left context")
+        self.committed = commit_prompt(self.decoder, self.prompt, self.encoder_cache, self.caches, self.work)
+        return np.zeros((1, self.decoder.mel_bins, 0), dtype=np.float32)
 
     def cache_bytes(self) -> int:
         enc = self.encoder_cache.nbytes() if self.encoder_cache is not None else 0

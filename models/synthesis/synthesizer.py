@@ -14,6 +14,7 @@ stage (models/synthesis/token_stream.py)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import threading
@@ -48,6 +49,7 @@ from cosyedge_models.synthesis.sampling import TokenSampler
 from cosyedge_models.synthesis.streaming import ChunkSchedule
 from cosyedge_models.synthesis.token_stream import LlmEnd, ProducedTokens, ProducerPool, SerialTokens, TimedToken
 from cosyedge_models.synthesis.vocoder import HiftVocoder, NoiseSource, VocoderStream
+from cosyedge_models.synthesis.voice_cache import MIB, FlowPrefix, VoiceCache, bundle_identity, saved_voice_prefix
 from cosyedge_models.text.frontend import TextFrontend
 from cosyedge_models.text.tokenizer import TextTokenizer
 
@@ -92,6 +94,9 @@ class SynthesisSettings:
     # when the bundle has it), True also on the CPU (no capture: for tests), False off.
     graph_decode: bool | None = None
     graph_decode_slots: int = 4  # requests decoding with it at once; more use the ordinary loop
+    # Per-voice prompt caches (models/synthesis/voice_cache.py) for saved voices, in MiB
+    # (host memory; about 4.4 MiB per prompt mel frame at full size in fp32); 0: off.
+    voice_cache_mb: int = 2048
 
     def __post_init__(self) -> None:
         if self.max_text_chars < 1:
@@ -110,6 +115,8 @@ class SynthesisSettings:
             raise ValueError(f"overlap_queue_tokens must be >= 1, got {self.overlap_queue_tokens}")
         if self.flow_left_chunks < -1:
             raise ValueError(f"flow_left_chunks must be -1 (full left context) or >= 0, got {self.flow_left_chunks}")
+        if self.voice_cache_mb < 0:
+            raise ValueError(f"voice_cache_mb must be >= 0 (0: off), got {self.voice_cache_mb}")
         if self.graph_decode_slots < 1:
             raise ValueError(f"graph_decode_slots must be >= 1, got {self.graph_decode_slots}")
         if self.flow_final_chunk not in FINAL_CHUNK_MODES:
@@ -213,6 +220,9 @@ class CosyVoiceSynthesizer(EngineDefaults):
         self.tokenizer = TextTokenizer.from_file(bundle.file("tokenizer"))
         self.frontend = TextFrontend(self.tokenizer, max_text_chars=settings.max_text_chars)
         self.conditioning = ConditioningBuilder(bundle, self.tokenizer, self.frontend)
+        # Per engine, so a bundle reload (a new engine) starts without the old prefixes.
+        self.voice_cache = VoiceCache(settings.voice_cache_mb * MIB, bundle_identity(
+            str(bundle.root), json.dumps(bundle.manifest, sort_keys=True), str(bundle.precision)))
         self.batcher = start_batcher(bundle, backend.name, self.lm, settings.batching)
         self._producers: ProducerPool | None = None
         self.overlap = resolve_overlap(settings.overlap_stages, backend.name, os.cpu_count())
@@ -294,6 +304,15 @@ class CosyVoiceSynthesizer(EngineDefaults):
                         return
                     yield self._chunk(state, pcm, last=final and last_segment)
 
+    def voice_prefix(self, cond: Conditioning) -> FlowPrefix | None:
+        return saved_voice_prefix(self.voice_cache, self.flow, cond, self.settings.voice_cache_mb > 0,
+                                  self.settings.flow_left_chunks)
+
+    def warm_voice(self, request: SynthesisRequest) -> FlowPrefix | None:
+        """Build the prompt cache of the request's saved voice now (startup, benchmarks)."""
+        self.validate(request)
+        return self.voice_prefix(self.conditioning.build(request))
+
     def session_memory_bytes(self) -> int:
         """What the stage sessions hold (Session.memory_bytes, best effort), for benchmarks."""
         return sum(s.memory_bytes() for s in self._sessions)
@@ -319,6 +338,7 @@ class CosyVoiceSynthesizer(EngineDefaults):
             s.close()
         self._sessions.clear()
         self.conditioning.close()
+        self.voice_cache.clear()
 
     # --- internals ---------------------------------------------------------------------
     def _chunk(self, state: _RequestState, pcm: np.ndarray, last: bool) -> AudioChunk:
@@ -361,12 +381,13 @@ class CosyVoiceSynthesizer(EngineDefaults):
         state.event("flow", t0, t1)
         return mel
 
-    def _flow_stream(self, flow: FlowStream, tokens: list[int], state: _RequestState, final: bool) -> np.ndarray:
+    def _flow_stream(self, flow: FlowStream, tokens: list[int], state: _RequestState, final: bool,
+                     prime: bool = False) -> np.ndarray:
         t0 = time.perf_counter()
         before = flow.work.frames
         array = np.asarray(tokens, dtype=np.int64)
         with call_priority(state.priority):
-            mel = flow.finish(array) if final else flow.push(array)
+            mel = flow.prime() if prime else flow.finish(array) if final else flow.push(array)
         t1 = time.perf_counter()
         state.times.flow_ms += (t1 - t0) * 1e3
         state.times.flow_frames += flow.work.frames - before
@@ -403,11 +424,15 @@ class CosyVoiceSynthesizer(EngineDefaults):
         # Per request: the estimator caches, so each chunk costs only its new frames
         # (device memory with a GPU backend): released when the segment ends, fails
         # or is abandoned (synthesize closes this generator).
-        with self.flow.stream(cond.flow, self.settings.flow_final_chunk, self.settings.flow_left_chunks) as flow:
-            yield from self._stream_chunks(flow, llm_in, cond, state)
+        prefix = self.voice_prefix(cond)
+        with self.flow.stream(cond.flow, self.settings.flow_final_chunk, self.settings.flow_left_chunks,
+                              prefix) as flow:
+            # A saved voice without its cache computes the same prefix itself: identical output.
+            prime = prefix is None and cond.voice is not None and flow.cached and self.settings.flow_left_chunks < 0
+            yield from self._stream_chunks(flow, llm_in, cond, state, prime)
 
     def _stream_chunks(self, flow: FlowStream, llm_in: LlmInput, cond: Conditioning,
-                       state: _RequestState) -> Generator[tuple[np.ndarray, bool], None, None]:
+                       state: _RequestState, prime: bool = False) -> Generator[tuple[np.ndarray, bool], None, None]:
         lookahead = self.bundle.flow.pre_lookahead_len
         schedule = ChunkSchedule(self.bundle.streaming.token_hop_len, lookahead,
                                  prompt_tokens=len(cond.flow.tokens), first_hop=self.settings.first_hop_tokens,
@@ -418,6 +443,8 @@ class CosyVoiceSynthesizer(EngineDefaults):
         # With overlap the LLM keeps decoding on its producer thread while this
         # generator runs flow + vocoder below and waits at the yield.
         with self._token_source(llm_in, state) as source:
+            if prime:  # while the LLM producer (if stages overlap) decodes
+                self._flow_stream(flow, [], state, final=False, prime=True)
             for timed in source:
                 tokens.append(timed.token)
                 spans.add(timed)

@@ -4,8 +4,10 @@ peak memory, throughput under concurrency, streaming vs offline cost on a
 first audio per first hop (--first-hop), other bundles of the same model on
 the same backend (--compare: fp32 / fp16 / int8 side by side, with their
 Jetson memory budget), and (with --reference) the official PyTorch pipeline
-on the same checkpoint in the same run. Writes the keys the project tracks
-with --json; the timeline is also drawn as text on stderr."""
+on the same checkpoint in the same run. --voice NAME runs all of it with a
+saved zero-shot voice and adds `voice_cache` (models/tools/voice_bench.py). Writes
+the keys the project tracks with --json; the timeline is also drawn as text
+on stderr."""
 
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ from cosyedge_models.synthesis.llm import LlmInput
 from cosyedge_models.synthesis.sampling import TokenSampler
 from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, SynthesisSettings, load_synthesizer
 from cosyedge_models.tools.timeline import render_timeline
+from cosyedge_models.tools.voice_bench import check_voice, inline_first_audio_ms, voice_cache_report
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +95,8 @@ def long_text(engine: CosyVoiceSynthesizer, seconds: float) -> tuple[str, float]
     raise AssertionError("unreachable")
 
 
-def long_utterance(engine: CosyVoiceSynthesizer, seconds: float, seed: int, tries: int = 3) -> tuple[
+def long_utterance(engine: CosyVoiceSynthesizer, seconds: float, seed: int, tries: int = 3,
+                   voice: str | None = None) -> tuple[
         str, float, dict[str, Any]]:
     """(text, its length at the LLM's maximum, the offline run) for an utterance
     of about `seconds`: starts from the maximum-length rule (exact for random
@@ -101,7 +105,7 @@ def long_utterance(engine: CosyVoiceSynthesizer, seconds: float, seed: int, trie
     target = seconds
     for attempt in range(tries):
         text, at_max = long_text(engine, target)
-        run = run_once(engine, text, stream=False, seed=seed)
+        run = run_once(engine, text, stream=False, seed=seed, voice=voice)
         if run["audio_s"] >= 0.8 * seconds or attempt == tries - 1:
             break
         target = at_max * seconds / max(run["audio_s"], 0.5)
@@ -133,12 +137,20 @@ def jetson_budget(bundle: Bundle) -> dict[str, Any]:
             "boards": boards}
 
 
-def run_once(engine: CosyVoiceSynthesizer, text: str, stream: bool, seed: int) -> dict[str, Any]:
+def bench_request(text: str, stream: bool, seed: int, voice: str | None = None) -> SynthesisRequest:
+    """The default voice in sft mode, or a saved voice in zero_shot mode (--voice)."""
+    if voice is None:
+        return SynthesisRequest(text=text, stream=stream, seed=seed)
+    return SynthesisRequest(text=text, stream=stream, seed=seed, voice=voice, mode="zero_shot")
+
+
+def run_once(engine: CosyVoiceSynthesizer, text: str, stream: bool, seed: int,
+             voice: str | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
     first = None
     samples = 0
     last = None
-    for chunk in engine.synthesize(SynthesisRequest(text=text, stream=stream, seed=seed)):
+    for chunk in engine.synthesize(bench_request(text, stream, seed, voice)):
         if first is None and chunk.pcm.size:
             first = (time.perf_counter() - t0) * 1e3
         samples += chunk.pcm.size
@@ -156,7 +168,8 @@ def median_first_audio(runs: list[dict[str, Any]]) -> float | None:
     return round(statistics.median(firsts), 1) if firsts else None
 
 
-def first_hop_sweep(engine: CosyVoiceSynthesizer, text: str, hops: list[int], repeats: int) -> dict[str, float | None]:
+def first_hop_sweep(engine: CosyVoiceSynthesizer, text: str, hops: list[int], repeats: int,
+                    voice: str | None = None) -> dict[str, float | None]:
     """Time to first audio per first hop. The engine reads its settings per
     request, so the hop is swapped on this engine (no reload) and restored."""
     original = engine.settings
@@ -164,19 +177,21 @@ def first_hop_sweep(engine: CosyVoiceSynthesizer, text: str, hops: list[int], re
     try:
         for hop in hops:
             engine.settings = dataclasses.replace(original, first_hop_tokens=hop)
-            out[str(hop)] = median_first_audio([run_once(engine, text, stream=True, seed=r) for r in range(repeats)])
+            out[str(hop)] = median_first_audio([run_once(engine, text, stream=True, seed=r, voice=voice)
+                                                for r in range(repeats)])
     finally:
         engine.settings = original
     return out
 
 
-def compare_bundle(bundle_dir: str, settings: SynthesisSettings, text: str, repeats: int) -> dict[str, Any]:
+def compare_bundle(bundle_dir: str, settings: SynthesisSettings, text: str, repeats: int,
+                   voice: str | None = None) -> dict[str, Any]:
     """The same core measurements on another bundle (same backend and settings)."""
     engine = load_synthesizer(bundle_dir, settings=dataclasses.replace(settings, precision=None))
     try:
-        run_once(engine, text, stream=True, seed=0)  # warm-up
-        offline = [run_once(engine, text, stream=False, seed=r) for r in range(repeats)]
-        streaming = [run_once(engine, text, stream=True, seed=r) for r in range(repeats)]
+        run_once(engine, text, stream=True, seed=0, voice=voice)  # warm-up
+        offline = [run_once(engine, text, stream=False, seed=r, voice=voice) for r in range(repeats)]
+        streaming = [run_once(engine, text, stream=True, seed=r, voice=voice) for r in range(repeats)]
         return {
             "bundle": str(Path(bundle_dir).resolve()),
             "precision": engine.bundle.precision,
@@ -213,12 +228,13 @@ def run_parallel(n: int, worker: Callable[[int], None]) -> float:
     return time.perf_counter() - t0
 
 
-def run_concurrent(engine: CosyVoiceSynthesizer, text: str, n: int, stream: bool = True) -> dict[str, float]:
+def run_concurrent(engine: CosyVoiceSynthesizer, text: str, n: int, stream: bool = True,
+                   voice: str | None = None) -> dict[str, float]:
     results: list[dict[str, Any]] = [{} for _ in range(n)]
     before = {b.name: (b.stats.runs, b.stats.calls) for b in engine.stage_batchers}
 
     def worker(i: int) -> None:
-        results[i] = run_once(engine, text, stream=stream, seed=1000 + i)
+        results[i] = run_once(engine, text, stream=stream, seed=1000 + i, voice=voice)
 
     wall = run_parallel(n, worker)
     firsts = [r["first_audio_ms"] for r in results if r.get("first_audio_ms") is not None]
@@ -238,33 +254,36 @@ def run_concurrent(engine: CosyVoiceSynthesizer, text: str, n: int, stream: bool
     return out
 
 
-def concurrency_report(engine: CosyVoiceSynthesizer, text: str, levels: list[int], mode: str) -> dict[str, Any]:
+def concurrency_report(engine: CosyVoiceSynthesizer, text: str, levels: list[int], mode: str,
+                       voice: str | None = None) -> dict[str, Any]:
     """`concurrency` (streaming requests) and/or `concurrency_offline`, per level."""
     out: dict[str, Any] = {}
     if mode in ("stream", "both"):
-        out["concurrency"] = {str(n): run_concurrent(engine, text, n, stream=True) for n in levels}
+        out["concurrency"] = {str(n): run_concurrent(engine, text, n, stream=True, voice=voice) for n in levels}
     if mode in ("offline", "both"):
-        out["concurrency_offline"] = {str(n): run_concurrent(engine, text, n, stream=False) for n in levels}
+        out["concurrency_offline"] = {str(n): run_concurrent(engine, text, n, stream=False, voice=voice)
+                                      for n in levels}
     return out
 
 
-def llm_tokens(engine: CosyVoiceSynthesizer, text: str, seed: int) -> int:
+def llm_tokens(engine: CosyVoiceSynthesizer, text: str, seed: int, voice: str | None = None) -> int:
     """Speech tokens of the text's segments, through the batcher when the engine has one."""
     config = engine.bundle.llm
     sampler = TokenSampler.seeded(config.sampling, config.eos_token, seed)
+    cond = engine.conditioning.build(bench_request(text, False, seed, voice))
     n = 0
     for segment in engine.frontend.prepare(text):
-        inp = LlmInput(text=segment.token_ids.tolist())
+        inp = LlmInput(text=segment.token_ids.tolist(), prompt_text=cond.prompt_text, prompt_speech=cond.prompt_speech)
         gen = engine.batcher.generate(inp, sampler) if engine.batcher else engine.lm.generate(inp, sampler)
         n += sum(1 for _ in gen)
     return n
 
 
-def run_concurrent_llm(engine: CosyVoiceSynthesizer, text: str, n: int) -> dict[str, float]:
+def run_concurrent_llm(engine: CosyVoiceSynthesizer, text: str, n: int, voice: str | None = None) -> dict[str, float]:
     counts = [0] * n
 
     def worker(i: int) -> None:
-        counts[i] = llm_tokens(engine, text, seed=1000 + i)
+        counts[i] = llm_tokens(engine, text, seed=1000 + i, voice=voice)
 
     wall = run_parallel(n, worker)
     return {"tokens": sum(counts), "tokens_per_s": round(sum(counts) / wall, 2),
@@ -288,39 +307,45 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
                                                                                         0.0)) if flow_size else None
     mode = getattr(args, "concurrency_mode", "stream")
     overlap = False if getattr(args, "serial", False) else getattr(args, "overlap", None)
+    voice: str | None = getattr(args, "voice", None)
+    cache_mb = getattr(args, "voice_cache_mb", None)
     settings = SynthesisSettings(backend=args.backend, overlap_stages=overlap,
                               batching=batching, flow_batching=flow_batching,
                               flow_final_chunk=getattr(args, "flow_final_chunk", "cached"),
                               hop_scale=getattr(args, "hop_scale", 1.0))
+    if cache_mb is not None:
+        settings = dataclasses.replace(settings, voice_cache_mb=cache_mb)
     engine = load_synthesizer(args.bundle, settings=settings)
     try:
+        if voice is not None:
+            check_voice(engine, voice)
         if args.llm_only:
-            llm_tokens(engine, text, seed=0)  # warm-up
+            llm_tokens(engine, text, seed=0, voice=voice)  # warm-up
             levels = [int(x) for x in args.concurrency.split(",") if x]
             report_llm = {"bundle": str(Path(args.bundle).resolve()), "backend": engine.backend.describe(),
-                          "batching": None if batching is None else vars(batching),
-                          "concurrency": {str(n): run_concurrent_llm(engine, text, n) for n in levels}}
+                          "batching": None if batching is None else vars(batching), "voice": voice,
+                          "concurrency": {str(n): run_concurrent_llm(engine, text, n, voice) for n in levels}}
             print(json.dumps(report_llm, indent=2))
             if args.json:
                 Path(args.json).write_text(json.dumps(report_llm, indent=2) + "\n")
             return 0
-        run_once(engine, text, stream=True, seed=0)  # warm-up: session arenas, page-in of weights
+        run_once(engine, text, stream=True, seed=0, voice=voice)  # warm-up: session arenas, page-in of weights
         if getattr(args, "concurrency_only", False):
-            run_once(engine, text, stream=False, seed=0)  # the offline shapes too
+            run_once(engine, text, stream=False, seed=0, voice=voice)  # the offline shapes too
             report_c = {"machine": machine(), "bundle": str(Path(args.bundle).resolve()),
                         "precision": engine.bundle.precision, "backend": engine.backend.describe(),
                         "batching": None if batching is None else vars(batching),
                         "flow_batching": None if flow_batching is None else vars(flow_batching),
                         "overlap_stages": engine.overlap,
                         "fixed_size_decode": engine.lm.fixed_size_decode is not None, "text": text,
-                        **concurrency_report(engine, text, concurrency, mode)}
+                        "voice": voice, **concurrency_report(engine, text, concurrency, mode, voice)}
             print(json.dumps(report_c, indent=2))
             if args.json:
                 Path(args.json).write_text(json.dumps(report_c, indent=2) + "\n")
             return 0
         log.info("warm-up done; offline and streaming runs")
-        offline = [run_once(engine, text, stream=False, seed=r) for r in range(args.repeats)]
-        streaming = [run_once(engine, text, stream=True, seed=r) for r in range(args.repeats)]
+        offline = [run_once(engine, text, stream=False, seed=r, voice=voice) for r in range(args.repeats)]
+        streaming = [run_once(engine, text, stream=True, seed=r, voice=voice) for r in range(args.repeats)]
         shown = streaming[0]
         report: dict[str, Any] = {
             "machine": machine(),
@@ -332,6 +357,7 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
             "overlap_stages": engine.overlap,
             "fixed_size_decode": engine.lm.fixed_size_decode is not None,  # the CUDA-graph LLM step
             "text": text,
+            "voice": voice,
             "audio_s": round(statistics.median(r["audio_s"] for r in offline), 3),
             "rtf": round(statistics.median(r["rtf"] for r in offline), 4),
             "streaming_rtf": round(statistics.median(r["rtf"] for r in streaming), 4),
@@ -346,8 +372,8 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
         log.info("rtf %.4f, first audio %.1f ms; streaming cost on a long text", report["rtf"],
                  report["first_audio_ms"])
         long_seconds = getattr(args, "long_seconds", None) or LONG_SECONDS
-        long, at_max_s, long_off = long_utterance(engine, long_seconds, seed=7)
-        long_str = run_once(engine, long, stream=True, seed=7)
+        long, at_max_s, long_off = long_utterance(engine, long_seconds, seed=7, voice=voice)
+        long_str = run_once(engine, long, stream=True, seed=7, voice=voice)
         flow_off, flow_str = long_off["stages_ms"], long_str["stages_ms"]
         report["streaming_cost_vs_offline"] = {
             "audio_s": round(long_off["audio_s"], 2),  # the utterance's measured length
@@ -366,17 +392,22 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
         }
         log.info("streaming cost %s", report["streaming_cost_vs_offline"])
         if hops:
-            report["first_hop"] = first_hop_sweep(engine, text, hops, args.repeats)
-        report.update(concurrency_report(engine, text, concurrency, mode))
+            report["first_hop"] = first_hop_sweep(engine, text, hops, args.repeats, voice)
+        if voice is not None:
+            report["voice_cache"] = voice_cache_report(engine, text, voice, args.repeats, run_once)
+            if getattr(args, "voice_wav", None):
+                report["voice_cache"].update(inline_first_audio_ms(engine, text, voice, Path(args.voice_wav),
+                                                                   args.repeats))
+        report.update(concurrency_report(engine, text, concurrency, mode, voice))
         report["session_memory_bytes"] = engine.session_memory_bytes()
         report["peak_rss_mb"] = round(peak_rss_mb(), 1)  # before other bundles load and the reference loads torch
         if compare:
-            report["compare"] = [compare_bundle(b.strip(), settings, text, args.repeats) for b in compare]
+            report["compare"] = [compare_bundle(b.strip(), settings, text, args.repeats, voice) for b in compare]
         if args.reference:
             if reference is None:
                 raise CosyEdgeError("--reference needs the official pipeline: run it through `cosyedge bench`")
             log.info("the official pipeline")
-            ref = reference(engine.bundle, engine.tokenizer, text, repeats=args.repeats)
+            ref = reference(engine.bundle, engine.tokenizer, text, repeats=args.repeats, voice=voice)
             report["reference"] = ref
             report["speedup_vs_reference"] = round(ref["rtf"] / report["rtf"], 3)
             report["first_audio_vs_reference"] = round(report["first_audio_ms"] / ref["first_audio_ms"], 3)
