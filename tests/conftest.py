@@ -68,6 +68,21 @@ def tiny_static_bundle(tiny_model_dir: Path) -> Path:
                        lambda out: export_bundle(tiny_model_dir, out, static_decode_len=STATIC_DECODE_LEN))
 
 
+STATIC_FLOW_WINDOWS = (64, 160)  # the tiny bundle's fixed-shape flow estimator windows
+STATIC_FLOW_CACHE = 320  # and their cache frames
+
+
+@pytest.fixture(scope="session")
+def static_flow_bundle(tiny_model_dir: Path) -> Path:
+    """The tiny bundle with the fixed-shape flow estimator graphs (build export --static-flow-windows)."""
+    from cosyedge_build.export import export_bundle
+
+    key = _code_hash("cosyedge_build", "cosyedge_models")
+    return _cached_dir("tiny-static-flow-bundle", key,
+                       lambda out: export_bundle(tiny_model_dir, out, static_flow_windows=STATIC_FLOW_WINDOWS,
+                                                 static_flow_cache=STATIC_FLOW_CACHE))
+
+
 @pytest.fixture()
 def broker() -> Iterator[Broker]:
     if mosquitto_binary() is None:

@@ -25,7 +25,9 @@ def build_command(args: argparse.Namespace) -> int:
         from cosyedge_build.export import export_bundle
 
         started = time.monotonic()
-        out = export_bundle(Path(args.model_dir), Path(args.out), args.static_decode_len)
+        windows = tuple(int(w) for w in args.static_flow_windows.split(",") if w.strip())
+        out = export_bundle(Path(args.model_dir), Path(args.out), args.static_decode_len, windows,
+                            args.static_flow_cache)
         print(f"exported {args.model_dir} to the bundle {out} in {time.monotonic() - started:.1f} s")
         return 0
     if cmd == "engines":

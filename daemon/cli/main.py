@@ -82,6 +82,11 @@ def _add_build(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--static-decode-len", type=int, default=0, metavar="POSITIONS",
                    help="also export a fixed-size LLM decode step for this many positions (prompt + speech "
                         "tokens): ort-cuda replays it as a CUDA graph; it adds a copy of the LLM weights (0: off)")
+    e.add_argument("--static-flow-windows", default="", metavar="FRAMES,...",
+                   help="also export fixed-shape flow estimator graphs for these streaming window sizes (mel "
+                        "frames; shorter windows are padded): ort-cuda replays them as CUDA graphs")
+    e.add_argument("--static-flow-cache", type=int, default=1024, metavar="FRAMES",
+                   help="committed frames the fixed-shape estimator graphs hold (longer streams use the dynamic graph)")
     q = bs.add_parser("quantize", help="INT8 / FP16 Q/DQ bundle with an accuracy gate")
     q.add_argument("--bundle", required=True)
     q.add_argument("--out", required=True)
@@ -154,6 +159,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                    help="after a warm-up, measure only the --concurrency runs")
     p.add_argument("--llm-only", action="store_true",
                    help="measure only the LLM (speech tokens/s at each --concurrency), no flow or vocoder")
+    p.add_argument("--graph-flow", action="store_true", default=None,
+                   help="replay the bundle's fixed-shape flow estimator graphs as CUDA graphs (build export "
+                        "--static-flow-windows; single streams: concurrent ones fail on onnxruntime 1.31)")
     p.add_argument("--first-hop", metavar="N[,M..]",
                    help="also measure time to first audio for these first hops (speech tokens)")
     p.add_argument("--compare", "--bundles", dest="compare", metavar="B1,B2,..",

@@ -15,13 +15,17 @@ from cosyedge_build.scratch_dir import check_new_dir, scratch_for
 log = logging.getLogger(__name__)
 
 
-def export_bundle(model_dir: Path, out: Path, static_decode_len: int = 0) -> Path:
-    """`static_decode_len` > 0 adds the fixed-size decode step (CUDA graphs on ort-cuda) for that many positions."""
+def export_bundle(model_dir: Path, out: Path, static_decode_len: int = 0,
+                  static_flow_windows: tuple[int, ...] = (), static_flow_cache: int = 1024) -> Path:
+    """`static_decode_len` > 0 adds the fixed-size decode step (CUDA graphs on ort-cuda) for that many
+    positions; `static_flow_windows` the fixed-shape estimator graphs (flow_static.py) over a cache
+    of `static_flow_cache` frames."""
     import cosyedge_build.reference.modules as reference
     from cosyedge_build.export import (
         bundle,
         flow_encoder,
         flow_estimator,
+        flow_static,
         hift,
         hyperparams,
         llm,
@@ -39,6 +43,10 @@ def export_bundle(model_dir: Path, out: Path, static_decode_len: int = 0) -> Pat
         stages.append(flow_encoder.export_flow_encoder(refs.flow, scratch))
         estimator_stage, noise = flow_estimator.export_flow_estimator(refs.flow, scratch)
         stages.append(estimator_stage)
+        if static_flow_windows:
+            chunk = int(hyper["flow"]["chunk_tokens"]) * int(hyper["token_mel_ratio"])  # as FlowStream
+            stages.extend(flow_static.export_static_estimators(refs.flow, scratch, list(static_flow_windows),
+                                                               static_flow_cache, chunk))
         arrays["flow_noise"] = noise
         stages.extend(hift.export_hift(refs.hift, scratch))
         stages.extend(bundle.carry_onnx(model_dir, scratch))

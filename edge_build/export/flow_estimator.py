@@ -143,6 +143,13 @@ def cache_dims(estimator: Any) -> dict[str, Any]:
     }
 
 
+def _stack(torch: Any, tensors: list[Any]) -> Any:
+    """torch.stack(tensors) as Concats of at most 32 inputs: onnxruntime's CUDA
+    Concat refuses more during CUDA-graph capture (a 56-block estimator has 56)."""
+    groups = [torch.stack(tensors[i: i + 32], dim=0) for i in range(0, len(tensors), 32)]
+    return groups[0] if len(groups) == 1 else torch.cat(groups, dim=0)
+
+
 def make_estimator_graph(estimator: Any) -> Any:
     torch = _torch()
     if type(estimator).__name__ != "CausalConditionalDecoder":
@@ -184,9 +191,18 @@ def make_estimator_graph(estimator: Any) -> Any:
 
         def forward(self, x: Any, mask: Any, mu: Any, t: Any, spks: Any, cond: Any, chunk_frames: Any,
                     att_cache: Any, conv_cache: Any, commit: Any) -> tuple[Any, Any, Any]:
+            keep = torch.arange(commit.shape[0])  # window frames whose K/V are committed
+            # the conv inputs just before the new commit point: ext[commit : commit + 2]
+            return self.core(x, mask, mu, t, spks, cond, chunk_frames, att_cache, conv_cache, keep,
+                             keep.shape[0] + torch.arange(hist), None)
+
+        def core(self, x: Any, mask: Any, mu: Any, t: Any, spks: Any, cond: Any, chunk_frames: Any,
+                 att_cache: Any, conv_cache: Any, keep: Any, last: Any, cache_valid: Any) -> tuple[Any, Any, Any]:
+            """keep: window frames whose K/V are returned; last: the conv-input
+            frames that become the next history; cache_valid [S] (None: every
+            cached frame is visible): 1 for the cached frames to attend to (the
+            fixed-size graphs of flow_static.py)."""
             est = self.est
-            n_commit = commit.shape[0]
-            keep = torch.arange(n_commit)  # window frames whose K/V are committed
             conv_in: list[Any] = []  # per causal conv: its cache-extended input
 
             def conv(module: Any, h: Any) -> Any:
@@ -221,6 +237,10 @@ def make_estimator_graph(estimator: Any) -> Any:
             # in ONNX a 0 in a shape copies the input's dimension, so with no
             # cache, S = 0 must stay where it is.)
             frames, blocks_, kv, rows, heads_, head_dim = att_cache.shape
+            if cache_valid is not None:
+                # rows past the valid ones hold whatever the buffer held (uninitialized
+                # memory can be inf or NaN, which an additive mask does not remove)
+                att_cache = torch.where(cache_valid.view(-1, 1, 1, 1, 1, 1) > 0, att_cache, 0.0)
             kv_cache = att_cache.reshape(frames, blocks_ * kv, rows, heads_, head_dim).permute(1, 2, 3, 0, 4)
 
             def level(r: Any, blocks: Any, h: Any, m: Any, temb: Any) -> Any:
@@ -229,7 +249,10 @@ def make_estimator_graph(estimator: Any) -> Any:
                 allowed = (m > 0) & chunk_allowed(torch, tw, chunk_frames)  # [N, T, T]
                 bias = ((1.0 - allowed.float()) * _MASK_BIAS).unsqueeze(1)
                 # committed frames precede the window's chunks: always visible
-                cached = torch.zeros(bias.shape[0], 1, tw, att_cache.shape[0], dtype=bias.dtype)
+                if cache_valid is None:
+                    cached = torch.zeros(bias.shape[0], 1, tw, att_cache.shape[0], dtype=bias.dtype)
+                else:  # a fixed-size cache: only its valid rows are visible
+                    cached = ((1.0 - cache_valid) * _MASK_BIAS).view(1, 1, 1, -1).expand(bias.shape[0], 1, tw, -1)
                 bias = torch.cat((cached, bias), dim=-1)
                 for block in blocks:
                     j = block_index[0]
@@ -265,14 +288,12 @@ def make_estimator_graph(estimator: Any) -> Any:
             h = causal_block(est.final_block, h, m)
             out = est.final_proj(h * m) * mask
             # [L, 2, N, H, R, D] -> time-major [R, L, 2, N, H, D]
-            att_new = torch.stack(new_kv, dim=0).permute(4, 0, 1, 2, 3, 5)
-            # the conv inputs just before the new commit point: ext[commit : commit + 2]
-            last = keep.shape[0] + torch.arange(hist)
+            att_new = _stack(torch, new_kv).permute(4, 0, 1, 2, 3, 5)
             conv_new = [
                 torch.nn.functional.pad(ext.index_select(2, last), (0, 0, 0, cmax - ext.shape[1]))
                 for ext in conv_in
             ]
-            return out, att_new, torch.stack(conv_new, dim=0)
+            return out, att_new, _stack(torch, conv_new)
 
     return EstimatorGraph().eval()
 

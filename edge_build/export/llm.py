@@ -43,7 +43,9 @@ def _qwen2_core(llm: Any) -> Any:
     layer's keys and values (the new ones joined to the cache)."""
     torch = _torch()
     config = llm.llm.model.config
-    if getattr(config, "rope_scaling", None):
+    scaling = getattr(config, "rope_scaling", None)
+    # transformers >= 5 reports plain RoPE as {"rope_type": "default", "rope_theta": ...}
+    if scaling and not (isinstance(scaling, dict) and scaling.get("rope_type", "default") == "default"):
         raise CheckpointError(f"Qwen2 rope_scaling {config.rope_scaling} is not supported (expected none)")
     if getattr(config, "use_sliding_window", False):
         raise CheckpointError("Qwen2 use_sliding_window=true is not supported (CosyVoice 2 has it off)")

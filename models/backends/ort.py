@@ -13,6 +13,7 @@ from cosyedge_models.backends.base import DecodeLoop, HostDecodeLoop, Session
 from cosyedge_models.backends.flow_cache import HostStepCache, StepCache, StepCacheSpec
 from cosyedge_models.backends.ort_cache import BoundCacheFactory
 from cosyedge_models.backends.profiling import profile_dir
+from cosyedge_models.bundle.loader import STATIC_FLOW_PREFIX
 from cosyedge_models.errors import BundleError, SynthesisError
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,7 @@ class OrtSession:
             raise BundleError(f"cannot load {path}: {exc}") from exc
         self.name = name
         self.path = path
+        self.device_id = device_id
         self.input_names = tuple(i.name for i in self._sess.get_inputs())
         self.output_names = tuple(o.name for o in self._sess.get_outputs())
         self.providers = tuple(self._sess.get_providers())
@@ -138,7 +140,8 @@ class OrtBackend:
             env = os.environ.get("COSYEDGE_ORT_THREADS")
             threads = int(env) if env else None
         # COSYEDGE_ORT_CUDA_GRAPH=0: run the static step without capture (to compare)
-        graph = stage in CUDA_GRAPH_STAGES and os.environ.get("COSYEDGE_ORT_CUDA_GRAPH", "1") != "0"
+        graph = (stage in CUDA_GRAPH_STAGES or stage.startswith(STATIC_FLOW_PREFIX)) and \
+            os.environ.get("COSYEDGE_ORT_CUDA_GRAPH", "1") != "0"
         return OrtSession(stage, path, self.providers, self.device_id, threads, cuda_graph=graph)
 
     def decode_loop(self, prefill: Session, decode: Session) -> DecodeLoop:

@@ -158,6 +158,15 @@ class BoundStepCache:
                       capacity * self.spec.row_bytes / (1 << 20), kind, dev, self.length)
         self._buf, self._capacity = grown, capacity
 
+    def adopt(self, src_ptr: int, frames: int, conv: ort.OrtValue) -> None:
+        """Start from `frames` committed rows at src_ptr and a conv history
+        (device copies: a fixed-shape cache moving here, ort_static_flow.py)."""
+        self._reserve(frames)
+        self._copier.copy(self._ptr(0), src_ptr, frames * self.spec.row_bytes)
+        assert self._conv is not None
+        self._copier.copy(int(self._conv.data_ptr()), int(conv.data_ptr()), self.spec.conv_bytes)
+        self.length = frames
+
     def run(self, feeds: Mapping[str, np.ndarray], commit: int) -> np.ndarray:
         if self._buf is None or self._conv is None:
             raise RuntimeError("flow cache used after close()")

@@ -313,12 +313,13 @@ class TrtBackend:
 
     name = "trt"
 
-    def __init__(self, device_id: int = 0, *, decode_graphs: bool = True) -> None:
+    def __init__(self, device_id: int = 0, *, decode_graphs: bool = True, device_flow_cache: bool = True) -> None:
         import_tensorrt()  # probes the GPU first; raises SynthesisError with the reason
         import tensorrt as trt
 
         self.device_id = device_id
         self.decode_graphs = decode_graphs
+        self.device_flow_cache = device_flow_cache  # False: host flow caches (to compare)
         driver()
         thread_cuda(device_id)  # the loading thread needs a current context
         self._runtime = trt.Runtime(trt_logger())
@@ -349,7 +350,12 @@ class TrtBackend:
         return TrtDecodeLoop(prefill, decode, use_graphs=self.decode_graphs)
 
     def flow_cache(self, estimator: Session, spec: StepCacheSpec) -> StepCache:
-        # Host caches: TrtSession.run takes host inputs (a device store is open work).
+        # Device caches for the engine's own sessions (models/backends/trt_flow_cache.py);
+        # host arrays for anything else (a stage batcher's wrapper).
+        if isinstance(estimator, TrtSession) and self.device_flow_cache:
+            from cosyedge_models.backends.trt_flow_cache import TrtStepCache
+
+            return TrtStepCache(estimator, spec)
         return HostStepCache(estimator, spec)
 
     def describe(self) -> dict[str, str]:

@@ -21,6 +21,8 @@ STAGES = ("llm_prefill", "llm_decode", "flow_encoder", "flow_estimator", "hift_s
 # Exported on request (build export --static-decode-len), onnxruntime only:
 # the fixed-size decode step that ort-cuda captures as a CUDA graph.
 OPTIONAL_STAGES = ("llm_decode_static", "llm_kv_pad")
+# ... and (build export --static-flow-windows) one fixed-shape flow estimator per window size
+STATIC_FLOW_PREFIX = "flow_estimator_static_w"
 
 
 @dataclass(frozen=True)
@@ -200,8 +202,11 @@ def load_bundle(root: Path | str, precision: str | None = None, *, backend: str 
             raise BundleError(f"{root}: stage file {entry['file']} is missing")
         stages[name] = StageInfo(name, path, entry.get("precision", chosen), entry.get("sha256"), entry)
 
-    for name in OPTIONAL_STAGES if backend != "trt" else ():
+    static_flow = [n for n in manifest.get("stages", {}) if n.startswith(STATIC_FLOW_PREFIX)]
+    for name in (*OPTIONAL_STAGES, *static_flow) if backend != "trt" else ():
         entry = manifest.get("stages", {}).get(name)
+        if isinstance(entry, dict) and chosen in entry.get("variants", {}):
+            entry = {**entry, **entry["variants"][chosen]}
         if isinstance(entry, dict) and (root / entry["file"]).exists():
             stages[name] = StageInfo(name, root / entry["file"], entry.get("precision", "fp32"), entry.get("sha256"),
                                      entry)

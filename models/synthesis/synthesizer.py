@@ -14,6 +14,7 @@ stage (models/synthesis/token_stream.py)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -22,10 +23,12 @@ import time
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from cosyedge_models.backends.base import Backend, FixedSizeDecode, Session
 from cosyedge_models.backends.factory import create_backend
+from cosyedge_models.backends.shape_pinned import ShapePinnedSession
 from cosyedge_models.batching.llm_batcher import start_batcher
 from cosyedge_models.batching.policy import BatchSettings
 from cosyedge_models.batching.stage_batcher import call_priority, start_stage_batching
@@ -52,6 +55,9 @@ from cosyedge_models.synthesis.vocoder import HiftVocoder, NoiseSource, VocoderS
 from cosyedge_models.synthesis.voice_cache import MIB, FlowPrefix, VoiceCache, bundle_identity, saved_voice_prefix
 from cosyedge_models.text.frontend import TextFrontend
 from cosyedge_models.text.tokenizer import TextTokenizer
+
+if TYPE_CHECKING:
+    from cosyedge_models.backends.ort_static_flow import StaticFlowGraphs
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +103,14 @@ class SynthesisSettings:
     # Per-voice prompt caches (models/synthesis/voice_cache.py) for saved voices, in MiB
     # (host memory; about 4.4 MiB per prompt mel frame at full size in fp32); 0: off.
     voice_cache_mb: int = 2048
+    # The flow estimator's fixed-shape graphs replayed as CUDA graphs on ort-cuda (bundles
+    # exported with --static-flow-windows; not with flow batching): True on (on the CPU without
+    # capture), None / False off (single streams only so far: ort_static_flow.load_static_flow).
+    graph_flow: bool | None = None
+    graph_flow_slots: int = 4  # streaming requests on them at once; more use the dynamic graph
+    # Sessions per vocoder graph, each kept on one input shape (models/backends/shape_pinned.py):
+    # None auto (3 on ort-cuda, where a shape change costs ~150 ms a call; else 1).
+    vocoder_sessions: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_text_chars < 1:
@@ -119,6 +133,10 @@ class SynthesisSettings:
             raise ValueError(f"voice_cache_mb must be >= 0 (0: off), got {self.voice_cache_mb}")
         if self.graph_decode_slots < 1:
             raise ValueError(f"graph_decode_slots must be >= 1, got {self.graph_decode_slots}")
+        if self.vocoder_sessions is not None and self.vocoder_sessions < 1:
+            raise ValueError(f"vocoder_sessions must be >= 1 or None, got {self.vocoder_sessions}")
+        if self.graph_flow_slots < 1:
+            raise ValueError(f"graph_flow_slots must be >= 1, got {self.graph_flow_slots}")
         if self.flow_final_chunk not in FINAL_CHUNK_MODES:
             raise ValueError(f"flow_final_chunk must be one of {', '.join(FINAL_CHUNK_MODES)}, "
                              f"got {self.flow_final_chunk!r}")
@@ -211,11 +229,16 @@ class CosyVoiceSynthesizer(EngineDefaults):
         self.lm = SpeechTokenLM(bundle, backend, load("llm_prefill"), load("llm_decode"))
         self.lm.fixed_size_decode = self._fixed_size_decode()
         # With flow batching the flow and the vocoder run their graphs through the stage batchers.
-        stages = {stage: load(stage) for stage in ("flow_estimator", "hift_source", "hift_decoder")}
+        pinned = settings.vocoder_sessions or (3 if backend.name == "ort-cuda" else 1)
+        stages = {stage: load(stage) if stage == "flow_estimator" or pinned == 1 else
+                  ShapePinnedSession(functools.partial(load, stage), pinned)
+                  for stage in ("flow_estimator", "hift_source", "hift_decoder")}
         batchers = start_stage_batching(bundle, backend.name, stages, settings.flow_batching)
         self.stage_batchers = list(batchers.values())
         stages.update(batchers)
-        self.flow = FlowDecoder(bundle, load("flow_encoder"), stages["flow_estimator"], backend.flow_cache)
+        self.static_flow = self._static_flow()
+        self.flow = FlowDecoder(bundle, load("flow_encoder"), stages["flow_estimator"],
+                                self.static_flow if self.static_flow is not None else backend.flow_cache)
         self.vocoder = HiftVocoder(bundle, stages["hift_source"], stages["hift_decoder"])
         self.tokenizer = TextTokenizer.from_file(bundle.file("tokenizer"))
         self.frontend = TextFrontend(self.tokenizer, max_text_chars=settings.max_text_chars)
@@ -249,6 +272,14 @@ class CosyVoiceSynthesizer(EngineDefaults):
         log.info("LLM decode: fixed-size step of %s positions%s", step.input_shapes["past_kv"][4],
                  ", CUDA graphs" if step.cuda_graph else "")
         return GraphDecoder(prefill, step, pad, device, self.settings.graph_decode_slots)
+
+    def _static_flow(self) -> StaticFlowGraphs | None:
+        if self.settings.flow_batching is not None or not self.backend.name.startswith("ort"):
+            return None
+        from cosyedge_models.backends.ort_static_flow import load_static_flow
+
+        return load_static_flow(self.bundle, self.backend.name, self._load, self.settings.graph_flow,
+                                self.settings.graph_flow_slots)
 
     def _load(self, stage: str) -> Session:
         session = self.backend.load(stage, self.bundle.stages[stage].path, threads=self.settings.threads)
@@ -334,6 +365,8 @@ class CosyVoiceSynthesizer(EngineDefaults):
             self._producers.stop()  # before the sessions it runs are closed
         if self.lm.fixed_size_decode is not None:
             self.lm.fixed_size_decode.close()
+        if self.static_flow is not None:
+            self.static_flow.close()
         for s in self._sessions:
             s.close()
         self._sessions.clear()

@@ -36,6 +36,7 @@ from cosyedge_models.synthesis.api import StageEvent, SynthesisRequest
 from cosyedge_models.synthesis.llm import LlmInput
 from cosyedge_models.synthesis.sampling import TokenSampler
 from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, SynthesisSettings, load_synthesizer
+from cosyedge_models.tools.precision_compare import accuracy
 from cosyedge_models.tools.timeline import render_timeline
 from cosyedge_models.tools.voice_bench import check_voice, inline_first_audio_ms, voice_cache_report
 
@@ -185,10 +186,13 @@ def first_hop_sweep(engine: CosyVoiceSynthesizer, text: str, hops: list[int], re
 
 
 def compare_bundle(bundle_dir: str, settings: SynthesisSettings, text: str, repeats: int,
-                   voice: str | None = None) -> dict[str, Any]:
-    """The same core measurements on another bundle (same backend and settings)."""
+                   voice: str | None = None, reference: CosyVoiceSynthesizer | None = None) -> dict[str, Any]:
+    """The same core measurements on another bundle (same backend and settings),
+    and its output against `reference`'s (the bench's own engine): token
+    agreement and mel SNR (models/tools/precision_compare.py)."""
     engine = load_synthesizer(bundle_dir, settings=dataclasses.replace(settings, precision=None))
     try:
+        acc = accuracy(reference, engine, text) if reference is not None else None
         run_once(engine, text, stream=True, seed=0, voice=voice)  # warm-up
         offline = [run_once(engine, text, stream=False, seed=r, voice=voice) for r in range(repeats)]
         streaming = [run_once(engine, text, stream=True, seed=r, voice=voice) for r in range(repeats)]
@@ -202,9 +206,18 @@ def compare_bundle(bundle_dir: str, settings: SynthesisSettings, text: str, repe
             "streaming_rtf": round(statistics.median(r["rtf"] for r in streaming), 4),
             "first_audio_ms": median_first_audio(streaming),
             "jetson_budget": jetson_budget(engine.bundle),
+            "accuracy": acc,
         }
     finally:
         engine.close()
+
+
+def static_flow_report(engine: CosyVoiceSynthesizer) -> dict[str, Any] | None:
+    graphs = engine.static_flow
+    if graphs is None:
+        return None
+    return {"windows": graphs.windows, "cache_frames": graphs.cache_frames, "cuda_graphs": graphs.capture,
+            "slots": graphs.max_slots, "replays": graphs.replays}
 
 
 def int_list(value: str, what: str) -> list[int]:
@@ -312,7 +325,10 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
     settings = SynthesisSettings(backend=args.backend, overlap_stages=overlap,
                               batching=batching, flow_batching=flow_batching,
                               flow_final_chunk=getattr(args, "flow_final_chunk", "cached"),
-                              hop_scale=getattr(args, "hop_scale", 1.0))
+                              hop_scale=getattr(args, "hop_scale", 1.0),
+                              # fixed-shape flow caches for every concurrent stream measured
+                              graph_flow=getattr(args, "graph_flow", None),
+                              graph_flow_slots=max(4, min(8, max(concurrency, default=1))))
     if cache_mb is not None:
         settings = dataclasses.replace(settings, voice_cache_mb=cache_mb)
     engine = load_synthesizer(args.bundle, settings=settings)
@@ -356,6 +372,7 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
             "flow_batching": None if flow_batching is None else vars(flow_batching),
             "overlap_stages": engine.overlap,
             "fixed_size_decode": engine.lm.fixed_size_decode is not None,  # the CUDA-graph LLM step
+            "static_flow": static_flow_report(engine),  # the fixed-shape (CUDA-graph) flow estimator
             "text": text,
             "voice": voice,
             "audio_s": round(statistics.median(r["audio_s"] for r in offline), 3),
@@ -402,7 +419,8 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
         report["session_memory_bytes"] = engine.session_memory_bytes()
         report["peak_rss_mb"] = round(peak_rss_mb(), 1)  # before other bundles load and the reference loads torch
         if compare:
-            report["compare"] = [compare_bundle(b.strip(), settings, text, args.repeats, voice) for b in compare]
+            report["compare"] = [compare_bundle(b.strip(), settings, text, args.repeats, voice, engine)
+                                 for b in compare]
         if args.reference:
             if reference is None:
                 raise CosyEdgeError("--reference needs the official pipeline: run it through `cosyedge bench`")

@@ -7,6 +7,7 @@ the reason wherever there is no GPU, TensorRT or pycuda (conftest.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import threading
@@ -160,3 +161,46 @@ def test_pipeline_on_trt_is_deterministic_and_thread_safe(trt_bundle: Path) -> N
     assert not errors, errors
     np.testing.assert_array_equal(results[5], first)
     engine.close()
+
+
+@pytest.mark.parametrize("left", [-1, 1], ids=["full-context", "left-1"])
+def test_device_flow_caches_give_the_host_caches_mel(trt_bundle: Path, left: int) -> None:
+    """TrtStepCache (K/V and conv history in device memory, appended in place)
+    against the host caches on the same engines, through growth and trims."""
+    from cosyedge_models.backends.flow_cache import HostStepCache
+    from cosyedge_models.backends.trt import TrtBackend
+    from cosyedge_models.backends.trt_flow_cache import TrtStepCache
+    from cosyedge_models.synthesis.flow import FlowDecoder, FlowPrompt
+    from cosyedge_models.synthesis.streaming import ChunkSchedule
+
+    bundle = load_bundle(trt_bundle, backend="trt")
+    trt = TrtBackend()
+    enc = trt.load("flow_encoder", bundle.stages["flow_encoder"].path)
+    est = trt.load("flow_estimator", bundle.stages["flow_estimator"].path)
+    rng = np.random.default_rng(4)
+    prompt = FlowPrompt(tokens=np.arange(10, dtype=np.int64), embedding=rng.standard_normal(192).astype(np.float32),
+                        feat=rng.standard_normal((20, bundle.mel_bins)).astype(np.float32))
+    toks = rng.integers(0, bundle.llm.speech_token_size, 120)
+    made: list[Any] = []
+
+    def device(session: Session, spec: Any) -> Any:
+        made.append(trt.flow_cache(session, dataclasses.replace(spec, initial_frames=1)))
+        return made[-1]
+
+    def stream(factory: Any) -> np.ndarray:
+        dec = FlowDecoder(bundle, enc, est, factory)
+        look = dec.config.pre_lookahead_len
+        schedule = ChunkSchedule(25, look, prompt_tokens=len(prompt.tokens))
+        mels = []
+        with dec.stream(prompt, "cached", left) as s:
+            while (chunk := schedule.next_chunk(len(toks))) is not None:
+                mels.append(s.push(toks[: chunk.end + look]))
+            mels.append(s.finish(toks))
+        return np.concatenate(mels, axis=2)
+
+    host = stream(lambda session, spec: HostStepCache(session, spec))
+    dev = stream(device)
+    assert made and all(isinstance(c, TrtStepCache) for c in made)
+    if left < 0:
+        assert all(c.growths >= 1 for c in made)
+    np.testing.assert_allclose(dev, host, rtol=0, atol=1e-4)

@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# The one script for a GPU machine without network (how the docs/gpu.md
+# figures were taken on the device tool's H200). Before it, on a machine with
+# network, in the repository root: edge_build/tools/device_wheels.sh (the wheels of
+# edge_build/tools/device_wheels.txt into .whl/, onnxruntime-gpu in 52 MB parts under
+# .device/ort/, pycuda's sdist under .device/pycuda/). Carry those to the GPU
+# machine (a device call takes 64 MiB: one onnxruntime part a call into
+# /tmp/ort, while the machine stays warm), then run there, in the repository:
+#
+#   edge_build/tools/device_run.sh OUTDIR [STEPS]
+#
+# STEPS (comma-separated, default tests,probe,bench): the setup (wheels, the
+# full-size checkpoint, its fp32 bundle with the fixed-size LLM step and the
+# fixed-shape flow graphs, its fp16 bundle) always runs first, once per machine;
+#   tests  every `pytest -m gpu` suite; the script FAILS when one fails
+#   probe  edge_build/tools/device_stream_probe.py (vocoder calls in the pipeline,
+#          fixed-shape flow on/off) and edge_build/tools/device_probe.py
+#   bench  cosyedge bench: fp32 with the fp16 bundle compared, concurrency
+#          $CONCURRENCY (default 1,4,8,16), the official pipeline on the same GPU;
+#          BENCH_ARGS=--graph-flow CONCURRENCY=1 for the fixed-shape flow graphs
+#          (single streams only so far, docs/gpu.md)
+# Environment: WHEELS (default .whl), ORT_PARTS (/tmp/ort), PYCUDA_SDIST_DIR
+# (.device/pycuda), FULL_DIR (/tmp/full), BENCH_ARGS (extra bench flags, e.g.
+# --voice NAME), STATIC_FLOW_WINDOWS (64,128,640), STATIC_FLOW_CACHE (1024), GPU_TESTS (a subset
+# of the -m gpu test files, to repeat one), CONCURRENCY.
+set -euo pipefail
+out=${1:?usage: device_run.sh OUTDIR [tests,probe,bench]}
+steps=${2:-tests,probe,bench}
+wheels=${WHEELS:-.whl}
+full=${FULL_DIR:-/tmp/full}
+mkdir -p "$out" /tmp/site
+t0=$(date +%s)
+stamp() { echo "[device_run +$(( $(date +%s) - t0 )) s] $*"; }
+
+ort_whl=/tmp/onnxruntime_gpu-1.31.1-cp312-cp312-manylinux_2_28_x86_64.whl
+if [ ! -f /tmp/site/.cosyedge-installed ]; then
+  [ -f "$ort_whl" ] || cat "${ORT_PARTS:-/tmp/ort}"/part-* > "$ort_whl"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    "$wheels"/*.whl "$ort_whl"
+  touch /tmp/site/.cosyedge-installed
+fi
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+sdist=$(ls "${PYCUDA_SDIST_DIR:-.device/pycuda}"/pycuda-*.tar.gz 2>/dev/null | head -1 || true)
+if [ -n "$sdist" ] && ! python3 -c "import pycuda" 2>/dev/null; then
+  # built here against this machine's CUDA, beside the bundle build (CPU only)
+  ( export PATH=/usr/local/cuda/bin:$PATH
+    python3 -m pip wheel -q --no-deps --no-build-isolation -w /tmp/pycuda-wheel "$sdist" >"$out/pycuda.log" 2>&1 \
+      && python3 -m pip install -q --no-index --no-deps --target /tmp/site /tmp/pycuda-wheel/pycuda-*.whl \
+      >>"$out/pycuda.log" 2>&1 ) &
+  pycuda_build=$!
+fi
+python3 -c "import onnxruntime as o, torch; p = o.get_available_providers(); print('onnxruntime', o.__version__, p, \
+'torch', torch.__version__); assert 'CUDAExecutionProvider' in p, 'no CUDA provider: onnxruntime-gpu missing'"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/gpu.txt"
+
+if [ ! -f "$full/ckpt/cosyvoice2.yaml" ]; then
+  python3 -m cosyedge_daemon build tiny --size full --out "$full/ckpt" >"$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
+fi
+if [ ! -f "$full/bundle/manifest.json" ]; then
+  python3 -m cosyedge_daemon build export --model-dir "$full/ckpt" --out "$full/bundle" --static-decode-len 1536 \
+    --static-flow-windows "${STATIC_FLOW_WINDOWS:-64,128,640}" --static-flow-cache "${STATIC_FLOW_CACHE:-1024}" \
+    >>"$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
+fi
+if [ ! -f "$full/fp16/manifest.json" ]; then
+  python3 -m cosyedge_build.tools.device_fp16 --bundle "$full/bundle" --out "$full/fp16" >>"$out/build.log" 2>&1 \
+    || { tail -30 "$out/build.log"; exit 1; }
+fi
+stamp "bundles ready"
+if [ -n "${pycuda_build:-}" ]; then
+  wait "$pycuda_build" || { echo "pycuda did not build (see pycuda.log); test_cuda_layer.py will skip"; tail -5 "$out/pycuda.log"; }
+fi
+
+all_gpu_tests="tests/models/backends/test_cuda_layer.py tests/models/backends/test_graph_decode.py tests/models/backends/test_flow_device_cache.py
+  tests/models/backends/test_ort_backend.py tests/models/backends/test_static_flow.py tests/models/backends/test_trt_backend.py
+  tests/edge_build/test_fp16_gpu.py"
+for step in ${steps//,/ }; do
+  case $step in
+    tests)
+      # every -m gpu suite; pipefail: a failed test fails the script
+      python3 -m pytest -m gpu -q -rs -p no:cacheprovider ${GPU_TESTS:-$all_gpu_tests} \
+        2>&1 | grep -v -i warn | tee "$out/gpu_tests.log" | tail -25
+      stamp "gpu tests passed" ;;
+    probe)
+      timeout "${PROBE_TIMEOUT_S:-300}" python3 -m cosyedge_build.tools.device_stream_probe --bundle "$full/bundle" \
+        --out "$out" --runs 2 2>&1 | grep -v -i warn | tee "$out/stream_probe.log" | grep -v " INFO " | tail -80
+      stamp "probe done" ;;
+    bench)
+      timeout "${BENCH_TIMEOUT_S:-480}" python3 -m cosyedge_daemon -v bench --bundle "$full/bundle" --backend ort-cuda \
+        --repeats 1 --concurrency "${CONCURRENCY:-1,4,8,16}" --compare "$full/fp16" --reference ${BENCH_ARGS:-} \
+        --json "$out/bench_h200.json" 2>&1 | grep -v -i warn > "$out/bench.log" || { tail -40 "$out/bench.log"; exit 1; }
+      python3 -m cosyedge_build.tools.device_summary "$out/bench_h200.json"
+      stamp "bench done" ;;
+    *) echo "unknown step $step (tests, probe, bench)"; exit 2 ;;
+  esac
+done

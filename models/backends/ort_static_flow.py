@@ -1,0 +1,311 @@
+"""Streaming flow estimator calls as CUDA graphs on onnxruntime's CUDA
+provider, over the fixed-shape graphs of edge_build/export/flow_static.py.
+
+The dynamic estimator is ~4,200 kernels and ~1,000 CPU shape nodes per Euler
+step (20-25 ms a step on an H200 at any window length): onnxruntime cannot
+capture it. The static graphs have one window size each (a bucket: shorter
+windows are right-padded with mask 0) and a cache of a fixed number of frames
+with a validity mask, so every call of one (cache buffer, window) pair has
+the same shapes and addresses, and onnxruntime replays it as one graph launch.
+
+A captured graph replays on the addresses it was captured with, so the cache
+buffers are pooled: a `StaticSlot` is one Euler step's cache of one request
+(the K/V buffer [S, *row] and the conv history) with one graph id per window
+size, borrowed by a `StaticStepCache` for the request's life and given back
+at close. The per-window inputs and outputs are shared by all slots (calls
+are serialized by one lock: they share the GPU anyway). After each replay the
+window's committed K/V rows are copied into the slot's buffer (one
+device-to-device copy, models/backends/ort_cache.py's DeviceCopier).
+
+A request whose window exceeds the largest bucket, or whose cache outgrows
+S, moves (once, by a device copy) to an ordinary BoundStepCache over the
+dynamic graph; requests beyond the pool use it from the start. On the CPU the
+same code runs the same graphs without capture (that is how it is tested)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+import onnxruntime as ort
+from cosyedge_models.backends.base import Session
+from cosyedge_models.backends.flow_cache import PrefixRows, StepCache, StepCacheSpec, trim_due
+from cosyedge_models.backends.ort import OrtSession
+from cosyedge_models.backends.ort_cache import BoundStepCache, DeviceCopier
+from cosyedge_models.bundle.loader import STATIC_FLOW_PREFIX, Bundle
+from cosyedge_models.errors import BundleError, SynthesisError
+
+log = logging.getLogger(__name__)
+
+_INPUTS = ("x", "mask", "mu", "t", "spks", "cond", "cache_valid", "commit_index")
+
+
+class _WindowIO:
+    """The inputs and outputs of one window size's graph, bound by every slot."""
+
+    def __init__(self, session: OrtSession, device: tuple[str, int]) -> None:
+        kind, dev = device
+        self.session = session
+        self.window = int(session.input_shapes["x"][2])
+        self.inputs = {
+            name: ort.OrtValue.ortvalue_from_shape_and_type(
+                [int(d) for d in session.input_shapes[name]], np.int64 if name == "commit_index" else np.float32,
+                kind, dev)
+            for name in _INPUTS
+        }
+        self.outputs = {
+            name: ort.OrtValue.ortvalue_from_shape_and_type([int(d) for d in session.output_shapes[name]],
+                                                            np.float32, kind, dev)
+            for name in ("dphi_dt", "att_window", "conv_cache_new")
+        }
+
+
+class StaticSlot:
+    """One Euler step's cache buffers and its graph ids, one per window size."""
+
+    def __init__(self, index: int, graphs: StaticFlowGraphs, spec: StepCacheSpec) -> None:
+        kind, dev = graphs.device
+        self.index = index
+        self.frames = graphs.cache_frames
+        self.kv = ort.OrtValue.ortvalue_from_shape_and_type([self.frames, *spec.row], np.float32, kind, dev)
+        self.conv = ort.OrtValue.ortvalue_from_numpy(np.zeros(spec.conv, np.float32), kind, dev)
+        self.bindings: list[ort.IOBinding] = []
+        self.run_options: list[ort.RunOptions] = []
+        for w, io in enumerate(graphs.io):
+            binding = io.session.io_binding()
+            for name, value in io.inputs.items():
+                binding.bind_ortvalue_input(name, value)
+            binding.bind_ortvalue_input("att_cache", self.kv)
+            binding.bind_ortvalue_input("conv_cache", self.conv)
+            for name, value in io.outputs.items():
+                binding.bind_ortvalue_output(name, value)
+            self.bindings.append(binding)
+            options = ort.RunOptions()
+            if graphs.capture:  # one captured graph per slot and window size
+                options.add_run_config_entry("gpu_graph_id", str(1 + index * len(graphs.io) + w))
+            self.run_options.append(options)
+
+    def ptr(self, frame: int, row_bytes: int) -> int:
+        return int(self.kv.data_ptr()) + frame * row_bytes
+
+
+class StaticFlowGraphs:
+    """The fixed-shape estimator sessions of one engine and their slot pool.
+    `__call__` is a Backend.flow_cache: a StaticStepCache while slots last,
+    else the ordinary device cache over the dynamic graph."""
+
+    def __init__(self, sessions: Sequence[OrtSession], device: tuple[str, int], copier: DeviceCopier,
+                 max_slots: int) -> None:
+        if not sessions:
+            raise ValueError("no fixed-shape estimator graphs")
+        if max_slots < 1:
+            raise ValueError(f"max_slots must be >= 1, got {max_slots}")
+        self.device = device
+        self.copier = copier
+        self.io = sorted((_WindowIO(s, device) for s in sessions), key=lambda io: io.window)
+        self.windows = [io.window for io in self.io]
+        self.cache_frames = int(sessions[0].input_shapes["att_cache"][0])
+        self.capture = all(s.cuda_graph for s in sessions)
+        self.max_slots = max_slots
+        self._slots: list[StaticSlot] = []
+        self._free: list[StaticSlot] = []
+        self._lock = threading.Lock()
+        self.run_lock = threading.Lock()  # replays of these sessions, one at a time
+        self.replays = 0  # static calls made (tests, logs)
+        # set when a replay or capture failed: every cache then uses the dynamic graph
+        self.disabled: str | None = None
+
+    def bucket(self, frames: int) -> int | None:
+        """Index of the smallest window that holds `frames`, or None."""
+        for i, w in enumerate(self.windows):
+            if frames <= w:
+                return i
+        return None
+
+    def acquire(self, spec: StepCacheSpec) -> StaticSlot | None:
+        if spec.dtype != np.float32:
+            return None  # the fixed-shape graphs are exported in fp32
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+            if len(self._slots) < self.max_slots:
+                slot = StaticSlot(len(self._slots), self, spec)
+                self._slots.append(slot)
+                return slot
+        return None
+
+    def release(self, slot: StaticSlot) -> None:
+        with self._lock:
+            self._free.append(slot)
+
+    def __call__(self, session: Session, spec: StepCacheSpec) -> StepCache:
+        if not isinstance(session, OrtSession):
+            raise SynthesisError(f"fixed-shape flow graphs need an onnxruntime estimator session, got {session!r}")
+        slot = self.acquire(spec) if self.disabled is None else None
+        if slot is None:
+            return BoundStepCache(session, spec, self.copier)
+        return StaticStepCache(self, slot, session, spec)
+
+    def close(self) -> None:
+        with self._lock:
+            self._slots.clear()
+            self._free.clear()
+
+
+def _pad(value: np.ndarray, window: int) -> np.ndarray:
+    out = np.zeros((*value.shape[:-1], window), dtype=np.float32)
+    out[..., : value.shape[-1]] = value
+    return out
+
+
+class StaticStepCache:
+    """StepCache on a StaticSlot; moves to a BoundStepCache over the dynamic
+    graph when a call does not fit the fixed shapes."""
+
+    def __init__(self, graphs: StaticFlowGraphs, slot: StaticSlot, dynamic: OrtSession, spec: StepCacheSpec) -> None:
+        self.spec = spec
+        self._graphs = graphs
+        self._slot: StaticSlot | None = slot
+        self._dynamic = dynamic
+        self._moved: BoundStepCache | None = None
+        self._length = 0
+        self._closed = False
+
+    @property
+    def length(self) -> int:
+        return self._moved.length if self._moved is not None else self._length
+
+    @property
+    def on_graph(self) -> bool:
+        """True while the calls replay the fixed-shape graphs."""
+        return self._slot is not None
+
+    def _first(self) -> int:
+        return 0 if self.spec.visible < 0 else max(self._length - self.spec.visible, 0)
+
+    def _move(self) -> BoundStepCache:
+        """To the dynamic graph: the visible rows and the conv history by device copy."""
+        slot = self._slot
+        assert slot is not None
+        moved = BoundStepCache(self._dynamic, self.spec, self._graphs.copier)
+        first = self._first()
+        moved.adopt(slot.ptr(first, self.spec.row_bytes), self._length - first, slot.conv)
+        self._graphs.release(slot)
+        self._slot = None
+        self._moved = moved
+        log.debug("flow cache: %d frames moved to the dynamic estimator", self._length - first)
+        return moved
+
+    def preload(self, rows: PrefixRows, conv: np.ndarray) -> None:
+        """A saved voice's prefix: the dynamic graph's device cache takes it
+        (seeded by device copy), so this stream leaves the fixed shapes."""
+        self._move().preload(rows, conv)
+
+    def run(self, feeds: Mapping[str, np.ndarray], commit: int) -> np.ndarray:
+        if self._closed:
+            raise RuntimeError("flow cache used after close()")
+        frames = int(feeds["x"].shape[2])
+        w = self._graphs.bucket(frames)
+        if self._moved is None and (w is None or self._length + commit > self._graphs.cache_frames
+                                    or self._graphs.disabled is not None):
+            self._move()
+        if self._moved is not None:
+            return self._moved.run(feeds, commit)
+        slot = self._slot
+        assert slot is not None and w is not None
+        graphs = self._graphs
+        io = graphs.io[w]
+        valid = np.zeros((graphs.cache_frames,), np.float32)
+        valid[self._first(): self._length] = 1.0
+        row = self.spec.row_bytes
+        failed = False
+        with graphs.run_lock:
+            for name in ("x", "mask", "mu", "cond"):
+                io.inputs[name].update_inplace(_pad(feeds[name], io.window))
+            io.inputs["t"].update_inplace(np.ascontiguousarray(feeds["t"], np.float32))
+            io.inputs["spks"].update_inplace(np.ascontiguousarray(feeds["spks"], np.float32))
+            io.inputs["cache_valid"].update_inplace(valid)
+            io.inputs["commit_index"].update_inplace(np.array([commit, commit + 1], np.int64))
+            try:
+                io.session.run_bound(slot.bindings[w], slot.run_options[w])
+            except SynthesisError as exc:  # e.g. an op onnxruntime cannot capture: say so once, then go dynamic
+                graphs.disabled, failed = str(exc)[:500], True
+                log.warning("fixed-shape flow graphs disabled, the dynamic estimator takes over: %s", exc)
+            else:
+                if commit:
+                    graphs.copier.copy(slot.ptr(self._length, row), int(io.outputs["att_window"].data_ptr()),
+                                       commit * row)
+                    graphs.copier.copy(int(slot.conv.data_ptr()), int(io.outputs["conv_cache_new"].data_ptr()),
+                                       self.spec.conv_bytes)
+                out = np.array(io.outputs["dphi_dt"].numpy()[:, :, :frames])
+                graphs.replays += 1
+        if failed:  # nothing was committed: the same call on the dynamic graph
+            return self._move().run(feeds, commit)
+        self._length += commit
+        return out
+
+    def trim(self) -> None:
+        if self._moved is not None:
+            self._moved.trim()
+            return
+        keep = self.spec.visible
+        slot = self._slot
+        if keep < 0 or slot is None:
+            return
+        if trim_due(self._length, keep, self._graphs.cache_frames):
+            row = self.spec.row_bytes
+            self._graphs.copier.copy(slot.ptr(0, row), slot.ptr(self._length - keep, row), keep * row)
+            self._length = keep
+
+    def nbytes(self) -> int:
+        if self._moved is not None:
+            return self._moved.nbytes()
+        return 0 if self._slot is None else self._graphs.cache_frames * self.spec.row_bytes + self.spec.conv_bytes
+
+    def close(self) -> None:
+        if self._slot is not None:
+            # zero the conv history for the next borrower (the K/V rows are masked by cache_valid)
+            kind, dev = self._graphs.device
+            zero = ort.OrtValue.ortvalue_from_numpy(np.zeros(self.spec.conv, np.float32), kind, dev)
+            self._graphs.copier.copy(int(self._slot.conv.data_ptr()), int(zero.data_ptr()), self.spec.conv_bytes)
+            self._graphs.release(self._slot)
+            self._slot = None
+        if self._moved is not None:
+            self._moved.close()
+            self._moved = None
+        self._length = 0
+        self._closed = True
+
+
+def load_static_flow(bundle: Bundle, backend_name: str, load: Callable[[str], Session], setting: bool | None,
+                     slots: int) -> StaticFlowGraphs | None:
+    """The engine's fixed-shape estimator graphs with `slots` requests' worth
+    of caches (one per Euler step each), or None (the dynamic graph only).
+    setting True: on (on the CPU without capture: for tests); None or False:
+    off. Not on by default yet: onnxruntime keeps CUDA graphs per thread and
+    captures in CUDA's global mode, so a stream whose flow thread captures
+    while another thread copies to the device fails (seen on the H200 with
+    concurrent requests); docs/gpu.md says what is left."""
+    names = sorted(n for n in bundle.stages if n.startswith(STATIC_FLOW_PREFIX))
+    if setting is True and not names:
+        raise BundleError(f"{bundle.root}: graph_flow needs a bundle exported with "
+                          "'cosyedge build export --static-flow-windows W,...'")
+    if not (setting and names and backend_name.startswith("ort")):
+        return None
+    sessions = [load(n) for n in names]
+    ort_sessions = [s for s in sessions if isinstance(s, OrtSession)]
+    if len(ort_sessions) != len(sessions):
+        return None  # a wrapped backend (tests): the dynamic graph
+    sizes = {int(s.input_shapes["att_cache"][0]) for s in ort_sessions}
+    if len(sizes) > 1:
+        raise BundleError(f"{bundle.root}: fixed-shape estimator graphs with different cache sizes "
+                          f"{sorted(sizes)}; re-export")
+    device = ("cuda", ort_sessions[0].device_id) if ort_sessions[0].on_device else ("cpu", 0)
+    # onnxruntime creates a device's allocator on first use without a lock: before request threads race
+    ort.OrtValue.ortvalue_from_shape_and_type([1], np.uint8, *device)
+    graphs = StaticFlowGraphs(ort_sessions, device, DeviceCopier(*device), slots * bundle.flow.n_timesteps)
+    log.info("flow estimator: fixed-shape windows %s over %d cached frames, %d request slots%s", graphs.windows,
+             graphs.cache_frames, slots, ", CUDA graphs" if graphs.capture else "")
+    return graphs

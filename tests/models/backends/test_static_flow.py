@@ -1,0 +1,192 @@
+"""The fixed-shape flow estimator graphs (build export --static-flow-windows,
+edge_build/export/flow_static.py) and their replay
+(models/backends/ort_static_flow.py): every shape in them is static (what
+lets onnxruntime's CUDA provider capture them), a streaming request through
+them gives the dynamic graph's mel, windows or caches that do not fit move
+to the dynamic graph without changing the output, and slots are reused. On
+the CPU they run without capture; `-m gpu` runs them with CUDA graphs."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from cosyedge_models.backends.base import Session, create_backend
+from cosyedge_models.backends.flow_cache import StepCache, StepCacheSpec
+from cosyedge_models.backends.ort import OrtBackend, OrtSession
+from cosyedge_models.backends.ort_cache import BoundCacheFactory, BoundStepCache, DeviceCopier
+from cosyedge_models.backends.ort_static_flow import StaticFlowGraphs, StaticStepCache
+from cosyedge_models.bundle.loader import STATIC_FLOW_PREFIX, load_bundle
+from cosyedge_models.errors import BundleError
+from cosyedge_models.synthesis.api import SynthesisRequest
+from cosyedge_models.synthesis.flow import FlowDecoder, FlowPrompt
+from cosyedge_models.synthesis.streaming import ChunkSchedule
+from cosyedge_models.synthesis.synthesizer import SynthesisSettings, load_synthesizer
+
+from tests.conftest import STATIC_FLOW_CACHE, STATIC_FLOW_WINDOWS
+
+WINDOWS = STATIC_FLOW_WINDOWS
+CACHE_FRAMES = STATIC_FLOW_CACHE
+
+
+class Recording:
+    def __init__(self, inner: StaticFlowGraphs | BoundCacheFactory) -> None:
+        self.inner = inner
+        self.made: list[StepCache] = []
+
+    def __call__(self, session: Session, spec: StepCacheSpec) -> StepCache:
+        cache = self.inner(session, spec)
+        self.made.append(cache)
+        return cache
+
+
+def _sessions(bundle_dir: Path, device: str) -> tuple[dict[str, OrtSession], object]:
+    bundle = load_bundle(bundle_dir)
+    backend = create_backend("ort" if device == "cpu" else "ort-cuda")
+    assert isinstance(backend, OrtBackend)
+    names = ["flow_encoder", "flow_estimator", *[n for n in bundle.stages if n.startswith(STATIC_FLOW_PREFIX)]]
+    return {n: backend.load(n, bundle.stages[n].path, threads=1) for n in names}, bundle
+
+
+def _stream(decoder: FlowDecoder, prompt: FlowPrompt, toks: np.ndarray, left: int = -1) -> np.ndarray:
+    look = decoder.config.pre_lookahead_len
+    schedule = ChunkSchedule(25, look, prompt_tokens=len(prompt.tokens))
+    mels = []
+    with decoder.stream(prompt, "cached", left) as stream:
+        while (chunk := schedule.next_chunk(len(toks))) is not None:
+            mels.append(stream.push(toks[: chunk.end + look]))
+        mels.append(stream.finish(toks))
+    return np.concatenate(mels, axis=2)
+
+
+def _compare(bundle_dir: Path, device: str, n_tokens: int, left: int = -1, slots: int = 10) -> list[StepCache]:
+    sessions, bundle = _sessions(bundle_dir, device)
+    statics = [s for n, s in sessions.items() if n.startswith(STATIC_FLOW_PREFIX)]
+    graphs = StaticFlowGraphs(statics, (device, 0), DeviceCopier(device), slots)
+    assert graphs.capture == (device == "cuda")
+    prompt = FlowPrompt(tokens=np.arange(12, dtype=np.int64) % 50,
+                        feat=np.random.default_rng(1).standard_normal((24, bundle.mel_bins)).astype(np.float32),
+                        embedding=np.random.default_rng(2).standard_normal(192).astype(np.float32))
+    toks = np.random.default_rng(3).integers(0, bundle.llm.speech_token_size, n_tokens)
+    enc, est = sessions["flow_encoder"], sessions["flow_estimator"]
+    dynamic = _stream(FlowDecoder(bundle, enc, est, BoundCacheFactory(device)), prompt, toks, left)
+    rec = Recording(graphs)
+    static = _stream(FlowDecoder(bundle, enc, est, rec), prompt, toks, left)
+    assert static.shape == dynamic.shape == (1, bundle.mel_bins, 2 * n_tokens)
+    tol = 1e-5 if device == "cpu" else 1e-4
+    np.testing.assert_allclose(static, dynamic, rtol=0, atol=tol)
+    assert graphs.replays > 0
+    for s in sessions.values():
+        s.close()
+    return rec.made
+
+
+def test_static_graphs_have_only_fixed_shapes(static_flow_bundle: Path) -> None:
+    for w in WINDOWS:
+        path = static_flow_bundle / f"{STATIC_FLOW_PREFIX}{w}.onnx"
+        model = onnx.load(str(path), load_external_data=False)
+        for value in [*model.graph.input, *model.graph.output]:
+            dims = value.type.tensor_type.shape.dim
+            assert all(d.HasField("dim_value") for d in dims), value.name
+        # after onnxruntime's basic optimizations no shape arithmetic is left (what blocks capture)
+        opts = ort.SessionOptions()
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+        opts.optimized_model_filepath = str(path.parent / f"opt-{w}.onnx.tmp")
+        ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+        ops = {n.op_type for n in onnx.load(opts.optimized_model_filepath).graph.node}
+        assert not ops & {"Shape", "Size", "NonZero", "Range", "ConstantOfShape"}, ops
+        # onnxruntime's CUDA Concat takes at most 32 inputs while capturing
+        model = onnx.load(opts.optimized_model_filepath)
+        assert max(len(n.input) for n in model.graph.node if n.op_type == "Concat") <= 32
+        Path(opts.optimized_model_filepath).unlink()
+    manifest = load_bundle(static_flow_bundle).stages[f"{STATIC_FLOW_PREFIX}{WINDOWS[0]}"].raw
+    assert manifest["cache_frames"] == CACHE_FRAMES and manifest["window"] == WINDOWS[0]
+
+
+def test_static_stream_matches_the_dynamic_graph(static_flow_bundle: Path) -> None:
+    """60 tokens: every window fits a bucket and the cache stays within its frames."""
+    made = _compare(static_flow_bundle, "cpu", 60)
+    assert made and all(isinstance(c, StaticStepCache) and c.nbytes() == 0 for c in made)
+
+
+def test_windows_and_caches_that_do_not_fit_move_to_the_dynamic_graph(static_flow_bundle: Path) -> None:
+    """190 tokens: the cache outgrows its 320 frames midway and moves, exactly."""
+    made = _compare(static_flow_bundle, "cpu", 190)
+    assert all(isinstance(c, StaticStepCache) for c in made)
+
+
+def test_bounded_left_context_on_the_static_graphs(static_flow_bundle: Path) -> None:
+    """With a left context of 2 chunks the cache is trimmed in place and never outgrows its frames."""
+    _compare(static_flow_bundle, "cpu", 190, left=2)
+
+
+def test_requests_beyond_the_slots_use_the_dynamic_graph(static_flow_bundle: Path) -> None:
+    sessions, bundle = _sessions(static_flow_bundle, "cpu")
+    statics = [s for n, s in sessions.items() if n.startswith(STATIC_FLOW_PREFIX)]
+    graphs = StaticFlowGraphs(statics, ("cpu", 0), DeviceCopier("cpu"), max_slots=2)
+    dec = FlowDecoder(bundle, sessions["flow_encoder"], sessions["flow_estimator"], graphs)
+    spec = dec.cache_spec()
+    a, b, c = (graphs(sessions["flow_estimator"], spec) for _ in range(3))
+    assert isinstance(a, StaticStepCache) and isinstance(b, StaticStepCache) and isinstance(c, BoundStepCache)
+    a.close()
+    d = graphs(sessions["flow_estimator"], spec)
+    assert isinstance(d, StaticStepCache)  # the slot came back
+    fp16 = graphs(sessions["flow_estimator"], dataclasses.replace(spec, dtype=np.dtype(np.float16)))
+    assert isinstance(fp16, BoundStepCache)  # the fixed-shape graphs are fp32
+    for x in (b, c, d, fp16):
+        x.close()
+
+
+def test_engine_uses_the_static_graphs_with_unchanged_audio(static_flow_bundle: Path) -> None:
+    req = SynthesisRequest(text="Hello there, this is a static flow test.", seed=5, stream=True)
+    outs = {}
+    for on in (False, True):
+        eng = load_synthesizer(static_flow_bundle, "ort",
+                               SynthesisSettings(backend="ort", graph_flow=on, overlap_stages=False))
+        try:
+            assert (eng.static_flow is not None) == on
+            outs[on] = np.concatenate([c.pcm for c in eng.synthesize(req)])
+            if on:
+                assert eng.static_flow is not None and eng.static_flow.replays > 0
+        finally:
+            eng.close()
+    assert outs[True].shape == outs[False].shape
+    np.testing.assert_allclose(outs[True], outs[False], rtol=0, atol=1e-4)
+
+
+def test_graph_flow_on_needs_the_static_graphs(tiny_bundle: Path) -> None:
+    with pytest.raises(BundleError, match="static-flow-windows"):
+        load_synthesizer(tiny_bundle, "ort", SynthesisSettings(backend="ort", graph_flow=True))
+
+
+@pytest.mark.gpu
+def test_cuda_graph_static_flow_matches_the_dynamic_graph(static_flow_bundle: Path) -> None:
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("onnxruntime has no CUDAExecutionProvider here")
+    _compare(static_flow_bundle, "cuda", 60)
+    _compare(static_flow_bundle, "cuda", 190)
+
+
+def test_a_failed_replay_hands_over_to_the_dynamic_graph(static_flow_bundle: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """When onnxruntime refuses a graph (on a GPU: an op it cannot capture), the
+    graphs are disabled once and the stream goes on exactly on the dynamic graph."""
+    from cosyedge_models.errors import SynthesisError
+
+    calls = {"n": 0}
+    real = OrtSession.run_bound
+
+    def refuse_third(self: OrtSession, binding: ort.IOBinding, options: ort.RunOptions | None = None) -> None:
+        if self.name.startswith(STATIC_FLOW_PREFIX):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise SynthesisError(f"{self.name}: capture refused (test)")
+        real(self, binding, options)
+
+    monkeypatch.setattr(OrtSession, "run_bound", refuse_third)
+    made = _compare(static_flow_bundle, "cpu", 60)
+    assert calls["n"] == 3 and all(not c.on_graph for c in made if isinstance(c, StaticStepCache))
