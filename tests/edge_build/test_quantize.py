@@ -31,7 +31,12 @@ from cosyedge_models.synthesis.api import SynthesisRequest
 from cosyedge_models.synthesis.synthesizer import SynthesisSettings, load_synthesizer
 from onnx import numpy_helper
 
-TINY_BUDGET = AccuracyBudget(e2e_match_min=0.0)
+# The tiny model's weights are random: its next-token distribution is almost
+# flat, so any int8 rounding near a tie flips the argmax (and whole sampled
+# sequences). Top-1 agreement measured 0.888-0.96 across CPUs (int8 kernels
+# differ by instruction set); the full-size random checkpoint uses 0.85 too
+# (docs/quantization.md). The cosine, SNR and structure checks keep the default.
+TINY_BUDGET = AccuracyBudget(e2e_match_min=0.0, llm_top1_min=0.85)
 QUANT_STAGES = ("llm_prefill", "llm_decode", "flow_estimator", "hift_decoder")
 
 
