@@ -29,7 +29,7 @@ from cosyedge_models.backends.flow_cache import (
     trim_due,
 )
 from cosyedge_models.backends.profiles import choose_profile
-from cosyedge_models.backends.trt import TrtSession
+from cosyedge_models.backends.trt_session import TrtSession
 from cosyedge_models.errors import SynthesisError
 
 

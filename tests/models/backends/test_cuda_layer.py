@@ -45,7 +45,7 @@ def test_probe_reads_the_device() -> None:
 
 def test_kv_plan_ops_on_device_match_host_reference() -> None:
     from cosyedge_models.backends.cuda import DeviceBuffer, pinned_empty
-    from cosyedge_models.backends.trt import thread_cuda
+    from cosyedge_models.backends.trt_session import thread_cuda
 
     cuda = thread_cuda(0)
     rows, hd, p_max = 6, 4, 40
@@ -103,7 +103,7 @@ def test_kv_plan_ops_on_device_match_host_reference() -> None:
 
 def test_graph_replay_reads_current_pinned_input() -> None:
     from cosyedge_models.backends.cuda import DeviceBuffer, pinned_empty
-    from cosyedge_models.backends.trt import thread_cuda
+    from cosyedge_models.backends.trt_session import thread_cuda
 
     cuda = thread_cuda(0)
     n = 1 << 16
@@ -127,7 +127,7 @@ def test_graph_replay_reads_current_pinned_input() -> None:
 
 def test_each_thread_has_its_own_stream() -> None:
     from cosyedge_models.backends.cuda import DeviceBuffer, pinned_empty
-    from cosyedge_models.backends.trt import thread_cuda
+    from cosyedge_models.backends.trt_session import thread_cuda
 
     handles: dict[int, int] = {}
     errors: list[BaseException] = []
