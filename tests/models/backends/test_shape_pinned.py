@@ -8,7 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from cosyedge_models.backends.base import Session, create_backend
+from cosyedge_models.backends.base import Session
+from cosyedge_models.backends.factory import create_backend
 from cosyedge_models.backends.shape_pinned import ShapePinnedSession
 from cosyedge_models.bundle.loader import load_bundle
 from cosyedge_models.synthesis.api import SynthesisRequest

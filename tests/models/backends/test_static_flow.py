@@ -15,7 +15,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from cosyedge_models.backends.base import Session, create_backend
+from cosyedge_models.backends.base import Session
+from cosyedge_models.backends.factory import create_backend
 from cosyedge_models.backends.flow_cache import StepCache, StepCacheSpec
 from cosyedge_models.backends.ort import OrtBackend, OrtSession
 from cosyedge_models.backends.ort_cache import BoundCacheFactory, BoundStepCache, DeviceCopier
