@@ -72,6 +72,16 @@ def compare_with_reference(bundle_dir: Path, model_dir: Path) -> dict[str, Any]:
             return TokenSampler(engine.bundle.llm.sampling, engine.bundle.llm.eos_token, np.random.default_rng(seq))
 
         ours_tokens = list(engine.lm.generate(LlmInput(text=ids), sampler()))
+        undo = rp.patch_sampling(refs.llm, sampler().ras)
+        try:  # upstream's LLM alone, under the same seeded sampler: the same speech tokens
+            text, empty = torch.tensor([ids], dtype=torch.int32), torch.zeros(1, 0, dtype=torch.int32)
+            zero = torch.tensor([0], dtype=torch.int32)
+            their_tokens = [int(t) for t in refs.llm.inference(
+                text=text, text_len=torch.tensor([len(ids)], dtype=torch.int32), prompt_text=empty,
+                prompt_text_len=zero, prompt_speech_token=empty, prompt_speech_token_len=zero,
+                embedding=torch.zeros(1, 192))]
+        finally:
+            undo()
         assert engine.bundle.default_voice is not None
         voice = PromptFeatures.load(engine.bundle.voices[engine.bundle.default_voice])
         undo = rp.patch_sampling(refs.llm, sampler().ras)
@@ -88,7 +98,8 @@ def compare_with_reference(bundle_dir: Path, model_dir: Path) -> dict[str, Any]:
     n = min(ours.size, ref.size)
     err = float(np.sum((ours[:n] - ref[:n]) ** 2))
     snr = float("inf") if err == 0 else 10 * np.log10(float(np.sum(ref[:n] ** 2)) / err)
-    return {"tokens": len(ours_tokens), "same_length": ours.size == ref.size, "snr_db": round(snr, 1)}
+    return {"tokens": len(ours_tokens), "same_tokens": ours_tokens == their_tokens,
+            "same_length": ours.size == ref.size, "snr_db": round(snr, 1)}
 
 
 def validate_command(args: argparse.Namespace) -> int:
@@ -124,8 +135,10 @@ def validate_command(args: argparse.Namespace) -> int:
         print(f"{bundle.precision} bundle: its accuracy against fp32 is in quantize_report.json")
     elif model_dir and (model_dir / "cosyvoice2.yaml").exists():
         result = compare_with_reference(bundle_dir, model_dir)
-        print(f"official pipeline on {model_dir}: {result['tokens']} speech tokens, same length "
-              f"{result['same_length']}, waveform SNR {result['snr_db']} dB")
+        print(f"official pipeline on {model_dir}: {result['tokens']} speech tokens, same tokens "
+              f"{result['same_tokens']}, same length {result['same_length']}, waveform SNR {result['snr_db']} dB")
+        if not result["same_tokens"]:
+            problems.append("the speech tokens differ from the official LLM's under the same sampler")
         if not result["same_length"] or result["snr_db"] < 40.0:
             problems.append(f"differs from the official pipeline (SNR {result['snr_db']} dB, need >= 40)")
     else:

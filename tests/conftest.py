@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.broker import Broker, mosquitto_binary, running_broker
+from tests.support.components import missing
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("COSYEDGE_TEST_CACHE", ROOT / ".cache" / "tests"))
@@ -86,6 +87,6 @@ def static_flow_bundle(tiny_model_dir: Path) -> Path:
 @pytest.fixture()
 def broker() -> Iterator[Broker]:
     if mosquitto_binary() is None:
-        pytest.skip("mosquitto is not installed (apt-get install mosquitto); .ci/setup installs it")
+        missing("mosquitto is not installed (apt-get install mosquitto); .ci/setup installs it")
     with running_broker() as b:
         yield b

@@ -39,6 +39,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
+from cosyedge_cloud.triton.proc_guard import die_with_parent
 from cosyedge_models.errors import BundleError, CosyEdgeError, MissingExtraError
 
 log = logging.getLogger(__name__)
@@ -144,6 +145,7 @@ class LaunchSettings:
     ready_timeout_s: float = 120.0
     exit_timeout_s: int = 5  # the server waits this long for open client connections at shutdown
     load_model: bool = True
+    die_with_parent: bool = False  # the server gets SIGTERM when the starting thread ends (the CLI's main)
 
     def __post_init__(self) -> None:
         for name in ("grpc_port", "http_port", "metrics_port"):
@@ -285,6 +287,8 @@ class TritonServer:
             stdout=out,
             stderr=subprocess.STDOUT if out else None,
             start_new_session=True,
+            # `cosyedge triton` killed by SIGKILL must not leave the server holding its ports.
+            preexec_fn=die_with_parent() if self.settings.die_with_parent else None,
         )
         try:
             self._wait_live()
@@ -404,6 +408,7 @@ def triton_command(args: argparse.Namespace) -> int:
         metrics_port=getattr(args, "metrics_port", 8002),
         address=getattr(args, "address", None) or "127.0.0.1",
         workdir=Path(args.workdir) if getattr(args, "workdir", None) else None,
+        die_with_parent=True,
     )
     stop = threading.Event()
 

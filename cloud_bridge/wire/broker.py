@@ -35,8 +35,9 @@ def find_mosquitto() -> str | None:
 
 
 class LocalBroker:
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, max_packet_bytes: int = 0) -> None:
         self.port = port
+        self.max_packet_bytes = max_packet_bytes  # 0: mosquitto's default (no limit)
         self.proc: subprocess.Popen[bytes] | None = None
         self._dir: tempfile.TemporaryDirectory[str] | None = None
 
@@ -49,7 +50,8 @@ class LocalBroker:
             )
         self._dir = tempfile.TemporaryDirectory(prefix="cosyedge-broker-")
         conf = Path(self._dir.name) / "mosquitto.conf"
-        conf.write_text(f"listener {self.port} 127.0.0.1\nallow_anonymous true\nset_tcp_nodelay true\n")
+        limit = f"max_packet_size {self.max_packet_bytes}\n" if self.max_packet_bytes else ""
+        conf.write_text(f"listener {self.port} 127.0.0.1\nallow_anonymous true\nset_tcp_nodelay true\n{limit}")
         log_file = (Path(self._dir.name) / "mosquitto.log").open("wb")
         self.proc = subprocess.Popen([binary, "-c", str(conf)], stdout=log_file, stderr=subprocess.STDOUT)
         log_file.close()
@@ -76,13 +78,13 @@ class LocalBroker:
             self._dir = None
 
 
-def ensure_broker(address: BrokerAddress, mode: str) -> LocalBroker | None:
+def ensure_broker(address: BrokerAddress, mode: str, max_packet_bytes: int = 0) -> LocalBroker | None:
     """Start a private broker when the address is local, nothing listens and
     `mode` is 'auto'; None when an existing broker (or a remote one) is used."""
     if mode != "auto" or address.tls or address.host not in LOCAL_HOSTS:
         return None
     if port_open(address.host, address.port):
         return None
-    broker = LocalBroker(address.port)
+    broker = LocalBroker(address.port, max_packet_bytes)
     broker.start()
     return broker

@@ -88,6 +88,7 @@ class MqttOptions:
     will_retain: bool = True
     manual_ack: bool = False  # acknowledge QoS>0 deliveries with client.ack (after handling them)
     max_queued_messages: int = 0  # publishes kept while disconnected; 0: unbounded
+    max_packet_size: int | None = None  # v5: the broker sends us no larger packet (it drops it for us)
 
     @property
     def address(self) -> BrokerAddress:
@@ -156,6 +157,8 @@ def connect(client: mqtt.Client, opts: MqttOptions, *, background: bool = False)
             props.SessionExpiryInterval = opts.session_expiry_s
         if opts.receive_maximum is not None:
             props.ReceiveMaximum = opts.receive_maximum
+        if opts.max_packet_size is not None:
+            props.MaximumPacketSize = opts.max_packet_size
         kwargs = {"clean_start": opts.session_expiry_s is None, "properties": props}
     if background:
         client.connect_async(addr.host, addr.port, opts.keepalive_s, **kwargs)  # type: ignore[arg-type]

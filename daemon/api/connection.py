@@ -16,6 +16,7 @@ from typing import Any
 
 import paho.mqtt.client as mqtt
 from cosyedge_cloud.wire.mqtt import MqttOptions, connect, make_client, received_properties
+from cosyedge_daemon.api.request_policy import topic_problem
 from cosyedge_daemon.service.config import parse_broker_url
 from cosyedge_daemon.service.settings import MqttSettings
 from paho.mqtt.packettypes import PacketTypes
@@ -25,6 +26,15 @@ log = logging.getLogger(__name__)
 
 ONLINE, OFFLINE = b"online", b"offline"
 _MAX_OFFLINE_QUEUE = 2000  # publishes paho keeps while disconnected; beyond it they are dropped
+# Room above max_payload_bytes for the topic and properties: payloads up to this
+# size arrive and get payload_too_large; a v5 broker never sends larger ones.
+PACKET_HEADROOM_BYTES = 65_536
+MQTT_MAX_PACKET_BYTES = 268_435_455
+
+
+def max_packet_bytes(max_payload_bytes: int) -> int:
+    """The MaximumPacketSize the daemon announces (MQTT v5) and its private broker sets."""
+    return min(max_payload_bytes + PACKET_HEADROOM_BYTES, MQTT_MAX_PACKET_BYTES)
 
 
 @dataclass(frozen=True)
@@ -55,6 +65,8 @@ def mqtt_options(settings: MqttSettings, client_id: str, status_topic: str) -> M
         tls_insecure=s.tls_insecure, keepalive_s=s.keepalive_s, session_expiry_s=s.session_expiry_s,
         reconnect_min_delay_s=s.reconnect_min_delay_s, reconnect_max_delay_s=s.reconnect_max_delay_s,
         will_topic=status_topic, will_payload=OFFLINE, max_queued_messages=_MAX_OFFLINE_QUEUE,
+        # v5: the broker drops (for us) what is larger, instead of making us read it into memory.
+        max_packet_size=max_packet_bytes(s.max_payload_bytes),
     )
 
 
@@ -155,7 +167,13 @@ class MqttConnection:
         content_type: str | None = None,
         qos: int | None = None,
         message_expiry_s: int | None = None,
-    ) -> mqtt.MQTTMessageInfo:
+    ) -> mqtt.MQTTMessageInfo | None:
+        """Queue a publish; None (logged) for a topic the broker would take as a
+        malformed packet: one bad topic must never cost the connection."""
+        why = topic_problem(topic)
+        if why is not None:
+            log.error("not publishing on topic %r: %s", topic[:200], why)
+            return None
         props = None
         if self.v5:
             props = Properties(PacketTypes.PUBLISH)

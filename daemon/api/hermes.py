@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from cosyedge_daemon.api.request_policy import sniff_field
 from cosyedge_daemon.api.responders import Publisher
 from cosyedge_daemon.api.tts_messages import (
     ApiError,
@@ -47,16 +48,18 @@ class HermesSay:
 def parse_hermes_say(
     payload: bytes, limits: RequestLimits, site_ids: tuple[str, ...], output: str, received_at: float
 ) -> HermesSay | None:
-    """The request, None when it is for another site; ApiError (with
-    `site_id`/`session_id` attributes when known) when it is malformed."""
+    """The request; None when it is for another site (or its site cannot be
+    read and is not ours: Hermes' default siteId is "default"); HermesError,
+    with the siteId, sessionId and id when known, when it is malformed."""
     try:
         obj = decode_json_object(payload, limits.max_payload_bytes)
     except ApiError as exc:
-        raise HermesError(exc.message, "default", None) from None
+        site = sniff_field(payload, "siteId") or "default"
+        if site not in site_ids:
+            return None
+        raise HermesError(exc.message, site, sniff_field(payload, "sessionId"), sniff_field(payload, "id")) from None
     site_id = obj.get("siteId", "default")
-    if not isinstance(site_id, str):
-        raise HermesError("'siteId' must be a string", "default", None)
-    if site_id not in site_ids:
+    if not isinstance(site_id, str) or site_id not in site_ids:
         return None
     session_id = obj.get("sessionId")
     session_id = session_id if isinstance(session_id, str) else None
@@ -64,10 +67,11 @@ def parse_hermes_say(
     hermes_id = hermes_id if isinstance(hermes_id, str) else None
     text = obj.get("text")
     if not isinstance(text, str) or not text.strip():
-        raise HermesError("'text' must be a non-empty string", site_id, session_id)
+        raise HermesError("'text' must be a non-empty string", site_id, session_id, hermes_id)
     if len(text) > limits.max_text_chars:
         raise HermesError(
-            f"'text' has {len(text)} characters; the limit is {limits.max_text_chars}", site_id, session_id
+            f"'text' has {len(text)} characters; the limit is {limits.max_text_chars}",
+            site_id, session_id, hermes_id,
         )
     rid = hermes_id if hermes_id is not None and valid_id(hermes_id) else new_request_id()
     request = TtsRequest(
@@ -84,10 +88,11 @@ def parse_hermes_say(
 
 
 class HermesError(ApiError):
-    def __init__(self, message: str, site_id: str, session_id: str | None) -> None:
+    def __init__(self, message: str, site_id: str, session_id: str | None, hermes_id: str | None = None) -> None:
         super().__init__("invalid_request", message)
         self.site_id = site_id
         self.session_id = session_id
+        self.hermes_id = hermes_id  # echoed in sayFinished, as given
 
 
 def wav_bytes(pcm: np.ndarray, sample_rate: int) -> bytes:

@@ -23,6 +23,7 @@ from cosyedge_daemon.api.hermes import (
     publish_error,
     publish_say_finished,
 )
+from cosyedge_daemon.api.request_policy import ResponseTopicPolicy, leading_id, sniff_field
 from cosyedge_daemon.api.responders import NativeResponder, Publisher
 from cosyedge_daemon.api.tts_messages import ApiError, RequestLimits, TtsRequest, parse_cancel, parse_say
 from cosyedge_daemon.service.metrics import Metrics
@@ -98,6 +99,7 @@ class Intake:
         self.say_topic, self.cancel_topic = f"{prefix}/tts/say", f"{prefix}/tts/cancel"
         self.reload_topic = f"{prefix}/admin/reload"
         self.has_sink = pipeline.sink is not None
+        self._input_topics: list[str] = []
         self.reconfigure(settings)
         self._queue: queue.Queue[_Item] = queue.Queue(maxsize=settings.mqtt.inbound_queue)
         self._stop = threading.Event()
@@ -107,6 +109,14 @@ class Intake:
     def reconfigure(self, settings: Settings) -> None:
         self.settings = settings
         self.limits = request_limits(settings, self.has_sink)
+        self.set_input_topics(self._input_topics)
+
+    def set_input_topics(self, topics: list[str]) -> None:
+        """Every topic the daemon subscribes to (also the cloud's): no ResponseTopic may be one of them."""
+        self._input_topics = list(topics)
+        self.response_policy = ResponseTopicPolicy(
+            [*self.subscriptions(), *topics], self.settings.mqtt.response_topic_prefix
+        )
 
     def subscriptions(self) -> list[str]:
         topics = [self.say_topic, self.cancel_topic, self.reload_topic]
@@ -130,10 +140,17 @@ class Intake:
                 )
 
     def _parse(self, msg: InboundMessage) -> _Item | None:
-        reply = Reply(msg.response_topic, msg.correlation_data) if msg.response_topic else None
+        reply, reply_problem = None, None
+        if msg.response_topic:
+            reply_problem = self.response_policy.problem(msg.response_topic)
+            if reply_problem is None:
+                reply = Reply(msg.response_topic, msg.correlation_data)
         try:
             if msg.topic == self.say_topic:
-                return _Say(parse_say(msg.payload, self.limits, reply=reply, received_at=msg.received_at))
+                request = parse_say(msg.payload, self.limits, reply=reply, received_at=msg.received_at)
+                if reply_problem is not None:  # answered on the native topics only
+                    return _Reject(request.id, "invalid_response_topic", reply_problem, None)
+                return _Say(request)
             if msg.topic == self.cancel_topic:
                 return _Cancel(parse_cancel(msg.payload, self.limits.max_payload_bytes))
             if msg.topic == self.reload_topic:
@@ -148,8 +165,20 @@ class Intake:
             return exc
         except ApiError as exc:
             return _Reject(exc.request_id, exc.code, exc.message, reply)
+        except Exception:  # a parser bug must still answer the request, once
+            log.exception("parsing a message on %s failed", msg.topic)
+            return self._unparsed(msg, reply)
         log.debug("ignoring a message on %s", msg.topic)
         return None
+
+    def _unparsed(self, msg: InboundMessage, reply: Reply | None) -> _Item | None:
+        message = "the request could not be parsed (internal error; see the daemon's log)"
+        if msg.topic != SAY_TOPIC:
+            return _Reject(leading_id(msg.payload), "invalid_request", message, reply)
+        site = sniff_field(msg.payload, "siteId") or "default"
+        if site not in self.settings.site_ids:
+            return None
+        return HermesError(message, site, sniff_field(msg.payload, "sessionId"), sniff_field(msg.payload, "id"))
 
     # --- the intake thread -------------------------------------------------------
     def start(self) -> None:
@@ -192,8 +221,8 @@ class Intake:
             self.on_reload(item.bundle)
         elif isinstance(item, HermesError):
             self._rejected(item.code)
-            publish_error(self.publisher, item.message, item.site_id, item.session_id)
-            publish_say_finished(self.publisher, None, item.site_id, item.session_id)
+            publish_error(self.publisher, item.message, item.site_id, item.session_id, context=item.hermes_id)
+            publish_say_finished(self.publisher, item.hermes_id, item.site_id, item.session_id)
 
     def _rejected(self, code: str) -> None:
         if self.metrics is not None:
@@ -282,9 +311,11 @@ def _reload_bundle(payload: bytes) -> str | None:
         return None
     try:
         obj = json.loads(payload.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (UnicodeDecodeError, ValueError, RecursionError):  # ValueError: also over-long integers
         raise ApiError("invalid_json", 'admin/reload takes an empty payload or {"bundle": "/path"}') from None
-    bundle = obj.get("bundle") if isinstance(obj, dict) else None
+    if not isinstance(obj, dict):
+        raise ApiError("invalid_request", 'admin/reload takes an empty payload or {"bundle": "/path"}')
+    bundle = obj.get("bundle")
     if bundle is not None and not isinstance(bundle, str):
         raise ApiError("invalid_field", "'bundle' must be a string")
     return bundle

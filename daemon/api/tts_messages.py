@@ -8,7 +8,6 @@ import base64
 import binascii
 import io
 import json
-import re
 import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -16,6 +15,7 @@ from typing import Any, Literal
 import numpy as np
 from cosyedge_cloud.wire.protocol import pack_audio_header, pcm16_bytes, unpack_audio_header
 from cosyedge_daemon.api.connection import Reply
+from cosyedge_daemon.api.request_policy import ID_ALPHABET, clip, leading_id, valid_id
 from cosyedge_daemon.service.settings import PRIORITY_MAX, PRIORITY_MIN
 from cosyedge_models.synthesis.api import MODES, PROMPT_MODES, Mode, PromptAudio, SynthesisRequest
 
@@ -24,7 +24,6 @@ Route = Literal["auto", "local", "cloud"]
 OUTPUTS: tuple[Output, ...] = ("play", "publish", "both")
 ROUTES: tuple[Route, ...] = ("auto", "local", "cloud")
 NO_ID = "_"  # error topic suffix for requests without a usable id
-_ID_RE = re.compile(r"^[A-Za-z0-9_.:@-]{1,128}$")
 SAY_FIELDS = (
     "id",
     "text",
@@ -43,12 +42,16 @@ SAY_FIELDS = (
 
 # v3.1.1 has no user properties, so there (and with audio_header = "always")
 # every audio chunk starts with the wire's one audio header (cosyedge_cloud.wire.protocol).
+SEED_MAX = 2**32 - 1  # the engines seed numpy's generators: 0..2**32-1
+MAX_VOICE_CHARS = 128
+_MAX_MESSAGE_CHARS = 400  # an error message never carries more of what a client sent
 
 
 class ApiError(Exception):
     """A request the daemon answers with an error payload."""
 
     def __init__(self, code: str, message: str, request_id: str | None = None) -> None:
+        message = clip(message, _MAX_MESSAGE_CHARS)
         super().__init__(message)
         self.code = code
         self.message = message
@@ -107,25 +110,32 @@ def new_request_id() -> str:
     return uuid.uuid4().hex
 
 
-def valid_id(value: Any) -> bool:
-    return isinstance(value, str) and bool(_ID_RE.match(value))
+__all__ = ["valid_id"]  # re-exported: the id policy lives in cosyedge_daemon.api.request_policy
 
 
 def decode_json_object(payload: bytes, max_bytes: int) -> dict[str, Any]:
+    """The payload's JSON object; ApiError otherwise, carrying the id when the
+    payload starts with a readable one."""
     if not payload:
         raise ApiError("empty_payload", "the payload is empty; expected a JSON object")
     if len(payload) > max_bytes:
-        raise ApiError("payload_too_large", f"the payload has {len(payload)} bytes; the limit is {max_bytes}")
+        raise ApiError(
+            "payload_too_large",
+            f"the payload has {len(payload)} bytes; the limit is {max_bytes}",
+            leading_id(payload),
+        )
     try:
         text = payload.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ApiError(
-            "invalid_utf8", f"the payload is not valid UTF-8 ({exc.reason} at byte {exc.start})"
+            "invalid_utf8",
+            f"the payload is not valid UTF-8 ({exc.reason} at byte {exc.start})",
+            leading_id(payload),
         ) from None
     try:
         obj = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as exc:
-        raise ApiError("invalid_json", f"the payload is not valid JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # ValueError: also integers beyond Python's digit limit
+        raise ApiError("invalid_json", f"the payload is not valid JSON: {exc}", leading_id(payload)) from None
     if not isinstance(obj, dict):
         raise ApiError("invalid_request", f"expected a JSON object, got {type(obj).__name__}")
     return obj
@@ -151,7 +161,7 @@ def _choice(
     if value is None:
         return default
     if value not in allowed:
-        raise ApiError(code, f"'{name}' is {value!r}; allowed: {', '.join(allowed)}", rid)
+        raise ApiError(code, f"'{name}' is {clip(repr(value))}; allowed: {', '.join(allowed)}", rid)
     return value
 
 
@@ -192,13 +202,12 @@ def parse_say(
     rid: str | None = None
     if "id" in obj and obj["id"] is not None:
         if not valid_id(obj["id"]):
-            raise ApiError("invalid_id", "'id' must be 1-128 characters of A-Z a-z 0-9 _ . : @ -")
+            raise ApiError("invalid_id", f"'id' must be 1-128 characters of {ID_ALPHABET}")
         rid = obj["id"]
     unknown = sorted(set(obj) - set(SAY_FIELDS))
     if unknown:
-        raise ApiError(
-            "invalid_field", f"unknown field(s) {', '.join(unknown)}; known: {', '.join(SAY_FIELDS)}", rid
-        )
+        names = clip(", ".join(unknown))
+        raise ApiError("invalid_field", f"unknown field(s) {names}; known: {', '.join(SAY_FIELDS)}", rid)
     text = obj.get("text")
     if not isinstance(text, str) or not text.strip():
         what = "missing" if text is None else ("empty" if isinstance(text, str) else "not a string")
@@ -223,8 +232,13 @@ def parse_say(
     if speed is not None and not 0.5 <= speed <= 2.0:
         raise ApiError("invalid_field", "'speed' must be between 0.5 and 2.0", rid)
     seed = _field(obj, "seed", int, "an integer", rid)
+    if seed is not None and not 0 <= seed <= SEED_MAX:
+        raise ApiError("invalid_field", f"'seed' must be between 0 and {SEED_MAX}", rid)
     stream = _field(obj, "stream", bool, "true or false", rid)
     voice = _field(obj, "voice", str, "a string", rid)
+    if voice is not None and len(voice) > MAX_VOICE_CHARS:
+        raise ApiError("unknown_voice", f"'voice' has {len(voice)} characters; a voice name has at most "
+                       f"{MAX_VOICE_CHARS}", rid)
     prompt = parse_prompt(obj["prompt"], limits.max_prompt_s, rid) if obj.get("prompt") is not None else None
     if mode in PROMPT_MODES and prompt is None and voice is None:
         raise ApiError("invalid_field", f"mode '{mode}' needs a 'prompt' (or a voice with a prompt)", rid)
@@ -250,7 +264,7 @@ def parse_say(
 def parse_cancel(payload: bytes, max_bytes: int) -> str:
     obj = decode_json_object(payload, max_bytes)
     if not valid_id(obj.get("id")):
-        raise ApiError("invalid_id", 'cancel needs {"id": <id of a request>}')
+        raise ApiError("invalid_id", f'cancel needs {{"id": <id of a request>}}: 1-128 characters of {ID_ALPHABET}')
     return str(obj["id"])
 
 

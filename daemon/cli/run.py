@@ -11,6 +11,7 @@ import signal
 import sys
 
 from cosyedge_cloud.wire.broker import ensure_broker
+from cosyedge_daemon.api.connection import max_packet_bytes
 from cosyedge_daemon.audio.vad_worker import VadWorker
 from cosyedge_daemon.audio.wiring import open_sink, start_voice_input
 from cosyedge_daemon.cli.default_bundle import ensure_tiny_bundle
@@ -42,7 +43,11 @@ def run_command(args: argparse.Namespace) -> int:
         s: signal.signal(s, lambda n, _f: signals.put(n))
         for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
     }
-    broker = ensure_broker(parse_broker_url(settings.mqtt.broker), settings.mqtt.local_broker)
+    broker = ensure_broker(
+        parse_broker_url(settings.mqtt.broker),
+        settings.mqtt.local_broker,
+        max_packet_bytes(settings.mqtt.max_payload_bytes),
+    )
     voice_input: VadWorker | None = None
     service: Service | None = None
     try:

@@ -25,7 +25,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10 (JetPack 6)
     import tomli as tomllib
 
-_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # fullmatch: no trailing newline
 _RAW_SECTIONS = ("audio", "vad")  # validated by the audio side's settings
 
 
@@ -39,7 +39,7 @@ def parse_broker_url(url: str) -> BrokerAddress:
 
 
 def validate_device_id(device_id: str) -> str:
-    if not _ID_RE.match(device_id):
+    if not _ID_RE.fullmatch(device_id):
         raise ConfigError(
             f"device_id = {device_id!r}: use 1-64 characters of A-Z a-z 0-9 . _ - (it becomes part of "
             "MQTT topics and the client id), starting with a letter or digit"
@@ -99,7 +99,7 @@ def read_toml(path: Path) -> dict[str, Any]:
             return tomllib.load(fh)
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
-    except tomllib.TOMLDecodeError as exc:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:  # TOML is UTF-8 only
         raise ConfigError(f"config file {path}: {exc}") from None
 
 

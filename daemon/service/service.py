@@ -87,6 +87,7 @@ class Service:
             self.cloud = CloudSynthesizer(self.conn, settings.device_id, settings.cloud)
             self.conn.subscriptions += self.cloud.subscriptions()
             self.engines.slots["cloud"].swap(self.cloud)
+        self.intake.set_input_topics(self.conn.subscriptions)
         policy = barge_in or BargeInPolicy(settings.vad_settings)
         self.voice = VoiceLink(
             self.conn,
@@ -152,6 +153,7 @@ class Service:
         """Load the engine (of `bundle`, else the configured one) beside the
         current one, switch, and close the old one when its requests end."""
         thread = threading.Thread(target=self._reload, args=(bundle,), name="engine-reload", daemon=True)
+        self._reload_threads = [t for t in self._reload_threads if t.is_alive()]  # bounded: many reloads
         self._reload_threads.append(thread)
         thread.start()
         return thread

@@ -10,6 +10,7 @@ from types import MappingProxyType
 from typing import Any
 
 from cosyedge_cloud.wire.mqtt import MqttSetupError, parse_broker_url
+from cosyedge_daemon.api.request_policy import topic_problem
 from cosyedge_daemon.audio.settings import AudioSettings, VadSettings
 from cosyedge_daemon.wyoming.settings import SatelliteSettings, WyomingSettings
 from cosyedge_models.settings_schema import setting
@@ -27,11 +28,12 @@ def _broker_ok(url: str) -> bool:
 
 
 def _prefix_ok(prefix: str) -> bool:
-    return not any(c in prefix for c in "+#") and not prefix.endswith("/")
+    return not prefix or (topic_problem(prefix) is None and not prefix.endswith("/"))
 
 
 def _site_ids_ok(sites: tuple[str, ...]) -> bool:
-    return all(site and not any(c in site for c in "/+#") for site in sites)
+    # a siteId becomes one topic level (hermes/audioServer/<siteId>/...): no control characters either
+    return all("/" not in site and topic_problem(site) is None for site in sites)
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,7 @@ class MqttSettings:
     protocol: str = setting("5", "MQTT protocol version", choices=("5", "3.1.1"))
     topic_prefix: str = setting(
         "", "topic prefix; empty: cosyedge/<device_id>",
-        check=_prefix_ok, allowed="topic levels without + # or a trailing /",
+        check=_prefix_ok, allowed="topic levels without + #, control characters or a trailing /",
     )
     username: str = setting("", "user name (empty: anonymous)")
     password: str = setting("", "password (prefer password_file)")
@@ -75,6 +77,12 @@ class MqttSettings:
     )
     inbound_queue: int = setting(
         256, "messages parsed but not yet handled; beyond it: busy", min=1, max=100_000
+    )
+    response_topic_prefix: str = setting(
+        "",
+        "MQTT v5 ResponseTopics must lie below this prefix (empty: any topic except wildcards and the "
+        "daemon's own input topics)",
+        check=_prefix_ok, allowed="topic levels without + #, control characters or a trailing /",
     )
     local_broker: str = setting(
         "auto",
@@ -322,7 +330,7 @@ class HermesSettings:
     enabled: bool = setting(True, "serve Rhasspy Hermes topics (hermes/tts/say, voiceActivity)")
     site_ids: tuple[str, ...] = setting(
         (), "siteIds this device answers for; empty: its device id",
-        check=_site_ids_ok, allowed="siteIds, each non-empty without / + #",
+        check=_site_ids_ok, allowed="siteIds, each non-empty without / + # or control characters",
     )
     output: str = setting(
         "play",

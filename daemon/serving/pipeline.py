@@ -31,6 +31,11 @@ log = logging.getLogger(__name__)
 PLAYBACK = "playback"
 
 
+class DeliveryError(Exception):
+    """Handing a chunk to its responder or the speaker failed: the request's
+    fault or the connection's, never the engine's (its health is not touched)."""
+
+
 def worker_names(count: int) -> list[str]:
     """The synthesis workers' thread names (the health document's `workers` keys)."""
     return [f"synthesis-{n}" for n in range(1, count + 1)]
@@ -212,7 +217,10 @@ class Pipeline:
                     for chunk in engine.for_job(job.id, job.deadline_at)(request, cancel=job.cancel):
                         if job.cancel.is_set():
                             break
-                        self._deliver(job, chunk)
+                        try:
+                            self._deliver(job, chunk)
+                        except Exception as exc:
+                            raise DeliveryError(str(exc)) from exc
                         self._beat()
                 slot.report(True)
                 return None
@@ -220,6 +228,9 @@ class Pipeline:
                 return (exc.code, str(exc))
             except ApiError as exc:
                 return (exc.code, exc.message)
+            except DeliveryError as exc:
+                log.warning("request %s: delivering its audio failed: %s", job.id, exc)
+                return ("delivery_failed", f"delivering the audio failed: {exc}")
             except Exception as exc:
                 if job.cancel.is_set():
                     return None

@@ -22,7 +22,8 @@ from cosyedge_cloud.triton.launcher import (
 )
 
 from tests.cloud_bridge.sine_engine import write_sine_bundle
-from tests.support.broker import Broker, free_port, mosquitto_binary
+from tests.support.broker import Broker, free_port
+from tests.support.components import missing, require_binary
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "systemd" / "mosquitto"
 USERS = {"cosyedge-bridge": "bridge-secret", "devA": "a-secret", "devB": "b-secret"}
@@ -51,8 +52,7 @@ def triton(tiny_bundle: Path) -> Iterator[TritonServer]:
     try:
         dist = find_server()
     except TritonError as exc:
-        print(f"cloud tests skipped: {exc}")
-        pytest.skip(str(exc))
+        missing(f"tritonserver is not available: {exc}")
     with tempfile.TemporaryDirectory(prefix="cosyedge-triton-test-") as tmp:
         root = Path(tmp)
         repo = root / "repository"
@@ -74,8 +74,7 @@ def triton(tiny_bundle: Path) -> Iterator[TritonServer]:
         try:
             server.start()
         except TritonError as exc:
-            print(f"cloud tests skipped: tritonserver did not start: {exc}")
-            pytest.skip(f"tritonserver did not start: {exc}")
+            missing(f"tritonserver did not start: {exc}")
         try:
             yield server
         finally:
@@ -113,8 +112,8 @@ def make_bridge(broker: Broker, triton: TritonServer) -> Iterator[Callable[..., 
 @pytest.fixture()
 def cloud_broker() -> Iterator[Broker]:
     """Mosquitto with authentication and the cloud ACL template."""
-    if mosquitto_binary() is None or subprocess.run(["which", "mosquitto_passwd"], capture_output=True).returncode:
-        pytest.skip("mosquitto / mosquitto_passwd are not installed (apt-get install mosquitto)")
+    require_binary("mosquitto", "apt-get install mosquitto")
+    require_binary("mosquitto_passwd", "apt-get install mosquitto")
     with tempfile.TemporaryDirectory(prefix="cosyedge-cloud-mqtt-") as tmp:
         work = Path(tmp)
         work.chmod(0o755)  # mosquitto started as root reads its files after dropping to its own user

@@ -17,7 +17,8 @@ from cosyedge_cloud.wire.protocol import CloudRequest
 from tests.cloud_bridge.conftest import USERS, bridge_settings, device_broker_conf
 from tests.cloud_bridge.device import Device
 from tests.cloud_bridge.helpers import wait_for
-from tests.support.broker import Broker, mosquitto_binary, running_broker
+from tests.support.broker import Broker, running_broker
+from tests.support.components import require_binary
 
 
 def _device(broker: Broker, user: str, **kw: object) -> Device:
@@ -138,12 +139,11 @@ def _make_certs(work: Path) -> tuple[Path, Path, Path]:
 
 def test_tls_between_bridge_broker_and_device(triton, capsys) -> None:  # type: ignore[no-untyped-def]
     import json
-    import shutil
 
     from cosyedge_cloud.tools.probe import main as probe_main
 
-    if shutil.which("openssl") is None or mosquitto_binary() is None:
-        pytest.skip("openssl and mosquitto are needed")
+    require_binary("openssl", "apt-get install openssl")
+    require_binary("mosquitto", "apt-get install mosquitto")
     with tempfile.TemporaryDirectory(prefix="cosyedge-tls-") as tmp:
         work = Path(tmp)
         work.chmod(0o755)

@@ -4,7 +4,6 @@ real Mosquitto of the `broker` fixture, and a probe client."""
 
 from __future__ import annotations
 
-import shutil
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -20,13 +19,13 @@ from cosyedge_models.synthesis.api import Synthesizer
 
 from tests.daemon.mqtt_probe import Probe
 from tests.support.broker import Broker
+from tests.support.components import require_binary
 
 SynthesizerFactory = Callable[[], Synthesizer]
 
 
 def _espeak() -> Synthesizer:
-    if shutil.which("espeak-ng") is None:
-        pytest.skip("espeak-ng is not installed (apt-get install espeak-ng); .ci/setup installs it")
+    require_binary("espeak-ng", "apt-get install espeak-ng")
     return EspeakSynthesizer(voice="en-us", sample_rate=24000)
 
 

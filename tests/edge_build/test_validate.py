@@ -22,6 +22,7 @@ def test_intact_bundle_passes_and_matches_the_official_pipeline(tiny_bundle: Pat
     res = _validate(tiny_bundle, "--model-dir", str(tiny_model_dir))
     assert res.returncode == 0, res.stderr
     assert "bundle OK" in res.stdout and "official pipeline" in res.stdout and "same length True" in res.stdout
+    assert "same tokens True" in res.stdout
 
 
 def test_a_changed_file_fails_validation(tiny_bundle: Path, tmp_path: Path) -> None:

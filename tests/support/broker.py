@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -89,6 +90,10 @@ class Broker:
 @contextmanager
 def running_broker(extra_conf: str = "") -> Iterator[Broker]:
     with tempfile.TemporaryDirectory(prefix="cosyedge-mqtt-") as tmp:
+        # mosquitto started as root drops to its own user: without write access to
+        # its persistence_location it keeps no sessions or retained messages across
+        # a restart ("Error saving in-memory database ... Permission denied").
+        os.chmod(tmp, 0o777)
         broker = Broker(Path(tmp), extra_conf=extra_conf)
         broker.start()
         try:

@@ -9,14 +9,18 @@ import io
 import json
 import wave
 
-import pytest
 from cosyedge_daemon.audio.interfaces import VadEvent
 
 from tests.daemon.conftest import DaemonFactory
 from tests.daemon.memory_sink import MemorySink
+from tests.support.components import missing
 
-tts = pytest.importorskip("rhasspyhermes.tts", reason="pip install rhasspy-hermes==0.6.2 --no-deps")
-audioserver = pytest.importorskip("rhasspyhermes.audioserver")
+try:  # the Hermes payload classes (test only; .ci/requirements-nodeps.txt)
+    import rhasspyhermes.audioserver as audioserver
+    import rhasspyhermes.tts as tts
+except ImportError as exc:
+    missing(f"rhasspy-hermes does not import ({exc}); pip install --no-deps rhasspy-hermes==0.6.2 "
+            "(and audioop-lts on Python 3.13+)")
 
 
 def _say(site: str, rid: str | None, session: str | None = "sess-1", text: str = "Hello from Hermes.") -> str:

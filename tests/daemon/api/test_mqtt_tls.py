@@ -18,14 +18,15 @@ from cosyedge_cloud.wire.mqtt import MqttOptions, connect, make_client
 from cosyedge_daemon.service.service import Service
 
 from tests.daemon.conftest import SynthesizerFactory, make_settings
-from tests.support.broker import free_port, mosquitto_binary, wait_for_port
+from tests.support.broker import free_port, wait_for_port
+from tests.support.components import require_binary
 
 
 @pytest.fixture()
 def tls_broker() -> Iterator[tuple[int, Path]]:
-    binary = mosquitto_binary()
-    if binary is None or not shutil.which("openssl") or not shutil.which("mosquitto_passwd"):
-        pytest.skip("needs mosquitto, mosquitto_passwd and openssl")
+    binary = require_binary("mosquitto", "apt-get install mosquitto")
+    require_binary("mosquitto_passwd", "apt-get install mosquitto")
+    require_binary("openssl", "apt-get install openssl")
     work = Path(tempfile.mkdtemp(prefix="cosyedge-tls-"))
     os.chmod(work, 0o755)  # mosquitto started as root reads its files as user mosquitto
     subprocess.run(

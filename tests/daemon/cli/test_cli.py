@@ -17,6 +17,7 @@ from cosyedge_daemon.service.config import parse_broker_url
 
 from tests.daemon.conftest import DaemonFactory
 from tests.support.broker import free_port, mosquitto_binary
+from tests.support.components import require_binary
 
 
 def _say_args(broker: str, device: str, **kw: object) -> argparse.Namespace:
@@ -129,8 +130,7 @@ def test_tensorrt_stubs_are_not_tensorrt() -> None:
 
 
 def test_private_broker_started_only_when_needed() -> None:
-    if mosquitto_binary() is None:
-        pytest.skip("mosquitto is not installed")
+    require_binary("mosquitto", "apt-get install mosquitto")
     port = free_port()
     broker = ensure_broker(parse_broker_url(f"mqtt://localhost:{port}"), "auto")
     assert broker is not None

@@ -20,17 +20,15 @@ import pytest
 from cosyedge_cloud.wire.mqtt import MqttOptions, connect, make_client
 from paho.mqtt.enums import CallbackAPIVersion
 
-from tests.support.broker import free_port, mosquitto_binary, wait_for_port
+from tests.support.broker import free_port, wait_for_port
+from tests.support.components import require_binary
 
 ROOT = Path(__file__).resolve().parents[3]
 SYSTEMD = ROOT / "systemd"
 
 
 def _need(tool: str) -> str:
-    path = shutil.which(tool)
-    if path is None:
-        pytest.skip(f"{tool} is not installed (Debian package systemd)")
-    return path
+    return require_binary(tool, "apt-get install systemd")
 
 
 def test_unit_verifies(tmp_path: Path) -> None:
@@ -112,9 +110,8 @@ def readable_dir() -> Iterator[Path]:
 
 
 def test_mosquitto_config_starts_and_acls_separate_devices(readable_dir: Path) -> None:
-    binary = mosquitto_binary()
-    if binary is None or shutil.which("mosquitto_passwd") is None:
-        pytest.skip("mosquitto is not installed (apt-get install mosquitto)")
+    binary = require_binary("mosquitto", "apt-get install mosquitto")
+    require_binary("mosquitto_passwd", "apt-get install mosquitto")
     port = free_port()
     tmp_path = readable_dir
     conf_d = tmp_path / "conf.d"

@@ -8,7 +8,6 @@ import time
 from typing import Any
 
 import numpy as np
-import pytest
 from cosyedge_daemon.api.tts_messages import TtsRequest
 from cosyedge_daemon.service.settings import RoutingSettings, SchedulerSettings
 from cosyedge_daemon.serving.answer import Completer
@@ -17,9 +16,9 @@ from cosyedge_daemon.serving.pipeline import Pipeline
 from cosyedge_daemon.serving.scheduler import Scheduler
 from cosyedge_daemon.synthesizers.espeak import EspeakSynthesizer
 from cosyedge_daemon.synthesizers.routing import Router, SynthesizerSet
-from cosyedge_models.errors import SynthesisError
 
 from tests.daemon.memory_sink import MemorySink
+from tests.support.components import require_binary
 
 
 class Recorder:
@@ -52,10 +51,8 @@ class HintedEspeak(EspeakSynthesizer):
 
 
 def _pipeline(settings: SchedulerSettings, sink: MemorySink | None = None) -> tuple[Pipeline, HintedEspeak]:
-    try:
-        engine = HintedEspeak()
-    except SynthesisError as exc:
-        pytest.skip(str(exc))
+    require_binary("espeak-ng", "apt-get install espeak-ng")
+    engine = HintedEspeak()
     scheduler = Scheduler(settings)
     engines = SynthesizerSet(RoutingSettings())
     engines.slots["local"].swap(engine)

@@ -13,6 +13,8 @@ from cosyedge_daemon.synthesizers.espeak import EspeakSynthesizer
 from cosyedge_daemon.synthesizers.routing import RouteDecision, Router, SynthesizerSet, count_tokens
 from cosyedge_models.synthesis.api import PromptAudio
 
+from tests.support.components import require_binary
+
 
 class Clock:
     def __init__(self) -> None:
@@ -33,10 +35,8 @@ class Unreachable(EspeakSynthesizer):
 
 @pytest.fixture()
 def espeak() -> EspeakSynthesizer:
-    try:
-        return EspeakSynthesizer()
-    except Exception as exc:  # not installed here
-        pytest.skip(str(exc))
+    require_binary("espeak-ng", "apt-get install espeak-ng")
+    return EspeakSynthesizer()
 
 
 def make(espeak: EspeakSynthesizer, *, cloud: bool = True, load: tuple[int, float] = (0, 0.0), **rules: object):

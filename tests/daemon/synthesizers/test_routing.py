@@ -10,14 +10,13 @@ from cosyedge_daemon.synthesizers.espeak import EspeakSynthesizer
 from cosyedge_daemon.synthesizers.routing import RouteDecision, Router, SynthesizerSet
 from cosyedge_models.synthesis.api import AudioChunk, SynthesisRequest
 
+from tests.support.components import require_binary
+
 
 @pytest.fixture()
 def espeak() -> EspeakSynthesizer:
-    pytest.importorskip("soxr")
-    try:
-        return EspeakSynthesizer()
-    except Exception as exc:  # not installed here
-        pytest.skip(str(exc))
+    require_binary("espeak-ng", "apt-get install espeak-ng")
+    return EspeakSynthesizer()
 
 
 class Tracked(EspeakSynthesizer):
@@ -97,10 +96,7 @@ def test_after_failure_rules(espeak: EspeakSynthesizer) -> None:
 
 
 def test_swap_closes_old_engine_after_its_last_lease() -> None:
-    try:
-        old, new = Tracked(), Tracked()
-    except Exception as exc:
-        pytest.skip(str(exc))
+    old, new = Tracked(), Tracked()
     engines = SynthesizerSet(RoutingSettings())
     slot = engines.slots["local"]
     slot.swap(old)

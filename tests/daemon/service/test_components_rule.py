@@ -1,0 +1,36 @@
+"""The one rule for components that .ci/setup installs: skip locally, fail in CI."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.support.components import require_binary
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_missing_component_skips_locally_and_fails_in_ci(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="no-such-tool-x is not installed"):
+        require_binary("no-such-tool-x", "apt-get install x")
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="CI=true"):
+        require_binary("no-such-tool-x", "apt-get install x")
+    assert require_binary("sh", "-").endswith("/sh")
+
+
+def test_triton_setup_fails_loudly_in_ci_where_it_would_skip(tmp_path: Path) -> None:
+    """A Python without libpython: locally the hook skips (exit 0), with CI=true it fails."""
+    fake = tmp_path / "python3"
+    fake.write_text('#!/bin/sh\ncase "$*" in *Py_ENABLE_SHARED*) echo 0;; *) exec python3 "$@";; esac\n')
+    fake.chmod(0o755)
+    hook = ROOT / ".ci" / "setup.d" / "triton.sh"
+    local = subprocess.run(["bash", str(hook)], env={"PATH": "/usr/bin:/bin", "PYTHON": str(fake)},
+                           capture_output=True, text=True, timeout=60)
+    ci = subprocess.run(["bash", str(hook)], env={"PATH": "/usr/bin:/bin", "PYTHON": str(fake), "CI": "true"},
+                        capture_output=True, text=True, timeout=60)
+    assert local.returncode == 0 and "skipping" in local.stderr
+    assert ci.returncode == 1 and "ERROR (CI=true)" in ci.stderr
