@@ -30,49 +30,34 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 import paho.mqtt.client as mqtt
 from cosyedge_cloud.bridge.admission import Admission, Key, Verdict
+from cosyedge_cloud.bridge.jobs import Job, first_chunk_deadline
 from cosyedge_cloud.bridge.metrics import BridgeMetrics
 from cosyedge_cloud.bridge.settings import BridgeSettings
 from cosyedge_cloud.bridge.versions import VersionSelector
 from cosyedge_cloud.triton.stream import SynthesisFailed, TritonStreamer
 from cosyedge_cloud.wire.mqtt import (
     MqttOptions,
-    ReceivedProperties,
     connect,
     make_client,
     publish_properties,
     received_properties,
 )
 from cosyedge_cloud.wire.protocol import (
-    CloudRequest,
     CloudTopics,
     ProtocolError,
     encode_audio,
     encode_done,
     encode_error,
-    now_unix_ms,
     parse_request,
     peek_request_id,
 )
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Job:
-    key: Key
-    device_id: str
-    request: CloudRequest
-    received: float  # time.monotonic()
-    first_chunk_by: float | None  # time.monotonic(); None: no deadline
-    redelivered: bool
-    correlation: bytes | None = None
-    cancel: threading.Event = field(default_factory=threading.Event)
 
 
 class BridgeService:
@@ -248,7 +233,7 @@ class BridgeService:
             )
             return
         now = time.monotonic()
-        first_chunk_by = self._first_chunk_by(request, props, now)
+        first_chunk_by = first_chunk_deadline(request, props, now)
         if first_chunk_by is not None and first_chunk_by <= now:
             late_ms = (now - first_chunk_by) * 1e3
             self._reject(
@@ -295,17 +280,6 @@ class BridgeService:
         self.metrics.rejected.labels(code).inc()
         self._reply_error(device, request_id, code, message, correlation)
         self._ack(msg.mid, msg.qos)
-
-    @staticmethod
-    def _first_chunk_by(request: CloudRequest, props: ReceivedProperties, now: float) -> float | None:
-        limits = []
-        expiry = props.message_expiry_s
-        if expiry is not None:
-            # what is left of the expiry when the broker forwarded it: no clock sync needed
-            limits.append(now + float(expiry))
-        if request.deadline_unix_ms is not None:
-            limits.append(now + (request.deadline_unix_ms - now_unix_ms()) / 1e3)
-        return min(limits) if limits else None
 
     # --- workers -------------------------------------------------------------------------------
     def _work(self) -> None:

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from cosyedge_models.synthesis.api import MODES, PromptAudio, SynthesisRequest
+from cosyedge_models.synthesis.api import PromptAudio, SynthesisRequest
+from cosyedge_models.synthesis.modes import MODES
 
 INPUTS = ("TEXT", "PARAMS", "PROMPT_PCM", "PROMPT_SAMPLE_RATE")
 OUTPUTS = ("AUDIO", "SAMPLE_RATE", "CHUNK_INDEX", "LAST", "TIMES")

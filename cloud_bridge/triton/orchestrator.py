@@ -88,7 +88,7 @@ def engine_kwargs(params: dict[str, str], backend: str) -> dict[str, Any]:
     llm, flow = batching("LLM"), batching("FLOW")
     if llm is None and flow is None:
         return {}
-    from cosyedge_models.synthesis.synthesizer import SynthesisSettings
+    from cosyedge_models.synthesis.settings import SynthesisSettings
 
     return {"settings": SynthesisSettings(backend=backend, batching=llm, flow_batching=flow)}
 

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
-from cosyedge_models.synthesis.api import MODES, PROMPT_MODES
+from cosyedge_models.synthesis.modes import MODES, PROMPT_MODES
 
 PROTOCOL_VERSION = 1
 NO_ID = "_"

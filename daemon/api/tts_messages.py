@@ -17,7 +17,8 @@ from cosyedge_cloud.wire.protocol import pack_audio_header, pcm16_bytes, unpack_
 from cosyedge_daemon.api.connection import Reply
 from cosyedge_daemon.api.request_policy import ID_ALPHABET, clip, leading_id, valid_id
 from cosyedge_daemon.service.settings import PRIORITY_MAX, PRIORITY_MIN
-from cosyedge_models.synthesis.api import MODES, PROMPT_MODES, Mode, PromptAudio, SynthesisRequest
+from cosyedge_models.synthesis.api import Mode, PromptAudio, SynthesisRequest
+from cosyedge_models.synthesis.modes import MODES, PROMPT_MODES
 
 Output = Literal["play", "publish", "both"]
 Route = Literal["auto", "local", "cloud"]

@@ -11,13 +11,16 @@ import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from cosyedge_build.quantize.settings import PRECISIONS, AccuracyBudget, QuantizeSettings
+if TYPE_CHECKING:
+    from cosyedge_build.quantize.settings import QuantizeSettings
 
 
 def add_quantize_arguments(p: argparse.ArgumentParser) -> None:
     """The options beyond --bundle (safe to call on a parser that has --bundle)."""
+    from cosyedge_build.quantize.settings import PRECISIONS, AccuracyBudget, QuantizeSettings  # the build extra
+
     if not any("--bundle" in a.option_strings for a in p._actions):
         p.add_argument("--bundle", required=True, help="fp32 bundle directory (read only)")
     d = AccuracyBudget()
@@ -37,10 +40,14 @@ def add_quantize_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-e2e-match", type=float, default=d.e2e_match_min,
                    help="mean fraction of speech tokens equal to fp32's before the first difference")
     p.add_argument("--force", action="store_true", help="write the bundle even if it misses the budget")
+    p.add_argument("--max-memory-gb", type=float, default=None,
+                   help="refuse to start when the estimated peak memory exceeds this (free memory is always checked)")
 
 
 def settings_from_args(args: argparse.Namespace) -> QuantizeSettings:
     """Options left out or None take the defaults (the `cosyedge` parser leaves them None)."""
+    from cosyedge_build.quantize.settings import AccuracyBudget, QuantizeSettings
+
     d, q = AccuracyBudget(), QuantizeSettings()
 
     def opt(name: str, default: Any) -> Any:
@@ -57,7 +64,8 @@ def settings_from_args(args: argparse.Namespace) -> QuantizeSettings:
                             held_out_size=opt("held_out_size", q.held_out_size),
                             feeds_per_stage=opt("feeds_per_stage", q.feeds_per_stage),
                             calibration_method=opt("calibration_method", q.calibration_method),
-                            force=bool(getattr(args, "force", False)), budget=budget)
+                            force=bool(getattr(args, "force", False)), budget=budget,
+                            max_memory_gb=opt("max_memory_gb", None))
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -79,6 +87,11 @@ def format_report(report: dict[str, Any]) -> str:
             lines.append(f"  {unit['unit']}: kept in fp32: {', '.join(unit['excluded_groups']) or 'nothing'}")
     for stage, s in report["sizes"].items():
         lines.append(f"  {stage:16} {s['fp32_bytes'] / 1e6:9.2f} MB -> {s['variant_bytes'] / 1e6:9.2f} MB")
+    mem = report.get("memory")
+    if mem:
+        lines.append(f"  peak RSS {mem['peak_rss_bytes'] / (1 << 30):.2f} GiB "
+                     f"(estimated before the run: {mem['estimate']['peak_bytes'] / (1 << 30):.2f} GiB, "
+                     f"{mem['estimate']['peak_phase']})")
     return "\n".join(lines)
 
 

@@ -11,7 +11,7 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
-from cosyedge_models.synthesis.api import MODES
+from cosyedge_models.synthesis.modes import MODES
 
 # subcommand -> "module:function"; the function takes the parsed arguments
 # and returns the process exit status.
@@ -103,6 +103,8 @@ def _add_build(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--min-e2e-match", type=float, default=None,
                    help="budget: share of speech tokens equal to fp32 under seeded sampling (default 0.5)")
     q.add_argument("--force", action="store_true", help="write the bundle even if it misses the budget")
+    q.add_argument("--max-memory-gb", type=float, default=None,
+                   help="refuse to start when the estimated peak memory exceeds this (free memory is always checked)")
     g = bs.add_parser("engines", help="build TensorRT engines for a bundle (on the board)")
     g.add_argument("--bundle", required=True)
     g.add_argument("--precision", choices=["fp32", "fp16", "int8"],
@@ -164,6 +166,11 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                         "--static-flow-windows; single streams: concurrent ones fail on onnxruntime 1.31)")
     p.add_argument("--first-hop", metavar="N[,M..]",
                    help="also measure time to first audio for these first hops (speech tokens)")
+    p.add_argument("--project", action="store_true",
+                   help="print the Jetson projection (per-stage time, first audio and RTF per board and precision, "
+                        "from the graphs' FLOPs and bytes and the boards' published peaks) and exit")
+    p.add_argument("--project-prompt-tokens", type=int, default=None,
+                   help="with --project: LLM prompt length to price (default 30: sos + text + task)")
     p.add_argument("--compare", "--bundles", dest="compare", metavar="B1,B2,..",
                    help="also measure these bundles (e.g. fp32/fp16/int8 from build quantize) on the same backend")
     p.add_argument("--long-seconds", type=float, default=20.0,

@@ -11,7 +11,8 @@ from typing import cast
 import numpy as np
 import soundfile as sf
 from cosyedge_models.synthesis.api import Mode, PromptAudio, SynthesisRequest
-from cosyedge_models.synthesis.synthesizer import SynthesisSettings, load_synthesizer
+from cosyedge_models.synthesis.settings import SynthesisSettings
+from cosyedge_models.synthesis.synthesizer import load_synthesizer
 
 
 def synth_command(args: argparse.Namespace) -> int:

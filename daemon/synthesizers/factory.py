@@ -25,7 +25,8 @@ def load_local_synthesizer(settings: Settings, bundle: str | None = None) -> Ser
     path = Path(bundle or tts.bundle)
     # lazily: the CosyVoice runtime (onnxruntime, tokenizers)
     from cosyedge_models.batching.policy import BatchSettings
-    from cosyedge_models.synthesis.synthesizer import SynthesisSettings, load_synthesizer
+    from cosyedge_models.synthesis.settings import SynthesisSettings
+    from cosyedge_models.synthesis.synthesizer import load_synthesizer
 
     batching = BatchSettings(max_batch_size=tts.llm_max_batch_size, max_queue_delay_ms=tts.llm_max_queue_delay_ms) \
         if tts.llm_max_batch_size else None

@@ -29,9 +29,12 @@ def export_bundle(model_dir: Path, out: Path, static_decode_len: int = 0,
         hift,
         hyperparams,
         llm,
+        shared_weights,
         tokenizer,
         voices,
     )
+    from cosyedge_build.export.shared_weights import SHARED_LLM_FILE
+    from cosyedge_models.tools.progress import StageProgress
 
     model_dir, out = Path(model_dir), Path(out)
     check_new_dir(out, "bundle")
@@ -39,27 +42,36 @@ def export_bundle(model_dir: Path, out: Path, static_decode_len: int = 0,
     refs = reference.load_reference(model_dir)
     with scratch_for(out) as scratch:
         hyper = hyperparams.collect(refs)
-        stages, arrays = llm.export_llm(refs.llm, scratch, static_decode_len)
-        stages.append(flow_encoder.export_flow_encoder(refs.flow, scratch))
-        estimator_stage, noise = flow_estimator.export_flow_estimator(refs.flow, scratch)
-        stages.append(estimator_stage)
-        if static_flow_windows:
-            chunk = int(hyper["flow"]["chunk_tokens"]) * int(hyper["token_mel_ratio"])  # as FlowStream
-            stages.extend(flow_static.export_static_estimators(refs.flow, scratch, list(static_flow_windows),
-                                                               static_flow_cache, chunk))
-        arrays["flow_noise"] = noise
-        stages.extend(hift.export_hift(refs.hift, scratch))
-        stages.extend(bundle.carry_onnx(model_dir, scratch))
-        tok = tokenizer.export_tokenizer(model_dir, scratch)
-        voice_map = voices.export_voices(model_dir, scratch, hyper["mel_bins"], tok[0])
-        bundle.write_manifest(
-            scratch,
-            model_dir=model_dir,
-            hyper=hyper,
-            stages=stages,
-            arrays=arrays,
-            tokenizer=tok,
-            voices=voice_map,
-        )
+        with StageProgress("export", 7) as progress:
+            stages, arrays = llm.export_llm(refs.llm, scratch, static_decode_len)
+            progress.advance("LLM graphs")
+            shared_weights.share_llm_stages(scratch, stages, SHARED_LLM_FILE)
+            progress.advance("LLM weights shared")
+            stages.append(flow_encoder.export_flow_encoder(refs.flow, scratch))
+            progress.advance("flow encoder")
+            estimator_stage, noise = flow_estimator.export_flow_estimator(refs.flow, scratch)
+            stages.append(estimator_stage)
+            arrays["flow_noise"] = noise
+            if static_flow_windows:
+                chunk = int(hyper["flow"]["chunk_tokens"]) * int(hyper["token_mel_ratio"])  # as FlowStream
+                stages.extend(flow_static.export_static_estimators(refs.flow, scratch, list(static_flow_windows),
+                                                                   static_flow_cache, chunk))
+            progress.advance("flow estimator")
+            stages.extend(hift.export_hift(refs.hift, scratch))
+            progress.advance("vocoder")
+            stages.extend(bundle.carry_onnx(model_dir, scratch))
+            tok = tokenizer.export_tokenizer(model_dir, scratch)
+            voice_map = voices.export_voices(model_dir, scratch, hyper["mel_bins"], tok[0])
+            progress.advance("tokenizer, carried models, voices")
+            bundle.write_manifest(
+                scratch,
+                model_dir=model_dir,
+                hyper=hyper,
+                stages=stages,
+                arrays=arrays,
+                tokenizer=tok,
+                voices=voice_map,
+            )
+            progress.advance("manifest")
     log.info("exported %s to %s in %.1f s", model_dir, out, time.monotonic() - started)
     return out

@@ -13,7 +13,8 @@ from cosyedge_build.quantize.settings import AccuracyBudget
 from cosyedge_models.synthesis.api import SynthesisRequest
 from cosyedge_models.synthesis.llm import LlmInput
 from cosyedge_models.synthesis.sampling import TokenSampler
-from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, SynthesisSettings, load_synthesizer
+from cosyedge_models.synthesis.settings import SynthesisSettings
+from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, load_synthesizer
 
 
 def _inputs(engine: CosyVoiceSynthesizer, text: str) -> tuple[list[LlmInput], Any]:

@@ -4,17 +4,19 @@ their feeds, and a driver that runs the fp32 pipeline over texts."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from cosyedge_build.quantize.feed_files import DiskFeeds
 from cosyedge_models.backends.base import Backend, DecodeLoop, HostDecodeLoop, Session
 from cosyedge_models.backends.factory import create_backend
 from cosyedge_models.backends.flow_cache import HostStepCache, StepCache, StepCacheSpec
 from cosyedge_models.bundle.loader import load_bundle
 from cosyedge_models.synthesis.api import SynthesisRequest
-from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, SynthesisSettings
+from cosyedge_models.synthesis.settings import SynthesisSettings
+from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer
 
 log = logging.getLogger(__name__)
 
@@ -25,27 +27,53 @@ Feed = dict[str, np.ndarray]
 class FeedStore:
     """Feeds per stage, at most `cap` each: every call is counted, and once the
     cap is reached a new feed replaces a random earlier one (reservoir
-    sampling), so long decode loops do not crowd out short ones."""
+    sampling), so long decode loops do not crowd out short ones. With
+    `directory` the kept feeds are written there and read back one at a time
+    (`DiskFeeds`); without, they are held in memory."""
 
     cap: int
     seed: int = 0
-    feeds: dict[str, list[Feed]] = field(default_factory=dict)
+    directory: Path | None = None
+    feeds: dict[str, Sequence[Feed]] = field(default_factory=dict)
     seen: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._rng = np.random.default_rng(self.seed)
 
+    def _kept(self, stage: str) -> Sequence[Feed]:
+        if stage not in self.feeds:
+            self.feeds[stage] = DiskFeeds(self.directory / stage) if self.directory is not None else []
+        return self.feeds[stage]
+
     def add(self, stage: str, feed: Mapping[str, np.ndarray]) -> None:
         n = self.seen.get(stage, 0)
         self.seen[stage] = n + 1
-        kept = self.feeds.setdefault(stage, [])
+        kept = self._kept(stage)
+        slot = len(kept)
+        if slot >= self.cap:
+            j = int(self._rng.integers(n + 1))
+            if j >= self.cap:
+                return
+            slot = j
+        if isinstance(kept, DiskFeeds):
+            kept.put(slot, feed)
+            return
+        assert isinstance(kept, list)
         copy = {k: np.array(v, copy=True) for k, v in feed.items()}
-        if len(kept) < self.cap:
+        if slot == len(kept):
             kept.append(copy)
         else:
-            j = int(self._rng.integers(n + 1))
-            if j < self.cap:
-                kept[j] = copy
+            kept[slot] = copy
+
+    def nbytes(self) -> int:
+        """Bytes of the kept feeds (on disk or in memory)."""
+        total = 0
+        for kept in self.feeds.values():
+            if isinstance(kept, DiskFeeds):
+                total += kept.nbytes()
+            else:
+                total += sum(v.nbytes for f in kept for v in f.values())
+        return total
 
 
 class CapturingSession:
@@ -89,10 +117,12 @@ class CapturingBackend:
         return self._inner.describe()
 
 
-def capture_feeds(bundle_dir: Path, texts: Sequence[str], cap_per_stage: int, seed: int = 0) -> FeedStore:
+def capture_feeds(bundle_dir: Path, texts: Sequence[str], cap_per_stage: int, seed: int = 0,
+                  directory: Path | None = None, on_text: Callable[[int], None] | None = None) -> FeedStore:
     """Synthesize every text with the fp32 bundle (streaming and offline
-    alternately, so both flow paths are seen) and keep the stage feeds."""
-    store = FeedStore(cap=cap_per_stage, seed=seed)
+    alternately, so both flow paths are seen) and keep the stage feeds (in
+    `directory` when given; `on_text(i)` after text i, for progress)."""
+    store = FeedStore(cap=cap_per_stage, seed=seed, directory=directory)
     bundle = load_bundle(bundle_dir, precision="fp32")
     # Serial stages: with overlap the LLM's and the flow's feeds would reach the
     # store's reservoir sampler in a thread-dependent order (irreproducible calibration).
@@ -103,6 +133,8 @@ def capture_feeds(bundle_dir: Path, texts: Sequence[str], cap_per_stage: int, se
             request = SynthesisRequest(text=text, stream=i % 2 == 0, seed=seed + i)
             for _ in engine.synthesize(request):
                 pass
+            if on_text is not None:
+                on_text(i)
     finally:
         engine.close()
     log.info("captured feeds: %s", {k: f"{len(v)}/{store.seen[k]}" for k, v in store.feeds.items()})

@@ -5,7 +5,7 @@ the stage meets its budget."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,6 +17,7 @@ from cosyedge_build.quantize.int8 import quantize_int8
 from cosyedge_build.quantize.metrics import logits_cosine, snr_db, top1_agreement
 from cosyedge_build.quantize.policy import UnitPolicy, groups_in
 from cosyedge_build.quantize.settings import AccuracyBudget
+from cosyedge_models.tools.progress import StageProgress
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ def _outputs(path: Path, feeds: Sequence[Feed]) -> list[np.ndarray]:
 
 
 def stage_metrics(unit: UnitPolicy, reference: dict[str, list[np.ndarray]], paths: dict[str, Path],
-                  feeds: dict[str, list[Feed]]) -> dict[str, float]:
+                  feeds: Mapping[str, Sequence[Feed]]) -> dict[str, float]:
     """The unit's error on `feeds` against the fp32 outputs `reference`."""
     if unit.name == "llm":
         cos, top1 = [], []
@@ -83,8 +84,9 @@ class UnitResult:
     paths: dict[str, Path] = field(default_factory=dict)
 
 
-def quantize_unit(unit: UnitPolicy, bundle: Path, work: Path, calib: dict[str, list[Feed]],
-                  held_out: dict[str, list[Feed]], budget: AccuracyBudget, method: str, out_dir: Path) -> UnitResult:
+def quantize_unit(unit: UnitPolicy, bundle: Path, work: Path, calib: Mapping[str, Sequence[Feed]],
+                  held_out: Mapping[str, Sequence[Feed]], budget: AccuracyBudget, method: str, out_dir: Path,
+                  progress: StageProgress | None = None) -> UnitResult:
     """Quantize the unit's graphs; the chosen ones end up as out_dir/<stage>.int8.onnx."""
     models = {s: onnx.load(str(bundle / f"{s}.onnx"), load_external_data=False) for s in unit.stages}
     groups: dict[str, list[str]] = {}
@@ -101,7 +103,10 @@ def quantize_unit(unit: UnitPolicy, bundle: Path, work: Path, calib: dict[str, l
         for s in unit.stages:
             # The final graphs are written in place (big ones carry external data named after them).
             paths[s] = out_dir / f"{s}.int8.onnx" if tag == "final" else work / f"{s}.{tag}.int8.onnx"
-            quantize_int8(bundle / f"{s}.onnx", paths[s], calib[s], exclude, method)
+            # one calibration per graph: every build reuses its ranges
+            quantize_int8(bundle / f"{s}.onnx", paths[s], calib[s], exclude, method, work / f"{s}.ranges.json")
+        if progress is not None:
+            progress.advance(f"{unit.name} {tag}")
         return paths, exclude
 
     candidates = [g for g in groups if g not in unit.always_fp32]

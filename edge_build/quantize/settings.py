@@ -44,12 +44,19 @@ class QuantizeSettings:
     seed: int = 0
     force: bool = False
     budget: AccuracyBudget = field(default_factory=AccuracyBudget)
+    max_memory_gb: float | None = None  # refuse to start above this estimated peak (besides free memory)
+
+    @property
+    def max_memory_bytes(self) -> int | None:
+        return None if self.max_memory_gb is None else int(self.max_memory_gb * (1 << 30))
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.calibration_method not in ("minmax", "percentile"):
             raise ValueError(f"calibration_method must be minmax or percentile, got {self.calibration_method!r}")
+        if self.max_memory_gb is not None and not self.max_memory_gb > 0:
+            raise ValueError(f"max_memory_gb must be > 0, got {self.max_memory_gb}")
         for name in ("calibration_size", "held_out_size", "feeds_per_stage"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -17,7 +17,9 @@ from cosyedge_models.bundle.loader import STAGES, sha256_file
 def link_bundle(src: Path, dst: Path) -> None:
     """Hard-link every file of `src` into `dst` (copy across file systems),
     except manifest.json, which is copied (it is rewritten, and a link would
-    share the inode: writing it would change the source bundle)."""
+    share the inode: writing it would change the source bundle), and the
+    graphs' external weight files (`*.bin`, `*.data`), which onnx reads only
+    from files with one link."""
     for path in src.rglob("*"):
         rel = path.relative_to(src)
         target = dst / rel
@@ -25,7 +27,9 @@ def link_bundle(src: Path, dst: Path) -> None:
             target.mkdir(parents=True, exist_ok=True)
             continue
         target.parent.mkdir(parents=True, exist_ok=True)
-        if rel == Path("manifest.json"):
+        # manifest.json is rewritten; onnx refuses external weight data with
+        # several hard links (a hardlink-attack guard), so those are copied too
+        if rel == Path("manifest.json") or path.suffix in (".bin", ".data"):
             shutil.copyfile(path, target)
             continue
         try:

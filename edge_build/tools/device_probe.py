@@ -26,7 +26,8 @@ from typing import Any
 import numpy as np
 from cosyedge_models.synthesis.api import SynthesisRequest
 from cosyedge_models.synthesis.flow import CFG_BATCH
-from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, SynthesisSettings, load_synthesizer
+from cosyedge_models.synthesis.settings import SynthesisSettings
+from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, load_synthesizer
 from cosyedge_models.tools.ort_profile import PROFILE_ENV, render, summarize_dir
 
 log = logging.getLogger(__name__)

@@ -31,7 +31,8 @@ from typing import Any
 import numpy as np
 from cosyedge_models.backends.base import Session
 from cosyedge_models.synthesis.api import SynthesisRequest
-from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, SynthesisSettings, load_synthesizer
+from cosyedge_models.synthesis.settings import SynthesisSettings
+from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, load_synthesizer
 from cosyedge_models.synthesis.vocoder import HiftVocoder
 
 log = logging.getLogger(__name__)

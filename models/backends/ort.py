@@ -13,6 +13,7 @@ from cosyedge_models.backends.base import DecodeLoop, HostDecodeLoop, Session
 from cosyedge_models.backends.flow_cache import HostStepCache, StepCache, StepCacheSpec
 from cosyedge_models.backends.ort_cache import BoundCacheFactory
 from cosyedge_models.backends.profiling import profile_dir
+from cosyedge_models.backends.shared_weights import SharedWeights, SharedWeightsRegistry
 from cosyedge_models.bundle.loader import STATIC_FLOW_PREFIX
 from cosyedge_models.errors import BundleError, SynthesisError
 
@@ -40,8 +41,21 @@ def cudnn_options() -> dict[str, str]:
 
 class OrtSession:
     def __init__(self, name: str, path: Path, providers: Sequence[str], device_id: int, threads: int | None,
-                 cuda_graph: bool = False) -> None:
+                 cuda_graph: bool = False, shared: SharedWeights | None = None,
+                 registry: SharedWeightsRegistry | None = None) -> None:
         opts = ort.SessionOptions()
+        self._shared, self._registry = shared, registry
+        self._counts_shared = False
+        if shared is not None:
+            # The same host buffers for every session of the LLM (one copy of
+            # the weights). Prepacking would give each session its own packed
+            # copy of every MatMul weight, so it is off for these sessions.
+            if not shared.values:
+                shared.values.update({k: ort.OrtValue.ortvalue_from_numpy(v) for k, v in shared.arrays.items()})
+                self._counts_shared = True
+            for key, value in shared.values.items():
+                opts.add_initializer(key, value)
+            opts.add_session_config_entry("session.disable_prepacking", "1")
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         if threads:
             opts.intra_op_num_threads = threads
@@ -81,6 +95,7 @@ class OrtSession:
         try:
             self._sess = ort.InferenceSession(str(path), sess_options=opts, providers=chosen)
         except Exception as exc:  # onnxruntime raises its own exception types
+            self._release_shared()
             raise BundleError(f"cannot load {path}: {exc}") from exc
         self.name = name
         self.path = path
@@ -116,15 +131,27 @@ class OrtSession:
 
     def memory_bytes(self) -> int:
         # Weights dominate; the arena is not exposed by onnxruntime's Python API.
+        # Shared weights count once: with the session that mapped them.
         size = self.path.stat().st_size
         data = self.path.with_name(self.path.name + ".data")
-        return size + (data.stat().st_size if data.exists() else 0)
+        shared = self._shared.nbytes if self._shared is not None and self._counts_shared else 0
+        return size + (data.stat().st_size if data.exists() else 0) + shared
+
+    @property
+    def shares_weights(self) -> bool:
+        return self._shared is not None
+
+    def _release_shared(self) -> None:
+        if self._shared is not None and self._registry is not None:
+            self._registry.release(self._shared)
+        self._shared = None
 
     def close(self) -> None:
         if self._profiling:
             log.info("%s: onnxruntime profile %s", self.name, self._sess.end_profiling())
             self._profiling = False
         del self._sess
+        self._release_shared()
 
 
 class OrtBackend:
@@ -134,6 +161,7 @@ class OrtBackend:
         self.name = "ort" if self.providers == ("CPUExecutionProvider",) else "ort-" + self.providers[0].removesuffix(
             "ExecutionProvider").lower()
         self._device_caches = BoundCacheFactory("cuda", device_id)
+        self._shared = SharedWeightsRegistry()
 
     def load(self, stage: str, path: Path, *, threads: int | None = None) -> OrtSession:
         if threads is None:
@@ -142,7 +170,14 @@ class OrtBackend:
         # COSYEDGE_ORT_CUDA_GRAPH=0: run the static step without capture (to compare)
         graph = (stage in CUDA_GRAPH_STAGES or stage.startswith(STATIC_FLOW_PREFIX)) and \
             os.environ.get("COSYEDGE_ORT_CUDA_GRAPH", "1") != "0"
-        return OrtSession(stage, path, self.providers, self.device_id, threads, cuda_graph=graph)
+        # Host buffers shared between sessions only where the graph runs on the
+        # CPU provider; a GPU provider copies initializers to the device per session.
+        # COSYEDGE_ORT_SHARE_WEIGHTS=0: one copy per session (to compare).
+        cpu_only = self.providers[0] == "CPUExecutionProvider"
+        share = cpu_only and os.environ.get("COSYEDGE_ORT_SHARE_WEIGHTS", "1") != "0"
+        shared = self._shared.for_graph(path) if share else None
+        return OrtSession(stage, path, self.providers, self.device_id, threads, cuda_graph=graph, shared=shared,
+                          registry=self._shared)
 
     def decode_loop(self, prefill: Session, decode: Session) -> DecodeLoop:
         if isinstance(prefill, OrtSession) and isinstance(decode, OrtSession) and decode.on_device:

@@ -47,6 +47,7 @@ from typing import Any
 
 from cosyedge_models.backends.kv_layout import decode_buckets
 from cosyedge_models.backends.profiles import all_input_ranges
+from cosyedge_models.backends.shared_weights import find_index, graph_shared_bytes
 from cosyedge_models.errors import BundleError
 from cosyedge_models.synthesis.flow import CacheDims, cache_bytes_per_frame
 
@@ -140,6 +141,20 @@ def _file_bytes(root: Path, rel: str | None) -> int | None:
     return size + (data.stat().st_size if data.exists() else 0)
 
 
+def _graph_bytes(root: Path, rel: str | None, uses: Mapping[str, int], counted: set[str]) -> int | None:
+    """A graph's bytes with the shared LLM weights it uses, those counted for
+    the first graph only (the sessions share one copy)."""
+    own = _file_bytes(root, rel)
+    if own is None or rel is None or rel not in uses:
+        return own
+    index = find_index(root / rel)
+    key = index.name if index is not None else rel
+    if key in counted:
+        return own
+    counted.add(key)
+    return own + uses[rel]
+
+
 def _stage_file(entry: Mapping[str, Any], precision: str) -> str | None:
     if entry.get("precision", "fp32") == precision:
         return entry.get("file")
@@ -231,6 +246,8 @@ def bundle_budget(root: Path, manifest: Mapping[str, Any], precision: str) -> Bu
     built = engines.get("stages", {}) if engines.get("precision") == precision else {}
     act_bytes, kv_bytes = ACT_BYTES[precision], KV_BYTES[precision]
     out, notes = [], []
+    uses = graph_shared_bytes(root)  # graph -> shared LLM weights it uses (counted once: `counted`)
+    counted: set[str] = set()
     for stage in STAGES:
         entry = stages_meta.get(stage)
         if entry is None:
@@ -245,9 +262,9 @@ def bundle_budget(root: Path, manifest: Mapping[str, Any], precision: str) -> Bu
         plan = built.get(stage, {})
         weights, source = plan.get("plan_bytes"), "plan"
         if weights is None:
-            weights, source = _file_bytes(root, _stage_file(entry, precision)), "onnx"
+            weights, source = _graph_bytes(root, _stage_file(entry, precision), uses, counted), "onnx"
         if weights is None:
-            base = _file_bytes(root, _stage_file(entry, "fp32"))
+            base = _graph_bytes(root, _stage_file(entry, "fp32"), uses, counted)
             weights = int(base * DERIVED_WEIGHT_RATIO[precision]) if base is not None else 0
             source = "derived" if base is not None else "missing"
         activation = plan.get("device_memory_bytes")
@@ -264,7 +281,12 @@ def bundle_budget(root: Path, manifest: Mapping[str, Any], precision: str) -> Bu
             contexts = 1 + len(decode_buckets(1, past[4]))
         out.append(StageBudget(stage, int(weights), int(activation), int(io), contexts, source, act_source))
     if {"llm_prefill", "llm_decode"} <= set(stages_meta):
-        notes.append("llm_prefill and llm_decode each hold a copy of the LLM weights as separate engines")
+        by_plan = {"llm_prefill", "llm_decode"} <= set(built)
+        if counted and not by_plan:
+            notes.append("llm_prefill and llm_decode share one copy of the LLM weights (counted with llm_prefill; "
+                         "onnxruntime sessions map it once)")
+        else:
+            notes.append("llm_prefill and llm_decode each hold a copy of the LLM weights as separate engines")
     cache_bytes = 2 if precision == "fp16" else 4  # fp16 graphs take the K/V cache in fp16
     per_second = flow_stream_cache_bytes_per_second(manifest, cache_bytes)
     if per_second:

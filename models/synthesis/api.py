@@ -12,10 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 import numpy as np
-
-Mode = Literal["sft", "zero_shot", "cross_lingual", "instruct"]
-MODES: tuple[Mode, ...] = ("sft", "zero_shot", "cross_lingual", "instruct")
-PROMPT_MODES: tuple[Mode, ...] = ("zero_shot", "cross_lingual")  # modes that clone the voice of a prompt
+from cosyedge_models.synthesis.modes import Mode
 
 
 @dataclass(frozen=True)

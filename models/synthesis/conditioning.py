@@ -21,8 +21,9 @@ import numpy as np
 from cosyedge_models.backends.base import Session
 from cosyedge_models.bundle.loader import Bundle
 from cosyedge_models.errors import RequestError
-from cosyedge_models.synthesis.api import PROMPT_MODES, SynthesisRequest
+from cosyedge_models.synthesis.api import SynthesisRequest
 from cosyedge_models.synthesis.flow import FlowPrompt
+from cosyedge_models.synthesis.modes import PROMPT_MODES
 from cosyedge_models.synthesis.prompt import PromptFeatures, extract_prompt
 from cosyedge_models.text.frontend import TextFrontend
 from cosyedge_models.text.tokenizer import TextTokenizer

@@ -35,7 +35,9 @@ from cosyedge_models.errors import CosyEdgeError
 from cosyedge_models.synthesis.api import StageEvent, SynthesisRequest
 from cosyedge_models.synthesis.llm import LlmInput
 from cosyedge_models.synthesis.sampling import TokenSampler
-from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, SynthesisSettings, load_synthesizer
+from cosyedge_models.synthesis.settings import SynthesisSettings
+from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, load_synthesizer
+from cosyedge_models.tools.engine_memory import memory_delta, process_memory
 from cosyedge_models.tools.precision_compare import accuracy
 from cosyedge_models.tools.timeline import render_timeline
 from cosyedge_models.tools.voice_bench import check_voice, inline_first_audio_ms, voice_cache_report
@@ -188,12 +190,16 @@ def first_hop_sweep(engine: CosyVoiceSynthesizer, text: str, hops: list[int], re
 def compare_bundle(bundle_dir: str, settings: SynthesisSettings, text: str, repeats: int,
                    voice: str | None = None, reference: CosyVoiceSynthesizer | None = None) -> dict[str, Any]:
     """The same core measurements on another bundle (same backend and settings),
-    and its output against `reference`'s (the bench's own engine): token
-    agreement and mel SNR (models/tools/precision_compare.py)."""
+    its engine memory, and its output against `reference`'s (the bench's own
+    engine): token agreement and mel SNR (models/tools/precision_compare.py)."""
+    before = process_memory()
     engine = load_synthesizer(bundle_dir, settings=dataclasses.replace(settings, precision=None))
     try:
+        run_once(engine, text, stream=True, seed=0, voice=voice)  # warm-up (every weight touched)
+        # measured in this process after the bundles before it:
+        # `python -m cosyedge_models.tools.engine_memory` measures one alone
+        memory = memory_delta(before, process_memory())
         acc = accuracy(reference, engine, text) if reference is not None else None
-        run_once(engine, text, stream=True, seed=0, voice=voice)  # warm-up
         offline = [run_once(engine, text, stream=False, seed=r, voice=voice) for r in range(repeats)]
         streaming = [run_once(engine, text, stream=True, seed=r, voice=voice) for r in range(repeats)]
         return {
@@ -201,6 +207,7 @@ def compare_bundle(bundle_dir: str, settings: SynthesisSettings, text: str, repe
             "precision": engine.bundle.precision,
             "graph_bytes": graph_bytes(engine.bundle),
             "session_memory_bytes": engine.session_memory_bytes(),
+            "engine_memory": memory,
             "audio_s": round(statistics.median(r["audio_s"] for r in offline), 3),
             "rtf": round(statistics.median(r["rtf"] for r in offline), 4),
             "streaming_rtf": round(statistics.median(r["rtf"] for r in streaming), 4),
@@ -303,12 +310,31 @@ def run_concurrent_llm(engine: CosyVoiceSynthesizer, text: str, n: int, voice: s
             "requests_per_s": round(n / wall, 4)}
 
 
+def project_command(args: argparse.Namespace) -> int:
+    """`bench --project`: the Jetson projection from the bundle's graphs (no synthesis)."""
+    from cosyedge_models.bundle.loader import load_bundle
+    from cosyedge_models.tools.graph_cost import RequestShape, bundle_workload
+    from cosyedge_models.tools.projection import H200_MEASURED, format_projection, projection_table
+
+    bundle = load_bundle(args.bundle, precision="fp32")
+    shape = RequestShape(prompt_tokens=getattr(args, "project_prompt_tokens", None) or RequestShape.prompt_tokens)
+    table = projection_table(bundle_workload(bundle.root, bundle.manifest, shape), H200_MEASURED)
+    report = {"bench": "jetson_projection", "bundle": str(Path(args.bundle).resolve()), "machine": machine(),
+              "request": dataclasses.asdict(shape), **table}
+    print(format_projection(table))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
 # The official pipeline's measurement (cosyedge_build.reference.pipeline.run_reference),
 # handed in by the CLI: the runtime package never imports the build side.
 ReferenceRunner = Callable[..., dict[str, Any]]
 
 
 def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = None) -> int:
+    if getattr(args, "project", False):
+        return project_command(args)
     text = args.text or DEFAULT_TEXT
     hops = int_list(args.first_hop, "--first-hop") if getattr(args, "first_hop", None) else []
     compare = [b for b in (getattr(args, "compare", None) or "").split(",") if b.strip()]

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import numpy as np
 from cosyedge_models.errors import RequestError, SynthesisError
-from cosyedge_models.synthesis.api import MODES, AudioChunk, Mode, StageTimes, SynthesisRequest
+from cosyedge_models.synthesis.api import AudioChunk, Mode, StageTimes, SynthesisRequest
+from cosyedge_models.synthesis.modes import MODES
 
 _DIRECTIVE = re.compile(r"\{(\w+)=(\d+)\}")
 VOICES = ("default", "bright")

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import numpy as np
 from cosyedge_build.tools.device_probe import estimator_feeds, main, vocoder_feeds
-from cosyedge_models.synthesis.synthesizer import SynthesisSettings, load_synthesizer
+from cosyedge_models.synthesis.settings import SynthesisSettings
+from cosyedge_models.synthesis.synthesizer import load_synthesizer
 
 
 def test_probe_on_the_cpu_reports_stages_and_skips_the_gpu_part(tiny_bundle: Path, tmp_path: Path) -> None:

@@ -18,7 +18,8 @@ from cosyedge_build.quantize.texts import calibration_texts
 from cosyedge_build.tools.device_fp16 import fp16_bundle
 from cosyedge_models.bundle.loader import STATIC_FLOW_PREFIX, load_bundle
 from cosyedge_models.synthesis.api import SynthesisRequest
-from cosyedge_models.synthesis.synthesizer import SynthesisSettings, load_synthesizer
+from cosyedge_models.synthesis.settings import SynthesisSettings
+from cosyedge_models.synthesis.synthesizer import load_synthesizer
 
 FP16_STAGES = ("llm_prefill", "llm_decode", "flow_estimator", "hift_decoder")
 

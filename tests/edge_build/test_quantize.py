@@ -28,7 +28,8 @@ from cosyedge_build.quantize.settings import AccuracyBudget, QuantizeSettings
 from cosyedge_build.quantize.texts import HELD_OUT_TEXTS, calibration_texts
 from cosyedge_build.tensorrt.engine_plan import precision_mode
 from cosyedge_models.synthesis.api import SynthesisRequest
-from cosyedge_models.synthesis.synthesizer import SynthesisSettings, load_synthesizer
+from cosyedge_models.synthesis.settings import SynthesisSettings
+from cosyedge_models.synthesis.synthesizer import load_synthesizer
 from onnx import numpy_helper
 
 # The tiny model's weights are random: its next-token distribution is almost
@@ -330,3 +331,16 @@ def test_daemon_cli_offers_every_precision() -> None:
         assert args.precision == precision
     with pytest.raises(SystemExit):
         parser.parse_args(["build", "quantize", "--bundle", "B", "--out", "O", "--precision", "int4"])
+
+
+def test_int8_report_carries_memory_and_llm_weights_are_shared_once(int8_bundle: Any) -> None:
+    out, report = int8_bundle
+    memory = report["memory"]
+    assert memory["peak_rss_bytes"] > 0 and memory["estimate"]["peak_bytes"] > 0
+    assert set(memory["peak_rss_after_bytes"]) >= {"capture", "unit llm", "accuracy_report"}
+    index = json.loads((out / "llm_weights.int8.json").read_text())
+    assert sorted(index["graphs"]) == ["llm_decode.int8.onnx", "llm_prefill.int8.onnx"]
+    for graph in index["graphs"]:
+        model = onnx.load(str(out / graph), load_external_data=False)
+        external = {t.name for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL}
+        assert external == set(index["tensors"])  # both graphs use every shared tensor: one copy for the two

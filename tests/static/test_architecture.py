@@ -98,6 +98,8 @@ def _lazy_only(path: Path, forbidden: tuple[str, ...]) -> list[str]:
     tree = ast.parse(path.read_text())
     bad = []
     for node in tree.body:
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            continue  # for annotations only, never imported at run time
         for sub in ast.walk(node) if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) \
                 else ():
             names = [a.name for a in sub.names] if isinstance(sub, ast.Import) else \

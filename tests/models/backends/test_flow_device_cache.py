@@ -194,7 +194,8 @@ def test_bound_caches_on_cuda_provider(tiny_bundle: Path) -> None:
     streaming request through the engine runs on it."""
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         pytest.skip(f"needs onnxruntime-gpu with the CUDA provider (available: {ort.get_available_providers()})")
-    from cosyedge_models.synthesis.synthesizer import SynthesisSettings, load_synthesizer
+    from cosyedge_models.synthesis.settings import SynthesisSettings
+    from cosyedge_models.synthesis.synthesizer import load_synthesizer
 
     eng = load_synthesizer(tiny_bundle, "ort-cuda", SynthesisSettings(backend="ort-cuda"))
     try:

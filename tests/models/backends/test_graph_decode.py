@@ -19,7 +19,8 @@ from cosyedge_models.backends.ort_graph_decode import GraphDecodeLoop, GraphDeco
 from cosyedge_models.bundle.loader import load_bundle
 from cosyedge_models.errors import BundleError, SynthesisError
 from cosyedge_models.synthesis.api import SynthesisRequest
-from cosyedge_models.synthesis.synthesizer import SynthesisSettings, load_synthesizer
+from cosyedge_models.synthesis.settings import SynthesisSettings
+from cosyedge_models.synthesis.synthesizer import load_synthesizer
 
 from tests.conftest import STATIC_DECODE_LEN
 

@@ -13,7 +13,8 @@ from cosyedge_models.backends.factory import create_backend
 from cosyedge_models.backends.shape_pinned import ShapePinnedSession
 from cosyedge_models.bundle.loader import load_bundle
 from cosyedge_models.synthesis.api import SynthesisRequest
-from cosyedge_models.synthesis.synthesizer import SynthesisSettings, load_synthesizer
+from cosyedge_models.synthesis.settings import SynthesisSettings
+from cosyedge_models.synthesis.synthesizer import load_synthesizer
 
 
 class ShapeLog:

@@ -25,8 +25,9 @@ from cosyedge_models.bundle.loader import STATIC_FLOW_PREFIX, load_bundle
 from cosyedge_models.errors import BundleError
 from cosyedge_models.synthesis.api import SynthesisRequest
 from cosyedge_models.synthesis.flow import FlowDecoder, FlowPrompt
+from cosyedge_models.synthesis.settings import SynthesisSettings
 from cosyedge_models.synthesis.streaming import ChunkSchedule
-from cosyedge_models.synthesis.synthesizer import SynthesisSettings, load_synthesizer
+from cosyedge_models.synthesis.synthesizer import load_synthesizer
 
 from tests.conftest import STATIC_FLOW_CACHE, STATIC_FLOW_WINDOWS
 

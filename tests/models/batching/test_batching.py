@@ -21,7 +21,8 @@ from cosyedge_models.errors import BundleError, SynthesisError
 from cosyedge_models.synthesis.api import SynthesisRequest
 from cosyedge_models.synthesis.llm import LlmInput, SpeechTokenLM
 from cosyedge_models.synthesis.sampling import TokenSampler
-from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, SynthesisSettings, load_synthesizer
+from cosyedge_models.synthesis.settings import SynthesisSettings
+from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, load_synthesizer
 
 TEXTS = [
     "Hello world one two.",

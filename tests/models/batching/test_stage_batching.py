@@ -30,7 +30,8 @@ from cosyedge_models.batching.stage_merge import (
 from cosyedge_models.errors import SynthesisError
 from cosyedge_models.synthesis.api import SynthesisRequest
 from cosyedge_models.synthesis.flow import FlowPrompt
-from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, SynthesisSettings, load_synthesizer
+from cosyedge_models.synthesis.settings import SynthesisSettings
+from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, load_synthesizer
 from cosyedge_models.synthesis.vocoder import HiftVocoder
 
 TEXTS = ["Hello world one two.", "The quick brown fox jumps over the lazy dog", "A", "Numbers and dates today"]

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from cosyedge_models.synthesis.api import PromptAudio, SynthesisRequest
 from cosyedge_models.synthesis.flow import EstimatorWork, FlowPrompt, FlowStream, cache_bytes_per_frame
+from cosyedge_models.synthesis.settings import SynthesisSettings
 from cosyedge_models.synthesis.streaming import ChunkSchedule
-from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, SynthesisSettings, load_synthesizer
+from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, load_synthesizer
 
 # Cached vs full-prefix windows: the same fp32 ops over other tensor shapes,
 # so only summation order differs (measured max 3.3e-6 on mels of max ~5).

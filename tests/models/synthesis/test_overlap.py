@@ -20,7 +20,8 @@ from cosyedge_models.backends.factory import create_backend
 from cosyedge_models.bundle.loader import load_bundle
 from cosyedge_models.errors import SynthesisError
 from cosyedge_models.synthesis.api import AudioChunk, StageEvent, SynthesisRequest
-from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, SynthesisSettings
+from cosyedge_models.synthesis.settings import SynthesisSettings
+from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer
 
 from tests.models.slow_backend import SlowBackend, StagePlan
 

@@ -17,7 +17,8 @@ from cosyedge_models.synthesis.api import PromptAudio, SynthesisRequest
 from cosyedge_models.synthesis.llm import LlmInput
 from cosyedge_models.synthesis.prompt import PromptFeatures
 from cosyedge_models.synthesis.sampling import TokenSampler
-from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, SynthesisSettings, load_synthesizer
+from cosyedge_models.synthesis.settings import SynthesisSettings
+from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, load_synthesizer
 
 torch = pytest.importorskip("torch")
 reference_pipeline = pytest.importorskip("cosyedge_build.reference.pipeline")

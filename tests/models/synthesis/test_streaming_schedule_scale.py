@@ -37,7 +37,8 @@ def test_fixed_hop_by_default_and_custom_cap() -> None:
 def test_engine_streams_with_growing_hop(tiny_bundle: object) -> None:
     import numpy as np
     from cosyedge_models.synthesis.api import SynthesisRequest
-    from cosyedge_models.synthesis.synthesizer import SynthesisSettings, load_synthesizer
+    from cosyedge_models.synthesis.settings import SynthesisSettings
+    from cosyedge_models.synthesis.synthesizer import load_synthesizer
 
     text = "The kiosk greets every visitor and explains the opening hours of the museum."
     counts, lengths = [], []

@@ -15,7 +15,8 @@ from cosyedge_models.errors import BundleError, RequestError
 from cosyedge_models.synthesis.api import PromptAudio, SynthesisRequest
 from cosyedge_models.synthesis.features import prompt_mel
 from cosyedge_models.synthesis.flow import FlowPrompt
-from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, SynthesisSettings, load_synthesizer
+from cosyedge_models.synthesis.settings import SynthesisSettings
+from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, load_synthesizer
 from cosyedge_models.synthesis.vocoder import VocoderStream
 
 TEXT = "Hello from the tiny model, one two three."

@@ -26,7 +26,8 @@ from cosyedge_models.batching.policy import BatchSettings
 from cosyedge_models.synthesis.api import AudioChunk, SynthesisRequest
 from cosyedge_models.synthesis.flow import FlowDecoder, FlowPrompt, prompt_commit_frames
 from cosyedge_models.synthesis.llm import LlmStats, SpeechTokenLM
-from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, SynthesisSettings, load_synthesizer
+from cosyedge_models.synthesis.settings import SynthesisSettings
+from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, load_synthesizer
 from cosyedge_models.synthesis.voice_cache import MIB, FlowPrefix, VoiceCache, build_flow_prefix, bundle_identity
 
 from tests.models.synthesis.test_synthesizer import prompt_audio

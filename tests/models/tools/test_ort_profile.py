@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 from cosyedge_models.synthesis.api import SynthesisRequest
-from cosyedge_models.synthesis.synthesizer import SynthesisSettings, load_synthesizer
+from cosyedge_models.synthesis.settings import SynthesisSettings
+from cosyedge_models.synthesis.synthesizer import load_synthesizer
 from cosyedge_models.tools.ort_profile import PROFILE_ENV, main, summarize_dir, summarize_trace
 
 

@@ -1,0 +1,11 @@
+"""The synthesis modes, defined once. Apart from the synthesizer interface
+(api.py, which needs numpy) so that the command line's parser and the wire
+schema can name them without loading the runtime."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+Mode = Literal["sft", "zero_shot", "cross_lingual", "instruct"]
+MODES: tuple[Mode, ...] = ("sft", "zero_shot", "cross_lingual", "instruct")
+PROMPT_MODES: tuple[Mode, ...] = ("zero_shot", "cross_lingual")  # modes that clone the voice of a prompt

@@ -1,0 +1,90 @@
+"""What a CosyVoice synthesizer is configured with: backend, precision,
+streaming, overlap, batching, caches and CUDA graphs. One frozen object,
+checked when it is built (models/synthesis/synthesizer.py runs with it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cosyedge_models.batching.policy import BatchSettings
+from cosyedge_models.synthesis.flow import FINAL_CHUNK_MODES, FinalChunk
+
+
+@dataclass(frozen=True)
+class SynthesisSettings:
+    backend: str = "ort"
+    precision: str | None = None  # None: the bundle's own
+    max_text_chars: int = 2000
+    threads: int | None = None  # intra-op threads per session (None: the runtime's default)
+    first_hop_tokens: int | None = None  # None: upstream's aligned first hop
+    # After each streaming chunk the hop grows by this factor up to 4x (upstream's
+    # stream_scale_factor); 1.0: a fixed hop, as CosyVoice 2 upstream.
+    hop_scale: float = 1.0
+    batching: BatchSettings | None = None  # None: every request decodes alone (batch 1)
+    # Flow estimator and HiFT calls of concurrent requests merged into one run
+    # (models/batching/stage_batcher.py); max_batch_size counts requests. None: each runs alone.
+    flow_batching: BatchSettings | None = None
+    # Streaming: the LLM on a producer thread while flow + vocoder run (False: serial).
+    # None: auto (resolve_overlap): on with a GPU backend or >= 4 CPU cores.
+    overlap_stages: bool | None = None
+    # Cap on LLM producer threads; they start only as concurrent streams need them
+    # (>= the Triton model's max_batch_size, so its batch runs fully in parallel).
+    producer_threads: int = 16
+    overlap_queue_tokens: int = 128  # how far (in tokens) the LLM may run ahead of flow + vocoder
+    # Streaming's last chunk: "cached" runs it through the estimator caches like
+    # the others (linear cost: streaming costs about what offline does; its
+    # frames differ slightly from upstream's); "upstream" reproduces upstream
+    # exactly with a full-length non-streaming pass (streaming then costs about
+    # twice offline).
+    flow_final_chunk: FinalChunk = "cached"
+    # Streaming flow's left context in mask chunks (50 frames = 1 s each): -1
+    # (default) all earlier frames, exactly as upstream; N >= 0 keeps only the
+    # last N chunks in the estimator caches, which bounds their memory (about
+    # 219 MiB per second of audio at full size) for long utterances on 8 GB
+    # boards but CHANGES the output (no longer upstream's mel).
+    flow_left_chunks: int = -1
+    # The LLM's fixed-size decode step, captured as CUDA graphs on ort-cuda
+    # (bundles exported with --static-decode-len): None auto (on for ort-cuda
+    # when the bundle has it), True also on the CPU (no capture: for tests), False off.
+    graph_decode: bool | None = None
+    graph_decode_slots: int = 4  # requests decoding with it at once; more use the ordinary loop
+    # Per-voice prompt caches (models/synthesis/voice_cache.py) for saved voices, in MiB
+    # (host memory; about 4.4 MiB per prompt mel frame at full size in fp32); 0: off.
+    voice_cache_mb: int = 2048
+    # The flow estimator's fixed-shape graphs replayed as CUDA graphs on ort-cuda (bundles
+    # exported with --static-flow-windows; not with flow batching): True on (on the CPU without
+    # capture), None / False off (single streams only so far: ort_static_flow.load_static_flow).
+    graph_flow: bool | None = None
+    graph_flow_slots: int = 4  # streaming requests on them at once; more use the dynamic graph
+    # Sessions per vocoder graph, each kept on one input shape (models/backends/shape_pinned.py):
+    # None auto (3 on ort-cuda, where a shape change costs ~150 ms a call; else 1).
+    vocoder_sessions: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_text_chars < 1:
+            raise ValueError(f"max_text_chars must be >= 1, got {self.max_text_chars}")
+        if self.hop_scale < 1.0:
+            raise ValueError(f"hop_scale must be >= 1.0, got {self.hop_scale}")
+        if self.first_hop_tokens is not None and self.first_hop_tokens < 1:
+            raise ValueError(f"first_hop_tokens must be >= 1 or None, got {self.first_hop_tokens}")
+        if self.batching is not None and not isinstance(self.batching, BatchSettings):
+            raise ValueError(f"batching must be a BatchSettings or None, got {type(self.batching).__name__}")
+        if self.flow_batching is not None and not isinstance(self.flow_batching, BatchSettings):
+            raise ValueError(f"flow_batching must be a BatchSettings or None, got {type(self.flow_batching).__name__}")
+        if self.producer_threads < 1:
+            raise ValueError(f"producer_threads must be >= 1, got {self.producer_threads}")
+        if self.overlap_queue_tokens < 1:
+            raise ValueError(f"overlap_queue_tokens must be >= 1, got {self.overlap_queue_tokens}")
+        if self.flow_left_chunks < -1:
+            raise ValueError(f"flow_left_chunks must be -1 (full left context) or >= 0, got {self.flow_left_chunks}")
+        if self.voice_cache_mb < 0:
+            raise ValueError(f"voice_cache_mb must be >= 0 (0: off), got {self.voice_cache_mb}")
+        if self.graph_decode_slots < 1:
+            raise ValueError(f"graph_decode_slots must be >= 1, got {self.graph_decode_slots}")
+        if self.vocoder_sessions is not None and self.vocoder_sessions < 1:
+            raise ValueError(f"vocoder_sessions must be >= 1 or None, got {self.vocoder_sessions}")
+        if self.graph_flow_slots < 1:
+            raise ValueError(f"graph_flow_slots must be >= 1, got {self.graph_flow_slots}")
+        if self.flow_final_chunk not in FINAL_CHUNK_MODES:
+            raise ValueError(f"flow_final_chunk must be one of {', '.join(FINAL_CHUNK_MODES)}, "
+                             f"got {self.flow_final_chunk!r}")

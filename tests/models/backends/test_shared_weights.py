@@ -1,0 +1,137 @@
+"""One copy of the LLM weights: the export pass that writes them once and the
+onnxruntime backend that hands the same buffers to every LLM session."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from cosyedge_build.export.shared_weights import share_weights
+from cosyedge_models.backends.ort import OrtBackend, OrtSession
+from cosyedge_models.backends.shared_weights import INDEX_FORMAT, find_index, read_index
+from cosyedge_models.errors import BundleError
+from onnx import TensorProto, helper, numpy_helper
+
+LLM_GRAPHS = ("llm_prefill.onnx", "llm_decode.onnx", "llm_decode_static.onnx")
+
+
+def _pss_kib() -> int:
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+        if line.startswith("Pss:"):
+            return int(line.split()[1])
+    raise AssertionError("no Pss in smaps_rollup")
+
+
+def _chain_model(weights: list[np.ndarray], prefix: str) -> onnx.ModelProto:
+    """x @ w0 @ w1 ...; initializer names differ per graph (as the exporter's do)."""
+    nodes, inits, x = [], [], "x"
+    for i, w in enumerate(weights):
+        inits.append(numpy_helper.from_array(w, f"{prefix}_w{i}"))
+        nodes.append(helper.make_node("MatMul", [x, f"{prefix}_w{i}"], [f"h{i}"]))
+        x = f"h{i}"
+    n = weights[0].shape[0]
+    graph = helper.make_graph(nodes, prefix, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", n])],
+                              [helper.make_tensor_value_info(x, TensorProto.FLOAT, ["B", n])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+@pytest.fixture()
+def shared_dir(tmp_path: Path) -> tuple[Path, list[np.ndarray]]:
+    rng = np.random.default_rng(0)
+    weights = [(rng.standard_normal((1024, 1024)) * 0.03).astype(np.float32) for _ in range(4)]
+    for name in ("a", "b", "c"):
+        onnx.save(_chain_model(weights, name), str(tmp_path / f"{name}.onnx"))
+    return tmp_path, weights
+
+
+def test_tiny_bundle_llm_graphs_share_one_data_file(tiny_static_bundle: Path) -> None:
+    index_path = find_index(tiny_static_bundle / "llm_decode.onnx")
+    assert index_path is not None and index_path.name == "llm_weights.json"
+    index = read_index(index_path)
+    assert index["format"] == INDEX_FORMAT and sorted(index["graphs"]) == sorted(LLM_GRAPHS)
+    weights = 0
+    for graph in LLM_GRAPHS:
+        model = onnx.load(str(tiny_static_bundle / graph), load_external_data=False)
+        external = [t for t in model.graph.initializer if t.data_location == TensorProto.EXTERNAL]
+        assert external and {e.value for t in external for e in t.external_data if e.key == "location"} == {
+            "llm_weights.bin"}
+        assert {t.name for t in external} <= set(index["tensors"])
+        weights = max(weights, sum(int(np.prod(t.dims)) * 4 for t in external))
+    # each distinct tensor once: the data holds one graph's weights (and alignment padding), not three
+    payload = sum(t["nbytes"] for t in index["tensors"].values())
+    assert payload == weights
+    manifest = json.loads((tiny_static_bundle / "manifest.json").read_text())
+    for stage in ("llm_prefill", "llm_decode", "llm_decode_static"):
+        assert manifest["stages"][stage]["shared_weights"]["file"] == "llm_weights.bin"
+
+
+def test_backend_maps_shared_weights_once_for_all_llm_sessions(tiny_static_bundle: Path) -> None:
+    backend = OrtBackend(["CPUExecutionProvider"])
+    sessions = [backend.load(g.removesuffix(".onnx"), tiny_static_bundle / g, threads=1) for g in LLM_GRAPHS]
+    try:
+        assert all(isinstance(s, OrtSession) and s.shares_weights for s in sessions)
+        open_files = backend._shared.open_files()
+        assert len(open_files) == 1
+        shared = next(iter(open_files.values()))
+        name, array = next(iter(shared.arrays.items()))
+        # the runtime value is the mapped file itself, not a copy
+        assert shared.values[name].data_ptr() == array.ctypes.data
+        counted = sum(s.memory_bytes() for s in sessions)
+        own = sum((tiny_static_bundle / g).stat().st_size for g in LLM_GRAPHS)
+        assert counted == own + shared.nbytes
+    finally:
+        for s in sessions:
+            s.close()
+    assert not backend._shared.open_files()
+
+
+def test_shared_weights_give_the_same_outputs_and_one_physical_copy(shared_dir: tuple[Path, list[np.ndarray]]) -> None:
+    root, weights = shared_dir
+    x = np.random.default_rng(1).standard_normal((2, 1024)).astype(np.float32)
+    import onnxruntime as ort
+
+    before = ort.InferenceSession(str(root / "b.onnx"), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    index = share_weights(root, ["a.onnx", "b.onnx", "c.onnx"], "llm_weights.bin")
+    assert len(index["tensors"]) == len(weights)
+    assert (root / "b.onnx").stat().st_size < 4096  # the weights left the graph file
+    backend = OrtBackend(["CPUExecutionProvider"])
+    pss0 = _pss_kib()
+    sessions = [backend.load(n, root / f"{n}.onnx", threads=1) for n in ("a", "b", "c")]
+    try:
+        outs = [s.run({"x": x})[next(iter(s.output_names))] for s in sessions]
+        grown = (_pss_kib() - pss0) * 1024
+        for out in outs:
+            np.testing.assert_allclose(out, before, rtol=1e-5, atol=1e-5)
+        one_copy = sum(w.nbytes for w in weights)
+        # three unshared sessions hold >= 3 copies (prepacked); shared ones one, plus runtime overhead
+        assert grown < 2 * one_copy, (grown, one_copy)
+    finally:
+        for s in sessions:
+            s.close()
+
+
+def test_a_truncated_shared_file_is_refused(shared_dir: tuple[Path, list[np.ndarray]]) -> None:
+    root, _ = shared_dir
+    share_weights(root, ["a.onnx", "b.onnx"], "llm_weights.bin")
+    data = root / "llm_weights.bin"
+    data.write_bytes(data.read_bytes()[:1000])
+    with pytest.raises(BundleError, match="beyond the file's end"):
+        OrtBackend(["CPUExecutionProvider"]).load("a", root / "a.onnx")
+
+
+def test_memory_budget_counts_the_shared_llm_weights_once(tiny_bundle: Path) -> None:
+    from cosyedge_models.bundle.memory_budget import bundle_budget
+
+    manifest = json.loads((tiny_bundle / "manifest.json").read_text())
+    index = read_index(tiny_bundle / "llm_weights.json")
+    budget = bundle_budget(tiny_bundle, manifest, "fp32")
+    stages = {s.stage: s for s in budget.stages}
+    prefill, decode = stages["llm_prefill"].weights_bytes, stages["llm_decode"].weights_bytes
+    assert prefill == (tiny_bundle / "llm_prefill.onnx").stat().st_size + index["bytes"]
+    assert decode == (tiny_bundle / "llm_decode.onnx").stat().st_size  # its weights are prefill's
+    assert any("share one copy" in n for n in budget.notes)
