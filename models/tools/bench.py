@@ -12,6 +12,7 @@ on stderr."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -39,6 +40,7 @@ from cosyedge_models.synthesis.settings import SynthesisSettings
 from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, load_synthesizer
 from cosyedge_models.tools.engine_memory import memory_delta, process_memory
 from cosyedge_models.tools.precision_compare import accuracy
+from cosyedge_models.tools.progress import StageProgress
 from cosyedge_models.tools.timeline import render_timeline
 from cosyedge_models.tools.voice_bench import check_voice, inline_first_audio_ms, voice_cache_report
 
@@ -358,6 +360,7 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
     if cache_mb is not None:
         settings = dataclasses.replace(settings, voice_cache_mb=cache_mb)
     engine = load_synthesizer(args.bundle, settings=settings)
+    stack = contextlib.ExitStack()
     try:
         if voice is not None:
             check_voice(engine, voice)
@@ -372,6 +375,11 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
                 Path(args.json).write_text(json.dumps(report_llm, indent=2) + "\n")
             return 0
         run_once(engine, text, stream=True, seed=0, voice=voice)  # warm-up: session arenas, page-in of weights
+        if not getattr(args, "concurrency_only", False):
+            # a bar on a terminal, one line per part otherwise: a full-size run takes many minutes
+            steps = 3 + sum(map(bool, (hops, voice, concurrency, compare, args.reference)))
+            progress = stack.enter_context(StageProgress("bench", steps))
+            progress.advance("warm-up")
         if getattr(args, "concurrency_only", False):
             run_once(engine, text, stream=False, seed=0, voice=voice)  # the offline shapes too
             report_c = {"machine": machine(), "bundle": str(Path(args.bundle).resolve()),
@@ -388,6 +396,7 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
         log.info("warm-up done; offline and streaming runs")
         offline = [run_once(engine, text, stream=False, seed=r, voice=voice) for r in range(args.repeats)]
         streaming = [run_once(engine, text, stream=True, seed=r, voice=voice) for r in range(args.repeats)]
+        progress.advance("offline and streaming runs")
         shown = streaming[0]
         report: dict[str, Any] = {
             "machine": machine(),
@@ -434,19 +443,25 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
             "flow_final_chunk": settings.flow_final_chunk,
         }
         log.info("streaming cost %s", report["streaming_cost_vs_offline"])
+        progress.advance("streaming cost on a long utterance")
         if hops:
             report["first_hop"] = first_hop_sweep(engine, text, hops, args.repeats, voice)
+            progress.advance("first hops")
         if voice is not None:
             report["voice_cache"] = voice_cache_report(engine, text, voice, args.repeats, run_once)
             if getattr(args, "voice_wav", None):
                 report["voice_cache"].update(inline_first_audio_ms(engine, text, voice, Path(args.voice_wav),
                                                                    args.repeats))
+            progress.advance("voice cache off and on")
         report.update(concurrency_report(engine, text, concurrency, mode, voice))
+        if concurrency:
+            progress.advance("concurrency")
         report["session_memory_bytes"] = engine.session_memory_bytes()
         report["peak_rss_mb"] = round(peak_rss_mb(), 1)  # before other bundles load and the reference loads torch
         if compare:
             report["compare"] = [compare_bundle(b.strip(), settings, text, args.repeats, voice, engine)
                                  for b in compare]
+            progress.advance("other bundles")
         if args.reference:
             if reference is None:
                 raise CosyEdgeError("--reference needs the official pipeline: run it through `cosyedge bench`")
@@ -455,7 +470,9 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
             report["reference"] = ref
             report["speedup_vs_reference"] = round(ref["rtf"] / report["rtf"], 3)
             report["first_audio_vs_reference"] = round(report["first_audio_ms"] / ref["first_audio_ms"], 3)
+            progress.advance("official pipeline")
     finally:
+        stack.close()
         engine.close()
     print(render_timeline(shown["timeline"]), file=sys.stderr)
     text_out = json.dumps(report, indent=2)

@@ -38,6 +38,12 @@ def test_bench_json_with_first_hop_and_compare(tiny_bundle: Path, fp16_variant: 
     captured = capsys.readouterr()
     r: dict[str, Any] = json.loads(out.read_text())
     assert json.loads(captured.out) == r
+    # not a terminal: one progress line per part, with the step count and an estimate of the time left
+    progress = [line for line in captured.err.splitlines() if " bench: " in line]
+    assert [line.split(" bench: ")[1].split(" done")[0] for line in progress] == [
+        "warm-up", "offline and streaming runs", "streaming cost on a long utterance", "first hops",
+        "concurrency", "other bundles"]
+    assert "(6/6)" in progress[-1] and "ETA" in progress[0]
 
     for key in ("machine", "bundle", "rtf", "first_audio_ms", "stages_ms", "peak_rss_mb", "concurrency",
                 "streaming_cost_vs_offline", "timeline", "first_hop", "compare"):
