@@ -21,6 +21,7 @@ CACHE = Path(os.environ.get("COSYEDGE_TEST_CACHE", ROOT / ".cache" / "tests"))
 def _code_hash(*packages: str) -> str:
     h = hashlib.sha256()
     for pkg in packages:
+        assert (ROOT / pkg).is_dir(), f"no folder {pkg}: the cache key would not follow the code"
         for path in sorted((ROOT / pkg).rglob("*.py")):
             h.update(path.relative_to(ROOT).as_posix().encode())
             h.update(path.read_bytes())
@@ -44,7 +45,7 @@ def _cached_dir(name: str, key: str, build) -> Path:  # type: ignore[no-untyped-
 def tiny_model_dir() -> Path:
     from cosyedge_build.checkpoint.tiny import build_tiny_checkpoint
 
-    key = _code_hash("cosyedge_build")
+    key = _code_hash("edge_build")
     return _cached_dir("tiny-ckpt", key, lambda out: build_tiny_checkpoint(out, seed=0, size="tiny"))
 
 
@@ -52,7 +53,7 @@ def tiny_model_dir() -> Path:
 def tiny_bundle(tiny_model_dir: Path) -> Path:
     from cosyedge_build.export import export_bundle
 
-    key = _code_hash("cosyedge_build", "cosyedge_models")
+    key = _code_hash("edge_build", "models")
     return _cached_dir("tiny-bundle", key, lambda out: export_bundle(tiny_model_dir, out))
 
 
@@ -64,7 +65,7 @@ def tiny_static_bundle(tiny_model_dir: Path) -> Path:
     """The tiny bundle with the optional fixed-size decode step (build export --static-decode-len)."""
     from cosyedge_build.export import export_bundle
 
-    key = _code_hash("cosyedge_build", "cosyedge_models")
+    key = _code_hash("edge_build", "models")
     return _cached_dir("tiny-static-bundle", key,
                        lambda out: export_bundle(tiny_model_dir, out, static_decode_len=STATIC_DECODE_LEN))
 
@@ -78,7 +79,7 @@ def static_flow_bundle(tiny_model_dir: Path) -> Path:
     """The tiny bundle with the fixed-shape flow estimator graphs (build export --static-flow-windows)."""
     from cosyedge_build.export import export_bundle
 
-    key = _code_hash("cosyedge_build", "cosyedge_models")
+    key = _code_hash("edge_build", "models")
     return _cached_dir("tiny-static-flow-bundle", key,
                        lambda out: export_bundle(tiny_model_dir, out, static_flow_windows=STATIC_FLOW_WINDOWS,
                                                  static_flow_cache=STATIC_FLOW_CACHE))

@@ -353,7 +353,7 @@ class TritonServer:
         own = client is None
         client = client or self.client()
         try:
-            index = client.get_model_repository_index(as_json=True).get("cosyedge_models", [])
+            index = client.get_model_repository_index(as_json=True).get("models", [])
             return sorted(
                 (m.get("version", "") for m in index if m.get("name") == model and m.get("state") == "READY"),
                 key=lambda v: int(v) if v.isdigit() else 0,

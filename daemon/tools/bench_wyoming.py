@@ -17,7 +17,6 @@ import datetime
 import json
 import logging
 import os
-import platform
 import socket
 import statistics
 import threading
@@ -34,6 +33,7 @@ from cosyedge_daemon.wyoming.client import synthesize
 from cosyedge_models.errors import CosyEdgeError
 from cosyedge_models.synthesis.api import AudioChunk, EngineDefaults, Mode, ServedEngine, StageTimes, SynthesisRequest
 from cosyedge_models.synthesis.synthesizer import load_synthesizer
+from cosyedge_models.tools.host import machine
 
 TEXT = "Hello from the kitchen, the weather is fine today."
 GOAL_MS = 5.0
@@ -70,16 +70,6 @@ class _Traces(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.lines.append(json.loads(record.getMessage()))
-
-
-def machine() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()} ({len(os.sched_getaffinity(0))} cores)"
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _free_port() -> int:

@@ -17,8 +17,6 @@ import dataclasses
 import itertools
 import json
 import logging
-import os
-import platform
 import resource
 import statistics
 import sys
@@ -39,6 +37,7 @@ from cosyedge_models.synthesis.sampling import TokenSampler
 from cosyedge_models.synthesis.settings import SynthesisSettings
 from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, load_synthesizer
 from cosyedge_models.tools.engine_memory import memory_delta, process_memory
+from cosyedge_models.tools.host import machine
 from cosyedge_models.tools.precision_compare import accuracy
 from cosyedge_models.tools.progress import StageProgress
 from cosyedge_models.tools.timeline import render_timeline
@@ -58,18 +57,6 @@ LONG_SECONDS = 20.0
 
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.machine()}"
 
 
 def text_tokens(engine: CosyVoiceSynthesizer, text: str) -> int:

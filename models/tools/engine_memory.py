@@ -50,7 +50,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from cosyedge_models.synthesis.api import SynthesisRequest
     from cosyedge_models.synthesis.settings import SynthesisSettings
     from cosyedge_models.synthesis.synthesizer import load_synthesizer
-    from cosyedge_models.tools.bench import machine
+    from cosyedge_models.tools.host import machine
 
     decode = {"auto": None, "on": True, "off": False}[args.graph_decode]
     before = process_memory()

@@ -42,7 +42,7 @@ def tiny2_model_dir() -> Path:
 
     return _cached_dir(
         "tiny2-ckpt",
-        _code_hash("cosyedge_build"),
+        _code_hash("edge_build"),
         lambda out: build_tiny_checkpoint(out, seed=SECOND_SEED, size="tiny2"),
     )
 
@@ -52,7 +52,7 @@ def tiny2_bundle(tiny2_model_dir: Path) -> Path:
     from cosyedge_build.export import export_bundle
 
     return _cached_dir(
-        "tiny2-bundle", _code_hash("cosyedge_build", "cosyedge_models"), lambda out: export_bundle(tiny2_model_dir, out)
+        "tiny2-bundle", _code_hash("edge_build", "models"), lambda out: export_bundle(tiny2_model_dir, out)
     )
 
 

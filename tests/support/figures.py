@@ -7,20 +7,11 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import platform
 import re
 from pathlib import Path
 from typing import Any
 
-
-def machine() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()} x{os.cpu_count()}"
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+from cosyedge_models.tools.host import machine
 
 
 def record(suite: str, figures: dict[str, Any]) -> Path | None:
