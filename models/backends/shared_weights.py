@@ -59,12 +59,15 @@ def shared_bytes(root: Path, graph_files: list[str]) -> dict[str, int]:
 
 
 def graph_shared_bytes(root: Path) -> dict[str, int]:
-    """graph file -> bytes of the shared weights it uses (those live outside its own file)."""
+    """graph file -> bytes of the shared weights it uses (those live outside its own file):
+    the tensors themselves, without the alignment padding of the data file (which
+    dominates a tiny model's sizes)."""
     out: dict[str, int] = {}
     for path in sorted(Path(root).glob(INDEX_GLOB)):
         index = read_index(path)
+        held = sum(int(t["nbytes"]) for t in index.get("tensors", {}).values())
         for graph in index.get("graphs", []):
-            out[str(graph)] = out.get(str(graph), 0) + int(index.get("bytes", 0))
+            out[str(graph)] = out.get(str(graph), 0) + held
     return out
 
 
