@@ -162,3 +162,25 @@ def test_fuzz_mqtt_surfaces_10000(tmp_path: Path, broker: Broker) -> None:
     fig["rss_growth_after_warmup"] = round((rss[-1] - rss[0]) / rss[0], 4)
     record("fuzz-mqtt", fig)
     check(fig, 10_000, RSS_GROWTH_MAX)
+
+
+def test_fuzzer_string_filter_agrees_with_mosquitto(broker: Broker) -> None:
+    """The fuzzer leaves out exactly the ResponseTopic strings that make Mosquitto drop its
+    own connection (a 10,000-example run once stopped on a U+FFFF)."""
+    from tests.support.fuzz import mosquitto_accepts
+
+    for rt in ["fzreply/ok", "a/+/b", "caf\u00e9\u00a0/\U0001f642", "a\ufdd0", "a\uffff", "a\U0001fffe", "a\x7f"]:
+        c = mqtt.Client(CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
+        gone = threading.Event()
+        c.on_disconnect = lambda *_a: gone.set()
+        c.connect("127.0.0.1", broker.port)
+        c.loop_start()
+        try:
+            props = Properties(PacketTypes.PUBLISH)
+            props.ResponseTopic = rt
+            c.publish("fz/filter", b"1", qos=1, properties=props)
+            dropped = gone.wait(1.0)
+            assert dropped != mosquitto_accepts(rt), (rt, dropped)
+        finally:
+            c.disconnect()
+            c.loop_stop()
