@@ -14,16 +14,24 @@ each concurrent request borrows a `GraphSlot`: persistent device buffers
 (the step's inputs, two caches used in turn as input and output, the
 log-probabilities) and two graph ids, one per direction. Slots are reused
 across requests; when all are busy, or a request may outgrow the cache,
-the engine uses the ordinary decode loop instead. On the CPU the same loop
-runs the same static graph without capture (that is how it is tested)."""
+the engine uses the ordinary decode loop instead. onnxruntime keeps captured
+graphs per thread and captures in CUDA's global mode, so every run of the
+step happens on the engine's GraphThread (models/backends/graph_thread.py):
+every slot is made and both its graphs captured there at load (`warm_up`),
+and a request's step is one piece of work there (inputs in, replay, logp
+out); the prefill and the cache padding (dynamic sessions, never captured)
+stay on the request's thread. On the CPU the same loop runs the same static
+graph without capture (that is how it is tested)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 
 import numpy as np
 import onnxruntime as ort
+from cosyedge_models.backends.graph_thread import CAPTURE_RUNS, GraphThread
 from cosyedge_models.backends.ort import OrtSession, bound_lm_run
 from cosyedge_models.errors import SynthesisError
 
@@ -62,25 +70,46 @@ class GraphSlot:
 
 
 class GraphDecoder:
-    """The slots over one loaded static step (one per engine)."""
+    """The slots over one loaded static step (one per engine), run on `thread`.
+    Call `warm_up()` before serving: it makes every slot and captures its graphs."""
 
     def __init__(self, prefill: OrtSession, step: OrtSession, pad: OrtSession, device: tuple[str, int],
-                 slots: int = 4) -> None:
+                 thread: GraphThread, slots: int = 4) -> None:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         self.prefill_session = prefill
         self.step_session = step
         self.pad_session = pad
         self.device = device
+        self.thread = thread
         self.capture = step.cuda_graph
         self.positions = int(step.input_shapes["past_kv"][4])
         self._max_slots = slots
         self._slots: list[GraphSlot] = []
         self._free: list[GraphSlot] = []
         self._lock = threading.Lock()
-        # Replays of one session's graphs are serialized: concurrent requests
-        # would share the GPU anyway, and capture must not overlap a replay.
-        self.run_lock = threading.Lock()
+
+    def warm_up(self) -> None:
+        """On the graph thread, before any request: every slot, and both of its
+        graphs run CAPTURE_RUNS times (onnxruntime captures on the last; once
+        without capture on the CPU). The slots' caches are rewritten by each
+        request's prefill, so what these runs leave there is never read."""
+        self.thread.call(self._warm_up)
+
+    def _warm_up(self) -> None:
+        runs = CAPTURE_RUNS if self.capture else 1
+        with self._lock:
+            while len(self._slots) < self._max_slots:
+                slot = GraphSlot(len(self._slots), self.step_session, self.device, self.capture)
+                self._slots.append(slot)
+            self._free = list(reversed(self._slots))  # slot 0 is handed out first
+            slots = list(self._slots)
+        for slot in slots:
+            slot.embeds.update_inplace(np.zeros(slot.embeds.shape(), np.float32))
+            slot.position.update_inplace(np.zeros((1,), np.int64))
+            for src in (0, 1):
+                for _ in range(runs):
+                    self.step_session.run_bound(slot.bindings[src], slot.run_options[src])
 
     def loop(self, positions: int) -> GraphDecodeLoop | None:
         """A loop for a request of at most `positions` (prompt + speech tokens), or None: use the ordinary loop."""
@@ -142,11 +171,9 @@ class GraphDecodeLoop:
             raise RuntimeError("step() before prefill()")
         if self._len >= slot.positions:
             raise SynthesisError(f"static decode: the cache of {slot.positions} positions is full")
-        slot.embeds.update_inplace(np.ascontiguousarray(inputs_embeds, dtype=np.float32).reshape(1, 1, -1))
-        slot.position.update_inplace(np.array([self._len], dtype=np.int64))
-        with self._decoder.run_lock:
-            self._decoder.step_session.run_bound(slot.bindings[self._src], slot.run_options[self._src])
-            logp = np.array(slot.logp.numpy())
+        embeds = np.ascontiguousarray(inputs_embeds, dtype=np.float32).reshape(1, 1, -1)
+        dec = self._decoder
+        logp = dec.thread.call(functools.partial(_replay, dec.step_session, slot, self._src, embeds, self._len))
         self._src = 1 - self._src
         self._len += 1
         return logp
@@ -160,3 +187,11 @@ class GraphDecodeLoop:
             self._decoder.release(self._slot)
             self._slot = None
         self._len = 0
+
+
+def _replay(step: OrtSession, slot: GraphSlot, src: int, embeds: np.ndarray, position: int) -> np.ndarray:
+    """One decode step on the graph thread: inputs in, replay, logp out."""
+    slot.embeds.update_inplace(embeds)
+    slot.position.update_inplace(np.array([position], dtype=np.int64))
+    step.run_bound(slot.bindings[src], slot.run_options[src])
+    return np.array(slot.logp.numpy())

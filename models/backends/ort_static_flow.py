@@ -12,10 +12,15 @@ A captured graph replays on the addresses it was captured with, so the cache
 buffers are pooled: a `StaticSlot` is one Euler step's cache of one request
 (the K/V buffer [S, *row] and the conv history) with one graph id per window
 size, borrowed by a `StaticStepCache` for the request's life and given back
-at close. The per-window inputs and outputs are shared by all slots (calls
-are serialized by one lock: they share the GPU anyway). After each replay the
-window's committed K/V rows are copied into the slot's buffer (one
-device-to-device copy, models/backends/ort_cache.py's DeviceCopier).
+at close. onnxruntime keeps captured graphs per thread and captures in CUDA's
+global mode, so every run of these sessions happens on the engine's one
+GraphThread (models/backends/graph_thread.py): all slots are made and every
+(slot, window) graph is captured there at load (`warm_up`), before any
+request runs; a request's call is one piece of work there (inputs in, replay,
+the window's committed K/V rows copied into the slot's buffer by one
+device-to-device copy, models/backends/ort_cache.py's DeviceCopier, dphi out).
+The per-window inputs and outputs are shared by all slots: the thread runs
+one call at a time (they share the GPU anyway).
 
 A request whose window exceeds the largest bucket, or whose cache outgrows
 S, moves (once, by a device copy) to an ordinary BoundStepCache over the
@@ -24,14 +29,17 @@ same code runs the same graphs without capture (that is how it is tested)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import onnxruntime as ort
 from cosyedge_models.backends.base import Session
 from cosyedge_models.backends.flow_cache import PrefixRows, StepCache, StepCacheSpec, trim_due
+from cosyedge_models.backends.graph_thread import CAPTURE_RUNS, GraphThread, GraphThreadClosed
 from cosyedge_models.backends.ort import OrtSession
 from cosyedge_models.backends.ort_cache import BoundStepCache, DeviceCopier
 from cosyedge_models.bundle.loader import STATIC_FLOW_PREFIX, Bundle
@@ -65,12 +73,12 @@ class _WindowIO:
 class StaticSlot:
     """One Euler step's cache buffers and its graph ids, one per window size."""
 
-    def __init__(self, index: int, graphs: StaticFlowGraphs, spec: StepCacheSpec) -> None:
+    def __init__(self, index: int, graphs: StaticFlowGraphs) -> None:
         kind, dev = graphs.device
         self.index = index
         self.frames = graphs.cache_frames
-        self.kv = ort.OrtValue.ortvalue_from_shape_and_type([self.frames, *spec.row], np.float32, kind, dev)
-        self.conv = ort.OrtValue.ortvalue_from_numpy(np.zeros(spec.conv, np.float32), kind, dev)
+        self.kv = ort.OrtValue.ortvalue_from_shape_and_type([self.frames, *graphs.row], np.float32, kind, dev)
+        self.conv = ort.OrtValue.ortvalue_from_numpy(np.zeros(graphs.conv, np.float32), kind, dev)
         self.bindings: list[ort.IOBinding] = []
         self.run_options: list[ort.RunOptions] = []
         for w, io in enumerate(graphs.io):
@@ -92,28 +100,32 @@ class StaticSlot:
 
 
 class StaticFlowGraphs:
-    """The fixed-shape estimator sessions of one engine and their slot pool.
-    `__call__` is a Backend.flow_cache: a StaticStepCache while slots last,
-    else the ordinary device cache over the dynamic graph."""
+    """The fixed-shape estimator sessions of one engine and their slot pool,
+    run on `thread`. `__call__` is a Backend.flow_cache: a StaticStepCache
+    while slots last, else the ordinary device cache over the dynamic graph.
+    `warm_up()` (load_static_flow calls it) makes every slot and captures
+    every graph before the engine serves."""
 
     def __init__(self, sessions: Sequence[OrtSession], device: tuple[str, int], copier: DeviceCopier,
-                 max_slots: int) -> None:
+                 max_slots: int, thread: GraphThread) -> None:
         if not sessions:
             raise ValueError("no fixed-shape estimator graphs")
         if max_slots < 1:
             raise ValueError(f"max_slots must be >= 1, got {max_slots}")
         self.device = device
         self.copier = copier
+        self.thread = thread
         self.io = sorted((_WindowIO(s, device) for s in sessions), key=lambda io: io.window)
         self.windows = [io.window for io in self.io]
-        self.cache_frames = int(sessions[0].input_shapes["att_cache"][0])
+        att = tuple(int(d) for d in sessions[0].input_shapes["att_cache"])
+        self.cache_frames, self.row = att[0], att[1:]
+        self.conv = tuple(int(d) for d in sessions[0].input_shapes["conv_cache"])
         self.capture = all(s.cuda_graph for s in sessions)
         self.max_slots = max_slots
         self._slots: list[StaticSlot] = []
         self._free: list[StaticSlot] = []
         self._lock = threading.Lock()
-        self.run_lock = threading.Lock()  # replays of these sessions, one at a time
-        self.replays = 0  # static calls made (tests, logs)
+        self.replays = 0  # static calls made (tests, logs); counted on the graph thread
         # set when a replay or capture failed: every cache then uses the dynamic graph
         self.disabled: str | None = None
 
@@ -124,14 +136,42 @@ class StaticFlowGraphs:
                 return i
         return None
 
+    def warm_up(self) -> None:
+        """On the graph thread, before any request: every slot, and each of its
+        (window) graphs run CAPTURE_RUNS times (onnxruntime captures on the
+        last; once without capture on the CPU). A refusal disables the graphs."""
+        self.thread.call(self._warm_up)
+
+    def _warm_up(self) -> None:
+        runs = CAPTURE_RUNS if self.capture else 1
+        for io in self.io:  # defined inputs: zero masks, no valid cache rows
+            for value in io.inputs.values():
+                value.update_inplace(np.zeros(value.shape(), np.int64 if value.data_type() == "tensor(int64)"
+                                              else np.float32))
+        with self._lock:
+            while len(self._slots) < self.max_slots:
+                slot = StaticSlot(len(self._slots), self)
+                self._slots.append(slot)
+                self._free.append(slot)
+            slots = list(self._slots)
+        self._free.reverse()  # slot 0 is handed out first
+        try:
+            for slot in slots:
+                for w, io in enumerate(self.io):
+                    for _ in range(runs):
+                        io.session.run_bound(slot.bindings[w], slot.run_options[w])
+        except SynthesisError as exc:
+            self.disabled = str(exc)[:500]
+            log.warning("fixed-shape flow graphs disabled at load, the dynamic estimator takes over: %s", exc)
+
     def acquire(self, spec: StepCacheSpec) -> StaticSlot | None:
-        if spec.dtype != np.float32:
-            return None  # the fixed-shape graphs are exported in fp32
+        if spec.dtype != np.float32 or spec.row != self.row or spec.conv != self.conv:
+            return None  # the fixed-shape graphs are exported in fp32, for this model's shapes
         with self._lock:
             if self._free:
                 return self._free.pop()
-            if len(self._slots) < self.max_slots:
-                slot = StaticSlot(len(self._slots), self, spec)
+            if len(self._slots) < self.max_slots:  # only before warm_up (tests)
+                slot = StaticSlot(len(self._slots), self)
                 self._slots.append(slot)
                 return slot
         return None
@@ -149,9 +189,21 @@ class StaticFlowGraphs:
         return StaticStepCache(self, slot, session, spec)
 
     def close(self) -> None:
+        """Drop the slots (the engine closes the sessions and the graph thread)."""
         with self._lock:
             self._slots.clear()
             self._free.clear()
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One estimator call's host inputs, as the graph thread writes them."""
+
+    window: int  # index into StaticFlowGraphs.io
+    feeds: Mapping[str, np.ndarray]
+    valid: np.ndarray
+    commit: int
+    at: int  # the slot frame the committed rows go to
 
 
 def _pad(value: np.ndarray, window: int) -> np.ndarray:
@@ -216,33 +268,17 @@ class StaticStepCache:
         slot = self._slot
         assert slot is not None and w is not None
         graphs = self._graphs
-        io = graphs.io[w]
         valid = np.zeros((graphs.cache_frames,), np.float32)
         valid[self._first(): self._length] = 1.0
-        row = self.spec.row_bytes
-        failed = False
-        with graphs.run_lock:
-            for name in ("x", "mask", "mu", "cond"):
-                io.inputs[name].update_inplace(_pad(feeds[name], io.window))
-            io.inputs["t"].update_inplace(np.ascontiguousarray(feeds["t"], np.float32))
-            io.inputs["spks"].update_inplace(np.ascontiguousarray(feeds["spks"], np.float32))
-            io.inputs["cache_valid"].update_inplace(valid)
-            io.inputs["commit_index"].update_inplace(np.array([commit, commit + 1], np.int64))
-            try:
-                io.session.run_bound(slot.bindings[w], slot.run_options[w])
-            except SynthesisError as exc:  # e.g. an op onnxruntime cannot capture: say so once, then go dynamic
-                graphs.disabled, failed = str(exc)[:500], True
-                log.warning("fixed-shape flow graphs disabled, the dynamic estimator takes over: %s", exc)
-            else:
-                if commit:
-                    graphs.copier.copy(slot.ptr(self._length, row), int(io.outputs["att_window"].data_ptr()),
-                                       commit * row)
-                    graphs.copier.copy(int(slot.conv.data_ptr()), int(io.outputs["conv_cache_new"].data_ptr()),
-                                       self.spec.conv_bytes)
-                out = np.array(io.outputs["dphi_dt"].numpy()[:, :, :frames])
-                graphs.replays += 1
-        if failed:  # nothing was committed: the same call on the dynamic graph
-            return self._move().run(feeds, commit)
+        call = _Call(w, feeds, valid, commit, self._length)
+        try:
+            out = graphs.thread.call(functools.partial(_replay, graphs, slot, self.spec, call))
+        except GraphThreadClosed:
+            raise
+        except SynthesisError as exc:  # e.g. an op onnxruntime cannot capture: say so once, then go dynamic
+            graphs.disabled = str(exc)[:500]
+            log.warning("fixed-shape flow graphs disabled, the dynamic estimator takes over: %s", exc)
+            return self._move().run(feeds, commit)  # nothing was committed: the same call there
         self._length += commit
         return out
 
@@ -279,15 +315,35 @@ class StaticStepCache:
         self._closed = True
 
 
+def _replay(graphs: StaticFlowGraphs, slot: StaticSlot, spec: StepCacheSpec, call: _Call) -> np.ndarray:
+    """One call on the graph thread: inputs in, replay, committed rows into the slot, dphi out."""
+    io = graphs.io[call.window]
+    feeds = call.feeds
+    frames = int(feeds["x"].shape[2])
+    for name in ("x", "mask", "mu", "cond"):
+        io.inputs[name].update_inplace(_pad(feeds[name], io.window))
+    io.inputs["t"].update_inplace(np.ascontiguousarray(feeds["t"], np.float32))
+    io.inputs["spks"].update_inplace(np.ascontiguousarray(feeds["spks"], np.float32))
+    io.inputs["cache_valid"].update_inplace(call.valid)
+    io.inputs["commit_index"].update_inplace(np.array([call.commit, call.commit + 1], np.int64))
+    io.session.run_bound(slot.bindings[call.window], slot.run_options[call.window])
+    if call.commit:
+        row = spec.row_bytes
+        graphs.copier.copy(slot.ptr(call.at, row), int(io.outputs["att_window"].data_ptr()), call.commit * row)
+        graphs.copier.copy(int(slot.conv.data_ptr()), int(io.outputs["conv_cache_new"].data_ptr()), spec.conv_bytes)
+    out = np.array(io.outputs["dphi_dt"].numpy()[:, :, :frames])
+    graphs.replays += 1
+    return out
+
+
 def load_static_flow(bundle: Bundle, backend_name: str, load: Callable[[str], Session], setting: bool | None,
-                     slots: int) -> StaticFlowGraphs | None:
+                     slots: int, graph_thread: Callable[[], GraphThread]) -> StaticFlowGraphs | None:
     """The engine's fixed-shape estimator graphs with `slots` requests' worth
-    of caches (one per Euler step each), or None (the dynamic graph only).
-    setting True: on (on the CPU without capture: for tests); None or False:
-    off. Not on by default yet: onnxruntime keeps CUDA graphs per thread and
-    captures in CUDA's global mode, so a stream whose flow thread captures
-    while another thread copies to the device fails (seen on the H200 with
-    concurrent requests); docs/gpu.md says what is left."""
+    of caches (one per Euler step each), made and captured now on the
+    engine's graph thread (`graph_thread()` gives it),
+    or None (the dynamic graph only). setting True: on (on the CPU without
+    capture: for tests); None or False: off (docs/gpu.md says why it is not
+    on by default yet)."""
     names = sorted(n for n in bundle.stages if n.startswith(STATIC_FLOW_PREFIX))
     if setting is True and not names:
         raise BundleError(f"{bundle.root}: graph_flow needs a bundle exported with "
@@ -305,7 +361,10 @@ def load_static_flow(bundle: Bundle, backend_name: str, load: Callable[[str], Se
     device = ("cuda", ort_sessions[0].device_id) if ort_sessions[0].on_device else ("cpu", 0)
     # onnxruntime creates a device's allocator on first use without a lock: before request threads race
     ort.OrtValue.ortvalue_from_shape_and_type([1], np.uint8, *device)
-    graphs = StaticFlowGraphs(ort_sessions, device, DeviceCopier(*device), slots * bundle.flow.n_timesteps)
-    log.info("flow estimator: fixed-shape windows %s over %d cached frames, %d request slots%s", graphs.windows,
-             graphs.cache_frames, slots, ", CUDA graphs" if graphs.capture else "")
+    graphs = StaticFlowGraphs(ort_sessions, device, DeviceCopier(*device), slots * bundle.flow.n_timesteps,
+                              graph_thread())
+    graphs.warm_up()
+    log.info("flow estimator: fixed-shape windows %s over %d cached frames, %d request slots%s%s", graphs.windows,
+             graphs.cache_frames, slots, ", CUDA graphs" if graphs.capture else "",
+             f" (disabled: {graphs.disabled})" if graphs.disabled else "")
     return graphs

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from cosyedge_models.backends.base import Backend, FixedSizeDecode, Session
 from cosyedge_models.backends.factory import create_backend
+from cosyedge_models.backends.graph_thread import GraphThread
 from cosyedge_models.backends.shape_pinned import ShapePinnedSession
 from cosyedge_models.batching.llm_batcher import start_batcher
 from cosyedge_models.batching.stage_batcher import call_priority, start_stage_batching
@@ -145,6 +146,8 @@ class CosyVoiceSynthesizer(EngineDefaults):
         self.name = f"cosyvoice-{backend.name}"
         self.sample_rate = bundle.sample_rate
         self._sessions: list[Session] = []
+        # The one thread that runs (and at load captures) every CUDA-graph session; made on first need.
+        self.graph_thread: GraphThread | None = None
         load = self._load
         self.lm = SpeechTokenLM(bundle, backend, load("llm_prefill"), load("llm_decode"))
         self.lm.fixed_size_decode = self._fixed_size_decode()
@@ -188,10 +191,17 @@ class CosyVoiceSynthesizer(EngineDefaults):
         step, pad, prefill = self._load("llm_decode_static"), self._load("llm_kv_pad"), self.lm.prefill_session
         if not (isinstance(step, OrtSession) and isinstance(pad, OrtSession) and isinstance(prefill, OrtSession)):
             return None  # a wrapped backend (tests): the ordinary loop
-        device = ("cuda", int(getattr(self.backend, "device_id", 0))) if step.on_device else ("cpu", 0)
+        device = ("cuda", step.device_id) if step.on_device else ("cpu", 0)
         log.info("LLM decode: fixed-size step of %s positions%s", step.input_shapes["past_kv"][4],
                  ", CUDA graphs" if step.cuda_graph else "")
-        return GraphDecoder(prefill, step, pad, device, self.settings.graph_decode_slots)
+        decoder = GraphDecoder(prefill, step, pad, device, self._graph_thread(), self.settings.graph_decode_slots)
+        decoder.warm_up()  # captures now, before any request runs
+        return decoder
+
+    def _graph_thread(self) -> GraphThread:
+        if self.graph_thread is None:
+            self.graph_thread = GraphThread().start()
+        return self.graph_thread
 
     def _static_flow(self) -> StaticFlowGraphs | None:
         if self.settings.flow_batching is not None or not self.backend.name.startswith("ort"):
@@ -199,7 +209,7 @@ class CosyVoiceSynthesizer(EngineDefaults):
         from cosyedge_models.backends.ort_static_flow import load_static_flow
 
         return load_static_flow(self.bundle, self.backend.name, self._load, self.settings.graph_flow,
-                                self.settings.graph_flow_slots)
+                                self.settings.graph_flow_slots, self._graph_thread)
 
     def _load(self, stage: str) -> Session:
         session = self.backend.load(stage, self.bundle.stages[stage].path, threads=self.settings.threads)
@@ -287,6 +297,8 @@ class CosyVoiceSynthesizer(EngineDefaults):
             self.lm.fixed_size_decode.close()
         if self.static_flow is not None:
             self.static_flow.close()
+        if self.graph_thread is not None:
+            self.graph_thread.close()  # after its users, before the sessions it ran
         for s in self._sessions:
             s.close()
         self._sessions.clear()

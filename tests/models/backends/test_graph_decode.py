@@ -14,6 +14,7 @@ import onnx
 import pytest
 from cosyedge_models.backends.base import HostDecodeLoop
 from cosyedge_models.backends.factory import create_backend
+from cosyedge_models.backends.graph_thread import GraphThread
 from cosyedge_models.backends.ort import OrtBackend
 from cosyedge_models.backends.ort_graph_decode import GraphDecodeLoop, GraphDecoder
 from cosyedge_models.bundle.loader import load_bundle
@@ -43,12 +44,13 @@ def _decoder(bundle_dir: Path, device: str = "cpu", slots: int = 2) -> tuple[Gra
     sessions = {s: backend.load(s, bundle.stages[s].path, threads=1)
                 for s in ("llm_prefill", "llm_decode", "llm_decode_static", "llm_kv_pad")}
     dec = GraphDecoder(sessions["llm_prefill"], sessions["llm_decode_static"], sessions["llm_kv_pad"],
-                       (device, 0), slots)
+                       (device, 0), GraphThread().start(), slots)
     return dec, backend, sessions
 
 
 def _compare_with_dynamic(bundle_dir: Path, device: str) -> None:
     dec, _, sessions = _decoder(bundle_dir, device)
+    dec.warm_up()  # as the engine does: both slots made and (on a GPU) captured on the graph thread
     bundle = load_bundle(bundle_dir)
     rng = np.random.default_rng(0)
     d = bundle.llm.hidden_size
@@ -65,6 +67,7 @@ def _compare_with_dynamic(bundle_dir: Path, device: str) -> None:
     finally:
         loop.close()
         dec.close()
+        dec.thread.close()
         for s in sessions.values():
             s.close()
 
@@ -103,6 +106,7 @@ def test_requests_that_do_not_fit_use_the_ordinary_loop(tiny_static_bundle: Path
         c.close()
     finally:
         dec.close()
+        dec.thread.close()
         for s in sessions.values():
             s.close()
 

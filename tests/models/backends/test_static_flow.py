@@ -9,6 +9,8 @@ the CPU they run without capture; `-m gpu` runs them with CUDA graphs."""
 from __future__ import annotations
 
 import dataclasses
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -18,10 +20,11 @@ import pytest
 from cosyedge_models.backends.base import Session
 from cosyedge_models.backends.factory import create_backend
 from cosyedge_models.backends.flow_cache import StepCache, StepCacheSpec
+from cosyedge_models.backends.graph_thread import GraphThread
 from cosyedge_models.backends.ort import OrtBackend, OrtSession
 from cosyedge_models.backends.ort_cache import BoundCacheFactory, BoundStepCache, DeviceCopier
 from cosyedge_models.backends.ort_static_flow import StaticFlowGraphs, StaticStepCache
-from cosyedge_models.bundle.loader import STATIC_FLOW_PREFIX, load_bundle
+from cosyedge_models.bundle.loader import STATIC_FLOW_PREFIX, Bundle, load_bundle
 from cosyedge_models.errors import BundleError
 from cosyedge_models.synthesis.api import SynthesisRequest
 from cosyedge_models.synthesis.flow import FlowDecoder, FlowPrompt
@@ -46,7 +49,7 @@ class Recording:
         return cache
 
 
-def _sessions(bundle_dir: Path, device: str) -> tuple[dict[str, OrtSession], object]:
+def _sessions(bundle_dir: Path, device: str) -> tuple[dict[str, OrtSession], Bundle]:
     bundle = load_bundle(bundle_dir)
     backend = create_backend("ort" if device == "cpu" else "ort-cuda")
     assert isinstance(backend, OrtBackend)
@@ -65,11 +68,27 @@ def _stream(decoder: FlowDecoder, prompt: FlowPrompt, toks: np.ndarray, left: in
     return np.concatenate(mels, axis=2)
 
 
-def _compare(bundle_dir: Path, device: str, n_tokens: int, left: int = -1, slots: int = 10) -> list[StepCache]:
+def _compare(bundle_dir: Path, device: str, n_tokens: int, left: int = -1, slots: int = 10,
+             warmed: Callable[[GraphThread], None] | None = None) -> list[StepCache]:
+    """A stream over the static graphs against one over the dynamic graph;
+    `warmed(thread)` is called once the graphs are warmed up (captured)."""
     sessions, bundle = _sessions(bundle_dir, device)
     statics = [s for n, s in sessions.items() if n.startswith(STATIC_FLOW_PREFIX)]
-    graphs = StaticFlowGraphs(statics, (device, 0), DeviceCopier(device), slots)
-    assert graphs.capture == (device == "cuda")
+    with GraphThread() as thread:
+        made = _compare_on(thread, bundle, sessions, statics, device, n_tokens, left, slots, warmed)
+    for s in sessions.values():
+        s.close()
+    return made
+
+
+def _compare_on(thread: GraphThread, bundle: Bundle, sessions: dict[str, OrtSession], statics: list[OrtSession],
+                device: str, n_tokens: int, left: int, slots: int,
+                warmed: Callable[[GraphThread], None] | None) -> list[StepCache]:
+    graphs = StaticFlowGraphs(statics, (device, 0), DeviceCopier(device), slots, thread)
+    graphs.warm_up()  # as the engine does: every slot made and (on a GPU) captured on the graph thread
+    assert graphs.capture == (device == "cuda") and graphs.disabled is None
+    if warmed is not None:
+        warmed(thread)
     prompt = FlowPrompt(tokens=np.arange(12, dtype=np.int64) % 50,
                         feat=np.random.default_rng(1).standard_normal((24, bundle.mel_bins)).astype(np.float32),
                         embedding=np.random.default_rng(2).standard_normal(192).astype(np.float32))
@@ -82,8 +101,6 @@ def _compare(bundle_dir: Path, device: str, n_tokens: int, left: int = -1, slots
     tol = 1e-5 if device == "cpu" else 1e-4
     np.testing.assert_allclose(static, dynamic, rtol=0, atol=tol)
     assert graphs.replays > 0
-    for s in sessions.values():
-        s.close()
     return rec.made
 
 
@@ -129,7 +146,8 @@ def test_bounded_left_context_on_the_static_graphs(static_flow_bundle: Path) -> 
 def test_requests_beyond_the_slots_use_the_dynamic_graph(static_flow_bundle: Path) -> None:
     sessions, bundle = _sessions(static_flow_bundle, "cpu")
     statics = [s for n, s in sessions.items() if n.startswith(STATIC_FLOW_PREFIX)]
-    graphs = StaticFlowGraphs(statics, ("cpu", 0), DeviceCopier("cpu"), max_slots=2)
+    thread = GraphThread().start()
+    graphs = StaticFlowGraphs(statics, ("cpu", 0), DeviceCopier("cpu"), max_slots=2, thread=thread)
     dec = FlowDecoder(bundle, sessions["flow_encoder"], sessions["flow_estimator"], graphs)
     spec = dec.cache_spec()
     a, b, c = (graphs(sessions["flow_estimator"], spec) for _ in range(3))
@@ -141,6 +159,7 @@ def test_requests_beyond_the_slots_use_the_dynamic_graph(static_flow_bundle: Pat
     assert isinstance(fp16, BoundStepCache)  # the fixed-shape graphs are fp32
     for x in (b, c, d, fp16):
         x.close()
+    thread.close()
 
 
 def test_engine_uses_the_static_graphs_with_unchanged_audio(static_flow_bundle: Path) -> None:
@@ -176,19 +195,25 @@ def test_cuda_graph_static_flow_matches_the_dynamic_graph(static_flow_bundle: Pa
 def test_a_failed_replay_hands_over_to_the_dynamic_graph(static_flow_bundle: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """When onnxruntime refuses a graph (on a GPU: an op it cannot capture), the
-    graphs are disabled once and the stream goes on exactly on the dynamic graph."""
+    error raised on the graph thread reaches the request's thread, the graphs
+    are disabled once and the stream goes on exactly on the dynamic graph."""
     from cosyedge_models.errors import SynthesisError
 
-    calls = {"n": 0}
+    calls: dict[str, int | None] = {"n": None, "thread": None, "graph_thread": None}
     real = OrtSession.run_bound
 
     def refuse_third(self: OrtSession, binding: ort.IOBinding, options: ort.RunOptions | None = None) -> None:
-        if self.name.startswith(STATIC_FLOW_PREFIX):
+        if self.name.startswith(STATIC_FLOW_PREFIX) and calls["n"] is not None:  # armed after the warm-up
             calls["n"] += 1
             if calls["n"] == 3:
+                calls["thread"] = threading.get_ident()
                 raise SynthesisError(f"{self.name}: capture refused (test)")
         real(self, binding, options)
 
+    def arm(thread: GraphThread) -> None:
+        calls["n"], calls["graph_thread"] = 0, thread.ident
+
     monkeypatch.setattr(OrtSession, "run_bound", refuse_third)
-    made = _compare(static_flow_bundle, "cpu", 60)
+    made = _compare(static_flow_bundle, "cpu", 60, warmed=arm)
     assert calls["n"] == 3 and all(not c.on_graph for c in made if isinstance(c, StaticStepCache))
+    assert calls["thread"] == calls["graph_thread"] != threading.get_ident()
