@@ -1,0 +1,231 @@
+"""The GPU graph thread (models/backends/graph_thread.py) and the engine's use
+of it: every run of a captured session (the LLM's fixed-size step, the
+fixed-shape flow windows) happens on that one thread, warm-up included,
+concurrent streams give what serial ones give, errors raised there reach the
+caller, and after close() a call says so. On the CPU the sessions run the
+same graphs without capture; `-m gpu` runs them with CUDA graphs."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from cosyedge_models.backends.graph_thread import GraphThread, GraphThreadClosed
+from cosyedge_models.backends.ort import OrtSession
+from cosyedge_models.bundle.loader import STATIC_FLOW_PREFIX
+from cosyedge_models.synthesis.api import SynthesisRequest
+from cosyedge_models.synthesis.settings import SynthesisSettings
+from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, load_synthesizer
+
+CAPTURED = ("llm_decode_static", STATIC_FLOW_PREFIX)
+# short: prompt + 20 speech tokens a text token must fit the tiny bundle's 256-position fixed-size step
+TEXTS = ("Graphs on one thread.", "Eight at once.", "A third voice.", "One, two, three.", "Fifth request.",
+         "Six is last.")
+
+
+# --- the worker alone ----------------------------------------------------------------------
+def test_work_runs_on_the_worker_and_each_caller_gets_its_result() -> None:
+    with GraphThread() as worker:
+        seen: dict[int, list[tuple[int, int]]] = {}
+
+        def caller(i: int) -> None:
+            seen[i] = [worker.call(lambda j=j: (threading.get_ident(), i * 1000 + j)) for j in range(50)]
+
+        threads = [threading.Thread(target=caller, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    assert sorted(seen) == list(range(8))
+    for i, results in seen.items():
+        assert [r for _, r in results] == [i * 1000 + j for j in range(50)]  # its own results, in its order
+        assert {tid for tid, _ in results} == {worker.ident}
+    assert worker.ident != threading.get_ident() and worker.calls == 400
+
+
+def test_an_exception_in_the_work_reaches_the_caller_and_the_worker_goes_on() -> None:
+    class Refused(RuntimeError):
+        pass
+
+    def fail() -> int:
+        raise Refused(f"refused on {threading.get_ident()}")
+
+    with GraphThread() as worker:
+        with pytest.raises(Refused, match=f"refused on {worker.ident}"):
+            worker.call(fail)
+        assert worker.call(lambda: 7) == 7
+        # work that calls back into the worker runs inline instead of waiting on itself
+        assert worker.call(lambda: worker.call(lambda: threading.get_ident())) == worker.ident
+
+
+def test_close_runs_what_is_queued_then_refuses_with_a_clear_error() -> None:
+    worker = GraphThread(max_pending=2)
+    with pytest.raises(GraphThreadClosed, match="not started"):
+        worker.call(lambda: 1)
+    worker.start()
+    gate = threading.Event()
+    blocked = worker.submit(gate.wait)
+    queued = [worker.submit(lambda i=i: i) for i in range(2)]  # the queue is full now
+    late: list[int] = []
+    submitter = threading.Thread(target=lambda: late.append(worker.call(lambda: 99)))
+    submitter.start()
+    time.sleep(0.3)
+    assert submitter.is_alive() and not late  # bounded: the submit waits for room
+    gate.set()
+    submitter.join(10)
+    assert late == [99] and blocked.result() is True and [f.result() for f in queued] == [0, 1]
+    worker.close()
+    worker.close()  # idempotent
+    assert not worker.alive
+    with pytest.raises(GraphThreadClosed, match="closed"):
+        worker.call(lambda: 1)
+    with pytest.raises(GraphThreadClosed):
+        worker.start()
+
+
+# --- the engine ----------------------------------------------------------------------------
+def _engine(bundle: Path, slots: int = 8) -> CosyVoiceSynthesizer:
+    # overlap on: the LLM decodes on producer threads, flow + vocoder on the request threads
+    return load_synthesizer(bundle, settings=SynthesisSettings(
+        threads=1, overlap_stages=True, graph_flow=True, graph_decode=True, graph_flow_slots=slots,
+        graph_decode_slots=slots))
+
+
+def _request(i: int) -> SynthesisRequest:
+    return SynthesisRequest(text=TEXTS[i % len(TEXTS)], seed=100 + i, stream=True)
+
+
+def _synthesize(engine: CosyVoiceSynthesizer, i: int) -> np.ndarray:
+    return np.concatenate([c.pcm for c in engine.synthesize(_request(i))])
+
+
+def _concurrently(engine: CosyVoiceSynthesizer, n: int) -> dict[int, np.ndarray]:
+    outs: dict[int, np.ndarray] = {}
+    errors: list[BaseException] = []
+    start = threading.Barrier(n)
+
+    def one(i: int) -> None:
+        try:
+            start.wait()
+            outs[i] = _synthesize(engine, i)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,), name=f"request-{i}") for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    assert not errors, errors
+    return outs
+
+
+@pytest.fixture()
+def recorded_runs(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[str, int]]]:
+    """(session name, thread id) of every run of a captured session, through OrtSession itself."""
+    runs: list[tuple[str, int]] = []
+    real_bound, real_run = OrtSession.run_bound, OrtSession.run
+
+    def run_bound(self: OrtSession, binding: ort.IOBinding, options: ort.RunOptions | None = None) -> None:
+        if self.name.startswith(CAPTURED):
+            runs.append((self.name, threading.get_ident()))
+        real_bound(self, binding, options)
+
+    def run(self: OrtSession, inputs: dict[str, np.ndarray], outputs: list[str] | None = None
+            ) -> dict[str, np.ndarray]:
+        if self.name.startswith(CAPTURED):
+            runs.append((self.name, threading.get_ident()))
+        return real_run(self, inputs, outputs)
+
+    monkeypatch.setattr(OrtSession, "run_bound", run_bound)
+    monkeypatch.setattr(OrtSession, "run", run)
+    yield runs
+
+
+def test_every_run_of_a_captured_session_is_on_the_graph_thread(graph_bundle: Path,
+                                                                  recorded_runs: list[tuple[str, int]]) -> None:
+    engine = _engine(graph_bundle, slots=4)
+    try:
+        assert engine.graph_thread is not None and engine.static_flow is not None
+        assert engine.lm.fixed_size_decode is not None
+        warm = len(recorded_runs)
+        windows = len(engine.static_flow.windows)
+        # warm-up at load: every slot's graphs (4 decode slots x 2 directions; 4 x n_timesteps flow slots x windows)
+        assert warm == 4 * 2 + 4 * engine.bundle.flow.n_timesteps * windows
+        outs = _concurrently(engine, 4)
+        assert all(o.size for o in outs.values())
+        names = {name for name, _ in recorded_runs[warm:]}
+        assert "llm_decode_static" in names and any(n.startswith(STATIC_FLOW_PREFIX) for n in names)
+        assert {tid for _, tid in recorded_runs} == {engine.graph_thread.ident}
+        assert engine.static_flow.replays > 0 and engine.static_flow.disabled is None
+    finally:
+        engine.close()
+    assert engine.graph_thread is not None and not engine.graph_thread.alive
+
+
+def test_concurrent_streams_match_serial_runs(graph_bundle: Path) -> None:
+    engine = _engine(graph_bundle)
+    try:
+        serial = {i: _synthesize(engine, i) for i in range(6)}
+        concurrent = _concurrently(engine, 6)
+    finally:
+        engine.close()
+    for i in range(6):
+        assert concurrent[i].shape == serial[i].shape and serial[i].size > 0
+        np.testing.assert_allclose(concurrent[i], serial[i], rtol=0, atol=1e-6)
+
+
+def test_after_close_a_captured_call_raises_a_clear_error(graph_bundle: Path) -> None:
+    engine = _engine(graph_bundle, slots=1)
+    decoder = engine.lm.fixed_size_decode
+    graphs = engine.static_flow
+    assert decoder is not None and graphs is not None
+    loop = decoder.loop(32)
+    assert loop is not None
+    hidden = engine.bundle.llm.hidden_size
+    loop.prefill(np.zeros((1, 4, hidden), np.float32))
+    cache = graphs(engine.flow.estimator, engine.flow.cache_spec())
+    engine.close()
+    with pytest.raises(GraphThreadClosed, match="GPU graph thread is closed"):
+        loop.step(np.zeros((1, 1, hidden), np.float32))
+    shapes = graphs.io[0].session.input_shapes  # a 10-frame window of the smallest graph's inputs
+    feeds = {n: np.zeros((*shapes[n][:-1], 10) if n in ("x", "mask", "mu", "cond") else shapes[n], np.float32)
+             for n in ("x", "mask", "mu", "t", "spks", "cond")}
+    with pytest.raises(GraphThreadClosed, match="GPU graph thread is closed"):
+        cache.run(feeds, 10)
+    cache.close()
+    loop.close()
+
+
+@pytest.mark.gpu
+def test_eight_streams_with_cuda_graphs_match_serial_runs(graph_bundle: Path,
+                                                         recorded_runs: list[tuple[str, int]]) -> None:
+    """On a GPU: both graph stages captured at load on the graph thread, then
+    8 streams at once through them (LLM steps from 8 producer threads, flow
+    windows from 8 request threads, other sessions' copies meanwhile), each
+    equal to its serial run, without a fallback to the dynamic graphs."""
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("onnxruntime has no CUDAExecutionProvider here")
+    engine = load_synthesizer(graph_bundle, settings=SynthesisSettings(
+        backend="ort-cuda", graph_flow=True, graph_flow_slots=8, graph_decode_slots=8))
+    try:
+        graphs, decoder, worker = engine.static_flow, engine.lm.fixed_size_decode, engine.graph_thread
+        assert graphs is not None and decoder is not None and worker is not None
+        assert graphs.capture and decoder.capture and engine.overlap  # graph_decode and overlap: auto on ort-cuda
+        assert graphs.disabled is None, graphs.disabled  # every capture at load succeeded
+        serial = {i: _synthesize(engine, i) for i in range(8)}
+        replays = graphs.replays
+        concurrent = _concurrently(engine, 8)
+        assert graphs.disabled is None, graphs.disabled  # no replay refused under concurrency
+        assert graphs.replays > replays
+        assert {tid for _, tid in recorded_runs} == {worker.ident}
+    finally:
+        engine.close()
+    for i in range(8):
+        assert concurrent[i].shape == serial[i].shape and serial[i].size > 0
+        np.testing.assert_allclose(concurrent[i], serial[i], rtol=0, atol=1e-4)
