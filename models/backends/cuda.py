@@ -10,6 +10,17 @@ thread, while each thread enqueues on its own stream. (A separate
 engine, with its weights, deserialized once per thread: too much memory on an
 8 GB Jetson.)
 
+How a thread holds it: at the driver level (cuCtxSetCurrent, through
+ctypes), which needs no undoing, and NOT on pycuda's own per-thread context
+stack: pycuda aborts the whole process (its context_stack destructor calls
+abort()) when a thread ends with a context still pushed there; that is what
+killed the interpreter when three threads copied at once and the first one
+finished (test_cuda_layer.py::test_each_thread_has_its_own_stream on the
+H200). pycuda needs its stack only to create and free its objects (device
+and pinned allocations, streams), so those happen inside `pycuda_scope`,
+which pushes the primary context and pops it again; frees then work from any
+thread. The copies and TensorRT's calls need only the driver-level binding.
+
 pycuda ships no type information, so the calls used here are described by the
 Protocols below and the module is cast to them: mypy checks our use of them.
 pycuda is not a PyPI dependency of cosyedge (it builds only against a real
@@ -17,11 +28,12 @@ libcuda); on the board: pip install pycuda==2025.1.2 (README, Jetson)."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
@@ -140,6 +152,62 @@ def _primary_context(device_id: int) -> _Context:
         return ctx
 
 
+_libcuda: ctypes.CDLL | None = None
+_primary_handles: dict[int, int] = {}  # device -> CUcontext of its primary context (retained for the process)
+_bound = threading.local()  # .device: the device whose primary context this thread has current
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise SynthesisError(f"{what} failed with CUDA error {rc}")
+
+
+def _lib() -> ctypes.CDLL:
+    global _libcuda
+    driver()  # cuInit, after the GPU probe
+    with _driver_lock:
+        if _libcuda is None:
+            _libcuda = ctypes.CDLL("libcuda.so.1")
+        return _libcuda
+
+
+def bind_thread(device_id: int) -> None:
+    """Make the device's primary context current on the calling thread at the
+    driver level: what the async copies, graph capture and TensorRT's runtime
+    calls use. Nothing to undo when the thread ends."""
+    lib = _lib()
+    with _driver_lock:
+        handle = _primary_handles.get(device_id)
+        if handle is None:
+            dev = ctypes.c_int(0)
+            _check(lib.cuDeviceGet(ctypes.byref(dev), ctypes.c_int(device_id)), "cuDeviceGet")
+            ctx = ctypes.c_void_p(0)
+            _check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+            handle = int(ctx.value or 0)
+            _primary_handles[device_id] = handle
+    _check(lib.cuCtxSetCurrent(ctypes.c_void_p(handle)), "cuCtxSetCurrent")
+    _bound.device = device_id
+
+
+def bound_device() -> int:
+    """The device bound on this thread (bind_thread), else 0."""
+    device: int = getattr(_bound, "device", 0)
+    return device
+
+
+@contextlib.contextmanager
+def pycuda_scope(device_id: int | None = None) -> Iterator[None]:
+    """The primary context on pycuda's own stack for the block only (pycuda
+    allocates and frees its objects in the context on top of it; a thread
+    must never end with it non-empty). Default: the thread's bound device."""
+    ctx = _primary_context(bound_device() if device_id is None else device_id)
+    ctx.push()
+    try:
+        yield
+    finally:
+        driver().Context.pop()
+
+
 @dataclass(frozen=True)
 class DeviceInfo:
     name: str
@@ -156,20 +224,28 @@ def device_info(device_id: int) -> DeviceInfo:
 class DeviceBuffer:
     """Device memory of a fixed size, freed by close()."""
 
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, nbytes: int, device_id: int | None = None) -> None:
         self.nbytes = max(int(nbytes), 1)
-        self._alloc: _Allocation | None = driver().mem_alloc(self.nbytes)
+        self.device_id = bound_device() if device_id is None else device_id
+        with pycuda_scope(self.device_id):
+            self._alloc: _Allocation | None = driver().mem_alloc(self.nbytes)
         self.ptr = int(self._alloc)
 
     def close(self) -> None:
+        """Free the memory (any thread: pycuda frees in the context on its stack)."""
         if self._alloc is not None:
-            self._alloc.free()
+            with pycuda_scope(self.device_id):
+                self._alloc.free()
             self._alloc = None
 
 
 def pinned_empty(nbytes: int) -> np.ndarray:
-    """Page-locked host bytes (async copies need them; on Jetson the same DRAM)."""
-    return driver().pagelocked_empty((max(int(nbytes), 1),), np.uint8)
+    """Page-locked host bytes (async copies need them; on Jetson the same DRAM).
+    Freed when the array goes (pycuda frees it then if the context is on its
+    stack or that thread retained the context; otherwise pycuda drops the free
+    silently)."""
+    with pycuda_scope():
+        return driver().pagelocked_empty((max(int(nbytes), 1),), np.uint8)
 
 
 class ThreadCuda:
@@ -178,10 +254,10 @@ class ThreadCuda:
 
     def __init__(self, device_id: int) -> None:
         self.device_id = device_id
-        self._ctx = _primary_context(device_id)
-        self._ctx.push()
+        bind_thread(device_id)
         self.thread = threading.get_ident()
-        self.stream = driver().Stream()
+        with pycuda_scope(device_id):
+            self.stream = driver().Stream()
         self.graphs = GraphApi()
 
     @property
@@ -218,10 +294,9 @@ class ThreadCuda:
         self.stream.synchronize()
 
     def close(self) -> None:
-        """Pop the context from this thread (call on the owning thread)."""
-        if threading.get_ident() == self.thread:
-            self.synchronize()
-            driver().Context.pop()
+        """Wait for the stream's work (nothing to pop: pycuda's stack holds no
+        context between calls, the driver-level binding needs no undoing)."""
+        self.synchronize()
 
 
 class CudaGraph:

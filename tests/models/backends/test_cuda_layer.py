@@ -126,31 +126,50 @@ def test_graph_replay_reads_current_pinned_input() -> None:
 
 
 def test_each_thread_has_its_own_stream() -> None:
+    """Eight threads copy at once and end at different times while the others
+    still copy (the first thread to end used to abort the interpreter: pycuda
+    calls abort() when a thread ends with a context on its stack); each keeps
+    its own stream, pycuda's stack is empty between calls, and a buffer made
+    on a thread that has ended is freed from another one."""
+    import pycuda.driver as drv
     from cosyedge_models.backends.cuda import DeviceBuffer, pinned_empty
     from cosyedge_models.backends.trt_session import thread_cuda
 
     handles: dict[int, int] = {}
+    left: dict[int, DeviceBuffer] = {}
     errors: list[BaseException] = []
 
     def worker(i: int) -> None:
         try:
             cuda = thread_cuda(0)
             buf, host, back = DeviceBuffer(4096), pinned_empty(4096), pinned_empty(4096)
+            left[i] = DeviceBuffer(1 << 20)
             host[:] = i
-            for _ in range(50):
+            for _ in range(20 * i):  # thread 1 ends first, thread 8 last
                 cuda.htod(buf.ptr, host)
                 cuda.dtoh(back, buf.ptr)
             cuda.synchronize()
             assert (back == i).all()
+            assert drv.Context.get_current() is None  # nothing left on pycuda's stack
             handles[i] = cuda.handle
             buf.close()
         except BaseException as exc:  # reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(1, 4)]
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(1, 9)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=60)
     assert not errors, errors
-    assert len(set(handles.values())) == 3
+    assert len(set(handles.values())) == 8
+    for b in left.values():  # made on threads that have ended
+        b.close()
+    cuda = thread_cuda(0)  # and the main thread still works after them
+    buf, host, back = DeviceBuffer(64), pinned_empty(64), pinned_empty(64)
+    host[:] = 5
+    cuda.htod(buf.ptr, host)
+    cuda.dtoh(back, buf.ptr)
+    cuda.synchronize()
+    assert (back == 5).all()
+    buf.close()
