@@ -163,7 +163,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                    help="measure only the LLM (speech tokens/s at each --concurrency), no flow or vocoder")
     p.add_argument("--graph-flow", action="store_true", default=None,
                    help="replay the bundle's fixed-shape flow estimator graphs as CUDA graphs (build export "
-                        "--static-flow-windows; single streams: concurrent ones fail on onnxruntime 1.31)")
+                        "--static-flow-windows; every slot captured at load on the engine's GPU graph thread)")
     p.add_argument("--first-hop", metavar="N[,M..]",
                    help="also measure time to first audio for these first hops (speech tokens)")
     p.add_argument("--project", action="store_true",

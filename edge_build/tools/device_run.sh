@@ -17,8 +17,8 @@
 #          fixed-shape flow on/off) and edge_build/tools/device_probe.py
 #   bench  cosyedge bench: fp32 with the fp16 bundle compared, concurrency
 #          $CONCURRENCY (default 1,4,8,16), the official pipeline on the same GPU;
-#          BENCH_ARGS=--graph-flow CONCURRENCY=1 for the fixed-shape flow graphs
-#          (single streams only so far, docs/gpu.md)
+#          BENCH_ARGS=--graph-flow for the fixed-shape flow graphs (captured at load
+#          on the engine's GPU graph thread, docs/gpu.md)
 # Environment: WHEELS (default .whl), ORT_PARTS (/tmp/ort), PYCUDA_SDIST_DIR
 # (.device/pycuda), FULL_DIR (/tmp/full), BENCH_ARGS (extra bench flags, e.g.
 # --voice NAME), STATIC_FLOW_WINDOWS (64,128,640), STATIC_FLOW_CACHE (1024), GPU_TESTS (a subset
@@ -71,7 +71,8 @@ if [ -n "${pycuda_build:-}" ]; then
 fi
 
 all_gpu_tests="tests/models/backends/test_cuda_layer.py tests/models/backends/test_graph_decode.py tests/models/backends/test_flow_device_cache.py
-  tests/models/backends/test_ort_backend.py tests/models/backends/test_static_flow.py tests/models/backends/test_trt_backend.py
+  tests/models/backends/test_ort_backend.py tests/models/backends/test_static_flow.py tests/models/backends/test_graph_thread.py
+  tests/models/backends/test_trt_backend.py
   tests/edge_build/test_fp16_gpu.py"
 for step in ${steps//,/ }; do
   case $step in

@@ -52,10 +52,14 @@ class SynthesisSettings:
     # (host memory; about 4.4 MiB per prompt mel frame at full size in fp32); 0: off.
     voice_cache_mb: int = 2048
     # The flow estimator's fixed-shape graphs replayed as CUDA graphs on ort-cuda (bundles
-    # exported with --static-flow-windows; not with flow batching): True on (on the CPU without
-    # capture), None / False off (single streams only so far: ort_static_flow.load_static_flow).
+    # exported with --static-flow-windows; not with flow batching), all on the engine's GPU graph
+    # thread: True on (on the CPU without capture), None / False off (not yet on by default:
+    # docs/gpu.md). Every slot is allocated and captured at load.
     graph_flow: bool | None = None
-    graph_flow_slots: int = 4  # streaming requests on them at once; more use the dynamic graph
+    # Streaming requests on them at once (more use the dynamic graph); each takes
+    # n_timesteps x cache_frames x K/V row bytes of device memory from load on (470 MB per
+    # Euler step at full size with 1024 frames: 4.7 GB a request).
+    graph_flow_slots: int = 4
     # Sessions per vocoder graph, each kept on one input shape (models/backends/shape_pinned.py):
     # None auto (3 on ort-cuda, where a shape change costs ~150 ms a call; else 1).
     vocoder_sessions: int | None = None
