@@ -88,6 +88,8 @@ class GraphDecoder:
         self._slots: list[GraphSlot] = []
         self._free: list[GraphSlot] = []
         self._lock = threading.Lock()
+        # set when a capture at load failed: every request then uses the ordinary loop
+        self.disabled: str | None = None
 
     def warm_up(self) -> None:
         """On the graph thread, before any request: every slot, and both of its
@@ -104,16 +106,20 @@ class GraphDecoder:
                 self._slots.append(slot)
             self._free = list(reversed(self._slots))  # slot 0 is handed out first
             slots = list(self._slots)
-        for slot in slots:
-            slot.embeds.update_inplace(np.zeros(slot.embeds.shape(), np.float32))
-            slot.position.update_inplace(np.zeros((1,), np.int64))
-            for src in (0, 1):
-                for _ in range(runs):
-                    self.step_session.run_bound(slot.bindings[src], slot.run_options[src])
+        try:
+            for slot in slots:
+                slot.embeds.update_inplace(np.zeros(slot.embeds.shape(), np.float32))
+                slot.position.update_inplace(np.zeros((1,), np.int64))
+                for src in (0, 1):
+                    for _ in range(runs):
+                        self.step_session.run_bound(slot.bindings[src], slot.run_options[src])
+        except SynthesisError as exc:
+            self.disabled = str(exc)[:500]
+            log.warning("fixed-size LLM decode disabled at load, the ordinary loop takes over: %s", exc)
 
     def loop(self, positions: int) -> GraphDecodeLoop | None:
         """A loop for a request of at most `positions` (prompt + speech tokens), or None: use the ordinary loop."""
-        if positions > self.positions:
+        if positions > self.positions or self.disabled is not None:
             return None
         with self._lock:
             if self._free:

@@ -202,6 +202,38 @@ def test_after_close_a_captured_call_raises_a_clear_error(graph_bundle: Path) ->
     loop.close()
 
 
+def test_a_capture_refused_at_load_leaves_the_engine_on_the_dynamic_graphs(graph_bundle: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A capture that fails at load (on a GPU: an op onnxruntime cannot capture,
+    or another engine's CUDA work meanwhile) disables that stage's graphs; the
+    engine loads and speaks as without them."""
+    from cosyedge_models.errors import SynthesisError
+
+    real = OrtSession.run_bound
+    where: list[int] = []
+
+    def refuse(self: OrtSession, binding: ort.IOBinding, options: ort.RunOptions | None = None) -> None:
+        if self.name.startswith(CAPTURED):
+            where.append(threading.get_ident())
+            raise SynthesisError(f"{self.name}: capture refused (test)")
+        real(self, binding, options)
+
+    monkeypatch.setattr(OrtSession, "run_bound", refuse)
+    engine = _engine(graph_bundle, slots=2)
+    try:
+        decoder, graphs = engine.lm.fixed_size_decode, engine.static_flow
+        assert decoder is not None and graphs is not None and engine.graph_thread is not None
+        assert decoder.disabled is not None and "capture refused" in decoder.disabled
+        assert graphs.disabled is not None and "capture refused" in graphs.disabled
+        assert set(where) == {engine.graph_thread.ident} and len(where) == 2  # one refusal each, then stopped
+        calls = len(where)
+        assert decoder.loop(32) is None
+        assert _synthesize(engine, 0).size > 0
+        assert len(where) == calls  # the captured sessions are not run again
+    finally:
+        engine.close()
+
+
 @pytest.mark.gpu
 def test_eight_streams_with_cuda_graphs_match_serial_runs(graph_bundle: Path,
                                                          recorded_runs: list[tuple[str, int]]) -> None:
