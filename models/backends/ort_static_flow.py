@@ -152,9 +152,8 @@ class StaticFlowGraphs:
             while len(self._slots) < self.max_slots:
                 slot = StaticSlot(len(self._slots), self)
                 self._slots.append(slot)
-                self._free.append(slot)
+                self._free.insert(0, slot)  # slot 0 is handed out first
             slots = list(self._slots)
-        self._free.reverse()  # slot 0 is handed out first
         try:
             for slot in slots:
                 for w, io in enumerate(self.io):
