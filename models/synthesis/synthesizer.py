@@ -23,17 +23,16 @@ import time
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
-from cosyedge_models.backends.base import Backend, FixedSizeDecode, Session
+from cosyedge_models.backends.base import Backend, Session
 from cosyedge_models.backends.factory import create_backend
 from cosyedge_models.backends.graph_thread import GraphThread
 from cosyedge_models.backends.shape_pinned import ShapePinnedSession
 from cosyedge_models.batching.llm_batcher import start_batcher
 from cosyedge_models.batching.stage_batcher import call_priority, start_stage_batching
 from cosyedge_models.bundle.loader import Bundle, load_bundle
-from cosyedge_models.errors import BundleError, RequestError
+from cosyedge_models.errors import RequestError
 from cosyedge_models.synthesis.api import (
     AudioChunk,
     EngineDefaults,
@@ -46,6 +45,7 @@ from cosyedge_models.synthesis.api import (
 )
 from cosyedge_models.synthesis.conditioning import Conditioning, ConditioningBuilder
 from cosyedge_models.synthesis.flow import EstimatorWork, FlowDecoder, FlowStream
+from cosyedge_models.synthesis.graph_stages import GraphStages
 from cosyedge_models.synthesis.llm import LlmInput, LlmStats, SpeechTokenLM
 from cosyedge_models.synthesis.modes import MODES
 from cosyedge_models.synthesis.sampling import TokenSampler
@@ -56,9 +56,6 @@ from cosyedge_models.synthesis.vocoder import HiftVocoder, NoiseSource, VocoderS
 from cosyedge_models.synthesis.voice_cache import MIB, FlowPrefix, VoiceCache, bundle_identity, saved_voice_prefix
 from cosyedge_models.text.frontend import TextFrontend
 from cosyedge_models.text.tokenizer import TextTokenizer
-
-if TYPE_CHECKING:
-    from cosyedge_models.backends.ort_static_flow import StaticFlowGraphs
 
 log = logging.getLogger(__name__)
 
@@ -146,11 +143,11 @@ class CosyVoiceSynthesizer(EngineDefaults):
         self.name = f"cosyvoice-{backend.name}"
         self.sample_rate = bundle.sample_rate
         self._sessions: list[Session] = []
-        # The one thread that runs (and at load captures) every CUDA-graph session; made on first need.
-        self.graph_thread: GraphThread | None = None
         load = self._load
+        # The CUDA-graph stages and the one thread that captures them (now) and runs every replay.
+        self.graphs = GraphStages(bundle, backend.name, settings, load)
         self.lm = SpeechTokenLM(bundle, backend, load("llm_prefill"), load("llm_decode"))
-        self.lm.fixed_size_decode = self._fixed_size_decode()
+        self.lm.fixed_size_decode = self.graphs.fixed_size_decode(self.lm.prefill_session)
         # With flow batching the flow and the vocoder run their graphs through the stage batchers.
         pinned = settings.vocoder_sessions or (3 if backend.name == "ort-cuda" else 1)
         stages = {stage: load(stage) if stage == "flow_estimator" or pinned == 1 else
@@ -159,7 +156,7 @@ class CosyVoiceSynthesizer(EngineDefaults):
         batchers = start_stage_batching(bundle, backend.name, stages, settings.flow_batching)
         self.stage_batchers = list(batchers.values())
         stages.update(batchers)
-        self.static_flow = self._static_flow()
+        self.static_flow = self.graphs.static_flow()
         self.flow = FlowDecoder(bundle, load("flow_encoder"), stages["flow_estimator"],
                                 self.static_flow if self.static_flow is not None else backend.flow_cache)
         self.vocoder = HiftVocoder(bundle, stages["hift_source"], stages["hift_decoder"])
@@ -176,40 +173,10 @@ class CosyVoiceSynthesizer(EngineDefaults):
             self._producers = ProducerPool(settings.producer_threads)
             self._producers.start()
 
-    def _fixed_size_decode(self) -> FixedSizeDecode | None:
-        setting = self.settings.graph_decode
-        has_step = "llm_decode_static" in self.bundle.stages
-        if setting is True and not has_step:
-            raise BundleError(f"{self.bundle.root}: graph_decode needs a bundle exported with "
-                              "'cosyedge build export --static-decode-len N'")
-        on = setting if setting is not None else self.backend.name == "ort-cuda"
-        if not (on and has_step and self.backend.name.startswith("ort")):
-            return None
-        from cosyedge_models.backends.ort import OrtSession
-        from cosyedge_models.backends.ort_graph_decode import GraphDecoder
-
-        step, pad, prefill = self._load("llm_decode_static"), self._load("llm_kv_pad"), self.lm.prefill_session
-        if not (isinstance(step, OrtSession) and isinstance(pad, OrtSession) and isinstance(prefill, OrtSession)):
-            return None  # a wrapped backend (tests): the ordinary loop
-        device = ("cuda", step.device_id) if step.on_device else ("cpu", 0)
-        log.info("LLM decode: fixed-size step of %s positions%s", step.input_shapes["past_kv"][4],
-                 ", CUDA graphs" if step.cuda_graph else "")
-        decoder = GraphDecoder(prefill, step, pad, device, self._graph_thread(), self.settings.graph_decode_slots)
-        decoder.warm_up()  # captures now, before any request runs
-        return decoder
-
-    def _graph_thread(self) -> GraphThread:
-        if self.graph_thread is None:
-            self.graph_thread = GraphThread().start()
-        return self.graph_thread
-
-    def _static_flow(self) -> StaticFlowGraphs | None:
-        if self.settings.flow_batching is not None or not self.backend.name.startswith("ort"):
-            return None
-        from cosyedge_models.backends.ort_static_flow import load_static_flow
-
-        return load_static_flow(self.bundle, self.backend.name, self._load, self.settings.graph_flow,
-                                self.settings.graph_flow_slots, self._graph_thread)
+    @property
+    def graph_thread(self) -> GraphThread | None:
+        """The thread that runs every CUDA-graph session (None when no graph stage is on)."""
+        return self.graphs.thread
 
     def _load(self, stage: str) -> Session:
         session = self.backend.load(stage, self.bundle.stages[stage].path, threads=self.settings.threads)
@@ -293,12 +260,7 @@ class CosyVoiceSynthesizer(EngineDefaults):
             stage.stop()
         if self._producers is not None:
             self._producers.stop()  # before the sessions it runs are closed
-        if self.lm.fixed_size_decode is not None:
-            self.lm.fixed_size_decode.close()
-        if self.static_flow is not None:
-            self.static_flow.close()
-        if self.graph_thread is not None:
-            self.graph_thread.close()  # after its users, before the sessions it ran
+        self.graphs.close()  # after their users, before the sessions the graph thread ran
         for s in self._sessions:
             s.close()
         self._sessions.clear()

@@ -17,6 +17,7 @@ import onnxruntime as ort
 import pytest
 from cosyedge_models.backends.graph_thread import GraphThread, GraphThreadClosed
 from cosyedge_models.backends.ort import OrtSession
+from cosyedge_models.backends.ort_graph_decode import GraphDecoder
 from cosyedge_models.bundle.loader import STATIC_FLOW_PREFIX
 from cosyedge_models.synthesis.api import SynthesisRequest
 from cosyedge_models.synthesis.settings import SynthesisSettings
@@ -152,7 +153,7 @@ def test_every_run_of_a_captured_session_is_on_the_graph_thread(graph_bundle: Pa
     engine = _engine(graph_bundle, slots=4)
     try:
         assert engine.graph_thread is not None and engine.static_flow is not None
-        assert engine.lm.fixed_size_decode is not None
+        assert isinstance(engine.lm.fixed_size_decode, GraphDecoder)
         warm = len(recorded_runs)
         windows = len(engine.static_flow.windows)
         # warm-up at load: every slot's graphs (4 decode slots x 2 directions; 4 x n_timesteps flow slots x windows)
@@ -184,7 +185,7 @@ def test_after_close_a_captured_call_raises_a_clear_error(graph_bundle: Path) ->
     engine = _engine(graph_bundle, slots=1)
     decoder = engine.lm.fixed_size_decode
     graphs = engine.static_flow
-    assert decoder is not None and graphs is not None
+    assert isinstance(decoder, GraphDecoder) and graphs is not None
     loop = decoder.loop(32)
     assert loop is not None
     hidden = engine.bundle.llm.hidden_size
@@ -222,7 +223,7 @@ def test_a_capture_refused_at_load_leaves_the_engine_on_the_dynamic_graphs(graph
     engine = _engine(graph_bundle, slots=2)
     try:
         decoder, graphs = engine.lm.fixed_size_decode, engine.static_flow
-        assert decoder is not None and graphs is not None and engine.graph_thread is not None
+        assert isinstance(decoder, GraphDecoder) and graphs is not None and engine.graph_thread is not None
         assert decoder.disabled is not None and "capture refused" in decoder.disabled
         assert graphs.disabled is not None and "capture refused" in graphs.disabled
         assert set(where) == {engine.graph_thread.ident} and len(where) == 2  # one refusal each, then stopped
@@ -247,7 +248,7 @@ def test_eight_streams_with_cuda_graphs_match_serial_runs(graph_bundle: Path,
         backend="ort-cuda", graph_flow=True, graph_flow_slots=8, graph_decode_slots=8))
     try:
         graphs, decoder, worker = engine.static_flow, engine.lm.fixed_size_decode, engine.graph_thread
-        assert graphs is not None and decoder is not None and worker is not None
+        assert graphs is not None and isinstance(decoder, GraphDecoder) and worker is not None
         assert graphs.capture and decoder.capture and engine.overlap  # graph_decode and overlap: auto on ort-cuda
         assert graphs.disabled is None, graphs.disabled  # every capture at load succeeded
         serial = {i: _synthesize(engine, i) for i in range(8)}

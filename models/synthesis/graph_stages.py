@@ -1,0 +1,86 @@
+"""The engine's CUDA-graph stages: the LLM's fixed-size decode step
+(models/backends/ort_graph_decode.py) and the fixed-shape flow estimator
+graphs (models/backends/ort_static_flow.py), and the one GPU graph thread
+(models/backends/graph_thread.py) that captures them at load and runs every
+replay. Made by CosyVoiceSynthesizer; closed by it after their users stop and
+before it closes the sessions."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from cosyedge_models.backends.base import FixedSizeDecode, Session
+from cosyedge_models.backends.graph_thread import GraphThread
+from cosyedge_models.bundle.loader import Bundle
+from cosyedge_models.errors import BundleError
+from cosyedge_models.synthesis.settings import SynthesisSettings
+
+if TYPE_CHECKING:  # onnxruntime is imported only where a stage is on (the trt backend runs without it)
+    from cosyedge_models.backends.ort_graph_decode import GraphDecoder
+    from cosyedge_models.backends.ort_static_flow import StaticFlowGraphs
+
+log = logging.getLogger(__name__)
+
+
+class GraphStages:
+    """Loads the graph stages an engine's settings and bundle ask for; the
+    graph thread is started on first need (no stage: no thread)."""
+
+    def __init__(self, bundle: Bundle, backend_name: str, settings: SynthesisSettings,
+                 load: Callable[[str], Session]) -> None:
+        self.bundle = bundle
+        self.backend_name = backend_name
+        self.settings = settings
+        self._load = load
+        self.thread: GraphThread | None = None
+        self.decode: GraphDecoder | None = None
+        self.flow: StaticFlowGraphs | None = None
+
+    def _thread(self) -> GraphThread:
+        if self.thread is None:
+            self.thread = GraphThread().start()
+        return self.thread
+
+    def fixed_size_decode(self, prefill: Session) -> FixedSizeDecode | None:
+        """The LLM's fixed-size step over `prefill`, captured now, or None (the ordinary loop)."""
+        setting = self.settings.graph_decode
+        has_step = "llm_decode_static" in self.bundle.stages
+        if setting is True and not has_step:
+            raise BundleError(f"{self.bundle.root}: graph_decode needs a bundle exported with "
+                              "'cosyedge build export --static-decode-len N'")
+        on = setting if setting is not None else self.backend_name == "ort-cuda"
+        if not (on and has_step and self.backend_name.startswith("ort")):
+            return None
+        from cosyedge_models.backends.ort import OrtSession
+        from cosyedge_models.backends.ort_graph_decode import GraphDecoder
+
+        step, pad = self._load("llm_decode_static"), self._load("llm_kv_pad")
+        if not (isinstance(step, OrtSession) and isinstance(pad, OrtSession) and isinstance(prefill, OrtSession)):
+            return None  # a wrapped backend (tests): the ordinary loop
+        device = ("cuda", step.device_id) if step.on_device else ("cpu", 0)
+        log.info("LLM decode: fixed-size step of %s positions%s", step.input_shapes["past_kv"][4],
+                 ", CUDA graphs" if step.cuda_graph else "")
+        self.decode = GraphDecoder(prefill, step, pad, device, self._thread(), self.settings.graph_decode_slots)
+        self.decode.warm_up()  # captures now, before any request runs
+        return self.decode
+
+    def static_flow(self) -> StaticFlowGraphs | None:
+        """The fixed-shape estimator graphs, captured now, or None (not with flow batching)."""
+        if self.settings.flow_batching is not None or not self.backend_name.startswith("ort"):
+            return None
+        from cosyedge_models.backends.ort_static_flow import load_static_flow
+
+        self.flow = load_static_flow(self.bundle, self.backend_name, self._load, self.settings.graph_flow,
+                                     self.settings.graph_flow_slots, self._thread)
+        return self.flow
+
+    def close(self) -> None:
+        """Drop the slots and stop the graph thread (the engine closes the sessions after this)."""
+        if self.decode is not None:
+            self.decode.close()
+        if self.flow is not None:
+            self.flow.close()
+        if self.thread is not None:
+            self.thread.close()
