@@ -217,3 +217,60 @@ def test_a_failed_replay_hands_over_to_the_dynamic_graph(static_flow_bundle: Pat
     made = _compare(static_flow_bundle, "cpu", 60, warmed=arm)
     assert calls["n"] == 3 and all(not c.on_graph for c in made if isinstance(c, StaticStepCache))
     assert calls["thread"] == calls["graph_thread"] != threading.get_ident()
+
+
+def _concurrent_streams(bundle_dir: Path, device: str, n: int = 8) -> None:
+    """n threads stream at once through one pool of fixed-shape graphs (captured
+    at load on the graph thread): each mel equals the same stream run alone."""
+    sessions, bundle = _sessions(bundle_dir, device)
+    statics = [s for name, s in sessions.items() if name.startswith(STATIC_FLOW_PREFIX)]
+    prompt = FlowPrompt(tokens=np.arange(12, dtype=np.int64) % 50,
+                        feat=np.random.default_rng(1).standard_normal((24, bundle.mel_bins)).astype(np.float32),
+                        embedding=np.random.default_rng(2).standard_normal(192).astype(np.float32))
+    tokens = [np.random.default_rng(10 + i).integers(0, bundle.llm.speech_token_size, 40 + 5 * i) for i in range(n)]
+    try:
+        with GraphThread() as thread:
+            graphs = StaticFlowGraphs(statics, (device, 0), DeviceCopier(device), n * bundle.flow.n_timesteps,
+                                      thread)
+            graphs.warm_up()
+            assert graphs.disabled is None, graphs.disabled
+            rec = Recording(graphs)
+            decoder = FlowDecoder(bundle, sessions["flow_encoder"], sessions["flow_estimator"], rec)
+            serial = [_stream(decoder, prompt, t) for t in tokens]
+            replays = graphs.replays
+            concurrent: dict[int, np.ndarray] = {}
+            errors: list[BaseException] = []
+            start = threading.Barrier(n)
+
+            def one(i: int) -> None:
+                try:
+                    start.wait()
+                    concurrent[i] = _stream(decoder, prompt, tokens[i])
+                except BaseException as exc:  # reported below
+                    errors.append(exc)
+
+            threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(300)
+            assert not errors, errors
+            assert graphs.disabled is None, graphs.disabled  # no replay refused under concurrency
+            assert graphs.replays == 2 * replays  # the same calls, every one on the graphs
+            assert all(isinstance(c, StaticStepCache) for c in rec.made)
+    finally:
+        for s in sessions.values():
+            s.close()
+    for i in range(n):
+        np.testing.assert_allclose(concurrent[i], serial[i], rtol=0, atol=1e-6 if device == "cpu" else 1e-4)
+
+
+def test_concurrent_streams_on_the_static_graphs_match_serial_ones(static_flow_bundle: Path) -> None:
+    _concurrent_streams(static_flow_bundle, "cpu", 4)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_static_flow_eight_concurrent_streams_match_serial(static_flow_bundle: Path) -> None:
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("onnxruntime has no CUDAExecutionProvider here")
+    _concurrent_streams(static_flow_bundle, "cuda", 8)
