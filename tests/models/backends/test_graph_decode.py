@@ -135,3 +135,65 @@ def test_auto_is_off_on_the_cpu_and_forcing_it_needs_the_step(tiny_bundle: Path,
         engine.close()
     with pytest.raises(BundleError, match="static-decode-len"):
         load_synthesizer(tiny_bundle, settings=SynthesisSettings(threads=1, graph_decode=True))
+
+
+def _concurrent_loops(bundle_dir: Path, device: str, n: int) -> None:
+    """n threads decode at once through the slots (captured at load on the
+    graph thread): every step's logp equals the same request decoded alone."""
+    import threading
+
+    dec, _, sessions = _decoder(bundle_dir, device, slots=n)
+    d = load_bundle(bundle_dir).llm.hidden_size
+    rng = np.random.default_rng(3)
+    prompts = [(rng.standard_normal((1, 5 + i, d)) * 0.05).astype(np.float32) for i in range(n)]
+    steps = [[(rng.standard_normal((1, 1, d)) * 0.05).astype(np.float32) for _ in range(30)] for _ in range(n)]
+
+    def decode(i: int) -> list[np.ndarray]:
+        loop = dec.loop(64)
+        assert isinstance(loop, GraphDecodeLoop)
+        try:
+            return [loop.prefill(prompts[i]), *(loop.step(e) for e in steps[i])]
+        finally:
+            loop.close()
+
+    try:
+        dec.warm_up()
+        serial = [decode(i) for i in range(n)]
+        concurrent: dict[int, list[np.ndarray]] = {}
+        errors: list[BaseException] = []
+        start = threading.Barrier(n)
+
+        def one(i: int) -> None:
+            try:
+                start.wait()
+                concurrent[i] = decode(i)
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert not errors, errors
+    finally:
+        dec.close()
+        dec.thread.close()
+        for s in sessions.values():
+            s.close()
+    for i in range(n):
+        for a, b in zip(concurrent[i], serial[i], strict=True):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-6 if device == "cpu" else 1e-5)
+
+
+def test_concurrent_requests_on_the_fixed_size_loop_match_serial_ones(tiny_static_bundle: Path) -> None:
+    _concurrent_loops(tiny_static_bundle, "cpu", 4)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_loop_eight_concurrent_requests_match_serial(tiny_static_bundle: Path) -> None:
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("onnxruntime has no CUDAExecutionProvider here")
+    _concurrent_loops(tiny_static_bundle, "cuda", 8)
