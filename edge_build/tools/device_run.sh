@@ -39,7 +39,10 @@ if [ ! -f /tmp/site/.cosyedge-installed ]; then
     "$wheels"/*.whl "$ort_whl"
   touch /tmp/site/.cosyedge-installed
 fi
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+# the folders install as cosyedge_* (pyproject's package-dir); without an install, a farm of
+# links build/typecheck/cosyedge_* -> folder (tests/support/typecheck.py) makes them importable
+python3 -c "import sys; sys.path.insert(0, '.'); from tests.support.typecheck import link_farm; link_farm()"
+export PYTHONPATH=/tmp/site:$PWD/build/typecheck:$PWD PYTHONUNBUFFERED=1
 sdist=$(ls "${PYCUDA_SDIST_DIR:-.device/pycuda}"/pycuda-*.tar.gz 2>/dev/null | head -1 || true)
 if [ -n "$sdist" ] && ! python3 -c "import pycuda" 2>/dev/null; then
   # built here against this machine's CUDA, beside the bundle build (CPU only)
