@@ -40,7 +40,12 @@ if [ ! -f /tmp/site/.cosyedge-installed ]; then
     "$wheels"/*.whl "$ort_whl"
   touch /tmp/site/.cosyedge-installed
 fi
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+# the import names (cosyedge_daemon, …) of the folders, as pyproject's package-dir maps them
+mkdir -p /tmp/src
+for pair in cosyedge_daemon:daemon cosyedge_models:models cosyedge_build:edge_build cosyedge_cloud:cloud_bridge; do
+  ln -sfn "$PWD/${pair#*:}" "/tmp/src/${pair%%:*}"
+done
+export PYTHONPATH=/tmp/site:/tmp/src:$PWD PYTHONUNBUFFERED=1
 sdist=$(ls "${PYCUDA_SDIST_DIR:-.device/pycuda}"/pycuda-*.tar.gz 2>/dev/null | head -1 || true)
 if [ -n "$sdist" ] && ! python3 -c "import pycuda" 2>/dev/null; then
   # built here against this machine's CUDA, beside the bundle build (CPU only)
@@ -79,9 +84,8 @@ if [ -n "${pycuda_build:-}" ]; then
   wait "$pycuda_build" || { echo "pycuda did not build (see pycuda.log); test_cuda_layer.py will skip"; tail -5 "$out/pycuda.log"; }
 fi
 
-all_gpu_tests="tests/models/backends/test_cuda_layer.py tests/models/backends/test_graph_decode.py tests/models/backends/test_flow_device_cache.py
-  tests/models/backends/test_ort_backend.py tests/models/backends/test_static_flow.py tests/models/backends/test_trt_backend.py
-  tests/edge_build/test_fp16_gpu.py"
+# every test file with a gpu mark (found, not listed: a new -m gpu suite cannot be left out)
+all_gpu_tests=$(grep -rlE "pytest\.mark\.gpu|mark\.gpu" tests --include="test_*.py" | sort | tr '\n' ' ')
 for step in ${steps//,/ }; do
   case $step in
     tests)
