@@ -9,6 +9,7 @@ run; 10,000 in the slow suite (docs/reliability.md)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import socket
@@ -83,20 +84,16 @@ async def play(port: int, session: Session, n: int) -> list[str]:
         if session.broken is not None:
             await _write(writer, session.broken, session.cuts)
             got = []
-            try:
+            with contextlib.suppress(ConnectionError):  # the end is expected here
                 await asyncio.wait_for(_read_until(reader, got, lambda g: False), STEP_TIMEOUT_S)
-            except ConnectionError:
-                pass  # the end is expected here
             codes = [d.get("code") for t, d in got if t == "error"]
             if len(got) != 1 or codes[0] not in FRAME_CODES:
                 problems.append(f"broken frame {session.broken[:120]!r}: expected one framing error, then "
                                 f"the end; got {[(t, d.get('code')) for t, d in got]}")
     finally:
         writer.close()
-        try:
+        with contextlib.suppress(ConnectionError, OSError):
             await writer.wait_closed()
-        except (ConnectionError, OSError):
-            pass
     return problems
 
 
