@@ -155,6 +155,7 @@ def test_fuzz_mqtt_surfaces(tmp_path: Path, broker: Broker) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # 10,000 examples take 8-20 minutes on two shared cores
 def test_fuzz_mqtt_surfaces_10000(tmp_path: Path, broker: Broker) -> None:
     fig = run_fuzz(tmp_path, broker, 10_000)
     rss = fig["rss_kib"]
