@@ -66,6 +66,7 @@ class TtsHandler:
         self.jobs: dict[str, Job] = {}  # admitted and not yet answered
         self.runs: list[_Run] = []
         self.stream: _Run | None = None  # the open streaming session
+        self._tail: asyncio.Task[None] | None = None  # the run launched last: the next one answers after it
 
     # --- events in ---------------------------------------------------------------------
     async def handle(self, event: Event) -> bool:
@@ -141,10 +142,15 @@ class TtsHandler:
     # --- requests and audio out ---------------------------------------------------------------
     def _launch(self, run: _Run) -> None:
         self.runs.append(run)
-        run.task = asyncio.create_task(self._forward(run), name="wyoming-tts-run")
+        run.task = asyncio.create_task(self._forward(run, self._tail), name="wyoming-tts-run")
+        self._tail = run.task
 
-    async def _forward(self, run: _Run) -> None:
-        """Admit the run's sentences (one ahead) and send their audio in order."""
+    async def _forward(self, run: _Run, previous: asyncio.Task[None] | None) -> None:
+        """Admit the run's sentences (one ahead) and send their audio in order, after the
+        connection's previous run has sent all of its own: one connection is one event
+        stream, so two answers must never interleave (nor overtake each other)."""
+        if previous is not None:
+            await asyncio.wait([previous])
         admitted: asyncio.Queue[tuple[Job, Channel] | None] = asyncio.Queue(maxsize=_LOOKAHEAD)
         admitter = asyncio.create_task(self._admit_all(run, admitted))
         failed = False

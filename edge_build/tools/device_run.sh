@@ -21,7 +21,8 @@
 #          on the engine's GPU graph thread, docs/gpu.md)
 # Environment: WHEELS (default .whl), ORT_PARTS (/tmp/ort), PYCUDA_SDIST_DIR
 # (.device/pycuda), FULL_DIR (/tmp/full), BENCH_ARGS (extra bench flags, e.g.
-# --voice NAME), STATIC_FLOW_WINDOWS (64,128,640), STATIC_FLOW_CACHE (1024), GPU_TESTS (a subset
+# --voice NAME), VOICE_WAV / VOICE_TEXT / VOICE_NAME (a recording, its transcript and the
+# name it is saved under in both bundles, default en8), STATIC_FLOW_WINDOWS (64,128,640), STATIC_FLOW_CACHE (1024), GPU_TESTS (a subset
 # of the -m gpu test files, to repeat one), CONCURRENCY.
 set -euo pipefail
 out=${1:?usage: device_run.sh OUTDIR [tests,probe,bench]}
@@ -39,10 +40,12 @@ if [ ! -f /tmp/site/.cosyedge-installed ]; then
     "$wheels"/*.whl "$ort_whl"
   touch /tmp/site/.cosyedge-installed
 fi
-# the folders install as cosyedge_* (pyproject's package-dir); without an install, a farm of
-# links build/typecheck/cosyedge_* -> folder (tests/support/typecheck.py) makes them importable
-python3 -c "import sys; sys.path.insert(0, '.'); from tests.support.typecheck import link_farm; link_farm()"
-export PYTHONPATH=/tmp/site:$PWD/build/typecheck:$PWD PYTHONUNBUFFERED=1
+# the import names (cosyedge_daemon, …) of the folders, as pyproject's package-dir maps them
+mkdir -p /tmp/src
+for pair in cosyedge_daemon:daemon cosyedge_models:models cosyedge_build:edge_build cosyedge_cloud:cloud_bridge; do
+  ln -sfn "$PWD/${pair#*:}" "/tmp/src/${pair%%:*}"
+done
+export PYTHONPATH=/tmp/site:/tmp/src:$PWD PYTHONUNBUFFERED=1
 sdist=$(ls "${PYCUDA_SDIST_DIR:-.device/pycuda}"/pycuda-*.tar.gz 2>/dev/null | head -1 || true)
 if [ -n "$sdist" ] && ! python3 -c "import pycuda" 2>/dev/null; then
   # built here against this machine's CUDA, beside the bundle build (CPU only)
@@ -68,15 +71,21 @@ if [ ! -f "$full/fp16/manifest.json" ]; then
   python3 -m cosyedge_build.tools.device_fp16 --bundle "$full/bundle" --out "$full/fp16" >>"$out/build.log" 2>&1 \
     || { tail -30 "$out/build.log"; exit 1; }
 fi
+if [ -n "${VOICE_WAV:-}" ]; then
+  # a saved zero-shot voice for `bench --voice` (BENCH_ARGS="--voice $VOICE_NAME"), in both bundles
+  for b in "$full/bundle" "$full/fp16"; do
+    [ -f "$b/voices/${VOICE_NAME:-en8}.npz" ] || python3 -m cosyedge_daemon voice add --bundle "$b" --wav "$VOICE_WAV" \
+      --text "${VOICE_TEXT:?VOICE_TEXT (the transcript of VOICE_WAV)}" "${VOICE_NAME:-en8}" >>"$out/build.log" 2>&1 \
+      || { tail -20 "$out/build.log"; exit 1; }
+  done
+fi
 stamp "bundles ready"
 if [ -n "${pycuda_build:-}" ]; then
   wait "$pycuda_build" || { echo "pycuda did not build (see pycuda.log); test_cuda_layer.py will skip"; tail -5 "$out/pycuda.log"; }
 fi
 
-all_gpu_tests="tests/models/backends/test_cuda_layer.py tests/models/backends/test_graph_decode.py tests/models/backends/test_flow_device_cache.py
-  tests/models/backends/test_ort_backend.py tests/models/backends/test_static_flow.py tests/models/backends/test_graph_thread.py
-  tests/models/backends/test_trt_backend.py
-  tests/edge_build/test_fp16_gpu.py"
+# every test file with a gpu mark (found, not listed: a new -m gpu suite cannot be left out)
+all_gpu_tests=$(grep -rlE "pytest\.mark\.gpu|mark\.gpu" tests --include="test_*.py" | sort | tr '\n' ' ')
 for step in ${steps//,/ }; do
   case $step in
     tests)

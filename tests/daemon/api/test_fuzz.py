@@ -155,6 +155,7 @@ def test_fuzz_mqtt_surfaces(tmp_path: Path, broker: Broker) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # 10,000 examples take 8-20 minutes on two shared cores
 def test_fuzz_mqtt_surfaces_10000(tmp_path: Path, broker: Broker) -> None:
     fig = run_fuzz(tmp_path, broker, 10_000)
     rss = fig["rss_kib"]
@@ -172,7 +173,7 @@ def test_fuzzer_string_filter_agrees_with_mosquitto(broker: Broker) -> None:
     for rt in ["fzreply/ok", "a/+/b", "caf\u00e9\u00a0/\U0001f642", "a\ufdd0", "a\uffff", "a\U0001fffe", "a\x7f"]:
         c = mqtt.Client(CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
         gone = threading.Event()
-        c.on_disconnect = lambda *_a: gone.set()
+        c.on_disconnect = lambda *_a, gone=gone: gone.set()
         c.connect("127.0.0.1", broker.port)
         c.loop_start()
         try:

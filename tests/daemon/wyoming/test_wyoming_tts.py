@@ -9,6 +9,7 @@ import asyncio
 import json
 import logging
 import socket
+import threading
 import time
 
 import numpy as np
@@ -182,3 +183,38 @@ def test_raw_events_frame_reader_matches_package(daemons: DaemonFactory) -> None
         s.shutdown(socket.SHUT_WR)
         got = read_raw_events(s)
     assert [e["type"] for e in got] == ["info"] and got[0]["data"]["tts"][0]["name"] == "cosyedge"
+
+
+def test_back_to_back_requests_on_one_connection_do_not_interleave(daemons: DaemonFactory) -> None:
+    """Two synthesize events (and a stream after them) sent at once, served by two workers,
+    the second finishing first: each answer is one whole audio-start … audio-stop, in the
+    order asked, as a client reading one stream needs."""
+    engine = FakeEngine(chunks=3, levels={"First HOLD.": 0.25, "Second one.": 0.5})
+    svc = daemons.start(local=engine, fallback=None, wyoming=WY, tts={"synthesis_workers": 2})
+    events = [Synthesize(text="First HOLD.").event(), Synthesize(text="Second one.").event(),
+              SynthesizeStart().event(), SynthesizeChunk(text="Third. Fourth.").event(), SynthesizeStop().event()]
+
+    def release_when_second_done() -> None:
+        first = None
+        while first is None:
+            first = engine.seen.get("First HOLD.")
+            time.sleep(0.01)
+        first.entered.wait(20)
+        second = None  # a second worker is free: give it the time to overtake (it must not)
+        deadline = time.monotonic() + 0.5
+        while second is None and time.monotonic() < deadline:
+            second = engine.seen.get("Second one.")
+            time.sleep(0.01)
+        if second is not None:
+            second.left.wait(5)
+        engine.release.set()
+
+    releaser = threading.Thread(target=release_when_second_done, daemon=True)
+    releaser.start()
+    got = run(exchange(tts_port(svc), events, ("synthesize-stopped", "error")))
+    releaser.join(5)
+    one = ["audio-start", "audio-chunk", "audio-chunk", "audio-chunk", "audio-stop"]
+    assert types(got) == one * 4 + ["synthesize-stopped"]
+    levels = [round(float(np.frombuffer(AudioChunk.from_event(e).audio, np.int16)[0]) / 32767, 2)
+              for e in got if e.type == "audio-chunk"]
+    assert levels[:6] == [0.25] * 3 + [0.5] * 3

@@ -1,0 +1,190 @@
+"""Property-based fuzzing (hypothesis) of the Wyoming TTS server in the real
+daemon process (`python -m cosyedge_daemon run`, espeak-ng engine, real
+Mosquitto): sessions of events on one connection each, frames cut at random
+byte offsets, every step answered exactly as its oracle
+(tests/support/wyoming_fuzz.py) says and nothing more, the daemon online and
+serving afterwards, its memory flat. A few hundred sessions in the default
+run; 10,000 in the slow suite (docs/reliability.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import socket
+import time
+from collections import Counter
+from pathlib import Path
+
+import paho.mqtt.client as mqtt
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from paho.mqtt.enums import CallbackAPIVersion
+from wyoming.event import async_read_event
+
+from tests.daemon.service.test_process import Daemon
+from tests.support.broker import Broker
+from tests.support.daemon_rss import rss_kib
+from tests.support.figures import record
+from tests.support.fuzz import AnswerCounter
+from tests.support.wyoming_fuzz import FRAME_CODES, Session, Step, check_answer, frame, sessions, terminal
+
+MAX_TEXT_CHARS = 120
+MAX_EVENT_BYTES = 4096
+RSS_GROWTH_MAX = 0.05
+STEP_TIMEOUT_S = 20.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _write(writer: asyncio.StreamWriter, data: bytes, cuts: tuple[int, ...]) -> None:
+    """The bytes in pieces cut at `cuts` (relative offsets), each drained: frames split anywhere."""
+    at = 0
+    for c in cuts:
+        if at + c >= len(data):
+            break
+        writer.write(data[at:at + c])
+        await writer.drain()
+        at += c
+    writer.write(data[at:])
+    await writer.drain()
+
+
+async def _read_until(reader: asyncio.StreamReader, got: list[tuple[str, dict[str, object]]],
+                      done: object) -> None:
+    while not done(got):  # type: ignore[operator]
+        event = await async_read_event(reader)
+        if event is None:
+            raise ConnectionError(f"the server closed the connection after {[t for t, _ in got]}")
+        got.append((event.type, dict(event.data or {})))
+
+
+async def play(port: int, session: Session, n: int) -> list[str]:
+    """Run one session; the oracle's complaints (empty: every step answered exactly)."""
+    problems: list[str] = []
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        for i, step in enumerate(session.steps):
+            got: list[tuple[str, dict[str, object]]] = []
+            await _write(writer, step.frames, session.cuts)
+            await asyncio.wait_for(_read_until(reader, got, lambda g, s=step: terminal(s, g)), STEP_TIMEOUT_S)
+            mark = f"fz-{n}-{i}"  # then a ping: its pong must be the next event but late answers of the step
+            await _write(writer, frame("ping", {"text": mark}), ())
+            await asyncio.wait_for(_read_until(
+                reader, got, lambda g, m=mark: bool(g) and g[-1][0] == "pong" and g[-1][1].get("text") == m),
+                STEP_TIMEOUT_S)
+            got.pop()
+            if (why := check_answer(step, got)) is not None:
+                problems.append(f"step {i} {step.kind} {step.frames[:160]!r}: {why}")
+        if session.broken is not None:
+            await _write(writer, session.broken, session.cuts)
+            got = []
+            with contextlib.suppress(ConnectionError):  # the end is expected here
+                await asyncio.wait_for(_read_until(reader, got, lambda g: False), STEP_TIMEOUT_S)
+            codes = [d.get("code") for t, d in got if t == "error"]
+            if len(got) != 1 or codes[0] not in FRAME_CODES:
+                problems.append(f"broken frame {session.broken[:120]!r}: expected one framing error, then "
+                                f"the end; got {[(t, d.get('code')) for t, d in got]}")
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError, OSError):
+            await writer.wait_closed()
+    return problems
+
+
+class _WyomingDaemon(Daemon):
+    def write(self, mqtt_extra: str, rest: str) -> None:
+        super().write(mqtt_extra, rest)
+        self.config.write_text(self.config.read_text().replace(
+            "[tts]\n", f"[tts]\nmax_text_chars = {MAX_TEXT_CHARS}\n"))
+
+
+def run_fuzz(tmp_path: Path, broker: Broker, examples: int) -> dict[str, object]:
+    port = _free_port()
+    d = _WyomingDaemon(tmp_path, broker, f'[health]\nmetrics_port = 0\n[wyoming]\nuri = "tcp://127.0.0.1:{port}"\n'
+               f'zeroconf = "off"\nmax_event_bytes = {MAX_EVENT_BYTES}\nread_timeout_s = 2.0\n')
+    counter = AnswerCounter(())
+    status = mqtt.Client(CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
+    status.on_connect = lambda c, *_a: c.subscribe(f"{d.prefix}/status", 1)
+    status.on_message = lambda _c, _u, m: counter.on_message(m.topic, bytes(m.payload))
+    stats: Counter[str] = Counter()
+    problems: list[str] = []
+    rss: list[int] = []
+    try:
+        d.wait_note("READY=1", 60)
+        status.connect("127.0.0.1", broker.port)
+        status.loop_start()
+
+        @settings(max_examples=examples, deadline=None, database=None, derandomize=examples < 1000,
+                  suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate])
+        @given(session=sessions(MAX_TEXT_CHARS, MAX_EVENT_BYTES))
+        def one(session: Session) -> None:
+            n = sum(stats.values())
+            stats["sessions"] += 1
+            for step in session.steps:
+                stats[f"step:{step.kind}"] += 1
+            stats["broken_frame_last"] += session.broken is not None
+            try:
+                problems.extend(asyncio.run(play(port, session, n)))
+            except (TimeoutError, asyncio.TimeoutError, ConnectionError, OSError) as exc:
+                problems.append(f"session {session!r:.300}: {type(exc).__name__}: {exc}")
+            assert len(problems) < 20, problems
+            if n + 1 == max(1, examples // 10) or (n + 1) % max(1, examples // 20) == 0:
+                rss.append(rss_kib(d.proc.pid))
+
+        one()
+        rss.append(rss_kib(d.proc.pid))
+        after = asyncio.run(play(port, Session((Step("describe", frame("describe"), answer="info"),), None, ()), -1))
+        alive = d.proc.poll() is None
+    finally:
+        status.loop_stop()
+        status.disconnect()
+        if d.proc.poll() is None:
+            d.proc.terminate()
+            d.proc.wait(15)
+        log = d.output()
+        d.close()
+    return {"examples": stats["sessions"], "by_step": dict(sorted(stats.items())), "problems": problems,
+            "serving_afterwards": after == [], "daemon_alive": alive,
+            "offline_published_while_running": counter.offline, "rss_kib": rss,
+            "tracebacks": log.count("Traceback"), "internal_errors": len(re.findall(r"handling \S+ failed", log))}
+
+
+def check(fig: dict[str, object], examples: int, rss_limit: float | None) -> None:
+    assert fig["examples"] == examples
+    assert fig["problems"] == [], fig["problems"]
+    assert fig["serving_afterwards"] and fig["daemon_alive"], fig
+    assert fig["offline_published_while_running"] == 0, fig
+    assert fig["tracebacks"] == 0 and fig["internal_errors"] == 0, fig
+    if rss_limit is not None:
+        rss = fig["rss_kib"]
+        assert isinstance(rss, list)
+        growth = (rss[-1] - rss[0]) / rss[0]
+        assert growth < rss_limit, f"RSS grew {growth:.1%} after warm-up: {rss}"
+
+
+DEFAULT_EXAMPLES = 300
+
+
+def test_fuzz_wyoming_sessions(tmp_path: Path, broker: Broker) -> None:
+    n = int(os.environ.get("COSYEDGE_FUZZ_EXAMPLES", DEFAULT_EXAMPLES))
+    t0 = time.monotonic()
+    fig = run_fuzz(tmp_path, broker, n)
+    print({**fig, "seconds": round(time.monotonic() - t0, 1)})
+    check(fig, n, None)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)  # 10,000 examples take 8-20 minutes on two shared cores
+def test_fuzz_wyoming_sessions_10000(tmp_path: Path, broker: Broker) -> None:
+    fig = run_fuzz(tmp_path, broker, 10_000)
+    rss = fig["rss_kib"]
+    assert isinstance(rss, list)
+    fig["rss_growth_after_warmup"] = round((rss[-1] - rss[0]) / rss[0], 4)
+    record("fuzz-wyoming", fig)
+    check(fig, 10_000, RSS_GROWTH_MAX)

@@ -1,0 +1,43 @@
+"""edge_build/tools/device_run.sh, the one GPU script, checked where no GPU is:
+it parses, its import names resolve through the link farm it makes (the GPU
+machine has no install), and it runs every gpu-marked test file there is."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "edge_build" / "tools" / "device_run.sh"
+
+
+def _line(pattern: str) -> str:
+    for line in SCRIPT.read_text().splitlines():
+        if re.search(pattern, line):
+            return line
+    raise AssertionError(f"no line matching {pattern!r} in {SCRIPT}")
+
+
+def test_script_parses() -> None:
+    assert subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True, text=True).returncode == 0
+
+
+def test_every_gpu_marked_test_file_is_run() -> None:
+    found = subprocess.run(["bash", "-c", _line(r"^all_gpu_tests=") + '; echo "$all_gpu_tests"'], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.split()
+    marked = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
+                    if "pytest.mark.gpu" in p.read_text())
+    assert marked and found == marked
+
+
+def test_link_farm_gives_the_import_names(tmp_path: Path) -> None:
+    farm = _line(r"for pair in cosyedge_daemon").replace("/tmp/src", str(tmp_path))
+    body = _line(r'ln -sfn "\$PWD').replace("/tmp/src", str(tmp_path))
+    subprocess.run(["bash", "-c", f"{farm}\n{body}\ndone"], cwd=ROOT, check=True)
+    code = ("import cosyedge_daemon.cli.main as d, cosyedge_models, cosyedge_build, cosyedge_cloud; "
+            "print(d.__file__)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True,
+                         env={"PYTHONPATH": f"{tmp_path}:{ROOT}", "PATH": "/usr/bin:/bin"}).stdout
+    assert out.strip() == f"{tmp_path}/cosyedge_daemon/cli/main.py"
