@@ -37,6 +37,45 @@ def convert_fp16(src: Path, dst: Path, block_nodes: Sequence[str] = (), fp16_io:
     op_block = sorted(set(float16.DEFAULT_OP_BLOCK_LIST) | set(FP16_BLOCK_OPS))
     converted = float16.convert_float_to_float16(model, keep_io_types=keep, op_block_list=op_block,
                                                  node_block_list=list(block_nodes))
+    unique_node_names(converted.graph)
     big = converted.ByteSize() > (1 << 30)
     onnx.save(converted, str(dst), save_as_external_data=big,
               location=dst.name + ".data" if big else None)
+
+
+def unique_node_names(graph: onnx.GraphProto) -> int:
+    """Rename repeated node names (in subgraphs too); how many were renamed. onnxruntime
+    1.31's converter names the Cast it puts in front of a blocked node after the tensor
+    it casts, so two blocked consumers of one tensor got two nodes of one name, which
+    onnxruntime then refuses to load ("two nodes with same node name", seen on the
+    H200). Names carry no meaning beyond being unique."""
+    seen: set[str] = {n.name for n in _all_nodes(graph)}
+    counts: dict[str, int] = {}
+    renamed = 0
+    for node in _all_nodes(graph):
+        if not node.name:
+            continue
+        counts[node.name] = counts.get(node.name, 0) + 1
+        if counts[node.name] == 1:
+            continue
+        n = counts[node.name]
+        while f"{node.name}_{n}" in seen:
+            n += 1
+        counts[node.name] = n
+        node.name = f"{node.name}_{n}"
+        seen.add(node.name)
+        renamed += 1
+    return renamed
+
+
+def _all_nodes(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
+    nodes: list[onnx.NodeProto] = []
+    for node in graph.node:
+        nodes.append(node)
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                nodes.extend(_all_nodes(attr.g))
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                for g in attr.graphs:
+                    nodes.extend(_all_nodes(g))
+    return nodes

@@ -1,0 +1,41 @@
+"""The fp16 conversion's node names: onnxruntime 1.31's converter gave two Casts
+one name (one per blocked consumer of a tensor), which onnxruntime refuses to
+load; `unique_node_names` renames repeats so the graph loads and computes the same."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from cosyedge_build.quantize.fp16 import unique_node_names
+from onnx import TensorProto, helper
+
+
+def _model_with_repeated_names() -> onnx.ModelProto:
+    nodes = [
+        helper.make_node("Cast", ["x"], ["a"], name="/Concat_output_0_cast_to_fp32_node", to=TensorProto.FLOAT),
+        helper.make_node("Cast", ["x"], ["b"], name="/Concat_output_0_cast_to_fp32_node", to=TensorProto.FLOAT),
+        helper.make_node("Add", ["a", "b"], ["c"], name="add"),
+        helper.make_node("Relu", ["c"], ["y"], name="add_2"),  # a name a naive suffix would collide with
+    ]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_repeated_names_are_refused_then_renamed_and_the_graph_loads() -> None:
+    model = _model_with_repeated_names()
+    try:
+        ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        refused = False
+    except Exception as exc:  # noqa: BLE001 - onnxruntime's load error type is not public
+        refused = "same node name" in str(exc)
+    assert refused
+    assert unique_node_names(model.graph) == 1
+    names = [n.name for n in model.graph.node]
+    assert len(set(names)) == len(names) and names[0] == "/Concat_output_0_cast_to_fp32_node"
+    onnx.checker.check_model(model)
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    x = np.array([-1.0, 2.0], dtype=np.float32)
+    np.testing.assert_array_equal(sess.run(None, {"x": x})[0], np.maximum(2 * x, 0))
+    assert unique_node_names(model.graph) == 0
