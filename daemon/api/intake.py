@@ -236,7 +236,7 @@ class Intake:
         if item.hermes is not None and request.output == "play" and not self.has_sink:
             request = _with_output(request, "publish")  # no speaker here: hand Hermes the WAV instead
         job = Job(request, responder)
-        seen = self.scheduler.check_duplicate(request.id)
+        seen = self.scheduler.check_duplicate(request.id) if request.client_id else None
         if seen is not None:
             self._duplicate(job, seen)
             return

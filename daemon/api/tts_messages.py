@@ -88,6 +88,10 @@ class TtsRequest:
     seed: int | None = None
     reply: Reply | None = None
     received_at: float = 0.0  # time.monotonic() when the message arrived
+    # The client chose the id (and may send it again): only such ids are remembered for the
+    # duplicate check. Ids the daemon makes up (no id sent, Wyoming) are never resent, and
+    # remembering them would only fill that bounded memory and push the clients' ids out.
+    client_id: bool = True
 
     def synthesis_request(self, *, fallback: bool = False) -> SynthesisRequest:
         """The engine's request; the fallback voice gets the text only (it has
@@ -245,6 +249,7 @@ def parse_say(
         raise ApiError("invalid_field", f"mode '{mode}' needs a 'prompt' (or a voice with a prompt)", rid)
     return TtsRequest(
         id=rid or new_request_id(),
+        client_id=rid is not None,
         text=text,
         voice=voice or limits.default_voice,
         mode=mode,

@@ -125,7 +125,8 @@ class Scheduler:
                 raise ApiError("duplicate", "a request with this id is in progress", job.id)
             heapq.heappush(self._heap, (-job.priority, next(self._seq), job))
             self._queued[job.id] = job
-            self.dedupe.accept(job.id)
+            if job.request.client_id:
+                self.dedupe.accept(job.id)
             preempted = []
             if self.settings.preempt:
                 preempted = [j for j in self._running.values() if j.priority < job.priority]

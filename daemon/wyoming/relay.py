@@ -50,7 +50,7 @@ class PlaybackRelay:
 
     def open(self, responder: PlayedResponder) -> Job:
         now = time.monotonic()
-        job = Job(TtsRequest(id=f"satellite-{uuid.uuid4().hex[:16]}", text="(Home Assistant audio)",
+        job = Job(TtsRequest(id=f"satellite-{uuid.uuid4().hex[:16]}", client_id=False, text="(Home Assistant audio)",
                              output="play", received_at=now), responder)
         job.route, job.route_reason, job.route_rule, job.engine_name = (
             "satellite", "Home Assistant's TTS audio", "satellite", "wyoming")

@@ -188,7 +188,7 @@ class TtsHandler:
                               f"{limits.max_text_chars}")
             return None
         request = TtsRequest(
-            id=f"wyoming-{uuid.uuid4().hex[:16]}", text=text, voice=voice or limits.default_voice,
+            id=f"wyoming-{uuid.uuid4().hex[:16]}", client_id=False, text=text, voice=voice or limits.default_voice,
             output="publish", route=limits.default_route, priority=self.ctx.priority, stream=True,
             deadline_ms=limits.default_deadline_ms or None, received_at=received_at,
         )

@@ -96,3 +96,16 @@ def test_voice_activity_and_native_vad_events(daemons: DaemonFactory) -> None:
     assert events[1]["utterance_ms"] == 1250.0 and events[0]["speaking"] is False
     svc.voice.on_utterance(b"RIFF....WAVE")
     assert p.wait_topic(f"{pre}/vad/segment").payload == b"RIFF....WAVE"
+
+
+def test_only_a_usable_hermes_id_is_remembered_for_the_duplicate_check() -> None:
+    from cosyedge_daemon.api.hermes import parse_hermes_say
+    from cosyedge_daemon.api.tts_messages import RequestLimits
+
+    def say(extra: dict[str, object]) -> bool:
+        payload = json.dumps({"siteId": "s1", "text": "Hi.", **extra}).encode()
+        parsed = parse_hermes_say(payload, RequestLimits(), ("s1",), "publish", 0.0)
+        assert parsed is not None
+        return parsed.request.client_id
+
+    assert say({"id": "h-1"}) and not say({}) and not say({"id": "bad id\n"})

@@ -46,6 +46,7 @@ def test_full_request() -> None:
         LIMITS,
     )
     assert (r.id, r.text, r.voice, r.mode, r.instruct_text) == ("r-1", "Hi.", "v", "instruct", "calm")
+    assert r.client_id  # remembered for the duplicate check
     assert (r.output, r.route, r.priority, r.stream, r.deadline_ms, r.speed, r.seed) == (
         "both",
         "local",
@@ -65,6 +66,7 @@ def test_defaults_and_generated_id() -> None:
     limits = RequestLimits(default_output="play", default_priority=2, default_deadline_ms=1000)
     a, b = parse_say(_say({"text": "x"}), limits), parse_say(_say({"text": "x"}), limits)
     assert a.id != b.id and len(a.id) == 32
+    assert not a.client_id and not b.client_id  # made up here: never resent, not remembered
     assert (a.output, a.priority, a.deadline_ms, a.route, a.mode, a.stream) == (
         "play",
         2,

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -166,3 +167,15 @@ def test_degraded_from_depth() -> None:
     assert not s.degraded()
     s.submit(job("b"))
     assert s.degraded()
+
+
+def test_only_ids_the_client_chose_are_remembered() -> None:
+    """Made-up ids (no id sent, Wyoming, the satellite) are never resent: remembering them
+    would fill the bounded memory and push out the ids clients may resend."""
+    s = Scheduler(SchedulerSettings(max_wait_ms=0, dedupe_max_ids=16, max_queue=100))
+    s.submit(job("mine"))
+    for i in range(40):
+        made_up = job(f"wyoming-{i}")
+        s.submit(Job(dataclasses.replace(made_up.request, client_id=False), made_up.responder))
+    assert s.check_duplicate("mine") == DedupeMemory.PENDING
+    assert s.check_duplicate("wyoming-0") is None and s.check_duplicate("wyoming-39") is None
