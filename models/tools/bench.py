@@ -369,7 +369,7 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
             progress.advance("warm-up")
         if getattr(args, "concurrency_only", False):
             run_once(engine, text, stream=False, seed=0, voice=voice)  # the offline shapes too
-            report_c = {"machine": machine(), "bundle": str(Path(args.bundle).resolve()),
+            report_c = {"machine": machine(engine.backend.name), "bundle": str(Path(args.bundle).resolve()),
                         "precision": engine.bundle.precision, "backend": engine.backend.describe(),
                         "batching": None if batching is None else vars(batching),
                         "flow_batching": None if flow_batching is None else vars(flow_batching),
@@ -386,7 +386,7 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
         progress.advance("offline and streaming runs")
         shown = streaming[0]
         report: dict[str, Any] = {
-            "machine": machine(),
+            "machine": machine(engine.backend.name),
             "bundle": str(Path(args.bundle).resolve()),
             "precision": engine.bundle.precision,
             "backend": engine.backend.describe(),

@@ -61,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for _ in engine.synthesize(SynthesisRequest(text="Hello there, this is a test.", seed=0)):
             pass
         warm = process_memory()
-        report = {"bench": "engine_memory", "machine": machine(),
+        report = {"bench": "engine_memory", "machine": machine(args.backend),
                   "bundle": str(Path(args.bundle).resolve()), "precision": engine.bundle.precision,
                   "backend": args.backend, "graph_decode": args.graph_decode,
                   "sessions": sorted(s.name for s in engine._sessions),
