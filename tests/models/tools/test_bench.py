@@ -52,7 +52,8 @@ def test_bench_json_with_first_hop_and_compare(tiny_bundle: Path, fp16_variant: 
     assert r["overlap_stages"] is resolve_overlap(None, "ort", os.cpu_count())
     assert r["fixed_size_decode"] is False  # the tiny bundle has no fixed-size step
     assert set(r["concurrency"]["1"]) == {"requests_per_s", "tokens_per_s", "first_audio_ms_p50",
-                                          "first_audio_ms_p95", "rtf"}
+                                          "first_audio_ms_p95", "rtf", "stream_rtf_max"}
+    assert r["concurrency"]["1"]["stream_rtf_max"] > 0
     cost = r["streaming_cost_vs_offline"]
     assert cost["target_s"] == 2 and cost["audio_s"] > 0 and cost["ratio"] > 0 and cost["max_length_s"] > 0
 
@@ -87,6 +88,7 @@ def test_bench_concurrency_only_offline_and_streaming_with_flow_batching(tiny_bu
         assert set(r[key]) == {"1", "2"}
         for level in r[key].values():
             assert level["requests_per_s"] > 0
+            assert level["stream_rtf_max"] >= level["rtf"] * 0.5  # one stream is never far faster than all
             for stage in ("flow_estimator", "hift_source", "hift_decoder"):
                 assert 1.0 <= level[f"{stage}_mean_batch"] <= 2.0
         assert r[key]["1"]["flow_estimator_mean_batch"] == 1.0
