@@ -1,7 +1,9 @@
 """`cosyedge bench --voice NAME`: the saved voice's checks and the
 `voice_cache` section: streaming first audio with the per-voice prompt cache
 disabled and warm, in the same run, with what the cache holds and where each
-path spent the time before its first chunk."""
+path spent the time before its first chunk, and the LLM prefill alone with
+and without the voice's LLM prefix (`llm_prefix`, `llm_prefill_off_ms`,
+`llm_prefill_on_ms`)."""
 
 from __future__ import annotations
 
@@ -12,10 +14,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from cosyedge_models.errors import CosyEdgeError, RequestError
 from cosyedge_models.synthesis.api import PromptAudio, StageEvent, SynthesisRequest
+from cosyedge_models.synthesis.conditioning import Conditioning
 from cosyedge_models.synthesis.features import load_audio
 from cosyedge_models.synthesis.flow import prompt_commit_frames
+from cosyedge_models.synthesis.llm import LlmInput
 from cosyedge_models.synthesis.prompt import PromptFeatures
 from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer
 from cosyedge_models.synthesis.voice_cache import MIB
@@ -60,7 +65,7 @@ def voice_cache_report(engine: CosyVoiceSynthesizer, text: str, voice: str, repe
         "prompt_frames": int(cond.flow.feat.shape[0]),
         "cached_frames": prompt_commit_frames(engine.flow, cond.flow.tokens.size),
         # The LLM's input is [sos, prompt text, text, task, prompt speech]: only the first
-        # two are independent of the request; today's graphs do not reuse them (docs/voice-cache.md).
+        # two are independent of the request (the LLM prefix, docs/voice-cache.md).
         "llm_prefill_positions": prefill,
         "llm_cacheable_positions": 1 + len(cond.prompt_text),
     }
@@ -68,6 +73,7 @@ def voice_cache_report(engine: CosyVoiceSynthesizer, text: str, voice: str, repe
     if original.voice_cache_mb == 0:
         raise CosyEdgeError("--voice measures the voice cache off and on; it needs --voice-cache-mb > 0")
     prefix = engine.warm_voice(request)
+    report.update(llm_prefix_report(engine, cond, segment.token_ids.tolist(), max(repeats, 3)))
     if prefix is None:
         report["error"] = ("no prefix cached: the prompt has no complete flow chunk, or its cache is larger "
                            "than voice_cache_mb")
@@ -96,6 +102,50 @@ def voice_cache_report(engine: CosyVoiceSynthesizer, text: str, voice: str, repe
         "on_first_audio_runs_ms": [round(r["first_audio_ms"] or 0.0, 1) for r in on],
     })
     return report
+
+
+def llm_prefix_report(engine: CosyVoiceSynthesizer, cond: Conditioning, text: list[int],
+                      repeats: int) -> dict[str, Any]:
+    """The first segment's LLM prefill alone: the whole prompt (cache off) and
+    the rest after the voice's cached LLM prefix (on), alternated after one
+    warm-up of each, with the largest log-probability difference between them."""
+    prefix = engine.llm_prefix(cond, "zero_shot")
+    if prefix is None:
+        why = ("TensorRT engines run single decode steps" if engine.bundle.backend == "trt" else
+               "this bundle's llm_decode takes one new position (re-export it)" if not engine.lm.takes_prefix else
+               "the voice's LLM prefix does not fit voice_cache_mb")
+        return {"llm_prefix": f"off: {why}", "llm_prefix_positions": 0}
+    full = engine.lm.prompt_embeds(LlmInput(text=text, prompt_text=cond.prompt_text,
+                                            prompt_speech=cond.prompt_speech))
+    rest = full[:, prefix.positions:]
+    times: dict[bool, list[float]] = {False: [], True: []}
+    logps = {}
+    for r in range(repeats + 1):
+        for on in (False, True):
+            loop = engine.lm.decode_loop(full.shape[1] + 1)
+            try:
+                if on and not loop.takes_past:
+                    return {"llm_prefix": "off: the decode loop cannot start from a saved cache",
+                            "llm_prefix_positions": 0}
+                t0 = time.perf_counter()
+                logps[on] = loop.prefill(rest, prefix.kv) if on else loop.prefill(full)
+                if r:  # the first round warms both shapes up
+                    times[on].append((time.perf_counter() - t0) * 1e3)
+            finally:
+                loop.close()
+    off_ms, on_ms = _median(times[False]), _median(times[True])
+    return {
+        "llm_prefix": "on",
+        "llm_prefix_positions": prefix.positions,
+        "llm_prefix_kib": round(prefix.nbytes() / 1024, 1),
+        "llm_prefix_build_ms": round(prefix.build_ms, 1),
+        "llm_prefill_off_ms": off_ms,
+        "llm_prefill_on_ms": on_ms,
+        "llm_prefill_ratio": round(on_ms / off_ms, 3) if on_ms and off_ms else None,
+        "llm_prefill_off_runs_ms": [round(t, 1) for t in times[False]],
+        "llm_prefill_on_runs_ms": [round(t, 1) for t in times[True]],
+        "llm_prefill_max_abs_logp_diff": float(np.max(np.abs(logps[True] - logps[False]))),
+    }
 
 
 def inline_first_audio_ms(engine: CosyVoiceSynthesizer, text: str, voice: str, wav: Path,

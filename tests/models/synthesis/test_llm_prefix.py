@@ -33,6 +33,7 @@ from cosyedge_models.synthesis.sampling import TokenSampler
 from cosyedge_models.synthesis.settings import SynthesisSettings
 from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, load_synthesizer
 from cosyedge_models.synthesis.voice_cache import MIB, VoiceCache
+from cosyedge_models.tools.voice_bench import llm_prefix_report
 
 from tests.models.synthesis.test_voice_cache import record_tokens, stream, voice_bundle  # noqa: F401 (fixture)
 
@@ -286,6 +287,10 @@ def test_a_bundle_with_a_one_position_decode_runs_uncached(voice_bundle: Path, v
         assert tokens[0] and tokens[0] == tokens[1] and stats[0].prefix_positions == 0
         np.testing.assert_allclose(audio, reference, rtol=0, atol=ATOL)
         assert eng.voice_cache.part_nbytes("llm") == 0 and eng.voice_cache.part_nbytes("flow") > 0
+        cond = eng.conditioning.build(SynthesisRequest(text="x", mode="zero_shot", voice="alice"))
+        report = llm_prefix_report(eng, cond, TEXT, 1)  # what `bench --voice` writes for such a bundle
+        assert report == {"llm_prefix": "off: this bundle's llm_decode takes one new position (re-export it)",
+                          "llm_prefix_positions": 0}
         # the old graph really takes one position: a seeded prefill could not run on it
         with pytest.raises(SynthesisError):
             HostDecodeLoop(eng.lm.prefill_session, eng.lm.decode_session).prefill(

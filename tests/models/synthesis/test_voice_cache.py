@@ -240,6 +240,9 @@ def test_bench_voice_reports_the_cache_off_and_on(voice_bundle: Path, tmp_path: 
     assert vc["off_first_audio_ms"] > 0 and vc["on_first_audio_ms"] > 0 and vc["ratio"] > 0
     assert vc["cached_frames"] > 0 and vc["prefix_mb"] > 0 and "error" not in vc
     assert vc["llm_cacheable_positions"] < vc["llm_prefill_positions"]
+    assert vc["llm_prefix"] == "on" and vc["llm_prefix_positions"] == vc["llm_cacheable_positions"]
+    assert vc["llm_prefill_off_ms"] > 0 and vc["llm_prefill_on_ms"] > 0 and vc["llm_prefix_kib"] > 0
+    assert len(vc["llm_prefill_on_runs_ms"]) == 3 and vc["llm_prefill_max_abs_logp_diff"] <= ATOL
     assert vc["inline_first_audio_ms"] > 0 and vc["inline_seconds"] == 4.0
     assert set(vc["off_first_chunk_stages_ms"]) >= {"llm", "flow", "vocoder"}
     assert main(["bench", "--bundle", str(voice_bundle), "--voice", "nobody", "--repeats", "1"]) == 2
