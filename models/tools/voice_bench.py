@@ -8,6 +8,7 @@ and without the voice's LLM prefix (`llm_prefix`, `llm_prefill_off_ms`,
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import statistics
 import time
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from cosyedge_models.synthesis.features import load_audio
 from cosyedge_models.synthesis.flow import prompt_commit_frames
 from cosyedge_models.synthesis.llm import LlmInput
 from cosyedge_models.synthesis.prompt import PromptFeatures
+from cosyedge_models.synthesis.sampling import TokenSampler
 from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer
 from cosyedge_models.synthesis.voice_cache import MIB
 
@@ -146,6 +148,41 @@ def llm_prefix_report(engine: CosyVoiceSynthesizer, cond: Conditioning, text: li
         "llm_prefill_on_runs_ms": [round(t, 1) for t in times[True]],
         "llm_prefill_max_abs_logp_diff": float(np.max(np.abs(logps[True] - logps[False]))),
     }
+
+
+def llm_voice_report(engine: CosyVoiceSynthesizer, text: str, voice: str, repeats: int) -> dict[str, Any]:
+    """`bench --llm-only --voice NAME`'s `voice_cache`: the LLM prefix fields
+    above and the LLM's part of the first streaming chunk (prefill, then
+    decoding up to the first chunk's tokens) without and with the prefix,
+    alternated, seeded alike (their tokens compared)."""
+    cond = engine.conditioning.build(SynthesisRequest(text=text, mode="zero_shot", voice=voice))
+    ids = engine.frontend.prepare(text)[0].token_ids.tolist()
+    report = llm_prefix_report(engine, cond, ids, repeats)
+    prefix = engine.llm_prefix(cond, "zero_shot")
+    hop = engine.bundle.streaming.token_hop_len + engine.bundle.flow.pre_lookahead_len
+    config = engine.bundle.llm
+    runs: dict[bool, list[float]] = {False: [], True: []}
+    same = True
+    for r in range(repeats):
+        got: dict[bool, list[int]] = {}
+        for on in (False, True):
+            inp = LlmInput(text=ids, prompt_text=cond.prompt_text, prompt_speech=cond.prompt_speech,
+                           prefix=prefix if on else None)
+            sampler = TokenSampler.seeded(config.sampling, config.eos_token, r)
+            t0 = time.perf_counter()
+            got[on] = list(itertools.islice(engine.lm.generate(inp, sampler), hop))
+            runs[on].append((time.perf_counter() - t0) * 1e3)
+        same = same and got[False] == got[True]
+    report.update({
+        "llm_prefill_positions": 1 + len(cond.prompt_text) + len(ids) + 1 + len(cond.prompt_speech),
+        "first_chunk_tokens": hop,
+        "llm_first_chunk_off_ms": _median(runs[False]),
+        "llm_first_chunk_on_ms": _median(runs[True]),
+        "llm_first_chunk_off_runs_ms": [round(t, 1) for t in runs[False]],
+        "llm_first_chunk_on_runs_ms": [round(t, 1) for t in runs[True]],
+        "same_tokens_off_on": same,
+    })
+    return report
 
 
 def inline_first_audio_ms(engine: CosyVoiceSynthesizer, text: str, voice: str, wav: Path,

@@ -317,3 +317,17 @@ def test_llm_prefix_parity_on_ort_cuda(tiny_bundle: Path) -> None:
         assert on[2].prefix_positions == 1 + len(PROMPT_TEXT)
     finally:
         eng.close()
+
+
+def test_bench_llm_only_voice_reports_the_llm_prefix(voice_bundle: Path, tmp_path: Path) -> None:  # noqa: F811
+    from cosyedge_daemon.cli.main import main
+
+    out = tmp_path / "llm.json"
+    assert main(["bench", "--bundle", str(voice_bundle), "--voice", "alice", "--llm-only", "--repeats", "1",
+                 "--concurrency", "1", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    vc = r["voice_cache"]
+    assert r["machine"] and r["voice"] == "alice" and r["concurrency"]["1"]["tokens"] > 0
+    assert vc["llm_prefix"] == "on" and 0 < vc["llm_prefix_positions"] < vc["llm_prefill_positions"]
+    assert len(vc["llm_first_chunk_on_runs_ms"]) == 3 and vc["same_tokens_off_on"] is True
+    assert vc["llm_prefill_on_ms"] > 0 and vc["llm_prefill_max_abs_logp_diff"] <= ATOL
