@@ -121,6 +121,7 @@ def llm_prefix_report(engine: CosyVoiceSynthesizer, cond: Conditioning, text: li
                                             prompt_speech=cond.prompt_speech))
     rest = full[:, prefix.positions:]
     times: dict[bool, list[float]] = {False: [], True: []}
+    cpu: dict[bool, list[float]] = {False: [], True: []}  # this process's CPU time: steadier on a shared machine
     logps = {}
     for r in range(repeats + 1):
         for on in (False, True):
@@ -129,13 +130,15 @@ def llm_prefix_report(engine: CosyVoiceSynthesizer, cond: Conditioning, text: li
                 if on and not loop.takes_past:
                     return {"llm_prefix": "off: the decode loop cannot start from a saved cache",
                             "llm_prefix_positions": 0}
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 logps[on] = loop.prefill(rest, prefix.kv) if on else loop.prefill(full)
                 if r:  # the first round warms both shapes up
                     times[on].append((time.perf_counter() - t0) * 1e3)
+                    cpu[on].append((time.process_time() - c0) * 1e3)
             finally:
                 loop.close()
     off_ms, on_ms = _median(times[False]), _median(times[True])
+    off_cpu, on_cpu = _median(cpu[False]), _median(cpu[True])
     return {
         "llm_prefix": "on",
         "llm_prefix_positions": prefix.positions,
@@ -144,6 +147,9 @@ def llm_prefix_report(engine: CosyVoiceSynthesizer, cond: Conditioning, text: li
         "llm_prefill_off_ms": off_ms,
         "llm_prefill_on_ms": on_ms,
         "llm_prefill_ratio": round(on_ms / off_ms, 3) if on_ms and off_ms else None,
+        "llm_prefill_off_cpu_ms": off_cpu,
+        "llm_prefill_on_cpu_ms": on_cpu,
+        "llm_prefill_cpu_ratio": round(on_cpu / off_cpu, 3) if on_cpu and off_cpu else None,
         "llm_prefill_off_runs_ms": [round(t, 1) for t in times[False]],
         "llm_prefill_on_runs_ms": [round(t, 1) for t in times[True]],
         "llm_prefill_max_abs_logp_diff": float(np.max(np.abs(logps[True] - logps[False]))),
