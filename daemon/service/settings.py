@@ -168,9 +168,10 @@ class TtsSettings:
         min=-1, max=100_000, reload=True,
     )
     voice_cache_mb: int = setting(
-        2048, "per-voice prompt caches for saved voices (streaming flow state of the prompt, computed once per "
-        "voice and reused; about 4.4 MiB per prompt mel frame at full size in fp32, ~1.5 GiB for an 8 s prompt), "
-        "in MiB of host memory; 0: off (same audio, slower first chunk)",
+        2048, "per-voice prompt caches for saved voices (streaming flow state of the prompt and, for zero_shot, "
+        "the LLM's KV cache of sos + transcript, computed once per voice and reused; about 4.4 MiB per prompt mel "
+        "frame at full size in fp32, ~1.5 GiB for an 8 s prompt), in MiB of host memory; 0: off (same audio, "
+        "slower first chunk)",
         min=0, max=1_000_000, reload=True,
     )
 

@@ -1,6 +1,8 @@
 """The LLM stages: our own Qwen2 decoder loop over the upstream layers'
-projections and norms (prefill over a left-padded prompt, and one decode
-step with a KV cache), ending in CosyVoice's speech-token head."""
+projections and norms (prefill over a left-padded prompt, and a decode
+call of T new positions over a KV cache: T = 1 per generated token, T > 1
+to prefill the rest of a prompt after a saved voice's cached prefix),
+ending in CosyVoice's speech-token head."""
 
 from __future__ import annotations
 
@@ -197,14 +199,15 @@ def _specs(dims: dict[str, int], with_past: bool) -> tuple[list[TensorSpec], lis
             TensorSpec("present_kv", "float32", (n_l, 2, "B", n_kv, "T", hd)),
         ]
     else:
+        # T new positions (1 per decode step; more for a prefill after a cached prefix).
         inputs = [
-            TensorSpec("inputs_embeds", "float32", ("B", 1, d)),
-            TensorSpec("attention_mask", "int64", ("B", "P+1")),
+            TensorSpec("inputs_embeds", "float32", ("B", "T", d)),
+            TensorSpec("attention_mask", "int64", ("B", "P+T")),
             TensorSpec("past_kv", "float32", (n_l, 2, "B", n_kv, "P", hd)),
         ]
         outputs = [
             TensorSpec("logp", "float32", ("B", v)),
-            TensorSpec("present_kv", "float32", (n_l, 2, "B", n_kv, "P+1", hd)),
+            TensorSpec("present_kv", "float32", (n_l, 2, "B", n_kv, "P+T", hd)),
         ]
     return inputs, outputs
 
@@ -259,20 +262,21 @@ def export_llm(llm: Any, out: Path, static_decode_len: int = 0) -> tuple[list[St
         )
     )
     inputs, outputs = _specs(dims, with_past=True)
-    example = (
-        torch.randn(2, 1, d) * 0.02,
-        torch.ones(2, 6, dtype=torch.int64),
+    example = (  # 3 new positions: the traced graph keeps T symbolic
+        torch.randn(2, 3, d) * 0.02,
+        torch.ones(2, 8, dtype=torch.int64),
         torch.randn(n_l, 2, 2, n_kv, 5, hd),
     )
     decode_max = PREFILL_T[2] + DECODE_TOKENS_MAX - 1
+    # TensorRT engines keep one new position (T = 1): the TensorRT decode loop
+    # does not start from a saved prefix (docs/voice-cache.md); onnxruntime runs any T.
+    profile = {"B": BATCH, "P": [1, 256, decode_max], "T": [1, 1, 1]}
     stages.append(
         export_stage(
             make_qwen2_graph(llm, with_past=True),
             example,
             out,
-            StageGraph(
-                "llm_decode", "llm_decode.onnx", inputs, outputs, {"B": BATCH, "P": [1, 256, decode_max]}
-            ),
+            StageGraph("llm_decode", "llm_decode.onnx", inputs, outputs, profile),
         )
     )
     if static_decode_len:

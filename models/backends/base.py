@@ -35,10 +35,18 @@ class DecodeLoop(Protocol):
     """The LLM's prefill + decode steps for one request, with the KV cache kept
     where the backend computes (host memory for ONNX Runtime on the CPU, device
     memory for CUDA/TensorRT) so that no cache crosses to the host per token.
-    Only the log-probabilities come back (the sampler runs on the CPU)."""
+    Only the log-probabilities come back (the sampler runs on the CPU).
 
-    def prefill(self, inputs_embeds: np.ndarray) -> np.ndarray:
-        """inputs_embeds [1, T, D] -> logp [1, V]; starts a new cache."""
+    `takes_past`: whether `prefill` can start from a saved cache (a voice's
+    LLM prefix, models/synthesis/llm_prefix.py); a loop that cannot is given
+    the whole prompt instead (same tokens)."""
+
+    takes_past: bool
+
+    def prefill(self, inputs_embeds: np.ndarray, past: np.ndarray | None = None) -> np.ndarray:
+        """inputs_embeds [1, T, D] -> logp [1, V]; starts a new cache, empty or
+        (only where `takes_past`) a copy of `past` [L, 2, 1, Hkv, P, hd], a
+        host array that stays unchanged, followed by the T positions."""
         ...
 
     def step(self, inputs_embeds: np.ndarray) -> np.ndarray:
@@ -88,14 +96,20 @@ class HostDecodeLoop:
     """DecodeLoop over plain `Session.run` calls: the cache is a host array
     (right for ONNX Runtime on the CPU, where host memory is the device)."""
 
+    takes_past = True  # with a bundle whose llm_decode takes T new positions (Bundle.llm_decode_positions)
+
     def __init__(self, prefill: Session, decode: Session) -> None:
         self._prefill = prefill
         self._decode = decode
         self._kv: np.ndarray | None = None
 
-    def prefill(self, inputs_embeds: np.ndarray) -> np.ndarray:
-        mask = np.ones(inputs_embeds.shape[:2], dtype=np.int64)
-        out = self._prefill.run({"inputs_embeds": inputs_embeds, "attention_mask": mask})
+    def prefill(self, inputs_embeds: np.ndarray, past: np.ndarray | None = None) -> np.ndarray:
+        if past is None:
+            mask = np.ones(inputs_embeds.shape[:2], dtype=np.int64)
+            out = self._prefill.run({"inputs_embeds": inputs_embeds, "attention_mask": mask})
+        else:  # the graph appends to its own output; the saved prefix is only read
+            mask = np.ones((inputs_embeds.shape[0], past.shape[4] + inputs_embeds.shape[1]), dtype=np.int64)
+            out = self._decode.run({"inputs_embeds": inputs_embeds, "attention_mask": mask, "past_kv": past})
         self._kv = out["present_kv"]
         return out["logp"]
 

@@ -200,15 +200,20 @@ class OrtBackend:
         }
 
 
-def bound_lm_run(session: OrtSession, embeds: np.ndarray, past: ort.OrtValue | None, past_len: int,
+def bound_lm_run(session: OrtSession, embeds: np.ndarray, past: ort.OrtValue | np.ndarray | None, past_len: int,
                  device: tuple[str, int]) -> tuple[np.ndarray, ort.OrtValue]:
     """One LLM prefill (past None) or decode run through IOBinding: the
     embeddings go in from the host, the log-probabilities come back to it,
-    the cache stays a runtime tensor on `device`. Returns (logp, present_kv)."""
+    the cache stays a runtime tensor on `device`. `past` is the previous
+    run's device tensor, or a host array (a voice's saved prefix: copied to
+    the device for this run, ~24 KiB per position at full size). Returns
+    (logp, present_kv)."""
     binding = session.io_binding()
     binding.bind_cpu_input("inputs_embeds", np.ascontiguousarray(embeds, dtype=np.float32))
     binding.bind_cpu_input("attention_mask", np.ones((embeds.shape[0], past_len + embeds.shape[1]), np.int64))
-    if past is not None:
+    if isinstance(past, np.ndarray):
+        binding.bind_cpu_input("past_kv", np.ascontiguousarray(past))
+    elif past is not None:
         binding.bind_ortvalue_input("past_kv", past)
     binding.bind_output("logp", "cpu")
     binding.bind_output("present_kv", device[0], device[1])
@@ -224,6 +229,8 @@ class BoundDecodeLoop:
     log-probabilities come out (a few KB per token). On the CPU provider it
     runs the same way with device_type "cpu" (that is how it is tested here)."""
 
+    takes_past = True
+
     def __init__(self, prefill: OrtSession, decode: OrtSession, device_type: str, device_id: int = 0) -> None:
         self._prefill = prefill
         self._decode = decode
@@ -231,14 +238,14 @@ class BoundDecodeLoop:
         self._kv: ort.OrtValue | None = None
         self._len = 0
 
-    def _run(self, session: OrtSession, embeds: np.ndarray, past: ort.OrtValue | None) -> np.ndarray:
+    def _run(self, session: OrtSession, embeds: np.ndarray, past: ort.OrtValue | np.ndarray | None) -> np.ndarray:
         logp, self._kv = bound_lm_run(session, embeds, past, self._len, self._device)
         self._len = int(self._kv.shape()[4])
         return logp
 
-    def prefill(self, inputs_embeds: np.ndarray) -> np.ndarray:
-        self._len = 0
-        return self._run(self._prefill, inputs_embeds, None)
+    def prefill(self, inputs_embeds: np.ndarray, past: np.ndarray | None = None) -> np.ndarray:
+        self._len = 0 if past is None else int(past.shape[4])
+        return self._run(self._prefill if past is None else self._decode, inputs_embeds, past)
 
     def step(self, inputs_embeds: np.ndarray) -> np.ndarray:
         if self._kv is None:

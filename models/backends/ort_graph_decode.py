@@ -74,10 +74,13 @@ class GraphDecoder:
     Call `warm_up()` before serving: it makes every slot and captures its graphs."""
 
     def __init__(self, prefill: OrtSession, step: OrtSession, pad: OrtSession, device: tuple[str, int],
-                 thread: GraphThread, slots: int = 4) -> None:
+                 thread: GraphThread, slots: int = 4, decode: OrtSession | None = None) -> None:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         self.prefill_session = prefill
+        # The dynamic llm_decode: a prefill that starts from a voice's saved prefix runs the
+        # prompt's rest through it (then pads into the slot as after llm_prefill). None: not offered.
+        self.decode_session = decode
         self.step_session = step
         self.pad_session = pad
         self.device = device
@@ -150,19 +153,26 @@ class GraphDecodeLoop:
         self._slot: GraphSlot | None = slot
         self._src = 0
         self._len = 0
+        self.takes_past = decoder.decode_session is not None
 
     def _slot_or_raise(self) -> GraphSlot:
         if self._slot is None:
             raise RuntimeError("the decode loop was closed")
         return self._slot
 
-    def prefill(self, inputs_embeds: np.ndarray) -> np.ndarray:
+    def prefill(self, inputs_embeds: np.ndarray, past: np.ndarray | None = None) -> np.ndarray:
         slot = self._slot_or_raise()
         dec = self._decoder
-        t = inputs_embeds.shape[1]
+        p = 0 if past is None else int(past.shape[4])
+        t = p + inputs_embeds.shape[1]
         if inputs_embeds.shape[0] != 1 or t >= slot.positions:
             raise SynthesisError(f"static decode: a prompt of {t} positions does not fit {slot.positions}")
-        logp, present = bound_lm_run(dec.prefill_session, inputs_embeds, None, 0, dec.device)
+        if past is None:
+            logp, present = bound_lm_run(dec.prefill_session, inputs_embeds, None, 0, dec.device)
+        elif dec.decode_session is None:
+            raise SynthesisError("static decode: this loop was not given llm_decode, so it cannot start from a past")
+        else:
+            logp, present = bound_lm_run(dec.decode_session, inputs_embeds, past, p, dec.device)
         pad = dec.pad_session.io_binding()
         pad.bind_ortvalue_input("present_kv", present)
         pad.bind_ortvalue_output("padded_kv", slot.kv[0])

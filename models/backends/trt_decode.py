@@ -169,7 +169,13 @@ class TrtDecodeLoop:
     def cache_len(self) -> int:
         return self.plan.past_len if self._started else 0
 
-    def prefill(self, inputs_embeds: np.ndarray) -> np.ndarray:
+    # The engines are built for single decode steps (the manifest's T profile is [1, 1, 1]): a saved
+    # voice's LLM prefix is not used here, the whole prompt is prefilled (docs/voice-cache.md).
+    takes_past = False
+
+    def prefill(self, inputs_embeds: np.ndarray, past: np.ndarray | None = None) -> np.ndarray:
+        if past is not None:
+            raise SynthesisError("the TensorRT decode loop does not start from a saved cache (takes_past is False)")
         b, t, d = inputs_embeds.shape
         if b != 1:
             raise SynthesisError(f"the TensorRT decode loop runs one request at a time (batch 1), got batch {b}")

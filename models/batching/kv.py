@@ -64,10 +64,15 @@ class BatchDecoder:
     def width(self) -> int:
         return self.slots.width
 
-    def prefill(self, inputs_embeds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """inputs_embeds [1, T, D] -> (logp [1, V], cache [L, 2, 1, Hkv, T, hd]), batch-1."""
-        mask = np.ones(inputs_embeds.shape[:2], dtype=np.int64)
-        out = self._prefill.run({"inputs_embeds": inputs_embeds, "attention_mask": mask})
+    def prefill(self, inputs_embeds: np.ndarray, past: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """inputs_embeds [1, T, D] (after `past` [L, 2, 1, Hkv, P, hd], a voice's
+        saved prefix, when given) -> (logp [1, V], cache [L, 2, 1, Hkv, P + T, hd]), batch-1."""
+        if past is None:
+            mask = np.ones(inputs_embeds.shape[:2], dtype=np.int64)
+            out = self._prefill.run({"inputs_embeds": inputs_embeds, "attention_mask": mask})
+        else:
+            mask = np.ones((1, past.shape[4] + inputs_embeds.shape[1]), dtype=np.int64)
+            out = self._decode.run({"inputs_embeds": inputs_embeds, "attention_mask": mask, "past_kv": past})
         return out["logp"], out["present_kv"]
 
     def join(self, rid: int, cache: np.ndarray) -> None:

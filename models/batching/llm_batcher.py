@@ -181,7 +181,7 @@ class LlmBatcher(BatchWorker):
         req = request.decode
         try:
             t0 = time.perf_counter()
-            logp, cache = self.decoder.prefill(req.prompt)
+            logp, cache = self.decoder.prefill(*req.prefill_inputs(takes_past=True))  # plain Session.run
             req.stats.prefill_ms += (time.perf_counter() - t0) * 1e3
             if not req.finished:
                 self._emit(request, req.accept(logp[0]))

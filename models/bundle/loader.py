@@ -126,6 +126,19 @@ class Bundle:
             raise BundleError(f"{self.root}: missing {path.name}; re-export the bundle")
         return path
 
+    @property
+    def llm_decode_positions(self) -> bool:
+        """Whether `llm_decode` takes several new positions (inputs_embeds [B, T, D]
+        with a symbolic T), so a prefill can start from a saved voice's cached
+        prefix. Bundles exported before it declare 1: they run, without the LLM
+        prefix cache. False with TensorRT plans: they are built for single steps."""
+        if self.backend == "trt":
+            return False
+        inputs = self.stages["llm_decode"].raw.get("inputs")
+        embeds = next((i for i in inputs or () if isinstance(i, dict) and i.get("name") == "inputs_embeds"), None)
+        shape = embeds.get("shape") if embeds is not None else None
+        return isinstance(shape, list) and len(shape) == 3 and isinstance(shape[1], str)
+
     def verify_hashes(self) -> list[str]:
         """Files whose sha256 differs from the manifest (empty when all match)."""
         bad = []

@@ -43,8 +43,9 @@ class GraphStages:
             self.thread = GraphThread().start()
         return self.thread
 
-    def fixed_size_decode(self, prefill: Session) -> FixedSizeDecode | None:
-        """The LLM's fixed-size step over `prefill`, captured now, or None (the ordinary loop)."""
+    def fixed_size_decode(self, prefill: Session, decode: Session | None = None) -> FixedSizeDecode | None:
+        """The LLM's fixed-size step over `prefill`, captured now, or None (the ordinary loop);
+        with `decode` (the dynamic llm_decode) a request may start from a voice's saved LLM prefix."""
         setting = self.settings.graph_decode
         has_step = "llm_decode_static" in self.bundle.stages
         if setting is True and not has_step:
@@ -62,7 +63,8 @@ class GraphStages:
         device = ("cuda", step.device_id) if step.on_device else ("cpu", 0)
         log.info("LLM decode: fixed-size step of %s positions%s", step.input_shapes["past_kv"][4],
                  ", CUDA graphs" if step.cuda_graph else "")
-        self.decode = GraphDecoder(prefill, step, pad, device, self._thread(), self.settings.graph_decode_slots)
+        self.decode = GraphDecoder(prefill, step, pad, device, self._thread(), self.settings.graph_decode_slots,
+                                   decode if isinstance(decode, OrtSession) else None)
         self.decode.warm_up()  # captures now, before any request runs
         return self.decode
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from cosyedge_models.backends.base import Backend, DecodeLoop, FixedSizeDecode, Session
 from cosyedge_models.bundle.loader import Bundle, LlmConfig
+from cosyedge_models.synthesis.llm_prefix import LlmPrefix, build_llm_prefix
 from cosyedge_models.synthesis.sampling import TokenSampler
 
 
@@ -22,6 +23,13 @@ class LlmInput:
     text: Sequence[int]  # token ids of the text to speak
     prompt_text: Sequence[int] = ()  # zero_shot transcript or instruct text ids
     prompt_speech: Sequence[int] = ()  # zero_shot prompt speech tokens
+    # The saved voice's cached sos + prompt_text (models/synthesis/llm_prefix.py): the
+    # prefill then runs only the rest. None: the whole prompt (the same tokens).
+    prefix: LlmPrefix | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.prefix is not None and not self.prefix.matches(self.prompt_text):
+            raise ValueError("LlmInput: the prefix was built from another prompt text")
 
     def length_limits(self, config: LlmConfig) -> tuple[int, int]:
         """(min_len, max_len) in speech tokens, as upstream: ratios of the text
@@ -36,6 +44,7 @@ class LlmStats:
     decode_ms: float = 0.0
     steps: int = 0
     tokens: list[int] = field(default_factory=list)
+    prefix_positions: int = 0  # prompt positions taken from a saved LLM prefix (not prefilled again)
 
 
 class SpeechTokenLM:
@@ -55,6 +64,12 @@ class SpeechTokenLM:
         self.task_id = special[1]
         # Set by the engine where the bundle has the static step (CUDA graphs on ort-cuda).
         self.fixed_size_decode: FixedSizeDecode | None = None
+        # llm_decode takes T new positions: a prefill can start from a voice's saved prefix.
+        self.takes_prefix = bundle.llm_decode_positions
+
+    def build_prefix(self, prompt_text: Sequence[int]) -> LlmPrefix:
+        """The KV cache of sos + `prompt_text` (a saved voice's transcript), once per voice."""
+        return build_llm_prefix(self.prefill_session, self.sos_eos, self.text_embedding, prompt_text)
 
     def prompt_embeds(self, inp: LlmInput) -> np.ndarray:
         """[1, T, D]: sos_eos, text embeddings of prompt text + text, task_id,
@@ -85,7 +100,8 @@ class SpeechTokenLM:
         loop = self.decode_loop(req.prompt.shape[1] + req.max_len)
         try:
             t0 = time.perf_counter()
-            logp = loop.prefill(req.prompt)
+            embeds, past = req.prefill_inputs(loop.takes_past)
+            logp = loop.prefill(embeds, past)
             req.stats.prefill_ms += (time.perf_counter() - t0) * 1e3
             while not req.finished:
                 token = req.accept(logp[0])
@@ -112,10 +128,20 @@ class RequestDecode:
         self.sampler = sampler
         self.stats = stats
         self.prompt = lm.prompt_embeds(inp)  # [1, T, D]
+        self.prefix = inp.prefix if lm.takes_prefix else None
         self._speech_embedding = lm.speech_embedding
         self.next_input: np.ndarray = self.prompt[0, -1]  # [D]
         self.index = 0  # sampling steps taken
         self.finished = self.max_len <= 0
+
+    def prefill_inputs(self, takes_past: bool) -> tuple[np.ndarray, np.ndarray | None]:
+        """(embeddings to prefill, saved past or None): the prompt after the
+        voice's cached prefix where there is one and the loop `takes_past`,
+        else the whole prompt. Counts the positions reused in the stats."""
+        if self.prefix is None or not takes_past:
+            return self.prompt, None
+        self.stats.prefix_positions += self.prefix.positions
+        return self.prompt[:, self.prefix.positions:], self.prefix.kv
 
     def accept(self, logp: np.ndarray) -> int | None:
         """Sample from this step's logp [V]; the token to emit, or None (EOS or

@@ -21,7 +21,6 @@ import os
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -38,72 +37,33 @@ from cosyedge_models.synthesis.api import (
     EngineDefaults,
     LoadLevel,
     Mode,
-    StageEvent,
     StageTimes,
     SynthesisRequest,
-    TimelineStage,
 )
 from cosyedge_models.synthesis.conditioning import Conditioning, ConditioningBuilder
 from cosyedge_models.synthesis.flow import EstimatorWork, FlowDecoder, FlowStream
 from cosyedge_models.synthesis.graph_stages import GraphStages
-from cosyedge_models.synthesis.llm import LlmInput, LlmStats, SpeechTokenLM
+from cosyedge_models.synthesis.llm import LlmInput, SpeechTokenLM
+from cosyedge_models.synthesis.llm_prefix import LlmPrefix
 from cosyedge_models.synthesis.modes import MODES
+from cosyedge_models.synthesis.request_state import LlmSpans, RequestState
 from cosyedge_models.synthesis.sampling import TokenSampler
 from cosyedge_models.synthesis.settings import SynthesisSettings
 from cosyedge_models.synthesis.streaming import ChunkSchedule
-from cosyedge_models.synthesis.token_stream import LlmEnd, ProducedTokens, ProducerPool, SerialTokens, TimedToken
+from cosyedge_models.synthesis.token_stream import ProducedTokens, ProducerPool, SerialTokens
 from cosyedge_models.synthesis.vocoder import HiftVocoder, NoiseSource, VocoderStream
-from cosyedge_models.synthesis.voice_cache import MIB, FlowPrefix, VoiceCache, bundle_identity, saved_voice_prefix
+from cosyedge_models.synthesis.voice_cache import (
+    MIB,
+    FlowPrefix,
+    VoiceCache,
+    bundle_identity,
+    saved_voice_llm_prefix,
+    saved_voice_prefix,
+)
 from cosyedge_models.text.frontend import TextFrontend
 from cosyedge_models.text.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _RequestState:
-    sampler: TokenSampler
-    noise: NoiseSource
-    times: StageTimes
-    started: float
-    cancel: threading.Event | None
-    priority: int = 0
-    index: int = 0
-    tokens_before: int = 0  # speech tokens of the request's earlier segments
-    # Written by the LLM producer thread while stages overlap; the consumer reads
-    # it for the running totals in each chunk (exact once the segment's LLM ended).
-    llm: LlmStats = field(default_factory=LlmStats)
-
-    def cancelled(self) -> bool:
-        return self.cancel is not None and self.cancel.is_set()
-
-    def event(self, stage: TimelineStage, start: float, end: float) -> None:
-        """Timeline entry for the chunk about to be yielded (perf_counter times)."""
-        self.times.timeline.append(StageEvent(stage, self.index, (start - self.started) * 1e3,
-                                              (end - self.started) * 1e3))
-
-
-class LlmSpans:
-    """Per-chunk LLM spans from timed tokens: a chunk's span runs from the start
-    of the first token after the previous chunk's to the end of the token that
-    completed it (a token that completes several chunks gives only the first a span)."""
-
-    def __init__(self) -> None:
-        self._start: float | None = None
-
-    def add(self, token: TimedToken) -> None:
-        if self._start is None:
-            self._start = token.start
-
-    def take(self, state: _RequestState, until: float) -> None:
-        if self._start is not None:
-            state.event("llm", self._start, until)
-        self._start = None
-
-    def finish(self, state: _RequestState, end: LlmEnd | None) -> None:
-        if end is not None:
-            state.event("llm", self._start if self._start is not None else end.start, end.end)
-        self._start = None
 
 
 def resolve_overlap(setting: bool | None, backend: str, cpu_count: int | None) -> bool:
@@ -147,7 +107,9 @@ class CosyVoiceSynthesizer(EngineDefaults):
         # The CUDA-graph stages and the one thread that captures them (now) and runs every replay.
         self.graphs = GraphStages(bundle, backend.name, settings, load)
         self.lm = SpeechTokenLM(bundle, backend, load("llm_prefill"), load("llm_decode"))
-        self.lm.fixed_size_decode = self.graphs.fixed_size_decode(self.lm.prefill_session)
+        # with the dynamic llm_decode too where it takes several positions: a voice's LLM prefix
+        decode = self.lm.decode_session if self.lm.takes_prefix else None
+        self.lm.fixed_size_decode = self.graphs.fixed_size_decode(self.lm.prefill_session, decode)
         # With flow batching the flow and the vocoder run their graphs through the stage batchers.
         pinned = settings.vocoder_sessions or (3 if backend.name == "ort-cuda" else 1)
         stages = {stage: load(stage) if stage == "flow_estimator" or pinned == 1 else
@@ -166,6 +128,11 @@ class CosyVoiceSynthesizer(EngineDefaults):
         # Per engine, so a bundle reload (a new engine) starts without the old prefixes.
         self.voice_cache = VoiceCache(settings.voice_cache_mb * MIB, bundle_identity(
             str(bundle.root), json.dumps(bundle.manifest, sort_keys=True), str(bundle.precision)))
+        if settings.voice_cache_mb > 0 and not self.lm.takes_prefix:
+            log.info("LLM prefix cache off: %s; saved voices cache their flow prefix only",
+                     "TensorRT engines run single decode steps" if bundle.backend == "trt" else
+                     "this bundle's llm_decode takes one new position (re-export it with this version's "
+                     "'cosyedge build export' to cache sos + transcript of saved zero_shot voices)")
         self.batcher = start_batcher(bundle, backend.name, self.lm, settings.batching)
         self._producers: ProducerPool | None = None
         self.overlap = resolve_overlap(settings.overlap_stages, backend.name, os.cpu_count())
@@ -205,7 +172,7 @@ class CosyVoiceSynthesizer(EngineDefaults):
         self.validate(request)
         seed = request.seed if request.seed is not None else int(np.random.default_rng().integers(1 << 62))
         sampler_seq, noise_seq = np.random.SeedSequence(seed).spawn(2)
-        state = _RequestState(
+        state = RequestState(
             sampler=TokenSampler(self.bundle.llm.sampling, self.bundle.llm.eos_token,
                                  np.random.default_rng(sampler_seq)),
             noise=self.noise_factory(noise_seq),
@@ -218,10 +185,11 @@ class CosyVoiceSynthesizer(EngineDefaults):
         cond = self.conditioning.build(request)
         segments = self.frontend.prepare(request.text)
         state.times.frontend_ms += (time.perf_counter() - t0) * 1e3
+        llm_prefix = self.llm_prefix(cond, request.mode)
         for i, segment in enumerate(segments):
             last_segment = i == len(segments) - 1
             llm_in = LlmInput(text=segment.token_ids.tolist(), prompt_text=cond.prompt_text,
-                              prompt_speech=cond.prompt_speech)
+                              prompt_speech=cond.prompt_speech, prefix=llm_prefix)
             pieces = self._stream_segment(llm_in, cond, state) if request.stream else self._offline_segment(
                 llm_in, cond, state, request.speed)
             # closing(): when the caller stops early (break, gen.close()) or a stage
@@ -236,10 +204,16 @@ class CosyVoiceSynthesizer(EngineDefaults):
         return saved_voice_prefix(self.voice_cache, self.flow, cond, self.settings.voice_cache_mb > 0,
                                   self.settings.flow_left_chunks)
 
+    def llm_prefix(self, cond: Conditioning, mode: Mode) -> LlmPrefix | None:
+        return saved_voice_llm_prefix(self.voice_cache, self.lm, cond, mode, self.settings.voice_cache_mb > 0)
+
     def warm_voice(self, request: SynthesisRequest) -> FlowPrefix | None:
-        """Build the prompt cache of the request's saved voice now (startup, benchmarks)."""
+        """Build the prompt caches of the request's saved voice now (startup,
+        benchmarks): the flow prefix (returned) and, in zero_shot, the LLM prefix."""
         self.validate(request)
-        return self.voice_prefix(self.conditioning.build(request))
+        cond = self.conditioning.build(request)
+        self.llm_prefix(cond, request.mode)
+        return self.voice_prefix(cond)
 
     def session_memory_bytes(self) -> int:
         """What the stage sessions hold (Session.memory_bytes, best effort), for benchmarks."""
@@ -268,7 +242,7 @@ class CosyVoiceSynthesizer(EngineDefaults):
         self.voice_cache.clear()
 
     # --- internals ---------------------------------------------------------------------
-    def _chunk(self, state: _RequestState, pcm: np.ndarray, last: bool) -> AudioChunk:
+    def _chunk(self, state: RequestState, pcm: np.ndarray, last: bool) -> AudioChunk:
         times = state.times
         times.llm_ms = state.llm.prefill_ms + state.llm.decode_ms
         times.llm_tokens = state.tokens_before + len(state.llm.tokens)
@@ -279,7 +253,7 @@ class CosyVoiceSynthesizer(EngineDefaults):
         state.index += 1
         return chunk
 
-    def _tokens(self, llm_in: LlmInput, state: _RequestState) -> Iterator[int]:
+    def _tokens(self, llm_in: LlmInput, state: RequestState) -> Iterator[int]:
         # The token list is per segment (upstream's repetition window); the count is per request.
         state.tokens_before += len(state.llm.tokens)
         state.llm.tokens.clear()
@@ -288,14 +262,14 @@ class CosyVoiceSynthesizer(EngineDefaults):
                                          cancel=state.cancel)
         return self.lm.generate(llm_in, state.sampler, state.llm)
 
-    def _token_source(self, llm_in: LlmInput, state: _RequestState) -> SerialTokens | ProducedTokens:
+    def _token_source(self, llm_in: LlmInput, state: RequestState) -> SerialTokens | ProducedTokens:
         """The segment's tokens: from a producer thread when stages overlap, else pulled here."""
         tokens = self._tokens(llm_in, state)  # created here: it resets the per-segment stats
         if self._producers is None:
             return SerialTokens(tokens)
         return self._producers.submit(ProducedTokens(tokens, state.cancelled, self.settings.overlap_queue_tokens))
 
-    def _flow(self, tokens: list[int], cond: Conditioning, state: _RequestState, finalize: bool,
+    def _flow(self, tokens: list[int], cond: Conditioning, state: RequestState, finalize: bool,
               streaming: bool) -> np.ndarray:
         t0 = time.perf_counter()
         work = EstimatorWork()
@@ -308,7 +282,7 @@ class CosyVoiceSynthesizer(EngineDefaults):
         state.event("flow", t0, t1)
         return mel
 
-    def _flow_stream(self, flow: FlowStream, tokens: list[int], state: _RequestState, final: bool,
+    def _flow_stream(self, flow: FlowStream, tokens: list[int], state: RequestState, final: bool,
                      prime: bool = False) -> np.ndarray:
         t0 = time.perf_counter()
         before = flow.work.frames
@@ -321,7 +295,7 @@ class CosyVoiceSynthesizer(EngineDefaults):
         state.event("flow", t0, t1)
         return mel
 
-    def _offline_segment(self, llm_in: LlmInput, cond: Conditioning, state: _RequestState,
+    def _offline_segment(self, llm_in: LlmInput, cond: Conditioning, state: RequestState,
                          speed: float) -> Generator[tuple[np.ndarray, bool], None, None]:
         tokens = []
         spans = LlmSpans()
@@ -347,7 +321,7 @@ class CosyVoiceSynthesizer(EngineDefaults):
         yield audio[0], True
 
     def _stream_segment(self, llm_in: LlmInput, cond: Conditioning,
-                        state: _RequestState) -> Generator[tuple[np.ndarray, bool], None, None]:
+                        state: RequestState) -> Generator[tuple[np.ndarray, bool], None, None]:
         # Per request: the estimator caches, so each chunk costs only its new frames
         # (device memory with a GPU backend): released when the segment ends, fails
         # or is abandoned (synthesize closes this generator).
@@ -359,7 +333,7 @@ class CosyVoiceSynthesizer(EngineDefaults):
             yield from self._stream_chunks(flow, llm_in, cond, state, prime)
 
     def _stream_chunks(self, flow: FlowStream, llm_in: LlmInput, cond: Conditioning,
-                       state: _RequestState, prime: bool = False) -> Generator[tuple[np.ndarray, bool], None, None]:
+                       state: RequestState, prime: bool = False) -> Generator[tuple[np.ndarray, bool], None, None]:
         lookahead = self.bundle.flow.pre_lookahead_len
         schedule = ChunkSchedule(self.bundle.streaming.token_hop_len, lookahead,
                                  prompt_tokens=len(cond.flow.tokens), first_hop=self.settings.first_hop_tokens,
@@ -396,7 +370,7 @@ class CosyVoiceSynthesizer(EngineDefaults):
             return
         yield self._vocode(stream, mel, state, final=True), True
 
-    def _vocode(self, stream: VocoderStream, mel: np.ndarray, state: _RequestState, final: bool) -> np.ndarray:
+    def _vocode(self, stream: VocoderStream, mel: np.ndarray, state: RequestState, final: bool) -> np.ndarray:
         t0 = time.perf_counter()
         with call_priority(state.priority):
             pcm = stream.push(mel, final=final)

@@ -14,8 +14,9 @@ What is cacheable, by stage (docs/voice-cache.md has the reasoning):
 - LLM: upstream's input is [sos, prompt text, request text, task, prompt
   speech tokens]: the prompt speech comes after the request's text, so its
   K/V depend on the text and are not cacheable exactly; only sos + the
-  prompt text are. Today's `llm_decode` graph declares one position, so
-  that short prefix is not reused yet (see docs/voice-cache.md).
+  prompt text are. For saved zero_shot voices their KV cache is kept here
+  too (`LlmPrefix`, models/synthesis/llm_prefix.py), under the same key with
+  part "llm", and counted in the same budget.
 - Voices sent inline with one request (`prompt` in the request) and bounded
   left context (`flow_left_chunks >= 0`) are served uncached.
 
@@ -33,15 +34,32 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol, TypeVar, cast
 
 import numpy as np
 from cosyedge_models.backends.flow_cache import HostStepCache, PrefixRows, StepCache
 from cosyedge_models.synthesis.conditioning import Conditioning
 from cosyedge_models.synthesis.flow import EncoderCache, FlowDecoder, FlowPrompt, commit_prompt, prompt_commit_frames
+from cosyedge_models.synthesis.llm import SpeechTokenLM
+from cosyedge_models.synthesis.llm_prefix import LlmPrefix, prompt_text_digest
 
 log = logging.getLogger(__name__)
 
 MIB = 1 << 20
+
+
+class CacheEntry(Protocol):
+    """What the cache keeps per voice and part: its size counts against the budget."""
+
+    @property
+    def build_ms(self) -> float: ...
+
+    def nbytes(self) -> int: ...
+
+    def describe(self) -> str: ...
+
+
+Entry = TypeVar("Entry", bound=CacheEntry)
 
 
 @dataclass(frozen=True)
@@ -62,6 +80,9 @@ class FlowPrefix:
     def nbytes(self) -> int:
         arrays = (self.enc_kv, self.up_kv, self.pre, self.upconv, *(r.host for r in self.step_kv), *self.step_conv)
         return sum(a.nbytes for a in arrays)
+
+    def describe(self) -> str:
+        return f"flow prefix of {self.committed} mel frames"
 
     def device_nbytes(self) -> int:
         """The copies on devices (GPU backends): as large as the K/V rows, per device."""
@@ -120,9 +141,14 @@ class VoiceCacheStats:
     evictions: int = 0
 
 
+Key = tuple[str, str, str, str]  # bundle identity, voice, digest of what the entry is built from, part
+
+
 class VoiceCache:
-    """Flow prefixes keyed by (bundle identity, voice name, voice file digest),
-    bounded to `max_bytes` (least recently used evicted). Thread-safe."""
+    """Per-voice prefixes (part "flow": FlowPrefix; "llm": LlmPrefix) keyed by
+    (bundle identity, voice name, digest of the voice features they are
+    built from, part), bounded together to `max_bytes` (least recently used
+    evicted). Thread-safe."""
 
     def __init__(self, max_bytes: int, bundle_id: str) -> None:
         if max_bytes < 0:
@@ -130,8 +156,8 @@ class VoiceCache:
         self.max_bytes = max_bytes
         self.bundle_id = bundle_id
         self.stats = VoiceCacheStats()
-        self._entries: OrderedDict[tuple[str, str, str], FlowPrefix | None] = OrderedDict()
-        self._building: dict[tuple[str, str, str], threading.Lock] = {}
+        self._entries: OrderedDict[Key, CacheEntry | None] = OrderedDict()
+        self._building: dict[Key, threading.Lock] = {}
         self._lock = threading.Lock()
 
     @property
@@ -139,26 +165,30 @@ class VoiceCache:
         with self._lock:
             return sum(p.nbytes() for p in self._entries.values() if p is not None)
 
-    def key(self, voice: str, voice_digest: str) -> tuple[str, str, str]:
-        return (self.bundle_id, voice, voice_digest)
+    def part_nbytes(self, part: str) -> int:
+        with self._lock:
+            return sum(p.nbytes() for k, p in self._entries.items() if p is not None and k[3] == part)
 
-    def get(self, voice: str, voice_digest: str, build: Callable[[], FlowPrefix | None]) -> FlowPrefix | None:
-        """The voice's prefix, built on first use (None: nothing cacheable, or
-        it does not fit the budget)."""
+    def key(self, voice: str, voice_digest: str, part: str = "flow") -> Key:
+        return (self.bundle_id, voice, voice_digest, part)
+
+    def get(self, voice: str, voice_digest: str, build: Callable[[], Entry | None], part: str = "flow") -> Entry | None:
+        """The voice's prefix of `part`, built on first use (None: nothing
+        cacheable, or it does not fit the budget)."""
         if self.max_bytes == 0:
             return None
-        key = self.key(voice, voice_digest)
+        key = self.key(voice, voice_digest, part)
         with self._lock:
             if key in self._entries:
                 self._entries.move_to_end(key)
                 self.stats.hits += 1
-                return self._entries[key]
+                return cast("Entry | None", self._entries[key])
             building = self._building.setdefault(key, threading.Lock())
         with building:  # one build per voice; the others wait for it
             with self._lock:
                 if key in self._entries:
                     self.stats.hits += 1
-                    return self._entries[key]
+                    return cast("Entry | None", self._entries[key])
             prefix = build()
             with self._lock:
                 self._building.pop(key, None)
@@ -171,8 +201,8 @@ class VoiceCache:
                 self._entries[key] = prefix  # None is remembered too: no rebuild per request
                 self._evict()
                 if prefix is not None:
-                    log.info("voice %r: prompt cache of %d mel frames, %.1f MiB, built in %.0f ms", voice,
-                             prefix.committed, prefix.nbytes() / MIB, prefix.build_ms)
+                    log.info("voice %r: prompt cache: %s, %.2f MiB, built in %.0f ms", voice, prefix.describe(),
+                             prefix.nbytes() / MIB, prefix.build_ms)
             return prefix
 
     def _evict(self) -> None:
@@ -206,3 +236,14 @@ def saved_voice_prefix(cache: VoiceCache, decoder: FlowDecoder, cond: Conditioni
         return None
     flow = cond.flow
     return cache.get(cond.voice, flow_digest(flow), lambda: build_flow_prefix(decoder, flow))
+
+
+def saved_voice_llm_prefix(cache: VoiceCache, lm: SpeechTokenLM, cond: Conditioning, mode: str,
+                           enabled: bool) -> LlmPrefix | None:
+    """The saved zero_shot voice's LLM prefix (sos + transcript; built on first
+    use), or None where it does not apply: another mode, a prompt sent with
+    the request, the cache off, or a bundle whose llm_decode takes one position."""
+    if mode != "zero_shot" or cond.voice is None or not cond.prompt_text or not enabled or not lm.takes_prefix:
+        return None
+    text = cond.prompt_text
+    return cache.get(cond.voice, prompt_text_digest(text), lambda: lm.build_prefix(text), part="llm")

@@ -41,7 +41,12 @@ from cosyedge_models.tools.host import machine
 from cosyedge_models.tools.precision_compare import accuracy
 from cosyedge_models.tools.progress import StageProgress
 from cosyedge_models.tools.timeline import render_timeline
-from cosyedge_models.tools.voice_bench import check_voice, inline_first_audio_ms, voice_cache_report
+from cosyedge_models.tools.voice_bench import (
+    check_voice,
+    inline_first_audio_ms,
+    llm_voice_report,
+    voice_cache_report,
+)
 
 log = logging.getLogger(__name__)
 
@@ -281,10 +286,13 @@ def llm_tokens(engine: CosyVoiceSynthesizer, text: str, seed: int, voice: str | 
     """Speech tokens of the text's segments, through the batcher when the engine has one."""
     config = engine.bundle.llm
     sampler = TokenSampler.seeded(config.sampling, config.eos_token, seed)
-    cond = engine.conditioning.build(bench_request(text, False, seed, voice))
+    request = bench_request(text, False, seed, voice)
+    cond = engine.conditioning.build(request)
+    prefix = engine.llm_prefix(cond, request.mode)  # as the engine would: a saved voice's LLM prefix
     n = 0
     for segment in engine.frontend.prepare(text):
-        inp = LlmInput(text=segment.token_ids.tolist(), prompt_text=cond.prompt_text, prompt_speech=cond.prompt_speech)
+        inp = LlmInput(text=segment.token_ids.tolist(), prompt_text=cond.prompt_text, prompt_speech=cond.prompt_speech,
+                       prefix=prefix)
         gen = engine.batcher.generate(inp, sampler) if engine.batcher else engine.lm.generate(inp, sampler)
         n += sum(1 for _ in gen)
     return n
@@ -356,9 +364,12 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
         if args.llm_only:
             llm_tokens(engine, text, seed=0, voice=voice)  # warm-up
             levels = [int(x) for x in args.concurrency.split(",") if x]
-            report_llm = {"bundle": str(Path(args.bundle).resolve()), "backend": engine.backend.describe(),
+            report_llm = {"machine": machine(), "bundle": str(Path(args.bundle).resolve()),
+                          "backend": engine.backend.describe(),
                           "batching": None if batching is None else vars(batching), "voice": voice,
                           "concurrency": {str(n): run_concurrent_llm(engine, text, n, voice) for n in levels}}
+            if voice is not None:  # the LLM prefix off and on (models/tools/voice_bench.py)
+                report_llm["voice_cache"] = llm_voice_report(engine, text, voice, max(args.repeats, 3))
             print(json.dumps(report_llm, indent=2))
             if args.json:
                 Path(args.json).write_text(json.dumps(report_llm, indent=2) + "\n")

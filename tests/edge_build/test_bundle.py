@@ -106,6 +106,10 @@ def test_stage_io_matches_onnx_files(checkpoint: Checkpoint) -> None:
 def test_profiles_fit_a_board(checkpoint: Checkpoint) -> None:
     stages = load_manifest(checkpoint.bundle)["stages"]
     assert stages["llm_decode"]["profile"]["P"][2] >= 1024 + stages["llm_prefill"]["profile"]["T"][2] - 1
+    # llm_decode takes T new positions (a prefill after a voice's cached LLM prefix); TensorRT builds T = 1
+    decode_in = {s["name"]: s["shape"] for s in stages["llm_decode"]["inputs"]}
+    assert decode_in["inputs_embeds"][1] == "T" and decode_in["attention_mask"][1] == "P+T"
+    assert stages["llm_decode"]["profile"]["T"] == [1, 1, 1]
     enc_offline, enc_streaming = stages["flow_encoder"]["profile"]
     assert enc_offline["T"][2] * 2 >= 1500 and enc_offline["S"] == [0, 0, 0]  # 30 s of mel
     assert enc_streaming["S"][2] * 2 >= 1500

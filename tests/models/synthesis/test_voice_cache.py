@@ -94,7 +94,8 @@ def test_cached_voice_gives_the_uncached_tokens_and_audio(vengine: CosyVoiceSynt
     assert vengine.voice_cache.nbytes == 0  # off: nothing kept
     first, _ = stream(vengine, mode, cache_mb=512)  # builds the prefix
     warm, warm_chunks = stream(vengine, mode, cache_mb=512)  # uses it
-    assert vengine.voice_cache.stats.builds == builds + 1
+    # zero_shot also keeps the LLM prefix (sos + transcript): a second entry
+    assert vengine.voice_cache.stats.builds == builds + (2 if mode == "zero_shot" else 1)
     assert tokens[0] and tokens[0] == tokens[1] == tokens[2]
     assert off.size == warm.size == first.size and off_chunks[0].pcm.size == warm_chunks[0].pcm.size
     np.testing.assert_allclose(warm, off, rtol=0, atol=ATOL)
@@ -119,7 +120,10 @@ def test_sft_inline_prompt_and_bounded_context_are_not_cached(vengine: CosyVoice
                                                  seed=1)))
     finally:
         vengine.settings = original
-    assert vengine.voice_cache.stats.builds == builds and vengine.voice_cache.nbytes == 0
+    # No flow prefix for any of them; the bounded-context zero_shot request still keeps its LLM
+    # prefix (the LLM's input does not depend on the flow's left context).
+    assert vengine.voice_cache.stats.builds == builds + 1 and vengine.voice_cache.part_nbytes("flow") == 0
+    assert vengine.voice_cache.nbytes == vengine.voice_cache.part_nbytes("llm") > 0
     assert vengine.warm_voice(SynthesisRequest(text="x", mode="zero_shot", voice="alice")) is not None
     assert vengine.voice_cache.nbytes > 0
 
@@ -132,7 +136,7 @@ def test_cache_with_flow_batching_gives_the_same_audio(voice_bundle: Path) -> No
         off, _ = stream(eng, "zero_shot", cache_mb=0)
         on, _ = stream(eng, "zero_shot", cache_mb=256)
         warm, _ = stream(eng, "zero_shot", cache_mb=256)
-        assert eng.voice_cache.stats.builds == 1 and eng.voice_cache.stats.hits == 1
+        assert eng.voice_cache.stats.builds == 2 and eng.voice_cache.stats.hits == 2  # flow + LLM prefix
         np.testing.assert_allclose(on, off, rtol=0, atol=ATOL)
         np.testing.assert_allclose(warm, off, rtol=0, atol=ATOL)
     finally:
@@ -236,6 +240,9 @@ def test_bench_voice_reports_the_cache_off_and_on(voice_bundle: Path, tmp_path: 
     assert vc["off_first_audio_ms"] > 0 and vc["on_first_audio_ms"] > 0 and vc["ratio"] > 0
     assert vc["cached_frames"] > 0 and vc["prefix_mb"] > 0 and "error" not in vc
     assert vc["llm_cacheable_positions"] < vc["llm_prefill_positions"]
+    assert vc["llm_prefix"] == "on" and vc["llm_prefix_positions"] == vc["llm_cacheable_positions"]
+    assert vc["llm_prefill_off_ms"] > 0 and vc["llm_prefill_on_ms"] > 0 and vc["llm_prefix_kib"] > 0
+    assert len(vc["llm_prefill_on_runs_ms"]) == 3 and vc["llm_prefill_max_abs_logp_diff"] <= ATOL
     assert vc["inline_first_audio_ms"] > 0 and vc["inline_seconds"] == 4.0
     assert set(vc["off_first_chunk_stages_ms"]) >= {"llm", "flow", "vocoder"}
     assert main(["bench", "--bundle", str(voice_bundle), "--voice", "nobody", "--repeats", "1"]) == 2
@@ -254,7 +261,7 @@ def test_cached_voice_parity_on_ort_cuda(voice_bundle: Path, monkeypatch: pytest
         off, off_chunks = stream(eng, "zero_shot", cache_mb=0)
         warm_up, _ = stream(eng, "zero_shot", cache_mb=512)
         warm, warm_chunks = stream(eng, "zero_shot", cache_mb=512)
-        assert eng.voice_cache.stats.builds == 1 and eng.voice_cache.stats.hits >= 1
+        assert eng.voice_cache.stats.builds == 2 and eng.voice_cache.stats.hits >= 2  # flow + LLM prefix
         assert tokens[0] and tokens[0] == tokens[1] == tokens[2]
         np.testing.assert_allclose(warm, off, rtol=0, atol=ATOL)
         np.testing.assert_allclose(warm_up, off, rtol=0, atol=ATOL)
