@@ -9,7 +9,7 @@
 #
 #   edge_build/tools/device_run.sh OUTDIR [STEPS]
 #
-# STEPS (comma-separated, default tests,probe,bench): the setup (wheels, the
+# STEPS (comma-separated, default tests,probe,bench; "setup" for the setup alone): the setup (wheels, the
 # full-size checkpoint, its fp32 bundle with the fixed-size LLM step and the
 # fixed-shape flow graphs, its fp16 bundle) always runs first, once per machine;
 #   tests  every `pytest -m gpu` suite; the script FAILS when one fails
@@ -103,6 +103,7 @@ for step in ${steps//,/ }; do
         --json "$out/bench_h200.json" 2>&1 | grep -v -i warn > "$out/bench.log" || { tail -40 "$out/bench.log"; exit 1; }
       python3 -m cosyedge_build.tools.device_summary "$out/bench_h200.json"
       stamp "bench done" ;;
-    *) echo "unknown step $step (tests, probe, bench)"; exit 2 ;;
+    setup) ;;  # the setup above only (bundles and the voice ready for other commands)
+    *) echo "unknown step $step (setup, tests, probe, bench)"; exit 2 ;;
   esac
 done
