@@ -37,10 +37,40 @@ def convert_fp16(src: Path, dst: Path, block_nodes: Sequence[str] = (), fp16_io:
     op_block = sorted(set(float16.DEFAULT_OP_BLOCK_LIST) | set(FP16_BLOCK_OPS))
     converted = float16.convert_float_to_float16(model, keep_io_types=keep, op_block_list=op_block,
                                                  node_block_list=list(block_nodes))
+    drop_repeated_casts(converted.graph)
     unique_node_names(converted.graph)
     big = converted.ByteSize() > (1 << 30)
     onnx.save(converted, str(dst), save_as_external_data=big,
               location=dst.name + ".data" if big else None)
+
+
+def drop_repeated_casts(graph: onnx.GraphProto) -> int:
+    """Remove nodes that repeat an earlier node exactly (same op, inputs, outputs and
+    attributes), and repeated value_info entries; how many nodes were removed.
+    onnxruntime 1.31's converter puts one Cast in front of every blocked consumer of a
+    float16 tensor, all of them named and writing `<tensor>_cast_to_fp32`: the same
+    tensor defined twice, which onnxruntime refuses ("Duplicate definition of name",
+    seen on the H200). The repeats compute the same value, so one is kept (1.32's
+    converter shares one Cast the same way)."""
+    seen: set[bytes] = set()
+    keep: list[onnx.NodeProto] = []
+    for node in graph.node:
+        key = onnx.NodeProto(op_type=node.op_type, domain=node.domain, input=node.input, output=node.output,
+                             attribute=node.attribute).SerializeToString(deterministic=True)
+        if key in seen:
+            continue
+        seen.add(key)
+        keep.append(node)
+    removed = len(graph.node) - len(keep)
+    if removed:
+        del graph.node[:]
+        graph.node.extend(keep)
+    names: set[str] = set()
+    infos = [v for v in graph.value_info if not (v.name in names or names.add(v.name))]  # type: ignore[func-returns-value]
+    if len(infos) != len(graph.value_info):
+        del graph.value_info[:]
+        graph.value_info.extend(infos)
+    return removed
 
 
 def unique_node_names(graph: onnx.GraphProto) -> int:

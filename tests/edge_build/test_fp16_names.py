@@ -39,3 +39,38 @@ def test_repeated_names_are_refused_then_renamed_and_the_graph_loads() -> None:
     x = np.array([-1.0, 2.0], dtype=np.float32)
     np.testing.assert_array_equal(sess.run(None, {"x": x})[0], np.maximum(2 * x, 0))
     assert unique_node_names(model.graph) == 0
+
+
+def test_repeated_casts_of_onnxruntime_131_are_merged() -> None:
+    """What onnxruntime 1.31's converter writes for two blocked consumers of one float16
+    tensor: two identical Casts defining one tensor (refused: "Duplicate definition")."""
+    from cosyedge_build.quantize.fp16 import drop_repeated_casts
+
+    cast = helper.make_node("Cast", ["h"], ["h_cast_to_fp32"], name="h_cast_to_fp32_node", to=TensorProto.FLOAT)
+    nodes = [
+        helper.make_node("Cast", ["x"], ["h"], name="to16", to=TensorProto.FLOAT16),
+        cast, helper.make_node("Softmax", ["h_cast_to_fp32"], ["a"], name="sm", axis=-1),
+        onnx.NodeProto(), helper.make_node("LayerNormalization", ["h_cast_to_fp32", "s", "b"], ["c"], name="ln"),
+        helper.make_node("Add", ["a", "c"], ["y"], name="add"),
+    ]
+    nodes[3].CopyFrom(cast)
+    vi = helper.make_tensor_value_info("h_cast_to_fp32", TensorProto.FLOAT, [1, 4])
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
+                              [helper.make_tensor("s", TensorProto.FLOAT, [4], [1.0] * 4),
+                               helper.make_tensor("b", TensorProto.FLOAT, [4], [0.0] * 4)], value_info=[vi, vi])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    try:
+        ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        refused = False
+    except Exception as exc:  # noqa: BLE001 - onnxruntime's load error type is not public
+        refused = "same node name" in str(exc) or "Duplicate definition" in str(exc)
+    assert refused
+    assert drop_repeated_casts(model.graph) == 1 and len(model.graph.value_info) == 1
+    assert unique_node_names(model.graph) == 0
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    x = np.array([[0.5, -1.0, 2.0, 0.0]], dtype=np.float32)
+    h = x.astype(np.float16).astype(np.float32)
+    soft = np.exp(h - h.max()) / np.exp(h - h.max()).sum()
+    norm = (h - h.mean()) / np.sqrt(h.var() + 1e-5)
+    np.testing.assert_allclose(sess.run(None, {"x": x})[0], soft + norm, atol=1e-5)
