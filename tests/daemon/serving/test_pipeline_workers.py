@@ -178,7 +178,8 @@ def test_published_requests_never_wait_for_the_speaker() -> None:
     p.start()
     try:
         rec.wait(2)  # both published while "A" is still on the speaker
-        assert rec.order == ["P1", "P2"] and rec.audio_chunks == {"P1": 6, "P2": 6}
+        # two workers: the one that handed "A" to the speaker may take P2 while the other makes P1
+        assert sorted(rec.order) == ["P1", "P2"] and rec.audio_chunks == {"P1": 6, "P2": 6}
         assert p.playing_job is not None and p.playing_job.id == "A"
         sink.start()
         rec.wait(3)

@@ -11,6 +11,7 @@ import logging
 import socket
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -159,20 +160,23 @@ def test_busy_when_the_queue_is_full(daemons: DaemonFactory) -> None:
     engine = FakeEngine(chunks=1)
     svc = daemons.start(local=engine, fallback=None, wyoming=WY, scheduler={"max_queue": 1})
 
+    def ask(n: int) -> Any:
+        return exchange(tts_port(svc), [Synthesize(text=f"HOLD {n}").event()], ("audio-stop", "error"))
+
     async def scenario() -> list[list]:  # type: ignore[type-arg]
-        return await asyncio.gather(*(
-            exchange(tts_port(svc), [Synthesize(text=f"HOLD {n}").event()], ("audio-stop", "error"))
-            for n in range(3)))
-
-    async def release_later() -> list[list]:  # type: ignore[type-arg]
-        task = asyncio.ensure_future(scenario())
-        await asyncio.sleep(1.0)
+        first = asyncio.ensure_future(ask(0))
+        while "HOLD 0" not in engine.seen:  # the first is being synthesized: one more may queue
+            await asyncio.sleep(0.01)
+        second = asyncio.ensure_future(ask(1))
+        while svc.scheduler.depth < 1:  # queued behind it: the third finds the queue full
+            await asyncio.sleep(0.01)
+        third = await ask(2)
         engine.release.set()
-        return await task
+        return [await first, await second, third]
 
-    codes = sorted(e.data.get("code", e.type) for got in run(release_later()) for e in got
-                   if e.type in ("error", "audio-stop"))
-    assert codes == ["audio-stop", "audio-stop", "busy"]
+    got = run(scenario())
+    codes = [[e.data.get("code", e.type) for e in g if e.type in ("error", "audio-stop")] for g in got]
+    assert codes == [["audio-stop"], ["audio-stop"], ["busy"]]
     assert svc.metrics.registry.get_sample_value("cosyedge_tts_rejected_total", {"code": "busy"}) == 1.0
 
 
