@@ -126,6 +126,7 @@ class StaticFlowGraphs:
         self._free: list[StaticSlot] = []
         self._lock = threading.Lock()
         self.replays = 0  # static calls made (tests, logs); counted on the graph thread
+        self.moves = 0  # step caches that left the fixed shapes for the dynamic graph (tests, logs)
         # set when a replay or capture failed: every cache then uses the dynamic graph
         self.disabled: str | None = None
 
@@ -178,6 +179,10 @@ class StaticFlowGraphs:
     def release(self, slot: StaticSlot) -> None:
         with self._lock:
             self._free.append(slot)
+
+    def note_move(self) -> None:
+        with self._lock:
+            self.moves += 1
 
     def __call__(self, session: Session, spec: StepCacheSpec) -> StepCache:
         if not isinstance(session, OrtSession):
@@ -246,13 +251,32 @@ class StaticStepCache:
         self._graphs.release(slot)
         self._slot = None
         self._moved = moved
+        self._graphs.note_move()
         log.debug("flow cache: %d frames moved to the dynamic estimator", self._length - first)
         return moved
 
     def preload(self, rows: PrefixRows, conv: np.ndarray) -> None:
-        """A saved voice's prefix: the dynamic graph's device cache takes it
-        (seeded by device copy), so this stream leaves the fixed shapes."""
-        self._move().preload(rows, conv)
+        """A saved voice's prefix, seeded into the slot (rows by device copy from the voice's
+        copy on this device, the conv history in place: the captured graphs read both at
+        their addresses), so the stream stays on the fixed shapes. A prefix that leaves no
+        room for a window, or a cache of another dtype, goes to the dynamic graph."""
+        if self._length or self._moved is not None:
+            raise RuntimeError("preload() on a cache that holds frames")
+        slot = self._slot
+        graphs = self._graphs
+        if (slot is None or rows.frames + min(graphs.windows) > graphs.cache_frames
+                or np.dtype(self.spec.dtype) != np.float32):
+            self._move().preload(rows, conv)
+            return
+        kind, dev = graphs.device
+
+        def upload(host: np.ndarray) -> ort.OrtValue:
+            return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(host, dtype=np.float32), kind, dev)
+
+        src = rows.on_device(graphs.device, upload)
+        graphs.copier.copy(slot.ptr(0, self.spec.row_bytes), int(src.data_ptr()), rows.frames * self.spec.row_bytes)
+        slot.conv.update_inplace(np.ascontiguousarray(conv, dtype=np.float32))
+        self._length = rows.frames
 
     def run(self, feeds: Mapping[str, np.ndarray], commit: int) -> np.ndarray:
         if self._closed:

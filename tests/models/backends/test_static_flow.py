@@ -277,3 +277,34 @@ def test_cuda_graph_static_flow_eight_concurrent_streams_match_serial(static_flo
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         pytest.skip("onnxruntime has no CUDAExecutionProvider here")
     _concurrent_streams(static_flow_bundle, "cuda", 8)
+
+
+def test_a_saved_voice_stays_on_the_static_graphs(static_flow_bundle: Path, tmp_path: Path) -> None:
+    """The voice's cached prefix is seeded into the pooled slot (it used to move every
+    such stream to the dynamic graph, so the fixed shapes never served a saved voice)."""
+    import shutil
+
+    import soundfile as sf
+    from cosyedge_daemon.cli.voice import add_voice
+
+    from tests.models.synthesis.test_synthesizer import prompt_audio
+
+    bundle = tmp_path / "b"
+    shutil.copytree(static_flow_bundle, bundle)
+    prompt = prompt_audio(4.0, 22050)
+    sf.write(tmp_path / "v.wav", prompt.pcm, prompt.sample_rate)
+    add_voice(bundle, "v", tmp_path / "v.wav", "Hello, this is a saved voice speaking.")
+    req = SynthesisRequest(text="Hi there.", mode="zero_shot", voice="v", seed=3, stream=True)
+    outs = {}
+    for on in (False, True):
+        eng = load_synthesizer(bundle, "ort", SynthesisSettings(backend="ort", graph_flow=on, overlap_stages=False))
+        try:
+            for _ in range(2):  # the second request finds the voice's prefix built
+                outs[on] = np.concatenate([c.pcm for c in eng.synthesize(req)])
+            if on:
+                assert eng.static_flow is not None
+                assert eng.static_flow.replays > 0 and eng.static_flow.moves == 0
+        finally:
+            eng.close()
+    assert outs[True].shape == outs[False].shape
+    np.testing.assert_allclose(outs[True], outs[False], rtol=0, atol=1e-4)
