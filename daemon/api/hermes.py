@@ -73,11 +73,10 @@ def parse_hermes_say(
             f"'text' has {len(text)} characters; the limit is {limits.max_text_chars}",
             site_id, session_id, hermes_id,
         )
-    chosen = hermes_id is not None and valid_id(hermes_id)
-    rid = hermes_id if chosen and hermes_id is not None else new_request_id()
+    rid = hermes_id if hermes_id is not None and valid_id(hermes_id) else None
     request = TtsRequest(
-        id=rid,
-        client_id=chosen,
+        id=rid or new_request_id(),
+        client_id=rid is not None,
         text=text,
         voice=limits.default_voice,
         output="play" if output == "play" else "publish",

@@ -34,6 +34,7 @@ from cosyedge_models.backends.flow_cache import (
     trim_due,
 )
 from cosyedge_models.errors import SynthesisError
+from numpy.typing import DTypeLike
 
 log = logging.getLogger(__name__)
 
@@ -206,12 +207,7 @@ class BoundStepCache:
         if self.length:
             raise RuntimeError("preload() on a cache that holds frames")
         kind, dev = self._device
-        dtype = self.spec.dtype
-
-        def upload(host: np.ndarray) -> ort.OrtValue:
-            return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(host, dtype=dtype), kind, dev)
-
-        src = rows.on_device(self._device, upload)
+        src = prefix_on_device(rows, self._device, self.spec.dtype)
         self._reserve(rows.frames)
         self._copier.copy(self._ptr(0), int(src.data_ptr()), rows.frames * self.spec.row_bytes)
         self.length = rows.frames
@@ -252,3 +248,14 @@ class BoundCacheFactory:
 
     def __call__(self, session: BoundRunner, spec: StepCacheSpec) -> BoundStepCache:
         return BoundStepCache(session, spec, self.copier())
+
+
+def prefix_on_device(rows: PrefixRows, device: tuple[str, int], dtype: DTypeLike) -> ort.OrtValue:
+    """The voice's saved rows on `device` as `dtype`, uploaded once per voice and device."""
+    kind, dev = device
+
+    def upload(host: np.ndarray) -> ort.OrtValue:
+        return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(host, dtype=dtype), kind, dev)
+
+    value: ort.OrtValue = rows.on_device(device, upload)
+    return value

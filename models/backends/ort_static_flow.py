@@ -41,7 +41,7 @@ from cosyedge_models.backends.base import Session
 from cosyedge_models.backends.flow_cache import PrefixRows, StepCache, StepCacheSpec, trim_due
 from cosyedge_models.backends.graph_thread import CAPTURE_RUNS, GraphThread, GraphThreadClosed
 from cosyedge_models.backends.ort import OrtSession
-from cosyedge_models.backends.ort_cache import BoundStepCache, DeviceCopier
+from cosyedge_models.backends.ort_cache import BoundStepCache, DeviceCopier, prefix_on_device
 from cosyedge_models.bundle.loader import STATIC_FLOW_PREFIX, Bundle
 from cosyedge_models.errors import BundleError, SynthesisError
 
@@ -268,12 +268,7 @@ class StaticStepCache:
                 or np.dtype(self.spec.dtype) != np.float32):
             self._move().preload(rows, conv)
             return
-        kind, dev = graphs.device
-
-        def upload(host: np.ndarray) -> ort.OrtValue:
-            return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(host, dtype=np.float32), kind, dev)
-
-        src = rows.on_device(graphs.device, upload)
+        src = prefix_on_device(rows, graphs.device, np.float32)
         graphs.copier.copy(slot.ptr(0, self.spec.row_bytes), int(src.data_ptr()), rows.frames * self.spec.row_bytes)
         slot.conv.update_inplace(np.ascontiguousarray(conv, dtype=np.float32))
         self._length = rows.frames

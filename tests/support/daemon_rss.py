@@ -9,3 +9,14 @@ def rss_kib(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1])
     raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def sample_due(done: int, total: int) -> bool:
+    """Whether to sample RSS after `done` of `total` examples: once at the end of the
+    warm-up (the first tenth), then every twentieth."""
+    return done == max(1, total // 10) or done % max(1, total // 20) == 0
+
+
+def growth_after_warmup(samples: list[int]) -> float:
+    """RSS growth from the first sample (taken after the warm-up) to the last."""
+    return round((samples[-1] - samples[0]) / samples[0], 4)

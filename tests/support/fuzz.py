@@ -1,9 +1,8 @@
 """Property-based fuzzing of the daemon's input surfaces with hypothesis:
 strategies for payloads (native say/cancel/admin, Hermes, MQTT v5
 properties, config files) and, for each generated message, how many answers
-it must get (an oracle written apart from the daemon's parsers). A new
-surface (e.g. Wyoming events) adds a strategy returning `Case`s with its own
-oracle and reuses `AnswerCounter`.
+it must get (an oracle written apart from the daemon's parsers). The
+Wyoming surface has its own, per session step: tests/support/wyoming_fuzz.py.
 
 Every case says where its answers go and how many must arrive: exactly one
 done/error for every say, one error for a malformed cancel or admin message

@@ -23,21 +23,11 @@ from dataclasses import dataclass
 
 from hypothesis import strategies as st
 
+from tests.daemon.wyoming_support import raw_frame as frame
 from tests.support.fuzz import json_values, nasty_text, scalars
 
 PLAIN = ["Hello there.", "A test.", "Pi is 3.14 today!", "Zwei Sätze, ok?", "你好。", "Yes"]
 FRAME_CODES = ("invalid_header", "invalid_data", "event_too_large", "truncated")
-
-
-def frame(kind: str, data: dict[str, object] | None = None, payload: bytes = b"") -> bytes:
-    header: dict[str, object] = {"type": kind}
-    body = b""
-    if data:
-        body = json.dumps(data, ensure_ascii=False).encode("utf-8", "surrogatepass")
-        header["data_length"] = len(body)
-    if payload:
-        header["payload_length"] = len(payload)
-    return json.dumps(header).encode() + b"\n" + body + payload
 
 
 @dataclass(frozen=True)

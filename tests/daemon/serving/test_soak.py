@@ -20,7 +20,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 
 from tests.daemon.service.test_process import Daemon
 from tests.support.broker import Broker
-from tests.support.daemon_rss import rss_kib
+from tests.support.daemon_rss import growth_after_warmup, rss_kib
 from tests.support.figures import record
 
 IN_FLIGHT = 4
@@ -77,11 +77,10 @@ def run_soak(tmp_path: Path, broker: Broker, requests: int) -> dict[str, object]
         d.close()
     missing = [f"s{n}" for n in range(requests) if answers[f"s{n}"] == 0]
     doubled = [rid for rid, k in answers.items() if k > 1]
-    first = next(kib for n, kib in rss if n == warm)
-    last = rss[-1][1]
+    after_warmup = [kib for n, kib in rss if n >= warm]
     return {"requests": requests, "in_flight": IN_FLIGHT, "answered_once": requests - len(missing) - len(doubled),
             "missing": missing[:20], "doubled": doubled[:20], "outcomes": dict(codes), "daemon_alive": alive,
-            "warmup_requests": warm, "rss_kib": rss, "rss_growth_after_warmup": round((last - first) / first, 4),
+            "warmup_requests": warm, "rss_kib": rss, "rss_growth_after_warmup": growth_after_warmup(after_warmup),
             "seconds": round(time.monotonic() - t0, 1)}
 
 

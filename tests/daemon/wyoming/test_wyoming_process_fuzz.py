@@ -15,6 +15,7 @@ import re
 import socket
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import paho.mqtt.client as mqtt
@@ -24,11 +25,12 @@ from paho.mqtt.enums import CallbackAPIVersion
 from wyoming.event import async_read_event
 
 from tests.daemon.service.test_process import Daemon
+from tests.daemon.wyoming_support import raw_frame as frame
 from tests.support.broker import Broker
-from tests.support.daemon_rss import rss_kib
+from tests.support.daemon_rss import growth_after_warmup, rss_kib, sample_due
 from tests.support.figures import record
 from tests.support.fuzz import AnswerCounter
-from tests.support.wyoming_fuzz import FRAME_CODES, Session, Step, check_answer, frame, sessions, terminal
+from tests.support.wyoming_fuzz import FRAME_CODES, Session, Step, check_answer, sessions, terminal
 
 MAX_TEXT_CHARS = 120
 MAX_EVENT_BYTES = 4096
@@ -55,9 +57,11 @@ async def _write(writer: asyncio.StreamWriter, data: bytes, cuts: tuple[int, ...
     await writer.drain()
 
 
-async def _read_until(reader: asyncio.StreamReader, got: list[tuple[str, dict[str, object]]],
-                      done: object) -> None:
-    while not done(got):  # type: ignore[operator]
+Got = list[tuple[str, dict[str, object]]]
+
+
+async def _read_until(reader: asyncio.StreamReader, got: Got, done: Callable[[Got], bool]) -> None:
+    while not done(got):
         event = await async_read_event(reader)
         if event is None:
             raise ConnectionError(f"the server closed the connection after {[t for t, _ in got]}")
@@ -134,7 +138,7 @@ def run_fuzz(tmp_path: Path, broker: Broker, examples: int) -> dict[str, object]
             except (TimeoutError, asyncio.TimeoutError, ConnectionError, OSError) as exc:
                 problems.append(f"session {session!r:.300}: {type(exc).__name__}: {exc}")
             assert len(problems) < 20, problems
-            if n + 1 == max(1, examples // 10) or (n + 1) % max(1, examples // 20) == 0:
+            if sample_due(n + 1, examples):
                 rss.append(rss_kib(d.proc.pid))
 
         one()
@@ -152,6 +156,7 @@ def run_fuzz(tmp_path: Path, broker: Broker, examples: int) -> dict[str, object]
     return {"examples": stats["sessions"], "by_step": dict(sorted(stats.items())), "problems": problems,
             "serving_afterwards": after == [], "daemon_alive": alive,
             "offline_published_while_running": counter.offline, "rss_kib": rss,
+            "rss_growth_after_warmup": growth_after_warmup(rss),
             "tracebacks": log.count("Traceback"), "internal_errors": len(re.findall(r"handling \S+ failed", log))}
 
 
@@ -162,10 +167,9 @@ def check(fig: dict[str, object], examples: int, rss_limit: float | None) -> Non
     assert fig["offline_published_while_running"] == 0, fig
     assert fig["tracebacks"] == 0 and fig["internal_errors"] == 0, fig
     if rss_limit is not None:
-        rss = fig["rss_kib"]
-        assert isinstance(rss, list)
-        growth = (rss[-1] - rss[0]) / rss[0]
-        assert growth < rss_limit, f"RSS grew {growth:.1%} after warm-up: {rss}"
+        growth = fig["rss_growth_after_warmup"]
+        assert isinstance(growth, float)
+        assert growth < rss_limit, f"RSS grew {growth:.1%} after warm-up: {fig['rss_kib']}"
 
 
 DEFAULT_EXAMPLES = 300
@@ -183,8 +187,5 @@ def test_fuzz_wyoming_sessions(tmp_path: Path, broker: Broker) -> None:
 @pytest.mark.timeout(3600)  # 10,000 examples take 8-20 minutes on two shared cores
 def test_fuzz_wyoming_sessions_10000(tmp_path: Path, broker: Broker) -> None:
     fig = run_fuzz(tmp_path, broker, 10_000)
-    rss = fig["rss_kib"]
-    assert isinstance(rss, list)
-    fig["rss_growth_after_warmup"] = round((rss[-1] - rss[0]) / rss[0], 4)
     record("fuzz-wyoming", fig)
     check(fig, 10_000, RSS_GROWTH_MAX)

@@ -71,6 +71,14 @@ def assert_same_run(a: tuple[list[int], RecordingSampler, LlmStats],
         np.testing.assert_allclose(x, y, rtol=0, atol=ATOL)
 
 
+def assert_prefix_parity(lm: SpeechTokenLM) -> None:
+    """The same run with and without the transcript's saved prefix, which covers sos + transcript."""
+    off = generate(lm, None)
+    on = generate(lm, lm.build_prefix(PROMPT_TEXT))
+    assert_same_run(on, off)
+    assert on[2].prefix_positions == 1 + len(PROMPT_TEXT)
+
+
 @pytest.fixture(scope="module")
 def engine(tiny_bundle: Path) -> Iterator[CosyVoiceSynthesizer]:
     eng = load_synthesizer(tiny_bundle, settings=SynthesisSettings(overlap_stages=False, threads=1))
@@ -135,10 +143,7 @@ def test_the_fixed_size_loop_starts_from_the_prefix(tiny_static_bundle: Path) ->
         loop = eng.lm.decode_loop(200)
         assert type(loop).__name__ == "GraphDecodeLoop" and loop.takes_past
         loop.close()
-        off = generate(eng.lm, None)
-        on = generate(eng.lm, eng.lm.build_prefix(PROMPT_TEXT))
-        assert_same_run(on, off)
-        assert on[2].prefix_positions == 1 + len(PROMPT_TEXT)
+        assert_prefix_parity(eng.lm)
     finally:
         eng.close()
 
@@ -311,10 +316,7 @@ def test_llm_prefix_parity_on_ort_cuda(tiny_bundle: Path) -> None:
         loop = eng.lm.decode_loop()
         assert isinstance(loop, BoundDecodeLoop) and loop.takes_past
         loop.close()
-        off = generate(eng.lm, None)
-        on = generate(eng.lm, eng.lm.build_prefix(PROMPT_TEXT))
-        assert_same_run(on, off)
-        assert on[2].prefix_positions == 1 + len(PROMPT_TEXT)
+        assert_prefix_parity(eng.lm)
     finally:
         eng.close()
 
