@@ -161,9 +161,10 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                    help="after a warm-up, measure only the --concurrency runs")
     p.add_argument("--llm-only", action="store_true",
                    help="measure only the LLM (speech tokens/s at each --concurrency), no flow or vocoder")
-    p.add_argument("--graph-flow", action="store_true", default=None,
+    p.add_argument("--graph-flow", action=argparse.BooleanOptionalAction, default=None,
                    help="replay the bundle's fixed-shape flow estimator graphs as CUDA graphs (build export "
-                        "--static-flow-windows; every slot captured at load on the engine's GPU graph thread)")
+                        "--static-flow-windows; every slot captured at load on the engine's GPU graph thread); "
+                        "default auto: on for ort-cuda with the slots that fit a quarter of the GPU's memory")
     p.add_argument("--first-hop", metavar="N[,M..]",
                    help="also measure time to first audio for these first hops (speech tokens)")
     p.add_argument("--project", action="store_true",

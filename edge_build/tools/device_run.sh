@@ -15,6 +15,8 @@
 #   tests  every `pytest -m gpu` suite; the script FAILS when one fails
 #   probe  edge_build/tools/device_stream_probe.py (vocoder calls in the pipeline,
 #          fixed-shape flow on/off) and edge_build/tools/device_probe.py
+#   memory engine memory on ort-cuda (device and process): fp32 with the LLM weights
+#          shared on the device and not, fp16 (python -m cosyedge_models.tools.engine_memory)
 #   bench  cosyedge bench: fp32 with the fp16 bundle compared, concurrency
 #          $CONCURRENCY (default 1,4,8,16), the official pipeline on the same GPU;
 #          BENCH_ARGS=--graph-flow for the fixed-shape flow graphs (captured at load
@@ -103,7 +105,17 @@ for step in ${steps//,/ }; do
         --json "$out/bench_h200.json" 2>&1 | grep -v -i warn > "$out/bench.log" || { tail -40 "$out/bench.log"; exit 1; }
       python3 -m cosyedge_build.tools.device_summary "$out/bench_h200.json"
       stamp "bench done" ;;
+    memory)
+      # engine memory as the daemon loads it on ort-cuda (GPU accounting beside the process's):
+      # fp32 with the LLM weights shared on the device and not, fp16 shared; fixed-shape flow off
+      for run in "bundle 1" "bundle 0" "fp16 1"; do
+        set -- $run
+        COSYEDGE_ORT_SHARE_WEIGHTS=$2 python3 -m cosyedge_models.tools.engine_memory "$full/$1" --backend ort-cuda \
+          --graph-decode on --graph-flow off --json "$out/memory_$1_share$2.json" >>"$out/memory.log" 2>&1 \
+          || { tail -30 "$out/memory.log"; exit 1; }
+      done
+      stamp "memory done" ;;
     setup) ;;  # the setup above only (bundles and the voice ready for other commands)
-    *) echo "unknown step $step (setup, tests, probe, bench)"; exit 2 ;;
+    *) echo "unknown step $step (setup, tests, probe, bench, memory)"; exit 2 ;;
   esac
 done

@@ -115,6 +115,28 @@ def _probe_uncached() -> GpuProbe:
     return GpuProbe(True, summary, version.value, tuple(devices))
 
 
+def device_memory_used(device_id: int = 0) -> int | None:
+    """Bytes in use on the GPU (all processes: cuMemGetInfo's total - free) with the device's
+    primary context, the one onnxruntime and TensorRT use, current on this thread; None
+    without a GPU. For memory reports: the growth while an engine loads is its device memory."""
+    if not probe_gpu().available:
+        return None
+    lib = _load_libcuda()
+    if lib is None:
+        return None
+    dev, ctx = ctypes.c_int(0), ctypes.c_void_p(0)
+    free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+    if (lib.cuDeviceGet(ctypes.byref(dev), device_id) != 0
+            or lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) != 0):
+        return None
+    try:
+        if lib.cuCtxSetCurrent(ctx) != 0 or lib.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)) != 0:
+            return None
+    finally:
+        lib.cuDevicePrimaryCtxRelease_v2(dev)  # the runtime holds its own reference while it uses it
+    return int(total.value - free.value)
+
+
 @dataclass(frozen=True)
 class TrtProbe:
     available: bool

@@ -47,11 +47,16 @@ class OrtSession:
         self._shared, self._registry = shared, registry
         self._counts_shared = False
         if shared is not None:
-            # The same host buffers for every session of the LLM (one copy of
-            # the weights). Prepacking would give each session its own packed
-            # copy of every MatMul weight, so it is off for these sessions.
+            # The same buffers for every session of the LLM (one copy of the
+            # weights): host buffers over the mapped file on the CPU provider,
+            # device buffers on the CUDA provider (onnxruntime uses a user-supplied
+            # initializer in place when it lives on the device the graph plans it
+            # on). Prepacking would give each session its own packed copy of
+            # every MatMul weight, so it is off for these sessions.
             if not shared.values:
-                shared.values.update({k: ort.OrtValue.ortvalue_from_numpy(v) for k, v in shared.arrays.items()})
+                where = ("cuda", device_id) if providers[0] == "CUDAExecutionProvider" else ("cpu", 0)
+                shared.values.update({k: ort.OrtValue.ortvalue_from_numpy(v, *where)
+                                      for k, v in shared.arrays.items()})
                 self._counts_shared = True
             for key, value in shared.values.items():
                 opts.add_initializer(key, value)
@@ -170,11 +175,11 @@ class OrtBackend:
         # COSYEDGE_ORT_CUDA_GRAPH=0: run the static step without capture (to compare)
         graph = (stage in CUDA_GRAPH_STAGES or stage.startswith(STATIC_FLOW_PREFIX)) and \
             os.environ.get("COSYEDGE_ORT_CUDA_GRAPH", "1") != "0"
-        # Host buffers shared between sessions only where the graph runs on the
-        # CPU provider; a GPU provider copies initializers to the device per session.
+        # Weights shared between sessions on the CPU and CUDA providers (host or
+        # device buffers); TensorRT's provider builds engines with their own copy.
         # COSYEDGE_ORT_SHARE_WEIGHTS=0: one copy per session (to compare).
-        cpu_only = self.providers[0] == "CPUExecutionProvider"
-        share = cpu_only and os.environ.get("COSYEDGE_ORT_SHARE_WEIGHTS", "1") != "0"
+        sharing = self.providers[0] in ("CPUExecutionProvider", "CUDAExecutionProvider")
+        share = sharing and os.environ.get("COSYEDGE_ORT_SHARE_WEIGHTS", "1") != "0"
         shared = self._shared.for_graph(path) if share else None
         return OrtSession(stage, path, self.providers, self.device_id, threads, cuda_graph=graph, shared=shared,
                           registry=self._shared)

@@ -39,6 +39,7 @@ import numpy as np
 import onnxruntime as ort
 from cosyedge_models.backends.base import Session
 from cosyedge_models.backends.flow_cache import PrefixRows, StepCache, StepCacheSpec, trim_due
+from cosyedge_models.backends.gpu_probe import probe_gpu
 from cosyedge_models.backends.graph_thread import CAPTURE_RUNS, GraphThread, GraphThreadClosed
 from cosyedge_models.backends.ort import OrtSession
 from cosyedge_models.backends.ort_cache import BoundStepCache, DeviceCopier, prefix_on_device
@@ -354,19 +355,50 @@ def _replay(graphs: StaticFlowGraphs, slot: StaticSlot, spec: StepCacheSpec, cal
     return out
 
 
+# graph_flow auto (None) on ort-cuda takes at most this share of the GPU's memory for its
+# slots: the rest is the sessions', the arena's and the other requests' (dynamic graph).
+AUTO_DEVICE_FRACTION = 0.25
+
+
+def request_bytes(sessions: Sequence[OrtSession], n_timesteps: int) -> int:
+    """Device memory of one request's slots (one per Euler step): K/V buffer and conv history, fp32."""
+    att = [int(d) for d in sessions[0].input_shapes["att_cache"]]
+    conv = [int(d) for d in sessions[0].input_shapes["conv_cache"]]
+    return n_timesteps * 4 * (int(np.prod(att)) + int(np.prod(conv)))
+
+
+def slots_that_fit(requested: int, per_request_bytes: int, device_bytes: int,
+                   fraction: float = AUTO_DEVICE_FRACTION) -> int:
+    """Requests given fixed-shape slots by the auto setting: at most `requested`, all of
+    them within `fraction` of the device's memory (0: not even one fits)."""
+    if per_request_bytes <= 0:
+        return requested
+    return max(0, min(requested, int(device_bytes * fraction) // per_request_bytes))
+
+
+def _device_total_bytes(device_id: int) -> int:
+    for dev in probe_gpu().devices:
+        if dev.index == device_id:
+            return dev.total_memory_bytes
+    return 0
+
+
 def load_static_flow(bundle: Bundle, backend_name: str, load: Callable[[str], Session], setting: bool | None,
                      slots: int, graph_thread: Callable[[], GraphThread]) -> StaticFlowGraphs | None:
     """The engine's fixed-shape estimator graphs with `slots` requests' worth
     of caches (one per Euler step each), made and captured now on the
     engine's graph thread (`graph_thread()` gives it),
     or None (the dynamic graph only). setting True: on (on the CPU without
-    capture: for tests); None or False: off (docs/gpu.md says why it is not
-    on by default yet)."""
+    capture: for tests); None (auto): on for ort-cuda when the bundle has the
+    graphs, with as many of the `slots` as fit in AUTO_DEVICE_FRACTION of
+    the GPU's memory (off when none does: an 8 GB Jetson at full size);
+    False: off."""
     names = sorted(n for n in bundle.stages if n.startswith(STATIC_FLOW_PREFIX))
     if setting is True and not names:
         raise BundleError(f"{bundle.root}: graph_flow needs a bundle exported with "
                           "'cosyedge build export --static-flow-windows W,...'")
-    if not (setting and names and backend_name.startswith("ort")):
+    wanted = setting if setting is not None else backend_name == "ort-cuda"
+    if not (wanted and names and backend_name.startswith("ort")):
         return None
     sessions = [load(n) for n in names]
     ort_sessions = [s for s in sessions if isinstance(s, OrtSession)]
@@ -377,6 +409,15 @@ def load_static_flow(bundle: Bundle, backend_name: str, load: Callable[[str], Se
         raise BundleError(f"{bundle.root}: fixed-shape estimator graphs with different cache sizes "
                           f"{sorted(sizes)}; re-export")
     device = ("cuda", ort_sessions[0].device_id) if ort_sessions[0].on_device else ("cpu", 0)
+    if setting is None:
+        per_request = request_bytes(ort_sessions, bundle.flow.n_timesteps)
+        total = _device_total_bytes(device[1])
+        slots = slots_that_fit(slots, per_request, total)
+        if slots == 0:
+            log.info("flow estimator: fixed-shape graphs off (auto): one request's caches take %.1f GB, more than "
+                     "%.0f%% of the GPU's %.1f GB; set graph_flow on to force, or export a smaller "
+                     "--static-flow-cache", per_request / 1e9, AUTO_DEVICE_FRACTION * 100, total / 1e9)
+            return None
     # onnxruntime creates a device's allocator on first use without a lock: before request threads race
     ort.OrtValue.ortvalue_from_shape_and_type([1], np.uint8, *device)
     graphs = StaticFlowGraphs(ort_sessions, device, DeviceCopier(*device), slots * bundle.flow.n_timesteps,

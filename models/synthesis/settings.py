@@ -53,13 +53,14 @@ class SynthesisSettings:
     voice_cache_mb: int = 2048
     # The flow estimator's fixed-shape graphs replayed as CUDA graphs on ort-cuda (bundles
     # exported with --static-flow-windows; not with flow batching), all on the engine's GPU graph
-    # thread: True on (on the CPU without capture), None / False off (not yet on by default:
-    # docs/gpu.md). Every slot is allocated and captured at load.
+    # thread: None auto (on for ort-cuda, with as many of graph_flow_slots as fit in a quarter of
+    # the GPU's memory; off when none fits), True on (on the CPU without capture), False off.
+    # Every slot is allocated and captured at load.
     graph_flow: bool | None = None
     # Streaming requests on them at once (more use the dynamic graph); each takes
     # n_timesteps x cache_frames x K/V row bytes of device memory from load on (470 MB per
     # Euler step at full size with 1024 frames: 4.7 GB a request).
-    graph_flow_slots: int = 4
+    graph_flow_slots: int = 8
     # Sessions per vocoder graph, each kept on one input shape (models/backends/shape_pinned.py):
     # None auto (3 on ort-cuda, where a shape change costs ~150 ms a call; else 1).
     vocoder_sessions: int | None = None

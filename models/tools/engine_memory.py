@@ -45,28 +45,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--backend", default="ort")
     p.add_argument("--graph-decode", choices=("auto", "on", "off"), default="auto",
                    help="load the fixed-size decode step too (on), as ort-cuda does by default")
+    p.add_argument("--graph-flow", choices=("auto", "on", "off"), default="auto",
+                   help="the fixed-shape flow graphs and their slots (auto: on for ort-cuda, as the daemon loads)")
     p.add_argument("--json")
     args = p.parse_args(argv)
+    from cosyedge_models.backends.gpu_probe import device_memory_used
     from cosyedge_models.synthesis.api import SynthesisRequest
     from cosyedge_models.synthesis.settings import SynthesisSettings
     from cosyedge_models.synthesis.synthesizer import load_synthesizer
     from cosyedge_models.tools.host import machine
 
-    decode = {"auto": None, "on": True, "off": False}[args.graph_decode]
-    before = process_memory()
-    engine = load_synthesizer(args.bundle, settings=SynthesisSettings(backend=args.backend, precision=args.precision,
-                                                              graph_decode=decode))
+    auto = {"auto": None, "on": True, "off": False}
+    on_gpu = args.backend != "ort"
+    before, device_before = process_memory(), device_memory_used() if on_gpu else None
+    engine = load_synthesizer(args.bundle, settings=SynthesisSettings(
+        backend=args.backend, precision=args.precision, graph_decode=auto[args.graph_decode],
+        graph_flow=auto[args.graph_flow]))
     try:
-        loaded = process_memory()
+        loaded, device_loaded = process_memory(), device_memory_used() if on_gpu else None
         for _ in engine.synthesize(SynthesisRequest(text="Hello there, this is a test.", seed=0)):
             pass
-        warm = process_memory()
+        warm, device_warm = process_memory(), device_memory_used() if on_gpu else None
         report = {"bench": "engine_memory", "machine": machine(args.backend),
                   "bundle": str(Path(args.bundle).resolve()), "precision": engine.bundle.precision,
-                  "backend": args.backend, "graph_decode": args.graph_decode,
+                  "backend": args.backend, "graph_decode": args.graph_decode, "graph_flow": args.graph_flow,
                   "sessions": sorted(s.name for s in engine._sessions),
                   "session_memory_bytes": engine.session_memory_bytes(),
                   "after_load": memory_delta(before, loaded), "after_synthesis": memory_delta(before, warm)}
+        if device_before is not None and device_loaded is not None and device_warm is not None:
+            # the GPU's own accounting: what loading (sessions, shared weights, slots) and one synthesis took
+            report["device_after_load_bytes"] = device_loaded - device_before
+            report["device_after_synthesis_bytes"] = device_warm - device_before
     finally:
         engine.close()
     print(json.dumps(report, indent=2))

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cosyedge_build.quantize.capture import FeedStore
+from cosyedge_build.quantize.capture import MAX_OFFLINE_ESTIMATOR_FRAMES, FeedStore, bounded_feed
 from cosyedge_build.quantize.feed_files import DiskFeeds
 from cosyedge_build.quantize.memory import (
+    ACTIVATION_FACTOR,
     BASE_BYTES,
     GIB,
     QuantizeMemoryError,
@@ -40,6 +41,39 @@ def test_disk_feed_store_keeps_the_same_feeds_as_the_memory_one(tmp_path: Path) 
     assert disk.nbytes() >= memory.nbytes() > 0
 
 
+def _estimator_feed(frames: int, cache: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(frames + cache)
+    return {"x": rng.standard_normal((2, 80, frames), dtype=np.float32),
+            "mu": rng.standard_normal((2, 80, frames), dtype=np.float32),
+            "cond": rng.standard_normal((2, 80, frames), dtype=np.float32),
+            "mask": np.ones((2, 1, frames), np.float32), "t": np.full(2, 0.3, np.float32),
+            "spks": np.zeros((2, 80), np.float32), "chunk_frames": np.full(2, 0 if not cache else 50, np.int64),
+            "att_cache": np.zeros((cache, 3, 2, 2, 2, 4), np.float32),
+            "conv_cache": np.zeros((3, 2, 8, 2), np.float32), "commit": np.zeros(50 if cache else 0, np.float32)}
+
+
+def test_long_offline_estimator_feeds_are_cut_to_their_first_frames(tmp_path: Path) -> None:
+    n = MAX_OFFLINE_ESTIMATOR_FRAMES
+    long = _estimator_feed(n + 740, 0)
+    cut = bounded_feed("flow_estimator", long)
+    for k in ("x", "mu", "cond", "mask"):
+        assert cut[k].shape[-1] == n
+        np.testing.assert_array_equal(cut[k], long[k][..., :n])
+    for k in ("t", "spks", "chunk_frames", "att_cache", "conv_cache", "commit"):
+        assert cut[k] is long[k]
+    # streaming windows over a cache, short offline feeds and other stages stay whole
+    stream = _estimator_feed(50, n + 1000)
+    assert bounded_feed("flow_estimator", stream) is stream
+    short = _estimator_feed(n, 0)
+    assert bounded_feed("flow_estimator", short) is short
+    other = {"x": np.zeros((2, 80, n + 10), np.float32)}
+    assert bounded_feed("flow_encoder", other) is other
+    # the store keeps the cut feed
+    store = FeedStore(cap=4, directory=tmp_path)
+    store.add("flow_estimator", long)
+    assert store.feeds["flow_estimator"][0]["x"].shape[-1] == n
+
+
 def test_disk_feeds_index_and_slice(tmp_path: Path) -> None:
     feeds = DiskFeeds(tmp_path)
     for i in range(3):
@@ -57,8 +91,11 @@ def test_estimate_counts_shared_llm_weights_once() -> None:
     unshared = estimate_peak(sizes, ["llm_prefill", "llm_decode", "flow_estimator"], "int8")
     shared = estimate_peak(sizes, ["llm_prefill", "llm_decode", "flow_estimator"], "int8", shared_llm_bytes=GIB)
     assert shared.phases["capture"] < unshared.phases["capture"]
-    # one graph at a time: the largest graph sets the quantization phase, whatever the number of graphs
-    assert shared.phases["quantize_graph"] == int(GIB * 4.0) + BASE_BYTES
+    # one graph at a time: the largest graph with its calibration activations sets the quantization
+    # phase, whatever the number of graphs (here the estimator's activations outweigh the LLM)
+    assert shared.phases["quantize_graph"] == int(GIB // 4 * (4.0 + ACTIVATION_FACTOR["flow_estimator"])) + BASE_BYTES
+    llm_only = estimate_peak(sizes, ["llm_prefill", "llm_decode"], "int8", shared_llm_bytes=GIB)
+    assert llm_only.phases["quantize_graph"] == int(GIB * 4.0) + BASE_BYTES
     assert shared.peak_bytes == max(shared.phases.values())
 
 

@@ -43,7 +43,7 @@ def _chain_model(weights: list[np.ndarray], prefix: str) -> onnx.ModelProto:
 @pytest.fixture()
 def shared_dir(tmp_path: Path) -> tuple[Path, list[np.ndarray]]:
     rng = np.random.default_rng(0)
-    weights = [(rng.standard_normal((1024, 1024)) * 0.03).astype(np.float32) for _ in range(4)]
+    weights = [(rng.standard_normal((1024, 1024)) * 0.03).astype(np.float32) for _ in range(8)]
     for name in ("a", "b", "c"):
         onnx.save(_chain_model(weights, name), str(tmp_path / f"{name}.onnx"))
     return tmp_path, weights
@@ -137,3 +137,37 @@ def test_memory_budget_counts_the_shared_llm_weights_once(tiny_bundle: Path) -> 
     assert prefill == (tiny_bundle / "llm_prefill.onnx").stat().st_size + held
     assert decode == (tiny_bundle / "llm_decode.onnx").stat().st_size  # its weights are prefill's
     assert any("share one copy" in n for n in budget.notes)
+
+
+@pytest.mark.gpu
+def test_cuda_sessions_hold_one_device_copy(shared_dir: tuple[Path, list[np.ndarray]],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CUDA provider the shared weights are device buffers handed to every
+    session: three sessions hold one device copy, with unchanged outputs."""
+    import onnxruntime as ort
+    from cosyedge_models.backends.gpu_probe import device_memory_used
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("onnxruntime has no CUDAExecutionProvider here")
+    root, weights = shared_dir
+    x = np.random.default_rng(1).standard_normal((2, 1024)).astype(np.float32)
+    expected = ort.InferenceSession(str(root / "b.onnx"), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    share_weights(root, ["a.onnx", "b.onnx", "c.onnx"], "llm_weights.bin")
+    grown: dict[str, int] = {}
+    for flag in ("1", "0"):  # shared first: memory a closed session leaves in a pool is not counted against it
+        monkeypatch.setenv("COSYEDGE_ORT_SHARE_WEIGHTS", flag)
+        backend = OrtBackend(["CUDAExecutionProvider", "CPUExecutionProvider"])
+        start = device_memory_used()
+        sessions = [backend.load(n, root / f"{n}.onnx", threads=1) for n in ("a", "b", "c")]
+        try:
+            assert all(s.shares_weights == (flag == "1") for s in sessions)
+            for s in sessions:
+                np.testing.assert_allclose(s.run({"x": x})[s.output_names[0]], expected, rtol=1e-3, atol=1e-3)
+            now = device_memory_used()
+            assert start is not None and now is not None
+            grown[flag] = now - start
+        finally:
+            for s in sessions:
+                s.close()
+    one_copy = sum(w.nbytes for w in weights)
+    assert grown["0"] - grown["1"] >= 1.5 * one_copy, (grown, one_copy)

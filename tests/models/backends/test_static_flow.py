@@ -23,7 +23,12 @@ from cosyedge_models.backends.flow_cache import StepCache, StepCacheSpec
 from cosyedge_models.backends.graph_thread import GraphThread
 from cosyedge_models.backends.ort import OrtBackend, OrtSession
 from cosyedge_models.backends.ort_cache import BoundCacheFactory, BoundStepCache, DeviceCopier
-from cosyedge_models.backends.ort_static_flow import StaticFlowGraphs, StaticStepCache
+from cosyedge_models.backends.ort_static_flow import (
+    StaticFlowGraphs,
+    StaticStepCache,
+    request_bytes,
+    slots_that_fit,
+)
 from cosyedge_models.bundle.loader import STATIC_FLOW_PREFIX, Bundle, load_bundle
 from cosyedge_models.errors import BundleError
 from cosyedge_models.synthesis.api import SynthesisRequest
@@ -180,6 +185,45 @@ def test_engine_uses_the_static_graphs_with_unchanged_audio(static_flow_bundle: 
             eng.close()
     assert outs[True].shape == outs[False].shape
     np.testing.assert_allclose(outs[True], outs[False], rtol=0, atol=1e-4)
+
+
+def test_auto_slots_fit_a_quarter_of_the_gpu() -> None:
+    gb = 10**9
+    # full size, S = 1024, 10 Euler steps: 4.7 GB a request
+    assert slots_that_fit(8, int(4.7 * gb), 139 * gb) == 7  # H200: 34.75 GB for slots
+    assert slots_that_fit(4, int(4.7 * gb), 139 * gb) == 4  # never more than asked
+    assert slots_that_fit(8, int(4.7 * gb), 8 * gb) == 0  # Orin Nano 8 GB: off
+    assert slots_that_fit(8, int(0.2 * gb), 8 * gb) == 8  # a small cache fits there
+
+
+def test_auto_is_off_on_the_cpu_and_counts_the_bundles_caches(static_flow_bundle: Path) -> None:
+    eng = load_synthesizer(static_flow_bundle, "ort", SynthesisSettings(backend="ort", overlap_stages=False))
+    try:
+        assert eng.static_flow is None  # auto (None) is for ort-cuda only
+    finally:
+        eng.close()
+    sessions, bundle = _sessions(static_flow_bundle, "cpu")
+    statics = [s for n, s in sessions.items() if n.startswith(STATIC_FLOW_PREFIX)]
+    att, conv = statics[0].input_shapes["att_cache"], statics[0].input_shapes["conv_cache"]
+    assert att[0] == CACHE_FRAMES
+    steps = bundle.flow.n_timesteps
+    assert request_bytes(statics, steps) == steps * 4 * (int(np.prod(att)) + int(np.prod(conv)))
+    for s in sessions.values():
+        s.close()
+
+
+@pytest.mark.gpu
+def test_auto_turns_the_static_graphs_on_for_ort_cuda(static_flow_bundle: Path) -> None:
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("onnxruntime has no CUDAExecutionProvider here")
+    eng = load_synthesizer(static_flow_bundle, "ort-cuda", SynthesisSettings(backend="ort-cuda"))
+    try:
+        assert eng.static_flow is not None and eng.static_flow.capture
+        assert eng.static_flow.max_slots == 8 * eng.bundle.flow.n_timesteps  # the tiny model's caches fit
+        list(eng.synthesize(SynthesisRequest(text="Auto graphs.", seed=1, stream=True)))
+        assert eng.static_flow.replays > 0 and eng.static_flow.disabled is None
+    finally:
+        eng.close()
 
 
 def test_graph_flow_on_needs_the_static_graphs(tiny_bundle: Path) -> None:
