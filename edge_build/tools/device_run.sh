@@ -15,6 +15,7 @@
 #   tests  every `pytest -m gpu` suite; the script FAILS when one fails
 #   probe  edge_build/tools/device_stream_probe.py (vocoder calls in the pipeline,
 #          fixed-shape flow on/off) and edge_build/tools/device_probe.py
+#   bench16 the same concurrency levels on the fp16 bundle (--concurrency-only)
 #   memory engine memory on ort-cuda (device and process): fp32 with the LLM weights
 #          shared on the device and not, fp16 (python -m cosyedge_models.tools.engine_memory)
 #   bench  cosyedge bench: fp32 with the fp16 bundle compared, concurrency
@@ -105,6 +106,12 @@ for step in ${steps//,/ }; do
         --json "$out/bench_h200.json" 2>&1 | grep -v -i warn > "$out/bench.log" || { tail -40 "$out/bench.log"; exit 1; }
       python3 -m cosyedge_build.tools.device_summary "$out/bench_h200.json"
       stamp "bench done" ;;
+    bench16)
+      # the fp16 bundle's streams at each concurrency (the bench step compares it at concurrency 1)
+      timeout "${BENCH_TIMEOUT_S:-480}" python3 -m cosyedge_daemon -v bench --bundle "$full/fp16" --backend ort-cuda \
+        --concurrency "${CONCURRENCY:-1,4,8,16}" --concurrency-only ${BENCH_ARGS:-} \
+        --json "$out/bench_h200_fp16.json" 2>&1 | grep -v -i warn > "$out/bench16.log" || { tail -40 "$out/bench16.log"; exit 1; }
+      stamp "bench16 done" ;;
     memory)
       # engine memory as the daemon loads it on ort-cuda (GPU accounting beside the process's):
       # fp32 with the LLM weights shared on the device and not, fp16 shared; fixed-shape flow off
@@ -116,6 +123,6 @@ for step in ${steps//,/ }; do
       done
       stamp "memory done" ;;
     setup) ;;  # the setup above only (bundles and the voice ready for other commands)
-    *) echo "unknown step $step (setup, tests, probe, bench, memory)"; exit 2 ;;
+    *) echo "unknown step $step (setup, tests, probe, bench, bench16, memory)"; exit 2 ;;
   esac
 done
