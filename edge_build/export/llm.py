@@ -17,6 +17,7 @@ from cosyedge_models.errors import CheckpointError
 # prompt length (sos + text + task + prompt speech) and generated tokens on a board
 PREFILL_T = [1, 128, 512]
 DECODE_TOKENS_MAX = 1024
+PREFIX_POSITIONS_MAX = 256  # a saved voice's LLM prefix (sos + its transcript) on TensorRT
 BATCH = [1, 1, 4]
 
 
@@ -268,9 +269,12 @@ def export_llm(llm: Any, out: Path, static_decode_len: int = 0) -> tuple[list[St
         torch.randn(n_l, 2, 2, n_kv, 5, hd),
     )
     decode_max = PREFILL_T[2] + DECODE_TOKENS_MAX - 1
-    # TensorRT engines keep one new position (T = 1): the TensorRT decode loop
-    # does not start from a saved prefix (docs/voice-cache.md); onnxruntime runs any T.
-    profile = {"B": BATCH, "P": [1, 256, decode_max], "T": [1, 1, 1]}
+    # Two TensorRT optimization profiles, so that one engine serves the whole LLM (one copy of
+    # its weights, `build engines` then builds no llm_prefill engine): the steps (one new
+    # position over a growing past) and the prefill (T new positions over an empty past, or
+    # over a saved voice's prefix of up to PREFIX_POSITIONS_MAX). onnxruntime ignores profiles.
+    profile = [{"B": BATCH, "P": [1, 256, decode_max], "T": [1, 1, 1]},
+               {"B": BATCH, "P": [0, 0, PREFIX_POSITIONS_MAX], "T": PREFILL_T}]
     stages.append(
         export_stage(
             make_qwen2_graph(llm, with_past=True),

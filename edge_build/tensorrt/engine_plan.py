@@ -130,6 +130,14 @@ def build_profiles(entry: Mapping[str, Any], stage: str, model: onnx.ModelProto 
     return [input_ranges(inputs, p, stage) for p in profiles]
 
 
+def prefill_profiles(decode_entry: Mapping[str, Any]) -> list[int]:
+    """Indices of llm_decode's profiles that can run a prefill (an empty past, P = 0, and
+    more than one new position): where there are any, one engine built from llm_decode
+    serves the prefill too and no llm_prefill engine is built (one copy of the weights)."""
+    return [i for i, p in enumerate(stage_profiles(decode_entry, "llm_decode"))
+            if "P" in p and "T" in p and p["P"][0] == 0 and p["T"][2] > 1]
+
+
 def workspace_bytes(board: str | None, workspace_mib: int | None) -> int:
     """The builder's WORKSPACE pool limit: explicit, else the board's default
     (512 MiB on an Orin Nano 8 GB, whose DRAM the CPU shares), else 1 GiB."""

@@ -33,6 +33,7 @@ from cosyedge_build.tensorrt.engine_plan import (
     build_profiles,
     onnx_node_of,
     precision_mode,
+    prefill_profiles,
     resolve_board,
     workspace_bytes,
 )
@@ -152,7 +153,12 @@ def build_engines(bundle_dir: Path | str, settings: EngineBuildSettings | None =
             and old.get("tensorrt") == identity.tensorrt)
     # Keep earlier plans only when they are for this precision, GPU and TensorRT (a partial rebuild).
     records: dict[str, Any] = dict(old.get("stages", {})) if same else {}
+    # One LLM engine when llm_decode's profiles include the prefill's: llm_prefill is recorded
+    # as that engine (same plan file, one copy of the weights in device memory)
+    one_llm = bool(prefill_profiles(bundle.stages["llm_decode"].raw)) and "llm_decode" in settings.stages
     for stage in settings.stages:
+        if stage == "llm_prefill" and one_llm:
+            continue
         info = bundle.stages[stage]
         onnx_path = info.path
         model = onnx.load(str(onnx_path), load_external_data=False)
@@ -203,6 +209,10 @@ def build_engines(bundle_dir: Path | str, settings: EngineBuildSettings | None =
                  f"{records[stage]['build_seconds']} s")
         if cache is not None:
             _write_atomic(cache_path, memoryview(cache.serialize()))
+    if one_llm:
+        records["llm_prefill"] = {**records["llm_decode"], "engine_of": "llm_decode",
+                                  "profiles_used": prefill_profiles(bundle.stages["llm_decode"].raw)}
+        progress("llm_prefill: served by the llm_decode engine (its prefill profile; one copy of the weights)")
     engines = {
         "tensorrt": identity.tensorrt,
         "gpu": identity.gpu,

@@ -13,9 +13,13 @@ identity is probed by `cosyedge_models.backends.gpu_probe`.
                             "onnx": "llm_decode.int8.onnx", "onnx_sha256": "...", "precision": "int8",
                             "strongly_typed": false, "flags": ["INT8", "FP16"],
                             "profiles": [{"P": [1, 256, 2048], "B": [1, 1, 1]}],
-                            "device_memory_bytes": 4194304, "build_seconds": 81.2}}
+                            "device_memory_bytes": 4194304, "build_seconds": 81.2},
+             "llm_prefill": {"file": "llm_decode.int8.plan", "engine_of": "llm_decode", "...": "..."}}
 }
 ```
+
+`engine_of`: the stage runs on that stage's engine (one plan; here the LLM engine whose prefill
+profile serves llm_prefill: one copy of the weights, edge_build/tensorrt/engines.py).
 """
 
 from __future__ import annotations
@@ -103,7 +107,8 @@ def check_engines(manifest: Mapping[str, Any], root: Path, local: EngineIdentity
     stages = manifest.get("stages", {})
     for name, entry in meta["stages"].items():
         onnx_sha = entry.get("onnx_sha256")
-        source = _stage_variant_sha(stages.get(name, {}), str(entry.get("onnx", "")))
+        # a stage served by another stage's engine (llm_prefill by llm_decode's) is checked against that one's ONNX
+        source = _stage_variant_sha(stages.get(str(entry.get("engine_of") or name), {}), str(entry.get("onnx", "")))
         if onnx_sha and source and onnx_sha != source:
             raise BundleError(f"{root}: engine {entry.get('file')} was built from another {entry.get('onnx')} than the "
                               "bundle now holds (it was re-exported or re-quantized since); " + hint)

@@ -35,18 +35,28 @@ class TrtBackend:
         thread_cuda(device_id)  # the loading thread needs a current context
         self._runtime = trt.Runtime(trt_logger())
         self._lock = threading.Lock()
+        # one deserialized engine per plan file: llm_prefill and llm_decode recorded with one
+        # plan (edge_build/tensorrt/engines.py) share one engine, so one copy of its weights
+        self._engines: dict[Path, trt.ICudaEngine] = {}
 
     def load(self, stage: str, path: Path, *, threads: int | None = None) -> TrtSession:
         if path.suffix != ".plan":
             raise BundleError(f"{path}: the trt backend loads TensorRT .plan engines; build them with: "
                               f"cosyedge build engines --bundle {path.parent}")
         thread_cuda(self.device_id)
+        key = path.resolve()
+        with self._lock:
+            engine = self._engines.get(key)
+        if engine is not None:
+            return TrtSession(stage, path, engine, self.device_id)
         try:
             data = path.read_bytes()
         except OSError as exc:
             raise BundleError(f"cannot read engine {path}: {exc}") from exc
         with self._lock:
-            engine = self._runtime.deserialize_cuda_engine(data)
+            engine = self._engines.get(key) or self._runtime.deserialize_cuda_engine(data)
+            if engine is not None:
+                self._engines[key] = engine
         if engine is None:
             raise BundleError(f"{path}: TensorRT could not deserialize this engine (built by another TensorRT "
                               f"version or for another GPU?); rebuild with: cosyedge build engines --bundle "

@@ -85,11 +85,20 @@ def _pinned(nbytes: int) -> _Pinned:
     return _Pinned(DeviceBuffer(nbytes), pinned_empty(nbytes))
 
 
+def _profile_indices(sess: TrtSession, prefill: bool) -> list[int]:
+    """The session's profiles for a prefill (several new positions) or for the steps (one)."""
+    return [i for i, p in enumerate(sess.profiles) if (p["inputs_embeds"].max[1] > 1) == prefill]
+
+
 class TrtDecodeLoop:
-    """DecodeLoop over the llm_prefill / llm_decode engines, batch 1."""
+    """DecodeLoop over the llm_prefill / llm_decode engines, batch 1. With one LLM
+    engine (`prefill.engine is decode.engine`: `build engines` recorded llm_prefill
+    as llm_decode's engine, one copy of the weights) the prefill runs llm_decode's
+    prefill profile over an empty past, or over a saved voice's prefix (`takes_past`)."""
 
     def __init__(self, prefill: TrtSession, decode: TrtSession, *, use_graphs: bool = True) -> None:
-        for sess, ins in ((prefill, _PREFILL_IN), (decode, _DECODE_IN)):
+        self.one_engine = prefill.engine is decode.engine
+        for sess, ins in ((prefill, _DECODE_IN if self.one_engine else _PREFILL_IN), (decode, _DECODE_IN)):
             if set(sess.input_names) != set(ins) or not set(_OUT) <= set(sess.output_names):
                 raise SynthesisError(f"{sess.name}: engine I/O {sess.input_names} -> {sess.output_names} is not the "
                                   f"LLM contract (inputs {ins}, outputs {_OUT}); re-export the bundle")
@@ -98,13 +107,23 @@ class TrtDecodeLoop:
         if prefill.specs["present_kv"].dtype != kv_spec.dtype or decode.specs["present_kv"].dtype != kv_spec.dtype:
             raise SynthesisError("llm_prefill and llm_decode disagree on the KV cache dtype; rebuild the engines")
         self._kv_dtype = kv_spec.dtype
-        past = decode.profiles[0]["past_kv"]
+        self._steps = _profile_indices(decode, prefill=False)
+        self._prefills = _profile_indices(prefill, prefill=True) if self.one_engine else \
+            list(range(len(prefill.profiles)))
+        if not self._steps or not self._prefills:
+            raise SynthesisError("the LLM engines have no step profile (one new position) or no prefill profile; "
+                                 "rebuild the engines")
+        past = decode.profiles[self._steps[0]]["past_kv"]
         self._kv_shape = past.max  # [L, 2, B, Hkv, Pmax, hd]; the loop runs B = 1
         layers, two, _, heads, _, head_dim = self._kv_shape
-        self._p_max = max(decode.profiles[i]["past_kv"].max[4] for i in range(len(decode.profiles)))
-        p_min = min(decode.profiles[i]["past_kv"].min[4] for i in range(len(decode.profiles)))
-        self._t_max = max(p["inputs_embeds"].max[1] for p in prefill.profiles)
-        self._hidden = decode.profiles[0]["inputs_embeds"].max[2]
+        self._p_max = max(decode.profiles[i]["past_kv"].max[4] for i in self._steps)
+        p_min = min(decode.profiles[i]["past_kv"].min[4] for i in self._steps)
+        self._t_max = max(prefill.profiles[i]["inputs_embeds"].max[1] for i in self._prefills)
+        # a saved prefix's positions the prefill profile takes (0: the prefill starts empty)
+        self._prefix_max = max(prefill.profiles[i]["past_kv"].max[4] for i in self._prefills) \
+            if self.one_engine else 0
+        self.takes_past = self._prefix_max >= 1
+        self._hidden = decode.profiles[self._steps[0]]["inputs_embeds"].max[2]
         self._vocab = 0
         buckets = decode_buckets(p_min, self._p_max) if use_graphs else None
         self.plan = KvPlan(layers * two * heads, head_dim, self._kv_dtype.itemsize, self._p_max, buckets)
@@ -121,9 +140,9 @@ class TrtDecodeLoop:
         if isinstance(res, DecodeResources):
             return res
         layers, two, _, heads, _, head_dim = self._kv_shape
-        positions = max(self.plan.capacity_positions(), self._t_max)
+        positions = max(self.plan.capacity_positions(), self._t_max + self._prefix_max)
         kv_bytes = layers * two * heads * positions * head_dim * self._kv_dtype.itemsize
-        ones_len = max(self._t_max, self._p_max + 1)
+        ones_len = max(self._t_max + self._prefix_max, self._p_max + 1)
         emb_pre = self._pre.specs["inputs_embeds"].dtype
         emb_dec = self._dec.specs["inputs_embeds"].dtype
         logp_itemsize = max(self._dec.specs["logp"].dtype.itemsize, self._pre.specs["logp"].dtype.itemsize)
@@ -154,8 +173,8 @@ class TrtDecodeLoop:
     def _logp_width(self) -> int:
         """V, read from the decode context's output shape at the smallest past."""
         st, sess = self._dst, self._dec
-        prof = sess.profiles[0]
-        sess.select_profile(st, 0)
+        prof = sess.profiles[self._steps[0]]
+        sess.select_profile(st, self._steps[0])
         for n, r in prof.items():
             st.context.set_input_shape(n, r.min)
         shape = dims(st.context.get_tensor_shape("logp"))
@@ -169,35 +188,46 @@ class TrtDecodeLoop:
     def cache_len(self) -> int:
         return self.plan.past_len if self._started else 0
 
-    # The engines are built for single decode steps (the manifest's T profile is [1, 1, 1]): a saved
-    # voice's LLM prefix is not used here, the whole prompt is prefilled (docs/voice-cache.md).
-    takes_past = False
-
     def prefill(self, inputs_embeds: np.ndarray, past: np.ndarray | None = None) -> np.ndarray:
-        if past is not None:
-            raise SynthesisError("the TensorRT decode loop does not start from a saved cache (takes_past is False)")
+        if past is not None and not self.takes_past:
+            raise SynthesisError("these TensorRT engines do not start from a saved cache (takes_past is False: "
+                                 "llm_prefill is its own engine); rebuild them from a current export")
         b, t, d = inputs_embeds.shape
         if b != 1:
             raise SynthesisError(f"the TensorRT decode loop runs one request at a time (batch 1), got batch {b}")
         if t > self._t_max:
             raise SynthesisError(f"llm_prefill: prompt of {t} positions exceeds the engine's maximum of {self._t_max}; "
                               "rebuild the engines with a larger llm_prefill profile or send shorter text")
+        n_past = int(past.shape[4]) if past is not None else 0
+        if n_past > self._prefix_max:
+            raise SynthesisError(f"llm_prefill: a saved prefix of {n_past} positions exceeds the engine's maximum of "
+                                 f"{self._prefix_max}")
         res, st, sess = self._res, self._pst, self._pre
-        sess.select_profile(st, choose_profile(sess.profiles, {"inputs_embeds": (1, t, d), "attention_mask": (1, t)},
-                                               sess.name))
+        layers, two, _, heads, _, head_dim = self._kv_shape
+        shapes: dict[str, tuple[int, ...]] = {"inputs_embeds": (1, t, d), "attention_mask": (1, n_past + t)}
+        if self.one_engine:
+            shapes["past_kv"] = (layers, two, 1, heads, n_past, head_dim)
+        chosen = choose_profile([sess.profiles[i] for i in self._prefills], shapes, sess.name)
+        sess.select_profile(st, self._prefills[chosen])
         ctx = st.context
         emb = res.prefill_embeds.view(sess.specs["inputs_embeds"].dtype, (1, t, d))
         emb[...] = inputs_embeds
         st.cuda.htod(res.prefill_embeds.device.ptr, emb)
-        ctx.set_input_shape("inputs_embeds", (1, t, d))
-        ctx.set_input_shape("attention_mask", (1, t))
+        for name, shape in shapes.items():
+            if not ctx.set_input_shape(name, shape):
+                raise SynthesisError(f"{sess.name}: TensorRT rejected the prefill shape {name} {shape}")
+        if self.one_engine:
+            if past is not None:  # the voice's prefix, contiguous [L, 2, 1, Hkv, P, hd], into buffer a
+                st.cuda.htod(res.kv["a"].ptr, np.ascontiguousarray(past, dtype=self._kv_dtype))
+            # an empty past (P = 0) still gets a valid address
+            ctx.set_tensor_address("past_kv", res.kv["a"].ptr)
         ctx.set_tensor_address("inputs_embeds", res.prefill_embeds.device.ptr)
         ctx.set_tensor_address("attention_mask", res.ones.ptr)
         ctx.set_tensor_address("logp", res.logp.device.ptr)
         ctx.set_tensor_address("present_kv", res.kv["b"].ptr)
         sess.execute(st)
         logp = self._download_logp(sess)
-        self._apply(self.plan.start(t))
+        self._apply(self.plan.start(n_past + t))
         self._started = True
         return logp
 
@@ -209,8 +239,10 @@ class TrtDecodeLoop:
         pd = plan.past_dim
         layers, two, _, heads, _, head_dim = self._kv_shape
         kv_shape = (layers, two, 1, heads, pd, head_dim)
-        profile = choose_profile(sess.profiles, {"inputs_embeds": (1, 1, d), "attention_mask": (1, pd + 1),
-                                                 "past_kv": kv_shape}, sess.name)
+        # among the step profiles only: with one engine the prefill profile covers short pasts too
+        profile = self._steps[choose_profile([sess.profiles[i] for i in self._steps],
+                                             {"inputs_embeds": (1, 1, d), "attention_mask": (1, pd + 1),
+                                              "past_kv": kv_shape}, sess.name)]
         emb = res.step_embeds.view(sess.specs["inputs_embeds"].dtype, (1, 1, d))
         emb[...] = inputs_embeds
         if plan.bucketed:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,15 @@ FORMAT_VERSION = 2  # 2: the flow estimator takes and returns streaming caches
 FAMILIES = ("cosyvoice2",)
 # Files carried as shipped in a CosyVoice 2 directory (upstream's names).
 CARRIED_FILES = {"campplus": "campplus.onnx", "speech_tokenizer": "speech_tokenizer_v2.onnx"}
+def _covers_prefix(profile: Mapping[str, Any]) -> bool:
+    """A recorded TensorRT profile ({input: [min, opt, max]}) that takes T > 1 new positions
+    over a past of at least one position."""
+    try:
+        return int(profile["inputs_embeds"][2][1]) > 1 and int(profile["past_kv"][2][4]) >= 1
+    except (KeyError, IndexError, TypeError, ValueError):
+        return False
+
+
 STAGES = ("llm_prefill", "llm_decode", "flow_encoder", "flow_estimator", "hift_source", "hift_decoder")
 # Exported on request (build export --static-decode-len), onnxruntime only:
 # the fixed-size decode step that ort-cuda captures as a CUDA graph.
@@ -131,9 +141,11 @@ class Bundle:
         """Whether `llm_decode` takes several new positions (inputs_embeds [B, T, D]
         with a symbolic T), so a prefill can start from a saved voice's cached
         prefix. Bundles exported before it declare 1: they run, without the LLM
-        prefix cache. False with TensorRT plans: they are built for single steps."""
+        prefix cache. With TensorRT plans: whether the llm_decode engine has a profile for
+        several new positions over a past (one LLM engine, edge_build/tensorrt/engines.py)."""
         if self.backend == "trt":
-            return False
+            record = (self.engines or {}).get("stages", {}).get("llm_decode", {})
+            return any(_covers_prefix(p) for p in record.get("profiles", ()))
         inputs = self.stages["llm_decode"].raw.get("inputs")
         embeds = next((i for i in inputs or () if isinstance(i, dict) and i.get("name") == "inputs_embeds"), None)
         shape = embeds.get("shape") if embeds is not None else None

@@ -91,7 +91,7 @@ class StageBudget:
     activation_bytes: int
     io_bytes: int  # device I/O buffers + their pinned host twins (+ the KV cache for llm_decode)
     contexts: int
-    weights_source: str  # "plan", "onnx", "derived" or "missing"
+    weights_source: str  # "plan", "plan of <stage>" (one engine for both), "onnx", "derived" or "missing"
     activation_source: str  # "measured" or "estimate"
 
     @property
@@ -261,6 +261,8 @@ def bundle_budget(root: Path, manifest: Mapping[str, Any], precision: str) -> Bu
         io_elems, act_elems = max(p[0] for p in per_profile), max(p[1] for p in per_profile)
         plan = built.get(stage, {})
         weights, source = plan.get("plan_bytes"), "plan"
+        if plan.get("engine_of"):
+            weights, source = 0, f"plan of {plan['engine_of']}"  # one engine: its weights counted there
         if weights is None:
             weights, source = _graph_bytes(root, _stage_file(entry, precision), uses, counted), "onnx"
         if weights is None:
@@ -282,7 +284,10 @@ def bundle_budget(root: Path, manifest: Mapping[str, Any], precision: str) -> Bu
         out.append(StageBudget(stage, int(weights), int(activation), int(io), contexts, source, act_source))
     if {"llm_prefill", "llm_decode"} <= set(stages_meta):
         by_plan = {"llm_prefill", "llm_decode"} <= set(built)
-        if counted and not by_plan:
+        if by_plan and built["llm_prefill"].get("engine_of") == "llm_decode":
+            notes.append("llm_prefill and llm_decode are one TensorRT engine (a prefill and a step optimization "
+                         "profile): one copy of the LLM weights")
+        elif counted and not by_plan:
             notes.append("llm_prefill and llm_decode share one copy of the LLM weights (counted with llm_prefill; "
                          "onnxruntime sessions map it once)")
         else:

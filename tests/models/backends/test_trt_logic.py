@@ -474,3 +474,84 @@ def test_stub_package_is_not_mistaken_for_tensorrt() -> None:
         pytest.skip("a real TensorRT is installed here")
     # ... but it is recognised as not being TensorRT.
     assert not hasattr(mod, "Builder")
+
+
+# --- one LLM engine: llm_decode's prefill profile serves llm_prefill ------------------------
+
+
+def test_llm_decode_has_a_step_and_a_prefill_profile(tiny_bundle: Path) -> None:
+    from cosyedge_build.export.llm import PREFILL_T, PREFIX_POSITIONS_MAX
+    from cosyedge_build.tensorrt.engine_plan import prefill_profiles
+
+    entry = json.loads((tiny_bundle / "manifest.json").read_text())["stages"]["llm_decode"]
+    assert prefill_profiles(entry) == [1]
+    step, prefill = build_profiles(entry, "llm_decode", None)
+    assert step["inputs_embeds"].max[1] == 1 and step["past_kv"].min[4] == 1
+    assert prefill["inputs_embeds"].max[1] == PREFILL_T[2]
+    assert (prefill["past_kv"].min[4], prefill["past_kv"].max[4]) == (0, PREFIX_POSITIONS_MAX)
+    assert prefill_profiles({"profile": {"B": [1, 1, 1], "P": [1, 256, 2047], "T": [1, 1, 1]}}) == []
+
+
+def test_the_decode_graph_runs_the_prefill_over_an_empty_past_and_a_saved_prefix(tiny_bundle: Path) -> None:
+    """What the one LLM engine computes in its prefill profile, on onnxruntime: llm_decode
+    over an empty past (P = 0) equals llm_prefill, and over a saved prefix it equals the
+    prefill of prefix + the rest."""
+    llm = json.loads((tiny_bundle / "manifest.json").read_text())["llm"]
+    pre = ort.InferenceSession(str(tiny_bundle / "llm_prefill.onnx"), providers=["CPUExecutionProvider"])
+    dec = ort.InferenceSession(str(tiny_bundle / "llm_decode.onnx"), providers=["CPUExecutionProvider"])
+    embeds = (np.random.default_rng(3).standard_normal((1, 7, int(llm["hidden_size"]))) * 0.1).astype(np.float32)
+    ref_logp, ref_kv = pre.run(None, {"inputs_embeds": embeds, "attention_mask": np.ones((1, 7), np.int64)})
+    empty = np.zeros((int(llm["num_layers"]), 2, 1, int(llm["num_kv_heads"]), 0, int(llm["head_dim"])), np.float32)
+    logp, kv = dec.run(None, {"inputs_embeds": embeds, "attention_mask": np.ones((1, 7), np.int64), "past_kv": empty})
+    np.testing.assert_allclose(logp, ref_logp, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(kv, ref_kv, rtol=0, atol=1e-5)
+    _, prefix = pre.run(None, {"inputs_embeds": embeds[:, :3], "attention_mask": np.ones((1, 3), np.int64)})
+    logp2, kv2 = dec.run(None, {"inputs_embeds": embeds[:, 3:], "attention_mask": np.ones((1, 7), np.int64),
+                                "past_kv": prefix})
+    np.testing.assert_allclose(logp2, ref_logp, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(kv2, ref_kv, rtol=0, atol=1e-5)
+
+
+def test_profile_choice_keeps_steps_and_prefills_apart() -> None:
+    def prof(t: int, p_lo: int, p_hi: int) -> dict[str, ShapeRange]:
+        return {"inputs_embeds": ShapeRange((1, 1, 8), (1, 1, 8), (1, t, 8)),
+                "past_kv": ShapeRange((2, 2, 1, 2, p_lo, 4), (2, 2, 1, 2, p_lo, 4), (2, 2, 1, 2, p_hi, 4))}
+
+    step, prefill = prof(1, 1, 2047), prof(512, 0, 256)
+    short_step = {"inputs_embeds": (1, 1, 8), "past_kv": (2, 2, 1, 2, 10, 4)}
+    # both cover a step over a short past, and the prefill profile's buffers are smaller:
+    assert choose_profile([step, prefill], short_step, "llm_decode") == 1
+    # so the loop chooses among its step profiles only (TrtDecodeLoop._steps)
+    assert choose_profile([step], short_step, "llm_decode") == 0
+    assert choose_profile([prefill], {"inputs_embeds": (1, 7, 8), "past_kv": (2, 2, 1, 2, 0, 4)}, "p") == 0
+
+
+def test_one_llm_engine_in_the_manifest_budget_and_checks(tmp_path: Path) -> None:
+    meta = _engines_meta()
+    meta["stages"]["llm_decode"]["profiles"] = [
+        {"inputs_embeds": [[1, 1, 8], [1, 1, 8], [1, 1, 8]], "past_kv": [[2, 2, 1, 2, 1, 4]] * 2 + [[2, 2, 1, 2, 9, 4]]},
+        {"inputs_embeds": [[1, 1, 8], [1, 9, 8], [1, 64, 8]], "past_kv": [[2, 2, 1, 2, 0, 4]] * 2 + [[2, 2, 1, 2, 8, 4]]}]
+    meta["stages"]["llm_prefill"] = {**meta["stages"]["llm_decode"], "engine_of": "llm_decode", "profiles_used": [1]}
+    root = tmp_path / "b"
+    _write_bundle(root, meta)
+    bundle = load_bundle(root, backend="trt", identity=LOCAL)
+    assert bundle.stages["llm_prefill"].path == bundle.stages["llm_decode"].path  # one plan, one engine
+    assert bundle.llm_decode_positions  # the prefill profile takes a saved prefix
+    single = _engines_meta()
+    _write_bundle(tmp_path / "two", single)
+    assert not load_bundle(tmp_path / "two", backend="trt", identity=LOCAL).llm_decode_positions
+    # the staleness check follows the engine to llm_decode's ONNX
+    stale = json.loads(json.dumps(meta))
+    stale["stages"]["llm_prefill"]["onnx_sha256"] = "older"
+    _write_bundle(tmp_path / "stale", stale)
+    with pytest.raises(BundleError, match="re-exported or re-quantized since"):
+        load_bundle(tmp_path / "stale", backend="trt", identity=LOCAL)
+    # the budget counts the one engine's weights once
+    manifest = _full_size_manifest(tmp_path / "full", SIZES)
+    manifest["engines"] = {"precision": "int8", "stages": {
+        "llm_decode": {"plan_bytes": 500 * MIB}, "llm_prefill": {"plan_bytes": 500 * MIB, "engine_of": "llm_decode"}}}
+    budget = bundle_budget(tmp_path / "full", manifest, "int8")
+    stages = {s.stage: s for s in budget.stages}
+    assert stages["llm_decode"].weights_bytes == 500 * MIB and stages["llm_prefill"].weights_bytes == 0
+    assert stages["llm_prefill"].weights_source == "plan of llm_decode"
+    assert any("one TensorRT engine" in n for n in budget.notes)
