@@ -528,9 +528,11 @@ def test_profile_choice_keeps_steps_and_prefills_apart() -> None:
 
 def test_one_llm_engine_in_the_manifest_budget_and_checks(tmp_path: Path) -> None:
     meta = _engines_meta()
+    step_kv = [[2, 2, 1, 2, 1, 4]] * 2 + [[2, 2, 1, 2, 9, 4]]
+    prefill_kv = [[2, 2, 1, 2, 0, 4]] * 2 + [[2, 2, 1, 2, 8, 4]]
     meta["stages"]["llm_decode"]["profiles"] = [
-        {"inputs_embeds": [[1, 1, 8], [1, 1, 8], [1, 1, 8]], "past_kv": [[2, 2, 1, 2, 1, 4]] * 2 + [[2, 2, 1, 2, 9, 4]]},
-        {"inputs_embeds": [[1, 1, 8], [1, 9, 8], [1, 64, 8]], "past_kv": [[2, 2, 1, 2, 0, 4]] * 2 + [[2, 2, 1, 2, 8, 4]]}]
+        {"inputs_embeds": [[1, 1, 8], [1, 1, 8], [1, 1, 8]], "past_kv": step_kv},
+        {"inputs_embeds": [[1, 1, 8], [1, 9, 8], [1, 64, 8]], "past_kv": prefill_kv}]
     meta["stages"]["llm_prefill"] = {**meta["stages"]["llm_decode"], "engine_of": "llm_decode", "profiles_used": [1]}
     root = tmp_path / "b"
     _write_bundle(root, meta)
