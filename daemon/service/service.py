@@ -5,6 +5,7 @@ the config file; tests drive this class directly."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -31,6 +32,7 @@ from cosyedge_daemon.synthesizers.factory import load_local_synthesizer, make_fa
 from cosyedge_daemon.synthesizers.routing import Router, SynthesizerSet
 from cosyedge_daemon.wyoming.frontend import WyomingFrontend
 from cosyedge_daemon.wyoming.frontend import enabled as wyoming_enabled
+from cosyedge_models.backends.graph_thread import CAPTURE_AT_LOAD_BACKENDS
 from cosyedge_models.settings_schema import live_fields, reload_fields
 from cosyedge_models.synthesis.api import ServedEngine
 
@@ -161,14 +163,24 @@ class Service:
     def _reload(self, bundle: str | None) -> None:
         with self._reload_lock:
             log.info("reloading the local engine%s", f" from {bundle}" if bundle else "")
-            self.notifier.status("loading a new engine beside the current one")
-            try:
-                engine = load_local_synthesizer(self.settings, bundle)
-            except Exception as exc:
-                log.error("reload failed, keeping the current engine: %s", exc)
-                self.notifier.status(f"reload failed: {exc}")
-                return
-            self.engines.slots["local"].swap(engine)
+            slot = self.engines.slots["local"]
+            # A GPU engine captures its CUDA graphs at load, which no other GPU work may
+            # overlap: local requests wait while it loads (after the running ones end).
+            quiet = self.settings.tts.engine == "cosyvoice" and self.settings.tts.backend in CAPTURE_AT_LOAD_BACKENDS
+            self.notifier.status("loading a new engine" + (", local requests wait" if quiet else
+                                                           " beside the current one"))
+            pause = slot.paused(self.settings.health.stop_timeout_s) if quiet else contextlib.nullcontext(True)
+            with pause as drained:
+                if not drained:
+                    log.warning("reload: requests still running after %.0f s; loading anyway",
+                                self.settings.health.stop_timeout_s)
+                try:
+                    engine = load_local_synthesizer(self.settings, bundle)
+                except Exception as exc:
+                    log.error("reload failed, keeping the current engine: %s", exc)
+                    self.notifier.status(f"reload failed: {exc}")
+                    return
+                slot.swap(engine)
             log.info("switched to the new engine %s", engine.name)
             self.notifier.status("ready (engine reloaded)")
             self.health.poke()

@@ -43,6 +43,8 @@ class SynthesizerSlot:
         self.settings = settings
         self._clock = clock
         self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)  # leases released; a pause ended
+        self._paused = False
         self._engine: ServedEngine | None = None
         self._leases: dict[int, int] = {}
         self.state = "absent"  # absent | loading | ready | failed
@@ -66,8 +68,25 @@ class SynthesizerSlot:
         if close_now and old is not None:
             _close(old)
 
+    @contextmanager
+    def paused(self, drain_timeout_s: float) -> Iterator[bool]:
+        """New leases wait while the block runs; it starts once every current lease
+        has ended (True), or after `drain_timeout_s` (False: some still run). For a
+        reload whose new engine captures CUDA graphs at load: in CUDA's global
+        capture mode any other GPU work of the process spoils the capture (docs/gpu.md)."""
+        with self._cond:
+            self._paused = True
+            drained = self._cond.wait_for(lambda: not self._leases, timeout=drain_timeout_s)
+        try:
+            yield drained
+        finally:
+            with self._cond:
+                self._paused = False
+                self._cond.notify_all()
+
     def acquire(self) -> ServedEngine | None:
-        with self._lock:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._paused)
             engine = self._engine
             if engine is not None:
                 self._leases[id(engine)] = self._leases.get(id(engine), 0) + 1
@@ -80,6 +99,7 @@ class SynthesizerSlot:
                 self._leases[id(engine)] = left
             else:
                 self._leases.pop(id(engine), None)
+                self._cond.notify_all()  # a pause may be waiting for the last lease
             close_now = left == 0 and engine is not self._engine
         if close_now:
             _close(engine)

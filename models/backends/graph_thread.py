@@ -35,6 +35,11 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+# Backends whose engines capture CUDA graphs while they load (the fixed-size LLM step and the
+# fixed-shape flow windows, on by default on ort-cuda): no other GPU work of the process may
+# run then, so a daemon reload pauses the old engine's requests for it.
+CAPTURE_AT_LOAD_BACKENDS = ("ort-cuda",)
+
 # Runs of one session and graph id before onnxruntime's CUDA provider captures
 # it: two regular runs (they allocate what the capture may not), the third
 # captures and replays (cuda_execution_provider.h, min_num_runs_before_cuda_graph_capture_).

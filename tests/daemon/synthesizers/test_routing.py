@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -111,3 +112,61 @@ def test_swap_closes_old_engine_after_its_last_lease() -> None:
     assert new.closed
     with pytest.raises(ApiError), engines.lease("local"):
         pass
+
+
+def test_a_pause_waits_for_running_leases_and_holds_new_ones() -> None:
+    """What a GPU reload does (docs/gpu.md): new leases wait until the block ends, and
+    the block starts only once the running ones have ended."""
+    old, new = Tracked(), Tracked()
+    engines = SynthesizerSet(RoutingSettings())
+    slot = engines.slots["local"]
+    slot.swap(old)
+    events: list[str] = []
+    running = threading.Event()
+    finish = threading.Event()
+
+    def request() -> None:
+        with engines.lease("local") as e:
+            assert e is old
+            running.set()
+            finish.wait(5)
+            events.append("old request done")
+
+    def reload() -> None:
+        with slot.paused(5) as drained:
+            events.append(f"paused, drained={drained}")
+            time.sleep(0.2)  # the new engine loads
+            slot.swap(new)
+            events.append("swapped")
+
+    def late() -> None:
+        with engines.lease("local") as e:
+            events.append("late request on " + ("new" if e is new else "old"))
+
+    first = threading.Thread(target=request)
+    first.start()
+    assert running.wait(5)
+    pauser = threading.Thread(target=reload)
+    pauser.start()
+    time.sleep(0.1)
+    waiter = threading.Thread(target=late)
+    waiter.start()
+    time.sleep(0.1)
+    assert events == []  # the pause waits for the old request; the late one waits for the pause
+    finish.set()
+    for t in (first, pauser, waiter):
+        t.join(5)
+    assert events == ["old request done", "paused, drained=True", "swapped", "late request on new"]
+    assert old.closed and not new.closed
+
+
+def test_a_pause_gives_up_waiting_after_its_timeout() -> None:
+    engines = SynthesizerSet(RoutingSettings())
+    slot = engines.slots["local"]
+    slot.swap(Tracked())
+    with engines.lease("local"):
+        t0 = time.monotonic()
+        with slot.paused(0.2) as drained:
+            assert not drained and time.monotonic() - t0 >= 0.2
+    with engines.lease("local") as e:  # not paused any more
+        assert e is not None
