@@ -5,7 +5,8 @@ any work starts, and the peak RSS it reached.
 The phases (one at a time; each frees its sessions before the next):
 * capture: the fp32 engine synthesizes the calibration and held-out texts
   (every stage session loaded; onnxruntime maps the weights and prepacks the
-  MatMul ones: ~2x the graphs; feeds go to disk, not memory);
+  MatMul ones: ~2x the graphs; plus its activations over long utterances,
+  ENGINE_ACTIVATION_FACTOR; feeds go to disk, not memory);
 * one graph at a time: onnxruntime's quantizer holds the shape-inferred
   model, the calibration session over its augmented copy and the quantized
   model (~4x the graph; calibration folds its tensors into running ranges
@@ -35,6 +36,13 @@ PRECISION_RATIO = {"int8": 0.3, "int8w": 0.3, "fp16": 0.5}
 # up to 1,380 cached frames) peaked at 5.84 GiB = BASE + 4x + ~14.4x its graph. The LLM's
 # activations are small next to its weights (within GRAPH_FACTOR).
 ACTIVATION_FACTOR = {"flow_estimator": 15.0}
+# The fp32 engine's own activations while it synthesizes (capture, accuracy report), as a multiple
+# of the graph: random-weight checkpoints speak to the LLM's maximum length, and the offline flow
+# over a whole 20-30 s utterance (full attention in 56 blocks) dominates. Measured at full size
+# (2026-12-01): the capture of the default calibration peaked at ~10.2 GB RSS where the weights
+# alone account for 2.95 GiB (+7.3 GB: ~26x the estimator's 285 MB); one 31.2 s offline
+# utterance alone took the engine to 5.7 GiB.
+ENGINE_ACTIVATION_FACTOR = {"flow_estimator": 26.0}
 ENGINE_STAGES = ("llm_prefill", "llm_decode", "flow_encoder", "flow_estimator", "hift_source", "hift_decoder")
 
 
@@ -79,6 +87,7 @@ def estimate_peak(stage_bytes: dict[str, int], quantized: list[str], precision: 
             size = max(size - shared_llm_bytes, 0)
         engine += size * ENGINE_FACTOR
     engine += shared_llm_bytes
+    engine += sum(stage_bytes.get(s, 0) * f for s, f in ENGINE_ACTIVATION_FACTOR.items())
     per_graph = max((stage_bytes.get(s, 0) * (GRAPH_FACTOR + ACTIVATION_FACTOR.get(s, 0.0)) for s in quantized),
                     default=0)
     ratio = PRECISION_RATIO.get(precision, 1.0)

@@ -5,7 +5,7 @@ the stage meets its budget."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -84,6 +84,12 @@ class UnitResult:
     paths: dict[str, Path] = field(default_factory=dict)
 
 
+def _remove(paths: Iterable[Path]) -> None:
+    for path in paths:
+        path.unlink(missing_ok=True)
+        path.with_name(path.name + ".data").unlink(missing_ok=True)
+
+
 def quantize_unit(unit: UnitPolicy, bundle: Path, work: Path, calib: Mapping[str, Sequence[Feed]],
                   held_out: Mapping[str, Sequence[Feed]], budget: AccuracyBudget, method: str, out_dir: Path,
                   progress: StageProgress | None = None) -> UnitResult:
@@ -113,6 +119,7 @@ def quantize_unit(unit: UnitPolicy, bundle: Path, work: Path, calib: Mapping[str
     for g in candidates:
         paths, _ = build([h for h in groups if h != g], f"only-{g}")
         m = stage_metrics(unit, reference, paths, held_out)
+        _remove(paths.values())  # a trial graph is measured once (full size: 1.4 GB per LLM graph)
         result.table.append({"group": g, "nodes": len(groups[g]), **m})
         log.info("%s: %s alone -> %s", unit.name, g, m)
     ranked = sorted(result.table, key=lambda r: -badness(unit, {k: float(v) for k, v in r.items()  # type: ignore[arg-type]

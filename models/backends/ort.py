@@ -72,6 +72,10 @@ class OrtSession:
         # COSYEDGE_ORT_SPINNING=1.
         spinning = os.environ.get("COSYEDGE_ORT_SPINNING", "0") == "1"
         opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+        # COSYEDGE_ORT_CPU_ARENA=0: no CPU memory arena (each tensor allocated and freed as it
+        # goes), to compare the peak memory of long utterances (docs/memory.md)
+        if os.environ.get("COSYEDGE_ORT_CPU_ARENA", "1") == "0":
+            opts.enable_cpu_mem_arena = False
         profiles = profile_dir()
         if profiles is not None:  # models/tools/ort_profile.py sums these traces
             profiles.mkdir(parents=True, exist_ok=True)

@@ -260,6 +260,8 @@ def test_sensitivity_pass_excludes_worst_groups_until_budget(tiny_bundle: Path, 
     loose = quantize_unit(vocoder, tiny_bundle, tmp_path, calib, held, AccuracyBudget(wav_snr_min_db=0.0),
                           "minmax", tmp_path)
     assert loose.excluded_groups == ["stft"] and loose.within_budget
+    assert not list(tmp_path.glob("*.only-*"))  # each trial graph is deleted once measured
+    assert loose.paths["hift_decoder"].exists()
     target = loose.metrics["snr_db"] + 3.0  # stricter than "everything quantized" reaches
     strict = quantize_unit(vocoder, tiny_bundle, tmp_path, calib, held, AccuracyBudget(wav_snr_min_db=target),
                            "minmax", tmp_path)

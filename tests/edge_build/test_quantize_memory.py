@@ -13,6 +13,8 @@ from cosyedge_build.quantize.feed_files import DiskFeeds
 from cosyedge_build.quantize.memory import (
     ACTIVATION_FACTOR,
     BASE_BYTES,
+    ENGINE_ACTIVATION_FACTOR,
+    ENGINE_FACTOR,
     GIB,
     QuantizeMemoryError,
     available_bytes,
@@ -94,6 +96,11 @@ def test_estimate_counts_shared_llm_weights_once() -> None:
     # one graph at a time: the largest graph with its calibration activations sets the quantization
     # phase, whatever the number of graphs (here the estimator's activations outweigh the LLM)
     assert shared.phases["quantize_graph"] == int(GIB // 4 * (4.0 + ACTIVATION_FACTOR["flow_estimator"])) + BASE_BYTES
+    # the engine's activations over long utterances (the offline flow) count in capture
+    no_flow = estimate_peak({k: v for k, v in sizes.items() if k != "flow_estimator"}, ["llm_prefill"], "int8",
+                            shared_llm_bytes=GIB)
+    extra = shared.phases["capture"] - no_flow.phases["capture"]
+    assert extra == int(GIB // 4 * (ENGINE_FACTOR + ENGINE_ACTIVATION_FACTOR["flow_estimator"]))
     llm_only = estimate_peak(sizes, ["llm_prefill", "llm_decode"], "int8", shared_llm_bytes=GIB)
     assert llm_only.phases["quantize_graph"] == int(GIB * 4.0) + BASE_BYTES
     assert shared.peak_bytes == max(shared.phases.values())
