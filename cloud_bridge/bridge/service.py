@@ -366,10 +366,12 @@ class BridgeService:
                 "bridge": self.settings.mqtt.client_id,
             }
             payload, props = encode_done(req.id, summary)
-            self._publish(topic, payload, props, job.correlation)
+            # counted before the answer goes out: a client that reads /metrics after its
+            # done message must find its request there (it raced under load)
             self.metrics.requests.labels(version_label, "done").inc()
             self.metrics.latency.labels(version_label).observe(done_at - job.received)
             self.metrics.audio_seconds.labels(version_label).inc(audio_s)
+            self._publish(topic, payload, props, job.correlation)
             log.info(
                 "request %s/%s done: version %s (%s), %d chunks, %.2f s audio, first chunk %s ms, "
                 "total %.0f ms, %d attempt(s)",
