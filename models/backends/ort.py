@@ -54,7 +54,10 @@ class OrtSession:
             # on). Prepacking would give each session its own packed copy of
             # every MatMul weight, so it is off for these sessions.
             if not shared.values:
-                where = ("cuda", device_id) if providers[0] == "CUDAExecutionProvider" else ("cpu", 0)
+                # (a CPU-only onnxruntime runs an ort-cuda bundle on the CPU: host buffers there)
+                cuda = providers[0] == "CUDAExecutionProvider" and "CUDAExecutionProvider" in \
+                    ort.get_available_providers()
+                where = ("cuda", device_id) if cuda else ("cpu", 0)
                 shared.values.update({k: ort.OrtValue.ortvalue_from_numpy(v, *where)
                                       for k, v in shared.arrays.items()})
                 self._counts_shared = True

@@ -269,7 +269,8 @@ def one_position_bundle(src: Path, out: Path) -> Path:
         if spec["name"] in renames:
             axis, dim = renames[spec["name"]]
             spec["shape"][axis] = dim
-    entry["profile"].pop("T", None)
+    # as exported then: one step profile, without T
+    entry["profile"] = {k: v for k, v in entry["profile"][0].items() if k != "T"}
     entry["sha256"] = manifest["files"]["llm_decode.onnx"] = sha256_file(path)
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
     return out
