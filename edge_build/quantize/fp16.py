@@ -5,12 +5,16 @@ the ones in FP16_IO), the ops that overflow in fp16 kept in fp32."""
 from __future__ import annotations
 
 import logging
+import shutil
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 import onnx
+from cosyedge_build.quantize.int8 import external_files
 from cosyedge_build.quantize.policy import FP32_OPS
 from cosyedge_models.errors import MissingExtraError
+from onnx.external_data_helper import load_external_data_for_model
 
 # Besides FP32_OPS: index and shape arithmetic that must stay exact, and
 # reductions whose sums overflow fp16's 65504.
@@ -28,7 +32,7 @@ def convert_fp16(src: Path, dst: Path, block_nodes: Sequence[str] = (), fp16_io:
         raise MissingExtraError("onnxruntime", "build", "fp16 conversion") from exc
     # Its info lines dump whole NodeProtos ("consider adding these nodes to the block list").
     logging.getLogger(float16.__name__).setLevel(logging.WARNING)
-    model = onnx.load(str(src))
+    model = load_with_data(src, dst.parent)
     keep: bool | list[str] = True
     if fp16_io:
         g = model.graph
@@ -42,6 +46,21 @@ def convert_fp16(src: Path, dst: Path, block_nodes: Sequence[str] = (), fp16_io:
     big = converted.ByteSize() > (1 << 30)
     onnx.save(converted, str(dst), save_as_external_data=big,
               location=dst.name + ".data" if big else None)
+
+
+def load_with_data(src: Path, scratch: Path) -> onnx.ModelProto:
+    """`src` with its external data, read from a copy under `scratch`: onnx refuses a data
+    file with several hard links, and a bundle's shared `llm_weights.bin` has one more for
+    every bundle `build quantize` linked it into."""
+    model = onnx.load(str(src), load_external_data=False)
+    files = external_files(src, model)
+    if not files:
+        return model
+    with tempfile.TemporaryDirectory(dir=scratch, prefix=".fp16-") as tmp:
+        for data in files:
+            shutil.copyfile(data, Path(tmp) / data.name)
+        load_external_data_for_model(model, tmp)
+    return model
 
 
 def drop_repeated_casts(graph: onnx.GraphProto) -> int:

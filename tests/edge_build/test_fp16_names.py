@@ -4,9 +4,12 @@ load; `unique_node_names` renames repeats so the graph loads and computes the sa
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnx
 import onnxruntime as ort
+import pytest
 from cosyedge_build.quantize.fp16 import unique_node_names
 from onnx import TensorProto, helper
 
@@ -74,3 +77,29 @@ def test_repeated_casts_of_onnxruntime_131_are_merged() -> None:
     soft = np.exp(h - h.max()) / np.exp(h - h.max()).sum()
     norm = (h - h.mean()) / np.sqrt(h.var() + 1e-5)
     np.testing.assert_allclose(sess.run(None, {"x": x})[0], soft + norm, atol=1e-5)
+
+
+def test_a_shared_weights_file_with_several_hard_links_converts(tiny_bundle: Path, tmp_path: Path) -> None:
+    """Every bundle `build quantize` writes hard-links the source's llm_weights.bin, and onnx
+    refuses to read external data with several links (the full-size fp16 run failed on it)."""
+    import os
+    import shutil
+
+    from cosyedge_build.quantize.fp16 import convert_fp16
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("llm_prefill.onnx", "llm_weights.bin"):
+        shutil.copyfile(tiny_bundle / name, src / name)
+    os.link(src / "llm_weights.bin", tmp_path / "another-bundle-llm_weights.bin")
+    with pytest.raises(onnx.checker.ValidationError, match="hard link"):
+        onnx.load(str(src / "llm_prefill.onnx"))
+    out = tmp_path / "out"
+    out.mkdir()
+    convert_fp16(src / "llm_prefill.onnx", out / "llm_prefill.fp16.onnx")
+    sess = ort.InferenceSession(str(out / "llm_prefill.fp16.onnx"), providers=["CPUExecutionProvider"])
+    d = next(i.shape[2] for i in sess.get_inputs() if i.name == "inputs_embeds")
+    x = (np.random.default_rng(0).standard_normal((1, 4, d)) * 0.1).astype(np.float32)
+    logp = sess.run(["logp"], {"inputs_embeds": x, "attention_mask": np.ones((1, 4), np.int64)})[0]
+    assert np.isfinite(logp).all()
+    assert not list(out.glob(".fp16-*"))  # the copy is gone
