@@ -5,16 +5,14 @@ the ones in FP16_IO), the ops that overflow in fp16 kept in fp32."""
 from __future__ import annotations
 
 import logging
-import shutil
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 import onnx
-from cosyedge_build.quantize.int8 import external_files
+from cosyedge_build.quantize.int8 import external_files, local_copy
 from cosyedge_build.quantize.policy import FP32_OPS
 from cosyedge_models.errors import MissingExtraError
-from onnx.external_data_helper import load_external_data_for_model
 
 # Besides FP32_OPS: index and shape arithmetic that must stay exact, and
 # reductions whose sums overflow fp16's 65504.
@@ -49,18 +47,13 @@ def convert_fp16(src: Path, dst: Path, block_nodes: Sequence[str] = (), fp16_io:
 
 
 def load_with_data(src: Path, scratch: Path) -> onnx.ModelProto:
-    """`src` with its external data, read from a copy under `scratch`: onnx refuses a data
-    file with several hard links, and a bundle's shared `llm_weights.bin` has one more for
-    every bundle `build quantize` linked it into."""
+    """`src` with its external data, read from a copy under `scratch` (int8.local_copy:
+    onnx refuses the shared llm_weights.bin once other bundles hard-link it)."""
     model = onnx.load(str(src), load_external_data=False)
-    files = external_files(src, model)
-    if not files:
+    if not external_files(src, model):
         return model
     with tempfile.TemporaryDirectory(dir=scratch, prefix=".fp16-") as tmp:
-        for data in files:
-            shutil.copyfile(data, Path(tmp) / data.name)
-        load_external_data_for_model(model, tmp)
-    return model
+        return onnx.load(str(local_copy(src, model, Path(tmp))))
 
 
 def drop_repeated_casts(graph: onnx.GraphProto) -> int:

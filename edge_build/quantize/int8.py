@@ -73,12 +73,20 @@ def quantize_int8(src: Path, dst: Path, feeds: Sequence[Feed], exclude: Sequence
     # quantize_static writes a shape-inferred copy next to its input: work on a
     # link in our own directory so that the source bundle stays untouched.
     with tempfile.TemporaryDirectory(dir=dst.parent, prefix=".quantize-") as tmp:
-        local = Path(tmp) / src.name
-        _link(src, local)
-        for data in external_files(src, model):
-            # a copy: onnx refuses external data with several hard links (or a symlink)
-            shutil.copyfile(data, local.with_name(data.name))
+        local = local_copy(src, model, Path(tmp))
         _quantize(local, dst, feeds, names, exclude, method, big, ranges_cache)
+
+
+def local_copy(src: Path, model: onnx.ModelProto, directory: Path) -> Path:
+    """`src` linked into `directory` with copies of its external data files (`model`: `src`
+    loaded without its data). The data are copied: onnx refuses external data with several
+    hard links (a bundle's shared llm_weights.bin has one per bundle `build quantize` linked
+    it into) or a symlink."""
+    local = directory / src.name
+    _link(src, local)
+    for data in external_files(src, model):
+        shutil.copyfile(data, local.with_name(data.name))
+    return local
 
 
 def external_files(path: Path, model: onnx.ModelProto) -> list[Path]:

@@ -155,7 +155,8 @@ def build_engines(bundle_dir: Path | str, settings: EngineBuildSettings | None =
     records: dict[str, Any] = dict(old.get("stages", {})) if same else {}
     # One LLM engine when llm_decode's profiles include the prefill's: llm_prefill is recorded
     # as that engine (same plan file, one copy of the weights in device memory)
-    one_llm = bool(prefill_profiles(bundle.stages["llm_decode"].raw)) and "llm_decode" in settings.stages
+    served = prefill_profiles(bundle.stages["llm_decode"].raw) if "llm_decode" in settings.stages else []
+    one_llm = bool(served)
     for stage in settings.stages:
         if stage == "llm_prefill" and one_llm:
             continue
@@ -210,8 +211,7 @@ def build_engines(bundle_dir: Path | str, settings: EngineBuildSettings | None =
         if cache is not None:
             _write_atomic(cache_path, memoryview(cache.serialize()))
     if one_llm:
-        records["llm_prefill"] = {**records["llm_decode"], "engine_of": "llm_decode",
-                                  "profiles_used": prefill_profiles(bundle.stages["llm_decode"].raw)}
+        records["llm_prefill"] = {**records["llm_decode"], "engine_of": "llm_decode", "profiles_used": served}
         progress("llm_prefill: served by the llm_decode engine (its prefill profile; one copy of the weights)")
     engines = {
         "tensorrt": identity.tensorrt,

@@ -18,6 +18,14 @@ FORMAT_VERSION = 2  # 2: the flow estimator takes and returns streaming caches
 FAMILIES = ("cosyvoice2",)
 # Files carried as shipped in a CosyVoice 2 directory (upstream's names).
 CARRIED_FILES = {"campplus": "campplus.onnx", "speech_tokenizer": "speech_tokenizer_v2.onnx"}
+STAGES = ("llm_prefill", "llm_decode", "flow_encoder", "flow_estimator", "hift_source", "hift_decoder")
+# Exported on request (build export --static-decode-len), onnxruntime only:
+# the fixed-size decode step that ort-cuda captures as a CUDA graph.
+OPTIONAL_STAGES = ("llm_decode_static", "llm_kv_pad")
+# ... and (build export --static-flow-windows) one fixed-shape flow estimator per window size
+STATIC_FLOW_PREFIX = "flow_estimator_static_w"
+
+
 def _covers_prefix(profile: Mapping[str, Any]) -> bool:
     """A recorded TensorRT profile ({input: [min, opt, max]}) that takes T > 1 new positions
     over a past of at least one position."""
@@ -25,14 +33,6 @@ def _covers_prefix(profile: Mapping[str, Any]) -> bool:
         return int(profile["inputs_embeds"][2][1]) > 1 and int(profile["past_kv"][2][4]) >= 1
     except (KeyError, IndexError, TypeError, ValueError):
         return False
-
-
-STAGES = ("llm_prefill", "llm_decode", "flow_encoder", "flow_estimator", "hift_source", "hift_decoder")
-# Exported on request (build export --static-decode-len), onnxruntime only:
-# the fixed-size decode step that ort-cuda captures as a CUDA graph.
-OPTIONAL_STAGES = ("llm_decode_static", "llm_kv_pad")
-# ... and (build export --static-flow-windows) one fixed-shape flow estimator per window size
-STATIC_FLOW_PREFIX = "flow_estimator_static_w"
 
 
 @dataclass(frozen=True)

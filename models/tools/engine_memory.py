@@ -56,16 +56,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     from cosyedge_models.tools.host import machine
 
     auto = {"auto": None, "on": True, "off": False}
-    on_gpu = args.backend != "ort"
-    before, device_before = process_memory(), device_memory_used() if on_gpu else None
+    def device() -> int | None:
+        return device_memory_used() if args.backend != "ort" else None
+
+    before, device_before = process_memory(), device()
     engine = load_synthesizer(args.bundle, settings=SynthesisSettings(
         backend=args.backend, precision=args.precision, graph_decode=auto[args.graph_decode],
         graph_flow=auto[args.graph_flow]))
     try:
-        loaded, device_loaded = process_memory(), device_memory_used() if on_gpu else None
+        loaded, device_loaded = process_memory(), device()
         for _ in engine.synthesize(SynthesisRequest(text="Hello there, this is a test.", seed=0)):
             pass
-        warm, device_warm = process_memory(), device_memory_used() if on_gpu else None
+        warm, device_warm = process_memory(), device()
         report = {"bench": "engine_memory", "machine": machine(args.backend),
                   "bundle": str(Path(args.bundle).resolve()), "precision": engine.bundle.precision,
                   "backend": args.backend, "graph_decode": args.graph_decode, "graph_flow": args.graph_flow,
