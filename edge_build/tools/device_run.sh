@@ -36,11 +36,11 @@ mkdir -p "$out" /tmp/site
 t0=$(date +%s)
 stamp() { echo "[device_run +$(( $(date +%s) - t0 )) s] $*"; }
 
-ort_whl=/tmp/onnxruntime_gpu-1.31.1-cp312-cp312-manylinux_2_28_x86_64.whl
 if [ ! -f /tmp/site/.cosyedge-installed ]; then
-  [ -f "$ort_whl" ] || cat "${ORT_PARTS:-/tmp/ort}"/part-* > "$ort_whl"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    "$wheels"/*.whl "$ort_whl"
+    "$wheels"/*.whl
+  # onnxruntime-gpu's files, as device_wheels.sh packed them (an xz tarball in parts)
+  cat "${ORT_PARTS:-/tmp/ort}"/part-* | xz -d | tar x -C /tmp/site
   touch /tmp/site/.cosyedge-installed
 fi
 # the import names (cosyedge_daemon, …) of the folders, as pyproject's package-dir maps them
