@@ -238,6 +238,9 @@ def load_reference(model_dir: Path) -> ReferenceModels:
             raise CheckpointError(f"{model_dir / file} is not a PyTorch state dict: {exc}") from exc
         if key == "hift":  # as upstream: a HiFiGan checkpoint keeps the generator under 'generator.'
             state = {k.replace("generator.", ""): v for k, v in state.items()}
+        # fp32 as upstream runs it: transformers 5 builds the Qwen2 inside in the
+        # checkpoint's bf16 (4.x in fp32), which would round llm.pt and mix dtypes
+        configs[key].float()
         try:
             configs[key].load_state_dict(state, strict=True)
         except RuntimeError as exc:
