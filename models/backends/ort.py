@@ -39,6 +39,21 @@ def cudnn_options() -> dict[str, str]:
     return options
 
 
+def _device_values(arrays: dict[str, np.ndarray], device_id: int) -> dict[str, ort.OrtValue]:
+    """One device copy of each shared weight, in memory that onnxruntime does
+    not own: add_initializer refuses a buffer that onnxruntime allocated
+    ("must be owned by the user"), so torch allocates it and DLPack hands it
+    over. Without torch the sessions get host buffers (each copies them)."""
+    try:
+        import torch
+    except ImportError:
+        log.info("torch is not installed: each LLM session keeps its own device copy of the weights")
+        return {k: ort.OrtValue.ortvalue_from_numpy(v) for k, v in arrays.items()}
+    device = torch.device("cuda", device_id)
+    return {k: ort.OrtValue.from_dlpack(torch.from_numpy(np.ascontiguousarray(v)).to(device))
+            for k, v in arrays.items()}
+
+
 class OrtSession:
     def __init__(self, name: str, path: Path, providers: Sequence[str], device_id: int, threads: int | None,
                  cuda_graph: bool = False, shared: SharedWeights | None = None,
@@ -57,9 +72,8 @@ class OrtSession:
                 # (a CPU-only onnxruntime runs an ort-cuda bundle on the CPU: host buffers there)
                 cuda = providers[0] == "CUDAExecutionProvider" and "CUDAExecutionProvider" in \
                     ort.get_available_providers()
-                where = ("cuda", device_id) if cuda else ("cpu", 0)
-                shared.values.update({k: ort.OrtValue.ortvalue_from_numpy(v, *where)
-                                      for k, v in shared.arrays.items()})
+                shared.values.update(_device_values(shared.arrays, device_id) if cuda else
+                                     {k: ort.OrtValue.ortvalue_from_numpy(v) for k, v in shared.arrays.items()})
                 self._counts_shared = True
             for key, value in shared.values.items():
                 opts.add_initializer(key, value)

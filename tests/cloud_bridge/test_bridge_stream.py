@@ -245,7 +245,9 @@ def test_backpressure_wait_lets_the_broker_hold_requests(broker, make_bridge) ->
     assert all(a.done is not None for a in answers)
     # one at a time: each spent ~0.4 s at the bridge; the others waited at the broker (Receive Maximum 1)
     assert wall >= 1.1
-    assert all(a.done.summary["total_ms"] < 900 for a in answers)  # type: ignore[union-attr]
+    # held at the bridge instead, the last would have spent about the whole wall time there;
+    # relative, since a loaded machine stretches both
+    assert max(a.done.summary["total_ms"] for a in answers) < 0.7 * wall * 1000  # type: ignore[union-attr]
 
 
 def test_triton_unreachable_is_retried_then_unavailable(broker, triton) -> None:  # type: ignore[no-untyped-def]
