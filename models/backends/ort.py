@@ -40,17 +40,11 @@ def cudnn_options() -> dict[str, str]:
 
 
 def _device_values(arrays: dict[str, np.ndarray], device_id: int) -> dict[str, ort.OrtValue]:
-    """One device copy of each shared weight, in memory that onnxruntime does
+    """One device copy of each shared weight, as a view that onnxruntime does
     not own: add_initializer refuses a buffer that onnxruntime allocated
-    ("must be owned by the user"), so torch allocates it and DLPack hands it
-    over. Without torch the sessions get host buffers (each copies them)."""
-    try:
-        import torch
-    except ImportError:
-        log.info("torch is not installed: each LLM session keeps its own device copy of the weights")
-        return {k: ort.OrtValue.ortvalue_from_numpy(v) for k, v in arrays.items()}
-    device = torch.device("cuda", device_id)
-    return {k: ort.OrtValue.from_dlpack(torch.from_numpy(np.ascontiguousarray(v)).to(device))
+    ("must be owned by the user"), and a DLPack view of it is not (the view
+    keeps its source alive)."""
+    return {k: ort.OrtValue.from_dlpack(ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v), "cuda", device_id))
             for k, v in arrays.items()}
 
 
