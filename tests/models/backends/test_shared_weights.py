@@ -154,6 +154,7 @@ def test_cuda_sessions_hold_one_device_copy(shared_dir: tuple[Path, list[np.ndar
     expected = ort.InferenceSession(str(root / "b.onnx"), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     share_weights(root, ["a.onnx", "b.onnx", "c.onnx"], "llm_weights.bin")
     grown: dict[str, int] = {}
+    outputs: dict[str, list[np.ndarray]] = {}
     for flag in ("1", "0"):  # shared first: memory a closed session leaves in a pool is not counted against it
         monkeypatch.setenv("COSYEDGE_ORT_SHARE_WEIGHTS", flag)
         backend = OrtBackend(["CUDAExecutionProvider", "CPUExecutionProvider"])
@@ -161,13 +162,16 @@ def test_cuda_sessions_hold_one_device_copy(shared_dir: tuple[Path, list[np.ndar
         sessions = [backend.load(n, root / f"{n}.onnx", threads=1) for n in ("a", "b", "c")]
         try:
             assert all(s.shares_weights == (flag == "1") for s in sessions)
-            for s in sessions:
-                np.testing.assert_allclose(s.run({"x": x})[s.output_names[0]], expected, rtol=1e-3, atol=1e-3)
+            outputs[flag] = [s.run({"x": x})[s.output_names[0]] for s in sessions]
+            for y in outputs[flag]:  # the CUDA provider's MatMuls run in TF32: ~2e-3 from the CPU here
+                np.testing.assert_allclose(y, expected, rtol=1e-2, atol=1e-2)
             now = device_memory_used()
             assert start is not None and now is not None
             grown[flag] = now - start
         finally:
             for s in sessions:
                 s.close()
+    for shared, own in zip(outputs["1"], outputs["0"], strict=True):  # the same kernels on the same weights
+        np.testing.assert_allclose(shared, own, rtol=1e-5, atol=1e-6)
     one_copy = sum(w.nbytes for w in weights)
     assert grown["0"] - grown["1"] >= 1.5 * one_copy, (grown, one_copy)
