@@ -17,7 +17,13 @@ import onnx
 from cosyedge_build.export.shared_weights import share_weights
 from cosyedge_build.quantize.accuracy import compare_bundles, failures
 from cosyedge_build.quantize.capture import Feed, capture_feeds
-from cosyedge_build.quantize.fp16 import FP16_IO, convert_fp16
+from cosyedge_build.quantize.companions import (
+    add_companion_variants,
+    always_fp32_nodes,
+    convert_companions,
+    fp16_io,
+)
+from cosyedge_build.quantize.fp16 import convert_fp16
 from cosyedge_build.quantize.memory import (
     GIB,
     MemoryEstimate,
@@ -27,7 +33,7 @@ from cosyedge_build.quantize.memory import (
     graph_bytes,
     peak_rss_bytes,
 )
-from cosyedge_build.quantize.policy import UNITS, fp32_node_names, groups_in
+from cosyedge_build.quantize.policy import UNITS, fp32_node_names
 from cosyedge_build.quantize.sensitivity import _outputs, quantize_unit, stage_metrics
 from cosyedge_build.quantize.settings import QuantizeSettings
 from cosyedge_build.quantize.texts import HELD_OUT_TEXTS, calibration_texts
@@ -105,10 +111,13 @@ def quantize_bundle(src: Path, out: Path, settings: QuantizeSettings) -> dict[st
             gc.collect()  # the unit's models and sessions go before the next unit's load
             peaks[f"unit {unit.name}"] = peak_rss_bytes()
             progress.advance(f"unit {unit.name}")
-        llm_files = [files[s].name for s in ("llm_prefill", "llm_decode") if s in files]
-        if len(llm_files) == 2:  # one copy of the low-precision LLM weights, as for fp32
+        extra = convert_companions(src, tmp, settings.precision, files)
+        llm_files = [p.name for s, p in {**files, **extra}.items()
+                     if s in ("llm_prefill", "llm_decode", "llm_decode_static")]
+        if len(llm_files) >= 2:  # one copy of the low-precision LLM weights, as for fp32
             share_weights(tmp, llm_files, f"llm_weights.{settings.precision}.bin")
         add_variants(tmp, settings.precision, files, fp32_nodes, REPORT_FILE)
+        add_companion_variants(tmp, settings.precision, extra)
         metrics = compare_bundles(src, tmp, settings.precision, held_texts, settings.seed)
         peaks["accuracy_report"] = peak_rss_bytes()
         progress.advance("accuracy report")
@@ -152,10 +161,11 @@ def _fp16_unit(unit: Any, src: Path, tmp: Path, calib: Mapping[str, Sequence[Fee
     """fp16 graphs of one unit; the always-fp32 groups stay fp32. Refuses a
     graph that gives NaN/Inf on any calibration input."""
     paths = {}
+    manifest = json.loads((src / "manifest.json").read_text())
     for stage in unit.stages:
-        block = _always_fp32_nodes(unit, src / f"{stage}.onnx")
+        block = always_fp32_nodes(unit, src / f"{stage}.onnx")
         paths[stage] = tmp / f"{stage}.fp16.onnx"
-        convert_fp16(src / f"{stage}.onnx", paths[stage], block, FP16_IO.get(stage, ()))
+        convert_fp16(src / f"{stage}.onnx", paths[stage], block, fp16_io(stage, manifest))
         bad = sum(not np.isfinite(o).all() for o in _outputs(paths[stage], calib[stage]))
         if bad:
             raise CosyEdgeError(f"{stage}: the fp16 graph gives NaN/Inf on {bad} of {len(calib[stage])} "
@@ -170,7 +180,7 @@ def _weight_only_unit(unit: Any, src: Path, tmp: Path, held: Mapping[str, Sequen
     paths = {}
     counts = {}
     for stage in unit.stages:
-        exclude = _always_fp32_nodes(unit, src / f"{stage}.onnx")
+        exclude = always_fp32_nodes(unit, src / f"{stage}.onnx")
         paths[stage] = tmp / f"{stage}.int8w.onnx"
         counts[stage] = quantize_weight_only(src / f"{stage}.onnx", paths[stage], exclude)
         if counts[stage] == 0:  # no MatMul with a constant weight (the vocoder is convolutions): keep fp32
@@ -180,12 +190,6 @@ def _weight_only_unit(unit: Any, src: Path, tmp: Path, held: Mapping[str, Sequen
     if not paths:
         return {"unit": unit.name, "matmul_nbits": counts, "note": "kept in fp32: no MatMul weights"}
     return {**_unit_report(unit, src, paths, held), "matmul_nbits": counts}
-
-
-def _always_fp32_nodes(unit: Any, graph: Path) -> list[str]:
-    """The node names of the unit's always-fp32 groups in `graph`."""
-    groups = groups_in(unit, onnx.load(str(graph), load_external_data=False))
-    return [n for g in unit.always_fp32 for n in groups.get(g, [])]
 
 
 def _unit_report(unit: Any, src: Path, paths: dict[str, Path], held: Mapping[str, Sequence[Feed]]) -> dict[str, Any]:

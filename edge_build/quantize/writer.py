@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from cosyedge_build.quantize.fp16 import FP16_IO
+from cosyedge_build.quantize.companions import fp16_io
 from cosyedge_build.quantize.policy import FP32_STAGES
 from cosyedge_models.bundle.loader import STAGES, sha256_file
 
@@ -53,8 +53,8 @@ def add_variants(dst: Path, precision: str, files: dict[str, Path], fp32_nodes: 
             variant: dict[str, Any] = {"file": path.name, "sha256": sha256_file(path), "precision": precision}
             if precision == "int8":
                 variant["fp32_nodes"] = fp32_nodes.get(name, [])
-            if precision == "fp16" and name in FP16_IO:
-                variant["fp16_io"] = list(FP16_IO[name])
+            if precision == "fp16" and fp16_io(name, manifest):
+                variant["fp16_io"] = list(fp16_io(name, manifest))
         else:
             why = "kept in fp32 (F0 predictor / source)" if name in FP32_STAGES else "kept in fp32"
             variant = {"file": entry["file"], "sha256": entry.get("sha256"), "precision": "fp32", "note": why}

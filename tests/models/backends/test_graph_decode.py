@@ -48,7 +48,7 @@ def _decoder(bundle_dir: Path, device: str = "cpu", slots: int = 2) -> tuple[Gra
     return dec, backend, sessions
 
 
-def _compare_with_dynamic(bundle_dir: Path, device: str) -> None:
+def _compare_with_dynamic(bundle_dir: Path, device: str, atol: float = 1e-5, rtol: float = 1e-5) -> None:
     dec, _, sessions = _decoder(bundle_dir, device)
     dec.warm_up()  # as the engine does: both slots made and (on a GPU) captured on the graph thread
     bundle = load_bundle(bundle_dir)
@@ -60,9 +60,9 @@ def _compare_with_dynamic(bundle_dir: Path, device: str) -> None:
     loop = dec.loop(17 + len(steps) + 1)
     assert isinstance(loop, GraphDecodeLoop)
     try:
-        np.testing.assert_allclose(loop.prefill(prompt), host.prefill(prompt), atol=1e-5)
+        np.testing.assert_allclose(loop.prefill(prompt), host.prefill(prompt), atol=atol)
         for e in steps:
-            np.testing.assert_allclose(loop.step(e), host.step(e), atol=1e-5, rtol=1e-5)
+            np.testing.assert_allclose(loop.step(e), host.step(e), atol=atol, rtol=rtol)
         assert loop.cache_len == host.cache_len == 17 + len(steps)
     finally:
         loop.close()
