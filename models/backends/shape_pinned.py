@@ -77,6 +77,11 @@ class ShapePinnedSession:
             with self._lock:
                 self._busy.discard(id(sess))
 
+    def pinned_shapes(self) -> list[tuple[tuple[int, ...], ...]]:
+        """The input shapes (sorted by input name) that have a session now."""
+        with self._lock:
+            return list(self._by_shape)
+
     def memory_bytes(self) -> int:
         return sum(s.memory_bytes() for s in self._all)
 

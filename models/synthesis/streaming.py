@@ -71,3 +71,11 @@ class ChunkSchedule:
         chunk = Chunk(self.offset, n_tokens, final=True)
         self.offset = n_tokens
         return chunk
+
+
+def recurring_mel_frames(hop: int, token_mel_ratio: int, mel_cache_len: int,
+                         first_hop: int | None = None) -> tuple[int, int]:
+    """The vocoder's mel lengths that every stream of a prompt-less voice
+    repeats: its first chunk (the first hop's frames) and a steady chunk
+    (a hop's frames after the kept mel overlap)."""
+    return (first_hop or hop) * token_mel_ratio, hop * token_mel_ratio + mel_cache_len

@@ -49,7 +49,7 @@ from cosyedge_models.synthesis.modes import MODES
 from cosyedge_models.synthesis.request_state import LlmSpans, RequestState
 from cosyedge_models.synthesis.sampling import TokenSampler
 from cosyedge_models.synthesis.settings import SynthesisSettings
-from cosyedge_models.synthesis.streaming import ChunkSchedule
+from cosyedge_models.synthesis.streaming import ChunkSchedule, recurring_mel_frames
 from cosyedge_models.synthesis.token_stream import ProducedTokens, ProducerPool, SerialTokens
 from cosyedge_models.synthesis.vocoder import HiftVocoder, NoiseSource, VocoderStream
 from cosyedge_models.synthesis.voice_cache import (
@@ -122,6 +122,9 @@ class CosyVoiceSynthesizer(EngineDefaults):
         self.flow = FlowDecoder(bundle, load("flow_encoder"), stages["flow_estimator"],
                                 self.static_flow if self.static_flow is not None else backend.flow_cache)
         self.vocoder = HiftVocoder(bundle, stages["hift_source"], stages["hift_decoder"])
+        if pinned > 1:  # the first and the steady chunk's mel lengths recur in every stream: set up now
+            self.vocoder.warm_up(recurring_mel_frames(bundle.streaming.token_hop_len, bundle.token_mel_ratio,
+                                                      bundle.streaming.mel_cache_len, settings.first_hop_tokens))
         self.tokenizer = TextTokenizer.from_file(bundle.file("tokenizer"))
         self.frontend = TextFrontend(self.tokenizer, max_text_chars=settings.max_text_chars)
         self.conditioning = ConditioningBuilder(bundle, self.tokenizer, self.frontend)

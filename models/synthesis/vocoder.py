@@ -10,6 +10,7 @@ samples are held back until the next chunk or the end. The cache lives in a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -40,6 +41,17 @@ class HiftVocoder:
         self.mel_cache_len = bundle.streaming.mel_cache_len
         self.source_cache_len = bundle.streaming.source_cache_len
         self.window = np.hamming(2 * self.source_cache_len).astype(np.float32)
+        self.mel_bins = bundle.mel_bins
+
+    def warm_up(self, frames: Sequence[int]) -> None:
+        """One call at each mel length before any request: sessions kept on one
+        shape (ShapePinnedSession) then serve those lengths set up, where the
+        CUDA provider's convolutions cost 150-200 ms at a shape new to them."""
+        for n in frames:
+            mel = np.zeros((1, self.mel_bins, n), np.float32)
+            draws = np.zeros((1, n * self.upsample, self.harmonics), np.float32)
+            source = self.source_session.run({"mel": mel, "noise": draws})["source"]
+            self.decoder_session.run({"mel": mel, "source": source})
 
     def run(self, mel: np.ndarray, noise: NoiseSource, cache_source: np.ndarray | None = None) -> tuple[
             np.ndarray, np.ndarray]:

@@ -80,3 +80,31 @@ def test_engine_audio_is_unchanged_with_pinned_vocoder_sessions(tiny_bundle: Pat
         finally:
             eng.close()
     np.testing.assert_array_equal(out[1], out[3])
+
+
+def test_the_recurring_chunk_shapes_are_set_up_at_load(tiny_bundle: Path) -> None:
+    """With pinned sessions the engine runs the vocoder once at the first and the
+    steady chunk's mel lengths at load, so a stream's first chunk meets a
+    session already on its shape (150-200 ms on the H200 otherwise)."""
+    eng = load_synthesizer(tiny_bundle, "ort", SynthesisSettings(backend="ort", vocoder_sessions=3,
+                                                                 overlap_stages=False))
+    try:
+        decoder = eng.vocoder.decoder_session
+        assert isinstance(decoder, ShapePinnedSession)
+        warmed = {key[0][2] for key in decoder.pinned_shapes()}  # (mel, source) shapes: mel frames
+        hop, ratio = eng.bundle.streaming.token_hop_len, eng.bundle.token_mel_ratio
+        assert decoder.loads == 2 and warmed == {hop * ratio, hop * ratio + eng.bundle.streaming.mel_cache_len}
+        seen: list[int] = []
+        run = decoder.run
+
+        def recording(inputs, outputs=None):  # type: ignore[no-untyped-def]
+            seen.append(int(inputs["mel"].shape[2]))
+            return run(inputs, outputs)
+
+        decoder.run = recording  # type: ignore[method-assign]
+        text = "Hello from the tiny model, one two three, and a few more words to make chunks."
+        chunks = list(eng.synthesize(SynthesisRequest(text=text, seed=3, stream=True)))
+        assert len(chunks) >= 3 and len(seen) == len(chunks)
+        assert set(seen[:-1]) <= warmed  # every chunk but the last (any length) had its session ready
+    finally:
+        eng.close()
