@@ -148,7 +148,11 @@ def projection_table(workload: Workload, measured_h200: Mapping[str, float] | No
 # What the H200 measured (README "Benchmarks", 2026-11-29: fp32 ort-cuda, full-size random-weight bundle;
 # no raw JSON of that run is in docs/benchmarks/): streaming first audio at concurrency 1, offline RTF on a
 # 10.4 s utterance, one CUDA-graph decode step.
-H200_MEASURED = {"first_audio_ms": 633.0, "rtf": 0.116, "decode_step_ms": 3.4}
+# What the H200 measured (docs/gpu.md), full size, fp32 `ort-cuda`: first audio with the
+# cached zero-shot voice and offline RTF over a 26 s utterance from the 2026-12-02 run
+# (docs/benchmarks/h200-2026-12-02-voice-fp32-fp16.json); the captured decode step from
+# 2026-12-01 (docs/benchmarks/h200-2026-12-01-single-stream.json).
+H200_MEASURED = {"first_audio_ms": 299.0, "rtf": 0.268, "decode_step_ms": 3.4}
 
 
 def format_projection(table: Mapping[str, Any]) -> str:
@@ -160,7 +164,7 @@ def format_projection(table: Mapping[str, Any]) -> str:
     measured = table["h200"].get("measured")
     if measured:
         ratio = table["h200"]["measured_over_predicted"]
-        lines.append(f"{'NVIDIA H200 measured (README)':38} {'fp32':5} {measured['first_audio_ms']:>14.1f} "
+        lines.append(f"{'NVIDIA H200 measured (docs/gpu.md)':38} {'fp32':5} {measured['first_audio_ms']:>14.1f} "
                      f"{measured['rtf']:>8.4f}   measured / predicted: first audio {ratio.get('first_audio_ms')}x, "
                      f"RTF {ratio.get('rtf')}x, decode step {ratio.get('decode_step_ms')}x")
     return "\n".join(lines)
