@@ -75,3 +75,16 @@ def test_flow_keeps_one_fp32_cache_for_both_estimators(fp16_graph_bundle: tuple[
     finally:
         eng.close()
     assert pcm.size > 0 and np.isfinite(pcm).all()
+
+
+def test_weight_only_bundle_quantizes_the_fixed_size_step_too(graph_bundle: Path,
+                                                              tmp_path: Path) -> None:
+    settings = QuantizeSettings(precision="int8w", calibration_size=2, held_out_size=1, feeds_per_stage=4,
+                                force=True)  # only the layout is checked here
+    out = tmp_path / "b8w"
+    quantize_bundle(graph_bundle, out, settings)
+    bundle = load_bundle(out)
+    assert bundle.stages["llm_decode_static"].path.name == "llm_decode_static.int8w.onnx"
+    index = json.loads((out / "llm_weights.int8w.json").read_text())
+    assert sorted(index["graphs"]) == sorted(f"{g}.int8w.onnx" for g in LLM_GRAPHS)
+    _compare_with_dynamic(out, "cpu", atol=1e-4, rtol=1e-4)  # the same int8 weights and kernels in both
