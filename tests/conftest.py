@@ -87,14 +87,15 @@ def static_flow_bundle(tiny_model_dir: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def graph_bundle(tiny_model_dir: Path) -> Path:
-    """The tiny bundle with both CUDA-graph stages: the fixed-size decode step and the fixed-shape flow graphs."""
+    """The tiny bundle with every CUDA-graph stage: the fixed-size decode step, the fixed-shape flow
+    graphs and the fixed-length vocoder graphs."""
     from cosyedge_build.export import export_bundle
 
     key = _code_hash("edge_build", "models")
     return _cached_dir("tiny-graph-bundle", key,
                        lambda out: export_bundle(tiny_model_dir, out, static_decode_len=STATIC_DECODE_LEN,
                                                  static_flow_windows=STATIC_FLOW_WINDOWS,
-                                                 static_flow_cache=STATIC_FLOW_CACHE))
+                                                 static_flow_cache=STATIC_FLOW_CACHE, static_vocoder=True))
 
 
 @pytest.fixture()

@@ -27,7 +27,7 @@ def build_command(args: argparse.Namespace) -> int:
         started = time.monotonic()
         windows = tuple(int(w) for w in args.static_flow_windows.split(",") if w.strip())
         out = export_bundle(Path(args.model_dir), Path(args.out), args.static_decode_len, windows,
-                            args.static_flow_cache)
+                            args.static_flow_cache, args.static_vocoder)
         print(f"exported {args.model_dir} to the bundle {out} in {time.monotonic() - started:.1f} s")
         return 0
     if cmd == "engines":

@@ -81,12 +81,15 @@ def _add_build(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--out", required=True)
     e.add_argument("--static-decode-len", type=int, default=0, metavar="POSITIONS",
                    help="also export a fixed-size LLM decode step for this many positions (prompt + speech "
-                        "tokens): ort-cuda replays it as a CUDA graph; it adds a copy of the LLM weights (0: off)")
+                        "tokens): ort-cuda replays it as a CUDA graph; weights shared with the LLM (0: off)")
     e.add_argument("--static-flow-windows", default="", metavar="FRAMES,...",
                    help="also export fixed-shape flow estimator graphs for these streaming window sizes (mel "
                         "frames; shorter windows are padded): ort-cuda replays them as CUDA graphs")
     e.add_argument("--static-flow-cache", type=int, default=1024, metavar="FRAMES",
                    help="committed frames the fixed-shape estimator graphs hold (longer streams use the dynamic graph)")
+    e.add_argument("--static-vocoder", action="store_true",
+                   help="also export fixed-length vocoder graphs for the first and the steady streaming chunk: "
+                        "ort-cuda replays them as CUDA graphs (other lengths use the dynamic graphs)")
     q = bs.add_parser("quantize", help="INT8 / FP16 Q/DQ bundle with an accuracy gate")
     q.add_argument("--bundle", required=True)
     q.add_argument("--out", required=True)

@@ -16,10 +16,11 @@ log = logging.getLogger(__name__)
 
 
 def export_bundle(model_dir: Path, out: Path, static_decode_len: int = 0,
-                  static_flow_windows: tuple[int, ...] = (), static_flow_cache: int = 1024) -> Path:
+                  static_flow_windows: tuple[int, ...] = (), static_flow_cache: int = 1024,
+                  static_vocoder: bool = False) -> Path:
     """`static_decode_len` > 0 adds the fixed-size decode step (CUDA graphs on ort-cuda) for that many
     positions; `static_flow_windows` the fixed-shape estimator graphs (flow_static.py) over a cache
-    of `static_flow_cache` frames."""
+    of `static_flow_cache` frames; `static_vocoder` the fixed-length vocoder graphs (hift_static.py)."""
     import cosyedge_build.reference.modules as reference
     from cosyedge_build.export import (
         bundle,
@@ -27,6 +28,7 @@ def export_bundle(model_dir: Path, out: Path, static_decode_len: int = 0,
         flow_estimator,
         flow_static,
         hift,
+        hift_static,
         hyperparams,
         llm,
         shared_weights,
@@ -58,6 +60,10 @@ def export_bundle(model_dir: Path, out: Path, static_decode_len: int = 0,
                                                                    static_flow_cache, chunk))
             progress.advance("flow estimator")
             stages.extend(hift.export_hift(refs.hift, scratch))
+            if static_vocoder:
+                frames = hift_static.static_vocoder_frames(hyper["streaming"], int(hyper["token_mel_ratio"]))
+                stages.extend(hift_static.export_static_vocoder(refs.hift, scratch, frames,
+                                                                int(hyper["streaming"]["source_cache_len"])))
             progress.advance("vocoder")
             stages.extend(bundle.carry_onnx(model_dir, scratch))
             tok = tokenizer.export_tokenizer(model_dir, scratch)

@@ -67,7 +67,7 @@ if [ ! -f "$full/ckpt/cosyvoice2.yaml" ]; then
 fi
 if [ ! -f "$full/bundle/manifest.json" ]; then
   python3 -m cosyedge_daemon build export --model-dir "$full/ckpt" --out "$full/bundle" --static-decode-len 1536 \
-    --static-flow-windows "${STATIC_FLOW_WINDOWS:-64,128,640}" --static-flow-cache "${STATIC_FLOW_CACHE:-1024}" \
+    --static-flow-windows "${STATIC_FLOW_WINDOWS:-64,128,640}" --static-flow-cache "${STATIC_FLOW_CACHE:-1024}" --static-vocoder \
     >>"$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
 fi
 if [ ! -f "$full/fp16/manifest.json" ]; then

@@ -24,6 +24,8 @@ STAGES = ("llm_prefill", "llm_decode", "flow_encoder", "flow_estimator", "hift_s
 OPTIONAL_STAGES = ("llm_decode_static", "llm_kv_pad")
 # ... and (build export --static-flow-windows) one fixed-shape flow estimator per window size
 STATIC_FLOW_PREFIX = "flow_estimator_static_w"
+# the fixed-length vocoder graphs (build export --static-vocoder): prefix + mel frames
+STATIC_VOCODER_PREFIX = "hift_static_f"
 
 
 def _covers_prefix(profile: Mapping[str, Any]) -> bool:
@@ -227,7 +229,7 @@ def load_bundle(root: Path | str, precision: str | None = None, *, backend: str 
             raise BundleError(f"{root}: stage file {entry['file']} is missing")
         stages[name] = StageInfo(name, path, entry.get("precision", chosen), entry.get("sha256"), entry)
 
-    static_flow = [n for n in manifest.get("stages", {}) if n.startswith(STATIC_FLOW_PREFIX)]
+    static_flow = [n for n in manifest.get("stages", {}) if n.startswith((STATIC_FLOW_PREFIX, STATIC_VOCODER_PREFIX))]
     for name in (*OPTIONAL_STAGES, *static_flow) if backend != "trt" else ():
         entry = manifest.get("stages", {}).get(name)
         if isinstance(entry, dict) and chosen in entry.get("variants", {}):

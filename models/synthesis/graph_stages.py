@@ -20,6 +20,7 @@ from cosyedge_models.synthesis.settings import SynthesisSettings
 if TYPE_CHECKING:  # onnxruntime is imported only where a stage is on (the trt backend runs without it)
     from cosyedge_models.backends.ort_graph_decode import GraphDecoder
     from cosyedge_models.backends.ort_static_flow import StaticFlowGraphs
+    from cosyedge_models.backends.ort_static_vocoder import StaticVocoder
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ class GraphStages:
         self.thread: GraphThread | None = None
         self.decode: GraphDecoder | None = None
         self.flow: StaticFlowGraphs | None = None
+        self.vocoder: StaticVocoder | None = None
 
     def _thread(self) -> GraphThread:
         if self.thread is None:
@@ -78,8 +80,20 @@ class GraphStages:
                                      self.settings.graph_flow_slots, self._thread)
         return self.flow
 
+    def static_vocoder(self) -> StaticVocoder | None:
+        """The fixed-length vocoder graphs, captured now, or None (not with flow batching)."""
+        if self.settings.flow_batching is not None or not self.backend_name.startswith("ort"):
+            return None
+        from cosyedge_models.backends.ort_static_vocoder import load_static_vocoder
+
+        self.vocoder = load_static_vocoder(self.bundle, self.backend_name, self._load, self.settings.graph_vocoder,
+                                           self._thread)
+        return self.vocoder
+
     def close(self) -> None:
         """Drop the slots and stop the graph thread (the engine closes the sessions after this)."""
+        if self.vocoder is not None:
+            self.vocoder.close()
         if self.decode is not None:
             self.decode.close()
         if self.flow is not None:

@@ -64,6 +64,10 @@ class SynthesisSettings:
     # Sessions per vocoder graph, each kept on one input shape (models/backends/shape_pinned.py):
     # None auto (3 on ort-cuda, where a shape change costs ~150 ms a call; else 1).
     vocoder_sessions: int | None = None
+    # The fixed-length vocoder graphs (bundles exported with --static-vocoder: the first and the
+    # steady streaming chunk) replayed as CUDA graphs on the engine's GPU graph thread, not with
+    # flow batching: None auto (on for ort-cuda), True on (on the CPU without capture), False off.
+    graph_vocoder: bool | None = None
 
     def __post_init__(self) -> None:
         if self.max_text_chars < 1:

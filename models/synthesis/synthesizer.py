@@ -121,8 +121,9 @@ class CosyVoiceSynthesizer(EngineDefaults):
         self.static_flow = self.graphs.static_flow()
         self.flow = FlowDecoder(bundle, load("flow_encoder"), stages["flow_estimator"],
                                 self.static_flow if self.static_flow is not None else backend.flow_cache)
-        self.vocoder = HiftVocoder(bundle, stages["hift_source"], stages["hift_decoder"])
-        if pinned > 1:  # the first and the steady chunk's mel lengths recur in every stream: set up now
+        self.static_vocoder = self.graphs.static_vocoder()
+        self.vocoder = HiftVocoder(bundle, stages["hift_source"], stages["hift_decoder"], self.static_vocoder)
+        if pinned > 1 and self.static_vocoder is None:  # the recurring chunk lengths, set up now
             self.vocoder.warm_up(recurring_mel_frames(bundle.streaming.token_hop_len, bundle.token_mel_ratio,
                                                       bundle.streaming.mel_cache_len, settings.first_hop_tokens))
         self.tokenizer = TextTokenizer.from_file(bundle.file("tokenizer"))

@@ -32,10 +32,20 @@ def crossfade(head: np.ndarray, prev_tail: np.ndarray, window: np.ndarray) -> np
     return out
 
 
+class FixedLengthVocoder(Protocol):
+    """Both vocoder stages for some chunk lengths in one call
+    (models/backends/ort_static_vocoder.py); None where it has no graph."""
+
+    def run(self, mel: np.ndarray, noise: np.ndarray, cache: np.ndarray | None) -> tuple[
+        np.ndarray, np.ndarray] | None: ...
+
+
 class HiftVocoder:
-    def __init__(self, bundle: Bundle, source: Session, decoder: Session) -> None:
+    def __init__(self, bundle: Bundle, source: Session, decoder: Session,
+                 static: FixedLengthVocoder | None = None) -> None:
         self.source_session = source
         self.decoder_session = decoder
+        self.static = static  # the fixed-length graphs where a chunk's length has one
         self.upsample = bundle.hift.upsample_factor
         self.harmonics = bundle.hift.harmonics
         self.mel_cache_len = bundle.streaming.mel_cache_len
@@ -59,6 +69,8 @@ class HiftVocoder:
         frames = mel.shape[2]
         mel = np.ascontiguousarray(mel, dtype=np.float32)
         draws = noise.standard_normal((1, frames * self.upsample, self.harmonics), np.float32)
+        if self.static is not None and (out := self.static.run(mel, draws, cache_source)) is not None:
+            return out
         source = self.source_session.run({"mel": mel, "noise": draws})["source"]
         if cache_source is not None and cache_source.shape[2]:
             source = source.copy()

@@ -1,0 +1,84 @@
+"""Fixed-length vocoder graphs for CUDA-graph replay (`build export --static-vocoder`).
+
+Streaming repeats two mel lengths in every stream: the first chunk (the
+first hop's frames) and the steady chunk (a hop's frames after the kept mel
+overlap). For each, one graph of hift_source and hift_decoder together with
+only static shapes, so onnxruntime's CUDA provider can capture it and a
+chunk's vocoder is one launch (the dynamic pair is two sessions with shape
+arithmetic on the host). The lengths are exact, not buckets: HiFT's
+convolutions are not causal, so padding would change the audio.
+
+* mel [1, C, N], noise [1, N*U, H]: as hift_source.
+* cache_source [1, 1, L] and cache_on [1]: the previous chunk's source tail
+  (L = the bundle's source_cache_len) replaces the head of this chunk's
+  source when cache_on is 1, as the runtime does between the two dynamic
+  stages (cache_on 0: the first chunk).
+* audio [1, N*U]; source [1, 1, N*U] (its tail is the next chunk's cache).
+
+models/backends/ort_static_vocoder.py replays them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from cosyedge_build.export.graphs import StageGraph, TensorSpec, export_stage, module_base
+from cosyedge_build.export.hift import _torch, make_decoder_graph, make_source_graph, upsample_factor
+from cosyedge_models.bundle.loader import STATIC_VOCODER_PREFIX
+from cosyedge_models.synthesis.streaming import recurring_mel_frames
+
+
+def stage_name(frames: int) -> str:
+    return f"{STATIC_VOCODER_PREFIX}{frames}"
+
+
+def make_static_vocoder(hift: Any, cache_len: int) -> Any:
+    torch = _torch()
+    source_graph, decoder_graph = make_source_graph(hift), make_decoder_graph(hift)
+
+    class StaticVocoderGraph(module_base()):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.source_graph = source_graph
+            self.decoder_graph = decoder_graph
+
+        def forward(self, mel: Any, noise: Any, cache_source: Any, cache_on: Any) -> tuple[Any, Any]:
+            source = self.source_graph(mel, noise)
+            on = cache_on.view(1, 1, 1)
+            head = on * cache_source + (1.0 - on) * source[:, :, :cache_len]  # exact for 0 and 1
+            source = torch.cat([head, source[:, :, cache_len:]], dim=2)
+            return self.decoder_graph(mel, source), source
+
+    return StaticVocoderGraph().eval()
+
+
+def static_vocoder_frames(streaming: dict[str, Any], token_mel_ratio: int) -> list[int]:
+    """The mel lengths to export: the recurring ones of the engine's default schedule."""
+    first, steady = recurring_mel_frames(int(streaming["token_hop_len"]), token_mel_ratio,
+                                         int(streaming["mel_cache_len"]))
+    return sorted({first, steady})
+
+
+def export_static_vocoder(hift: Any, out: Path, frames: list[int], cache_len: int) -> list[StageGraph]:
+    """One graph per mel length; each chunk must be longer than the source cache."""
+    torch = _torch()
+    c = int(hift.f0_predictor.condnet[0].in_channels)
+    factor = upsample_factor(hift)
+    harmonics = int(hift.nb_harmonics) + 1
+    if any(n * factor <= cache_len for n in frames):
+        raise ValueError(f"static vocoder lengths {frames} must exceed the source cache ({cache_len} samples)")
+    graph = make_static_vocoder(hift, cache_len)
+    stages = []
+    for n in frames:
+        stage = StageGraph(
+            stage_name(n), f"{stage_name(n)}.onnx",
+            [TensorSpec("mel", "float32", (1, c, n)), TensorSpec("noise", "float32", (1, n * factor, harmonics)),
+             TensorSpec("cache_source", "float32", (1, 1, cache_len)), TensorSpec("cache_on", "float32", (1,))],
+            [TensorSpec("audio", "float32", (1, n * factor)), TensorSpec("source", "float32", (1, 1, n * factor))],
+            {},
+            extra={"frames": n, "cache_len": cache_len},
+        )
+        example = (torch.randn(1, c, n), torch.randn(1, n * factor, harmonics), torch.randn(1, 1, cache_len) * 0.1,
+                   torch.tensor([0.5]))  # not 0 or 1: nothing folds away in the trace
+        stages.append(export_stage(graph, example, out, stage))
+    return stages
