@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +14,7 @@ from cosyedge_models.backends.flow_cache import HostStepCache, StepCache, StepCa
 from cosyedge_models.backends.ort_cache import BoundCacheFactory
 from cosyedge_models.backends.profiling import profile_dir
 from cosyedge_models.backends.shared_weights import SharedWeights, SharedWeightsRegistry
-from cosyedge_models.bundle.loader import STATIC_FLOW_PREFIX, STATIC_VOCODER_PREFIX
+from cosyedge_models.bundle.loader import STATIC_FLOW_PREFIX, STATIC_VOCODER_PREFIX, Bundle
 from cosyedge_models.errors import BundleError, SynthesisError
 
 log = logging.getLogger(__name__)
@@ -279,3 +279,23 @@ class BoundDecodeLoop:
     def close(self) -> None:
         self._kv = None
         self._len = 0
+
+
+def fixed_shape_sessions(bundle: Bundle, backend_name: str, load: Callable[[str], Session], setting: bool | None,
+                         prefix: str, what: str) -> tuple[list[OrtSession], tuple[str, int]] | None:
+    """The bundle's fixed-shape graphs named `prefix`..., loaded, with the
+    device they run on, or None (off). `setting`: None auto (on for ort-cuda
+    when the bundle has them), True on (an error without them; on the CPU
+    without capture), False off. `what` names the setting and the export
+    option in that error."""
+    names = sorted(n for n in bundle.stages if n.startswith(prefix))
+    if setting is True and not names:
+        raise BundleError(f"{bundle.root}: {what}")
+    wanted = setting if setting is not None else backend_name == "ort-cuda"
+    if not (wanted and names and backend_name.startswith("ort")):
+        return None
+    sessions = [load(n) for n in names]
+    ort_sessions = [s for s in sessions if isinstance(s, OrtSession)]
+    if len(ort_sessions) != len(sessions):
+        return None  # a wrapped backend (tests): the dynamic graphs
+    return ort_sessions, (("cuda", ort_sessions[0].device_id) if ort_sessions[0].on_device else ("cpu", 0))

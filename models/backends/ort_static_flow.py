@@ -41,7 +41,7 @@ from cosyedge_models.backends.base import Session
 from cosyedge_models.backends.flow_cache import PrefixRows, StepCache, StepCacheSpec, trim_due
 from cosyedge_models.backends.gpu_probe import probe_gpu
 from cosyedge_models.backends.graph_thread import CAPTURE_RUNS, GraphThread, GraphThreadClosed
-from cosyedge_models.backends.ort import OrtSession
+from cosyedge_models.backends.ort import OrtSession, fixed_shape_sessions
 from cosyedge_models.backends.ort_cache import BoundStepCache, DeviceCopier, prefix_on_device
 from cosyedge_models.bundle.loader import STATIC_FLOW_PREFIX, Bundle
 from cosyedge_models.errors import BundleError, SynthesisError
@@ -393,22 +393,16 @@ def load_static_flow(bundle: Bundle, backend_name: str, load: Callable[[str], Se
     graphs, with as many of the `slots` as fit in AUTO_DEVICE_FRACTION of
     the GPU's memory (off when none does: an 8 GB Jetson at full size);
     False: off."""
-    names = sorted(n for n in bundle.stages if n.startswith(STATIC_FLOW_PREFIX))
-    if setting is True and not names:
-        raise BundleError(f"{bundle.root}: graph_flow needs a bundle exported with "
-                          "'cosyedge build export --static-flow-windows W,...'")
-    wanted = setting if setting is not None else backend_name == "ort-cuda"
-    if not (wanted and names and backend_name.startswith("ort")):
+    found = fixed_shape_sessions(bundle, backend_name, load, setting, STATIC_FLOW_PREFIX,
+                                 "graph_flow needs a bundle exported with "
+                                 "'cosyedge build export --static-flow-windows W,...'")
+    if found is None:
         return None
-    sessions = [load(n) for n in names]
-    ort_sessions = [s for s in sessions if isinstance(s, OrtSession)]
-    if len(ort_sessions) != len(sessions):
-        return None  # a wrapped backend (tests): the dynamic graph
+    ort_sessions, device = found
     sizes = {int(s.input_shapes["att_cache"][0]) for s in ort_sessions}
     if len(sizes) > 1:
         raise BundleError(f"{bundle.root}: fixed-shape estimator graphs with different cache sizes "
                           f"{sorted(sizes)}; re-export")
-    device = ("cuda", ort_sessions[0].device_id) if ort_sessions[0].on_device else ("cpu", 0)
     if setting is None:
         per_request = request_bytes(ort_sessions, bundle.flow.n_timesteps)
         total = _device_total_bytes(device[1])

@@ -22,9 +22,9 @@ import numpy as np
 import onnxruntime as ort
 from cosyedge_models.backends.base import Session
 from cosyedge_models.backends.graph_thread import CAPTURE_RUNS, GraphThread
-from cosyedge_models.backends.ort import OrtSession
+from cosyedge_models.backends.ort import OrtSession, fixed_shape_sessions
 from cosyedge_models.bundle.loader import STATIC_VOCODER_PREFIX, Bundle
-from cosyedge_models.errors import BundleError, SynthesisError
+from cosyedge_models.errors import SynthesisError
 
 log = logging.getLogger(__name__)
 
@@ -114,19 +114,11 @@ def load_static_vocoder(bundle: Bundle, backend_name: str, load: Callable[[str],
     """The bundle's fixed-length vocoder graphs, captured now, or None. `setting`:
     None auto (on for ort-cuda when the bundle has them), True: on (an error
     without them), False: off."""
-    names = sorted(n for n in bundle.stages if n.startswith(STATIC_VOCODER_PREFIX))
-    if setting is True and not names:
-        raise BundleError(f"{bundle.root}: graph_vocoder needs a bundle exported with "
-                          "'cosyedge build export --static-vocoder'")
-    wanted = setting if setting is not None else backend_name == "ort-cuda"
-    if not (wanted and names and backend_name.startswith("ort")):
+    found = fixed_shape_sessions(bundle, backend_name, load, setting, STATIC_VOCODER_PREFIX,
+                                 "graph_vocoder needs a bundle exported with 'cosyedge build export --static-vocoder'")
+    if found is None:
         return None
-    sessions = [load(n) for n in names]
-    ort_sessions = [s for s in sessions if isinstance(s, OrtSession)]
-    if len(ort_sessions) != len(sessions):
-        return None  # a wrapped backend (tests): the dynamic sessions
-    device = ("cuda", ort_sessions[0].device_id) if ort_sessions[0].on_device else ("cpu", 0)
-    vocoder = StaticVocoder(ort_sessions, device, thread())
+    vocoder = StaticVocoder(*found, thread())
     vocoder.warm_up()
     log.info("vocoder: fixed-length graphs for %s mel frames%s%s", vocoder.frames,
              ", CUDA graphs" if vocoder.capture else "",
