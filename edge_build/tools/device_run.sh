@@ -10,8 +10,8 @@
 #   edge_build/tools/device_run.sh OUTDIR [STEPS]
 #
 # STEPS (comma-separated, default tests,probe,bench; "setup" for the setup alone): the setup (wheels, the
-# full-size checkpoint, its fp32 bundle with the fixed-size LLM step and the
-# fixed-shape flow graphs, its fp16 bundle) always runs first, once per machine;
+# full-size checkpoint, its fp32 bundle with the fixed-size LLM step, the
+# fixed-shape flow graphs and the fixed-length vocoder graphs, its fp16 bundle) always runs first, once per machine;
 #   tests  every `pytest -m gpu` suite; the script FAILS when one fails
 #   probe  edge_build/tools/device_stream_probe.py (vocoder calls in the pipeline,
 #          fixed-shape flow on/off) and edge_build/tools/device_probe.py
