@@ -331,6 +331,13 @@ def project_command(args: argparse.Namespace) -> int:
 ReferenceRunner = Callable[..., dict[str, Any]]
 
 
+def save_partial(path: str | None, report: dict[str, Any]) -> None:
+    """The report so far, marked incomplete, rewritten after each section: a run
+    stopped at a time limit (a GPU lease) keeps what it measured."""
+    if path:
+        Path(path).write_text(json.dumps({**report, "complete": False}, indent=2) + "\n")
+
+
 def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = None) -> int:
     if getattr(args, "project", False):
         return project_command(args)
@@ -423,6 +430,7 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
         }
         log.info("rtf %.4f, first audio %.1f ms; streaming cost on a long text", report["rtf"],
                  report["first_audio_ms"])
+        save_partial(args.json, report)
         long_seconds = getattr(args, "long_seconds", None) or LONG_SECONDS
         long, at_max_s, long_off = long_utterance(engine, long_seconds, seed=7, voice=voice)
         long_str = run_once(engine, long, stream=True, seed=7, voice=voice)
@@ -444,6 +452,7 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
         }
         log.info("streaming cost %s", report["streaming_cost_vs_offline"])
         progress.advance("streaming cost on a long utterance")
+        save_partial(args.json, report)
         if hops:
             report["first_hop"] = first_hop_sweep(engine, text, hops, args.repeats, voice)
             progress.advance("first hops")
@@ -453,15 +462,18 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
                 report["voice_cache"].update(inline_first_audio_ms(engine, text, voice, Path(args.voice_wav),
                                                                    args.repeats))
             progress.advance("voice cache off and on")
+            save_partial(args.json, report)
         report.update(concurrency_report(engine, text, concurrency, mode, voice))
         if concurrency:
             progress.advance("concurrency")
         report["session_memory_bytes"] = engine.session_memory_bytes()
         report["peak_rss_mb"] = round(peak_rss_mb(), 1)  # before other bundles load and the reference loads torch
+        save_partial(args.json, report)
         if compare:
             report["compare"] = [compare_bundle(b.strip(), settings, text, args.repeats, voice, engine)
                                  for b in compare]
             progress.advance("other bundles")
+            save_partial(args.json, report)
         if args.reference:
             if reference is None:
                 raise CosyEdgeError("--reference needs the official pipeline: run it through `cosyedge bench`")
@@ -475,6 +487,7 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
         stack.close()
         engine.close()
     print(render_timeline(shown["timeline"]), file=sys.stderr)
+    report["complete"] = True
     text_out = json.dumps(report, indent=2)
     print(text_out)
     if args.json:

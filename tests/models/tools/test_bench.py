@@ -48,7 +48,7 @@ def test_bench_json_with_first_hop_and_compare(tiny_bundle: Path, fp16_variant: 
     for key in ("machine", "bundle", "rtf", "first_audio_ms", "stages_ms", "peak_rss_mb", "concurrency",
                 "streaming_cost_vs_offline", "timeline", "first_hop", "compare"):
         assert key in r, key
-    assert r["rtf"] > 0 and r["first_audio_ms"] > 0
+    assert r["rtf"] > 0 and r["first_audio_ms"] > 0 and r["complete"] is True
     assert r["overlap_stages"] is resolve_overlap(None, "ort", os.cpu_count())
     assert r["fixed_size_decode"] is False  # the tiny bundle has no fixed-size step
     assert set(r["concurrency"]["1"]) == {"requests_per_s", "tokens_per_s", "first_audio_ms_p50",
@@ -108,3 +108,23 @@ def test_timeline_rendering_shows_overlap() -> None:
     assert rows["flow"] == " " * 10 + "0" * 10 + " " * 5 + "1" * 5
     assert rows["vocoder"] == " " * 20 + "0" * 5 + " " * 5
     assert render_timeline([]) == "timeline: no events"
+
+
+def test_a_bench_stopped_part_way_keeps_what_it_measured(tiny_bundle: Path, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The JSON is rewritten after each section, marked incomplete, so a run cut off at a
+    GPU lease's limit (here: the official pipeline fails at the end) still has its figures."""
+    import cosyedge_build.reference.pipeline as pipeline
+
+    def broken(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        raise RuntimeError("the official pipeline is not here")
+
+    monkeypatch.setattr(pipeline, "run_reference", broken)
+    out = tmp_path / "partial.json"
+    with pytest.raises(RuntimeError, match="not here"):
+        main(["bench", "--bundle", str(tiny_bundle), "--repeats", "1", "--concurrency", "1", "--long-seconds", "2",
+              "--reference", "--json", str(out)])
+    r = json.loads(out.read_text())
+    assert r["complete"] is False and r["rtf"] > 0
+    assert r["concurrency"]["1"]["requests_per_s"] > 0 and r["streaming_cost_vs_offline"]["ratio"] > 0
+    assert "reference" not in r
