@@ -11,7 +11,7 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
-from cosyedge_models.synthesis.modes import MODES
+from cosyedge_models.synthesis.modes import GRAPH_THREAD_MODES, MODES
 
 # subcommand -> "module:function"; the function takes the parsed arguments
 # and returns the process exit status.
@@ -168,6 +168,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                    help="replay the bundle's fixed-shape flow estimator graphs as CUDA graphs (build export "
                         "--static-flow-windows; every slot captured at load on the engine's GPU graph thread); "
                         "default auto: on for ort-cuda with the slots that fit a quarter of the GPU's memory")
+    p.add_argument("--graph-threads", choices=GRAPH_THREAD_MODES, default=GRAPH_THREAD_MODES[0],
+                   help="the captured stages (LLM step, flow windows, vocoder) replay on one GPU graph thread "
+                        "(default) or on a thread each, so that streams overlap on the GPU")
     p.add_argument("--first-hop", metavar="N[,M..]",
                    help="also measure time to first audio for these first hops (speech tokens)")
     p.add_argument("--project", action="store_true",

@@ -7,6 +7,7 @@ before it closes the sessions."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -35,15 +36,23 @@ class GraphStages:
         self.backend_name = backend_name
         self.settings = settings
         self._load = load
-        self.thread: GraphThread | None = None
+        self.threads: dict[str, GraphThread] = {}  # by stage; one object for all in "one" mode
         self.decode: GraphDecoder | None = None
         self.flow: StaticFlowGraphs | None = None
         self.vocoder: StaticVocoder | None = None
 
-    def _thread(self) -> GraphThread:
-        if self.thread is None:
-            self.thread = GraphThread().start()
-        return self.thread
+    @property
+    def thread(self) -> GraphThread | None:
+        """The one graph thread (None before a stage needs it, and in "per-stage" mode)."""
+        if self.settings.graph_threads != "one" or not self.threads:
+            return None
+        return next(iter(self.threads.values()))
+
+    def _thread(self, stage: str) -> GraphThread:
+        if stage not in self.threads:
+            shared = self.settings.graph_threads == "one" and self.threads
+            self.threads[stage] = next(iter(self.threads.values())) if shared else GraphThread().start()
+        return self.threads[stage]
 
     def fixed_size_decode(self, prefill: Session, decode: Session | None = None) -> FixedSizeDecode | None:
         """The LLM's fixed-size step over `prefill`, captured now, or None (the ordinary loop);
@@ -65,7 +74,7 @@ class GraphStages:
         device = ("cuda", step.device_id) if step.on_device else ("cpu", 0)
         log.info("LLM decode: fixed-size step of %s positions%s", step.input_shapes["past_kv"][4],
                  ", CUDA graphs" if step.cuda_graph else "")
-        self.decode = GraphDecoder(prefill, step, pad, device, self._thread(), self.settings.graph_decode_slots,
+        self.decode = GraphDecoder(prefill, step, pad, device, self._thread("decode"), self.settings.graph_decode_slots,
                                    decode if isinstance(decode, OrtSession) else None)
         self.decode.warm_up()  # captures now, before any request runs
         return self.decode
@@ -77,7 +86,7 @@ class GraphStages:
         from cosyedge_models.backends.ort_static_flow import load_static_flow
 
         self.flow = load_static_flow(self.bundle, self.backend_name, self._load, self.settings.graph_flow,
-                                     self.settings.graph_flow_slots, self._thread)
+                                     self.settings.graph_flow_slots, functools.partial(self._thread, "flow"))
         return self.flow
 
     def static_vocoder(self) -> StaticVocoder | None:
@@ -87,7 +96,7 @@ class GraphStages:
         from cosyedge_models.backends.ort_static_vocoder import load_static_vocoder
 
         self.vocoder = load_static_vocoder(self.bundle, self.backend_name, self._load, self.settings.graph_vocoder,
-                                           self._thread)
+                                           functools.partial(self._thread, "vocoder"))
         return self.vocoder
 
     def close(self) -> None:
@@ -98,5 +107,5 @@ class GraphStages:
             self.decode.close()
         if self.flow is not None:
             self.flow.close()
-        if self.thread is not None:
-            self.thread.close()
+        for thread in {id(t): t for t in self.threads.values()}.values():
+            thread.close()

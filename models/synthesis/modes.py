@@ -9,3 +9,5 @@ from typing import Literal
 Mode = Literal["sft", "zero_shot", "cross_lingual", "instruct"]
 MODES: tuple[Mode, ...] = ("sft", "zero_shot", "cross_lingual", "instruct")
 PROMPT_MODES: tuple[Mode, ...] = ("zero_shot", "cross_lingual")  # modes that clone the voice of a prompt
+# How the captured GPU stages share graph threads (SynthesisSettings.graph_threads), here for the parser too
+GRAPH_THREAD_MODES = ("one", "per-stage")

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from cosyedge_models.batching.policy import BatchSettings
 from cosyedge_models.synthesis.flow import FINAL_CHUNK_MODES, FinalChunk
+from cosyedge_models.synthesis.modes import GRAPH_THREAD_MODES
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,10 @@ class SynthesisSettings:
     # steady streaming chunk) replayed as CUDA graphs on the engine's GPU graph thread, not with
     # flow batching: None auto (on for ort-cuda), True on (on the CPU without capture), False off.
     graph_vocoder: bool | None = None
+    # "one": every captured stage (LLM step, flow windows, vocoder) replays on one GPU graph
+    # thread, one replay at a time; "per-stage": a thread each, so streams' LLM steps and flow
+    # windows can overlap on the GPU (captures still happen at load, one stage after another).
+    graph_threads: str = "one"
 
     def __post_init__(self) -> None:
         if self.max_text_chars < 1:
@@ -94,6 +99,9 @@ class SynthesisSettings:
             raise ValueError(f"vocoder_sessions must be >= 1 or None, got {self.vocoder_sessions}")
         if self.graph_flow_slots < 1:
             raise ValueError(f"graph_flow_slots must be >= 1, got {self.graph_flow_slots}")
+        if self.graph_threads not in GRAPH_THREAD_MODES:
+            raise ValueError(f"graph_threads must be one of {', '.join(GRAPH_THREAD_MODES)}, "
+                             f"got {self.graph_threads!r}")
         if self.flow_final_chunk not in FINAL_CHUNK_MODES:
             raise ValueError(f"flow_final_chunk must be one of {', '.join(FINAL_CHUNK_MODES)}, "
                              f"got {self.flow_final_chunk!r}")

@@ -146,8 +146,14 @@ class CosyVoiceSynthesizer(EngineDefaults):
 
     @property
     def graph_thread(self) -> GraphThread | None:
-        """The thread that runs every CUDA-graph session (None when no graph stage is on)."""
+        """The thread that runs every CUDA-graph session (None when no graph stage is on,
+        and with graph_threads "per-stage": see graph_threads)."""
         return self.graphs.thread
+
+    @property
+    def graph_threads(self) -> dict[str, GraphThread]:
+        """The graph thread of each captured stage that is on ("decode", "flow", "vocoder")."""
+        return dict(self.graphs.threads)
 
     def _load(self, stage: str) -> Session:
         session = self.backend.load(stage, self.bundle.stages[stage].path, threads=self.settings.threads)

@@ -169,6 +169,38 @@ def test_every_run_of_a_captured_session_is_on_the_graph_thread(graph_bundle: Pa
     assert engine.graph_thread is not None and not engine.graph_thread.alive
 
 
+def test_per_stage_threads_keep_each_stage_on_its_own_thread(graph_bundle: Path,
+                                                              recorded_runs: list[tuple[str, int]]) -> None:
+    """graph_threads="per-stage": the LLM step, the flow windows and the vocoder graphs each
+    replay on their own thread (warm-up included), with the audio of the one-thread engine."""
+    outs = {}
+    for mode in ("one", "per-stage"):
+        recorded_runs.clear()
+        engine = load_synthesizer(graph_bundle, settings=SynthesisSettings(
+            threads=1, overlap_stages=True, graph_flow=True, graph_decode=True, graph_vocoder=True,
+            graph_flow_slots=4, graph_decode_slots=4, graph_threads=mode))
+        try:
+            threads = engine.graph_threads
+            assert set(threads) == {"decode", "flow", "vocoder"}
+            vocoder_calls = engine.static_vocoder.replays if engine.static_vocoder else -1
+            outs[mode] = _concurrently(engine, 3)
+            assert engine.static_vocoder is not None and engine.static_vocoder.replays > vocoder_calls
+            by_stage = {("decode" if name == "llm_decode_static" else "flow"): tid for name, tid in recorded_runs}
+            if mode == "one":
+                assert engine.graph_thread is not None and len({id(t) for t in threads.values()}) == 1
+                assert set(by_stage.values()) == {engine.graph_thread.ident}
+            else:
+                assert engine.graph_thread is None and len({t.ident for t in threads.values()}) == 3
+                for name, tid in recorded_runs:
+                    stage = "decode" if name == "llm_decode_static" else "flow"
+                    assert tid == threads[stage].ident, name
+        finally:
+            engine.close()
+        assert not any(t.alive for t in threads.values())
+    for i, audio in outs["one"].items():
+        np.testing.assert_allclose(outs["per-stage"][i], audio, atol=1e-5)
+
+
 def test_concurrent_streams_match_serial_runs(graph_bundle: Path) -> None:
     engine = _engine(graph_bundle)
     try:
