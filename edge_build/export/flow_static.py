@@ -26,13 +26,13 @@ from typing import Any
 
 from cosyedge_build.export.flow_estimator import _torch, cache_dims, make_estimator_graph
 from cosyedge_build.export.graphs import StageGraph, TensorSpec, export_stage, module_base
+from cosyedge_models.bundle.loader import STATIC_FLOW_PREFIX
 
-PREFIX = "flow_estimator_static_w"  # stage names: PREFIX + window frames
 CFG_ROWS = 2
 
 
 def stage_name(window: int) -> str:
-    return f"{PREFIX}{window}"
+    return f"{STATIC_FLOW_PREFIX}{window}"
 
 
 def make_static_graph(estimator: Any, chunk_frames: int) -> Any:

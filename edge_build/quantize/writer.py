@@ -53,8 +53,8 @@ def add_variants(dst: Path, precision: str, files: dict[str, Path], fp32_nodes: 
             variant: dict[str, Any] = {"file": path.name, "sha256": sha256_file(path), "precision": precision}
             if precision == "int8":
                 variant["fp32_nodes"] = fp32_nodes.get(name, [])
-            if precision == "fp16" and fp16_io(name, manifest):
-                variant["fp16_io"] = list(fp16_io(name, manifest))
+            if precision == "fp16" and (kept := fp16_io(name, manifest)):
+                variant["fp16_io"] = list(kept)
         else:
             why = "kept in fp32 (F0 predictor / source)" if name in FP32_STAGES else "kept in fp32"
             variant = {"file": entry["file"], "sha256": entry.get("sha256"), "precision": "fp32", "note": why}

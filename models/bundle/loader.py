@@ -26,6 +26,7 @@ OPTIONAL_STAGES = ("llm_decode_static", "llm_kv_pad")
 STATIC_FLOW_PREFIX = "flow_estimator_static_w"
 # the fixed-length vocoder graphs (build export --static-vocoder): prefix + mel frames
 STATIC_VOCODER_PREFIX = "hift_static_f"
+FIXED_SHAPE_PREFIXES = (STATIC_FLOW_PREFIX, STATIC_VOCODER_PREFIX)  # what ort-cuda captures, by name
 
 
 def _covers_prefix(profile: Mapping[str, Any]) -> bool:
@@ -229,8 +230,8 @@ def load_bundle(root: Path | str, precision: str | None = None, *, backend: str 
             raise BundleError(f"{root}: stage file {entry['file']} is missing")
         stages[name] = StageInfo(name, path, entry.get("precision", chosen), entry.get("sha256"), entry)
 
-    static_flow = [n for n in manifest.get("stages", {}) if n.startswith((STATIC_FLOW_PREFIX, STATIC_VOCODER_PREFIX))]
-    for name in (*OPTIONAL_STAGES, *static_flow) if backend != "trt" else ():
+    fixed_shape = [n for n in manifest.get("stages", {}) if n.startswith(FIXED_SHAPE_PREFIXES)]
+    for name in (*OPTIONAL_STAGES, *fixed_shape) if backend != "trt" else ():
         entry = manifest.get("stages", {}).get(name)
         if isinstance(entry, dict) and chosen in entry.get("variants", {}):
             entry = {**entry, **entry["variants"][chosen]}
