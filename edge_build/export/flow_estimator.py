@@ -198,7 +198,8 @@ def make_estimator_graph(estimator: Any) -> Any:
 
         def core(self, x: Any, mask: Any, mu: Any, t: Any, spks: Any, cond: Any, chunk_frames: Any,
                  att_cache: Any, conv_cache: Any, keep: Any, last: Any, cache_valid: Any) -> tuple[Any, Any, Any]:
-            """keep: window frames whose K/V are returned; last: the conv-input
+            """keep: window frames whose K/V are returned (None: all of them, without a
+            Gather per block); last: the conv-input
             frames that become the next history; cache_valid [S] (None: every
             cached frame is visible): 1 for the cached frames to attend to (the
             fixed-size graphs of flow_static.py)."""
@@ -259,7 +260,9 @@ def make_estimator_graph(estimator: Any) -> Any:
                     block_index[0] += 1
                     k_cache, v_cache = kv_cache[2 * j], kv_cache[2 * j + 1]
                     h, k, v = self.transformer(block, h, bias, k_cache, v_cache)
-                    new_kv.append(torch.stack((k.index_select(2, keep), v.index_select(2, keep)), dim=0))
+                    if keep is not None:
+                        k, v = k.index_select(2, keep), v.index_select(2, keep)
+                    new_kv.append(torch.stack((k, v), dim=0))
                 return h.transpose(1, 2)
 
             def sample(module: Any, h: Any) -> Any:

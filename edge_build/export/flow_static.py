@@ -47,10 +47,9 @@ def make_static_graph(estimator: Any, chunk_frames: int) -> Any:
 
         def forward(self, x: Any, mask: Any, mu: Any, t: Any, spks: Any, cond: Any, att_cache: Any,
                     cache_valid: Any, conv_cache: Any, commit_index: Any) -> tuple[Any, Any, Any]:
-            window = x.shape[2]
             chunk = torch.full((x.shape[0],), chunk_frames, dtype=torch.int64)
-            keep = torch.arange(window)
-            return self.inner.core(x, mask, mu, t, spks, cond, chunk, att_cache, conv_cache, keep,
+            # every window frame's K/V is returned (att_window): no index_select
+            return self.inner.core(x, mask, mu, t, spks, cond, chunk, att_cache, conv_cache, None,
                                    commit_index[:hist], cache_valid)
 
     return StaticEstimatorGraph().eval()

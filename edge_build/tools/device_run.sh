@@ -15,7 +15,10 @@
 #   tests  every `pytest -m gpu` suite; the script FAILS when one fails
 #   probe  edge_build/tools/device_stream_probe.py (vocoder calls in the pipeline,
 #          fixed-shape flow on/off) and edge_build/tools/device_probe.py
+#   profile onnxruntime's profile of one streaming synthesis with the saved voice, the fixed-shape
+#          graphs run without capture: time per stage and operator type (models/tools/ort_profile.py)
 #   bench16 the same concurrency levels on the fp16 bundle (--concurrency-only)
+#   threads the fp32 bundle at each concurrency with a graph thread per stage (--graph-threads per-stage)
 #   memory engine memory on ort-cuda (device and process): fp32 with the LLM weights
 #          shared on the device and not, fp16 (python -m cosyedge_models.tools.engine_memory)
 #   bench  cosyedge bench: fp32 with the fp16 bundle compared, concurrency
@@ -112,6 +115,13 @@ for step in ${steps//,/ }; do
         --concurrency "${CONCURRENCY:-1,4,8,16}" --concurrency-only ${BENCH_ARGS:-} \
         --json "$out/bench_h200_fp16.json" 2>&1 | grep -v -i warn > "$out/bench16.log" || { tail -40 "$out/bench16.log"; exit 1; }
       stamp "bench16 done" ;;
+    threads)
+      # the fp32 bundle's streams at each concurrency with a graph thread per stage
+      # (graph_threads = per-stage), to set beside the bench step's one thread
+      timeout "${BENCH_TIMEOUT_S:-480}" python3 -m cosyedge_daemon -v bench --bundle "$full/bundle" --backend ort-cuda \
+        --concurrency "${CONCURRENCY:-1,4,8,16}" --concurrency-only --graph-threads per-stage ${BENCH_ARGS:-} \
+        --json "$out/bench_h200_per_stage.json" 2>&1 | grep -v -i warn > "$out/threads.log" || { tail -40 "$out/threads.log"; exit 1; }
+      stamp "threads done" ;;
     memory)
       # engine memory as the daemon loads it on ort-cuda (GPU accounting beside the process's):
       # fp32 with the LLM weights shared on the device and not, fp16 shared; fixed-shape flow off
@@ -122,7 +132,18 @@ for step in ${steps//,/ }; do
           || { tail -30 "$out/memory.log"; exit 1; }
       done
       stamp "memory done" ;;
+    profile)
+      # where a fixed-shape flow step's time goes: one streaming synthesis with the saved voice,
+      # the fixed-shape graphs run without capture (COSYEDGE_ORT_CUDA_GRAPH=0) so that onnxruntime's
+      # profiler sees every node; the summary per stage and operator type (models/tools/ort_profile.py)
+      rm -rf /tmp/prof
+      COSYEDGE_ORT_CUDA_GRAPH=0 COSYEDGE_ORT_PROFILE=/tmp/prof timeout "${PROFILE_TIMEOUT_S:-300}" python3 -m cosyedge_daemon \
+        synth --bundle "$full/bundle" --backend ort-cuda --stream --voice "${VOICE_NAME:-en8}" --out "$out/profile.wav" \
+        "The quick brown fox jumps over the lazy dog near the river bank." >"$out/profile.log" 2>&1 \
+        || { tail -30 "$out/profile.log"; exit 1; }
+      python3 -m cosyedge_models.tools.ort_profile /tmp/prof --top 14 --json "$out/profile.json" | tee "$out/profile.txt"
+      stamp "profile done" ;;
     setup) ;;  # the setup above only (bundles and the voice ready for other commands)
-    *) echo "unknown step $step (setup, tests, probe, bench, bench16, memory)"; exit 2 ;;
+    *) echo "unknown step $step (setup, tests, probe, profile, bench, bench16, threads, memory)"; exit 2 ;;
   esac
 done
