@@ -92,7 +92,11 @@ def _compare(bundle_dir: Path, device: str, atol: float) -> None:
                 np.testing.assert_allclose(audio, want_audio, atol=atol, rtol=atol)
         odd = rng.standard_normal((1, plain.mel_bins, static.frames[0] + 3)).astype(np.float32)
         before = static.replays  # a length without a graph: the dynamic sessions
-        np.testing.assert_array_equal(fixed.run(odd, _Noise(1), None)[0], plain.run(odd, _Noise(1), None)[0])
+        got, want = fixed.run(odd, _Noise(1), None)[0], plain.run(odd, _Noise(1), None)[0]
+        if device == "cpu":
+            np.testing.assert_array_equal(got, want)
+        else:  # two runs of one CUDA session may pick different convolution kernels (measured: 2e-8 apart)
+            np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-6)
         assert static.replays == before
     finally:
         thread.close()
