@@ -37,7 +37,8 @@ def load_local_synthesizer(settings: Settings, bundle: str | None = None) -> Ser
         overlap_stages={"on": True, "off": False}.get(tts.overlap_stages),
         first_hop_tokens=tts.first_hop_tokens or None, hop_scale=tts.stream_hop_scale,
         flow_final_chunk=tts.flow_final_chunk,  # type: ignore[arg-type]
-        flow_left_chunks=tts.flow_left_chunks, voice_cache_mb=tts.voice_cache_mb))
+        flow_left_chunks=tts.flow_left_chunks, voice_cache_mb=tts.voice_cache_mb,
+        cpu_memory_arena=tts.cpu_memory_arena))
     log.info("loaded %s from %s (%d Hz)", engine.name, path, engine.sample_rate)
     return engine
 

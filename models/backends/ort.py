@@ -51,7 +51,7 @@ def _device_values(arrays: dict[str, np.ndarray], device_id: int) -> dict[str, o
 class OrtSession:
     def __init__(self, name: str, path: Path, providers: Sequence[str], device_id: int, threads: int | None,
                  cuda_graph: bool = False, shared: SharedWeights | None = None,
-                 registry: SharedWeightsRegistry | None = None) -> None:
+                 registry: SharedWeightsRegistry | None = None, cpu_memory_arena: bool = False) -> None:
         opts = ort.SessionOptions()
         self._shared, self._registry = shared, registry
         self._counts_shared = False
@@ -83,10 +83,10 @@ class OrtSession:
         # COSYEDGE_ORT_SPINNING=1.
         spinning = os.environ.get("COSYEDGE_ORT_SPINNING", "0") == "1"
         opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
-        # COSYEDGE_ORT_CPU_ARENA=0: no CPU memory arena (each tensor allocated and freed as it
-        # goes), to compare the peak memory of long utterances (docs/memory.md)
-        if os.environ.get("COSYEDGE_ORT_CPU_ARENA", "1") == "0":
-            opts.enable_cpu_mem_arena = False
+        # onnxruntime's CPU arena keeps the peak of every run for the process's life
+        # (measured at full size: +300-450 MB after one request, +1.8 GiB after a long
+        # offline one) for ~2% of speed; off, host tensors are freed as they go (docs/memory.md)
+        opts.enable_cpu_mem_arena = cpu_memory_arena
         profiles = profile_dir()
         if profiles is not None:  # models/tools/ort_profile.py sums these traces
             profiles.mkdir(parents=True, exist_ok=True)
@@ -158,6 +158,11 @@ class OrtSession:
         return size + (data.stat().st_size if data.exists() else 0) + shared
 
     @property
+    def cpu_memory_arena(self) -> bool:
+        """Whether onnxruntime's CPU arena holds this session's host tensors (as the session reports it)."""
+        return bool(self._sess.get_session_options().enable_cpu_mem_arena)
+
+    @property
     def shares_weights(self) -> bool:
         return self._shared is not None
 
@@ -175,9 +180,10 @@ class OrtSession:
 
 
 class OrtBackend:
-    def __init__(self, providers: Sequence[str], device_id: int = 0) -> None:
+    def __init__(self, providers: Sequence[str], device_id: int = 0, cpu_memory_arena: bool = False) -> None:
         self.providers = tuple(providers)
         self.device_id = device_id
+        self.cpu_memory_arena = cpu_memory_arena  # SynthesisSettings.cpu_memory_arena
         self.name = "ort" if self.providers == ("CPUExecutionProvider",) else "ort-" + self.providers[0].removesuffix(
             "ExecutionProvider").lower()
         self._device_caches = BoundCacheFactory("cuda", device_id)
@@ -197,7 +203,7 @@ class OrtBackend:
         share = sharing and os.environ.get("COSYEDGE_ORT_SHARE_WEIGHTS", "1") != "0"
         shared = self._shared.for_graph(path) if share else None
         return OrtSession(stage, path, self.providers, self.device_id, threads, cuda_graph=graph, shared=shared,
-                          registry=self._shared)
+                          registry=self._shared, cpu_memory_arena=self.cpu_memory_arena)
 
     def decode_loop(self, prefill: Session, decode: Session) -> DecodeLoop:
         if isinstance(prefill, OrtSession) and isinstance(decode, OrtSession) and decode.on_device:
@@ -217,6 +223,7 @@ class OrtBackend:
             "onnxruntime": ort.__version__,
             "providers": ",".join(p for p in self.providers if p in ort.get_available_providers()),
             "device": ort.get_device(),
+            "cpu_memory_arena": "on" if self.cpu_memory_arena else "off",
         }
 
 

@@ -47,6 +47,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="load the fixed-size decode step too (on), as ort-cuda does by default")
     p.add_argument("--graph-flow", choices=("auto", "on", "off"), default="auto",
                    help="the fixed-shape flow graphs and their slots (auto: on for ort-cuda, as the daemon loads)")
+    p.add_argument("--cpu-arena", choices=("on", "off"), default="off",
+                   help="onnxruntime's CPU memory arena (SynthesisSettings.cpu_memory_arena; default off)")
     p.add_argument("--json")
     args = p.parse_args(argv)
     from cosyedge_models.backends.gpu_probe import device_memory_used
@@ -62,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     before, device_before = process_memory(), device()
     engine = load_synthesizer(args.bundle, settings=SynthesisSettings(
         backend=args.backend, precision=args.precision, graph_decode=auto[args.graph_decode],
-        graph_flow=auto[args.graph_flow]))
+        graph_flow=auto[args.graph_flow], cpu_memory_arena=args.cpu_arena == "on"))
     try:
         loaded, device_loaded = process_memory(), device()
         for _ in engine.synthesize(SynthesisRequest(text="Hello there, this is a test.", seed=0)):
@@ -71,6 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         report = {"bench": "engine_memory", "machine": machine(args.backend),
                   "bundle": str(Path(args.bundle).resolve()), "precision": engine.bundle.precision,
                   "backend": args.backend, "graph_decode": args.graph_decode, "graph_flow": args.graph_flow,
+                  "cpu_arena": args.cpu_arena,
                   "sessions": sorted(s.name for s in engine._sessions),
                   "session_memory_bytes": engine.session_memory_bytes(),
                   "after_load": memory_delta(before, loaded), "after_synthesis": memory_delta(before, warm)}

@@ -149,10 +149,10 @@ def projection_table(workload: Workload, measured_h200: Mapping[str, float] | No
 # no raw JSON of that run is in docs/benchmarks/): streaming first audio at concurrency 1, offline RTF on a
 # 10.4 s utterance, one CUDA-graph decode step.
 # What the H200 measured (docs/gpu.md), full size, fp32 `ort-cuda`: first audio with the
-# cached zero-shot voice and offline RTF over a 26 s utterance from the 2026-12-02 run
-# (docs/benchmarks/h200-2026-12-02-voice-fp32-fp16.json); the captured decode step from
+# cached zero-shot voice and offline RTF over a 26 s utterance from the fourth run, 2026-12-02
+# (docs/benchmarks/h200-2026-12-02-run4.json); the captured decode step from
 # 2026-12-01 (docs/benchmarks/h200-2026-12-01-single-stream.json).
-H200_MEASURED = {"first_audio_ms": 299.0, "rtf": 0.268, "decode_step_ms": 3.4}
+H200_MEASURED = {"first_audio_ms": 279.0, "rtf": 0.202, "decode_step_ms": 3.4}
 
 
 def format_projection(table: Mapping[str, Any]) -> str:

@@ -35,7 +35,7 @@ def test_streaming_settings_reach_the_engine(tiny_bundle: Path, tmp_path: Path) 
     defaults = load_local_synthesizer(Settings(device_id="t"), bundle=str(tiny_bundle))
     config = tmp_path / "cosyedge.toml"
     config.write_text('device_id = "t"\n[tts]\noverlap_stages = "off"\nfirst_hop_tokens = 7\nstream_hop_scale = 2.0\n'
-                      'flow_final_chunk = "upstream"\nflow_left_chunks = 4\n')
+                      'flow_final_chunk = "upstream"\nflow_left_chunks = 4\ncpu_memory_arena = true\n')
     custom = load_local_synthesizer(load_settings(config), bundle=str(tiny_bundle))
     try:
         assert isinstance(defaults, CosyVoiceSynthesizer) and isinstance(custom, CosyVoiceSynthesizer)
@@ -45,6 +45,7 @@ def test_streaming_settings_reach_the_engine(tiny_bundle: Path, tmp_path: Path) 
         assert (c.overlap_stages, c.first_hop_tokens, c.flow_final_chunk, c.flow_left_chunks) == (
             False, 7, "upstream", 4)
         assert (d.hop_scale, c.hop_scale) == (1.0, 2.0)
+        assert (d.cpu_memory_arena, c.cpu_memory_arena) == (False, True)
     finally:
         defaults.close()
         custom.close()

@@ -83,3 +83,23 @@ def test_cudnn_options_default_and_overrides(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv("COSYEDGE_ORT_CUDNN_SEARCH", "fastest")
     with pytest.raises(BundleError, match="allowed values"):
         cudnn_options()
+
+
+def test_cpu_memory_arena_setting_reaches_every_session(tiny_bundle: Path) -> None:
+    """SynthesisSettings.cpu_memory_arena (default off) is what each onnxruntime session runs with."""
+    from cosyedge_models.synthesis.api import SynthesisRequest
+    from cosyedge_models.synthesis.settings import SynthesisSettings
+    from cosyedge_models.synthesis.synthesizer import load_synthesizer
+
+    for arena in (False, True):
+        engine = load_synthesizer(tiny_bundle, settings=SynthesisSettings(cpu_memory_arena=arena))
+        try:
+            sessions = [s for s in engine._sessions if isinstance(s, OrtSession)]
+            assert len(sessions) >= 6
+            assert {s.cpu_memory_arena for s in sessions} == {arena}
+            assert engine.backend.describe()["cpu_memory_arena"] == ("on" if arena else "off")
+            audio = np.concatenate([c.pcm for c in engine.synthesize(SynthesisRequest(text="Hello there.", seed=0))])
+            assert audio.size > 0 and np.isfinite(audio).all()
+        finally:
+            engine.close()
+    assert SynthesisSettings().cpu_memory_arena is False
