@@ -29,7 +29,8 @@
 # (.device/pycuda), FULL_DIR (/tmp/full), BENCH_ARGS (extra bench flags, e.g.
 # --voice NAME), VOICE_WAV / VOICE_TEXT / VOICE_NAME (a recording, its transcript and the
 # name it is saved under in both bundles, default en8), STATIC_FLOW_WINDOWS (64,128,640), STATIC_FLOW_CACHE (1024), GPU_TESTS (a subset
-# of the -m gpu test files, to repeat one), CONCURRENCY.
+# of the -m gpu test files, to repeat one), CONCURRENCY, FP16=0 (no fp16 bundle: for steps
+# that do not use it, when device time is short).
 set -euo pipefail
 out=${1:?usage: device_run.sh OUTDIR [tests,probe,bench]}
 steps=${2:-tests,probe,bench}
@@ -73,13 +74,14 @@ if [ ! -f "$full/bundle/manifest.json" ]; then
     --static-flow-windows "${STATIC_FLOW_WINDOWS:-64,128,640}" --static-flow-cache "${STATIC_FLOW_CACHE:-1024}" --static-vocoder \
     >>"$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
 fi
-if [ ! -f "$full/fp16/manifest.json" ]; then
+if [ "${FP16:-1}" = 1 ] && [ ! -f "$full/fp16/manifest.json" ]; then
   python3 -m cosyedge_build.tools.device_fp16 --bundle "$full/bundle" --out "$full/fp16" >>"$out/build.log" 2>&1 \
     || { tail -30 "$out/build.log"; exit 1; }
 fi
 if [ -n "${VOICE_WAV:-}" ]; then
   # a saved zero-shot voice for `bench --voice` (BENCH_ARGS="--voice $VOICE_NAME"), in both bundles
   for b in "$full/bundle" "$full/fp16"; do
+    [ -f "$b/manifest.json" ] || continue
     [ -f "$b/voices/${VOICE_NAME:-en8}.npz" ] || python3 -m cosyedge_daemon voice add --bundle "$b" --wav "$VOICE_WAV" \
       --text "${VOICE_TEXT:?VOICE_TEXT (the transcript of VOICE_WAV)}" "${VOICE_NAME:-en8}" >>"$out/build.log" 2>&1 \
       || { tail -20 "$out/build.log"; exit 1; }
