@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +127,13 @@ def share_weights(root: Path, graphs: Sequence[str], data_file: str) -> dict[str
     log.info("%s: %d weight tensors (%.1f MB) shared by %s", data_file, len(tensors), offset / 1e6,
              ", ".join(graphs))
     return index
+
+
+def share_llm_files(root: Path, files: Mapping[str, Path], data_file: str) -> dict[str, Any] | None:
+    """share_weights over the LLM graphs among `files` (stage -> graph written under
+    `root`, e.g. a quantized bundle's); None when fewer than two of them are there."""
+    names = [p.name for stage, p in files.items() if stage in LLM_STAGES]
+    return share_weights(root, names, data_file) if len(names) >= 2 else None
 
 
 def share_llm_stages(root: Path, stages: Sequence[Any], data_file: str = SHARED_LLM_FILE) -> dict[str, Any] | None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import onnx
-from cosyedge_build.export.shared_weights import share_weights
+from cosyedge_build.export.shared_weights import share_llm_files
 from cosyedge_build.quantize.accuracy import compare_bundles, failures
 from cosyedge_build.quantize.capture import Feed, capture_feeds
 from cosyedge_build.quantize.companions import (
@@ -112,10 +112,8 @@ def quantize_bundle(src: Path, out: Path, settings: QuantizeSettings) -> dict[st
             peaks[f"unit {unit.name}"] = peak_rss_bytes()
             progress.advance(f"unit {unit.name}")
         extra = convert_companions(src, tmp, settings.precision, files)
-        llm_files = [p.name for s, p in {**files, **extra}.items()
-                     if s in ("llm_prefill", "llm_decode", "llm_decode_static")]
-        if len(llm_files) >= 2:  # one copy of the low-precision LLM weights, as for fp32
-            share_weights(tmp, llm_files, f"llm_weights.{settings.precision}.bin")
+        # one copy of the low-precision LLM weights, as for fp32
+        share_llm_files(tmp, {**files, **extra}, f"llm_weights.{settings.precision}.bin")
         add_variants(tmp, settings.precision, files, fp32_nodes, REPORT_FILE)
         add_companion_variants(tmp, settings.precision, extra)
         metrics = compare_bundles(src, tmp, settings.precision, held_texts, settings.seed)

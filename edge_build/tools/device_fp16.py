@@ -21,7 +21,7 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
-from cosyedge_build.export.shared_weights import share_weights
+from cosyedge_build.export.shared_weights import share_llm_files
 from cosyedge_build.quantize.companions import (
     add_companion_variants,
     always_fp32_nodes,
@@ -47,8 +47,7 @@ def fp16_bundle(src: Path, dst: Path) -> Path:
                          fp16_io(stage, manifest))
             log.info("converted %s", stage)
     extra = convert_companions(src, dst, "fp16", files)  # the fixed-shape graphs, as `build quantize` does
-    llm = [p.name for s, p in {**files, **extra}.items() if s in ("llm_prefill", "llm_decode", "llm_decode_static")]
-    share_weights(dst, llm, "llm_weights.fp16.bin")
+    share_llm_files(dst, {**files, **extra}, "llm_weights.fp16.bin")
     add_variants(dst, "fp16", files, {}, "none (edge_build/tools/device_fp16.py)")
     add_companion_variants(dst, "fp16", extra)
     return dst

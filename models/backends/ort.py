@@ -85,7 +85,7 @@ class OrtSession:
         opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
         # onnxruntime's CPU arena keeps the peak of every run for the process's life
         # (measured at full size: +300-450 MB after one request, +1.8 GiB after a long
-        # offline one) for ~2% of speed; off, host tensors are freed as they go (docs/memory.md)
+        # offline one) for 2-6% of speed; off, host tensors are freed as they go (docs/memory.md)
         opts.enable_cpu_mem_arena = cpu_memory_arena
         profiles = profile_dir()
         if profiles is not None:  # models/tools/ort_profile.py sums these traces

@@ -81,13 +81,13 @@ class GraphStages:
 
     def static_flow(self) -> StaticFlowGraphs | None:
         """The fixed-shape estimator graphs, captured now, or None (not with flow batching)."""
-        if self.settings.flow_batching is not None and self.backend_name == "ort-cuda":
-            # measured on an H200: 8 streams' first audio p95 17.2 s batched against 1.6 s on
-            # the captured graphs (docs/gpu.md), so say so where someone turns it on
-            log.warning("flow batching on ort-cuda runs the flow and the vocoder on the dynamic graphs, "
-                        "without the fixed-shape CUDA graphs: much slower on a GPU (docs/gpu.md); "
-                        "set [tts] flow_max_batch_size = 0 to keep them")
         if self.settings.flow_batching is not None or not self.backend_name.startswith("ort"):
+            if self.settings.flow_batching is not None and self.backend_name == "ort-cuda":
+                # measured on an H200: 8 streams' first audio p95 17.2 s batched against 1.6 s on
+                # the captured graphs (docs/gpu.md), so say so where someone turns it on
+                log.warning("flow batching on ort-cuda runs the flow and the vocoder on the dynamic graphs, "
+                            "without the fixed-shape CUDA graphs: much slower on a GPU (docs/gpu.md); "
+                            "set [tts] flow_max_batch_size = 0 to keep them")
             return None
         from cosyedge_models.backends.ort_static_flow import load_static_flow
 

@@ -74,8 +74,8 @@ class SynthesisSettings:
     # windows can overlap on the GPU (captures still happen at load, one stage after another).
     graph_threads: str = "one"
     # onnxruntime's CPU memory arena for host tensors (the ort backends): True keeps the peak of
-    # every run allocated for the process's life (~2% faster at full size on 2 cores); False
-    # (default) frees them as they go: 0.27x instead of 0.34x of the fp32 engine's memory for the
+    # every run allocated for the process's life (2-6% faster at full size on 2 cores); False
+    # (default) frees them as they go: 0.24x instead of 0.35x of the fp32 engine's memory for the
     # int8 bundle after a request, 3.9 instead of 5.7 GiB after a 31 s offline one (docs/memory.md).
     cpu_memory_arena: bool = False
 

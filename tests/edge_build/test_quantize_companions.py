@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from cosyedge_build.export.shared_weights import LLM_STAGES as LLM_GRAPHS
 from cosyedge_build.quantize.pipeline import quantize_bundle
 from cosyedge_build.quantize.settings import AccuracyBudget, QuantizeSettings
 from cosyedge_models.backends.ort import OrtBackend
@@ -21,8 +22,6 @@ from cosyedge_models.synthesis.settings import SynthesisSettings
 from cosyedge_models.synthesis.synthesizer import load_synthesizer
 
 from tests.models.backends.test_graph_decode import _compare_with_dynamic
-
-LLM_GRAPHS = ("llm_prefill", "llm_decode", "llm_decode_static")
 
 
 @pytest.fixture(scope="module")
