@@ -26,7 +26,10 @@ OPTIONAL_STAGES = ("llm_decode_static", "llm_kv_pad")
 STATIC_FLOW_PREFIX = "flow_estimator_static_w"
 # the fixed-length vocoder graphs (build export --static-vocoder): prefix + mel frames
 STATIC_VOCODER_PREFIX = "hift_static_f"
-FIXED_SHAPE_PREFIXES = (STATIC_FLOW_PREFIX, STATIC_VOCODER_PREFIX)  # what ort-cuda captures, by name
+# the fixed-shape streaming flow encoder graphs (with --static-flow-windows): prefix + window tokens
+STATIC_ENCODER_PREFIX = "flow_encoder_static_t"
+# what ort-cuda captures, by name
+FIXED_SHAPE_PREFIXES = (STATIC_FLOW_PREFIX, STATIC_VOCODER_PREFIX, STATIC_ENCODER_PREFIX)
 
 
 def _covers_prefix(profile: Mapping[str, Any]) -> bool:
