@@ -20,11 +20,13 @@ def export_bundle(model_dir: Path, out: Path, static_decode_len: int = 0,
                   static_vocoder: bool = False) -> Path:
     """`static_decode_len` > 0 adds the fixed-size decode step (CUDA graphs on ort-cuda) for that many
     positions; `static_flow_windows` the fixed-shape estimator graphs (flow_static.py) over a cache
-    of `static_flow_cache` frames; `static_vocoder` the fixed-length vocoder graphs (hift_static.py)."""
+    of `static_flow_cache` frames, and the streaming encoder's over the same windows
+    (flow_encoder_static.py); `static_vocoder` the fixed-length vocoder graphs (hift_static.py)."""
     import cosyedge_build.reference.modules as reference
     from cosyedge_build.export import (
         bundle,
         flow_encoder,
+        flow_encoder_static,
         flow_estimator,
         flow_static,
         hift,
@@ -58,6 +60,12 @@ def export_bundle(model_dir: Path, out: Path, static_decode_len: int = 0,
                 chunk = int(hyper["flow"]["chunk_tokens"]) * int(hyper["token_mel_ratio"])  # as FlowStream
                 stages.extend(flow_static.export_static_estimators(refs.flow, scratch, list(static_flow_windows),
                                                                    static_flow_cache, chunk))
+                # and the streaming encoder over the same windows (tokens, look-ahead included)
+                ratio, flow_hyper = int(hyper["token_mel_ratio"]), hyper["flow"]
+                enc_windows = flow_encoder_static.encoder_windows(list(static_flow_windows), ratio,
+                                                                  int(flow_hyper["pre_lookahead_len"]))
+                stages.extend(flow_encoder_static.export_static_encoders(
+                    refs.flow, scratch, enc_windows, static_flow_cache // ratio, int(flow_hyper["chunk_tokens"])))
             progress.advance("flow estimator")
             stages.extend(hift.export_hift(refs.hift, scratch))
             if static_vocoder:

@@ -101,8 +101,9 @@ def make_flow_encoder_graph(flow: Any) -> Any:
             return norm(linear(x)) * sub.pos_enc.xscale
 
         def attention(self, attn: Any, x: Any, bias: Any, pos_emb: Any, k_cache: Any,
-                      v_cache: Any) -> tuple[Any, Any, Any]:
-            """Returns the output and the window's K, V [B, H, T, D]."""
+                      v_cache: Any, idx: Any) -> tuple[Any, Any, Any]:
+            """Returns the output and the window's K, V [B, H, T, D]; `idx` [T, S + T]: the
+            column of the relative-position table each (query, key) pair reads."""
             b, t = x.shape[0], x.shape[1]
             h, dk = attn.h, attn.d_k
             s = k_cache.shape[2]
@@ -114,34 +115,50 @@ def make_flow_encoder_graph(flow: Any) -> Any:
             p = attn.linear_pos(pos_emb).view(1, -1, h, dk).transpose(1, 2)
             ac = torch.matmul((q + attn.pos_bias_u).transpose(1, 2), keys.transpose(-2, -1))
             bd = torch.matmul((q + attn.pos_bias_v).transpose(1, 2), p.transpose(-2, -1))
-            # relative shift: query i (after s cached keys) and key j take relative
-            # position s + i - j, i.e. column t - 1 - i + j of the table
-            idx = (t - 1) - torch.arange(t).view(-1, 1) + torch.arange(s + t).view(1, -1)
             bd = torch.gather(bd, 3, idx.view(1, 1, t, s + t).expand(b, h, t, s + t))
             scores = (ac + bd) / math.sqrt(dk) + bias
             ctx = torch.matmul(torch.softmax(scores, dim=-1), values)
             return attn.linear_out(ctx.transpose(1, 2).reshape(b, t, h * dk)), k, v
 
         def layers(self, layers: Any, x: Any, valid_len: Any, chunk: Any, cache: Any,
-                   keep: Any) -> tuple[Any, Any]:
+                   keep: Any, cached_len: Any = None) -> tuple[Any, Any]:
             """The stack over the window with `cache` [S, L, 2, B, H, D] before it;
-            returns x and the K/V of the window's `keep` frames [R, L, 2, B, H, D]."""
+            returns x and the K/V of the window's `keep` frames [R, L, 2, B, H, D]
+            (every window frame's with keep None). `cached_len` None: all S rows are
+            committed frames; a tensor [1] (the fixed-shape graphs): only its first
+            rows are, the rest of the buffer is masked."""
             t = x.shape[1]
             s = cache.shape[0]
             keys = torch.arange(t).view(1, 1, -1) < valid_len.view(-1, 1, 1)
             allowed = keys & chunk_allowed(torch, t, chunk)
             bias = torch.where(allowed, 0.0, MASK_NEGATIVE).unsqueeze(1)
-            # committed keys precede the window's chunks: always visible
-            bias = torch.cat((torch.zeros(bias.shape[0], 1, t, s, dtype=bias.dtype), bias), dim=-1)
+            i, j = torch.arange(t).view(-1, 1), torch.arange(s + t).view(1, -1)
+            if cached_len is None:
+                # committed keys precede the window's chunks: always visible
+                cache_bias = torch.zeros(bias.shape[0], 1, t, s, dtype=bias.dtype)
+                # relative shift: query i (after s cached keys) and key j take relative
+                # position s + i - j, i.e. column t - 1 - i + j of the table
+                idx = (t - 1) - i + j
+            else:
+                n = cached_len.view(1, 1)
+                used = torch.arange(s).view(1, -1) < n
+                cache_bias = torch.where(used, 0.0, MASK_NEGATIVE).view(1, 1, 1, s).expand(bias.shape[0], 1, t, s)
+                # query i sits at n + i: cache row j < n is n + i - j back, window key s + j' is
+                # i - j' back; a free row reads column 0 (masked), so the table keeps its static size
+                rel = torch.where(j < s, torch.where(j < n, n + i - j, s + t - 1), s + i - j)
+                idx = (s + t - 1) - rel
+            bias = torch.cat((cache_bias, bias), dim=-1)
             pos_emb = rel_positions(torch, t, self.div_term, s)
             new = []
-            for j, layer in enumerate(layers):
-                k_cache = cache[:, j, 0].permute(1, 2, 0, 3)
-                v_cache = cache[:, j, 1].permute(1, 2, 0, 3)
-                out, k, v = self.attention(layer.self_attn, layer.norm_mha(x), bias, pos_emb, k_cache, v_cache)
+            for n_layer, layer in enumerate(layers):
+                k_cache = cache[:, n_layer, 0].permute(1, 2, 0, 3)
+                v_cache = cache[:, n_layer, 1].permute(1, 2, 0, 3)
+                out, k, v = self.attention(layer.self_attn, layer.norm_mha(x), bias, pos_emb, k_cache, v_cache, idx)
                 x = x + out
                 x = x + layer.ff_scale * layer.feed_forward(layer.norm_ff(x))
-                new.append(torch.stack((k.index_select(2, keep), v.index_select(2, keep)), dim=0))
+                if keep is not None:
+                    k, v = k.index_select(2, keep), v.index_select(2, keep)
+                new.append(torch.stack((k, v), dim=0))
             # [L, 2, B, H, R, D] -> time-major [R, L, 2, B, H, D]
             return x, torch.stack(new, dim=0).permute(4, 0, 1, 2, 3, 5)
 
@@ -149,10 +166,18 @@ def make_flow_encoder_graph(flow: Any) -> Any:
             self, token: Any, token_len: Any, lookahead_len: Any, chunk_tokens: Any, embedding: Any,
             enc_cache: Any, up_cache: Any, pre_cache: Any, upconv_cache: Any, commit: Any,
         ) -> tuple[Any, Any, Any, Any, Any, Any]:
+            keep = torch.arange(commit.shape[0])  # window tokens committed by this call
+            return self.core(token, token_len, lookahead_len, chunk_tokens, embedding, enc_cache, up_cache,
+                             pre_cache, upconv_cache, keep.shape[0], keep, torch.arange(commit.shape[0] * self.stride))
+
+        def core(self, token: Any, token_len: Any, lookahead_len: Any, chunk_tokens: Any, embedding: Any,
+                 enc_cache: Any, up_cache: Any, pre_cache: Any, upconv_cache: Any, committed: Any, keep: Any,
+                 keep_up: Any, cached_len: Any = None) -> tuple[Any, Any, Any, Any, Any, Any]:
+            """The encoder over a window: `committed` tokens of it go to the caches (the conv
+            histories are taken after them), `keep` / `keep_up` the K/V rows returned (None: all);
+            `cached_len` as in layers()."""
             fl = self.flow
             t = token.shape[1]
-            keep = torch.arange(commit.shape[0])  # window tokens committed by this call
-            keep_up = torch.arange(commit.shape[0] * self.stride)
             spks = fl.spk_embed_affine_layer(F.normalize(embedding, dim=1))
             valid = (torch.arange(t).view(1, -1) < token_len.view(-1, 1)).unsqueeze(-1).float()
             x = fl.input_embedding(torch.clamp(token, min=0)) * valid
@@ -163,11 +188,11 @@ def make_flow_encoder_graph(flow: Any) -> Any:
             y = F.leaky_relu(pre.conv1(y))
             # conv2 is causal: the conv1 outputs of the tokens before the window come from the cache
             ext = torch.cat((pre_cache, y), dim=2)
-            pre_new = ext.index_select(2, keep.shape[0] + torch.arange(pre_cache.shape[2]))
+            pre_new = ext.index_select(2, committed + torch.arange(pre_cache.shape[2]))
             y = pre.conv2(ext)
             x = y.transpose(1, 2) + x
             main_len = token_len - lookahead_len
-            x, enc_new = self.layers(encoder.encoders, x, main_len, chunk_tokens, enc_cache, keep)
+            x, enc_new = self.layers(encoder.encoders, x, main_len, chunk_tokens, enc_cache, keep, cached_len)
             # x2 nearest up-sampling, causal convolution (its history from the cache)
             up = encoder.up_layer
             y = (
@@ -177,11 +202,11 @@ def make_flow_encoder_graph(flow: Any) -> Any:
                 .reshape(x.shape[0], x.shape[2], t * self.stride)
             )
             ext = torch.cat((upconv_cache, y), dim=2)
-            upconv_new = ext.index_select(2, keep_up.shape[0] + torch.arange(upconv_cache.shape[2]))
+            upconv_new = ext.index_select(2, committed * self.stride + torch.arange(upconv_cache.shape[2]))
             y = up.conv(ext)
             x = self.embed(encoder.up_embed, y.transpose(1, 2))
             x, up_new = self.layers(encoder.up_encoders, x, main_len * self.stride, chunk_tokens * self.stride,
-                                    up_cache, keep_up)
+                                    up_cache, keep_up, None if cached_len is None else cached_len * self.stride)
             x = encoder.after_norm(x)
             mu = fl.encoder_proj(x).transpose(1, 2)
             return mu, spks, enc_new, up_new, pre_new, upconv_new

@@ -18,7 +18,14 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from cosyedge_models.backends.base import Session
-from cosyedge_models.backends.flow_cache import HostKvBuffer, HostStepCache, StepCache, StepCacheSpec
+from cosyedge_models.backends.encoder_cache import (
+    EncoderCache,
+    EncoderCacheFactory,
+    EncoderCacheSpec,
+    encoder_feeds,
+    host_encoder_cache,
+)
+from cosyedge_models.backends.flow_cache import HostStepCache, StepCache, StepCacheSpec
 from cosyedge_models.bundle.loader import Bundle, FlowConfig
 from cosyedge_models.errors import BundleError
 
@@ -101,34 +108,6 @@ class EstimatorWork:
     encoder_tokens: int = 0
 
 
-class EncoderCache:
-    """One request's flow encoder caches (edge_build/export/flow_encoder.py):
-    K/V of both stacks and the two convolution histories. Small (~1.4 MiB per
-    second of audio at full size), always the full left context."""
-
-    def __init__(self, dims: dict[str, int]) -> None:
-        kv = (2, 1, dims["heads"], dims["head_dim"])
-        self.enc = HostKvBuffer((dims["layers"], *kv))
-        self.up = HostKvBuffer((dims["up_layers"], *kv))
-        self.pre = np.zeros((1, dims["pre_channels"], dims["pre_history"]), dtype=np.float32)
-        self.upconv = np.zeros((1, dims["upconv_channels"], dims["upconv_history"]), dtype=np.float32)
-
-    def nbytes(self) -> int:
-        return self.enc.nbytes() + self.up.nbytes() + self.pre.nbytes + self.upconv.nbytes
-
-
-_ENCODER_DIMS = ("layers", "up_layers", "heads", "head_dim", "pre_channels", "pre_history", "upconv_channels",
-                 "upconv_history")
-
-
-def encoder_cache_dims(entry: dict[str, Any]) -> dict[str, int]:
-    raw = entry.get("cache")
-    if not isinstance(raw, dict) or any(k not in raw for k in _ENCODER_DIMS):
-        raise BundleError("manifest: stages.flow_encoder has no cache dimensions; re-export the bundle "
-                          "with this version's 'cosyedge build export'")
-    return {k: int(raw[k]) for k in _ENCODER_DIMS}
-
-
 def prompt_commit_frames(decoder: FlowDecoder, prompt_tokens: int) -> int:
     """Mel frames of the prompt's complete chunks whose look-ahead tokens are
     in the prompt too: the same for every request with that prompt (0: none)."""
@@ -159,13 +138,20 @@ def commit_prompt(decoder: FlowDecoder, prompt: FlowPrompt, encoder: EncoderCach
     return commit
 
 
+def encoder_spec(bundle: Bundle) -> EncoderCacheSpec:
+    """The shapes of a streaming request's encoder caches in this bundle."""
+    return EncoderCacheSpec.from_manifest(bundle.stages["flow_encoder"].raw, bundle.flow.chunk_tokens,
+                                          bundle.token_mel_ratio)
+
+
 # Backend.flow_cache: where a streaming request's step caches live.
 CacheFactory = Callable[[Session, StepCacheSpec], StepCache]
 
 
 class FlowDecoder:
     def __init__(self, bundle: Bundle, encoder: Session, estimator: Session,
-                 cache_factory: CacheFactory = HostStepCache) -> None:
+                 cache_factory: CacheFactory = HostStepCache,
+                 encoder_cache_factory: EncoderCacheFactory = host_encoder_cache) -> None:
         self.config: FlowConfig = bundle.flow
         self.mel_bins = bundle.mel_bins
         self.token_mel_ratio = bundle.token_mel_ratio
@@ -178,8 +164,8 @@ class FlowDecoder:
         # fp16 bundles: the graph takes and gives the K/V cache in fp16 (half the memory)
         self.cache_dtype = np.dtype(np.float16 if "att_cache" in raw.get("fp16_io", ()) else np.float32)
         self.cache_factory = cache_factory
-        self.encoder_dims = encoder_cache_dims(bundle.stages["flow_encoder"].raw)
-        self._empty_encoder = EncoderCache(self.encoder_dims)
+        self.encoder_spec = encoder_spec(bundle)
+        self.encoder_cache_factory = encoder_cache_factory
 
     def cache_spec(self, visible: int = -1, initial_frames: int = 0) -> StepCacheSpec:
         d = self.cache_dims
@@ -191,29 +177,25 @@ class FlowDecoder:
         """An offline call's caches: no history (zero rows, zero conv history)."""
         return HostStepCache(self.estimator, self.cache_spec())
 
+    def new_encoder_cache(self) -> EncoderCache:
+        """A streaming request's encoder caches, where the engine keeps them."""
+        return self.encoder_cache_factory(self.encoder, self.encoder_spec)
+
     def encode(self, tokens: np.ndarray, embedding: np.ndarray, lookahead: int, chunk_tokens: int,
                cache: EncoderCache | None = None, commit: int = 0,
                work: EstimatorWork | None = None) -> tuple[np.ndarray, np.ndarray]:
         """mu [1, C, frames] for all but the look-ahead tokens, spks [1, C].
-        With `cache`, `tokens` are those after the cached ones, and the first
-        `commit` of them are added to it."""
+        With `cache` (streaming, the bundle's chunk), `tokens` are those after the
+        cached ones, and the first `commit` of them are added to it."""
         n = tokens.shape[0]
-        c = cache if cache is not None else self._empty_encoder
-        out = self.encoder.run({
-            "token": tokens[None].astype(np.int64, copy=False),
-            "token_len": np.array([n], dtype=np.int64),
-            "lookahead_len": np.array([lookahead], dtype=np.int64),
-            "chunk_tokens": np.array([chunk_tokens], dtype=np.int64),
-            "embedding": embedding[None].astype(np.float32, copy=False),
-            "enc_cache": c.enc.kv, "up_cache": c.up.kv, "pre_cache": c.pre, "upconv_cache": c.upconv,
-            "commit": np.zeros((commit if cache is not None else 0,), dtype=np.float32),
-        })
         if work is not None:
             work.encoder_tokens += n
-        if cache is not None and commit:
-            cache.enc.append(out["enc_cache_new"])
-            cache.up.append(out["up_cache_new"])
-            cache.pre, cache.upconv = out["pre_cache_new"], out["upconv_cache_new"]
+        if cache is not None:
+            if chunk_tokens != cache.spec.chunk_tokens:
+                raise ValueError(f"a cached encoder call runs the bundle's chunk of {cache.spec.chunk_tokens} "
+                                 f"tokens, not {chunk_tokens}")
+            return cache.encode(tokens, embedding, lookahead, commit)
+        out = self.encoder.run(encoder_feeds(tokens, embedding, lookahead, chunk_tokens, None, 0, self.encoder_spec))
         frames = self.token_mel_ratio * (n - lookahead)
         return out["mu"][:, :, :frames], out["spks"]
 
@@ -341,7 +323,7 @@ class FlowStream:
         self.caches: list[StepCache] = []
         if self.cached:
             self.caches = [decoder.cache_factory(decoder.estimator, spec) for _ in range(cfg.n_timesteps)]
-        self.encoder_cache = EncoderCache(decoder.encoder_dims) if self.cached else None
+        self.encoder_cache = decoder.new_encoder_cache() if self.cached else None
         if prefix is not None:
             if not self.cached or left_chunks >= 0:
                 raise ValueError("a voice prefix needs the cached stream with the full left context")
@@ -370,6 +352,8 @@ class FlowStream:
         for cache in self.caches:
             cache.close()
         self.caches = []
+        if self.encoder_cache is not None:
+            self.encoder_cache.close()
         self.encoder_cache = None
         self._closed = True
 

@@ -19,7 +19,9 @@ from cosyedge_models.errors import BundleError
 from cosyedge_models.synthesis.settings import SynthesisSettings
 
 if TYPE_CHECKING:  # onnxruntime is imported only where a stage is on (the trt backend runs without it)
+    from cosyedge_models.backends.encoder_cache import EncoderCacheSpec
     from cosyedge_models.backends.ort_graph_decode import GraphDecoder
+    from cosyedge_models.backends.ort_static_encoder import StaticEncoderGraphs
     from cosyedge_models.backends.ort_static_flow import StaticFlowGraphs
     from cosyedge_models.backends.ort_static_vocoder import StaticVocoder
 
@@ -39,6 +41,7 @@ class GraphStages:
         self.threads: dict[str, GraphThread] = {}  # by stage; one object for all in "one" mode
         self.decode: GraphDecoder | None = None
         self.flow: StaticFlowGraphs | None = None
+        self.encoder: StaticEncoderGraphs | None = None
         self.vocoder: StaticVocoder | None = None
 
     @property
@@ -95,6 +98,18 @@ class GraphStages:
                                      self.settings.graph_flow_slots, functools.partial(self._thread, "flow"))
         return self.flow
 
+    def static_encoder(self, spec: EncoderCacheSpec) -> StaticEncoderGraphs | None:
+        """The fixed-shape streaming encoder graphs, captured now, with a slot for each request
+        the estimator's graphs serve, or None: they go with those (call static_flow first)."""
+        if self.flow is None or self.flow.disabled is not None:
+            return None
+        from cosyedge_models.backends.ort_static_encoder import load_static_encoder
+
+        slots = max(1, self.flow.max_slots // self.bundle.flow.n_timesteps)
+        self.encoder = load_static_encoder(self.bundle, self.backend_name, self._load, self.settings.graph_flow,
+                                           slots, spec, functools.partial(self._thread, "flow"))
+        return self.encoder
+
     def static_vocoder(self) -> StaticVocoder | None:
         """The fixed-length vocoder graphs, captured now, or None (not with flow batching)."""
         if self.settings.flow_batching is not None or not self.backend_name.startswith("ort"):
@@ -113,5 +128,7 @@ class GraphStages:
             self.decode.close()
         if self.flow is not None:
             self.flow.close()
+        if self.encoder is not None:
+            self.encoder.close()
         for thread in {id(t): t for t in self.threads.values()}.values():
             thread.close()

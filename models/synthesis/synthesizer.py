@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 from cosyedge_models.backends.base import Backend, Session
+from cosyedge_models.backends.encoder_cache import host_encoder_cache
 from cosyedge_models.backends.factory import create_backend
 from cosyedge_models.backends.graph_thread import GraphThread
 from cosyedge_models.backends.shape_pinned import ShapePinnedSession
@@ -41,7 +42,7 @@ from cosyedge_models.synthesis.api import (
     SynthesisRequest,
 )
 from cosyedge_models.synthesis.conditioning import Conditioning, ConditioningBuilder
-from cosyedge_models.synthesis.flow import EstimatorWork, FlowDecoder, FlowStream
+from cosyedge_models.synthesis.flow import EstimatorWork, FlowDecoder, FlowStream, encoder_spec
 from cosyedge_models.synthesis.graph_stages import GraphStages
 from cosyedge_models.synthesis.llm import LlmInput, SpeechTokenLM
 from cosyedge_models.synthesis.llm_prefix import LlmPrefix
@@ -119,8 +120,10 @@ class CosyVoiceSynthesizer(EngineDefaults):
         self.stage_batchers = list(batchers.values())
         stages.update(batchers)
         self.static_flow = self.graphs.static_flow()
+        self.static_encoder = self.graphs.static_encoder(encoder_spec(bundle))
         self.flow = FlowDecoder(bundle, load("flow_encoder"), stages["flow_estimator"],
-                                self.static_flow if self.static_flow is not None else backend.flow_cache)
+                                self.static_flow if self.static_flow is not None else backend.flow_cache,
+                                self.static_encoder if self.static_encoder is not None else host_encoder_cache)
         self.static_vocoder = self.graphs.static_vocoder()
         self.vocoder = HiftVocoder(bundle, stages["hift_source"], stages["hift_decoder"], self.static_vocoder)
         if pinned > 1 and self.static_vocoder is None:  # the recurring chunk lengths, set up now

@@ -37,9 +37,10 @@ from dataclasses import dataclass
 from typing import Protocol, TypeVar, cast
 
 import numpy as np
+from cosyedge_models.backends.encoder_cache import EncoderCache, EncoderPrefix, HostEncoderCache
 from cosyedge_models.backends.flow_cache import HostStepCache, PrefixRows, StepCache
 from cosyedge_models.synthesis.conditioning import Conditioning
-from cosyedge_models.synthesis.flow import EncoderCache, FlowDecoder, FlowPrompt, commit_prompt, prompt_commit_frames
+from cosyedge_models.synthesis.flow import FlowDecoder, FlowPrompt, commit_prompt, prompt_commit_frames
 from cosyedge_models.synthesis.llm import SpeechTokenLM
 from cosyedge_models.synthesis.llm_prefix import LlmPrefix, prompt_text_digest
 
@@ -69,36 +70,31 @@ class FlowPrefix:
     K/V rows [committed, *row] and conv history. Read-only once built."""
 
     committed: int  # mel frames (a whole number of mask chunks)
-    enc_kv: np.ndarray
-    up_kv: np.ndarray
-    pre: np.ndarray
-    upconv: np.ndarray
+    encoder: EncoderPrefix
     step_kv: tuple[PrefixRows, ...]
     step_conv: tuple[np.ndarray, ...]
     build_ms: float = 0.0
 
     def nbytes(self) -> int:
-        arrays = (self.enc_kv, self.up_kv, self.pre, self.upconv, *(r.host for r in self.step_kv), *self.step_conv)
-        return sum(a.nbytes for a in arrays)
+        arrays = (*(r.host for r in self.step_kv), *self.step_conv)
+        return self.encoder.nbytes() + sum(a.nbytes for a in arrays)
 
     def describe(self) -> str:
         return f"flow prefix of {self.committed} mel frames"
 
     def device_nbytes(self) -> int:
         """The copies on devices (GPU backends): as large as the K/V rows, per device."""
-        return sum(r.device_nbytes() for r in self.step_kv)
+        return self.encoder.device_nbytes() + sum(r.device_nbytes() for r in self.step_kv)
 
     def apply(self, caches: Sequence[StepCache], encoder: EncoderCache | None) -> EncoderCache:
         """Seed one request's fresh caches with this prefix (the estimator rows
         are shared read-only on the host; on a device, copied from the voice's
-        copy there; the small encoder caches are copied)."""
+        copy there; the encoder's as its cache keeps them)."""
         if len(caches) != len(self.step_kv) or encoder is None:
             raise ValueError(f"prefix of {len(self.step_kv)} Euler steps for a stream of {len(caches)}")
         for cache, kv, conv in zip(caches, self.step_kv, self.step_conv, strict=True):
             cache.preload(kv, conv)
-        encoder.enc.append(self.enc_kv)
-        encoder.up.append(self.up_kv)
-        encoder.pre, encoder.upconv = self.pre.copy(), self.upconv.copy()
+        encoder.preload(self.encoder)
         return encoder
 
 
@@ -115,12 +111,12 @@ def build_flow_prefix(decoder: FlowDecoder, prompt: FlowPrompt) -> FlowPrefix | 
     t0 = time.perf_counter()
     if prompt_commit_frames(decoder, prompt.tokens.size) == 0:
         return None
-    encoder = EncoderCache(decoder.encoder_dims)
+    encoder = HostEncoderCache(decoder.encoder, decoder.encoder_spec)
     caches = [HostStepCache(decoder.estimator, decoder.cache_spec()) for _ in range(decoder.config.n_timesteps)]
     commit = commit_prompt(decoder, prompt, encoder, caches)
     return FlowPrefix(
         committed=commit,
-        enc_kv=_owned(encoder.enc.kv), up_kv=_owned(encoder.up.kv), pre=encoder.pre, upconv=encoder.upconv,
+        encoder=encoder.snapshot(),
         step_kv=tuple(PrefixRows(_owned(c.kv)) for c in caches), step_conv=tuple(c.conv for c in caches),
         build_ms=(time.perf_counter() - t0) * 1e3,
     )

@@ -20,6 +20,7 @@ import pytest
 import soundfile as sf
 from cosyedge_daemon.cli.main import main
 from cosyedge_daemon.cli.voice import add_voice
+from cosyedge_models.backends.encoder_cache import EncoderPrefix
 from cosyedge_models.backends.flow_cache import HostStepCache, PrefixRows
 from cosyedge_models.backends.ort_cache import BoundCacheFactory
 from cosyedge_models.batching.policy import BatchSettings
@@ -181,7 +182,8 @@ def test_device_store_seeded_from_the_prefix_gives_the_host_mel(vengine: CosyVoi
 def fake_prefix(mb: float) -> FlowPrefix:
     kv = np.zeros(int(mb * MIB) // 4, np.float32)
     empty = np.zeros(0, np.float32)
-    return FlowPrefix(50, empty, empty, empty, empty, (PrefixRows(kv),), (empty,))
+    encoder = EncoderPrefix(PrefixRows(empty), PrefixRows(empty), empty, empty)
+    return FlowPrefix(50, encoder, (PrefixRows(kv),), (empty,))
 
 
 def test_cache_is_bounded_and_keyed_by_content() -> None:
