@@ -23,7 +23,8 @@ def add_engines_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workspace-mib", type=int, help="TensorRT builder workspace limit (default: per board; "
                                                      "512 MiB on an Orin Nano 8 GB)")
     p.add_argument("--max-batch", type=int, help="cap the batch dimension of every profile (B; N = 2B)")
-    p.add_argument("--stages", help=f"comma-separated subset of: {','.join(STAGES)}")
+    p.add_argument("--stages", help=f"comma-separated subset of: {','.join(STAGES)} and the bundle's fixed-shape "
+                                    "stages (default: all of them)")
     p.add_argument("--device", type=int, default=0, help="CUDA device index")
     p.add_argument("--json", dest="json_out", help="also write the engines metadata to this file")
 
@@ -32,7 +33,7 @@ def engines_command(args: argparse.Namespace) -> int:
     from cosyedge_build.tensorrt.engines import EngineBuildSettings, build_engines
 
     raw_stages: str | None = getattr(args, "stages", None)
-    stages = tuple(s.strip() for s in raw_stages.split(",") if s.strip()) if raw_stages else STAGES
+    stages = tuple(s.strip() for s in raw_stages.split(",") if s.strip()) if raw_stages else None
     settings = EngineBuildSettings(
         precision=getattr(args, "precision", None),
         board=getattr(args, "board", None),

@@ -31,6 +31,7 @@ from typing import Any
 
 import onnx
 from cosyedge_models.backends.profiles import ShapeRange, all_input_ranges, cap_profile, input_ranges, stage_profiles
+from cosyedge_models.bundle.loader import FIXED_SHAPE_PREFIXES, STAGES
 from cosyedge_models.bundle.memory_budget import BOARDS, MIB, Board
 from cosyedge_models.errors import BundleError
 
@@ -136,6 +137,25 @@ def prefill_profiles(decode_entry: Mapping[str, Any]) -> list[int]:
     serves the prefill too and no llm_prefill engine is built (one copy of the weights)."""
     return [i for i, p in enumerate(stage_profiles(decode_entry, "llm_decode"))
             if "P" in p and "T" in p and p["P"][0] == 0 and p["T"][2] > 1]
+
+
+def is_fixed_shape(stage: str) -> bool:
+    """A fixed-shape stage (FIXED_SHAPE_PREFIXES: flow estimator windows, vocoder lengths,
+    flow encoder windows): every input static, optional in the engines section."""
+    return stage.startswith(FIXED_SHAPE_PREFIXES)
+
+
+def engine_stages(requested: Sequence[str] | None, available: Iterable[str]) -> tuple[str, ...]:
+    """What `build engines` builds: by default (None) the six dynamic STAGES and every
+    fixed-shape stage of the bundle (`available`: its stage names), else `requested`,
+    each of which must be one of those."""
+    fixed = sorted(n for n in available if is_fixed_shape(n))
+    if requested is None:
+        return (*STAGES, *fixed)
+    unknown = [s for s in requested if s not in STAGES and s not in fixed]
+    if unknown:
+        raise BundleError(f"unknown stages {unknown}; allowed: {', '.join((*STAGES, *fixed))}")
+    return tuple(requested)
 
 
 def workspace_bytes(board: str | None, workspace_mib: int | None) -> int:

@@ -9,6 +9,17 @@ create_timing_cache / set_timing_cache / get_timing_cache().serialize()),
 build_serialized_network, Runtime.deserialize_cuda_engine,
 device_memory_size_v2 (10.1+), ILayer.precision / set_output_type.
 
+Besides the six dynamic stages it builds one engine per fixed-shape stage
+the bundle has (FIXED_SHAPE_PREFIXES: the flow estimator windows, the
+vocoder lengths, the flow encoder windows), recorded in the same `engines`
+section; the loader takes them where their plans exist (optional: a bundle
+built before them still loads). Their inputs are all static; TensorRT
+generates a default optimization profile for such a network, and one given
+explicitly is allowed (IOptimizationProfile's documentation), so they get
+the one their manifest entry yields, min = opt = max (build_profiles), and
+the engines section and TrtSession read it like any other. The precision
+rule is the same (precision_mode on their own ONNX).
+
 The decisions (precision mode, profiles, workspace) are made in
 edge_build/tensorrt/engine_plan.py, which needs no TensorRT and is tested on the CPU.
 The timing cache persists in the bundle (`timing.cache`), so a rebuild after
@@ -31,6 +42,8 @@ from cosyedge_build.tensorrt.engine_plan import (
     PrecisionMode,
     batch_caps,
     build_profiles,
+    engine_stages,
+    is_fixed_shape,
     onnx_node_of,
     precision_mode,
     prefill_profiles,
@@ -57,15 +70,17 @@ class EngineBuildSettings:
     board: str | None = None  # BOARDS key; None: guessed from the GPU's memory on Jetson
     workspace_mib: int | None = None  # None: the board's default
     max_batch: int | None = None  # caps B (and N = 2B) in every profile
-    stages: tuple[str, ...] = STAGES
+    # None: the six dynamic STAGES and every fixed-shape stage of the bundle (engine_stages)
+    stages: tuple[str, ...] | None = None
     device_id: int = 0
 
     def __post_init__(self) -> None:
         if self.board is not None:
             resolve_board(self.board)
-        unknown = [s for s in self.stages if s not in STAGES]
+        unknown = [s for s in self.stages or () if s not in STAGES and not is_fixed_shape(s)]
         if unknown:
-            raise ValueError(f"unknown stages {unknown}; allowed: {', '.join(STAGES)}")
+            raise ValueError(f"unknown stages {unknown}; allowed: {', '.join(STAGES)} and the bundle's "
+                             "fixed-shape stages")
         if self.max_batch is not None and self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
 
@@ -155,9 +170,10 @@ def build_engines(bundle_dir: Path | str, settings: EngineBuildSettings | None =
     records: dict[str, Any] = dict(old.get("stages", {})) if same else {}
     # One LLM engine when llm_decode's profiles include the prefill's: llm_prefill is recorded
     # as that engine (same plan file, one copy of the weights in device memory)
-    served = prefill_profiles(bundle.stages["llm_decode"].raw) if "llm_decode" in settings.stages else []
+    todo = engine_stages(settings.stages, bundle.stages)
+    served = prefill_profiles(bundle.stages["llm_decode"].raw) if "llm_decode" in todo else []
     one_llm = bool(served)
-    for stage in settings.stages:
+    for stage in todo:
         if stage == "llm_prefill" and one_llm:
             continue
         info = bundle.stages[stage]
@@ -210,6 +226,8 @@ def build_engines(bundle_dir: Path | str, settings: EngineBuildSettings | None =
                  f"{records[stage]['build_seconds']} s")
         if cache is not None:
             _write_atomic(cache_path, memoryview(cache.serialize()))
+    # a fixed-shape stage the bundle no longer has (re-exported with other windows) loses its record
+    records = {n: r for n, r in records.items() if not is_fixed_shape(n) or n in bundle.stages}
     if one_llm:
         records["llm_prefill"] = {**records["llm_decode"], "engine_of": "llm_decode", "profiles_used": served}
         progress("llm_prefill: served by the llm_decode engine (its prefill profile; one copy of the weights)")

@@ -90,9 +90,11 @@ def engine_warnings(meta: Mapping[str, Any], local: EngineIdentity) -> list[str]
     return []
 
 
-def check_engines(manifest: Mapping[str, Any], root: Path, local: EngineIdentity) -> dict[str, Any]:
+def check_engines(manifest: Mapping[str, Any], root: Path, local: EngineIdentity,
+                  optional: tuple[str, ...] = ()) -> dict[str, Any]:
     """The `engines` section if its plans can run on `local`; else a BundleError
-    that says why and how to rebuild."""
+    that says why and how to rebuild. Stages named with an `optional` prefix (the
+    fixed-shape ones) may lack their plan file: the loader then runs without them."""
     meta = manifest.get("engines")
     hint = REBUILD_HINT.format(root=root)
     if not meta:
@@ -112,7 +114,7 @@ def check_engines(manifest: Mapping[str, Any], root: Path, local: EngineIdentity
         if onnx_sha and source and onnx_sha != source:
             raise BundleError(f"{root}: engine {entry.get('file')} was built from another {entry.get('onnx')} than the "
                               "bundle now holds (it was re-exported or re-quantized since); " + hint)
-        if not (root / str(entry.get("file", ""))).exists():
+        if not (root / str(entry.get("file", ""))).exists() and not str(name).startswith(optional):
             raise BundleError(f"{root}: engine file {entry.get('file')} is missing; " + hint)
     return dict(meta)
 

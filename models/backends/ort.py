@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 from cosyedge_models.backends.base import DecodeLoop, HostDecodeLoop, Session
+from cosyedge_models.backends.fixed_shapes import fixed_shape_names, fixed_shapes_wanted
 from cosyedge_models.backends.flow_cache import HostStepCache, StepCache, StepCacheSpec
 from cosyedge_models.backends.ort_cache import BoundCacheFactory
 from cosyedge_models.backends.profiling import profile_dir
@@ -295,11 +296,8 @@ def fixed_shape_sessions(bundle: Bundle, backend_name: str, load: Callable[[str]
     when the bundle has them), True on (an error without them; on the CPU
     without capture), False off. `what` names the setting and the export
     option in that error."""
-    names = sorted(n for n in bundle.stages if n.startswith(prefix))
-    if setting is True and not names:
-        raise BundleError(f"{bundle.root}: {what}")
-    wanted = setting if setting is not None else backend_name == "ort-cuda"
-    if not (wanted and names and backend_name.startswith("ort")):
+    names = fixed_shape_names(bundle.stages, prefix)
+    if not (fixed_shapes_wanted(names, setting, backend_name, bundle.root, what) and backend_name.startswith("ort")):
         return None
     sessions = [load(n) for n in names]
     ort_sessions = [s for s in sessions if isinstance(s, OrtSession)]

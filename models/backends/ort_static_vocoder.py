@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import onnxruntime as ort
 from cosyedge_models.backends.base import Session
+from cosyedge_models.backends.fixed_shapes import source_cache, vocoder_length
 from cosyedge_models.backends.graph_thread import CAPTURE_RUNS, GraphThread
 from cosyedge_models.backends.ort import OrtSession, fixed_shape_sessions
 from cosyedge_models.bundle.loader import STATIC_VOCODER_PREFIX, Bundle
@@ -92,10 +93,10 @@ class StaticVocoder:
             np.ndarray, np.ndarray] | None:
         """(audio, source) for mel [1, C, N] as HiftVocoder.run computes it, or
         None where no graph fits (another length, batch or cache length)."""
-        io = self._io.get(int(mel.shape[2])) if self.disabled is None and mel.shape[0] == 1 else None
-        if cache is not None and cache.shape[2] == 0:
-            cache = None
-        if io is None or (cache is not None and cache.shape != (1, 1, io.cache_len)):
+        cache = source_cache(cache)
+        frames = vocoder_length({n: io.cache_len for n, io in self._io.items()}, mel.shape, cache)
+        io = self._io.get(frames) if frames is not None and self.disabled is None else None
+        if io is None:
             return None
 
         def work() -> tuple[np.ndarray, np.ndarray]:

@@ -79,6 +79,19 @@ class TrtStepCache:
         st.cuda.synchronize()
         self.length = rows.frames
 
+    def adopt(self, src_ptr: int, frames: int, conv_ptr: int) -> None:
+        """Start from `frames` rows and a conv history already on this device (a fixed-shape
+        slot's, models/backends/trt_static_flow.py), by device-to-device copies."""
+        if self.length:
+            raise RuntimeError("adopt() on a cache that holds frames")
+        st = self._session.state()
+        self._reserve(max(frames, 1))
+        if frames:
+            st.cuda.dtod(self._ptr(0), src_ptr, frames * self.spec.row_bytes)
+        st.cuda.dtod(self._conv[self._cur].ptr, conv_ptr, self.spec.conv_bytes)
+        st.cuda.synchronize()
+        self.length = frames
+
     def run(self, feeds: Mapping[str, np.ndarray], commit: int) -> np.ndarray:
         if self._kv is None:
             raise RuntimeError("flow cache used after close()")

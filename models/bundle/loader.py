@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,6 +13,8 @@ from typing import Any
 import numpy as np
 from cosyedge_models.backends.engine_meta import EngineIdentity, check_engines
 from cosyedge_models.errors import BundleError, CosyEdgeError
+
+log = logging.getLogger(__name__)
 
 FORMAT = "cosyedge-bundle"
 FORMAT_VERSION = 2  # 2: the flow estimator takes and returns streaming caches
@@ -305,7 +308,7 @@ def _engine_stages(root: Path, manifest: dict[str, Any], stages: dict[str, Stage
             identity = local_identity(device_id)
         except CosyEdgeError as exc:
             raise BundleError(f"{root}: cannot use TensorRT engines here: {exc}") from exc
-    engines = check_engines(manifest, root, identity)
+    engines = check_engines(manifest, root, identity, FIXED_SHAPE_PREFIXES)
     built = str(engines.get("precision", "?"))
     if precision is not None and precision != built:
         raise BundleError(f"{root}: the TensorRT engines were built from the {built} stages, not {precision}; "
@@ -317,4 +320,23 @@ def _engine_stages(root: Path, manifest: dict[str, Any], stages: dict[str, Stage
                               f"rebuild them with: cosyedge build engines --bundle {root}")
         stages[name] = StageInfo(name, root / entry["file"], str(entry.get("precision", built)),
                                  entry.get("sha256"), entry)
+    stages.update(fixed_shape_engines(root, manifest, engines))
     return engines
+
+
+def fixed_shape_engines(root: Path, manifest: Mapping[str, Any], engines: Mapping[str, Any]) -> dict[str, StageInfo]:
+    """The engines of the fixed-shape stages (optional): those whose plan exists and whose
+    stage the bundle still lists; a bundle whose engines predate them simply has none."""
+    found = {}
+    listed = manifest.get("stages", {})
+    for name, entry in engines.get("stages", {}).items():
+        if not str(name).startswith(FIXED_SHAPE_PREFIXES) or name not in listed:
+            continue
+        path = root / str(entry.get("file", ""))
+        if path.is_file():
+            found[name] = StageInfo(name, path, str(entry.get("precision", engines.get("precision", "fp32"))),
+                                    entry.get("sha256"), entry)
+        else:
+            log.warning("%s: engine %s of the fixed-shape stage %s is missing; running without it (rebuild with: "
+                        "cosyedge build engines --bundle %s)", root, path.name, name, root)
+    return found

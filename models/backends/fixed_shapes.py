@@ -1,0 +1,157 @@
+"""The pure logic of the fixed-shape (CUDA-graph) stages, shared by the
+onnxruntime and the TensorRT runtimes: which stages a setting turns on,
+which window bucket a call takes, the padding and the cache validity mask
+it is fed, whether a step cache stays on the fixed shapes, which rows a
+commit or a trim copies, how many request slots fit in the GPU's memory,
+and which fixed-length vocoder graph a chunk takes.
+
+No onnxruntime, no TensorRT, no CUDA here (the `trt` path runs without
+onnxruntime, models/backends/trt_static_flow.py); tested on the CPU in
+tests/models/backends/test_fixed_shapes.py."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from cosyedge_models.backends.flow_cache import trim_due
+from cosyedge_models.errors import BundleError
+
+log = logging.getLogger(__name__)
+
+# graph_flow auto takes at most this share of the GPU's memory for its slots: the rest is the
+# engines', the arena's and the other requests' (dynamic graph).
+AUTO_DEVICE_FRACTION = 0.25
+
+# The backends whose auto setting (None) turns the fixed-shape stages on when the bundle has them.
+AUTO_ON_BACKENDS = ("ort-cuda", "trt")
+
+
+def fixed_shape_names(stages: Iterable[str], prefix: str) -> list[str]:
+    """The bundle's stages of one fixed-shape family (`prefix` + size), sorted by name."""
+    return sorted(n for n in stages if n.startswith(prefix))
+
+
+def fixed_shapes_wanted(names: Sequence[str], setting: bool | None, backend_name: str, root: Path,
+                        what: str) -> bool:
+    """Whether a fixed-shape family runs: `setting` True on (a BundleError saying `what` when
+    the bundle has none), None auto (on for AUTO_ON_BACKENDS when the bundle has them), False off."""
+    if setting is True and not names:
+        raise BundleError(f"{root}: {what}")
+    wanted = setting if setting is not None else backend_name in AUTO_ON_BACKENDS
+    return bool(wanted and names)
+
+
+def bucket(windows: Sequence[int], frames: int) -> int | None:
+    """Index of the smallest of the (ascending) `windows` that holds `frames`, or None."""
+    for i, w in enumerate(windows):
+        if frames <= w:
+            return i
+    return None
+
+
+def pad_window(value: np.ndarray, window: int) -> np.ndarray:
+    """`value` right-padded with zeros along its last axis to `window` frames, fp32 (padded
+    frames get mask 0: exact, the convolutions are causal and padded keys are masked)."""
+    out = np.zeros((*value.shape[:-1], window), dtype=np.float32)
+    out[..., : value.shape[-1]] = value
+    return out
+
+
+def visible_first(length: int, visible: int) -> int:
+    """The first cached frame a call attends to: all (-1) or only the last `visible`."""
+    return 0 if visible < 0 else max(length - visible, 0)
+
+
+def valid_mask(cache_frames: int, first: int, length: int) -> np.ndarray:
+    """The fixed-shape graph's cache_valid [S]: 1 on the attended rows [first, length)."""
+    valid = np.zeros((cache_frames,), np.float32)
+    valid[first:length] = 1.0
+    return valid
+
+
+def commit_index(commit: int, history: int) -> np.ndarray:
+    """The conv-input frames (history first) that become the next conv history."""
+    return commit + np.arange(history, dtype=np.int64)
+
+
+def stays_fixed(window: int | None, length: int, commit: int, cache_frames: int, disabled: bool) -> bool:
+    """Whether a call stays on the fixed shapes: a window bucket holds it, the cache has room
+    for its committed rows, and the graphs are not disabled."""
+    return window is not None and length + commit <= cache_frames and not disabled
+
+
+def prefix_fits(frames: int, windows: Sequence[int], cache_frames: int) -> bool:
+    """Whether a saved voice's prefix of `frames` leaves room for at least the smallest window."""
+    return frames + min(windows) <= cache_frames
+
+
+@dataclass(frozen=True)
+class RowCopy:
+    """A device copy of `frames` K/V rows inside a slot's buffer (or from a window's output)."""
+
+    dst: int  # frame index in the slot
+    src: int  # frame index in the source (the slot, or the window's att_window)
+    frames: int
+
+    def nbytes(self, row_bytes: int) -> int:
+        return self.frames * row_bytes
+
+
+def commit_copy(at: int, commit: int) -> RowCopy | None:
+    """The window's first `commit` rows (att_window) to slot frame `at`; None without a commit."""
+    return RowCopy(at, 0, commit) if commit > 0 else None
+
+
+def trim_copy(length: int, keep: int, cache_frames: int) -> RowCopy | None:
+    """Bounded left context: the last `keep` rows to the front once trim_due says so, else None."""
+    if keep < 0 or not trim_due(length, keep, cache_frames):
+        return None
+    return RowCopy(0, length - keep, keep)
+
+
+def flow_request_bytes(att_cache: Sequence[int], conv_cache: Sequence[int], n_timesteps: int,
+                       itemsize: int = 4) -> int:
+    """Device memory of one request's slots (one per Euler step): K/V buffer and conv history."""
+    return n_timesteps * itemsize * (int(np.prod(att_cache)) + int(np.prod(conv_cache)))
+
+
+def slots_that_fit(requested: int, per_request_bytes: int, device_bytes: int,
+                   fraction: float = AUTO_DEVICE_FRACTION) -> int:
+    """Requests given fixed-shape slots by the auto setting: at most `requested`, all of
+    them within `fraction` of the device's memory (0: not even one fits)."""
+    if per_request_bytes <= 0:
+        return requested
+    return max(0, min(requested, int(device_bytes * fraction) // per_request_bytes))
+
+
+def device_total_bytes(device_id: int) -> int:
+    """The GPU's memory as the driver reports it (0: not found)."""
+    from cosyedge_models.backends.gpu_probe import probe_gpu
+
+    for dev in probe_gpu().devices:
+        if dev.index == device_id:
+            return dev.total_memory_bytes
+    return 0
+
+
+def source_cache(cache: np.ndarray | None) -> np.ndarray | None:
+    """The vocoder's source cache as the fixed-length graphs take it: None for none or empty."""
+    if cache is None or cache.shape[2] == 0:
+        return None
+    return cache
+
+
+def vocoder_length(cache_lens: Mapping[int, int], mel_shape: Sequence[int], cache: np.ndarray | None) -> int | None:
+    """The fixed-length vocoder graph (its mel frames) for a chunk, or None: `cache_lens` maps
+    each graph's mel frames to its source-cache length; batch 1, an exported length, and a
+    source cache (after `source_cache`) of none or that length."""
+    if mel_shape[0] != 1 or int(mel_shape[2]) not in cache_lens:
+        return None
+    frames = int(mel_shape[2])
+    if cache is not None and tuple(cache.shape) != (1, 1, cache_lens[frames]):
+        return None
+    return frames
