@@ -1,6 +1,7 @@
 """The optional graphs that follow a unit's stage get the same precision:
 the fixed-size decode step follows `llm_decode`, the fixed-shape flow
-estimator graphs follow `flow_estimator`. Without them an fp16 or int8w
+estimator graphs follow `flow_estimator`, the fixed-shape encoder graphs
+`flow_encoder` (kept fp32 in fp16 bundles, as it is). Without them an fp16 or int8w
 bundle would run its CUDA-graph paths in fp32, with a second (fp32) copy of
 the LLM's weights beside the low-precision one."""
 
@@ -14,7 +15,7 @@ import onnx
 from cosyedge_build.quantize.fp16 import FP16_IO, convert_fp16
 from cosyedge_build.quantize.policy import UNITS, UnitPolicy, groups_in
 from cosyedge_build.quantize.weight_only import quantize_weight_only
-from cosyedge_models.bundle.loader import STATIC_FLOW_PREFIX, sha256_file
+from cosyedge_models.bundle.loader import STATIC_ENCODER_PREFIX, STATIC_FLOW_PREFIX, sha256_file
 
 # int8 (Q/DQ) bundles are TensorRT's: its engines take the fixed shapes as
 # profiles of the graphs themselves, so the companions stay fp32 there.
@@ -27,6 +28,8 @@ def base_stage(name: str) -> str | None:
         return "llm_decode"
     if name.startswith(STATIC_FLOW_PREFIX):
         return "flow_estimator"
+    if name.startswith(STATIC_ENCODER_PREFIX):
+        return "flow_encoder"
     return None
 
 

@@ -19,6 +19,7 @@
 #          graphs run without capture: time per stage and operator type (models/tools/ort_profile.py)
 #   bench16 the same concurrency levels on the fp16 bundle (--concurrency-only)
 #   threads the fp32 bundle at each concurrency with a graph thread per stage (--graph-threads per-stage)
+#   load   engine load time and device memory with the CUDA-graph stages off and on (their captures)
 #   memory engine memory on ort-cuda (device and process): fp32 with the LLM weights
 #          shared on the device and not, fp16 (python -m cosyedge_models.tools.engine_memory)
 #   bench  cosyedge bench: fp32 with the fp16 bundle compared, concurrency
@@ -134,6 +135,15 @@ for step in ${steps//,/ }; do
           || { tail -30 "$out/memory.log"; exit 1; }
       done
       stamp "memory done" ;;
+    load)
+      # what the CUDA-graph stages add to an engine's load (their captures) and to device memory:
+      # the fp32 bundle with them all off, then as ort-cuda loads it by default
+      for g in off auto; do
+        python3 -m cosyedge_models.tools.engine_memory "$full/bundle" --backend ort-cuda --graph-decode "$g" \
+          --graph-flow "$g" --graph-vocoder "$g" --json "$out/load_graphs_$g.json" >>"$out/load.log" 2>&1 \
+          || { tail -30 "$out/load.log"; exit 1; }
+      done
+      stamp "load done" ;;
     profile)
       # where a fixed-shape flow step's time goes: one streaming synthesis with the saved voice,
       # the fixed-shape graphs run without capture (COSYEDGE_ORT_CUDA_GRAPH=0) so that onnxruntime's
@@ -146,6 +156,6 @@ for step in ${steps//,/ }; do
       python3 -m cosyedge_models.tools.ort_profile /tmp/prof --top 14 --json "$out/profile.json" | tee "$out/profile.txt"
       stamp "profile done" ;;
     setup) ;;  # the setup above only (bundles and the voice ready for other commands)
-    *) echo "unknown step $step (setup, tests, probe, profile, bench, bench16, threads, memory)"; exit 2 ;;
+    *) echo "unknown step $step (setup, tests, probe, profile, bench, bench16, threads, memory, load)"; exit 2 ;;
   esac
 done

@@ -217,8 +217,11 @@ def static_flow_report(engine: CosyVoiceSynthesizer) -> dict[str, Any] | None:
     graphs = engine.static_flow
     if graphs is None:
         return None
+    enc = engine.static_encoder
+    encoder = None if enc is None else {"windows_tokens": enc.windows, "cache_tokens": enc.cache_tokens,
+                                        "slots": enc.max_slots, "replays": enc.replays, "moves": enc.moves}
     return {"windows": graphs.windows, "cache_frames": graphs.cache_frames, "cuda_graphs": graphs.capture,
-            "slots": graphs.max_slots, "replays": graphs.replays}
+            "slots": graphs.max_slots, "replays": graphs.replays, "moves": graphs.moves, "encoder": encoder}
 
 
 def int_list(value: str, what: str) -> list[int]:
@@ -364,7 +367,9 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
                               graph_flow_slots=max(4, min(8, max(concurrency, default=1))))
     if cache_mb is not None:
         settings = dataclasses.replace(settings, voice_cache_mb=cache_mb)
+    t_load = time.perf_counter()
     engine = load_synthesizer(args.bundle, settings=settings)
+    load_ms = round((time.perf_counter() - t_load) * 1e3, 1)  # with every CUDA-graph capture
     stack = contextlib.ExitStack()
     try:
         if voice is not None:
@@ -396,7 +401,8 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
                         "flow_batching": None if flow_batching is None else vars(flow_batching),
                         "overlap_stages": engine.overlap,
                         "fixed_size_decode": engine.lm.fixed_size_decode is not None, "text": text,
-                        "voice": voice, **concurrency_report(engine, text, concurrency, mode, voice)}
+                        "load_ms": load_ms, "voice": voice,
+                        **concurrency_report(engine, text, concurrency, mode, voice)}
             print(json.dumps(report_c, indent=2))
             if args.json:
                 Path(args.json).write_text(json.dumps(report_c, indent=2) + "\n")
@@ -416,6 +422,7 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
             "overlap_stages": engine.overlap,
             "fixed_size_decode": engine.lm.fixed_size_decode is not None,  # the CUDA-graph LLM step
             "static_flow": static_flow_report(engine),  # the fixed-shape (CUDA-graph) flow estimator
+            "load_ms": load_ms,  # the engine's load, CUDA-graph captures included
             "text": text,
             "voice": voice,
             "audio_s": round(statistics.median(r["audio_s"] for r in offline), 3),

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -47,6 +48,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="load the fixed-size decode step too (on), as ort-cuda does by default")
     p.add_argument("--graph-flow", choices=("auto", "on", "off"), default="auto",
                    help="the fixed-shape flow graphs and their slots (auto: on for ort-cuda, as the daemon loads)")
+    p.add_argument("--graph-vocoder", choices=("auto", "on", "off"), default="auto",
+                   help="the fixed-length vocoder graphs (auto: on for ort-cuda, as the daemon loads)")
     p.add_argument("--cpu-arena", choices=("on", "off"), default="off",
                    help="onnxruntime's CPU memory arena (SynthesisSettings.cpu_memory_arena; default off)")
     p.add_argument("--json")
@@ -62,9 +65,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return device_memory_used() if args.backend != "ort" else None
 
     before, device_before = process_memory(), device()
+    t0 = time.perf_counter()
     engine = load_synthesizer(args.bundle, settings=SynthesisSettings(
         backend=args.backend, precision=args.precision, graph_decode=auto[args.graph_decode],
-        graph_flow=auto[args.graph_flow], cpu_memory_arena=args.cpu_arena == "on"))
+        graph_flow=auto[args.graph_flow], graph_vocoder=auto[args.graph_vocoder],
+        cpu_memory_arena=args.cpu_arena == "on"))
+    load_ms = round((time.perf_counter() - t0) * 1e3, 1)  # sessions, warm-ups and CUDA-graph captures
     try:
         loaded, device_loaded = process_memory(), device()
         for _ in engine.synthesize(SynthesisRequest(text="Hello there, this is a test.", seed=0)):
@@ -73,7 +79,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         report = {"bench": "engine_memory", "machine": machine(args.backend),
                   "bundle": str(Path(args.bundle).resolve()), "precision": engine.bundle.precision,
                   "backend": args.backend, "graph_decode": args.graph_decode, "graph_flow": args.graph_flow,
-                  "cpu_arena": args.cpu_arena,
+                  "graph_vocoder": args.graph_vocoder,
+                  "cpu_arena": args.cpu_arena, "load_ms": load_ms,
                   "sessions": sorted(s.name for s in engine._sessions),
                   "session_memory_bytes": engine.session_memory_bytes(),
                   "after_load": memory_delta(before, loaded), "after_synthesis": memory_delta(before, warm)}

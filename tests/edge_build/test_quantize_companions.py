@@ -16,7 +16,7 @@ from cosyedge_build.export.shared_weights import LLM_STAGES as LLM_GRAPHS
 from cosyedge_build.quantize.pipeline import quantize_bundle
 from cosyedge_build.quantize.settings import AccuracyBudget, QuantizeSettings
 from cosyedge_models.backends.ort import OrtBackend
-from cosyedge_models.bundle.loader import STATIC_FLOW_PREFIX, load_bundle
+from cosyedge_models.bundle.loader import STATIC_ENCODER_PREFIX, STATIC_FLOW_PREFIX, load_bundle
 from cosyedge_models.synthesis.api import SynthesisRequest
 from cosyedge_models.synthesis.settings import SynthesisSettings
 from cosyedge_models.synthesis.synthesizer import load_synthesizer
@@ -41,6 +41,10 @@ def test_fixed_shape_graphs_get_the_bundle_precision(fp16_graph_bundle: tuple[Pa
         assert bundle.stages[name].path.name == f"{name}.fp16.onnx" and bundle.stages[name].path.exists()
         assert bundle.stages[name].precision == "fp16"
     assert bundle.stages["llm_kv_pad"].precision == "fp32"  # no weights: not a companion
+    # the encoder's fixed-shape graphs follow flow_encoder, which fp16 keeps in fp32
+    encoders = [n for n in bundle.stages if n.startswith(STATIC_ENCODER_PREFIX)]
+    assert len(encoders) == 2 and bundle.stages["flow_encoder"].precision == "fp32"
+    assert all(bundle.stages[n].precision == "fp32" and bundle.stages[n].path.exists() for n in encoders)
 
 
 def test_the_three_llm_graphs_share_one_fp16_weight_file(fp16_graph_bundle: tuple[Path, dict[str, Any]]) -> None:
@@ -84,6 +88,9 @@ def test_weight_only_bundle_quantizes_the_fixed_size_step_too(graph_bundle: Path
     quantize_bundle(graph_bundle, out, settings)
     bundle = load_bundle(out)
     assert bundle.stages["llm_decode_static"].path.name == "llm_decode_static.int8w.onnx"
+    if bundle.stages["flow_encoder"].precision == "int8w":  # its fixed-shape graphs follow it
+        encoders = [n for n in bundle.stages if n.startswith(STATIC_ENCODER_PREFIX)]
+        assert encoders and all(bundle.stages[n].path.name == f"{n}.int8w.onnx" for n in encoders)
     index = json.loads((out / "llm_weights.int8w.json").read_text())
     assert sorted(index["graphs"]) == sorted(f"{g}.int8w.onnx" for g in LLM_GRAPHS)
     _compare_with_dynamic(out, "cpu", atol=1e-4, rtol=1e-4)  # the same int8 weights and kernels in both
