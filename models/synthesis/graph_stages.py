@@ -82,9 +82,10 @@ class GraphStages:
         self.decode.warm_up()  # captures now, before any request runs
         return self.decode
 
-    def static_flow(self) -> StaticFlowGraphs | None:
-        """The fixed-shape estimator graphs, captured now, or None (not with flow batching)."""
-        if self.settings.flow_batching is not None or not self.backend_name.startswith("ort"):
+    def static_flow(self) -> StaticFlowGraphs | TrtStaticFlow | None:
+        """The fixed-shape estimator graphs (onnxruntime) or engines (trt), captured now, or
+        None (not with flow batching)."""
+        if self.settings.flow_batching is not None or not self.backend_name.startswith(("ort", "trt")):
             if self.settings.flow_batching is not None and self.backend_name == "ort-cuda":
                 # measured on an H200: 8 streams' first audio p95 17.2 s batched against 1.6 s on
                 # the captured graphs (docs/gpu.md), so say so where someone turns it on
@@ -92,6 +93,12 @@ class GraphStages:
                             "without the fixed-shape CUDA graphs: much slower on a GPU (docs/gpu.md); "
                             "set [tts] flow_max_batch_size = 0 to keep them")
             return None
+        if self.backend_name == "trt":  # TensorRT's engines: no onnxruntime on this path
+            from cosyedge_models.backends.trt_static_flow import load_trt_static_flow
+
+            self.flow = load_trt_static_flow(self.bundle, self.backend_name, self._load, self.settings.graph_flow,
+                                             self.settings.graph_flow_slots, functools.partial(self._thread, "flow"))
+            return self.flow
         from cosyedge_models.backends.ort_static_flow import load_static_flow
 
         self.flow = load_static_flow(self.bundle, self.backend_name, self._load, self.settings.graph_flow,
@@ -110,10 +117,18 @@ class GraphStages:
                                            slots, spec, functools.partial(self._thread, "flow"))
         return self.encoder
 
-    def static_vocoder(self) -> StaticVocoder | None:
-        """The fixed-length vocoder graphs, captured now, or None (not with flow batching)."""
-        if self.settings.flow_batching is not None or not self.backend_name.startswith("ort"):
+    def static_vocoder(self) -> StaticVocoder | TrtStaticVocoder | None:
+        """The fixed-length vocoder graphs (onnxruntime) or engines (trt), captured now, or
+        None (not with flow batching)."""
+        if self.settings.flow_batching is not None or not self.backend_name.startswith(("ort", "trt")):
             return None
+        if self.backend_name == "trt":  # TensorRT's engines: no onnxruntime on this path
+            from cosyedge_models.backends.trt_static_vocoder import load_trt_static_vocoder
+
+            self.vocoder = load_trt_static_vocoder(self.bundle, self.backend_name, self._load,
+                                                   self.settings.graph_vocoder,
+                                                   functools.partial(self._thread, "vocoder"))
+            return self.vocoder
         from cosyedge_models.backends.ort_static_vocoder import load_static_vocoder
 
         self.vocoder = load_static_vocoder(self.bundle, self.backend_name, self._load, self.settings.graph_vocoder,
