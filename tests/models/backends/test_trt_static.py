@@ -1,0 +1,243 @@
+"""The fixed-shape TensorRT engines on a real GPU (`pytest -m gpu`): `build
+engines` builds and records one engine per fixed-shape stage of the bundle
+with every CUDA-graph stage (graph_bundle), the loader takes them, and their
+CUDA-graph replay (models/backends/trt_static_flow.py, trt_static_vocoder.py)
+gives what the dynamic TensorRT engines and onnxruntime on the CPU give,
+within the tolerance of test_trt_backend.py, through slot reuse, a voice's
+preloaded prefix, trims and the move to the dynamic engine. Skipped with the
+reason wherever there is no GPU, TensorRT or pycuda (conftest.py): no machine
+here has TensorRT, so these have never run."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from cosyedge_models.backends.factory import create_backend
+from cosyedge_models.backends.flow_cache import PrefixRows, StepCache, StepCacheSpec
+from cosyedge_models.backends.graph_thread import GraphThread
+from cosyedge_models.bundle.loader import STAGES, STATIC_FLOW_PREFIX, STATIC_VOCODER_PREFIX, Bundle, load_bundle
+from cosyedge_models.synthesis.api import SynthesisRequest
+from cosyedge_models.synthesis.flow import FlowDecoder, FlowPrompt
+from cosyedge_models.synthesis.settings import SynthesisSettings
+from cosyedge_models.synthesis.streaming import ChunkSchedule
+from cosyedge_models.synthesis.vocoder import HiftVocoder
+
+from tests.conftest import STATIC_FLOW_CACHE
+
+pytestmark = pytest.mark.gpu
+TOL = 2e-2  # relative, as test_trt_backend.py's stage checks (TF32 / other tactics per shape)
+
+
+@pytest.fixture(scope="module")
+def trt_graph_bundle(graph_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from cosyedge_build.tensorrt.engines import EngineBuildSettings, build_engines
+
+    root = tmp_path_factory.mktemp("trt-static") / "bundle"
+    shutil.copytree(graph_bundle, root)
+    build_engines(root, EngineBuildSettings(workspace_mib=512))
+    return root
+
+
+def _fixed(bundle: Bundle, prefix: str) -> list[str]:
+    return sorted(n for n in bundle.stages if n.startswith(prefix))
+
+
+def test_fixed_shape_engines_are_built_recorded_and_loaded(trt_graph_bundle: Path) -> None:
+    manifest = json.loads((trt_graph_bundle / "manifest.json").read_text())
+    fixed = sorted(n for n in manifest["stages"] if n.startswith((STATIC_FLOW_PREFIX, STATIC_VOCODER_PREFIX)))
+    assert fixed and set(manifest["engines"]["stages"]) >= set(STAGES) | set(fixed)
+    for name in fixed:  # one profile with min = opt = max: every input static
+        (profile,) = manifest["engines"]["stages"][name]["profiles"]
+        assert all(lo == opt == hi for lo, opt, hi in profile.values())
+    bundle = load_bundle(trt_graph_bundle, backend="trt")
+    assert all(bundle.stages[n].path.suffix == ".plan" for n in fixed)
+
+
+def _stream(decoder: FlowDecoder, prompt: FlowPrompt, toks: np.ndarray, left: int = -1) -> np.ndarray:
+    look = decoder.config.pre_lookahead_len
+    schedule = ChunkSchedule(25, look, prompt_tokens=len(prompt.tokens))
+    mels = []
+    with decoder.stream(prompt, "cached", left) as s:
+        while (chunk := schedule.next_chunk(len(toks))) is not None:
+            mels.append(s.push(toks[: chunk.end + look]))
+        mels.append(s.finish(toks))
+    return np.concatenate(mels, axis=2)
+
+
+def _prompt(bundle: Bundle) -> FlowPrompt:
+    rng = np.random.default_rng(4)
+    return FlowPrompt(tokens=np.arange(12, dtype=np.int64) % 50, embedding=rng.standard_normal(192).astype(np.float32),
+                      feat=rng.standard_normal((24, bundle.mel_bins)).astype(np.float32))
+
+
+def noise(seed: int) -> np.random.Generator:
+    """The vocoder's random source, the same draws for every runtime compared."""
+    return np.random.default_rng(seed)
+
+
+def _close_to(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    scale = float(np.abs(want).max()) + 1e-6
+    err = float(np.abs(got.astype(np.float64) - want).max()) / scale
+    assert err < TOL, f"{what}: relative error {err}"
+
+
+@pytest.mark.parametrize(("n_tokens", "left"), [(60, -1), (190, -1), (190, 2)],
+                         ids=["fits", "moves-to-dynamic", "left-2-trims"])
+def test_static_flow_engines_match_the_dynamic_engine_and_onnxruntime(trt_graph_bundle: Path, n_tokens: int,
+                                                                      left: int) -> None:
+    from cosyedge_models.backends.trt import TrtBackend
+    from cosyedge_models.backends.trt_flow_cache import TrtStepCache
+    from cosyedge_models.backends.trt_session import TrtSession
+    from cosyedge_models.backends.trt_static_flow import TrtStaticFlow, TrtStaticStepCache
+
+    bundle = load_bundle(trt_graph_bundle, backend="trt")
+    trt = TrtBackend()
+    enc = trt.load("flow_encoder", bundle.stages["flow_encoder"].path)
+    est = trt.load("flow_estimator", bundle.stages["flow_estimator"].path)
+    statics = [trt.load(n, bundle.stages[n].path) for n in _fixed(bundle, STATIC_FLOW_PREFIX)]
+    assert all(isinstance(s, TrtSession) for s in statics)
+    prompt = _prompt(bundle)
+    toks = np.random.default_rng(3).integers(0, bundle.llm.speech_token_size, n_tokens)
+    dynamic = _stream(FlowDecoder(bundle, enc, est, trt.flow_cache), prompt, toks, left)
+    ort_bundle = load_bundle(trt_graph_bundle)
+    ort = create_backend("ort")
+    reference = _stream(FlowDecoder(ort_bundle, ort.load("flow_encoder", ort_bundle.stages["flow_encoder"].path),
+                                    ort.load("flow_estimator", ort_bundle.stages["flow_estimator"].path),
+                                    ort.flow_cache), prompt, toks, left)
+    with GraphThread() as thread:
+        flow = TrtStaticFlow(statics, 2 * bundle.flow.n_timesteps, thread)
+        flow.warm_up()
+        assert flow.disabled is None, flow.disabled
+        assert flow.capture  # the tiny estimator's engines capture (a refusal would only warn)
+        assert flow.cache_frames == STATIC_FLOW_CACHE
+        made: list[StepCache] = []
+
+        def factory(session: Any, spec: StepCacheSpec) -> StepCache:
+            made.append(flow(session, spec))
+            return made[-1]
+
+        for _ in range(2):  # the second stream reuses the slots (and their captured graphs)
+            made.clear()
+            static = _stream(FlowDecoder(bundle, enc, est, factory), prompt, toks, left)
+            _close_to(static, dynamic, "static vs dynamic TensorRT")
+            _close_to(static, reference, "static TensorRT vs onnxruntime")
+            assert made and all(isinstance(c, TrtStaticStepCache) for c in made)
+        assert flow.replays > 0
+        if n_tokens > 100 and left < 0:  # 380 frames outgrow the 320-frame cache
+            assert flow.moves > 0
+        else:
+            assert flow.moves == 0
+        spec = FlowDecoder(bundle, enc, est, factory).cache_spec()
+        taken = [flow(est, spec) for _ in range(2 * bundle.flow.n_timesteps)]
+        beyond = flow(est, spec)  # the pool is empty: the dynamic engine from the start
+        assert isinstance(beyond, TrtStepCache) and all(isinstance(c, TrtStaticStepCache) for c in taken)
+        for c in (*taken, beyond):
+            c.close()
+        flow.close()
+
+
+def test_a_voice_prefix_is_preloaded_into_the_slot(trt_graph_bundle: Path) -> None:
+    """preload: the saved rows by device copy, the stream then stays on the fixed shapes and
+    gives what a TrtStepCache preloaded from the host gives."""
+    from cosyedge_models.backends.trt import TrtBackend
+    from cosyedge_models.backends.trt_static_flow import TrtStaticFlow, TrtStaticStepCache
+
+    bundle = load_bundle(trt_graph_bundle, backend="trt")
+    trt = TrtBackend()
+    est = trt.load("flow_estimator", bundle.stages["flow_estimator"].path)
+    enc = trt.load("flow_encoder", bundle.stages["flow_encoder"].path)
+    statics = [trt.load(n, bundle.stages[n].path) for n in _fixed(bundle, STATIC_FLOW_PREFIX)]
+    spec = FlowDecoder(bundle, enc, est, trt.flow_cache).cache_spec()
+    rng = np.random.default_rng(7)
+    rows = PrefixRows((0.1 * rng.standard_normal((30, *spec.row))).astype(np.float32))
+    conv = (0.1 * rng.standard_normal(spec.conv)).astype(np.float32)
+    window = min(int(n.removeprefix(STATIC_FLOW_PREFIX)) for n in _fixed(bundle, STATIC_FLOW_PREFIX))
+    c, f = bundle.mel_bins, window - 10
+    feeds = {"x": rng.standard_normal((2, c, f)).astype(np.float32), "mask": np.ones((2, 1, f), np.float32),
+             "mu": rng.standard_normal((2, c, f)).astype(np.float32), "t": np.full((2,), 0.3, np.float32),
+             "spks": rng.standard_normal((2, c)).astype(np.float32),
+             "cond": rng.standard_normal((2, c, f)).astype(np.float32),
+             "chunk_frames": np.full((2,), bundle.flow.chunk_tokens * bundle.token_mel_ratio, np.int64),
+             "commit": np.zeros((20,), np.float32)}
+    with GraphThread() as thread:
+        flow = TrtStaticFlow(statics, 2, thread)
+        flow.warm_up()
+        static, dynamic = flow(est, spec), trt.flow_cache(est, spec)
+        assert isinstance(static, TrtStaticStepCache)
+        for cache in (static, dynamic):
+            cache.preload(rows, conv)
+        for step in range(3):
+            _close_to(static.run(feeds, 20), dynamic.run(feeds, 20), f"call {step} after a preloaded prefix")
+        assert static.on_graph and static.length == dynamic.length == 30 + 3 * 20
+        for cache in (static, dynamic):
+            cache.close()
+        flow.close()
+
+
+def test_static_vocoder_engines_match_the_dynamic_engines_and_onnxruntime(trt_graph_bundle: Path) -> None:
+    from cosyedge_models.backends.trt import TrtBackend
+    from cosyedge_models.backends.trt_static_vocoder import TrtStaticVocoder
+
+    bundle = load_bundle(trt_graph_bundle, backend="trt")
+    trt = TrtBackend()
+    source, decoder = (trt.load(n, bundle.stages[n].path) for n in ("hift_source", "hift_decoder"))
+    statics = [trt.load(n, bundle.stages[n].path) for n in _fixed(bundle, STATIC_VOCODER_PREFIX)]
+    ort_bundle = load_bundle(trt_graph_bundle)
+    ort = create_backend("ort")
+    reference = HiftVocoder(ort_bundle, *(ort.load(n, ort_bundle.stages[n].path)
+                                          for n in ("hift_source", "hift_decoder")))
+    with GraphThread() as thread:
+        static = TrtStaticVocoder(statics, thread)
+        static.warm_up()
+        assert static.disabled is None and static.capture and static.frames
+        plain = HiftVocoder(bundle, source, decoder)
+        fixed = HiftVocoder(bundle, source, decoder, static)
+        rng = np.random.default_rng(0)
+        cache = (0.3 * rng.standard_normal((1, 1, plain.source_cache_len))).astype(np.float32)
+        for frames in static.frames:
+            mel = rng.standard_normal((1, plain.mel_bins, frames)).astype(np.float32)
+            for prev in (None, cache):
+                before = static.replays
+                got = fixed.run(mel, noise(frames), prev)
+                assert static.replays == before + 1
+                for want in (plain.run(mel, noise(frames), prev), reference.run(mel, noise(frames), prev)):
+                    _close_to(got[0], want[0], f"audio of {frames} frames")
+                    _close_to(got[1], want[1], f"source of {frames} frames")
+        odd = rng.standard_normal((1, plain.mel_bins, static.frames[0] + 3)).astype(np.float32)
+        before = static.replays
+        fixed.run(odd, noise(1), None)
+        assert static.replays == before  # no engine of that length: the dynamic ones
+        static.close()
+
+
+def test_pipeline_on_trt_with_the_fixed_shape_engines(trt_graph_bundle: Path) -> None:
+    """The engine on backend trt loads them (graph_flow / graph_vocoder auto), replays them,
+    and its audio stays within the trt tolerance of the dynamic engines'."""
+    from cosyedge_models.backends.trt_static_flow import TrtStaticFlow
+    from cosyedge_models.backends.trt_static_vocoder import TrtStaticVocoder
+    from cosyedge_models.synthesis.synthesizer import load_synthesizer
+
+    req = SynthesisRequest(text="Hello from the board, with fixed shapes.", seed=5, stream=True)
+    out = {}
+    for on in (None, False):
+        settings = SynthesisSettings(backend="trt", graph_flow=on, graph_vocoder=on, overlap_stages=False)
+        engine = load_synthesizer(trt_graph_bundle, "trt", settings)
+        try:
+            if on is None:
+                assert isinstance(engine.static_flow, TrtStaticFlow) and engine.static_flow.disabled is None
+                assert isinstance(engine.static_vocoder, TrtStaticVocoder)
+            else:
+                assert engine.static_flow is None and engine.static_vocoder is None
+            out[on] = np.concatenate([c.pcm for c in engine.synthesize(req)])
+            if on is None:
+                assert engine.static_flow is not None and engine.static_flow.replays > 0
+                assert engine.static_vocoder is not None and engine.static_vocoder.replays > 0
+        finally:
+            engine.close()
+    assert out[None].shape == out[False].shape
+    _close_to(out[None], out[False], "audio with and without the fixed-shape engines")
