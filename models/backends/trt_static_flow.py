@@ -124,6 +124,7 @@ class TrtSlot:
         cuda.zero(self.kv.ptr, self.kv.nbytes)
         cuda.zero(self.conv.ptr, self.conv.nbytes)
         self.runs: list[CapturedEnqueue] = []
+        assert flow.scratch is not None  # made by warm_up before the slots
         for win in flow.io:
             ctx = user_context(win.session, flow.scratch)
             set_addresses(win.session, ctx, {**{n: win.io.ptr(n) for n in (*_INPUTS, *_OUTPUTS)},
@@ -164,7 +165,7 @@ class TrtStaticFlow:
         self.conv: tuple[int, ...] = ()
         self.capture = capture  # False once a capture was refused: the rest enqueue plainly
         self.max_slots = max_slots
-        self.scratch: DeviceBuffer = DeviceBuffer(1)
+        self.scratch: DeviceBuffer | None = None  # the contexts' shared activation memory, made at warm_up
         self._slots: list[TrtSlot] = []
         self._free: list[TrtSlot] = []
         self._lock = threading.Lock()
@@ -187,16 +188,15 @@ class TrtStaticFlow:
             if len(sizes) > 1 or len({(w.att[1:], w.conv) for w in self.io}) > 1:
                 raise SynthesisError(f"fixed-shape estimator engines with different cache shapes {sorted(sizes)}")
             self.cache_frames, self.row, self.conv = self.io[0].att[0], self.io[0].att[1:], self.io[0].conv
-            self.scratch.close()
             self.scratch = DeviceBuffer(scratch_bytes(self._sessions))
             for win in self.io:  # defined inputs for the warm-up runs: zero masks, no valid cache rows
                 win.io.zero_host()
             while len(self._slots) < self.max_slots:
                 slot = TrtSlot(len(self._slots), self, cuda)
+                self._slots.append(slot)  # freed by close() even if its warm-up fails
                 for run in slot.runs:
                     if not run.prepare(self.capture):
                         self.capture = False
-                self._slots.append(slot)
                 self._free.insert(0, slot)  # slot 0 is handed out first
             cuda.synchronize()
         except SynthesisError as exc:
@@ -239,7 +239,9 @@ class TrtStaticFlow:
             slot.close()
         for win in self.io:
             win.io.close()
-        self.scratch.close()
+        if self.scratch is not None:
+            self.scratch.close()
+            self.scratch = None
 
 
 @dataclass(frozen=True)
@@ -358,8 +360,7 @@ class TrtStaticStepCache:
     def nbytes(self) -> int:
         if self._moved is not None:
             return self._moved.nbytes()
-        # the slot's memory is the pool's, held from load on (as ort_static_flow counts it)
-        return 0
+        return 0 if self._slot is None else self._slot.kv.nbytes + self._slot.conv.nbytes
 
     def close(self) -> None:
         if self._slot is not None:

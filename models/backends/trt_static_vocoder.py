@@ -93,7 +93,7 @@ class TrtStaticVocoder:
         self._sessions = list(sessions)
         self._lengths: dict[int, _Length] = {}
         self.frames: list[int] = []
-        self.scratch = DeviceBuffer(1)
+        self.scratch: DeviceBuffer | None = None  # the contexts' shared activation memory, made at warm_up
         self.replays = 0  # chunks served here (tests, logs); counted on the graph thread
         self.disabled: str | None = None  # set when the load failed: the dynamic engines serve
 
@@ -103,10 +103,9 @@ class TrtStaticVocoder:
     def _warm_up(self) -> None:
         try:
             cuda = thread_cuda(self.device_id)
-            self.scratch.close()
-            self.scratch = DeviceBuffer(scratch_bytes(self._sessions))
+            self.scratch = scratch = DeviceBuffer(scratch_bytes(self._sessions))
             for session in self._sessions:
-                length = _Length(session, self.scratch, cuda)
+                length = _Length(session, scratch, cuda)
                 length.io.zero_host()
                 self._lengths[length.frames] = length
                 if not length.captured.prepare(self.capture):
@@ -146,7 +145,9 @@ class TrtStaticVocoder:
         lengths, self._lengths = self._lengths, {}
         for length in lengths.values():
             length.close()
-        self.scratch.close()
+        if self.scratch is not None:
+            self.scratch.close()
+            self.scratch = None
 
 
 def load_trt_static_vocoder(bundle: Bundle, backend_name: str, load: Callable[[str], Session],
