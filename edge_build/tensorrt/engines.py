@@ -122,7 +122,7 @@ def _pin_fp32(network: trt.INetworkDefinition, mode: PrecisionMode) -> int:
 
 def _parse(builder: trt.Builder, onnx_path: Path, strongly_typed: bool) -> tuple[trt.INetworkDefinition, Any]:
     import tensorrt as trt
-    from cosyedge_models.backends.trt_session import trt_logger
+    from cosyedge_models.backends.tensorrt.session import trt_logger
 
     flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED) if strongly_typed else 0
     network = builder.create_network(flags)
@@ -148,7 +148,7 @@ def build_engines(bundle_dir: Path | str, settings: EngineBuildSettings | None =
     import_tensorrt()
     import tensorrt as trt
     from cosyedge_models.backends.cuda import driver
-    from cosyedge_models.backends.trt_session import thread_cuda, trt_logger
+    from cosyedge_models.backends.tensorrt.session import thread_cuda, trt_logger
 
     identity = local_identity(settings.device_id)
     gpu = {d.index: d for d in probe_gpu().devices}[settings.device_id]

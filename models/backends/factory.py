@@ -29,7 +29,7 @@ def create_backend(name: str, *, device_id: int = 0, cpu_memory_arena: bool = Fa
             device_id=device_id, cpu_memory_arena=cpu_memory_arena,
         )
     if name == "trt":
-        from cosyedge_models.backends.trt import TrtBackend
+        from cosyedge_models.backends.tensorrt.backend import TrtBackend
 
         return TrtBackend(device_id=device_id)
     raise BundleError(f"unknown backend {name!r}; allowed: {', '.join(BACKENDS)}")

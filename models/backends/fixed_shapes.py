@@ -6,7 +6,7 @@ commit or a trim copies, how many request slots fit in the GPU's memory,
 and which fixed-length vocoder graph a chunk takes.
 
 No onnxruntime, no TensorRT, no CUDA here (the `trt` path runs without
-onnxruntime, models/backends/trt_static_flow.py); tested on the CPU in
+onnxruntime, models/backends/tensorrt/static_flow.py); tested on the CPU in
 tests/models/backends/test_fixed_shapes.py."""
 
 from __future__ import annotations

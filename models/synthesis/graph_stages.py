@@ -94,7 +94,7 @@ class GraphStages:
                             "set [tts] flow_max_batch_size = 0 to keep them")
             return None
         if self.backend_name == "trt":  # TensorRT's engines: no onnxruntime on this path
-            from cosyedge_models.backends.trt_static_flow import load_trt_static_flow
+            from cosyedge_models.backends.tensorrt.static_flow import load_trt_static_flow
 
             self.flow = load_trt_static_flow(self.bundle, self.backend_name, self._load, self.settings.graph_flow,
                                              self.settings.graph_flow_slots, functools.partial(self._thread, "flow"))
@@ -123,7 +123,7 @@ class GraphStages:
         if self.settings.flow_batching is not None or not self.backend_name.startswith(("ort", "trt")):
             return None
         if self.backend_name == "trt":  # TensorRT's engines: no onnxruntime on this path
-            from cosyedge_models.backends.trt_static_vocoder import load_trt_static_vocoder
+            from cosyedge_models.backends.tensorrt.static_vocoder import load_trt_static_vocoder
 
             self.vocoder = load_trt_static_vocoder(self.bundle, self.backend_name, self._load,
                                                    self.settings.graph_vocoder,

@@ -14,7 +14,7 @@ import sys
 import cosyedge_daemon.cli.main, cosyedge_daemon.cli.run
 import cosyedge_daemon.service.service, cosyedge_daemon.synthesizers.factory, cosyedge_daemon.audio.wiring
 cosyedge_daemon.cli.main.build_parser()
-import cosyedge_models.synthesis.synthesizer, cosyedge_models.backends.ort, cosyedge_models.backends.trt
+import cosyedge_models.synthesis.synthesizer, cosyedge_models.backends.ort, cosyedge_models.backends.tensorrt.backend
 heavy = sorted(m for m in ("torch", "transformers", "hyperpyyaml", "onnx", "librosa", "scipy", "tensorrt", "pycuda",
                           "cosyedge_build", "cosyedge_cloud.bridge.service", "tritonclient") if m in sys.modules)
 print(",".join(heavy))

@@ -45,7 +45,7 @@ def test_probe_reads_the_device() -> None:
 
 def test_kv_plan_ops_on_device_match_host_reference() -> None:
     from cosyedge_models.backends.cuda import DeviceBuffer, pinned_empty
-    from cosyedge_models.backends.trt_session import thread_cuda
+    from cosyedge_models.backends.tensorrt.session import thread_cuda
 
     cuda = thread_cuda(0)
     rows, hd, p_max = 6, 4, 40
@@ -103,7 +103,7 @@ def test_kv_plan_ops_on_device_match_host_reference() -> None:
 
 def test_graph_replay_reads_current_pinned_input() -> None:
     from cosyedge_models.backends.cuda import DeviceBuffer, pinned_empty
-    from cosyedge_models.backends.trt_session import thread_cuda
+    from cosyedge_models.backends.tensorrt.session import thread_cuda
 
     cuda = thread_cuda(0)
     n = 1 << 16
@@ -133,7 +133,7 @@ def test_each_thread_has_its_own_stream() -> None:
     on a thread that has ended is freed from another one."""
     import pycuda.driver as drv
     from cosyedge_models.backends.cuda import DeviceBuffer, pinned_empty
-    from cosyedge_models.backends.trt_session import thread_cuda
+    from cosyedge_models.backends.tensorrt.session import thread_cuda
 
     handles: dict[int, int] = {}
     left: dict[int, DeviceBuffer] = {}

@@ -1,7 +1,7 @@
 """The fixed-shape stages' pure logic (models/backends/fixed_shapes.py), on
 the CPU: settings, buckets, padding, masks, the rows a commit or a trim
 copies, slots that fit, the vocoder's choice of graph. And the composition
-the TensorRT runtime (trt_static_flow.py) makes of them, replayed here over
+the TensorRT runtime (tensorrt/static_flow.py) makes of them, replayed here over
 the fixed-shape ONNX graphs on onnxruntime's CPU provider with a host array
 as the slot: a stream through it gives the dynamic graph's mel, through the
 cache's growth, a move to the dynamic graph and bounded-context trims."""

@@ -115,7 +115,7 @@ def _decode_inputs(bundle: Any, steps: int) -> Iterator[np.ndarray]:
 
 @pytest.mark.parametrize("graphs", [True, False], ids=["cuda-graphs", "plain"])
 def test_decode_loop_matches_host_loop(trt_bundle: Path, graphs: bool) -> None:
-    from cosyedge_models.backends.trt import TrtBackend
+    from cosyedge_models.backends.tensorrt.backend import TrtBackend
 
     ort_bundle = load_bundle(trt_bundle)
     ort = create_backend("ort")
@@ -168,8 +168,8 @@ def test_device_flow_caches_give_the_host_caches_mel(trt_bundle: Path, left: int
     """TrtStepCache (K/V and conv history in device memory, appended in place)
     against the host caches on the same engines, through growth and trims."""
     from cosyedge_models.backends.flow_cache import HostStepCache
-    from cosyedge_models.backends.trt import TrtBackend
-    from cosyedge_models.backends.trt_flow_cache import TrtStepCache
+    from cosyedge_models.backends.tensorrt.backend import TrtBackend
+    from cosyedge_models.backends.tensorrt.flow_cache import TrtStepCache
     from cosyedge_models.synthesis.flow import FlowDecoder, FlowPrompt
     from cosyedge_models.synthesis.streaming import ChunkSchedule
 

@@ -1,7 +1,7 @@
 """The fixed-shape TensorRT engines on a real GPU (`pytest -m gpu`): `build
 engines` builds and records one engine per fixed-shape stage of the bundle
 with every CUDA-graph stage (graph_bundle), the loader takes them, and their
-CUDA-graph replay (models/backends/trt_static_flow.py, trt_static_vocoder.py)
+CUDA-graph replay (models/backends/tensorrt/static_flow.py, tensorrt/static_vocoder.py)
 gives what the dynamic TensorRT engines and onnxruntime on the CPU give,
 within the tolerance of test_trt_backend.py, through slot reuse, a voice's
 preloaded prefix, trims and the move to the dynamic engine. Skipped with the
@@ -90,10 +90,10 @@ def _close_to(got: np.ndarray, want: np.ndarray, what: str) -> None:
                          ids=["fits", "moves-to-dynamic", "left-2-trims"])
 def test_static_flow_engines_match_the_dynamic_engine_and_onnxruntime(trt_graph_bundle: Path, n_tokens: int,
                                                                       left: int) -> None:
-    from cosyedge_models.backends.trt import TrtBackend
-    from cosyedge_models.backends.trt_flow_cache import TrtStepCache
-    from cosyedge_models.backends.trt_session import TrtSession
-    from cosyedge_models.backends.trt_static_flow import TrtStaticFlow, TrtStaticStepCache
+    from cosyedge_models.backends.tensorrt.backend import TrtBackend
+    from cosyedge_models.backends.tensorrt.flow_cache import TrtStepCache
+    from cosyedge_models.backends.tensorrt.session import TrtSession
+    from cosyedge_models.backends.tensorrt.static_flow import TrtStaticFlow, TrtStaticStepCache
 
     bundle = load_bundle(trt_graph_bundle, backend="trt")
     trt = TrtBackend()
@@ -140,8 +140,8 @@ def test_static_flow_engines_match_the_dynamic_engine_and_onnxruntime(trt_graph_
 def test_a_voice_prefix_is_preloaded_into_the_slot_and_a_full_cache_moves(trt_graph_bundle: Path) -> None:
     """preload: the saved rows by device copy; the calls then stay on the fixed shapes, giving
     what a TrtStepCache preloaded from the host gives, until the cache is full and they move."""
-    from cosyedge_models.backends.trt import TrtBackend
-    from cosyedge_models.backends.trt_static_flow import TrtStaticFlow, TrtStaticStepCache
+    from cosyedge_models.backends.tensorrt.backend import TrtBackend
+    from cosyedge_models.backends.tensorrt.static_flow import TrtStaticFlow, TrtStaticStepCache
 
     bundle = load_bundle(trt_graph_bundle, backend="trt")
     trt = TrtBackend()
@@ -179,8 +179,8 @@ def test_a_voice_prefix_is_preloaded_into_the_slot_and_a_full_cache_moves(trt_gr
 
 
 def test_static_vocoder_engines_match_the_dynamic_engines_and_onnxruntime(trt_graph_bundle: Path) -> None:
-    from cosyedge_models.backends.trt import TrtBackend
-    from cosyedge_models.backends.trt_static_vocoder import TrtStaticVocoder
+    from cosyedge_models.backends.tensorrt.backend import TrtBackend
+    from cosyedge_models.backends.tensorrt.static_vocoder import TrtStaticVocoder
 
     bundle = load_bundle(trt_graph_bundle, backend="trt")
     trt = TrtBackend()
@@ -217,8 +217,8 @@ def test_static_vocoder_engines_match_the_dynamic_engines_and_onnxruntime(trt_gr
 def test_pipeline_on_trt_with_the_fixed_shape_engines(trt_graph_bundle: Path) -> None:
     """The engine on backend trt loads them (graph_flow / graph_vocoder auto), replays them,
     and its audio stays within the trt tolerance of the dynamic engines'."""
-    from cosyedge_models.backends.trt_static_flow import TrtStaticFlow
-    from cosyedge_models.backends.trt_static_vocoder import TrtStaticVocoder
+    from cosyedge_models.backends.tensorrt.static_flow import TrtStaticFlow
+    from cosyedge_models.backends.tensorrt.static_vocoder import TrtStaticVocoder
     from cosyedge_models.synthesis.synthesizer import load_synthesizer
 
     req = SynthesisRequest(text="Hello from the board, with fixed shapes.", seed=5, stream=True)

@@ -21,10 +21,10 @@ from tests.support.typecheck import link_farm
 
 ROOT = Path(__file__).resolve().parents[3]
 # By module name, over the link farm of tests/support/typecheck.py, so their own imports resolve.
-MODULES = ("cosyedge_models.backends.trt", "cosyedge_models.backends.trt_session",
-           "cosyedge_models.backends.trt_decode",
-           "cosyedge_models.backends.trt_flow_cache", "cosyedge_models.backends.trt_graph",
-           "cosyedge_models.backends.trt_static_flow", "cosyedge_models.backends.trt_static_vocoder",
+MODULES = ("cosyedge_models.backends.tensorrt.backend", "cosyedge_models.backends.tensorrt.session",
+           "cosyedge_models.backends.tensorrt.decode",
+           "cosyedge_models.backends.tensorrt.flow_cache", "cosyedge_models.backends.tensorrt.graph",
+           "cosyedge_models.backends.tensorrt.static_flow", "cosyedge_models.backends.tensorrt.static_vocoder",
            "cosyedge_models.backends.fixed_shapes", "cosyedge_models.backends.cuda",
            "cosyedge_models.backends.gpu_probe", "cosyedge_build.tensorrt.engines",
            "cosyedge_build.tensorrt.engine_plan")

@@ -9,7 +9,7 @@ mask 0) over a cache of S frames with a validity mask, so every call of one
 step's cache of one request: a device K/V buffer [S, *row] (zeroed: masked
 rows are multiplied by 0, and 0 x NaN is NaN) and the conv history, with one
 execution context per window whose tensor addresses are set once and whose
-enqueue is captured once into a CUDA graph (models/backends/trt_graph.py).
+enqueue is captured once into a CUDA graph (models/backends/tensorrt/graph.py).
 A `TrtStaticStepCache` borrows a slot for a request's life. Each call is one
 piece of work on the engine's GraphThread (window inputs into pinned
 buffers, replay: upload, execute, dphi download; then the committed rows of
@@ -19,7 +19,7 @@ slots. Slots, contexts and captures are all made at load (`warm_up`).
 
 A request whose window exceeds the largest bucket, or whose cache outgrows S,
 moves once, by device copy, to a TrtStepCache over the dynamic engine
-(models/backends/trt_flow_cache.py); requests beyond the pool use it from
+(models/backends/tensorrt/flow_cache.py); requests beyond the pool use it from
 the start. A saved voice's prefix is seeded by a device copy from the voice's
 copy on this GPU. The pure decisions (bucket, mask, rows to copy, slots that
 fit) are models/backends/fixed_shapes.py's.
@@ -61,8 +61,8 @@ from cosyedge_models.backends.fixed_shapes import (
 )
 from cosyedge_models.backends.flow_cache import PrefixRows, StepCache, StepCacheSpec
 from cosyedge_models.backends.graph_thread import GraphThread, GraphThreadClosed
-from cosyedge_models.backends.trt_flow_cache import TrtStepCache
-from cosyedge_models.backends.trt_graph import (
+from cosyedge_models.backends.tensorrt.flow_cache import TrtStepCache
+from cosyedge_models.backends.tensorrt.graph import (
     CapturedEnqueue,
     TensorBuffers,
     execute,
@@ -71,7 +71,7 @@ from cosyedge_models.backends.trt_graph import (
     static_shapes,
     user_context,
 )
-from cosyedge_models.backends.trt_session import TrtSession, thread_cuda
+from cosyedge_models.backends.tensorrt.session import TrtSession, thread_cuda
 from cosyedge_models.bundle.loader import STATIC_FLOW_PREFIX, Bundle
 from cosyedge_models.errors import BundleError, SynthesisError
 

@@ -27,7 +27,7 @@ import numpy as np
 from cosyedge_models.backends.cuda import CudaGraph, DeviceBuffer, pinned_empty
 from cosyedge_models.backends.kv_layout import Copy2D, KvPlan, MaskFill, MaskSet, bucket_mask, decode_buckets
 from cosyedge_models.backends.profiles import choose_profile
-from cosyedge_models.backends.trt_session import TrtSession, dims
+from cosyedge_models.backends.tensorrt.session import TrtSession, dims
 from cosyedge_models.errors import SynthesisError
 
 if TYPE_CHECKING:

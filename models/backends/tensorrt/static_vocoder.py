@@ -6,7 +6,7 @@ Each engine is hift_source and hift_decoder of one recurring chunk length
 with static shapes only, so one context with its tensor addresses set once
 serves it, and its enqueue (mel, noise, source cache and flag up; the
 engine; audio and source down) is captured once into a CUDA graph at load
-(models/backends/trt_graph.py). A call is one piece of work on the engine's
+(models/backends/tensorrt/graph.py). A call is one piece of work on the engine's
 GraphThread, which runs one call at a time: one set of buffers per length,
 and one activation scratch for all lengths, serve every stream. Lengths
 without an engine, batches and source caches of another length go to the
@@ -24,7 +24,7 @@ from cosyedge_models.backends.base import Session
 from cosyedge_models.backends.cuda import DeviceBuffer, ThreadCuda
 from cosyedge_models.backends.fixed_shapes import fixed_shape_names, fixed_shapes_wanted, source_cache, vocoder_length
 from cosyedge_models.backends.graph_thread import GraphThread, GraphThreadClosed
-from cosyedge_models.backends.trt_graph import (
+from cosyedge_models.backends.tensorrt.graph import (
     CapturedEnqueue,
     TensorBuffers,
     execute,
@@ -32,7 +32,7 @@ from cosyedge_models.backends.trt_graph import (
     set_addresses,
     user_context,
 )
-from cosyedge_models.backends.trt_session import TrtSession, thread_cuda
+from cosyedge_models.backends.tensorrt.session import TrtSession, thread_cuda
 from cosyedge_models.bundle.loader import STATIC_VOCODER_PREFIX, Bundle
 from cosyedge_models.errors import SynthesisError
 

@@ -1,6 +1,6 @@
 """TensorRT backend: loads a bundle's `.plan` engines as sessions
-(trt_session.py), with the LLM decode loop (trt_decode.py) and the flow
-caches (trt_flow_cache.py) on the device."""
+(tensorrt/session.py), with the LLM decode loop (tensorrt/decode.py) and the flow
+caches (tensorrt/flow_cache.py) on the device."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Any
 from cosyedge_models.backends.cuda import device_info, driver
 from cosyedge_models.backends.flow_cache import HostStepCache, StepCache, StepCacheSpec
 from cosyedge_models.backends.gpu_probe import import_tensorrt
-from cosyedge_models.backends.trt_session import TrtSession, thread_cuda, trt_logger
+from cosyedge_models.backends.tensorrt.session import TrtSession, thread_cuda, trt_logger
 from cosyedge_models.errors import BundleError, SynthesisError
 
 if TYPE_CHECKING:
     from cosyedge_models.backends.base import Session
-    from cosyedge_models.backends.trt_decode import TrtDecodeLoop
+    from cosyedge_models.backends.tensorrt.decode import TrtDecodeLoop
 
 
 class TrtBackend:
@@ -64,17 +64,17 @@ class TrtBackend:
         return TrtSession(stage, path, engine, self.device_id)
 
     def decode_loop(self, prefill: Session, decode: Session) -> TrtDecodeLoop:
-        from cosyedge_models.backends.trt_decode import TrtDecodeLoop
+        from cosyedge_models.backends.tensorrt.decode import TrtDecodeLoop
 
         if not isinstance(prefill, TrtSession) or not isinstance(decode, TrtSession):
             raise SynthesisError("the trt decode loop needs sessions loaded by the trt backend")
         return TrtDecodeLoop(prefill, decode, use_graphs=self.decode_graphs)
 
     def flow_cache(self, estimator: Session, spec: StepCacheSpec) -> StepCache:
-        # Device caches for the engine's own sessions (models/backends/trt_flow_cache.py);
+        # Device caches for the engine's own sessions (models/backends/tensorrt/flow_cache.py);
         # host arrays for anything else (a stage batcher's wrapper).
         if isinstance(estimator, TrtSession) and self.device_flow_cache:
-            from cosyedge_models.backends.trt_flow_cache import TrtStepCache
+            from cosyedge_models.backends.tensorrt.flow_cache import TrtStepCache
 
             return TrtStepCache(estimator, spec)
         return HostStepCache(estimator, spec)

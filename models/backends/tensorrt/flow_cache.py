@@ -9,7 +9,7 @@ after the committed ones as `att_cache_new`, so the engine appends in place;
 Only the window's small inputs cross from the host and dphi_dt back. Growth
 (doubling) and the bounded-context trim are device-to-device copies on the
 calling thread's stream. Written against the TensorRT 10 Python API through
-models/backends/trt.py's TrtSession; runs only where TensorRT and a GPU do
+models/backends/tensorrt/backend.py's TrtSession; runs only where TensorRT and a GPU do
 (`pytest -m gpu`), type-checked everywhere."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from cosyedge_models.backends.flow_cache import (
     trim_due,
 )
 from cosyedge_models.backends.profiles import choose_profile
-from cosyedge_models.backends.trt_session import TrtSession
+from cosyedge_models.backends.tensorrt.session import TrtSession
 from cosyedge_models.errors import SynthesisError
 
 
@@ -81,7 +81,7 @@ class TrtStepCache:
 
     def adopt(self, src_ptr: int, frames: int, conv_ptr: int) -> None:
         """Start from `frames` rows and a conv history already on this device (a fixed-shape
-        slot's, models/backends/trt_static_flow.py), by device-to-device copies."""
+        slot's, models/backends/tensorrt/static_flow.py), by device-to-device copies."""
         if self.length:
             raise RuntimeError("adopt() on a cache that holds frames")
         st = self._session.state()

@@ -1,5 +1,5 @@
 """TensorRT sessions: `.plan` engines executed with execute_async_v3 (the
-backend that loads them is trt.py).
+backend that loads them is tensorrt/backend.py).
 
 Written against the TensorRT 10 Python API and type-checked with
 tensorrt-stubs 10.13 (JetPack 7.0); every call used here also exists in

@@ -1,6 +1,6 @@
 """Fixed-shape TensorRT engines (the bundle's fixed-shape stages, built by
 `cosyedge build engines` with every input static) replayed as CUDA graphs:
-the pieces models/backends/trt_static_flow.py and trt_static_vocoder.py share.
+the pieces models/backends/tensorrt/static_flow.py and tensorrt/static_vocoder.py share.
 
 * `static_shapes`: every I/O tensor's shape, read from the engine (all
   static, so no optimization profile and no set_input_shape at run time).
@@ -16,7 +16,7 @@ the pieces models/backends/trt_static_flow.py and trt_static_vocoder.py share.
   enqueue (uploads from the pinned buffers, execute_async_v3, downloads) runs
   once plainly (TensorRT does its deferred per-context setup on the first
   enqueue) and is then recorded into a CUDA graph by stream capture
-  (models/backends/cuda.py's GraphApi, as trt_decode.py captures its step);
+  (models/backends/cuda.py's GraphApi, as tensorrt/decode.py captures its step);
   each call replays it. A capture that fails (an engine TensorRT cannot
   capture) leaves the plain enqueue, with a logged warning.
 
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 from cosyedge_models.backends.cuda import CudaGraph, DeviceBuffer, ThreadCuda, pinned_empty
-from cosyedge_models.backends.trt_session import IoBuffers, TrtSession, dims
+from cosyedge_models.backends.tensorrt.session import IoBuffers, TrtSession, dims
 from cosyedge_models.errors import SynthesisError
 
 if TYPE_CHECKING:
