@@ -32,6 +32,7 @@ import numpy as np
 import onnxruntime as ort
 from cosyedge_models.backends.base import Session
 from cosyedge_models.backends.encoder_cache import EncoderCache, EncoderCacheSpec, EncoderPrefix, HostEncoderCache
+from cosyedge_models.backends.fixed_shapes import bucket, prefix_fits
 from cosyedge_models.backends.graph_thread import CAPTURE_RUNS, GraphThread, GraphThreadClosed
 from cosyedge_models.backends.ort import OrtSession, fixed_shape_sessions
 from cosyedge_models.backends.ort_cache import DeviceCopier, prefix_on_device
@@ -43,14 +44,6 @@ log = logging.getLogger(__name__)
 _INT_INPUTS = ("token", "token_len", "lookahead_len", "cached_len", "commit_tokens")
 _OUTPUTS = ("mu", "spks", "enc_window", "up_window", "pre_cache_new", "upconv_cache_new")
 GRAPH_ID_BASE = 100_000  # apart from the other stages' ids, whether onnxruntime keys them per session or not
-
-
-def smallest_window(windows: Sequence[int], size: int) -> int | None:
-    """Index of the smallest of the ascending `windows` that holds `size`, or None."""
-    for i, w in enumerate(windows):
-        if size <= w:
-            return i
-    return None
 
 
 def _value(shape: Sequence[int], dtype: type, device: tuple[str, int]) -> ort.OrtValue:
@@ -240,7 +233,7 @@ class StaticEncoderCache:
             raise RuntimeError("preload() on an encoder cache that holds tokens")
         graphs = self._graphs
         slot = self._slot
-        if slot is None or prefix.tokens + graphs.windows[0] > graphs.cache_tokens:
+        if slot is None or not prefix_fits(prefix.tokens, graphs.windows, graphs.cache_tokens):
             self._move().preload(prefix)
             return
         for rows, dst in ((prefix.enc, slot.enc), (prefix.up, slot.up)):
@@ -255,7 +248,7 @@ class StaticEncoderCache:
         if self._closed:
             raise RuntimeError("flow encoder cache used after close()")
         graphs = self._graphs
-        w = smallest_window(graphs.windows, tokens.shape[0])
+        w = bucket(graphs.windows, tokens.shape[0])
         if self._moved is None and (w is None or self._length + commit > graphs.cache_tokens
                                     or graphs.disabled is not None):
             self._move()

@@ -38,8 +38,20 @@ from dataclasses import dataclass
 import numpy as np
 import onnxruntime as ort
 from cosyedge_models.backends.base import Session
-from cosyedge_models.backends.flow_cache import PrefixRows, StepCache, StepCacheSpec, trim_due
-from cosyedge_models.backends.gpu_probe import probe_gpu
+from cosyedge_models.backends.fixed_shapes import (
+    AUTO_DEVICE_FRACTION,
+    bucket,
+    commit_index,
+    device_total_bytes,
+    flow_request_bytes,
+    pad_window,
+    prefix_fits,
+    slots_that_fit,
+    trim_copy,
+    valid_mask,
+    visible_first,
+)
+from cosyedge_models.backends.flow_cache import PrefixRows, StepCache, StepCacheSpec
 from cosyedge_models.backends.graph_thread import CAPTURE_RUNS, GraphThread, GraphThreadClosed
 from cosyedge_models.backends.ort import OrtSession, fixed_shape_sessions
 from cosyedge_models.backends.ort_cache import BoundStepCache, DeviceCopier, prefix_on_device
@@ -78,7 +90,8 @@ class StaticSlot:
         kind, dev = graphs.device
         self.index = index
         self.frames = graphs.cache_frames
-        self.kv = ort.OrtValue.ortvalue_from_shape_and_type([self.frames, *graphs.row], np.float32, kind, dev)
+        # zeroed: free rows are masked, and a weight of 0 times a NaN left in memory would be NaN
+        self.kv = ort.OrtValue.ortvalue_from_numpy(np.zeros((self.frames, *graphs.row), np.float32), kind, dev)
         self.conv = ort.OrtValue.ortvalue_from_numpy(np.zeros(graphs.conv, np.float32), kind, dev)
         self.bindings: list[ort.IOBinding] = []
         self.run_options: list[ort.RunOptions] = []
@@ -133,10 +146,7 @@ class StaticFlowGraphs:
 
     def bucket(self, frames: int) -> int | None:
         """Index of the smallest window that holds `frames`, or None."""
-        for i, w in enumerate(self.windows):
-            if frames <= w:
-                return i
-        return None
+        return bucket(self.windows, frames)
 
     def warm_up(self) -> None:
         """On the graph thread, before any request: every slot, and each of its
@@ -211,12 +221,6 @@ class _Call:
     at: int  # the slot frame the committed rows go to
 
 
-def _pad(value: np.ndarray, window: int) -> np.ndarray:
-    out = np.zeros((*value.shape[:-1], window), dtype=np.float32)
-    out[..., : value.shape[-1]] = value
-    return out
-
-
 class StaticStepCache:
     """StepCache on a StaticSlot; moves to a BoundStepCache over the dynamic
     graph when a call does not fit the fixed shapes."""
@@ -240,7 +244,7 @@ class StaticStepCache:
         return self._slot is not None
 
     def _first(self) -> int:
-        return 0 if self.spec.visible < 0 else max(self._length - self.spec.visible, 0)
+        return visible_first(self._length, self.spec.visible)
 
     def _move(self) -> BoundStepCache:
         """To the dynamic graph: the visible rows and the conv history by device copy."""
@@ -265,7 +269,7 @@ class StaticStepCache:
             raise RuntimeError("preload() on a cache that holds frames")
         slot = self._slot
         graphs = self._graphs
-        if (slot is None or rows.frames + min(graphs.windows) > graphs.cache_frames
+        if (slot is None or not prefix_fits(rows.frames, graphs.windows, graphs.cache_frames)
                 or np.dtype(self.spec.dtype) != np.float32):
             self._move().preload(rows, conv)
             return
@@ -287,9 +291,7 @@ class StaticStepCache:
         slot = self._slot
         assert slot is not None and w is not None
         graphs = self._graphs
-        valid = np.zeros((graphs.cache_frames,), np.float32)
-        valid[self._first(): self._length] = 1.0
-        call = _Call(w, feeds, valid, commit, self._length)
+        call = _Call(w, feeds, valid_mask(graphs.cache_frames, self._first(), self._length), commit, self._length)
         try:
             out = graphs.thread.call(functools.partial(_replay, graphs, slot, self.spec, call))
         except GraphThreadClosed:
@@ -305,14 +307,12 @@ class StaticStepCache:
         if self._moved is not None:
             self._moved.trim()
             return
-        keep = self.spec.visible
         slot = self._slot
-        if keep < 0 or slot is None:
-            return
-        if trim_due(self._length, keep, self._graphs.cache_frames):
+        move = trim_copy(self._length, self.spec.visible, self._graphs.cache_frames) if slot is not None else None
+        if slot is not None and move is not None:
             row = self.spec.row_bytes
-            self._graphs.copier.copy(slot.ptr(0, row), slot.ptr(self._length - keep, row), keep * row)
-            self._length = keep
+            self._graphs.copier.copy(slot.ptr(move.dst, row), slot.ptr(move.src, row), move.nbytes(row))
+            self._length = move.frames
 
     def nbytes(self) -> int:
         if self._moved is not None:
@@ -340,11 +340,11 @@ def _replay(graphs: StaticFlowGraphs, slot: StaticSlot, spec: StepCacheSpec, cal
     feeds = call.feeds
     frames = int(feeds["x"].shape[2])
     for name in ("x", "mask", "mu", "cond"):
-        io.inputs[name].update_inplace(_pad(feeds[name], io.window))
+        io.inputs[name].update_inplace(pad_window(feeds[name], io.window))
     io.inputs["t"].update_inplace(np.ascontiguousarray(feeds["t"], np.float32))
     io.inputs["spks"].update_inplace(np.ascontiguousarray(feeds["spks"], np.float32))
     io.inputs["cache_valid"].update_inplace(call.valid)
-    io.inputs["commit_index"].update_inplace(np.array([call.commit, call.commit + 1], np.int64))
+    io.inputs["commit_index"].update_inplace(commit_index(call.commit, int(io.inputs["commit_index"].shape()[0])))
     io.session.run_bound(slot.bindings[call.window], slot.run_options[call.window])
     if call.commit:
         row = spec.row_bytes
@@ -355,32 +355,10 @@ def _replay(graphs: StaticFlowGraphs, slot: StaticSlot, spec: StepCacheSpec, cal
     return out
 
 
-# graph_flow auto (None) on ort-cuda takes at most this share of the GPU's memory for its
-# slots: the rest is the sessions', the arena's and the other requests' (dynamic graph).
-AUTO_DEVICE_FRACTION = 0.25
-
-
 def request_bytes(sessions: Sequence[OrtSession], n_timesteps: int) -> int:
     """Device memory of one request's slots (one per Euler step): K/V buffer and conv history, fp32."""
-    att = [int(d) for d in sessions[0].input_shapes["att_cache"]]
-    conv = [int(d) for d in sessions[0].input_shapes["conv_cache"]]
-    return n_timesteps * 4 * (int(np.prod(att)) + int(np.prod(conv)))
-
-
-def slots_that_fit(requested: int, per_request_bytes: int, device_bytes: int,
-                   fraction: float = AUTO_DEVICE_FRACTION) -> int:
-    """Requests given fixed-shape slots by the auto setting: at most `requested`, all of
-    them within `fraction` of the device's memory (0: not even one fits)."""
-    if per_request_bytes <= 0:
-        return requested
-    return max(0, min(requested, int(device_bytes * fraction) // per_request_bytes))
-
-
-def _device_total_bytes(device_id: int) -> int:
-    for dev in probe_gpu().devices:
-        if dev.index == device_id:
-            return dev.total_memory_bytes
-    return 0
+    return flow_request_bytes([int(d) for d in sessions[0].input_shapes["att_cache"]],
+                              [int(d) for d in sessions[0].input_shapes["conv_cache"]], n_timesteps)
 
 
 def load_static_flow(bundle: Bundle, backend_name: str, load: Callable[[str], Session], setting: bool | None,
@@ -405,7 +383,7 @@ def load_static_flow(bundle: Bundle, backend_name: str, load: Callable[[str], Se
                           f"{sorted(sizes)}; re-export")
     if setting is None:
         per_request = request_bytes(ort_sessions, bundle.flow.n_timesteps)
-        total = _device_total_bytes(device[1])
+        total = device_total_bytes(device[1])
         slots = slots_that_fit(slots, per_request, total)
         if slots == 0:
             log.info("flow estimator: fixed-shape graphs off (auto): one request's caches take %.1f GB, more than "

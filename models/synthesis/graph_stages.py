@@ -24,6 +24,8 @@ if TYPE_CHECKING:  # onnxruntime is imported only where a stage is on (the trt b
     from cosyedge_models.backends.ort_static_encoder import StaticEncoderGraphs
     from cosyedge_models.backends.ort_static_flow import StaticFlowGraphs
     from cosyedge_models.backends.ort_static_vocoder import StaticVocoder
+    from cosyedge_models.backends.tensorrt.static_flow import TrtStaticFlow
+    from cosyedge_models.backends.tensorrt.static_vocoder import TrtStaticVocoder
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +42,9 @@ class GraphStages:
         self._load = load
         self.threads: dict[str, GraphThread] = {}  # by stage; one object for all in "one" mode
         self.decode: GraphDecoder | None = None
-        self.flow: StaticFlowGraphs | None = None
+        self.flow: StaticFlowGraphs | TrtStaticFlow | None = None
         self.encoder: StaticEncoderGraphs | None = None
-        self.vocoder: StaticVocoder | None = None
+        self.vocoder: StaticVocoder | TrtStaticVocoder | None = None
 
     @property
     def thread(self) -> GraphThread | None:
@@ -108,8 +110,8 @@ class GraphStages:
     def static_encoder(self, spec: EncoderCacheSpec) -> StaticEncoderGraphs | None:
         """The fixed-shape streaming encoder graphs, captured now, with a slot for each request
         the estimator's graphs serve, or None: they go with those (call static_flow first)."""
-        if self.flow is None or self.flow.disabled is not None:
-            return None
+        if self.flow is None or self.flow.disabled is not None or not self.backend_name.startswith("ort"):
+            return None  # TensorRT: the encoder stays on its dynamic engine
         from cosyedge_models.backends.ort_static_encoder import load_static_encoder
 
         slots = max(1, self.flow.max_slots // self.bundle.flow.n_timesteps)

@@ -27,7 +27,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     from cosyedge_models.synthesis.settings import SynthesisSettings
     from cosyedge_models.synthesis.synthesizer import load_synthesizer
-    from cosyedge_models.tools.bench import run_once
+    from cosyedge_models.tools.bench_runs import run_once
     from cosyedge_models.tools.engine_memory import process_memory
 
     engine = load_synthesizer(args.bundle, settings=SynthesisSettings(backend=args.backend,

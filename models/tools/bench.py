@@ -20,22 +20,23 @@ import logging
 import resource
 import statistics
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from cosyedge_models.batching.policy import BatchSettings
 from cosyedge_models.bundle.loader import Bundle
 from cosyedge_models.bundle.memory_budget import BOARDS, MIB, bundle_budget
 from cosyedge_models.errors import CosyEdgeError
-from cosyedge_models.synthesis.api import StageEvent, SynthesisRequest
-from cosyedge_models.synthesis.llm import LlmInput
-from cosyedge_models.synthesis.sampling import TokenSampler
 from cosyedge_models.synthesis.settings import SynthesisSettings
 from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, load_synthesizer
+from cosyedge_models.tools.bench_runs import (
+    concurrency_report,
+    llm_tokens,
+    run_concurrent_llm,
+    run_once,
+)
 from cosyedge_models.tools.engine_memory import memory_delta, process_memory
 from cosyedge_models.tools.host import machine
 from cosyedge_models.tools.precision_compare import accuracy
@@ -134,32 +135,6 @@ def jetson_budget(bundle: Bundle) -> dict[str, Any]:
             "boards": boards}
 
 
-def bench_request(text: str, stream: bool, seed: int, voice: str | None = None) -> SynthesisRequest:
-    """The default voice in sft mode, or a saved voice in zero_shot mode (--voice)."""
-    if voice is None:
-        return SynthesisRequest(text=text, stream=stream, seed=seed)
-    return SynthesisRequest(text=text, stream=stream, seed=seed, voice=voice, mode="zero_shot")
-
-
-def run_once(engine: CosyVoiceSynthesizer, text: str, stream: bool, seed: int,
-             voice: str | None = None) -> dict[str, Any]:
-    t0 = time.perf_counter()
-    first = None
-    samples = 0
-    last = None
-    for chunk in engine.synthesize(bench_request(text, stream, seed, voice)):
-        if first is None and chunk.pcm.size:
-            first = (time.perf_counter() - t0) * 1e3
-        samples += chunk.pcm.size
-        last = chunk
-    total = time.perf_counter() - t0
-    audio_s = samples / engine.sample_rate
-    times = last.times.as_dict() if last is not None else {}
-    timeline: list[StageEvent] = list(last.times.timeline) if last is not None else []
-    return {"total_s": total, "audio_s": audio_s, "rtf": total / audio_s if audio_s else float("nan"),
-            "first_audio_ms": first, "stages_ms": times, "timeline": timeline}
-
-
 def median_first_audio(runs: list[dict[str, Any]]) -> float | None:
     firsts = [r["first_audio_ms"] for r in runs if r["first_audio_ms"] is not None]
     return round(statistics.median(firsts), 1) if firsts else None
@@ -232,84 +207,6 @@ def int_list(value: str, what: str) -> list[int]:
     if not out or min(out) < 1:
         raise CosyEdgeError(f"{what} takes integers >= 1, got {value!r}")
     return out
-
-
-def run_parallel(n: int, worker: Callable[[int], None]) -> float:
-    """Run worker(0..n-1) on n threads at once; the wall seconds until all ended."""
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return time.perf_counter() - t0
-
-
-def run_concurrent(engine: CosyVoiceSynthesizer, text: str, n: int, stream: bool = True,
-                   voice: str | None = None) -> dict[str, float]:
-    results: list[dict[str, Any]] = [{} for _ in range(n)]
-    before = {b.name: (b.stats.runs, b.stats.calls) for b in engine.stage_batchers}
-
-    def worker(i: int) -> None:
-        results[i] = run_once(engine, text, stream=stream, seed=1000 + i, voice=voice)
-
-    wall = run_parallel(n, worker)
-    firsts = [r["first_audio_ms"] for r in results if r.get("first_audio_ms") is not None]
-    tokens = sum(int(r["stages_ms"].get("llm_tokens", 0)) for r in results)
-    audio = sum(r["audio_s"] for r in results)
-    out = {
-        "requests_per_s": round(n / wall, 4),
-        "tokens_per_s": round(tokens / wall, 2),
-        "first_audio_ms_p50": round(float(np.percentile(firsts, 50)), 1) if firsts else float("nan"),
-        "first_audio_ms_p95": round(float(np.percentile(firsts, 95)), 1) if firsts else float("nan"),
-        "rtf": round(wall / audio, 4) if audio else float("nan"),  # all streams' wall over all their audio
-        # the slowest stream's own RTF: above 1, some listener heard gaps
-        "stream_rtf_max": round(max(float(r["rtf"]) for r in results), 4) if results else float("nan"),
-    }
-    for b in engine.stage_batchers:
-        # requests per graph run at this level (1.0: nothing merged)
-        runs, calls = b.stats.runs - before[b.name][0], b.stats.calls - before[b.name][1]
-        out[f"{b.name}_mean_batch"] = round(calls / runs, 3) if runs else 0.0
-    return out
-
-
-def concurrency_report(engine: CosyVoiceSynthesizer, text: str, levels: list[int], mode: str,
-                       voice: str | None = None) -> dict[str, Any]:
-    """`concurrency` (streaming requests) and/or `concurrency_offline`, per level."""
-    out: dict[str, Any] = {}
-    if mode in ("stream", "both"):
-        out["concurrency"] = {str(n): run_concurrent(engine, text, n, stream=True, voice=voice) for n in levels}
-    if mode in ("offline", "both"):
-        out["concurrency_offline"] = {str(n): run_concurrent(engine, text, n, stream=False, voice=voice)
-                                      for n in levels}
-    return out
-
-
-def llm_tokens(engine: CosyVoiceSynthesizer, text: str, seed: int, voice: str | None = None) -> int:
-    """Speech tokens of the text's segments, through the batcher when the engine has one."""
-    config = engine.bundle.llm
-    sampler = TokenSampler.seeded(config.sampling, config.eos_token, seed)
-    request = bench_request(text, False, seed, voice)
-    cond = engine.conditioning.build(request)
-    prefix = engine.llm_prefix(cond, request.mode)  # as the engine would: a saved voice's LLM prefix
-    n = 0
-    for segment in engine.frontend.prepare(text):
-        inp = LlmInput(text=segment.token_ids.tolist(), prompt_text=cond.prompt_text, prompt_speech=cond.prompt_speech,
-                       prefix=prefix)
-        gen = engine.batcher.generate(inp, sampler) if engine.batcher else engine.lm.generate(inp, sampler)
-        n += sum(1 for _ in gen)
-    return n
-
-
-def run_concurrent_llm(engine: CosyVoiceSynthesizer, text: str, n: int, voice: str | None = None) -> dict[str, float]:
-    counts = [0] * n
-
-    def worker(i: int) -> None:
-        counts[i] = llm_tokens(engine, text, seed=1000 + i, voice=voice)
-
-    wall = run_parallel(n, worker)
-    return {"tokens": sum(counts), "tokens_per_s": round(sum(counts) / wall, 2),
-            "requests_per_s": round(n / wall, 4)}
 
 
 def project_command(args: argparse.Namespace) -> int:

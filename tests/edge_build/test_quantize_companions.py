@@ -88,9 +88,10 @@ def test_weight_only_bundle_quantizes_the_fixed_size_step_too(graph_bundle: Path
     quantize_bundle(graph_bundle, out, settings)
     bundle = load_bundle(out)
     assert bundle.stages["llm_decode_static"].path.name == "llm_decode_static.int8w.onnx"
-    if bundle.stages["flow_encoder"].precision == "int8w":  # its fixed-shape graphs follow it
-        encoders = [n for n in bundle.stages if n.startswith(STATIC_ENCODER_PREFIX)]
-        assert encoders and all(bundle.stages[n].path.name == f"{n}.int8w.onnx" for n in encoders)
+    # flow_encoder is an always-fp32 stage, and its fixed-shape graphs follow it
+    encoders = [n for n in bundle.stages if n.startswith(STATIC_ENCODER_PREFIX)]
+    assert bundle.stages["flow_encoder"].precision == "fp32"
+    assert encoders and all(bundle.stages[n].path.name == f"{n}.onnx" for n in encoders)
     index = json.loads((out / "llm_weights.int8w.json").read_text())
     assert sorted(index["graphs"]) == sorted(f"{g}.int8w.onnx" for g in LLM_GRAPHS)
     _compare_with_dynamic(out, "cpu", atol=1e-4, rtol=1e-4)  # the same int8 weights and kernels in both

@@ -20,7 +20,7 @@ from cosyedge_models.backends.factory import create_backend
 from cosyedge_models.backends.graph_thread import GraphThread
 from cosyedge_models.backends.ort import OrtBackend, OrtSession
 from cosyedge_models.backends.ort_cache import DeviceCopier
-from cosyedge_models.backends.ort_static_encoder import StaticEncoderCache, StaticEncoderGraphs, smallest_window
+from cosyedge_models.backends.ort_static_encoder import StaticEncoderCache, StaticEncoderGraphs
 from cosyedge_models.bundle.loader import STATIC_ENCODER_PREFIX, Bundle, load_bundle
 from cosyedge_models.synthesis.api import SynthesisRequest
 from cosyedge_models.synthesis.flow import FlowDecoder, FlowPrompt
@@ -119,13 +119,6 @@ def test_encoder_graphs_have_only_fixed_shapes(static_flow_bundle: Path) -> None
         assert not ops & {"Shape", "Size", "NonZero", "Range", "ConstantOfShape"}, ops  # nothing left to the CPU
         entry = bundle.stages[name].raw
         assert entry["cache_tokens"] == STATIC_FLOW_CACHE // 2 and entry["chunk_tokens"] == bundle.flow.chunk_tokens
-
-
-def test_smallest_window() -> None:
-    assert smallest_window([28, 83], 1) == 0
-    assert smallest_window([28, 83], 28) == 0
-    assert smallest_window([28, 83], 29) == 1
-    assert smallest_window([28, 83], 84) is None
 
 
 def test_static_encoder_stream_matches_the_dynamic_graph(static_flow_bundle: Path) -> None:
