@@ -84,7 +84,8 @@ def _add_build(sub: argparse._SubParsersAction) -> None:
                         "tokens): ort-cuda replays it as a CUDA graph; weights shared with the LLM (0: off)")
     e.add_argument("--static-flow-windows", default="", metavar="FRAMES,...",
                    help="also export fixed-shape flow estimator graphs for these streaming window sizes (mel "
-                        "frames; shorter windows are padded): ort-cuda replays them as CUDA graphs")
+                        "frames; shorter windows are padded), and the streaming flow encoder's for the same "
+                        "windows: ort-cuda replays them as CUDA graphs")
     e.add_argument("--static-flow-cache", type=int, default=1024, metavar="FRAMES",
                    help="committed frames the fixed-shape estimator graphs hold (longer streams use the dynamic graph)")
     e.add_argument("--static-vocoder", action="store_true",
@@ -165,8 +166,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--llm-only", action="store_true",
                    help="measure only the LLM (speech tokens/s at each --concurrency), no flow or vocoder")
     p.add_argument("--graph-flow", action=argparse.BooleanOptionalAction, default=None,
-                   help="replay the bundle's fixed-shape flow estimator graphs as CUDA graphs (build export "
-                        "--static-flow-windows; every slot captured at load on the engine's GPU graph thread); "
+                   help="replay the bundle's fixed-shape flow estimator and encoder graphs as CUDA graphs (build "
+                        "export --static-flow-windows; every slot captured at load on the engine's GPU graph thread); "
                         "default auto: on for ort-cuda with the slots that fit a quarter of the GPU's memory")
     p.add_argument("--graph-threads", choices=GRAPH_THREAD_MODES, default=GRAPH_THREAD_MODES[0],
                    help="the captured stages (LLM step, flow windows, vocoder) replay on one GPU graph thread "
