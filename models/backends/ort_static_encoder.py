@@ -32,7 +32,7 @@ import numpy as np
 import onnxruntime as ort
 from cosyedge_models.backends.base import Session
 from cosyedge_models.backends.encoder_cache import EncoderCache, EncoderCacheSpec, EncoderPrefix, HostEncoderCache
-from cosyedge_models.backends.fixed_shapes import bucket, prefix_fits
+from cosyedge_models.backends.fixed_shapes import bucket, prefix_fits, stays_fixed
 from cosyedge_models.backends.graph_thread import CAPTURE_RUNS, GraphThread, GraphThreadClosed
 from cosyedge_models.backends.ort import OrtSession, fixed_shape_sessions
 from cosyedge_models.backends.ort_cache import DeviceCopier, prefix_on_device
@@ -249,8 +249,8 @@ class StaticEncoderCache:
             raise RuntimeError("flow encoder cache used after close()")
         graphs = self._graphs
         w = bucket(graphs.windows, tokens.shape[0])
-        if self._moved is None and (w is None or self._length + commit > graphs.cache_tokens
-                                    or graphs.disabled is not None):
+        if self._moved is None and not stays_fixed(w, self._length, commit, graphs.cache_tokens,
+                                                   graphs.disabled is not None):
             self._move()
         if self._moved is not None:
             return self._moved.encode(tokens, embedding, lookahead, commit)

@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # onnxruntime is imported only where a stage is on (the trt b
     from cosyedge_models.backends.ort_static_encoder import StaticEncoderGraphs
     from cosyedge_models.backends.ort_static_flow import StaticFlowGraphs
     from cosyedge_models.backends.ort_static_vocoder import StaticVocoder
+    from cosyedge_models.backends.tensorrt.static_encoder import TrtStaticEncoder
     from cosyedge_models.backends.tensorrt.static_flow import TrtStaticFlow
     from cosyedge_models.backends.tensorrt.static_vocoder import TrtStaticVocoder
 
@@ -43,7 +44,7 @@ class GraphStages:
         self.threads: dict[str, GraphThread] = {}  # by stage; one object for all in "one" mode
         self.decode: GraphDecoder | None = None
         self.flow: StaticFlowGraphs | TrtStaticFlow | None = None
-        self.encoder: StaticEncoderGraphs | None = None
+        self.encoder: StaticEncoderGraphs | TrtStaticEncoder | None = None
         self.vocoder: StaticVocoder | TrtStaticVocoder | None = None
 
     @property
@@ -107,14 +108,22 @@ class GraphStages:
                                      self.settings.graph_flow_slots, functools.partial(self._thread, "flow"))
         return self.flow
 
-    def static_encoder(self, spec: EncoderCacheSpec) -> StaticEncoderGraphs | None:
-        """The fixed-shape streaming encoder graphs, captured now, with a slot for each request
-        the estimator's graphs serve, or None: they go with those (call static_flow first)."""
-        if self.flow is None or self.flow.disabled is not None or not self.backend_name.startswith("ort"):
-            return None  # TensorRT: the encoder stays on its dynamic engine
+    def static_encoder(self, spec: EncoderCacheSpec) -> StaticEncoderGraphs | TrtStaticEncoder | None:
+        """The fixed-shape streaming encoder graphs (onnxruntime) or engines (trt), captured now,
+        with a slot for each request the estimator's serve, or None: they go with those (call
+        static_flow first)."""
+        if self.flow is None or self.flow.disabled is not None or not self.backend_name.startswith(("ort", "trt")):
+            return None
+        slots = max(1, self.flow.max_slots // self.bundle.flow.n_timesteps)
+        if self.backend_name == "trt":  # TensorRT's engines: no onnxruntime on this path
+            from cosyedge_models.backends.tensorrt.static_encoder import load_trt_static_encoder
+
+            self.encoder = load_trt_static_encoder(self.bundle, self.backend_name, self._load,
+                                                   self.settings.graph_flow, slots, spec,
+                                                   functools.partial(self._thread, "flow"))
+            return self.encoder
         from cosyedge_models.backends.ort_static_encoder import load_static_encoder
 
-        slots = max(1, self.flow.max_slots // self.bundle.flow.n_timesteps)
         self.encoder = load_static_encoder(self.bundle, self.backend_name, self._load, self.settings.graph_flow,
                                            slots, spec, functools.partial(self._thread, "flow"))
         return self.encoder

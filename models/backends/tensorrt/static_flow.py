@@ -253,7 +253,7 @@ class _Call:
     at: int  # the slot frame the committed rows go to
 
 
-class _DevicePrefix:
+class DevicePrefix:
     """A voice's saved rows on one GPU (PrefixRows.on_device), freed with the voice."""
 
     def __init__(self, host: np.ndarray, cuda: ThreadCuda) -> None:
@@ -313,7 +313,7 @@ class TrtStaticStepCache:
             self._move().preload(rows, conv)
             return
         cuda = thread_cuda(flow.device_id)
-        src: _DevicePrefix = rows.on_device(("trt", flow.device_id), functools.partial(_DevicePrefix, cuda=cuda))
+        src: DevicePrefix = rows.on_device(("trt", flow.device_id), functools.partial(DevicePrefix, cuda=cuda))
         cuda.dtod(slot.ptr(0), src.buffer.ptr, rows.frames * slot.row_bytes)
         cuda.htod(slot.conv.ptr, np.ascontiguousarray(conv, dtype=np.float32))
         cuda.synchronize()

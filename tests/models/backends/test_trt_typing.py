@@ -25,6 +25,7 @@ MODULES = ("cosyedge_models.backends.tensorrt.backend", "cosyedge_models.backend
            "cosyedge_models.backends.tensorrt.decode",
            "cosyedge_models.backends.tensorrt.flow_cache", "cosyedge_models.backends.tensorrt.graph",
            "cosyedge_models.backends.tensorrt.static_flow", "cosyedge_models.backends.tensorrt.static_vocoder",
+           "cosyedge_models.backends.tensorrt.static_encoder",
            "cosyedge_models.backends.fixed_shapes", "cosyedge_models.backends.cuda",
            "cosyedge_models.backends.gpu_probe", "cosyedge_build.tensorrt.engines",
            "cosyedge_build.tensorrt.engine_plan")

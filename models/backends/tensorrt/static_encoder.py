@@ -1,0 +1,438 @@
+"""Streaming flow encoder calls as CUDA graphs on TensorRT, over the engines
+`cosyedge build engines` builds from the fixed-shape encoder graphs
+(edge_build/export/flow_encoder_static.py; stages `STATIC_ENCODER_PREFIX + T`).
+
+The same plan as the onnxruntime runtime (models/backends/ort_static_encoder.py),
+built as tensorrt/static_flow.py is: one engine per window size T (tokens,
+look-ahead included; a bucket: shorter windows right-padded) over caches of S
+committed tokens whose first `cached_len` rows are the valid ones, so every
+call of one (slot, window) has the same shapes and addresses. A
+`TrtEncoderSlot` is one request's device buffers (both stacks' K/V, zeroed:
+free rows are masked, never NaN; both conv histories) with one execution
+context per window whose tensor addresses are set once and whose enqueue
+(window inputs up from pinned buffers, the engine, mu and spks down) is
+captured once into a CUDA graph at load on the engine's GraphThread
+(models/backends/tensorrt/graph.py); a refused capture leaves the plain
+enqueue, with a warning. A `TrtStaticEncoderCache` borrows a slot for a
+request's life; each call is one piece of work on the graph thread (replay,
+then the committed rows of enc_window / up_window and the new conv histories
+copied into the slot device-to-device), so the per-window buffers and the
+contexts' activation memory are shared by all slots. A saved voice's prefix
+is seeded by a device copy from the voice's copy on this GPU
+(EncoderPrefix's PrefixRows, as static_flow.py seeds its rows).
+
+A window longer than the largest bucket, or caches that outgrow the slot,
+move the request once to a HostEncoderCache over the dynamic `flow_encoder`
+engine (TrtSession.run takes host arrays: the committed rows are read back
+into it with `HostEncoderCache.adopt`); requests beyond the pool use it from
+the start. The pure decisions (bucket, fits, rows to copy) are
+models/backends/fixed_shapes.py's.
+
+Written against the TensorRT 10 Python API, type-checked against
+tensorrt-stubs (tests/models/backends/test_trt_typing.py); never run: no
+machine here has TensorRT (the `-m gpu` test in
+tests/models/backends/test_trt_static.py is written for one)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+from cosyedge_models.backends.base import Session
+from cosyedge_models.backends.cuda import DeviceBuffer, ThreadCuda
+from cosyedge_models.backends.encoder_cache import EncoderCache, EncoderCacheSpec, EncoderPrefix, HostEncoderCache
+from cosyedge_models.backends.fixed_shapes import (
+    bucket,
+    commit_copy,
+    fixed_shape_names,
+    fixed_shapes_wanted,
+    prefix_fits,
+    stays_fixed,
+)
+from cosyedge_models.backends.graph_thread import GraphThread, GraphThreadClosed
+from cosyedge_models.backends.tensorrt.graph import (
+    CapturedEnqueue,
+    TensorBuffers,
+    execute,
+    scratch_bytes,
+    set_addresses,
+    static_shapes,
+    user_context,
+)
+from cosyedge_models.backends.tensorrt.session import TrtSession, thread_cuda
+from cosyedge_models.backends.tensorrt.static_flow import DevicePrefix
+from cosyedge_models.bundle.loader import STATIC_ENCODER_PREFIX, Bundle
+from cosyedge_models.errors import BundleError, SynthesisError
+
+if TYPE_CHECKING:
+    import tensorrt as trt
+
+log = logging.getLogger(__name__)
+
+_INPUTS = ("token", "token_len", "lookahead_len", "cached_len", "commit_tokens", "embedding")  # uploaded per call
+_OUTPUTS = ("mu", "spks", "enc_window", "up_window", "pre_cache_new", "upconv_cache_new")
+_SLOT = ("enc_cache", "up_cache", "pre_cache", "upconv_cache")  # the slot's own device buffers
+_FLOAT = ("embedding", *_OUTPUTS, *_SLOT)
+WHAT = ("graph_flow on trt needs a bundle exported with 'cosyedge build export --static-flow-windows W,...' "
+        "(this version's: it adds the encoder's graphs) and its engines built with 'cosyedge build engines'")
+
+
+class _Window:
+    """One window size's engine and the I/O buffers every slot binds."""
+
+    def __init__(self, session: TrtSession) -> None:
+        self.session = session
+        shapes = static_shapes(session)
+        missing = [n for n in (*_INPUTS, *_OUTPUTS, *_SLOT) if n not in shapes]
+        if missing:
+            raise SynthesisError(f"{session.name}: not a fixed-shape encoder engine (lacks {missing})")
+        wrong = [n for n in _FLOAT if session.specs[n].dtype != np.float32]
+        if wrong:  # the slots are fp32, as the graphs are exported
+            raise SynthesisError(f"{session.name}: {wrong} are not fp32 in this engine")
+        host = [n for n in _INPUTS if session.specs[n].host_side]
+        if host:  # a captured graph replays device addresses only
+            raise SynthesisError(f"{session.name}: {host} are shape tensors in this engine; rebuild it")
+        self.window = int(shapes["token"][1])
+        self.shapes = {n: shapes[n] for n in _SLOT}
+        self.io = TensorBuffers(session, (*_INPUTS, *_OUTPUTS))
+
+    def enqueue(self, ctx: trt.IExecutionContext, cuda: ThreadCuda) -> None:
+        """What a slot's graph records: the window's inputs up, the engine, mu and spks down."""
+        self.io.upload(cuda, _INPUTS)
+        execute(self.session, ctx, cuda)
+        self.io.download(cuda, ("mu", "spks"))
+
+
+class TrtEncoderSlot:
+    """One request's encoder buffers, with a captured run per window size."""
+
+    def __init__(self, index: int, graphs: TrtStaticEncoder, cuda: ThreadCuda) -> None:
+        spec = graphs.spec
+        self.index = index
+        self.enc_row = int(np.prod(spec.enc_row)) * 4
+        self.up_row = int(np.prod(spec.up_row)) * 4
+        r = spec.token_mel_ratio
+        self.bufs = {"enc_cache": DeviceBuffer(graphs.cache_tokens * self.enc_row),
+                     "up_cache": DeviceBuffer(r * graphs.cache_tokens * self.up_row),
+                     "pre_cache": DeviceBuffer(int(np.prod(spec.pre_shape)) * 4),
+                     "upconv_cache": DeviceBuffer(int(np.prod(spec.upconv_shape)) * 4)}
+        for buf in self.bufs.values():
+            cuda.zero(buf.ptr, buf.nbytes)
+        self.runs: list[CapturedEnqueue] = []
+        assert graphs.scratch is not None  # made by warm_up before the slots
+        for win in graphs.io:
+            ctx = user_context(win.session, graphs.scratch)
+            set_addresses(win.session, ctx, {**{n: win.io.ptr(n) for n in (*_INPUTS, *_OUTPUTS)},
+                                             **{n: b.ptr for n, b in self.bufs.items()}})
+            self.runs.append(CapturedEnqueue(f"{win.session.name} slot {index}", ctx, cuda,
+                                             functools.partial(win.enqueue, ctx, cuda)))
+
+    def ptr(self, name: str) -> int:
+        return self.bufs[name].ptr
+
+    def zero_histories(self, cuda: ThreadCuda) -> None:
+        """A zero conv history for the next borrower (its K/V rows are masked by cached_len)."""
+        for name in ("pre_cache", "upconv_cache"):
+            cuda.zero(self.bufs[name].ptr, self.bufs[name].nbytes)
+
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.bufs.values())
+
+    def close(self) -> None:
+        for run in self.runs:
+            run.close()
+        self.runs.clear()
+        for buf in self.bufs.values():
+            buf.close()
+
+
+class TrtStaticEncoder:
+    """The fixed-shape encoder engines of one engine and their slot pool (one slot per
+    request), run on `thread`. `__call__` is an EncoderCacheFactory: a
+    TrtStaticEncoderCache while slots last, else a HostEncoderCache over the dynamic
+    engine. `warm_up()` makes every slot and captures every (slot, window) before the
+    engine serves."""
+
+    def __init__(self, sessions: Sequence[TrtSession], spec: EncoderCacheSpec, max_slots: int, thread: GraphThread,
+                 capture: bool = True) -> None:
+        if not sessions:
+            raise ValueError("no fixed-shape encoder engines")
+        if max_slots < 1:
+            raise ValueError(f"max_slots must be >= 1, got {max_slots}")
+        self.spec = spec
+        self.thread = thread
+        self.device_id = sessions[0].device_id
+        self._sessions = list(sessions)
+        self.io: list[_Window] = []
+        self.windows: list[int] = []
+        self.cache_tokens = 0
+        self.capture = capture  # False once a capture was refused: the rest enqueue plainly
+        self.max_slots = max_slots
+        self.scratch: DeviceBuffer | None = None  # the contexts' shared activation memory, made at warm_up
+        self._slots: list[TrtEncoderSlot] = []
+        self._free: list[TrtEncoderSlot] = []
+        self._lock = threading.Lock()
+        self.replays = 0  # calls served here (tests, logs); counted on the graph thread
+        self.moves = 0  # caches that moved to the dynamic engine (tests, logs)
+        self.disabled: str | None = None  # set when a run failed: every cache then uses the dynamic engine
+
+    def warm_up(self) -> None:
+        self.thread.call(self._warm_up)
+
+    def _warm_up(self) -> None:
+        try:
+            cuda = thread_cuda(self.device_id)
+            self.io = sorted((_Window(s) for s in self._sessions), key=lambda w: w.window)
+            self.windows = [w.window for w in self.io]
+            self.cache_tokens = self._check_shapes()
+            self.scratch = DeviceBuffer(scratch_bytes(self._sessions))
+            for win in self.io:  # defined inputs for the warm-up runs: no tokens, no cached rows
+                win.io.zero_host()
+            while len(self._slots) < self.max_slots:
+                slot = TrtEncoderSlot(len(self._slots), self, cuda)
+                self._slots.append(slot)  # freed by close() even if its warm-up fails
+                for run in slot.runs:
+                    if not run.prepare(self.capture):
+                        self.capture = False
+                self._free.insert(0, slot)  # slot 0 is handed out first
+            cuda.synchronize()
+        except SynthesisError as exc:
+            self.disabled = str(exc)[:500]
+            log.warning("fixed-shape flow encoder engines disabled at load, the dynamic engine takes over: %s", exc)
+
+    def _check_shapes(self) -> int:
+        """The committed tokens the engines cache (S); a SynthesisError unless every window's
+        caches are S tokens of this bundle's spec."""
+        spec, r = self.spec, self.spec.token_mel_ratio
+        found = {(w.shapes["enc_cache"], w.shapes["up_cache"], w.shapes["pre_cache"], w.shapes["upconv_cache"])
+                 for w in self.io}
+        s = self.io[0].shapes["enc_cache"][0]
+        want = ((s, *spec.enc_row), (r * s, *spec.up_row), spec.pre_shape, spec.upconv_shape)
+        if found != {want}:
+            raise SynthesisError(f"fixed-shape encoder engines with cache shapes {sorted(found)}, expected {want}")
+        return s
+
+    def acquire(self, spec: EncoderCacheSpec) -> TrtEncoderSlot | None:
+        if self.disabled is not None or spec != self.spec:
+            return None  # the engines bake in this bundle's chunk and shapes
+        with self._lock:
+            return self._free.pop() if self._free else None
+
+    def release(self, slot: TrtEncoderSlot) -> None:
+        with self._lock:
+            self._free.append(slot)
+
+    def note_move(self) -> None:
+        with self._lock:
+            self.moves += 1
+
+    def __call__(self, session: Session, spec: EncoderCacheSpec) -> EncoderCache:
+        slot = self.acquire(spec)
+        if slot is None:
+            return HostEncoderCache(session, spec)
+        return TrtStaticEncoderCache(self, slot, session)
+
+    def close(self) -> None:
+        """Free the slots, contexts, graphs and buffers (on the graph thread, where they were made)."""
+        try:
+            self.thread.call(self._close)
+        except GraphThreadClosed:
+            self._close()
+
+    def _close(self) -> None:
+        with self._lock:
+            slots, self._slots, self._free = self._slots, [], []
+        for slot in slots:
+            slot.close()
+        for win in self.io:
+            win.io.close()
+        if self.scratch is not None:
+            self.scratch.close()
+            self.scratch = None
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One encoder call's host inputs, as the graph thread writes them."""
+
+    window: int  # index into TrtStaticEncoder.io
+    tokens: np.ndarray
+    embedding: np.ndarray
+    lookahead: int
+    cached: int  # committed tokens before the window (where the committed rows go)
+    commit: int
+
+
+class TrtStaticEncoderCache:
+    """EncoderCache on a TrtEncoderSlot; moves to a HostEncoderCache over the dynamic
+    engine when a call does not fit the fixed shapes."""
+
+    def __init__(self, graphs: TrtStaticEncoder, slot: TrtEncoderSlot, dynamic: Session) -> None:
+        self.spec = graphs.spec
+        self._graphs = graphs
+        self._slot: TrtEncoderSlot | None = slot
+        self._dynamic = dynamic
+        self._moved: HostEncoderCache | None = None
+        self._length = 0
+        self._closed = False
+
+    @property
+    def length(self) -> int:
+        return self._moved.length if self._moved is not None else self._length
+
+    @property
+    def on_graph(self) -> bool:
+        """True while the calls replay the fixed-shape engines."""
+        return self._slot is not None
+
+    def _move(self) -> HostEncoderCache:
+        """To the host caches over the dynamic engine: the committed rows read back."""
+        slot = self._slot
+        assert slot is not None
+        spec, n = self.spec, self._length
+        enc = np.empty((n, *spec.enc_row), np.float32)
+        up = np.empty((spec.token_mel_ratio * n, *spec.up_row), np.float32)
+        pre, upconv = np.empty(spec.pre_shape, np.float32), np.empty(spec.upconv_shape, np.float32)
+        cuda = thread_cuda(self._graphs.device_id)
+        for dst, name in ((enc, "enc_cache"), (up, "up_cache"), (pre, "pre_cache"), (upconv, "upconv_cache")):
+            if dst.size:
+                cuda.dtoh(dst, slot.ptr(name))
+        cuda.synchronize()
+        moved = HostEncoderCache(self._dynamic, spec)
+        moved.adopt(enc, up, pre, upconv)
+        self._release()
+        self._moved = moved
+        self._graphs.note_move()
+        log.debug("flow encoder cache: %d tokens moved to the dynamic engine", n)
+        return moved
+
+    def _release(self) -> None:
+        slot = self._slot
+        if slot is None:
+            return
+        cuda = thread_cuda(self._graphs.device_id)
+        slot.zero_histories(cuda)
+        cuda.synchronize()
+        self._graphs.release(slot)
+        self._slot = None
+
+    def preload(self, prefix: EncoderPrefix) -> None:
+        """A voice's prefix into the slot: the rows by device copy from the voice's copy on
+        this GPU, the conv histories uploaded; one leaving no room for a window goes dynamic."""
+        if self._length or self._moved is not None:
+            raise RuntimeError("preload() on an encoder cache that holds tokens")
+        slot, graphs = self._slot, self._graphs
+        if slot is None or not prefix_fits(prefix.tokens, graphs.windows, graphs.cache_tokens):
+            self._move().preload(prefix)
+            return
+        cuda = thread_cuda(graphs.device_id)
+        for rows, name in ((prefix.enc, "enc_cache"), (prefix.up, "up_cache")):
+            if rows.host.size:
+                src: DevicePrefix = rows.on_device(("trt", graphs.device_id),
+                                                   functools.partial(DevicePrefix, cuda=cuda))
+                cuda.dtod(slot.ptr(name), src.buffer.ptr, rows.host.size * 4)
+        cuda.htod(slot.ptr("pre_cache"), np.ascontiguousarray(prefix.pre, dtype=np.float32))
+        cuda.htod(slot.ptr("upconv_cache"), np.ascontiguousarray(prefix.upconv, dtype=np.float32))
+        cuda.synchronize()
+        self._length = prefix.tokens
+
+    def encode(self, tokens: np.ndarray, embedding: np.ndarray, lookahead: int,
+               commit: int) -> tuple[np.ndarray, np.ndarray]:
+        if self._closed:
+            raise RuntimeError("flow encoder cache used after close()")
+        graphs = self._graphs
+        w = bucket(graphs.windows, tokens.shape[0])
+        if self._moved is None and not stays_fixed(w, self._length, commit, graphs.cache_tokens,
+                                                   graphs.disabled is not None):
+            self._move()
+        if self._moved is not None:
+            return self._moved.encode(tokens, embedding, lookahead, commit)
+        slot = self._slot
+        assert slot is not None and w is not None
+        call = _Call(w, tokens, embedding, lookahead, self._length, commit)
+        try:
+            out = graphs.thread.call(functools.partial(_replay, graphs, slot, call))
+        except GraphThreadClosed:
+            raise
+        except SynthesisError as exc:  # say so once, then go dynamic: nothing was committed
+            graphs.disabled = str(exc)[:500]
+            log.warning("fixed-shape flow encoder engines disabled, the dynamic engine takes over: %s", exc)
+            return self._move().encode(tokens, embedding, lookahead, commit)
+        self._length += commit
+        return out
+
+    def nbytes(self) -> int:
+        if self._moved is not None:
+            return self._moved.nbytes()
+        return 0 if self._slot is None else self._slot.nbytes()
+
+    def close(self) -> None:
+        self._release()
+        if self._moved is not None:
+            self._moved.close()
+            self._moved = None
+        self._length = 0
+        self._closed = True
+
+
+def _replay(graphs: TrtStaticEncoder, slot: TrtEncoderSlot, call: _Call) -> tuple[np.ndarray, np.ndarray]:
+    """One call on the graph thread: inputs in, replay, committed rows into the slot, mu and spks out."""
+    win = graphs.io[call.window]
+    io = win.io
+    n = call.tokens.shape[0]
+    token = io.host("token")
+    token[...] = 0  # padded tokens: zeroed and masked
+    token[0, :n] = call.tokens
+    io.host("token_len")[...] = n
+    io.host("lookahead_len")[...] = call.lookahead
+    io.host("cached_len")[...] = call.cached
+    io.host("commit_tokens")[...] = call.commit
+    io.host("embedding")[...] = call.embedding[None]
+    cuda = thread_cuda(graphs.device_id)
+    slot.runs[call.window].run()
+    copy = commit_copy(call.cached, call.commit)
+    if copy is not None:  # the window's first `commit` tokens' rows, and r per token up-sampled
+        r = graphs.spec.token_mel_ratio
+        cuda.dtod(slot.ptr("enc_cache") + copy.dst * slot.enc_row, io.ptr("enc_window") + copy.src * slot.enc_row,
+                  copy.nbytes(slot.enc_row))
+        cuda.dtod(slot.ptr("up_cache") + r * copy.dst * slot.up_row, io.ptr("up_window") + r * copy.src * slot.up_row,
+                  r * copy.nbytes(slot.up_row))
+        for new, old in (("pre_cache_new", "pre_cache"), ("upconv_cache_new", "upconv_cache")):
+            cuda.dtod(slot.ptr(old), io.ptr(new), slot.bufs[old].nbytes)
+    cuda.synchronize()
+    frames = graphs.spec.token_mel_ratio * (n - call.lookahead)
+    mu = np.array(io.host("mu")[:, :, :frames])
+    spks = np.array(io.host("spks"))
+    graphs.replays += 1
+    return mu, spks
+
+
+def load_trt_static_encoder(bundle: Bundle, backend_name: str, load: Callable[[str], Session], setting: bool | None,
+                            slots: int, spec: EncoderCacheSpec,
+                            graph_thread: Callable[[], GraphThread]) -> TrtStaticEncoder | None:
+    """The engine's fixed-shape encoder engines with `slots` requests' worth of device
+    caches, made and captured now on the graph thread, or None (the dynamic engine only).
+    `setting` as graph_flow's (the estimator's engines and these go together; their
+    slots are the estimator's request slots, whose count the auto setting already fitted)."""
+    names = fixed_shape_names(bundle.stages, STATIC_ENCODER_PREFIX)
+    if not (fixed_shapes_wanted(names, setting, backend_name, bundle.root, WHAT) and backend_name == "trt"):
+        return None
+    chunks = {int(bundle.stages[n].raw.get("chunk_tokens", -1)) for n in names}
+    if chunks != {spec.chunk_tokens}:
+        raise BundleError(f"{bundle.root}: fixed-shape encoder graphs for chunks {sorted(chunks)} (the bundle "
+                          f"streams {spec.chunk_tokens}-token chunks); re-export")
+    sessions = [load(n) for n in names]
+    trt_sessions = [s for s in sessions if isinstance(s, TrtSession)]
+    if len(trt_sessions) != len(sessions):
+        return None  # a wrapped backend (tests): the dynamic engine
+    graphs = TrtStaticEncoder(trt_sessions, spec, slots, graph_thread())
+    graphs.warm_up()
+    log.info("flow encoder: fixed-shape TensorRT engines for windows %s tokens over %d cached tokens, %d request "
+             "slots%s%s", graphs.windows, graphs.cache_tokens, slots, ", CUDA graphs" if graphs.capture else "",
+             f" (disabled: {graphs.disabled})" if graphs.disabled else "")
+    return graphs
