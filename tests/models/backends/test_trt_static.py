@@ -1,8 +1,8 @@
 """The fixed-shape TensorRT engines on a real GPU (`pytest -m gpu`): `build
 engines` builds and records one engine per fixed-shape stage of the bundle
 with every CUDA-graph stage (graph_bundle), the loader takes them, and their
-CUDA-graph replay (models/backends/tensorrt/static_flow.py, tensorrt/static_vocoder.py)
-gives what the dynamic TensorRT engines and onnxruntime on the CPU give,
+CUDA-graph replay (models/backends/tensorrt/static_flow.py, tensorrt/static_vocoder.py,
+tensorrt/static_encoder.py) gives what the dynamic TensorRT engines and onnxruntime on the CPU give,
 within the tolerance of test_trt_backend.py, through slot reuse, a voice's
 preloaded prefix, trims and the move to the dynamic engine. Skipped with the
 reason wherever there is no GPU, TensorRT or pycuda (conftest.py): no machine
@@ -17,15 +17,24 @@ from typing import Any
 
 import numpy as np
 import pytest
+from cosyedge_models.backends.encoder_cache import EncoderCache, EncoderCacheSpec, HostEncoderCache
 from cosyedge_models.backends.factory import create_backend
 from cosyedge_models.backends.flow_cache import PrefixRows, StepCache, StepCacheSpec
 from cosyedge_models.backends.graph_thread import GraphThread
-from cosyedge_models.bundle.loader import STAGES, STATIC_FLOW_PREFIX, STATIC_VOCODER_PREFIX, Bundle, load_bundle
+from cosyedge_models.bundle.loader import (
+    STAGES,
+    STATIC_ENCODER_PREFIX,
+    STATIC_FLOW_PREFIX,
+    STATIC_VOCODER_PREFIX,
+    Bundle,
+    load_bundle,
+)
 from cosyedge_models.synthesis.api import SynthesisRequest
 from cosyedge_models.synthesis.flow import FlowDecoder, FlowPrompt
 from cosyedge_models.synthesis.settings import SynthesisSettings
 from cosyedge_models.synthesis.streaming import ChunkSchedule
 from cosyedge_models.synthesis.vocoder import HiftVocoder
+from cosyedge_models.synthesis.voice_cache import FlowPrefix, build_flow_prefix
 
 from tests.conftest import STATIC_FLOW_CACHE
 
@@ -58,21 +67,23 @@ def test_fixed_shape_engines_are_built_recorded_and_loaded(trt_graph_bundle: Pat
     assert all(bundle.stages[n].path.suffix == ".plan" for n in fixed)
 
 
-def _stream(decoder: FlowDecoder, prompt: FlowPrompt, toks: np.ndarray, left: int = -1) -> np.ndarray:
+def _stream(decoder: FlowDecoder, prompt: FlowPrompt, toks: np.ndarray, left: int = -1,
+            prefix: FlowPrefix | None = None, hop: int = 25) -> np.ndarray:
     look = decoder.config.pre_lookahead_len
-    schedule = ChunkSchedule(25, look, prompt_tokens=len(prompt.tokens))
+    schedule = ChunkSchedule(hop, look, prompt_tokens=len(prompt.tokens))
     mels = []
-    with decoder.stream(prompt, "cached", left) as s:
+    with decoder.stream(prompt, "cached", left, prefix=prefix) as s:
         while (chunk := schedule.next_chunk(len(toks))) is not None:
             mels.append(s.push(toks[: chunk.end + look]))
         mels.append(s.finish(toks))
     return np.concatenate(mels, axis=2)
 
 
-def _prompt(bundle: Bundle) -> FlowPrompt:
+def _prompt(bundle: Bundle, tokens: int = 12) -> FlowPrompt:
     rng = np.random.default_rng(4)
-    return FlowPrompt(tokens=np.arange(12, dtype=np.int64) % 50, embedding=rng.standard_normal(192).astype(np.float32),
-                      feat=rng.standard_normal((24, bundle.mel_bins)).astype(np.float32))
+    return FlowPrompt(tokens=np.arange(tokens, dtype=np.int64) % 50,
+                      embedding=rng.standard_normal(192).astype(np.float32),
+                      feat=rng.standard_normal((2 * tokens, bundle.mel_bins)).astype(np.float32))
 
 
 def noise(seed: int) -> np.random.Generator:
@@ -178,6 +189,66 @@ def test_a_voice_prefix_is_preloaded_into_the_slot_and_a_full_cache_moves(trt_gr
         flow.close()
 
 
+@pytest.mark.parametrize(("n_tokens", "prompt_tokens", "hop", "moves"),
+                         [(60, 12, 25, 0), (50, 60, 25, 0), (190, 12, 25, 1), (120, 12, 90, 1)],
+                         ids=["fits", "voice-prefix", "cache-outgrown-moves", "window-too-long-moves"])
+def test_static_encoder_engines_match_host_caches_on_onnxruntime(trt_graph_bundle: Path, n_tokens: int,
+                                                                 prompt_tokens: int, hop: int, moves: int) -> None:
+    """The encoder windows' engines (tensorrt/static_encoder.py) against HostEncoderCache over
+    onnxruntime's CPU graphs: the same mel through a stream that fits, one seeded from a voice's
+    prefix (by device copy), and ones whose cache (190 tokens over 160) or first window (a
+    90-token hop, over the largest bucket) does not fit and move once to the dynamic engine."""
+    from cosyedge_models.backends.tensorrt.backend import TrtBackend
+    from cosyedge_models.backends.tensorrt.session import TrtSession
+    from cosyedge_models.backends.tensorrt.static_encoder import TrtStaticEncoder, TrtStaticEncoderCache
+
+    bundle = load_bundle(trt_graph_bundle, backend="trt")
+    trt = TrtBackend()
+    enc = trt.load("flow_encoder", bundle.stages["flow_encoder"].path)
+    est = trt.load("flow_estimator", bundle.stages["flow_estimator"].path)
+    statics = [trt.load(n, bundle.stages[n].path) for n in _fixed(bundle, STATIC_ENCODER_PREFIX)]
+    assert statics and all(isinstance(s, TrtSession) for s in statics)
+    prompt = _prompt(bundle, prompt_tokens)
+    toks = np.random.default_rng(3).integers(0, bundle.llm.speech_token_size, n_tokens)
+    ort_bundle = load_bundle(trt_graph_bundle)
+    ort = create_backend("ort")
+    host = FlowDecoder(ort_bundle, ort.load("flow_encoder", ort_bundle.stages["flow_encoder"].path),
+                       ort.load("flow_estimator", ort_bundle.stages["flow_estimator"].path))
+    prefix = build_flow_prefix(host, prompt) if prompt_tokens > 12 else None
+    assert (prefix is not None) == (prompt_tokens > 12)
+    reference = _stream(host, prompt, toks, prefix=prefix, hop=hop)
+    spec = host.encoder_spec
+    with GraphThread() as thread:
+        graphs = TrtStaticEncoder(statics, spec, 2, thread)
+        graphs.warm_up()
+        assert graphs.disabled is None, graphs.disabled
+        assert graphs.capture  # the tiny encoder's engines capture (a refusal would only warn)
+        assert graphs.cache_tokens == STATIC_FLOW_CACHE // 2
+        made: list[EncoderCache] = []
+
+        def factory(session: Any, spec: EncoderCacheSpec) -> EncoderCache:
+            made.append(graphs(session, spec))
+            return made[-1]
+
+        decoder = FlowDecoder(bundle, enc, est, trt.flow_cache, factory)
+        for run in range(2):  # the second stream reuses the slot, its graphs and the prefix's device copy
+            made.clear()
+            static = _stream(decoder, prompt, toks, prefix=prefix, hop=hop)
+            assert static.shape == reference.shape == (1, bundle.mel_bins, 2 * n_tokens)
+            _close_to(static, reference, f"static TensorRT encoder vs onnxruntime host caches, stream {run}")
+            assert len(made) == 1 and isinstance(made[0], TrtStaticEncoderCache)
+        assert graphs.moves == 2 * moves
+        assert (graphs.replays > 0) == (hop == 25)  # a too-long first window never replays
+        taken = [graphs(enc, spec) for _ in range(2)]
+        beyond = graphs(enc, spec)  # the pool is empty: the dynamic engine from the start
+        other = graphs(enc, EncoderCacheSpec(spec.dims, spec.chunk_tokens + 1, spec.token_mel_ratio))
+        assert all(isinstance(c, TrtStaticEncoderCache) for c in taken)
+        assert isinstance(beyond, HostEncoderCache) and isinstance(other, HostEncoderCache)
+        for c in (*taken, beyond, other):
+            c.close()
+        graphs.close()
+
+
 def test_static_vocoder_engines_match_the_dynamic_engines_and_onnxruntime(trt_graph_bundle: Path) -> None:
     from cosyedge_models.backends.tensorrt.backend import TrtBackend
     from cosyedge_models.backends.tensorrt.static_vocoder import TrtStaticVocoder
@@ -215,8 +286,9 @@ def test_static_vocoder_engines_match_the_dynamic_engines_and_onnxruntime(trt_gr
 
 
 def test_pipeline_on_trt_with_the_fixed_shape_engines(trt_graph_bundle: Path) -> None:
-    """The engine on backend trt loads them (graph_flow / graph_vocoder auto), replays them,
-    and its audio stays within the trt tolerance of the dynamic engines'."""
+    """The engine on backend trt loads them (graph_flow, the encoder's with it, and graph_vocoder
+    auto), replays them, and its audio stays within the trt tolerance of the dynamic engines'."""
+    from cosyedge_models.backends.tensorrt.static_encoder import TrtStaticEncoder
     from cosyedge_models.backends.tensorrt.static_flow import TrtStaticFlow
     from cosyedge_models.backends.tensorrt.static_vocoder import TrtStaticVocoder
     from cosyedge_models.synthesis.synthesizer import load_synthesizer
@@ -230,12 +302,14 @@ def test_pipeline_on_trt_with_the_fixed_shape_engines(trt_graph_bundle: Path) ->
             if on is None:
                 assert isinstance(engine.static_flow, TrtStaticFlow) and engine.static_flow.disabled is None
                 assert isinstance(engine.static_vocoder, TrtStaticVocoder)
+                assert isinstance(engine.static_encoder, TrtStaticEncoder) and engine.static_encoder.disabled is None
             else:
-                assert engine.static_flow is None and engine.static_vocoder is None
+                assert engine.static_flow is None and engine.static_vocoder is None and engine.static_encoder is None
             out[on] = np.concatenate([c.pcm for c in engine.synthesize(req)])
             if on is None:
                 assert engine.static_flow is not None and engine.static_flow.replays > 0
                 assert engine.static_vocoder is not None and engine.static_vocoder.replays > 0
+                assert engine.static_encoder is not None and engine.static_encoder.replays > 0
         finally:
             engine.close()
     assert out[None].shape == out[False].shape
