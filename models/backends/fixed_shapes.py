@@ -12,9 +12,11 @@ tests/models/backends/test_fixed_shapes.py."""
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 from cosyedge_models.backends.flow_cache import trim_due
@@ -155,3 +157,87 @@ def vocoder_length(cache_lens: Mapping[int, int], mel_shape: Sequence[int], cach
     if cache is not None and tuple(cache.shape) != (1, 1, cache_lens[frames]):
         return None
     return frames
+
+
+SlotT = TypeVar("SlotT")
+
+
+class SlotPool(Generic[SlotT]):
+    """The request slots of a fixed-shape runtime (the estimator's or the encoder's, on
+    onnxruntime or TensorRT): made and captured at load, borrowed for a request's life,
+    given back at close; and its counters. Thread-safe: request threads borrow, the graph
+    thread counts replays."""
+
+    def __init__(self, max_slots: int) -> None:
+        if max_slots < 1:
+            raise ValueError(f"max_slots must be >= 1, got {max_slots}")
+        self.max_slots = max_slots
+        self._slots: list[SlotT] = []
+        self._free: list[SlotT] = []
+        self._lock = threading.Lock()
+        self.replays = 0  # calls served on the fixed shapes (tests, logs); counted on the graph thread
+        self.moves = 0  # caches that left the fixed shapes for the dynamic path (tests, logs)
+        self.disabled: str | None = None  # set when a capture or a replay failed: the dynamic path from then on
+
+    @property
+    def slot_count(self) -> int:
+        with self._lock:
+            return len(self._slots)
+
+    def register(self, slot: SlotT) -> None:
+        """A new slot, tracked (close() returns it) and free; slot 0 is handed out first."""
+        with self._lock:
+            self._slots.append(slot)
+            self._free.insert(0, slot)
+
+    def all_slots(self) -> list[SlotT]:
+        with self._lock:
+            return list(self._slots)
+
+    def take_slot(self) -> SlotT | None:
+        """A free slot, or None: the request then takes the dynamic path."""
+        with self._lock:
+            return self._free.pop() if self._free else None
+
+    def release(self, slot: SlotT) -> None:
+        with self._lock:
+            self._free.append(slot)
+
+    def note_move(self) -> None:
+        with self._lock:
+            self.moves += 1
+
+    def drop_slots(self) -> list[SlotT]:
+        """Every slot, forgotten (the runtime frees what they hold)."""
+        with self._lock:
+            slots, self._slots, self._free = self._slots, [], []
+        return slots
+
+
+class HasLength(Protocol):
+    @property
+    def length(self) -> int: ...
+
+
+MovedT = TypeVar("MovedT", bound=HasLength)
+
+
+class SlotBorrower(Generic[SlotT, MovedT]):
+    """A request's cache on a pooled slot while its calls fit the fixed shapes, then (once
+    moved) on `_moved`, a cache over the dynamic path."""
+
+    def __init__(self, slot: SlotT) -> None:
+        self._slot: SlotT | None = slot
+        self._moved: MovedT | None = None
+        self._length = 0  # committed rows on the slot
+        self._closed = False
+
+    @property
+    def length(self) -> int:
+        return self._moved.length if self._moved is not None else self._length
+
+    @property
+    def on_graph(self) -> bool:
+        """True while the calls replay the fixed-shape graphs."""
+        return self._slot is not None
+

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -32,7 +31,7 @@ import numpy as np
 import onnxruntime as ort
 from cosyedge_models.backends.base import Session
 from cosyedge_models.backends.encoder_cache import EncoderCache, EncoderCacheSpec, EncoderPrefix, HostEncoderCache
-from cosyedge_models.backends.fixed_shapes import bucket, prefix_fits, stays_fixed
+from cosyedge_models.backends.fixed_shapes import SlotBorrower, SlotPool, bucket, prefix_fits, stays_fixed
 from cosyedge_models.backends.graph_thread import CAPTURE_RUNS, GraphThread, GraphThreadClosed
 from cosyedge_models.backends.ort import OrtSession, fixed_shape_sessions
 from cosyedge_models.backends.ort_cache import DeviceCopier, prefix_on_device
@@ -93,7 +92,7 @@ class EncoderSlot:
         return sum(int(np.prod(v.shape())) * 4 for v in (self.enc, self.up, self.pre, self.upconv))
 
 
-class StaticEncoderGraphs:
+class StaticEncoderGraphs(SlotPool[EncoderSlot]):
     """The fixed-shape encoder sessions of one engine and their slot pool (one slot per
     request), run on `thread`. `__call__` is an EncoderCacheFactory."""
 
@@ -101,8 +100,7 @@ class StaticEncoderGraphs:
                  spec: EncoderCacheSpec, max_slots: int, thread: GraphThread) -> None:
         if not sessions:
             raise ValueError("no fixed-shape encoder graphs")
-        if max_slots < 1:
-            raise ValueError(f"max_slots must be >= 1, got {max_slots}")
+        super().__init__(max_slots)
         self.device = device
         self.copier = copier
         self.spec = spec
@@ -111,13 +109,6 @@ class StaticEncoderGraphs:
         self.windows = [io.window for io in self.io]
         self.cache_tokens = int(sessions[0].input_shapes["enc_cache"][0])
         self.capture = all(s.cuda_graph for s in sessions)
-        self.max_slots = max_slots
-        self._slots: list[EncoderSlot] = []
-        self._free: list[EncoderSlot] = []
-        self._lock = threading.Lock()
-        self.replays = 0  # static calls made (tests, logs); counted on the graph thread
-        self.moves = 0  # caches that left the fixed shapes for the host caches (tests, logs)
-        self.disabled: str | None = None  # set when a replay or capture failed: the dynamic graph from then on
 
     def warm_up(self) -> None:
         """On the graph thread, before any request: every slot, and each of its graphs run
@@ -126,14 +117,10 @@ class StaticEncoderGraphs:
 
     def _warm_up(self) -> None:
         runs = CAPTURE_RUNS if self.capture else 1
-        with self._lock:
-            while len(self._slots) < self.max_slots:
-                slot = EncoderSlot(len(self._slots), self)
-                self._slots.append(slot)
-                self._free.insert(0, slot)
-            slots = list(self._slots)
+        while self.slot_count < self.max_slots:
+            self.register(EncoderSlot(self.slot_count, self))
         try:
-            for slot in slots:
+            for slot in self.all_slots():
                 for w, io in enumerate(self.io):
                     for _ in range(runs):
                         io.session.run_bound(slot.bindings[w], slot.run_options[w])
@@ -141,31 +128,15 @@ class StaticEncoderGraphs:
             self.disabled = str(exc)[:500]
             log.warning("fixed-shape flow encoder graphs disabled at load, the dynamic graph takes over: %s", exc)
 
-    def acquire(self) -> EncoderSlot | None:
-        with self._lock:
-            if self._free:
-                return self._free.pop()
-        return None
-
-    def release(self, slot: EncoderSlot) -> None:
-        with self._lock:
-            self._free.append(slot)
-
-    def note_move(self) -> None:
-        with self._lock:
-            self.moves += 1
-
     def __call__(self, session: Session, spec: EncoderCacheSpec) -> EncoderCache:
         # the graphs bake in this bundle's chunk and shapes
-        slot = self.acquire() if spec == self.spec and self.disabled is None else None
+        slot = self.take_slot() if spec == self.spec and self.disabled is None else None
         if slot is None:
             return HostEncoderCache(session, spec)
         return StaticEncoderCache(self, slot, session)
 
     def close(self) -> None:
-        with self._lock:
-            self._slots.clear()
-            self._free.clear()
+        self.drop_slots()
 
 
 @dataclass(frozen=True)
@@ -180,27 +151,15 @@ class _Call:
     commit: int
 
 
-class StaticEncoderCache:
+class StaticEncoderCache(SlotBorrower[EncoderSlot, HostEncoderCache]):
     """EncoderCache on an EncoderSlot; moves to a HostEncoderCache over the dynamic graph
     when a call does not fit the fixed shapes."""
 
     def __init__(self, graphs: StaticEncoderGraphs, slot: EncoderSlot, dynamic: Session) -> None:
+        super().__init__(slot)
         self.spec = graphs.spec
         self._graphs = graphs
-        self._slot: EncoderSlot | None = slot
         self._dynamic = dynamic
-        self._moved: HostEncoderCache | None = None
-        self._length = 0
-        self._closed = False
-
-    @property
-    def length(self) -> int:
-        return self._moved.length if self._moved is not None else self._length
-
-    @property
-    def on_graph(self) -> bool:
-        """True while the calls replay the fixed-shape graphs."""
-        return self._slot is not None
 
     def _move(self) -> HostEncoderCache:
         """To the host caches over the dynamic graph: the committed rows read back."""

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -40,6 +39,8 @@ import onnxruntime as ort
 from cosyedge_models.backends.base import Session
 from cosyedge_models.backends.fixed_shapes import (
     AUTO_DEVICE_FRACTION,
+    SlotBorrower,
+    SlotPool,
     bucket,
     commit_index,
     device_total_bytes,
@@ -113,7 +114,7 @@ class StaticSlot:
         return int(self.kv.data_ptr()) + frame * row_bytes
 
 
-class StaticFlowGraphs:
+class StaticFlowGraphs(SlotPool[StaticSlot]):
     """The fixed-shape estimator sessions of one engine and their slot pool,
     run on `thread`. `__call__` is a Backend.flow_cache: a StaticStepCache
     while slots last, else the ordinary device cache over the dynamic graph.
@@ -124,8 +125,7 @@ class StaticFlowGraphs:
                  max_slots: int, thread: GraphThread) -> None:
         if not sessions:
             raise ValueError("no fixed-shape estimator graphs")
-        if max_slots < 1:
-            raise ValueError(f"max_slots must be >= 1, got {max_slots}")
+        super().__init__(max_slots)
         self.device = device
         self.copier = copier
         self.thread = thread
@@ -135,14 +135,6 @@ class StaticFlowGraphs:
         self.cache_frames, self.row = att[0], att[1:]
         self.conv = tuple(int(d) for d in sessions[0].input_shapes["conv_cache"])
         self.capture = all(s.cuda_graph for s in sessions)
-        self.max_slots = max_slots
-        self._slots: list[StaticSlot] = []
-        self._free: list[StaticSlot] = []
-        self._lock = threading.Lock()
-        self.replays = 0  # static calls made (tests, logs); counted on the graph thread
-        self.moves = 0  # step caches that left the fixed shapes for the dynamic graph (tests, logs)
-        # set when a replay or capture failed: every cache then uses the dynamic graph
-        self.disabled: str | None = None
 
     def bucket(self, frames: int) -> int | None:
         """Index of the smallest window that holds `frames`, or None."""
@@ -160,14 +152,10 @@ class StaticFlowGraphs:
             for value in io.inputs.values():
                 value.update_inplace(np.zeros(value.shape(), np.int64 if value.data_type() == "tensor(int64)"
                                               else np.float32))
-        with self._lock:
-            while len(self._slots) < self.max_slots:
-                slot = StaticSlot(len(self._slots), self)
-                self._slots.append(slot)
-                self._free.insert(0, slot)  # slot 0 is handed out first
-            slots = list(self._slots)
+        while self.slot_count < self.max_slots:
+            self.register(StaticSlot(self.slot_count, self))
         try:
-            for slot in slots:
+            for slot in self.all_slots():
                 for w, io in enumerate(self.io):
                     for _ in range(runs):
                         io.session.run_bound(slot.bindings[w], slot.run_options[w])
@@ -178,22 +166,11 @@ class StaticFlowGraphs:
     def acquire(self, spec: StepCacheSpec) -> StaticSlot | None:
         if spec.dtype != np.float32 or spec.row != self.row or spec.conv != self.conv:
             return None  # the fixed-shape graphs are exported in fp32, for this model's shapes
-        with self._lock:
-            if self._free:
-                return self._free.pop()
-            if len(self._slots) < self.max_slots:  # only before warm_up (tests)
-                slot = StaticSlot(len(self._slots), self)
-                self._slots.append(slot)
-                return slot
-        return None
-
-    def release(self, slot: StaticSlot) -> None:
-        with self._lock:
-            self._free.append(slot)
-
-    def note_move(self) -> None:
-        with self._lock:
-            self.moves += 1
+        slot = self.take_slot()
+        if slot is None and self.slot_count < self.max_slots:  # only before warm_up (tests)
+            self.register(StaticSlot(self.slot_count, self))
+            slot = self.take_slot()
+        return slot
 
     def __call__(self, session: Session, spec: StepCacheSpec) -> StepCache:
         if not isinstance(session, OrtSession):
@@ -205,9 +182,7 @@ class StaticFlowGraphs:
 
     def close(self) -> None:
         """Drop the slots (the engine closes the sessions and the graph thread)."""
-        with self._lock:
-            self._slots.clear()
-            self._free.clear()
+        self.drop_slots()
 
 
 @dataclass(frozen=True)
@@ -221,27 +196,15 @@ class _Call:
     at: int  # the slot frame the committed rows go to
 
 
-class StaticStepCache:
+class StaticStepCache(SlotBorrower[StaticSlot, BoundStepCache]):
     """StepCache on a StaticSlot; moves to a BoundStepCache over the dynamic
     graph when a call does not fit the fixed shapes."""
 
     def __init__(self, graphs: StaticFlowGraphs, slot: StaticSlot, dynamic: OrtSession, spec: StepCacheSpec) -> None:
+        super().__init__(slot)
         self.spec = spec
         self._graphs = graphs
-        self._slot: StaticSlot | None = slot
         self._dynamic = dynamic
-        self._moved: BoundStepCache | None = None
-        self._length = 0
-        self._closed = False
-
-    @property
-    def length(self) -> int:
-        return self._moved.length if self._moved is not None else self._length
-
-    @property
-    def on_graph(self) -> bool:
-        """True while the calls replay the fixed-shape graphs."""
-        return self._slot is not None
 
     def _first(self) -> int:
         return visible_first(self._length, self.spec.visible)

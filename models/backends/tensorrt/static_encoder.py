@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -47,6 +46,8 @@ from cosyedge_models.backends.base import Session
 from cosyedge_models.backends.cuda import DeviceBuffer, ThreadCuda
 from cosyedge_models.backends.encoder_cache import EncoderCache, EncoderCacheSpec, EncoderPrefix, HostEncoderCache
 from cosyedge_models.backends.fixed_shapes import (
+    SlotBorrower,
+    SlotPool,
     bucket,
     commit_copy,
     fixed_shape_names,
@@ -151,7 +152,7 @@ class TrtEncoderSlot:
             buf.close()
 
 
-class TrtStaticEncoder:
+class TrtStaticEncoder(SlotPool[TrtEncoderSlot]):
     """The fixed-shape encoder engines of one engine and their slot pool (one slot per
     request), run on `thread`. `__call__` is an EncoderCacheFactory: a
     TrtStaticEncoderCache while slots last, else a HostEncoderCache over the dynamic
@@ -162,8 +163,7 @@ class TrtStaticEncoder:
                  capture: bool = True) -> None:
         if not sessions:
             raise ValueError("no fixed-shape encoder engines")
-        if max_slots < 1:
-            raise ValueError(f"max_slots must be >= 1, got {max_slots}")
+        super().__init__(max_slots)
         self.spec = spec
         self.thread = thread
         self.device_id = sessions[0].device_id
@@ -172,14 +172,7 @@ class TrtStaticEncoder:
         self.windows: list[int] = []
         self.cache_tokens = 0
         self.capture = capture  # False once a capture was refused: the rest enqueue plainly
-        self.max_slots = max_slots
         self.scratch: DeviceBuffer | None = None  # the contexts' shared activation memory, made at warm_up
-        self._slots: list[TrtEncoderSlot] = []
-        self._free: list[TrtEncoderSlot] = []
-        self._lock = threading.Lock()
-        self.replays = 0  # calls served here (tests, logs); counted on the graph thread
-        self.moves = 0  # caches that moved to the dynamic engine (tests, logs)
-        self.disabled: str | None = None  # set when a run failed: every cache then uses the dynamic engine
 
     def warm_up(self) -> None:
         self.thread.call(self._warm_up)
@@ -193,13 +186,12 @@ class TrtStaticEncoder:
             self.scratch = DeviceBuffer(scratch_bytes(self._sessions))
             for win in self.io:  # defined inputs for the warm-up runs: no tokens, no cached rows
                 win.io.zero_host()
-            while len(self._slots) < self.max_slots:
-                slot = TrtEncoderSlot(len(self._slots), self, cuda)
-                self._slots.append(slot)  # freed by close() even if its warm-up fails
+            while self.slot_count < self.max_slots:
+                slot = TrtEncoderSlot(self.slot_count, self, cuda)
+                self.register(slot)  # freed by close() even if its warm-up fails (which disables the pool)
                 for run in slot.runs:
                     if not run.prepare(self.capture):
                         self.capture = False
-                self._free.insert(0, slot)  # slot 0 is handed out first
             cuda.synchronize()
         except SynthesisError as exc:
             self.disabled = str(exc)[:500]
@@ -220,16 +212,7 @@ class TrtStaticEncoder:
     def acquire(self, spec: EncoderCacheSpec) -> TrtEncoderSlot | None:
         if self.disabled is not None or spec != self.spec:
             return None  # the engines bake in this bundle's chunk and shapes
-        with self._lock:
-            return self._free.pop() if self._free else None
-
-    def release(self, slot: TrtEncoderSlot) -> None:
-        with self._lock:
-            self._free.append(slot)
-
-    def note_move(self) -> None:
-        with self._lock:
-            self.moves += 1
+        return self.take_slot()
 
     def __call__(self, session: Session, spec: EncoderCacheSpec) -> EncoderCache:
         slot = self.acquire(spec)
@@ -245,9 +228,7 @@ class TrtStaticEncoder:
             self._close()
 
     def _close(self) -> None:
-        with self._lock:
-            slots, self._slots, self._free = self._slots, [], []
-        for slot in slots:
+        for slot in self.drop_slots():
             slot.close()
         for win in self.io:
             win.io.close()
@@ -268,27 +249,15 @@ class _Call:
     commit: int
 
 
-class TrtStaticEncoderCache:
+class TrtStaticEncoderCache(SlotBorrower[TrtEncoderSlot, HostEncoderCache]):
     """EncoderCache on a TrtEncoderSlot; moves to a HostEncoderCache over the dynamic
     engine when a call does not fit the fixed shapes."""
 
     def __init__(self, graphs: TrtStaticEncoder, slot: TrtEncoderSlot, dynamic: Session) -> None:
+        super().__init__(slot)
         self.spec = graphs.spec
         self._graphs = graphs
-        self._slot: TrtEncoderSlot | None = slot
         self._dynamic = dynamic
-        self._moved: HostEncoderCache | None = None
-        self._length = 0
-        self._closed = False
-
-    @property
-    def length(self) -> int:
-        return self._moved.length if self._moved is not None else self._length
-
-    @property
-    def on_graph(self) -> bool:
-        """True while the calls replay the fixed-shape engines."""
-        return self._slot is not None
 
     def _move(self) -> HostEncoderCache:
         """To the host caches over the dynamic engine: the committed rows read back."""

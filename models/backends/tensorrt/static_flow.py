@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -44,6 +43,8 @@ from cosyedge_models.backends.base import Session
 from cosyedge_models.backends.cuda import DeviceBuffer, ThreadCuda
 from cosyedge_models.backends.fixed_shapes import (
     AUTO_DEVICE_FRACTION,
+    SlotBorrower,
+    SlotPool,
     bucket,
     commit_copy,
     commit_index,
@@ -143,7 +144,7 @@ class TrtSlot:
         self.conv.close()
 
 
-class TrtStaticFlow:
+class TrtStaticFlow(SlotPool[TrtSlot]):
     """The fixed-shape estimator engines of one engine and their slot pool, run
     on `thread`. `__call__` is a Backend.flow_cache: a TrtStaticStepCache while
     slots last, else TrtStepCache over the dynamic engine. `warm_up()` makes
@@ -153,8 +154,7 @@ class TrtStaticFlow:
                  capture: bool = True) -> None:
         if not sessions:
             raise ValueError("no fixed-shape estimator engines")
-        if max_slots < 1:
-            raise ValueError(f"max_slots must be >= 1, got {max_slots}")
+        super().__init__(max_slots)
         self.thread = thread
         self.device_id = sessions[0].device_id
         self._sessions = list(sessions)
@@ -164,14 +164,7 @@ class TrtStaticFlow:
         self.row: tuple[int, ...] = ()
         self.conv: tuple[int, ...] = ()
         self.capture = capture  # False once a capture was refused: the rest enqueue plainly
-        self.max_slots = max_slots
         self.scratch: DeviceBuffer | None = None  # the contexts' shared activation memory, made at warm_up
-        self._slots: list[TrtSlot] = []
-        self._free: list[TrtSlot] = []
-        self._lock = threading.Lock()
-        self.replays = 0  # calls served here (tests, logs); counted on the graph thread
-        self.moves = 0  # step caches that moved to the dynamic engine (tests, logs)
-        self.disabled: str | None = None  # set when a run failed: every cache then uses the dynamic engine
 
     def bucket(self, frames: int) -> int | None:
         return bucket(self.windows, frames)
@@ -191,13 +184,12 @@ class TrtStaticFlow:
             self.scratch = DeviceBuffer(scratch_bytes(self._sessions))
             for win in self.io:  # defined inputs for the warm-up runs: zero masks, no valid cache rows
                 win.io.zero_host()
-            while len(self._slots) < self.max_slots:
-                slot = TrtSlot(len(self._slots), self, cuda)
-                self._slots.append(slot)  # freed by close() even if its warm-up fails
+            while self.slot_count < self.max_slots:
+                slot = TrtSlot(self.slot_count, self, cuda)
+                self.register(slot)  # freed by close() even if its warm-up fails (which disables the pool)
                 for run in slot.runs:
                     if not run.prepare(self.capture):
                         self.capture = False
-                self._free.insert(0, slot)  # slot 0 is handed out first
             cuda.synchronize()
         except SynthesisError as exc:
             self.disabled = str(exc)[:500]
@@ -206,16 +198,7 @@ class TrtStaticFlow:
     def acquire(self, spec: StepCacheSpec) -> TrtSlot | None:
         if self.disabled is not None or spec.dtype != np.float32 or spec.row != self.row or spec.conv != self.conv:
             return None  # the fixed-shape engines take fp32 caches of this model's shapes
-        with self._lock:
-            return self._free.pop() if self._free else None
-
-    def release(self, slot: TrtSlot) -> None:
-        with self._lock:
-            self._free.append(slot)
-
-    def note_move(self) -> None:
-        with self._lock:
-            self.moves += 1
+        return self.take_slot()
 
     def __call__(self, session: Session, spec: StepCacheSpec) -> StepCache:
         if not isinstance(session, TrtSession):
@@ -233,9 +216,7 @@ class TrtStaticFlow:
             self._close()
 
     def _close(self) -> None:
-        with self._lock:
-            slots, self._slots, self._free = self._slots, [], []
-        for slot in slots:
+        for slot in self.drop_slots():
             slot.close()
         for win in self.io:
             win.io.close()
@@ -267,27 +248,15 @@ class DevicePrefix:
             self.buffer.close()
 
 
-class TrtStaticStepCache:
+class TrtStaticStepCache(SlotBorrower[TrtSlot, TrtStepCache]):
     """StepCache on a TrtSlot; moves to a TrtStepCache over the dynamic engine
     when a call does not fit the fixed shapes."""
 
     def __init__(self, flow: TrtStaticFlow, slot: TrtSlot, dynamic: TrtSession, spec: StepCacheSpec) -> None:
+        super().__init__(slot)
         self.spec = spec
         self._flow = flow
-        self._slot: TrtSlot | None = slot
         self._dynamic = dynamic
-        self._moved: TrtStepCache | None = None
-        self._length = 0
-        self._closed = False
-
-    @property
-    def length(self) -> int:
-        return self._moved.length if self._moved is not None else self._length
-
-    @property
-    def on_graph(self) -> bool:
-        """True while the calls replay the fixed-shape engines."""
-        return self._slot is not None
 
     def _move(self) -> TrtStepCache:
         """To the dynamic engine: the visible rows and the conv history by device copy."""
