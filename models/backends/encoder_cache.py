@@ -7,15 +7,19 @@ fixed-shape graph in models/backends/ort_static_encoder.py."""
 
 from __future__ import annotations
 
+import abc
+import functools
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import numpy as np
 from cosyedge_models.backends.base import Session
+from cosyedge_models.backends.fixed_shapes import SlotBorrower, bucket, prefix_fits, stays_fixed
 from cosyedge_models.backends.flow_cache import HostKvBuffer, PrefixRows
-from cosyedge_models.errors import BundleError
+from cosyedge_models.backends.graph_thread import GraphThread, GraphThreadClosed
+from cosyedge_models.errors import BundleError, SynthesisError
 
 log = logging.getLogger(__name__)
 
@@ -189,3 +193,135 @@ EncoderCacheFactory = Callable[[Session, EncoderCacheSpec], EncoderCache]
 
 def host_encoder_cache(session: Session, spec: EncoderCacheSpec) -> EncoderCache:
     return HostEncoderCache(session, spec)
+
+
+@dataclass(frozen=True)
+class EncoderCall:
+    """One fixed-shape encoder call's host inputs, as the graph thread writes them."""
+
+    window: int  # index of the window size
+    tokens: np.ndarray
+    embedding: np.ndarray
+    lookahead: int
+    cached: int  # committed tokens before the window (where the committed rows go)
+    commit: int
+
+
+class _HasNbytes(Protocol):
+    def nbytes(self) -> int: ...
+
+
+SlotC = TypeVar("SlotC", contravariant=True)
+EncSlotT = TypeVar("EncSlotT", bound=_HasNbytes)
+
+
+class EncoderGraphs(Protocol[SlotC]):
+    """What a pooled encoder cache needs of its runtime (ort_static_encoder, tensorrt/static_encoder)."""
+
+    windows: list[int]
+    cache_tokens: int
+    disabled: str | None
+    thread: GraphThread
+
+    def release(self, slot: SlotC) -> None: ...
+
+    def note_move(self) -> None: ...
+
+
+class PooledEncoderCache(SlotBorrower[EncSlotT, HostEncoderCache], abc.ABC):
+    """EncoderCache on a fixed-shape runtime's slot: the control flow both runtimes share
+    (bucket, fit, replay on the graph thread, a move, once, to a HostEncoderCache over the
+    dynamic graph when a call does not fit or a replay is refused); the runtime does the
+    device work (`_replay` on the graph thread, `_read_back`, `_seed`, `_reset`)."""
+
+    def __init__(self, graphs: EncoderGraphs[EncSlotT], slot: EncSlotT, dynamic: Session,
+                 spec: EncoderCacheSpec) -> None:
+        super().__init__(slot)
+        self.spec = spec
+        self._pool = graphs
+        self._dynamic = dynamic
+
+    @abc.abstractmethod
+    def _replay(self, slot: EncSlotT, call: EncoderCall) -> tuple[np.ndarray, np.ndarray]:
+        """On the graph thread: inputs in, replay, committed rows into the slot; mu and spks."""
+
+    @abc.abstractmethod
+    def _read_back(self, slot: EncSlotT, tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The first `tokens` committed rows of both stacks and both conv histories, as host arrays."""
+
+    @abc.abstractmethod
+    def _seed(self, slot: EncSlotT, prefix: EncoderPrefix) -> None:
+        """A voice's prefix into the slot (rows by device copy from the voice's copy there)."""
+
+    @abc.abstractmethod
+    def _reset(self, slot: EncSlotT) -> None:
+        """Zero the conv histories for the next borrower (free K/V rows are masked)."""
+
+    def _move(self) -> HostEncoderCache:
+        slot = self._slot
+        assert slot is not None
+        moved = HostEncoderCache(self._dynamic, self.spec)
+        moved.adopt(*self._read_back(slot, self._length))
+        self._release()
+        self._moved = moved
+        self._pool.note_move()
+        log.debug("flow encoder cache: %d tokens moved to the dynamic graph", self._length)
+        return moved
+
+    def _release(self) -> None:
+        slot = self._slot
+        if slot is not None:
+            self._reset(slot)
+            self._pool.release(slot)
+            self._slot = None
+
+    def preload(self, prefix: EncoderPrefix) -> None:
+        """A voice's prefix seeded into the slot; one that leaves no room for a window goes
+        to the host caches."""
+        if self._length or self._moved is not None:
+            raise RuntimeError("preload() on an encoder cache that holds tokens")
+        slot = self._slot
+        if slot is None or not prefix_fits(prefix.tokens, self._pool.windows, self._pool.cache_tokens):
+            self._move().preload(prefix)
+            return
+        self._seed(slot, prefix)
+        self._length = prefix.tokens
+
+    def encode(self, tokens: np.ndarray, embedding: np.ndarray, lookahead: int,
+               commit: int) -> tuple[np.ndarray, np.ndarray]:
+        if self._closed:
+            raise RuntimeError("flow encoder cache used after close()")
+        pool = self._pool
+        w = bucket(pool.windows, tokens.shape[0])
+        if self._moved is None and not stays_fixed(w, self._length, commit, pool.cache_tokens,
+                                                   pool.disabled is not None):
+            self._move()
+        if self._moved is not None:
+            return self._moved.encode(tokens, embedding, lookahead, commit)
+        slot = self._slot
+        assert slot is not None and w is not None
+        call = EncoderCall(w, tokens, embedding, lookahead, self._length, commit)
+        try:
+            out = pool.thread.call(functools.partial(self._replay, slot, call))
+        except GraphThreadClosed:
+            raise
+        except SynthesisError as exc:  # e.g. a refused capture: say so once, then go dynamic
+            pool.disabled = str(exc)[:500]
+            log.warning("fixed-shape flow encoder graphs disabled, the dynamic graph takes over: %s", exc)
+            return self._move().encode(tokens, embedding, lookahead, commit)  # nothing was committed
+        self._length += commit
+        return out
+
+    def nbytes(self) -> int:
+        if self._moved is not None:
+            return self._moved.nbytes()
+        return 0 if self._slot is None else self._slot.nbytes()
+
+    def close(self) -> None:
+        self._release()
+        if self._moved is not None:
+            self._moved.close()
+            self._moved = None
+        self._length = 0
+        self._closed = True
+

@@ -22,17 +22,22 @@ the same code runs without capture (that is how it is tested)."""
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import onnxruntime as ort
 from cosyedge_models.backends.base import Session
-from cosyedge_models.backends.encoder_cache import EncoderCache, EncoderCacheSpec, EncoderPrefix, HostEncoderCache
-from cosyedge_models.backends.fixed_shapes import SlotBorrower, SlotPool, bucket, prefix_fits, stays_fixed
-from cosyedge_models.backends.graph_thread import CAPTURE_RUNS, GraphThread, GraphThreadClosed
+from cosyedge_models.backends.encoder_cache import (
+    EncoderCache,
+    EncoderCacheSpec,
+    EncoderCall,
+    EncoderPrefix,
+    HostEncoderCache,
+    PooledEncoderCache,
+)
+from cosyedge_models.backends.fixed_shapes import SlotPool
+from cosyedge_models.backends.graph_thread import CAPTURE_RUNS, GraphThread
 from cosyedge_models.backends.ort import OrtSession, fixed_shape_sessions
 from cosyedge_models.backends.ort_cache import DeviceCopier, prefix_on_device
 from cosyedge_models.bundle.loader import STATIC_ENCODER_PREFIX, Bundle
@@ -139,109 +144,36 @@ class StaticEncoderGraphs(SlotPool[EncoderSlot]):
         self.drop_slots()
 
 
-@dataclass(frozen=True)
-class _Call:
-    """One encoder call's host inputs, as the graph thread writes them."""
-
-    window: int  # index into StaticEncoderGraphs.io
-    tokens: np.ndarray
-    embedding: np.ndarray
-    lookahead: int
-    cached: int  # committed tokens before the window
-    commit: int
-
-
-class StaticEncoderCache(SlotBorrower[EncoderSlot, HostEncoderCache]):
+class StaticEncoderCache(PooledEncoderCache[EncoderSlot]):
     """EncoderCache on an EncoderSlot; moves to a HostEncoderCache over the dynamic graph
     when a call does not fit the fixed shapes."""
 
     def __init__(self, graphs: StaticEncoderGraphs, slot: EncoderSlot, dynamic: Session) -> None:
-        super().__init__(slot)
-        self.spec = graphs.spec
+        super().__init__(graphs, slot, dynamic, graphs.spec)
         self._graphs = graphs
-        self._dynamic = dynamic
 
-    def _move(self) -> HostEncoderCache:
-        """To the host caches over the dynamic graph: the committed rows read back."""
-        slot = self._slot
-        assert slot is not None
-        moved = HostEncoderCache(self._dynamic, self.spec)
+    def _replay(self, slot: EncoderSlot, call: EncoderCall) -> tuple[np.ndarray, np.ndarray]:
+        return _replay(self._graphs, slot, call)
+
+    def _read_back(self, slot: EncoderSlot, tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         r = self.spec.token_mel_ratio
-        moved.adopt(slot.enc.numpy()[: self._length].copy(), slot.up.numpy()[: r * self._length].copy(),
-                    slot.pre.numpy().copy(), slot.upconv.numpy().copy())
-        self._release()
-        self._moved = moved
-        self._graphs.note_move()
-        log.debug("flow encoder cache: %d tokens moved to the dynamic graph", self._length)
-        return moved
+        return (slot.enc.numpy()[:tokens].copy(), slot.up.numpy()[: r * tokens].copy(), slot.pre.numpy().copy(),
+                slot.upconv.numpy().copy())
 
-    def _release(self) -> None:
-        slot = self._slot
-        if slot is None:
-            return
-        # zero the conv histories for the next borrower (free K/V rows are masked by cached_len)
-        slot.pre.update_inplace(np.zeros(self.spec.pre_shape, np.float32))
-        slot.upconv.update_inplace(np.zeros(self.spec.upconv_shape, np.float32))
-        self._graphs.release(slot)
-        self._slot = None
-
-    def preload(self, prefix: EncoderPrefix) -> None:
-        """A voice's prefix seeded into the slot (rows by device copy from the voice's copy
-        on this device); one that leaves no room for a window goes to the host caches."""
-        if self._length or self._moved is not None:
-            raise RuntimeError("preload() on an encoder cache that holds tokens")
+    def _seed(self, slot: EncoderSlot, prefix: EncoderPrefix) -> None:
         graphs = self._graphs
-        slot = self._slot
-        if slot is None or not prefix_fits(prefix.tokens, graphs.windows, graphs.cache_tokens):
-            self._move().preload(prefix)
-            return
         for rows, dst in ((prefix.enc, slot.enc), (prefix.up, slot.up)):
             src = prefix_on_device(rows, graphs.device, np.float32)
             graphs.copier.copy(int(dst.data_ptr()), int(src.data_ptr()), rows.host.nbytes)
         slot.pre.update_inplace(np.ascontiguousarray(prefix.pre, np.float32))
         slot.upconv.update_inplace(np.ascontiguousarray(prefix.upconv, np.float32))
-        self._length = prefix.tokens
 
-    def encode(self, tokens: np.ndarray, embedding: np.ndarray, lookahead: int,
-               commit: int) -> tuple[np.ndarray, np.ndarray]:
-        if self._closed:
-            raise RuntimeError("flow encoder cache used after close()")
-        graphs = self._graphs
-        w = bucket(graphs.windows, tokens.shape[0])
-        if self._moved is None and not stays_fixed(w, self._length, commit, graphs.cache_tokens,
-                                                   graphs.disabled is not None):
-            self._move()
-        if self._moved is not None:
-            return self._moved.encode(tokens, embedding, lookahead, commit)
-        slot = self._slot
-        assert slot is not None and w is not None
-        call = _Call(w, tokens, embedding, lookahead, self._length, commit)
-        try:
-            out = graphs.thread.call(functools.partial(_replay, graphs, slot, call))
-        except GraphThreadClosed:
-            raise
-        except SynthesisError as exc:  # an op onnxruntime cannot capture: say so once, then go dynamic
-            graphs.disabled = str(exc)[:500]
-            log.warning("fixed-shape flow encoder graphs disabled, the dynamic graph takes over: %s", exc)
-            return self._move().encode(tokens, embedding, lookahead, commit)  # nothing was committed
-        self._length += commit
-        return out
-
-    def nbytes(self) -> int:
-        if self._moved is not None:
-            return self._moved.nbytes()
-        return 0 if self._slot is None else self._slot.nbytes()
-
-    def close(self) -> None:
-        self._release()
-        if self._moved is not None:
-            self._moved.close()
-            self._moved = None
-        self._length = 0
-        self._closed = True
+    def _reset(self, slot: EncoderSlot) -> None:
+        slot.pre.update_inplace(np.zeros(self.spec.pre_shape, np.float32))
+        slot.upconv.update_inplace(np.zeros(self.spec.upconv_shape, np.float32))
 
 
-def _replay(graphs: StaticEncoderGraphs, slot: EncoderSlot, call: _Call) -> tuple[np.ndarray, np.ndarray]:
+def _replay(graphs: StaticEncoderGraphs, slot: EncoderSlot, call: EncoderCall) -> tuple[np.ndarray, np.ndarray]:
     """One call on the graph thread: inputs in, replay, committed rows into the slot, mu and spks out."""
     io = graphs.io[call.window]
     n = call.tokens.shape[0]

@@ -38,22 +38,24 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 from cosyedge_models.backends.base import Session
 from cosyedge_models.backends.cuda import DeviceBuffer, ThreadCuda
-from cosyedge_models.backends.encoder_cache import EncoderCache, EncoderCacheSpec, EncoderPrefix, HostEncoderCache
+from cosyedge_models.backends.encoder_cache import (
+    EncoderCache,
+    EncoderCacheSpec,
+    EncoderCall,
+    EncoderPrefix,
+    HostEncoderCache,
+    PooledEncoderCache,
+)
 from cosyedge_models.backends.fixed_shapes import (
-    SlotBorrower,
     SlotPool,
-    bucket,
     commit_copy,
     fixed_shape_names,
     fixed_shapes_wanted,
-    prefix_fits,
-    stays_fixed,
 )
 from cosyedge_models.backends.graph_thread import GraphThread, GraphThreadClosed
 from cosyedge_models.backends.tensorrt.graph import (
@@ -237,68 +239,32 @@ class TrtStaticEncoder(SlotPool[TrtEncoderSlot]):
             self.scratch = None
 
 
-@dataclass(frozen=True)
-class _Call:
-    """One encoder call's host inputs, as the graph thread writes them."""
-
-    window: int  # index into TrtStaticEncoder.io
-    tokens: np.ndarray
-    embedding: np.ndarray
-    lookahead: int
-    cached: int  # committed tokens before the window (where the committed rows go)
-    commit: int
-
-
-class TrtStaticEncoderCache(SlotBorrower[TrtEncoderSlot, HostEncoderCache]):
+class TrtStaticEncoderCache(PooledEncoderCache[TrtEncoderSlot]):
     """EncoderCache on a TrtEncoderSlot; moves to a HostEncoderCache over the dynamic
     engine when a call does not fit the fixed shapes."""
 
     def __init__(self, graphs: TrtStaticEncoder, slot: TrtEncoderSlot, dynamic: Session) -> None:
-        super().__init__(slot)
-        self.spec = graphs.spec
+        super().__init__(graphs, slot, dynamic, graphs.spec)
         self._graphs = graphs
-        self._dynamic = dynamic
 
-    def _move(self) -> HostEncoderCache:
-        """To the host caches over the dynamic engine: the committed rows read back."""
-        slot = self._slot
-        assert slot is not None
-        spec, n = self.spec, self._length
-        enc = np.empty((n, *spec.enc_row), np.float32)
-        up = np.empty((spec.token_mel_ratio * n, *spec.up_row), np.float32)
+    def _replay(self, slot: TrtEncoderSlot, call: EncoderCall) -> tuple[np.ndarray, np.ndarray]:
+        return _replay(self._graphs, slot, call)
+
+    def _read_back(self, slot: TrtEncoderSlot, tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        spec = self.spec
+        enc = np.empty((tokens, *spec.enc_row), np.float32)
+        up = np.empty((spec.token_mel_ratio * tokens, *spec.up_row), np.float32)
         pre, upconv = np.empty(spec.pre_shape, np.float32), np.empty(spec.upconv_shape, np.float32)
         cuda = thread_cuda(self._graphs.device_id)
         for dst, name in ((enc, "enc_cache"), (up, "up_cache"), (pre, "pre_cache"), (upconv, "upconv_cache")):
             if dst.size:
                 cuda.dtoh(dst, slot.ptr(name))
         cuda.synchronize()
-        moved = HostEncoderCache(self._dynamic, spec)
-        moved.adopt(enc, up, pre, upconv)
-        self._release()
-        self._moved = moved
-        self._graphs.note_move()
-        log.debug("flow encoder cache: %d tokens moved to the dynamic engine", n)
-        return moved
+        return enc, up, pre, upconv
 
-    def _release(self) -> None:
-        slot = self._slot
-        if slot is None:
-            return
-        cuda = thread_cuda(self._graphs.device_id)
-        slot.zero_histories(cuda)
-        cuda.synchronize()
-        self._graphs.release(slot)
-        self._slot = None
-
-    def preload(self, prefix: EncoderPrefix) -> None:
-        """A voice's prefix into the slot: the rows by device copy from the voice's copy on
-        this GPU, the conv histories uploaded; one leaving no room for a window goes dynamic."""
-        if self._length or self._moved is not None:
-            raise RuntimeError("preload() on an encoder cache that holds tokens")
-        slot, graphs = self._slot, self._graphs
-        if slot is None or not prefix_fits(prefix.tokens, graphs.windows, graphs.cache_tokens):
-            self._move().preload(prefix)
-            return
+    def _seed(self, slot: TrtEncoderSlot, prefix: EncoderPrefix) -> None:
+        """The rows by device copy from the voice's copy on this GPU, the conv histories uploaded."""
+        graphs = self._graphs
         cuda = thread_cuda(graphs.device_id)
         for rows, name in ((prefix.enc, "enc_cache"), (prefix.up, "up_cache")):
             if rows.host.size:
@@ -308,48 +274,14 @@ class TrtStaticEncoderCache(SlotBorrower[TrtEncoderSlot, HostEncoderCache]):
         cuda.htod(slot.ptr("pre_cache"), np.ascontiguousarray(prefix.pre, dtype=np.float32))
         cuda.htod(slot.ptr("upconv_cache"), np.ascontiguousarray(prefix.upconv, dtype=np.float32))
         cuda.synchronize()
-        self._length = prefix.tokens
 
-    def encode(self, tokens: np.ndarray, embedding: np.ndarray, lookahead: int,
-               commit: int) -> tuple[np.ndarray, np.ndarray]:
-        if self._closed:
-            raise RuntimeError("flow encoder cache used after close()")
-        graphs = self._graphs
-        w = bucket(graphs.windows, tokens.shape[0])
-        if self._moved is None and not stays_fixed(w, self._length, commit, graphs.cache_tokens,
-                                                   graphs.disabled is not None):
-            self._move()
-        if self._moved is not None:
-            return self._moved.encode(tokens, embedding, lookahead, commit)
-        slot = self._slot
-        assert slot is not None and w is not None
-        call = _Call(w, tokens, embedding, lookahead, self._length, commit)
-        try:
-            out = graphs.thread.call(functools.partial(_replay, graphs, slot, call))
-        except GraphThreadClosed:
-            raise
-        except SynthesisError as exc:  # say so once, then go dynamic: nothing was committed
-            graphs.disabled = str(exc)[:500]
-            log.warning("fixed-shape flow encoder engines disabled, the dynamic engine takes over: %s", exc)
-            return self._move().encode(tokens, embedding, lookahead, commit)
-        self._length += commit
-        return out
-
-    def nbytes(self) -> int:
-        if self._moved is not None:
-            return self._moved.nbytes()
-        return 0 if self._slot is None else self._slot.nbytes()
-
-    def close(self) -> None:
-        self._release()
-        if self._moved is not None:
-            self._moved.close()
-            self._moved = None
-        self._length = 0
-        self._closed = True
+    def _reset(self, slot: TrtEncoderSlot) -> None:
+        cuda = thread_cuda(self._graphs.device_id)
+        slot.zero_histories(cuda)
+        cuda.synchronize()
 
 
-def _replay(graphs: TrtStaticEncoder, slot: TrtEncoderSlot, call: _Call) -> tuple[np.ndarray, np.ndarray]:
+def _replay(graphs: TrtStaticEncoder, slot: TrtEncoderSlot, call: EncoderCall) -> tuple[np.ndarray, np.ndarray]:
     """One call on the graph thread: inputs in, replay, committed rows into the slot, mu and spks out."""
     win = graphs.io[call.window]
     io = win.io
