@@ -30,6 +30,11 @@ Assumptions (also printed with every report):
   512 / 256 channels as upstream; HiFT decoder 48x its audio tensor), plus
   32 MiB of tactic scratch per execution context; fp32 4 bytes, fp16 2,
   int8 graphs 2.
+* Fixed-shape engines (estimator and encoder windows, vocoder lengths; loaded on
+  `trt` where built): each plan's size (its own copy of its stage's weights) and,
+  per family, the largest one's device memory once (one shared activation buffer).
+  Their request slots (K/V buffers) depend on `graph_flow_slots` and are listed in the
+  notes; not built, the families' ONNX weights are listed in the notes only.
 * 10% of usable memory is kept free (fragmentation, page cache, spikes).
 * Streaming requests also hold the flow estimator's caches on the host (K/V
   of every transformer block per Euler step and CFG row, fp32: about 219 MiB
@@ -48,6 +53,7 @@ from typing import Any
 from cosyedge_models.backends.kv_layout import decode_buckets
 from cosyedge_models.backends.profiles import all_input_ranges
 from cosyedge_models.backends.shared_weights import find_index, graph_shared_bytes
+from cosyedge_models.bundle.loader import FIXED_SHAPE_PREFIXES
 from cosyedge_models.errors import BundleError
 from cosyedge_models.synthesis.flow import CacheDims, cache_bytes_per_frame
 
@@ -292,6 +298,9 @@ def bundle_budget(root: Path, manifest: Mapping[str, Any], precision: str) -> Bu
                          "onnxruntime sessions map it once)")
         else:
             notes.append("llm_prefill and llm_decode each hold a copy of the LLM weights as separate engines")
+    fixed, fixed_notes = fixed_shape_budget(root, stages_meta, built)
+    out.extend(fixed)
+    notes.extend(fixed_notes)
     cache_bytes = 2 if precision == "fp16" else 4  # fp16 graphs take the K/V cache in fp16
     per_second = flow_stream_cache_bytes_per_second(manifest, cache_bytes)
     if per_second:
@@ -303,6 +312,32 @@ def bundle_budget(root: Path, manifest: Mapping[str, Any], precision: str) -> Bu
         notes.append(f"+{size * 1.3 / MIB:.0f} MiB on the CPU side while the speech tokenizer is loaded "
                      "(requests with prompt audio)")
     return BundleBudget(precision, out, cpu_side_bytes(root, manifest), notes)
+
+
+def fixed_shape_budget(root: Path, stages_meta: Mapping[str, Any],
+                       built: Mapping[str, Any]) -> tuple[list[StageBudget], list[str]]:
+    """The fixed-shape engines that `build engines` recorded (the `trt` backend loads
+    them): each plan's weights, and each family's largest device memory once (its runtime
+    shares one activation buffer among the contexts); a note per family not built."""
+    out: list[StageBudget] = []
+    notes: list[str] = []
+    for prefix in FIXED_SHAPE_PREFIXES:
+        names = sorted(n for n in stages_meta if n.startswith(prefix))
+        if not names:
+            continue
+        plans = [(n, built[n]) for n in names if isinstance(built.get(n), Mapping) and built[n].get("plan_bytes")]
+        if plans:
+            shared = max(int(p.get("device_memory_bytes") or 0) for _, p in plans)
+            for i, (name, plan) in enumerate(plans):
+                out.append(StageBudget(name, int(plan["plan_bytes"]), shared if i == 0 else 0, 0, 1, "plan",
+                                       "measured"))
+            notes.append(f"{prefix}*: {len(plans)} fixed-shape engines, each with its own copy of the weights; "
+                         "their request slots (K/V buffers) come on top, per graph_flow_slots")
+            continue
+        onnx = sum(_file_bytes(root, stages_meta[n].get("file")) or 0 for n in names)
+        notes.append(f"{prefix}*: {len(names)} fixed-shape graphs without engines ({onnx / MIB:.0f} MiB of ONNX; "
+                     "as TensorRT engines each window holds its own copy of the weights)")
+    return out, notes
 
 
 def cpu_side_bytes(root: Path, manifest: Mapping[str, Any]) -> int:

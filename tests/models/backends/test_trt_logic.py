@@ -49,7 +49,7 @@ from cosyedge_models.backends.profiles import (
     stage_profiles,
 )
 from cosyedge_models.backends.report import engine_report, tensorrt_status
-from cosyedge_models.bundle.loader import FORMAT_VERSION, STAGES, load_bundle
+from cosyedge_models.bundle.loader import FORMAT_VERSION, STAGES, STATIC_FLOW_PREFIX, STATIC_VOCODER_PREFIX, load_bundle
 from cosyedge_models.bundle.memory_budget import BOARDS, GIB, MIB, Board, bundle_budget, format_table
 from cosyedge_models.errors import BundleError, SynthesisError
 from onnx import TensorProto, helper, numpy_helper
@@ -436,6 +436,30 @@ def test_budget_prefers_measured_engine_values(tmp_path: Path) -> None:
     est = next(s for s in bundle_budget(tmp_path, manifest, "int8").stages if s.stage == "flow_estimator")
     assert (est.weights_bytes, est.activation_bytes) == (77 * MIB, 5 * MIB)
     assert (est.weights_source, est.activation_source) == ("plan", "measured")
+
+
+def test_budget_counts_the_fixed_shape_engines(tmp_path: Path) -> None:
+    """Built fixed-shape engines count their plans (a weight copy each) and each family's
+    largest device memory once (one shared activation buffer); unbuilt ones are a note."""
+    manifest = _full_size_manifest(tmp_path, SIZES)
+    for w in (64, 128):
+        (tmp_path / f"{STATIC_FLOW_PREFIX}{w}.onnx").write_bytes(b"x" * 1000)
+        manifest["stages"][f"{STATIC_FLOW_PREFIX}{w}"] = {"file": f"{STATIC_FLOW_PREFIX}{w}.onnx", "precision": "fp32"}
+    (tmp_path / f"{STATIC_VOCODER_PREFIX}50.onnx").write_bytes(b"x" * 3 * MIB)
+    manifest["stages"][f"{STATIC_VOCODER_PREFIX}50"] = {"file": f"{STATIC_VOCODER_PREFIX}50.onnx", "precision": "fp32"}
+    before = bundle_budget(tmp_path, manifest, "int8")
+    assert not any(s.stage.startswith(STATIC_FLOW_PREFIX) for s in before.stages)
+    unbuilt = f"{STATIC_VOCODER_PREFIX}*: 1 fixed-shape graphs without engines (3 MiB"
+    assert any(n.startswith(unbuilt) for n in before.notes)
+    manifest["engines"] = {"precision": "int8", "stages": {
+        f"{STATIC_FLOW_PREFIX}64": {"plan_bytes": 90 * MIB, "device_memory_bytes": 10 * MIB},
+        f"{STATIC_FLOW_PREFIX}128": {"plan_bytes": 90 * MIB, "device_memory_bytes": 25 * MIB}}}
+    after = bundle_budget(tmp_path, manifest, "int8")
+    fixed = [s for s in after.stages if s.stage.startswith(STATIC_FLOW_PREFIX)]
+    assert [s.weights_bytes for s in fixed] == [90 * MIB, 90 * MIB]
+    assert sum(s.activation_bytes for s in fixed) == 25 * MIB  # the largest, once
+    assert after.engines_bytes - before.engines_bytes == 180 * MIB + 25 * MIB
+    assert any("2 fixed-shape engines, each with its own copy of the weights" in n for n in after.notes)
 
 
 def test_engine_report_without_gpu(tmp_path: Path) -> None:
