@@ -195,6 +195,70 @@ def test_engine_uses_the_static_encoder_with_unchanged_audio(static_flow_bundle:
     np.testing.assert_allclose(outs[True], outs[False], rtol=0, atol=1e-4)
 
 
+def _concurrent_engine_streams(bundle_dir: Path, tmp_path: Path, backend: str, n: int) -> None:
+    """n saved-voice streams at once through one engine with the fixed-shape estimator and
+    encoder graphs (one graph thread, slots for all): each one's audio equals the same
+    request run alone, with the same calls on the fixed shapes."""
+    import threading
+
+    import soundfile as sf
+    from cosyedge_daemon.cli.voice import add_voice
+
+    from tests.models.synthesis.test_synthesizer import prompt_audio
+
+    bundle = tmp_path / "b"
+    shutil.copytree(bundle_dir, bundle)
+    prompt = prompt_audio(4.0, 22050)
+    sf.write(tmp_path / "v.wav", prompt.pcm, prompt.sample_rate)
+    add_voice(bundle, "v", tmp_path / "v.wav", "Hello, this is a saved voice speaking.")
+    texts = [f"Request number {i} says something a little longer each time." + " More." * i for i in range(n)]
+    reqs = [SynthesisRequest(text=t, mode="zero_shot", voice="v", seed=10 + i, stream=True)
+            for i, t in enumerate(texts)]
+    eng = load_synthesizer(bundle, backend, SynthesisSettings(backend=backend, graph_flow=True, graph_flow_slots=n))
+    try:
+        assert eng.static_encoder is not None and eng.static_encoder.max_slots == n
+        serial = [np.concatenate([c.pcm for c in eng.synthesize(r)]) for r in reqs]
+        replays, moves = eng.static_encoder.replays, eng.static_encoder.moves  # the tiny cache fills: some move
+        assert replays > 0
+        out: dict[int, np.ndarray] = {}
+        errors: list[BaseException] = []
+        start = threading.Barrier(n)
+
+        def one(i: int) -> None:
+            try:
+                start.wait()
+                out[i] = np.concatenate([c.pcm for c in eng.synthesize(reqs[i])])
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(600)
+        assert not errors, errors
+        enc = eng.static_encoder
+        assert enc.disabled is None
+        # the same calls as alone: as many on the fixed shapes, the same moves
+        assert enc.replays == 2 * replays and enc.moves == 2 * moves
+    finally:
+        eng.close()
+    for i in range(n):
+        assert out[i].shape == serial[i].shape
+        np.testing.assert_allclose(out[i], serial[i], rtol=0, atol=1e-5 if backend == "ort" else 1e-3)
+
+
+def test_concurrent_engine_streams_on_the_static_encoder(static_flow_bundle: Path, tmp_path: Path) -> None:
+    _concurrent_engine_streams(static_flow_bundle, tmp_path, "ort", 3)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_static_encoder_eight_concurrent_engine_streams(static_flow_bundle: Path, tmp_path: Path) -> None:
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("onnxruntime has no CUDAExecutionProvider here")
+    _concurrent_engine_streams(static_flow_bundle, tmp_path, "ort-cuda", 8)
+
+
 @pytest.mark.gpu
 def test_cuda_graph_static_encoder_matches_the_dynamic_graph(static_flow_bundle: Path) -> None:
     if "CUDAExecutionProvider" not in ort.get_available_providers():
