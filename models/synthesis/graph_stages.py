@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from cosyedge_models.backends.base import FixedSizeDecode, Session
 from cosyedge_models.backends.graph_thread import GraphThread
@@ -30,6 +31,8 @@ if TYPE_CHECKING:  # onnxruntime is imported only where a stage is on (the trt b
 
 log = logging.getLogger(__name__)
 
+StageT = TypeVar("StageT")
+
 
 class GraphStages:
     """Loads the graph stages an engine's settings and bundle ask for; the
@@ -46,6 +49,17 @@ class GraphStages:
         self.flow: StaticFlowGraphs | TrtStaticFlow | None = None
         self.encoder: StaticEncoderGraphs | TrtStaticEncoder | None = None
         self.vocoder: StaticVocoder | TrtStaticVocoder | None = None
+        # seconds each stage took to load, make its slots and capture its graphs (bench, logs):
+        # at full size on an H200 most of an engine's load (docs/gpu.md, fifth run)
+        self.load_seconds: dict[str, float] = {}
+
+    def _loaded(self, stage: str, t0: float, made: StageT) -> StageT:
+        """`made` (a loaded stage, or None), its load time noted and logged."""
+        if made is not None:
+            self.load_seconds[stage] = round(time.perf_counter() - t0, 2)
+            log.info("graph stage %s: loaded, slots made and graphs captured in %.1f s", stage,
+                     self.load_seconds[stage])
+        return made
 
     @property
     def thread(self) -> GraphThread | None:
@@ -63,6 +77,7 @@ class GraphStages:
     def fixed_size_decode(self, prefill: Session, decode: Session | None = None) -> FixedSizeDecode | None:
         """The LLM's fixed-size step over `prefill`, captured now, or None (the ordinary loop);
         with `decode` (the dynamic llm_decode) a request may start from a voice's saved LLM prefix."""
+        t0 = time.perf_counter()
         setting = self.settings.graph_decode
         has_step = "llm_decode_static" in self.bundle.stages
         if setting is True and not has_step:
@@ -83,11 +98,12 @@ class GraphStages:
         self.decode = GraphDecoder(prefill, step, pad, device, self._thread("decode"), self.settings.graph_decode_slots,
                                    decode if isinstance(decode, OrtSession) else None)
         self.decode.warm_up()  # captures now, before any request runs
-        return self.decode
+        return self._loaded("decode", t0, self.decode)
 
     def static_flow(self) -> StaticFlowGraphs | TrtStaticFlow | None:
         """The fixed-shape estimator graphs (onnxruntime) or engines (trt), captured now, or
         None (not with flow batching)."""
+        t0 = time.perf_counter()
         if self.settings.flow_batching is not None or not self.backend_name.startswith(("ort", "trt")):
             if self.settings.flow_batching is not None and self.backend_name == "ort-cuda":
                 # measured on an H200: 8 streams' first audio p95 17.2 s batched against 1.6 s on
@@ -101,17 +117,18 @@ class GraphStages:
 
             self.flow = load_trt_static_flow(self.bundle, self.backend_name, self._load, self.settings.graph_flow,
                                              self.settings.graph_flow_slots, functools.partial(self._thread, "flow"))
-            return self.flow
+            return self._loaded("flow", t0, self.flow)
         from cosyedge_models.backends.ort_static_flow import load_static_flow
 
         self.flow = load_static_flow(self.bundle, self.backend_name, self._load, self.settings.graph_flow,
                                      self.settings.graph_flow_slots, functools.partial(self._thread, "flow"))
-        return self.flow
+        return self._loaded("flow", t0, self.flow)
 
     def static_encoder(self, spec: EncoderCacheSpec) -> StaticEncoderGraphs | TrtStaticEncoder | None:
         """The fixed-shape streaming encoder graphs (onnxruntime) or engines (trt), captured now,
         with a slot for each request the estimator's serve, or None: they go with those (call
         static_flow first)."""
+        t0 = time.perf_counter()
         if self.flow is None or self.flow.disabled is not None or not self.backend_name.startswith(("ort", "trt")):
             return None
         slots = max(1, self.flow.max_slots // self.bundle.flow.n_timesteps)
@@ -121,16 +138,17 @@ class GraphStages:
             self.encoder = load_trt_static_encoder(self.bundle, self.backend_name, self._load,
                                                    self.settings.graph_flow, slots, spec,
                                                    functools.partial(self._thread, "flow"))
-            return self.encoder
+            return self._loaded("encoder", t0, self.encoder)
         from cosyedge_models.backends.ort_static_encoder import load_static_encoder
 
         self.encoder = load_static_encoder(self.bundle, self.backend_name, self._load, self.settings.graph_flow,
                                            slots, spec, functools.partial(self._thread, "flow"))
-        return self.encoder
+        return self._loaded("encoder", t0, self.encoder)
 
     def static_vocoder(self) -> StaticVocoder | TrtStaticVocoder | None:
         """The fixed-length vocoder graphs (onnxruntime) or engines (trt), captured now, or
         None (not with flow batching)."""
+        t0 = time.perf_counter()
         if self.settings.flow_batching is not None or not self.backend_name.startswith(("ort", "trt")):
             return None
         if self.backend_name == "trt":  # TensorRT's engines: no onnxruntime on this path
@@ -139,12 +157,12 @@ class GraphStages:
             self.vocoder = load_trt_static_vocoder(self.bundle, self.backend_name, self._load,
                                                    self.settings.graph_vocoder,
                                                    functools.partial(self._thread, "vocoder"))
-            return self.vocoder
+            return self._loaded("vocoder", t0, self.vocoder)
         from cosyedge_models.backends.ort_static_vocoder import load_static_vocoder
 
         self.vocoder = load_static_vocoder(self.bundle, self.backend_name, self._load, self.settings.graph_vocoder,
                                            functools.partial(self._thread, "vocoder"))
-        return self.vocoder
+        return self._loaded("vocoder", t0, self.vocoder)
 
     def close(self) -> None:
         """Drop the slots and stop the graph thread (the engine closes the sessions after this)."""

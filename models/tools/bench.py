@@ -298,7 +298,7 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
                         "flow_batching": None if flow_batching is None else vars(flow_batching),
                         "overlap_stages": engine.overlap,
                         "fixed_size_decode": engine.lm.fixed_size_decode is not None, "text": text,
-                        "load_ms": load_ms, "voice": voice,
+                        "load_ms": load_ms, "graph_load_s": engine.graphs.load_seconds, "voice": voice,
                         **concurrency_report(engine, text, concurrency, mode, voice)}
             print(json.dumps(report_c, indent=2))
             if args.json:
@@ -320,6 +320,7 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
             "fixed_size_decode": engine.lm.fixed_size_decode is not None,  # the CUDA-graph LLM step
             "static_flow": static_flow_report(engine),  # the fixed-shape (CUDA-graph) flow estimator
             "load_ms": load_ms,  # the engine's load, CUDA-graph captures included
+            "graph_load_s": engine.graphs.load_seconds,  # of which each CUDA-graph stage
             "text": text,
             "voice": voice,
             "audio_s": round(statistics.median(r["audio_s"] for r in offline), 3),

@@ -184,6 +184,8 @@ def test_engine_uses_the_static_encoder_with_unchanged_audio(static_flow_bundle:
         eng = load_synthesizer(bundle, "ort", SynthesisSettings(backend="ort", graph_flow=on, overlap_stages=False))
         try:
             assert (eng.static_encoder is not None) == on
+            # each graph stage's load (slots made, graphs run or captured) is timed for bench and the log
+            assert set(eng.graphs.load_seconds) == ({"flow", "encoder"} if on else set())
             for _ in range(2):  # the second request finds the voice's prefix built
                 outs[on] = np.concatenate([c.pcm for c in eng.synthesize(req)])
             if on:
