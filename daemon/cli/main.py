@@ -169,6 +169,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                    help="replay the bundle's fixed-shape flow estimator and encoder graphs as CUDA graphs (build "
                         "export --static-flow-windows; every slot captured at load on the engine's GPU graph thread); "
                         "default auto: on for ort-cuda with the slots that fit a quarter of the GPU's memory")
+    p.add_argument("--graph-encoder", action=argparse.BooleanOptionalAction, default=None,
+                   help="the streaming flow encoder's fixed-shape graphs too (default auto: with --graph-flow's); "
+                        "--no-graph-encoder keeps the encoder on its dynamic graph on each request's thread")
     p.add_argument("--graph-threads", choices=GRAPH_THREAD_MODES, default=GRAPH_THREAD_MODES[0],
                    help="the captured stages (LLM step, flow windows, vocoder) replay on one GPU graph thread "
                         "(default) or on a thread each, so that streams overlap on the GPU")

@@ -129,7 +129,8 @@ class GraphStages:
         with a slot for each request the estimator's serve, or None: they go with those (call
         static_flow first)."""
         t0 = time.perf_counter()
-        if self.flow is None or self.flow.disabled is not None or not self.backend_name.startswith(("ort", "trt")):
+        if (self.settings.graph_encoder is False or self.flow is None or self.flow.disabled is not None
+                or not self.backend_name.startswith(("ort", "trt"))):
             return None
         slots = max(1, self.flow.max_slots // self.bundle.flow.n_timesteps)
         if self.backend_name == "trt":  # TensorRT's engines: no onnxruntime on this path

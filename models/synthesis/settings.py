@@ -52,7 +52,7 @@ class SynthesisSettings:
     # Per-voice prompt caches (models/synthesis/voice_cache.py) for saved voices, in MiB
     # (host memory; about 4.4 MiB per prompt mel frame at full size in fp32); 0: off.
     voice_cache_mb: int = 2048
-    # The flow estimator's and streaming encoder's fixed-shape graphs replayed as CUDA graphs on ort-cuda (bundles
+    # The flow estimator's fixed-shape graphs replayed as CUDA graphs on ort-cuda (bundles
     # exported with --static-flow-windows; not with flow batching), all on the engine's GPU graph
     # thread: None auto (on for ort-cuda, with as many of graph_flow_slots as fit in a quarter of
     # the GPU's memory; off when none fits), True on (on the CPU without capture), False off.
@@ -62,6 +62,11 @@ class SynthesisSettings:
     # n_timesteps x cache_frames x K/V row bytes of device memory from load on (470 MB per
     # Euler step at full size with 1024 frames: 4.7 GB a request), and one encoder slot (29 MB).
     graph_flow_slots: int = 8
+    # The streaming flow encoder's fixed-shape graphs (exported with the estimator's), one slot a
+    # request, replayed on the same graph thread: None auto (with graph_flow's estimator graphs),
+    # False keeps the encoder on its dynamic graph on each request's own thread (it then does not
+    # queue behind other streams' replays; 8 ms slower per chunk on an H200, docs/gpu.md).
+    graph_encoder: bool | None = None
     # Sessions per vocoder graph, each kept on one input shape (models/backends/shape_pinned.py):
     # None auto (3 on ort-cuda, where a shape change costs ~150 ms a call; else 1).
     vocoder_sessions: int | None = None

@@ -260,6 +260,7 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
                               hop_scale=getattr(args, "hop_scale", 1.0),
                               # fixed-shape flow caches for every concurrent stream measured
                               graph_flow=getattr(args, "graph_flow", None),
+                              graph_encoder=getattr(args, "graph_encoder", None),
                               graph_threads=getattr(args, "graph_threads", "one"),
                               graph_flow_slots=max(4, min(8, max(concurrency, default=1))))
     if cache_mb is not None:

@@ -144,6 +144,18 @@ def test_caches_and_windows_that_do_not_fit_move_exactly(static_flow_bundle: Pat
     assert graphs.moves == 1 and graphs.replays == 0  # the first window (105 tokens) is over the largest
 
 
+def test_graph_encoder_off_keeps_the_dynamic_encoder(static_flow_bundle: Path) -> None:
+    eng = load_synthesizer(static_flow_bundle, "ort", SynthesisSettings(backend="ort", graph_flow=True,
+                                                                        graph_encoder=False, overlap_stages=False))
+    try:
+        assert eng.static_flow is not None and eng.static_encoder is None
+        assert set(eng.graphs.load_seconds) == {"flow"}
+        list(eng.synthesize(SynthesisRequest(text="Only the estimator's graphs.", seed=1, stream=True)))
+        assert eng.static_flow.replays > 0
+    finally:
+        eng.close()
+
+
 def test_requests_beyond_the_slots_use_host_caches(static_flow_bundle: Path) -> None:
     sessions, bundle = _sessions(static_flow_bundle, "cpu")
     statics = [s for n, s in sessions.items() if n.startswith(STATIC_ENCODER_PREFIX)]
