@@ -18,8 +18,7 @@ import numpy as np
 from cosyedge_models.backends.base import Session
 from cosyedge_models.backends.fixed_shapes import SlotBorrower, bucket, prefix_fits, stays_fixed
 from cosyedge_models.backends.flow_cache import HostKvBuffer, PrefixRows
-from cosyedge_models.backends.graph_thread import GraphThread, GraphThreadClosed
-from cosyedge_models.errors import BundleError, SynthesisError
+from cosyedge_models.errors import BundleError
 
 log = logging.getLogger(__name__)
 
@@ -212,6 +211,7 @@ class _HasNbytes(Protocol):
 
 
 SlotC = TypeVar("SlotC", contravariant=True)
+EncoderOut = tuple[np.ndarray, np.ndarray]  # mu, spks
 EncSlotT = TypeVar("EncSlotT", bound=_HasNbytes)
 
 
@@ -221,11 +221,12 @@ class EncoderGraphs(Protocol[SlotC]):
     windows: list[int]
     cache_tokens: int
     disabled: str | None
-    thread: GraphThread
 
     def release(self, slot: SlotC) -> None: ...
 
     def note_move(self) -> None: ...
+
+    def replay(self, work: Callable[[], EncoderOut], what: str) -> EncoderOut | None: ...
 
 
 class PooledEncoderCache(SlotBorrower[EncSlotT, HostEncoderCache], abc.ABC):
@@ -301,13 +302,8 @@ class PooledEncoderCache(SlotBorrower[EncSlotT, HostEncoderCache], abc.ABC):
         slot = self._slot
         assert slot is not None and w is not None
         call = EncoderCall(w, tokens, embedding, lookahead, self._length, commit)
-        try:
-            out = pool.thread.call(functools.partial(self._replay, slot, call))
-        except GraphThreadClosed:
-            raise
-        except SynthesisError as exc:  # e.g. a refused capture: say so once, then go dynamic
-            pool.disabled = str(exc)[:500]
-            log.warning("fixed-shape flow encoder graphs disabled, the dynamic graph takes over: %s", exc)
+        out = pool.replay(functools.partial(self._replay, slot, call), "fixed-shape flow encoder graphs")
+        if out is None:
             return self._move().encode(tokens, embedding, lookahead, commit)  # nothing was committed
         self._length += commit
         return out

@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 from cosyedge_models.backends.flow_cache import trim_due
-from cosyedge_models.errors import BundleError
+from cosyedge_models.backends.graph_thread import GraphThread, GraphThreadClosed
+from cosyedge_models.errors import BundleError, SynthesisError
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +161,7 @@ def vocoder_length(cache_lens: Mapping[int, int], mel_shape: Sequence[int], cach
 
 
 SlotT = TypeVar("SlotT")
+ResultT = TypeVar("ResultT")
 
 
 class SlotPool(Generic[SlotT]):
@@ -168,9 +170,10 @@ class SlotPool(Generic[SlotT]):
     given back at close; and its counters. Thread-safe: request threads borrow, the graph
     thread counts replays."""
 
-    def __init__(self, max_slots: int) -> None:
+    def __init__(self, max_slots: int, thread: GraphThread) -> None:
         if max_slots < 1:
             raise ValueError(f"max_slots must be >= 1, got {max_slots}")
+        self.thread = thread  # where every capture and replay runs
         self.max_slots = max_slots
         self._slots: list[SlotT] = []
         self._free: list[SlotT] = []
@@ -206,6 +209,19 @@ class SlotPool(Generic[SlotT]):
     def note_move(self) -> None:
         with self._lock:
             self.moves += 1
+
+    def replay(self, work: Callable[[], ResultT], what: str) -> ResultT | None:
+        """`work` (a call's replay) on the graph thread; None when it raised a SynthesisError
+        (e.g. a capture the runtime refuses): the pool is then disabled, once and logged, and
+        the caller goes on on the dynamic path (nothing was committed)."""
+        try:
+            return self.thread.call(work)
+        except GraphThreadClosed:
+            raise
+        except SynthesisError as exc:
+            self.disabled = str(exc)[:500]
+            log.warning("%s disabled, the dynamic path takes over: %s", what, exc)
+            return None
 
     def drop_slots(self) -> list[SlotT]:
         """Every slot, forgotten (the runtime frees what they hold)."""

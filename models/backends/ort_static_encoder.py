@@ -105,11 +105,10 @@ class StaticEncoderGraphs(SlotPool[EncoderSlot]):
                  spec: EncoderCacheSpec, max_slots: int, thread: GraphThread) -> None:
         if not sessions:
             raise ValueError("no fixed-shape encoder graphs")
-        super().__init__(max_slots)
+        super().__init__(max_slots, thread)
         self.device = device
         self.copier = copier
         self.spec = spec
-        self.thread = thread
         self.io = sorted((_WindowIO(s, device) for s in sessions), key=lambda io: io.window)
         self.windows = [io.window for io in self.io]
         self.cache_tokens = int(sessions[0].input_shapes["enc_cache"][0])

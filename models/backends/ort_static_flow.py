@@ -53,7 +53,7 @@ from cosyedge_models.backends.fixed_shapes import (
     visible_first,
 )
 from cosyedge_models.backends.flow_cache import PrefixRows, StepCache, StepCacheSpec
-from cosyedge_models.backends.graph_thread import CAPTURE_RUNS, GraphThread, GraphThreadClosed
+from cosyedge_models.backends.graph_thread import CAPTURE_RUNS, GraphThread
 from cosyedge_models.backends.ort import OrtSession, fixed_shape_sessions
 from cosyedge_models.backends.ort_cache import BoundStepCache, DeviceCopier, prefix_on_device
 from cosyedge_models.bundle.loader import STATIC_FLOW_PREFIX, Bundle
@@ -125,10 +125,9 @@ class StaticFlowGraphs(SlotPool[StaticSlot]):
                  max_slots: int, thread: GraphThread) -> None:
         if not sessions:
             raise ValueError("no fixed-shape estimator graphs")
-        super().__init__(max_slots)
+        super().__init__(max_slots, thread)
         self.device = device
         self.copier = copier
-        self.thread = thread
         self.io = sorted((_WindowIO(s, device) for s in sessions), key=lambda io: io.window)
         self.windows = [io.window for io in self.io]
         att = tuple(int(d) for d in sessions[0].input_shapes["att_cache"])
@@ -255,13 +254,8 @@ class StaticStepCache(SlotBorrower[StaticSlot, BoundStepCache]):
         assert slot is not None and w is not None
         graphs = self._graphs
         call = _Call(w, feeds, valid_mask(graphs.cache_frames, self._first(), self._length), commit, self._length)
-        try:
-            out = graphs.thread.call(functools.partial(_replay, graphs, slot, self.spec, call))
-        except GraphThreadClosed:
-            raise
-        except SynthesisError as exc:  # e.g. an op onnxruntime cannot capture: say so once, then go dynamic
-            graphs.disabled = str(exc)[:500]
-            log.warning("fixed-shape flow graphs disabled, the dynamic estimator takes over: %s", exc)
+        out = graphs.replay(functools.partial(_replay, graphs, slot, self.spec, call), "fixed-shape flow graphs")
+        if out is None:
             return self._move().run(feeds, commit)  # nothing was committed: the same call there
         self._length += commit
         return out

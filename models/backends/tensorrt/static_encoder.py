@@ -165,9 +165,8 @@ class TrtStaticEncoder(SlotPool[TrtEncoderSlot]):
                  capture: bool = True) -> None:
         if not sessions:
             raise ValueError("no fixed-shape encoder engines")
-        super().__init__(max_slots)
+        super().__init__(max_slots, thread)
         self.spec = spec
-        self.thread = thread
         self.device_id = sessions[0].device_id
         self._sessions = list(sessions)
         self.io: list[_Window] = []

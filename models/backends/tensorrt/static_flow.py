@@ -154,8 +154,7 @@ class TrtStaticFlow(SlotPool[TrtSlot]):
                  capture: bool = True) -> None:
         if not sessions:
             raise ValueError("no fixed-shape estimator engines")
-        super().__init__(max_slots)
-        self.thread = thread
+        super().__init__(max_slots, thread)
         self.device_id = sessions[0].device_id
         self._sessions = list(sessions)
         self.io: list[_Window] = []
@@ -302,14 +301,9 @@ class TrtStaticStepCache(SlotBorrower[TrtSlot, TrtStepCache]):
         assert slot is not None and w is not None
         valid = valid_mask(flow.cache_frames, visible_first(self._length, self.spec.visible), self._length)
         call = _Call(w, feeds, valid, commit, self._length)
-        try:
-            out = flow.thread.call(functools.partial(_replay, flow, slot, call))
-        except GraphThreadClosed:
-            raise
-        except SynthesisError as exc:  # say so once, then go dynamic: nothing was committed
-            flow.disabled = str(exc)[:500]
-            log.warning("fixed-shape flow engines disabled, the dynamic engine takes over: %s", exc)
-            return self._move().run(feeds, commit)
+        out = flow.replay(functools.partial(_replay, flow, slot, call), "fixed-shape flow engines")
+        if out is None:
+            return self._move().run(feeds, commit)  # nothing was committed: the same call there
         self._length += commit
         return out
 
