@@ -14,43 +14,19 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from cosyedge_models.backends.base import Session
 from cosyedge_models.backends.encoder_cache import EncoderCache, EncoderCacheSpec, HostEncoderCache
-from cosyedge_models.backends.factory import create_backend
 from cosyedge_models.backends.graph_thread import GraphThread
-from cosyedge_models.backends.ort import OrtBackend, OrtSession
 from cosyedge_models.backends.ort_cache import DeviceCopier
 from cosyedge_models.backends.ort_static_encoder import StaticEncoderCache, StaticEncoderGraphs
 from cosyedge_models.bundle.loader import STATIC_ENCODER_PREFIX, Bundle, load_bundle
 from cosyedge_models.synthesis.api import SynthesisRequest
 from cosyedge_models.synthesis.flow import FlowDecoder, FlowPrompt
 from cosyedge_models.synthesis.settings import SynthesisSettings
-from cosyedge_models.synthesis.streaming import ChunkSchedule
 from cosyedge_models.synthesis.synthesizer import load_synthesizer
 from cosyedge_models.synthesis.voice_cache import build_flow_prefix
 
 from tests.conftest import STATIC_FLOW_CACHE, STATIC_FLOW_WINDOWS
-
-
-class Recording:
-    """The factory, keeping what it made (to look at after the stream closed them)."""
-
-    def __init__(self, inner: StaticEncoderGraphs) -> None:
-        self.inner = inner
-        self.made: list[EncoderCache] = []
-
-    def __call__(self, session: Session, spec: EncoderCacheSpec) -> EncoderCache:
-        cache = self.inner(session, spec)
-        self.made.append(cache)
-        return cache
-
-
-def _sessions(bundle_dir: Path, device: str) -> tuple[dict[str, OrtSession], Bundle]:
-    bundle = load_bundle(bundle_dir)
-    backend = create_backend("ort" if device == "cpu" else "ort-cuda")
-    assert isinstance(backend, OrtBackend)
-    names = ["flow_encoder", "flow_estimator", *[n for n in bundle.stages if n.startswith(STATIC_ENCODER_PREFIX)]]
-    return {n: backend.load(n, bundle.stages[n].path, threads=1) for n in names}, bundle
+from tests.models.flow_streams import Recording, flow_sessions, stream_mel
 
 
 def _prompt(bundle: Bundle, tokens: int = 12) -> FlowPrompt:
@@ -59,23 +35,10 @@ def _prompt(bundle: Bundle, tokens: int = 12) -> FlowPrompt:
                       embedding=np.random.default_rng(2).standard_normal(192).astype(np.float32))
 
 
-def _stream(decoder: FlowDecoder, prompt: FlowPrompt, toks: np.ndarray, prime: bool = False,
-            hop: int = 25) -> np.ndarray:
-    look = decoder.config.pre_lookahead_len
-    schedule = ChunkSchedule(hop, look, prompt_tokens=len(prompt.tokens))
-    prefix = build_flow_prefix(decoder, prompt) if prime else None
-    mels = []
-    with decoder.stream(prompt, "cached", prefix=prefix) as stream:
-        while (chunk := schedule.next_chunk(len(toks))) is not None:
-            mels.append(stream.push(toks[: chunk.end + look]))
-        mels.append(stream.finish(toks))
-    return np.concatenate(mels, axis=2)
-
-
 def _compare(bundle_dir: Path, device: str, n_tokens: int, slots: int = 2, prompt_tokens: int = 12,
              prime: bool = False, hop: int = 25) -> tuple[StaticEncoderGraphs, list[EncoderCache]]:
     """A stream with the static encoder against one with the host caches (the dynamic graph)."""
-    sessions, bundle = _sessions(bundle_dir, device)
+    sessions, bundle = flow_sessions(bundle_dir, device, STATIC_ENCODER_PREFIX)
     statics = [s for n, s in sessions.items() if n.startswith(STATIC_ENCODER_PREFIX)]
     enc, est = sessions["flow_encoder"], sessions["flow_estimator"]
     prompt = _prompt(bundle, prompt_tokens)
@@ -87,9 +50,11 @@ def _compare(bundle_dir: Path, device: str, n_tokens: int, slots: int = 2, promp
                                          thread)
             graphs.warm_up()
             assert graphs.capture == (device == "cuda") and graphs.disabled is None
-            dynamic = _stream(host, prompt, toks, prime, hop)
-            rec = Recording(graphs)
-            static = _stream(FlowDecoder(bundle, enc, est, encoder_cache_factory=rec), prompt, toks, prime, hop)
+            prefix = build_flow_prefix(host, prompt) if prime else None
+            dynamic = stream_mel(host, prompt, toks, prefix=prefix, hop=hop)
+            rec: Recording[EncoderCache] = Recording(graphs)
+            static = stream_mel(FlowDecoder(bundle, enc, est, encoder_cache_factory=rec), prompt, toks, prefix=prefix,
+                                hop=hop)
     finally:
         for s in sessions.values():
             s.close()
@@ -157,7 +122,7 @@ def test_graph_encoder_off_keeps_the_dynamic_encoder(static_flow_bundle: Path) -
 
 
 def test_requests_beyond_the_slots_use_host_caches(static_flow_bundle: Path) -> None:
-    sessions, bundle = _sessions(static_flow_bundle, "cpu")
+    sessions, bundle = flow_sessions(static_flow_bundle, "cpu", STATIC_ENCODER_PREFIX)
     statics = [s for n, s in sessions.items() if n.startswith(STATIC_ENCODER_PREFIX)]
     spec = FlowDecoder(bundle, sessions["flow_encoder"], sessions["flow_estimator"]).encoder_spec
     with GraphThread() as thread:

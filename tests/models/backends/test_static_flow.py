@@ -17,11 +17,9 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from cosyedge_models.backends.base import Session
-from cosyedge_models.backends.factory import create_backend
-from cosyedge_models.backends.flow_cache import StepCache, StepCacheSpec
+from cosyedge_models.backends.flow_cache import StepCache
 from cosyedge_models.backends.graph_thread import GraphThread
-from cosyedge_models.backends.ort import OrtBackend, OrtSession
+from cosyedge_models.backends.ort import OrtSession
 from cosyedge_models.backends.ort_cache import BoundCacheFactory, BoundStepCache, DeviceCopier
 from cosyedge_models.backends.ort_static_flow import (
     StaticFlowGraphs,
@@ -34,50 +32,20 @@ from cosyedge_models.errors import BundleError
 from cosyedge_models.synthesis.api import SynthesisRequest
 from cosyedge_models.synthesis.flow import FlowDecoder, FlowPrompt
 from cosyedge_models.synthesis.settings import SynthesisSettings
-from cosyedge_models.synthesis.streaming import ChunkSchedule
 from cosyedge_models.synthesis.synthesizer import load_synthesizer
 
 from tests.conftest import STATIC_FLOW_CACHE, STATIC_FLOW_WINDOWS
+from tests.models.flow_streams import Recording, flow_sessions, stream_mel
 
 WINDOWS = STATIC_FLOW_WINDOWS
 CACHE_FRAMES = STATIC_FLOW_CACHE
-
-
-class Recording:
-    def __init__(self, inner: StaticFlowGraphs | BoundCacheFactory) -> None:
-        self.inner = inner
-        self.made: list[StepCache] = []
-
-    def __call__(self, session: Session, spec: StepCacheSpec) -> StepCache:
-        cache = self.inner(session, spec)
-        self.made.append(cache)
-        return cache
-
-
-def _sessions(bundle_dir: Path, device: str) -> tuple[dict[str, OrtSession], Bundle]:
-    bundle = load_bundle(bundle_dir)
-    backend = create_backend("ort" if device == "cpu" else "ort-cuda")
-    assert isinstance(backend, OrtBackend)
-    names = ["flow_encoder", "flow_estimator", *[n for n in bundle.stages if n.startswith(STATIC_FLOW_PREFIX)]]
-    return {n: backend.load(n, bundle.stages[n].path, threads=1) for n in names}, bundle
-
-
-def _stream(decoder: FlowDecoder, prompt: FlowPrompt, toks: np.ndarray, left: int = -1) -> np.ndarray:
-    look = decoder.config.pre_lookahead_len
-    schedule = ChunkSchedule(25, look, prompt_tokens=len(prompt.tokens))
-    mels = []
-    with decoder.stream(prompt, "cached", left) as stream:
-        while (chunk := schedule.next_chunk(len(toks))) is not None:
-            mels.append(stream.push(toks[: chunk.end + look]))
-        mels.append(stream.finish(toks))
-    return np.concatenate(mels, axis=2)
 
 
 def _compare(bundle_dir: Path, device: str, n_tokens: int, left: int = -1, slots: int = 10,
              warmed: Callable[[GraphThread], None] | None = None) -> list[StepCache]:
     """A stream over the static graphs against one over the dynamic graph;
     `warmed(thread)` is called once the graphs are warmed up (captured)."""
-    sessions, bundle = _sessions(bundle_dir, device)
+    sessions, bundle = flow_sessions(bundle_dir, device, STATIC_FLOW_PREFIX)
     statics = [s for n, s in sessions.items() if n.startswith(STATIC_FLOW_PREFIX)]
     with GraphThread() as thread:
         made = _compare_on(thread, bundle, sessions, statics, device, n_tokens, left, slots, warmed)
@@ -99,9 +67,9 @@ def _compare_on(thread: GraphThread, bundle: Bundle, sessions: dict[str, OrtSess
                         embedding=np.random.default_rng(2).standard_normal(192).astype(np.float32))
     toks = np.random.default_rng(3).integers(0, bundle.llm.speech_token_size, n_tokens)
     enc, est = sessions["flow_encoder"], sessions["flow_estimator"]
-    dynamic = _stream(FlowDecoder(bundle, enc, est, BoundCacheFactory(device)), prompt, toks, left)
+    dynamic = stream_mel(FlowDecoder(bundle, enc, est, BoundCacheFactory(device)), prompt, toks, left)
     rec = Recording(graphs)
-    static = _stream(FlowDecoder(bundle, enc, est, rec), prompt, toks, left)
+    static = stream_mel(FlowDecoder(bundle, enc, est, rec), prompt, toks, left)
     assert static.shape == dynamic.shape == (1, bundle.mel_bins, 2 * n_tokens)
     # On the CPU both graphs agree within 1e-5: that is where parity is proven. On the H200 they
     # differed by up to 3.0e-3 on values of about 1 (2026-12-01): other kernels for other shapes,
@@ -152,7 +120,7 @@ def test_bounded_left_context_on_the_static_graphs(static_flow_bundle: Path) -> 
 
 
 def test_requests_beyond_the_slots_use_the_dynamic_graph(static_flow_bundle: Path) -> None:
-    sessions, bundle = _sessions(static_flow_bundle, "cpu")
+    sessions, bundle = flow_sessions(static_flow_bundle, "cpu", STATIC_FLOW_PREFIX)
     statics = [s for n, s in sessions.items() if n.startswith(STATIC_FLOW_PREFIX)]
     thread = GraphThread().start()
     graphs = StaticFlowGraphs(statics, ("cpu", 0), DeviceCopier("cpu"), max_slots=2, thread=thread)
@@ -202,7 +170,7 @@ def test_auto_is_off_on_the_cpu_and_counts_the_bundles_caches(static_flow_bundle
         assert eng.static_flow is None  # auto (None) is for ort-cuda only
     finally:
         eng.close()
-    sessions, bundle = _sessions(static_flow_bundle, "cpu")
+    sessions, bundle = flow_sessions(static_flow_bundle, "cpu", STATIC_FLOW_PREFIX)
     statics = [s for n, s in sessions.items() if n.startswith(STATIC_FLOW_PREFIX)]
     att, conv = statics[0].input_shapes["att_cache"], statics[0].input_shapes["conv_cache"]
     assert att[0] == CACHE_FRAMES
@@ -269,7 +237,7 @@ def test_a_failed_replay_hands_over_to_the_dynamic_graph(static_flow_bundle: Pat
 def _concurrent_streams(bundle_dir: Path, device: str, n: int = 8) -> None:
     """n threads stream at once through one pool of fixed-shape graphs (captured
     at load on the graph thread): each mel equals the same stream run alone."""
-    sessions, bundle = _sessions(bundle_dir, device)
+    sessions, bundle = flow_sessions(bundle_dir, device, STATIC_FLOW_PREFIX)
     statics = [s for name, s in sessions.items() if name.startswith(STATIC_FLOW_PREFIX)]
     prompt = FlowPrompt(tokens=np.arange(12, dtype=np.int64) % 50,
                         feat=np.random.default_rng(1).standard_normal((24, bundle.mel_bins)).astype(np.float32),
@@ -283,7 +251,7 @@ def _concurrent_streams(bundle_dir: Path, device: str, n: int = 8) -> None:
             assert graphs.disabled is None, graphs.disabled
             rec = Recording(graphs)
             decoder = FlowDecoder(bundle, sessions["flow_encoder"], sessions["flow_estimator"], rec)
-            serial = [_stream(decoder, prompt, t) for t in tokens]
+            serial = [stream_mel(decoder, prompt, t) for t in tokens]
             replays = graphs.replays
             concurrent: dict[int, np.ndarray] = {}
             errors: list[BaseException] = []
@@ -292,7 +260,7 @@ def _concurrent_streams(bundle_dir: Path, device: str, n: int = 8) -> None:
             def one(i: int) -> None:
                 try:
                     start.wait()
-                    concurrent[i] = _stream(decoder, prompt, tokens[i])
+                    concurrent[i] = stream_mel(decoder, prompt, tokens[i])
                 except BaseException as exc:  # reported below
                     errors.append(exc)
 

@@ -32,11 +32,11 @@ from cosyedge_models.bundle.loader import (
 from cosyedge_models.synthesis.api import SynthesisRequest
 from cosyedge_models.synthesis.flow import FlowDecoder, FlowPrompt
 from cosyedge_models.synthesis.settings import SynthesisSettings
-from cosyedge_models.synthesis.streaming import ChunkSchedule
 from cosyedge_models.synthesis.vocoder import HiftVocoder
-from cosyedge_models.synthesis.voice_cache import FlowPrefix, build_flow_prefix
+from cosyedge_models.synthesis.voice_cache import build_flow_prefix
 
 from tests.conftest import STATIC_FLOW_CACHE
+from tests.models.flow_streams import stream_mel
 
 pytestmark = pytest.mark.gpu
 TOL = 2e-2  # relative, as test_trt_backend.py's stage checks (TF32 / other tactics per shape)
@@ -65,18 +65,6 @@ def test_fixed_shape_engines_are_built_recorded_and_loaded(trt_graph_bundle: Pat
         assert all(lo == opt == hi for lo, opt, hi in profile.values())
     bundle = load_bundle(trt_graph_bundle, backend="trt")
     assert all(bundle.stages[n].path.suffix == ".plan" for n in fixed)
-
-
-def _stream(decoder: FlowDecoder, prompt: FlowPrompt, toks: np.ndarray, left: int = -1,
-            prefix: FlowPrefix | None = None, hop: int = 25) -> np.ndarray:
-    look = decoder.config.pre_lookahead_len
-    schedule = ChunkSchedule(hop, look, prompt_tokens=len(prompt.tokens))
-    mels = []
-    with decoder.stream(prompt, "cached", left, prefix=prefix) as s:
-        while (chunk := schedule.next_chunk(len(toks))) is not None:
-            mels.append(s.push(toks[: chunk.end + look]))
-        mels.append(s.finish(toks))
-    return np.concatenate(mels, axis=2)
 
 
 def _prompt(bundle: Bundle, tokens: int = 12) -> FlowPrompt:
@@ -114,10 +102,10 @@ def test_static_flow_engines_match_the_dynamic_engine_and_onnxruntime(trt_graph_
     assert all(isinstance(s, TrtSession) for s in statics)
     prompt = _prompt(bundle)
     toks = np.random.default_rng(3).integers(0, bundle.llm.speech_token_size, n_tokens)
-    dynamic = _stream(FlowDecoder(bundle, enc, est, trt.flow_cache), prompt, toks, left)
+    dynamic = stream_mel(FlowDecoder(bundle, enc, est, trt.flow_cache), prompt, toks, left)
     ort_bundle = load_bundle(trt_graph_bundle)
     ort = create_backend("ort")
-    reference = _stream(FlowDecoder(ort_bundle, ort.load("flow_encoder", ort_bundle.stages["flow_encoder"].path),
+    reference = stream_mel(FlowDecoder(ort_bundle, ort.load("flow_encoder", ort_bundle.stages["flow_encoder"].path),
                                     ort.load("flow_estimator", ort_bundle.stages["flow_estimator"].path),
                                     ort.flow_cache), prompt, toks, left)
     with GraphThread() as thread:
@@ -134,7 +122,7 @@ def test_static_flow_engines_match_the_dynamic_engine_and_onnxruntime(trt_graph_
 
         for _ in range(2):  # the second stream reuses the slots (and their captured graphs)
             made.clear()
-            static = _stream(FlowDecoder(bundle, enc, est, factory), prompt, toks, left)
+            static = stream_mel(FlowDecoder(bundle, enc, est, factory), prompt, toks, left)
             _close_to(static, dynamic, "static vs dynamic TensorRT")
             _close_to(static, reference, "static TensorRT vs onnxruntime")
             assert made and all(isinstance(c, TrtStaticStepCache) for c in made)
@@ -216,7 +204,7 @@ def test_static_encoder_engines_match_host_caches_on_onnxruntime(trt_graph_bundl
                        ort.load("flow_estimator", ort_bundle.stages["flow_estimator"].path))
     prefix = build_flow_prefix(host, prompt) if prompt_tokens > 12 else None
     assert (prefix is not None) == (prompt_tokens > 12)
-    reference = _stream(host, prompt, toks, prefix=prefix, hop=hop)
+    reference = stream_mel(host, prompt, toks, prefix=prefix, hop=hop)
     spec = host.encoder_spec
     with GraphThread() as thread:
         graphs = TrtStaticEncoder(statics, spec, 2, thread)
@@ -233,7 +221,7 @@ def test_static_encoder_engines_match_host_caches_on_onnxruntime(trt_graph_bundl
         decoder = FlowDecoder(bundle, enc, est, trt.flow_cache, factory)
         for run in range(2):  # the second stream reuses the slot, its graphs and the prefix's device copy
             made.clear()
-            static = _stream(decoder, prompt, toks, prefix=prefix, hop=hop)
+            static = stream_mel(decoder, prompt, toks, prefix=prefix, hop=hop)
             assert static.shape == reference.shape == (1, bundle.mel_bins, 2 * n_tokens)
             _close_to(static, reference, f"static TensorRT encoder vs onnxruntime host caches, stream {run}")
             assert len(made) == 1 and isinstance(made[0], TrtStaticEncoderCache)
