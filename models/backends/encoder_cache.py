@@ -83,6 +83,10 @@ class EncoderPrefix:
     def device_nbytes(self) -> int:
         return self.enc.device_nbytes() + self.up.device_nbytes()
 
+    def retire(self) -> None:
+        self.enc.retire()
+        self.up.retire()
+
 
 class EncoderCache(Protocol):
     """One streaming request's encoder caches and the graph that reads them."""

@@ -7,9 +7,10 @@ through onnxruntime IOBinding in models/backends/ort_cache.py."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -84,30 +85,65 @@ class StepCache(Protocol):
 
 
 class PrefixRows:
-    """One Euler step's saved K/V rows [frames, *row] (a voice's prompt
-    chunks) in host memory, plus one copy per device, made by the first
-    request there (`on_device`), so that later requests seed their device
-    caches with a device-to-device copy instead of a host-to-device one."""
+    """Saved K/V rows [frames, ...] (a voice's prompt chunks) in host memory,
+    plus one copy per device, made by the first request there (`lease`), so
+    that later requests seed their device caches with a device-to-device copy
+    instead of a host-to-device one. The voice cache `retire()`s them when it
+    drops the voice: the device copies are freed then, or when the last
+    request still copying from them ends its lease."""
 
     def __init__(self, host: np.ndarray) -> None:
         self.host = host
-        self._device: dict[tuple[str, int], Any] = {}
+        # device -> (copy, how to free it: None when dropping the reference frees it)
+        self._device: dict[tuple[str, int], tuple[Any, Callable[[Any], None] | None]] = {}
+        self._leases = 0
+        self._retired = False
         self._lock = threading.Lock()
 
     @property
     def frames(self) -> int:
         return int(self.host.shape[0])
 
-    def on_device(self, device: tuple[str, int], upload: Callable[[np.ndarray], Any]) -> Any:
-        """The copy on `device`, uploaded with `upload(host)` on first use."""
+    @contextlib.contextmanager
+    def lease(self, device: tuple[str, int], upload: Callable[[np.ndarray], Any],
+              release: Callable[[Any], None] | None = None) -> Iterator[Any]:
+        """The copy on `device` (uploaded with `upload(host)` on first use, freed with
+        `release(copy)`), valid until the block ends."""
         with self._lock:
             if device not in self._device:
-                self._device[device] = upload(self.host)
-            return self._device[device]
+                self._device[device] = (upload(self.host), release)
+            copy = self._device[device][0]
+            self._leases += 1
+        try:
+            yield copy
+        finally:
+            with self._lock:
+                self._leases -= 1
+                idle = self._take_idle()
+            _free(idle)
+
+    def retire(self) -> None:
+        """The voice left the cache: free the device copies once no request reads them."""
+        with self._lock:
+            self._retired = True
+            idle = self._take_idle()
+        _free(idle)
+
+    def _take_idle(self) -> list[tuple[Any, Callable[[Any], None] | None]]:
+        if not self._retired or self._leases:
+            return []
+        copies, self._device = list(self._device.values()), {}
+        return copies
 
     def device_nbytes(self) -> int:
         with self._lock:
             return self.host.nbytes * len(self._device)
+
+
+def _free(copies: list[tuple[Any, Callable[[Any], None] | None]]) -> None:
+    for copy, release in copies:
+        if release is not None:
+            release(copy)
 
 
 def trim_due(length: int, keep: int, capacity: int) -> bool:

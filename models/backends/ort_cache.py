@@ -207,9 +207,8 @@ class BoundStepCache:
         if self.length:
             raise RuntimeError("preload() on a cache that holds frames")
         kind, dev = self._device
-        src = prefix_on_device(rows, self._device, self.spec.dtype)
         self._reserve(rows.frames)
-        self._copier.copy(self._ptr(0), int(src.data_ptr()), rows.frames * self.spec.row_bytes)
+        copy_prefix(self._copier, self._ptr(0), rows, self.spec.dtype)
         self.length = rows.frames
         self._conv = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(conv, dtype=np.float32), kind, dev)
 
@@ -250,12 +249,15 @@ class BoundCacheFactory:
         return BoundStepCache(session, spec, self.copier())
 
 
-def prefix_on_device(rows: PrefixRows, device: tuple[str, int], dtype: DTypeLike) -> ort.OrtValue:
-    """The voice's saved rows on `device` as `dtype`, uploaded once per voice and device."""
-    kind, dev = device
+def copy_prefix(copier: DeviceCopier, dst_ptr: int, rows: PrefixRows, dtype: DTypeLike) -> None:
+    """The voice's saved rows copied to `dst_ptr` on the copier's device, as `dtype`, from
+    their copy there (uploaded once per voice and device; an OrtValue, freed with its last
+    reference when the voice is retired)."""
+    kind, dev = copier.device
 
     def upload(host: np.ndarray) -> ort.OrtValue:
         return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(host, dtype=dtype), kind, dev)
 
-    value: ort.OrtValue = rows.on_device(device, upload)
-    return value
+    with rows.lease(copier.device, upload) as src:
+        copier.copy(dst_ptr, int(src.data_ptr()), rows.frames * int(np.prod(rows.host.shape[1:]))
+                    * np.dtype(dtype).itemsize)

@@ -39,9 +39,10 @@ from cosyedge_models.backends.encoder_cache import (
 from cosyedge_models.backends.fixed_shapes import SlotPool
 from cosyedge_models.backends.graph_thread import CAPTURE_RUNS, GraphThread
 from cosyedge_models.backends.ort import OrtSession, fixed_shape_sessions
-from cosyedge_models.backends.ort_cache import DeviceCopier, prefix_on_device
+from cosyedge_models.backends.ort_cache import DeviceCopier, copy_prefix
+from cosyedge_models.backends.ort_static_flow import capture_slots
 from cosyedge_models.bundle.loader import STATIC_ENCODER_PREFIX, Bundle
-from cosyedge_models.errors import BundleError, SynthesisError
+from cosyedge_models.errors import BundleError
 
 log = logging.getLogger(__name__)
 
@@ -123,14 +124,7 @@ class StaticEncoderGraphs(SlotPool[EncoderSlot]):
         runs = CAPTURE_RUNS if self.capture else 1
         while self.slot_count < self.max_slots:
             self.register(EncoderSlot(self.slot_count, self))
-        try:
-            for slot in self.all_slots():
-                for w, io in enumerate(self.io):
-                    for _ in range(runs):
-                        io.session.run_bound(slot.bindings[w], slot.run_options[w])
-        except SynthesisError as exc:
-            self.disabled = str(exc)[:500]
-            log.warning("fixed-shape flow encoder graphs disabled at load, the dynamic graph takes over: %s", exc)
+        capture_slots(self, [io.session for io in self.io], runs, "fixed-shape flow encoder graphs")
 
     def __call__(self, session: Session, spec: EncoderCacheSpec) -> EncoderCache:
         # the graphs bake in this bundle's chunk and shapes
@@ -162,8 +156,7 @@ class StaticEncoderCache(PooledEncoderCache[EncoderSlot]):
     def _seed(self, slot: EncoderSlot, prefix: EncoderPrefix) -> None:
         graphs = self._graphs
         for rows, dst in ((prefix.enc, slot.enc), (prefix.up, slot.up)):
-            src = prefix_on_device(rows, graphs.device, np.float32)
-            graphs.copier.copy(int(dst.data_ptr()), int(src.data_ptr()), rows.host.nbytes)
+            copy_prefix(graphs.copier, int(dst.data_ptr()), rows, np.float32)
         slot.pre.update_inplace(np.ascontiguousarray(prefix.pre, np.float32))
         slot.upconv.update_inplace(np.ascontiguousarray(prefix.upconv, np.float32))
 

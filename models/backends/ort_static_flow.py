@@ -33,6 +33,7 @@ import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 import numpy as np
 import onnxruntime as ort
@@ -55,7 +56,7 @@ from cosyedge_models.backends.fixed_shapes import (
 from cosyedge_models.backends.flow_cache import PrefixRows, StepCache, StepCacheSpec
 from cosyedge_models.backends.graph_thread import CAPTURE_RUNS, GraphThread
 from cosyedge_models.backends.ort import OrtSession, fixed_shape_sessions
-from cosyedge_models.backends.ort_cache import BoundStepCache, DeviceCopier, prefix_on_device
+from cosyedge_models.backends.ort_cache import BoundStepCache, DeviceCopier, copy_prefix
 from cosyedge_models.bundle.loader import STATIC_FLOW_PREFIX, Bundle
 from cosyedge_models.errors import BundleError, SynthesisError
 
@@ -114,6 +115,29 @@ class StaticSlot:
         return int(self.kv.data_ptr()) + frame * row_bytes
 
 
+class BoundSlot(Protocol):
+    """A slot's bindings and run options, one per window size."""
+
+    bindings: list[ort.IOBinding]
+    run_options: list[ort.RunOptions]
+
+
+BoundSlotT = TypeVar("BoundSlotT", bound=BoundSlot)
+
+
+def capture_slots(pool: SlotPool[BoundSlotT], sessions: Sequence[OrtSession], runs: int, what: str) -> None:
+    """Every slot's graph of every window (`sessions`, in window order) run `runs` times
+    (onnxruntime captures on the last); a refusal disables the pool, logged."""
+    try:
+        for slot in pool.all_slots():
+            for w, session in enumerate(sessions):
+                for _ in range(runs):
+                    session.run_bound(slot.bindings[w], slot.run_options[w])
+    except SynthesisError as exc:
+        pool.disabled = str(exc)[:500]
+        log.warning("%s disabled at load, the dynamic path takes over: %s", what, exc)
+
+
 class StaticFlowGraphs(SlotPool[StaticSlot]):
     """The fixed-shape estimator sessions of one engine and their slot pool,
     run on `thread`. `__call__` is a Backend.flow_cache: a StaticStepCache
@@ -153,14 +177,7 @@ class StaticFlowGraphs(SlotPool[StaticSlot]):
                                               else np.float32))
         while self.slot_count < self.max_slots:
             self.register(StaticSlot(self.slot_count, self))
-        try:
-            for slot in self.all_slots():
-                for w, io in enumerate(self.io):
-                    for _ in range(runs):
-                        io.session.run_bound(slot.bindings[w], slot.run_options[w])
-        except SynthesisError as exc:
-            self.disabled = str(exc)[:500]
-            log.warning("fixed-shape flow graphs disabled at load, the dynamic estimator takes over: %s", exc)
+        capture_slots(self, [io.session for io in self.io], runs, "fixed-shape flow graphs")
 
     def acquire(self, spec: StepCacheSpec) -> StaticSlot | None:
         if spec.dtype != np.float32 or spec.row != self.row or spec.conv != self.conv:
@@ -235,8 +252,7 @@ class StaticStepCache(SlotBorrower[StaticSlot, BoundStepCache]):
                 or np.dtype(self.spec.dtype) != np.float32):
             self._move().preload(rows, conv)
             return
-        src = prefix_on_device(rows, graphs.device, np.float32)
-        graphs.copier.copy(slot.ptr(0, self.spec.row_bytes), int(src.data_ptr()), rows.frames * self.spec.row_bytes)
+        copy_prefix(graphs.copier, slot.ptr(0, self.spec.row_bytes), rows, np.float32)
         slot.conv.update_inplace(np.ascontiguousarray(conv, dtype=np.float32))
         self._length = rows.frames
 

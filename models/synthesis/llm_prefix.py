@@ -47,6 +47,9 @@ class LlmPrefix:
     def describe(self) -> str:
         return f"LLM prefix of {self.positions} positions"
 
+    def retire(self) -> None:
+        """Host memory only: nothing to free beyond the reference the cache drops."""
+
     def matches(self, prompt_text: Sequence[int]) -> bool:
         """Whether an input's prompt text is the one this prefix was built from."""
         return tuple(prompt_text) == self.prompt_text

@@ -59,6 +59,10 @@ class CacheEntry(Protocol):
 
     def describe(self) -> str: ...
 
+    def retire(self) -> None:
+        """Dropped from the cache: free its device copies once no request reads them."""
+        ...
+
 
 Entry = TypeVar("Entry", bound=CacheEntry)
 
@@ -85,6 +89,11 @@ class FlowPrefix:
     def device_nbytes(self) -> int:
         """The copies on devices (GPU backends): as large as the K/V rows, per device."""
         return self.encoder.device_nbytes() + sum(r.device_nbytes() for r in self.step_kv)
+
+    def retire(self) -> None:
+        self.encoder.retire()
+        for rows in self.step_kv:
+            rows.retire()
 
     def apply(self, caches: Sequence[StepCache], encoder: EncoderCache | None) -> EncoderCache:
         """Seed one request's fresh caches with this prefix (the estimator rows
@@ -208,9 +217,13 @@ class VoiceCache:
             if old is not None:
                 total -= old.nbytes()
                 self.stats.evictions += 1
+                old.retire()
 
     def clear(self) -> None:
         with self._lock:
+            for entry in self._entries.values():
+                if entry is not None:
+                    entry.retire()
             self._entries.clear()
 
 

@@ -68,7 +68,7 @@ from cosyedge_models.backends.tensorrt.graph import (
     user_context,
 )
 from cosyedge_models.backends.tensorrt.session import TrtSession, thread_cuda
-from cosyedge_models.backends.tensorrt.static_flow import DevicePrefix
+from cosyedge_models.backends.tensorrt.static_flow import copy_device_prefix
 from cosyedge_models.bundle.loader import STATIC_ENCODER_PREFIX, Bundle
 from cosyedge_models.errors import BundleError, SynthesisError
 
@@ -266,10 +266,7 @@ class TrtStaticEncoderCache(PooledEncoderCache[TrtEncoderSlot]):
         graphs = self._graphs
         cuda = thread_cuda(graphs.device_id)
         for rows, name in ((prefix.enc, "enc_cache"), (prefix.up, "up_cache")):
-            if rows.host.size:
-                src: DevicePrefix = rows.on_device(("trt", graphs.device_id),
-                                                   functools.partial(DevicePrefix, cuda=cuda))
-                cuda.dtod(slot.ptr(name), src.buffer.ptr, rows.host.size * 4)
+            copy_device_prefix(cuda, graphs.device_id, slot.ptr(name), rows)
         cuda.htod(slot.ptr("pre_cache"), np.ascontiguousarray(prefix.pre, dtype=np.float32))
         cuda.htod(slot.ptr("upconv_cache"), np.ascontiguousarray(prefix.upconv, dtype=np.float32))
         cuda.synchronize()

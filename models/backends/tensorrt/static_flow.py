@@ -31,7 +31,6 @@ tests/models/backends/test_trt_static.py is written for one)."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
@@ -234,7 +233,8 @@ class _Call:
 
 
 class DevicePrefix:
-    """A voice's saved rows on one GPU (PrefixRows.on_device), freed with the voice."""
+    """A voice's saved rows on one GPU (PrefixRows.lease), freed by close() when the
+    voice cache retires the voice and no request copies from it."""
 
     def __init__(self, host: np.ndarray, cuda: ThreadCuda) -> None:
         data = np.ascontiguousarray(host, dtype=np.float32)
@@ -242,9 +242,18 @@ class DevicePrefix:
         cuda.htod(self.buffer.ptr, data)
         cuda.synchronize()
 
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):  # at interpreter shutdown the driver may be gone already
-            self.buffer.close()
+    def close(self) -> None:
+        self.buffer.close()
+
+
+def copy_device_prefix(cuda: ThreadCuda, device_id: int, dst_ptr: int, rows: PrefixRows) -> None:
+    """The voice's saved rows (fp32) copied to `dst_ptr` from their copy on this GPU, made
+    on first use; done (synchronized) before the lease ends."""
+    if not rows.host.size:
+        return
+    with rows.lease(("trt", device_id), functools.partial(DevicePrefix, cuda=cuda), DevicePrefix.close) as src:
+        cuda.dtod(dst_ptr, src.buffer.ptr, rows.host.size * 4)
+        cuda.synchronize()
 
 
 class TrtStaticStepCache(SlotBorrower[TrtSlot, TrtStepCache]):
@@ -281,8 +290,7 @@ class TrtStaticStepCache(SlotBorrower[TrtSlot, TrtStepCache]):
             self._move().preload(rows, conv)
             return
         cuda = thread_cuda(flow.device_id)
-        src: DevicePrefix = rows.on_device(("trt", flow.device_id), functools.partial(DevicePrefix, cuda=cuda))
-        cuda.dtod(slot.ptr(0), src.buffer.ptr, rows.frames * slot.row_bytes)
+        copy_device_prefix(cuda, flow.device_id, slot.ptr(0), rows)
         cuda.htod(slot.conv.ptr, np.ascontiguousarray(conv, dtype=np.float32))
         cuda.synchronize()
         self._length = rows.frames

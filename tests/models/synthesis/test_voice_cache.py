@@ -186,6 +186,39 @@ def fake_prefix(mb: float) -> FlowPrefix:
     return FlowPrefix(50, encoder, (PrefixRows(kv),), (empty,))
 
 
+def test_device_copies_are_freed_when_retired_and_no_request_reads_them() -> None:
+    rows = PrefixRows(np.ones((3, 4), np.float32))
+    uploads: list[str] = []
+    freed: list[str] = []
+
+    def upload(host: np.ndarray) -> str:
+        uploads.append("copy")
+        return f"copy{len(uploads)}"
+
+    with rows.lease(("gpu", 0), upload, freed.append) as first:
+        with rows.lease(("gpu", 0), upload, freed.append) as again:
+            assert first == again == "copy1" and uploads == ["copy"]  # one upload per device
+        rows.retire()  # the voice left the cache while a request still copies from it
+        assert freed == [] and rows.device_nbytes() == rows.host.nbytes
+    assert freed == ["copy1"] and rows.device_nbytes() == 0  # freed when that lease ended
+    with rows.lease(("gpu", 0), upload, freed.append) as late:  # a request that got it before
+        assert late == "copy2"
+    assert freed == ["copy1", "copy2"]
+
+
+def test_evicted_and_cleared_voices_free_their_device_copies() -> None:
+    cache = VoiceCache(3 * MIB, "bundle-a")
+    freed: list[str] = []
+    prefixes = {name: fake_prefix(1.5) for name in "abc"}
+    for name, prefix in prefixes.items():
+        with prefix.step_kv[0].lease(("gpu", 0), lambda host, n=name: n, freed.append):
+            pass
+        assert cache.get(name, "d1", lambda p=prefix: p) is prefix
+    assert cache.stats.evictions == 1 and freed == ["a"]  # a went to make room for c
+    cache.clear()
+    assert sorted(freed) == ["a", "b", "c"]
+
+
 def test_cache_is_bounded_and_keyed_by_content() -> None:
     cache = VoiceCache(3 * MIB, "bundle-a")
     builds: list[str] = []
