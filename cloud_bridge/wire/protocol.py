@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
+from cosyedge_models.synthesis.api import SPEED_MAX, SPEED_MIN
 from cosyedge_models.synthesis.modes import MODES, PROMPT_MODES
 
 PROTOCOL_VERSION = 1
@@ -279,8 +280,10 @@ def parse_request(payload: bytes, *, max_text_chars: int = 5000) -> CloudRequest
             rid,
         )
     speed = _field(doc, "speed", (int, float), rid, 1.0)
-    if not 0.5 <= float(speed) <= 2.0:
-        raise ProtocolError("bad_request", f"field 'speed' must be between 0.5 and 2.0, got {speed}", rid)
+    if not SPEED_MIN <= float(speed) <= SPEED_MAX:
+        raise ProtocolError(
+            "bad_request", f"field 'speed' must be between {SPEED_MIN} and {SPEED_MAX}, got {speed}", rid
+        )
     seed = _field(doc, "seed", int, rid)
     if seed is not None and not 0 <= seed < 2**63:
         raise ProtocolError("bad_request", "field 'seed' must be between 0 and 2**63 - 1", rid)

@@ -15,18 +15,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from cosyedge_daemon.api.request_policy import sniff_field
+from cosyedge_cloud.wire.protocol import pcm16_bytes
 from cosyedge_daemon.api.responders import Publisher
-from cosyedge_daemon.api.tts_messages import (
-    ApiError,
-    RequestLimits,
-    TtsRequest,
-    decode_json_object,
-    new_request_id,
-    pcm16_bytes,
-    valid_id,
-)
+from cosyedge_daemon.api.tts_messages import decode_json_object
 from cosyedge_daemon.audio.interfaces import VadEvent
+from cosyedge_daemon.request.builder import build_request
+from cosyedge_daemon.request.errors import ApiError
+from cosyedge_daemon.request.ids import sniff_field, valid_id
+from cosyedge_daemon.request.request import RequestLimits, TtsRequest
 from cosyedge_daemon.serving.jobs import Job
 
 log = logging.getLogger(__name__)
@@ -66,25 +62,15 @@ def parse_hermes_say(
     hermes_id = obj.get("id")
     hermes_id = hermes_id if isinstance(hermes_id, str) else None
     text = obj.get("text")
-    if not isinstance(text, str) or not text.strip():
+    if not isinstance(text, str):
         raise HermesError("'text' must be a non-empty string", site_id, session_id, hermes_id)
-    if len(text) > limits.max_text_chars:
-        raise HermesError(
-            f"'text' has {len(text)} characters; the limit is {limits.max_text_chars}",
-            site_id, session_id, hermes_id,
-        )
     rid = hermes_id if hermes_id is not None and valid_id(hermes_id) else None
-    request = TtsRequest(
-        id=rid or new_request_id(),
-        client_id=rid is not None,
-        text=text,
-        voice=limits.default_voice,
-        output="play" if output == "play" else "publish",
-        route=limits.default_route,
-        priority=limits.default_priority,
-        deadline_ms=limits.default_deadline_ms or None,
-        received_at=received_at,
-    )
+    try:
+        request = build_request(
+            limits, text, request_id=rid, output="play" if output == "play" else "publish", received_at=received_at
+        )
+    except ApiError as exc:
+        raise HermesError(exc.message, site_id, session_id, hermes_id) from None
     return HermesSay(request, site_id, session_id, hermes_id)
 
 

@@ -13,7 +13,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from cosyedge_daemon.api.connection import InboundMessage, Reply
 from cosyedge_daemon.api.hermes import (
     SAY_TOPIC,
     HermesError,
@@ -23,14 +22,18 @@ from cosyedge_daemon.api.hermes import (
     publish_error,
     publish_say_finished,
 )
-from cosyedge_daemon.api.request_policy import ResponseTopicPolicy, leading_id, sniff_field
+from cosyedge_daemon.api.request_policy import ResponseTopicPolicy
 from cosyedge_daemon.api.responders import NativeResponder, Publisher
-from cosyedge_daemon.api.tts_messages import ApiError, RequestLimits, TtsRequest, parse_cancel, parse_say
-from cosyedge_daemon.service.metrics import Metrics
-from cosyedge_daemon.service.settings import Settings
+from cosyedge_daemon.api.tts_messages import parse_cancel, parse_say
+from cosyedge_daemon.mqtt.connection import InboundMessage, Reply
+from cosyedge_daemon.request.errors import ApiError
+from cosyedge_daemon.request.ids import leading_id, sniff_field
+from cosyedge_daemon.request.request import RequestLimits, TtsRequest
 from cosyedge_daemon.serving.jobs import Job, Responder
+from cosyedge_daemon.serving.metrics import Metrics
 from cosyedge_daemon.serving.pipeline import Pipeline
 from cosyedge_daemon.serving.scheduler import DedupeMemory, Scheduler, Terminal
+from cosyedge_daemon.settings.schema import Settings
 
 log = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ from collections.abc import Iterable
 from typing import Any, Protocol
 
 import numpy as np
-from cosyedge_daemon.api.connection import Reply
 from cosyedge_daemon.api.tts_messages import NO_ID, audio_payload, audio_properties, error_payload
+from cosyedge_daemon.mqtt.connection import Reply
 from cosyedge_daemon.serving.jobs import Job
 
 log = logging.getLogger(__name__)

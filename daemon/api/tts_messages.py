@@ -1,5 +1,6 @@
-"""The native MQTT TTS API: parsing and validating `tts/say` and
-`tts/cancel` payloads into typed requests, and encoding what the daemon
+"""The native MQTT TTS API: parsing `tts/say` and `tts/cancel` payloads
+(JSON, field types; the defaults and limits are the one builder's,
+cosyedge_daemon.request.builder) into typed requests, and encoding what the daemon
 sends back (audio chunks, done, error). Pure functions: no I/O here."""
 
 from __future__ import annotations
@@ -8,22 +9,18 @@ import base64
 import binascii
 import io
 import json
-import uuid
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 from cosyedge_cloud.wire.protocol import pack_audio_header, pcm16_bytes, unpack_audio_header
-from cosyedge_daemon.api.connection import Reply
-from cosyedge_daemon.api.request_policy import ID_ALPHABET, clip, leading_id, valid_id
-from cosyedge_daemon.service.settings import PRIORITY_MAX, PRIORITY_MIN
-from cosyedge_models.synthesis.api import Mode, PromptAudio, SynthesisRequest
-from cosyedge_models.synthesis.modes import MODES, PROMPT_MODES
+from cosyedge_daemon.mqtt.connection import Reply
+from cosyedge_daemon.request.builder import build_request
+from cosyedge_daemon.request.errors import ApiError
+from cosyedge_daemon.request.ids import ID_ALPHABET, clip, leading_id, valid_id
+from cosyedge_daemon.request.request import RequestLimits, TtsRequest
+from cosyedge_models.synthesis.api import PromptAudio
 
-Output = Literal["play", "publish", "both"]
-Route = Literal["auto", "local", "cloud"]
-OUTPUTS: tuple[Output, ...] = ("play", "publish", "both")
-ROUTES: tuple[Route, ...] = ("auto", "local", "cloud")
 NO_ID = "_"  # error topic suffix for requests without a usable id
 SAY_FIELDS = (
     "id",
@@ -43,79 +40,6 @@ SAY_FIELDS = (
 
 # v3.1.1 has no user properties, so there (and with audio_header = "always")
 # every audio chunk starts with the wire's one audio header (cosyedge_cloud.wire.protocol).
-SEED_MAX = 2**32 - 1  # the engines seed numpy's generators: 0..2**32-1
-MAX_VOICE_CHARS = 128
-_MAX_MESSAGE_CHARS = 400  # an error message never carries more of what a client sent
-
-
-class ApiError(Exception):
-    """A request the daemon answers with an error payload."""
-
-    def __init__(self, code: str, message: str, request_id: str | None = None) -> None:
-        message = clip(message, _MAX_MESSAGE_CHARS)
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.request_id = request_id
-
-
-@dataclass(frozen=True)
-class RequestLimits:
-    max_payload_bytes: int = 2_097_152
-    max_text_chars: int = 4000
-    max_prompt_s: float = 30.0
-    default_voice: str | None = None
-    default_output: Output = "publish"
-    default_route: Route = "auto"
-    default_priority: int = 0
-    default_deadline_ms: int = 0
-
-
-@dataclass(frozen=True)
-class TtsRequest:
-    id: str
-    text: str
-    voice: str | None = None
-    mode: Mode = "sft"
-    instruct_text: str | None = None
-    prompt: PromptAudio | None = None
-    output: Output = "publish"
-    route: Route = "auto"
-    priority: int = 0
-    stream: bool = True
-    deadline_ms: int | None = None
-    speed: float = 1.0
-    seed: int | None = None
-    reply: Reply | None = None
-    received_at: float = 0.0  # time.monotonic() when the message arrived
-    # The client chose the id (and may send it again): only such ids are remembered for the
-    # duplicate check. Ids the daemon makes up (no id sent, Wyoming) are never resent, and
-    # remembering them would only fill that bounded memory and push the clients' ids out.
-    client_id: bool = True
-
-    def synthesis_request(self, *, fallback: bool = False) -> SynthesisRequest:
-        """The engine's request; the fallback voice gets the text only (it has
-        its own voice and supports plain sft)."""
-        if fallback:
-            return SynthesisRequest(text=self.text, stream=self.stream, speed=self.speed, seed=self.seed)
-        return SynthesisRequest(
-            text=self.text,
-            mode=self.mode,
-            voice=self.voice,
-            instruct_text=self.instruct_text,
-            prompt=self.prompt,
-            stream=self.stream,
-            seed=self.seed,
-            speed=self.speed,
-            priority=self.priority,
-        )
-
-
-def new_request_id() -> str:
-    return uuid.uuid4().hex
-
-
-__all__ = ["valid_id"]  # re-exported: the id policy lives in cosyedge_daemon.api.request_policy
 
 
 def decode_json_object(payload: bytes, max_bytes: int) -> dict[str, Any]:
@@ -159,18 +83,7 @@ def _as_tuple(types: type | tuple[type, ...]) -> tuple[type, ...]:
     return types if isinstance(types, tuple) else (types,)
 
 
-def _choice(
-    obj: dict[str, Any], name: str, allowed: tuple[str, ...], default: str, code: str, rid: str | None
-) -> Any:
-    value = _field(obj, name, str, "a string", rid)
-    if value is None:
-        return default
-    if value not in allowed:
-        raise ApiError(code, f"'{name}' is {clip(repr(value))}; allowed: {', '.join(allowed)}", rid)
-    return value
-
-
-def parse_prompt(value: Any, max_s: float, rid: str | None) -> PromptAudio:
+def parse_prompt(value: Any, rid: str | None) -> PromptAudio:
     if not isinstance(value, dict) or not isinstance(value.get("wav"), str):
         raise ApiError(
             "invalid_prompt", '\'prompt\' must be an object {"wav": base64 WAV, "text": transcript}', rid
@@ -190,10 +103,6 @@ def parse_prompt(value: Any, max_s: float, rid: str | None) -> PromptAudio:
         raise ApiError("invalid_prompt", f"'prompt.wav' is not a readable audio file: {exc}", rid) from None
     if pcm.shape[0] == 0:
         raise ApiError("invalid_prompt", "'prompt.wav' has no samples", rid)
-    if pcm.shape[0] > max_s * rate:
-        raise ApiError(
-            "invalid_prompt", f"'prompt.wav' is {pcm.shape[0] / rate:.1f} s; the limit is {max_s} s", rid
-        )
     return PromptAudio(
         pcm=np.ascontiguousarray(pcm.mean(axis=1), dtype=np.float32), sample_rate=int(rate), text=text
     )
@@ -214,54 +123,25 @@ def parse_say(
         names = clip(", ".join(unknown))
         raise ApiError("invalid_field", f"unknown field(s) {names}; known: {', '.join(SAY_FIELDS)}", rid)
     text = obj.get("text")
-    if not isinstance(text, str) or not text.strip():
-        what = "missing" if text is None else ("empty" if isinstance(text, str) else "not a string")
+    if not isinstance(text, str):
+        what = "missing" if text is None else "not a string"
         raise ApiError("invalid_field", f"'text' is {what}; a non-empty string is required", rid)
-    if len(text) > limits.max_text_chars:
-        raise ApiError(
-            "text_too_long", f"'text' has {len(text)} characters; the limit is {limits.max_text_chars}", rid
-        )
-    mode = _choice(obj, "mode", MODES, "sft", "unknown_mode", rid)
-    instruct = _field(obj, "instruct_text", str, "a string", rid)
-    if instruct is not None and len(instruct) > limits.max_text_chars:
-        raise ApiError("text_too_long", "'instruct_text' is too long", rid)
-    if mode == "instruct" and not instruct:
-        raise ApiError("invalid_field", "mode 'instruct' needs 'instruct_text'", rid)
-    priority = _field(obj, "priority", int, "an integer", rid)
-    if priority is not None and not PRIORITY_MIN <= priority <= PRIORITY_MAX:
-        raise ApiError("invalid_field", f"'priority' must be between {PRIORITY_MIN} and {PRIORITY_MAX}", rid)
-    deadline = _field(obj, "deadline_ms", int, "an integer (milliseconds)", rid)
-    if deadline is not None and not 0 < deadline <= 86_400_000:
-        raise ApiError("invalid_field", "'deadline_ms' must be between 1 and 86400000", rid)
-    speed = _field(obj, "speed", (int, float), "a number", rid)
-    if speed is not None and not 0.5 <= speed <= 2.0:
-        raise ApiError("invalid_field", "'speed' must be between 0.5 and 2.0", rid)
-    seed = _field(obj, "seed", int, "an integer", rid)
-    if seed is not None and not 0 <= seed <= SEED_MAX:
-        raise ApiError("invalid_field", f"'seed' must be between 0 and {SEED_MAX}", rid)
-    stream = _field(obj, "stream", bool, "true or false", rid)
-    voice = _field(obj, "voice", str, "a string", rid)
-    if voice is not None and len(voice) > MAX_VOICE_CHARS:
-        raise ApiError("unknown_voice", f"'voice' has {len(voice)} characters; a voice name has at most "
-                       f"{MAX_VOICE_CHARS}", rid)
-    prompt = parse_prompt(obj["prompt"], limits.max_prompt_s, rid) if obj.get("prompt") is not None else None
-    if mode in PROMPT_MODES and prompt is None and voice is None:
-        raise ApiError("invalid_field", f"mode '{mode}' needs a 'prompt' (or a voice with a prompt)", rid)
-    return TtsRequest(
-        id=rid or new_request_id(),
-        client_id=rid is not None,
-        text=text,
-        voice=voice or limits.default_voice,
-        mode=mode,
-        instruct_text=instruct,
-        prompt=prompt,
-        output=_choice(obj, "output", OUTPUTS, limits.default_output, "invalid_field", rid),
-        route=_choice(obj, "route", ROUTES, limits.default_route, "invalid_field", rid),
-        priority=limits.default_priority if priority is None else priority,
-        stream=True if stream is None else stream,
-        deadline_ms=deadline or (limits.default_deadline_ms or None),
-        speed=1.0 if speed is None else float(speed),
-        seed=seed,
+    raw_prompt = obj.get("prompt")
+    return build_request(
+        limits,
+        text,
+        request_id=rid,
+        voice=_field(obj, "voice", str, "a string", rid),
+        mode=_field(obj, "mode", str, "a string", rid),
+        instruct_text=_field(obj, "instruct_text", str, "a string", rid),
+        prompt=parse_prompt(raw_prompt, rid) if raw_prompt is not None else None,
+        output=_field(obj, "output", str, "a string", rid),
+        route=_field(obj, "route", str, "a string", rid),
+        priority=_field(obj, "priority", int, "an integer", rid),
+        stream=_field(obj, "stream", bool, "true or false", rid),
+        deadline_ms=_field(obj, "deadline_ms", int, "an integer (milliseconds)", rid),
+        speed=_field(obj, "speed", (int, float), "a number", rid),
+        seed=_field(obj, "seed", int, "an integer", rid),
         reply=reply,
         received_at=received_at,
     )

@@ -14,7 +14,7 @@ from cosyedge_daemon.api.hermes import publish_voice_activity
 from cosyedge_daemon.api.responders import Publisher
 from cosyedge_daemon.audio.barge_in import BargeInAction, BargeInPolicy
 from cosyedge_daemon.audio.interfaces import VadEvent
-from cosyedge_daemon.service.metrics import Metrics
+from cosyedge_daemon.serving.metrics import Metrics
 from cosyedge_daemon.serving.pipeline import Pipeline
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from cosyedge_daemon.audio.interfaces import VadEvent
-from cosyedge_daemon.audio.settings import VadSettings
+from cosyedge_daemon.settings.audio import VadSettings
 
 ActionKind = Literal["none", "stop", "duck", "unduck"]
 

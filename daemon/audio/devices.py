@@ -9,9 +9,9 @@ from typing import Any
 
 from cosyedge_daemon.audio.errors import AudioDeviceError
 from cosyedge_daemon.audio.interfaces import AudioSink, AudioSource
-from cosyedge_daemon.audio.settings import AudioSettings, VadSettings
 from cosyedge_daemon.audio.sinks import NullSink, WavFileSink
 from cosyedge_daemon.audio.sources import wav_file_source
+from cosyedge_daemon.settings.audio import AudioSettings, VadSettings
 
 __all__ = ["AudioDeviceError", "create_sink", "create_source", "list_devices", "resolve_device"]
 

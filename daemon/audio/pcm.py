@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-from cosyedge_daemon.audio.settings import VAD_SAMPLE_RATE
+from cosyedge_daemon.settings.audio import VAD_SAMPLE_RATE
 from cosyedge_models.errors import CosyEdgeError
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 from cosyedge_daemon.audio.errors import AudioDeviceError
 from cosyedge_daemon.audio.ring import FloatRing
-from cosyedge_daemon.audio.settings import AudioSettings
+from cosyedge_daemon.settings.audio import AudioSettings
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ import numpy as np
 from cosyedge_daemon.audio.errors import AudioDeviceError
 from cosyedge_daemon.audio.interfaces import FrameCallback
 from cosyedge_daemon.audio.pcm import Framer
-from cosyedge_daemon.audio.settings import VAD_SAMPLE_RATE, AudioSettings
 from cosyedge_daemon.audio.sources import check_frame_ms
+from cosyedge_daemon.settings.audio import VAD_SAMPLE_RATE, AudioSettings
 
 log = logging.getLogger(__name__)
 

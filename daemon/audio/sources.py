@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 from cosyedge_daemon.audio.interfaces import FrameCallback
 from cosyedge_daemon.audio.pcm import read_pcm16_16k
-from cosyedge_daemon.audio.settings import FRAME_MS_CHOICES, VAD_SAMPLE_RATE
+from cosyedge_daemon.settings.audio import FRAME_MS_CHOICES, VAD_SAMPLE_RATE
 
 
 def check_frame_ms(frame_ms: int) -> None:

@@ -30,7 +30,7 @@ from typing import Literal
 import numpy as np
 from cosyedge_daemon.audio.interfaces import VadEvent
 from cosyedge_daemon.audio.pcm import iter_frames
-from cosyedge_daemon.audio.settings import VAD_SAMPLE_RATE, VadSettings
+from cosyedge_daemon.settings.audio import VAD_SAMPLE_RATE, VadSettings
 
 Classifier = Callable[[bytes], bool]
 

@@ -20,8 +20,8 @@ from typing import Any
 
 from cosyedge_cloud.wire.broker import LOCAL_HOSTS, find_mosquitto, port_open
 from cosyedge_daemon.cli.default_bundle import tiny_bundle_dir
-from cosyedge_daemon.service.config import load_settings, parse_broker_url
-from cosyedge_daemon.service.settings import Settings
+from cosyedge_daemon.settings.loader import load_settings, parse_broker_url
+from cosyedge_daemon.settings.schema import Settings
 from cosyedge_models.backends.gpu_probe import probe_gpu, probe_tensorrt
 from cosyedge_models.backends.report import engine_report, tensorrt_status
 from cosyedge_models.bundle.memory_budget import MIB
@@ -259,8 +259,8 @@ def check_wyoming(settings: Settings) -> list[Check]:
     free (`cosyedge run` will listen there), or taken by something else."""
     import asyncio
 
+    from cosyedge_daemon.settings.wyoming import parse_tcp_uri
     from cosyedge_daemon.wyoming.client import describe
-    from cosyedge_daemon.wyoming.settings import parse_tcp_uri
 
     checks = []
     for name, uri in (("Wyoming TTS", settings.wyoming.uri), ("Wyoming satellite", settings.wyoming_satellite.uri)):

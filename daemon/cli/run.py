@@ -11,12 +11,12 @@ import signal
 import sys
 
 from cosyedge_cloud.wire.broker import ensure_broker
-from cosyedge_daemon.api.connection import max_packet_bytes
 from cosyedge_daemon.audio.vad_worker import VadWorker
-from cosyedge_daemon.audio.wiring import open_sink, start_voice_input
 from cosyedge_daemon.cli.default_bundle import ensure_tiny_bundle
-from cosyedge_daemon.service.config import load_settings, parse_broker_url
+from cosyedge_daemon.mqtt.connection import max_packet_bytes
 from cosyedge_daemon.service.service import Service
+from cosyedge_daemon.service.wiring import open_sink, start_voice_input
+from cosyedge_daemon.settings.loader import load_settings, parse_broker_url
 from cosyedge_models.errors import CosyEdgeError, MissingExtraError
 
 log = logging.getLogger(__name__)

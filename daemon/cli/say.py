@@ -17,7 +17,7 @@ import numpy as np
 import paho.mqtt.client as mqtt
 from cosyedge_cloud.wire.mqtt import MqttOptions, connect, make_client, received_properties
 from cosyedge_daemon.api.tts_messages import decode_audio
-from cosyedge_daemon.service.config import default_device_id, parse_broker_url, validate_device_id
+from cosyedge_daemon.settings.loader import default_device_id, parse_broker_url, validate_device_id
 from cosyedge_models.errors import CosyEdgeError
 
 

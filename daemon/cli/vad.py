@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from cosyedge_daemon.audio.pcm import read_pcm16_16k
-from cosyedge_daemon.audio.settings import AudioSettingsError, VadSettings
 from cosyedge_daemon.audio.vad import segment_pcm
+from cosyedge_daemon.settings.audio import AudioSettingsError, VadSettings
 
 
 def _load_vad_table(path: str) -> dict[str, Any]:

@@ -13,20 +13,20 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from cosyedge_daemon.api.connection import InboundMessage, MqttConnection
 from cosyedge_daemon.api.intake import Intake
 from cosyedge_daemon.api.responders import NativeResponder
-from cosyedge_daemon.api.tts_messages import TtsRequest
 from cosyedge_daemon.api.vad_topics import VoiceLink
 from cosyedge_daemon.audio.barge_in import BargeInPolicy
 from cosyedge_daemon.audio.interfaces import AudioSink
+from cosyedge_daemon.mqtt.connection import InboundMessage, MqttConnection
+from cosyedge_daemon.request.request import TtsRequest
 from cosyedge_daemon.service.health import HealthMonitor
-from cosyedge_daemon.service.metrics import Metrics
 from cosyedge_daemon.service.sdnotify import SdNotifier
-from cosyedge_daemon.service.settings import SECTIONS, Settings, section_attr
 from cosyedge_daemon.serving.answer import Completer
+from cosyedge_daemon.serving.metrics import Metrics
 from cosyedge_daemon.serving.pipeline import Pipeline
 from cosyedge_daemon.serving.scheduler import Scheduler
+from cosyedge_daemon.settings.schema import SECTIONS, Settings, section_attr
 from cosyedge_daemon.synthesizers.cloud import CloudSynthesizer, describe_link
 from cosyedge_daemon.synthesizers.factory import load_local_synthesizer, make_fallback
 from cosyedge_daemon.synthesizers.routing import Router, SynthesizerSet

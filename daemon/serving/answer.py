@@ -8,8 +8,8 @@ import logging
 import time
 from typing import Any
 
-from cosyedge_daemon.service.metrics import Metrics
 from cosyedge_daemon.serving.jobs import ERROR_STOPS, Job
+from cosyedge_daemon.serving.metrics import Metrics
 from cosyedge_daemon.serving.scheduler import Scheduler, Terminal
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
-from cosyedge_daemon.api.tts_messages import TtsRequest
+from cosyedge_daemon.request.request import TtsRequest
 
 if TYPE_CHECKING:
     from cosyedge_daemon.synthesizers.routing import RouteDecision

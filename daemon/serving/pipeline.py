@@ -15,13 +15,13 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-from cosyedge_daemon.api.tts_messages import ApiError
 from cosyedge_daemon.audio.interfaces import AudioSink
-from cosyedge_daemon.service.settings import SchedulerSettings
+from cosyedge_daemon.request.errors import ApiError
 from cosyedge_daemon.serving.answer import Completer
 from cosyedge_daemon.serving.jobs import Job
 from cosyedge_daemon.serving.playback import TICK_S, Error, PlaybackOrder, PlaybackWorker
 from cosyedge_daemon.serving.scheduler import Scheduler
+from cosyedge_daemon.settings.schema import SchedulerSettings
 from cosyedge_daemon.synthesizers.routing import RouteDecision, Router
 from cosyedge_models.errors import RequestError
 from cosyedge_models.synthesis.api import AudioChunk, ServedEngine

@@ -14,9 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from cosyedge_daemon.api.tts_messages import ApiError
-from cosyedge_daemon.service.settings import SchedulerSettings
+from cosyedge_daemon.request.errors import ApiError
 from cosyedge_daemon.serving.jobs import Job
+from cosyedge_daemon.settings.schema import SchedulerSettings
 
 
 @dataclass(frozen=True)

@@ -41,8 +41,8 @@ from cosyedge_cloud.wire.protocol import (
     decode_response,
     now_unix_ms,
 )
-from cosyedge_daemon.api.connection import InboundMessage, MqttConnection
-from cosyedge_daemon.service.settings import CloudSettings
+from cosyedge_daemon.mqtt.connection import InboundMessage, MqttConnection
+from cosyedge_daemon.settings.schema import CloudSettings
 from cosyedge_models.errors import RequestError, SynthesisError
 from cosyedge_models.synthesis.api import AudioChunk, LoadLevel, Mode, StageTimes, SynthesisRequest, SynthesizeFn
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from cosyedge_daemon.service.settings import FallbackSettings, Settings
+from cosyedge_daemon.settings.schema import FallbackSettings, Settings
 from cosyedge_daemon.synthesizers.espeak import EspeakSynthesizer
 from cosyedge_models.errors import SynthesisError
 from cosyedge_models.synthesis.api import ServedEngine

@@ -16,8 +16,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal
 
-from cosyedge_daemon.api.tts_messages import ApiError, TtsRequest
-from cosyedge_daemon.service.settings import RoutingSettings
+from cosyedge_daemon.request.errors import ApiError
+from cosyedge_daemon.request.request import TtsRequest
+from cosyedge_daemon.settings.schema import RoutingSettings
 from cosyedge_models.errors import RequestError
 from cosyedge_models.synthesis.api import ServedEngine
 

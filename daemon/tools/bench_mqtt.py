@@ -20,8 +20,8 @@ from typing import Any
 
 from cosyedge_cloud.wire.broker import LocalBroker
 from cosyedge_cloud.wire.mqtt import MqttOptions, connect, make_client
-from cosyedge_daemon.service.config import settings_from_mapping
 from cosyedge_daemon.service.service import Service
+from cosyedge_daemon.settings.loader import settings_from_mapping
 from cosyedge_daemon.synthesizers.espeak import EspeakSynthesizer
 
 

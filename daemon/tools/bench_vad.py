@@ -25,9 +25,9 @@ from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import numpy as np
-from cosyedge_daemon.audio.settings import AudioSettings, VadSettings
 from cosyedge_daemon.audio.sources import ArraySource
 from cosyedge_daemon.audio.vad_worker import VadWorker
+from cosyedge_daemon.settings.audio import AudioSettings, VadSettings
 
 GOAL_PERCENT = 3.0
 

@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 from cosyedge_cloud.wire.broker import ensure_broker
-from cosyedge_daemon.service.config import parse_broker_url, settings_from_mapping
 from cosyedge_daemon.service.service import Service
+from cosyedge_daemon.settings.loader import parse_broker_url, settings_from_mapping
 from cosyedge_daemon.wyoming.client import synthesize
 from cosyedge_models.errors import CosyEdgeError
 from cosyedge_models.synthesis.api import AudioChunk, EngineDefaults, Mode, ServedEngine, StageTimes, SynthesisRequest

@@ -9,7 +9,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from cosyedge_daemon.wyoming.settings import parse_tcp_uri
+from cosyedge_daemon.settings.wyoming import parse_tcp_uri
 from cosyedge_models.errors import CosyEdgeError
 from wyoming.audio import AudioChunk, AudioStart, AudioStop
 from wyoming.client import AsyncTcpClient

@@ -10,14 +10,14 @@ from typing import Any
 
 from cosyedge_daemon.api.intake import Intake
 from cosyedge_daemon.api.vad_topics import VoiceLink
-from cosyedge_daemon.service.settings import Settings
 from cosyedge_daemon.serving.pipeline import Pipeline
+from cosyedge_daemon.settings.schema import Settings
+from cosyedge_daemon.settings.wyoming import parse_tcp_uri
 from cosyedge_daemon.synthesizers.routing import SynthesizerSet
 from cosyedge_daemon.wyoming.info import build_info, voice_for
 from cosyedge_daemon.wyoming.responder import WyomingResponder
 from cosyedge_daemon.wyoming.satellite import Satellite
 from cosyedge_daemon.wyoming.server import EventLoopThread, Listener
-from cosyedge_daemon.wyoming.settings import parse_tcp_uri
 from cosyedge_daemon.wyoming.tts_server import TtsContext, TtsHandler
 from cosyedge_daemon.wyoming.zeroconf import Advert, Advertiser, advertised_addresses, should_advertise
 

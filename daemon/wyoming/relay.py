@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from cosyedge_daemon.api.tts_messages import TtsRequest
+from cosyedge_daemon.request.request import TtsRequest
 from cosyedge_daemon.serving.jobs import Job
 from cosyedge_daemon.serving.pipeline import Pipeline
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from cosyedge_daemon.api.tts_messages import pcm16_bytes
+from cosyedge_cloud.wire.protocol import pcm16_bytes
 from cosyedge_daemon.serving.jobs import Job
 
 log = logging.getLogger(__name__)

@@ -21,12 +21,12 @@ import time
 
 from cosyedge_daemon.api.vad_topics import VoiceLink
 from cosyedge_daemon.audio.interfaces import VadEvent
-from cosyedge_daemon.audio.settings import VAD_SAMPLE_RATE, VadSettings
 from cosyedge_daemon.serving.jobs import Job
 from cosyedge_daemon.serving.pipeline import Pipeline
+from cosyedge_daemon.settings.audio import VAD_SAMPLE_RATE, VadSettings
+from cosyedge_daemon.settings.wyoming import SatelliteSettings
 from cosyedge_daemon.wyoming.framing import write_event
 from cosyedge_daemon.wyoming.relay import PlaybackRelay, PlayedResponder, pcm16_to_float
-from cosyedge_daemon.wyoming.settings import SatelliteSettings
 from wyoming.asr import Transcript
 from wyoming.audio import AudioChunk, AudioStart, AudioStop
 from wyoming.error import Error

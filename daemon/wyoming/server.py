@@ -12,8 +12,8 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, Protocol, TypeVar
 
+from cosyedge_daemon.settings.wyoming import WyomingSettings
 from cosyedge_daemon.wyoming.framing import HEADER_LIMIT, FrameError, read_event, write_event
-from cosyedge_daemon.wyoming.settings import WyomingSettings
 from wyoming.error import Error
 from wyoming.event import Event
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from cosyedge_daemon.api.intake import Intake
-from cosyedge_daemon.api.tts_messages import ApiError, TtsRequest
+from cosyedge_daemon.request.builder import build_request
+from cosyedge_daemon.request.errors import ApiError
 from cosyedge_daemon.serving.jobs import Job
 from cosyedge_daemon.wyoming.framing import write_event
 from cosyedge_daemon.wyoming.responder import Audio, Budget, Channel, Done, Failed, WyomingResponder
@@ -182,16 +182,12 @@ class TtsHandler:
             await out.put(None)
 
     async def _admit(self, text: str, received_at: float, voice: str | None) -> tuple[Job, Channel] | None:
-        limits = self.ctx.intake.limits
-        if len(text) > limits.max_text_chars:
-            await self._error("text_too_long", f"the text has {len(text)} characters; the limit is "
-                              f"{limits.max_text_chars}")
+        try:
+            request = build_request(self.ctx.intake.limits, text, id_prefix="wyoming-", voice=voice,
+                                    output="publish", priority=self.ctx.priority, received_at=received_at)
+        except ApiError as exc:
+            await self._error(exc.code, exc.message)
             return None
-        request = TtsRequest(
-            id=f"wyoming-{uuid.uuid4().hex[:16]}", client_id=False, text=text, voice=voice or limits.default_voice,
-            output="publish", route=limits.default_route, priority=self.ctx.priority, stream=True,
-            deadline_ms=limits.default_deadline_ms or None, received_at=received_at,
-        )
         job = Job(request, self.ctx.responder)
         channel = Channel(self.loop, self.budget)
         self.ctx.responder.attach(job.id, channel)

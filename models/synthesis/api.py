@@ -24,6 +24,11 @@ class PromptAudio:
     text: str = ""  # transcript; required for zero_shot, unused for cross_lingual
 
 
+# The speaking rate a request may ask for, as a factor of the normal rate: the one
+# range the daemon's front ends, the cloud wire and the synthesizers all check.
+SPEED_MIN, SPEED_MAX = 0.5, 2.0
+
+
 @dataclass(frozen=True)
 class SynthesisRequest:
     text: str
@@ -33,7 +38,7 @@ class SynthesisRequest:
     prompt: PromptAudio | None = None
     stream: bool = True
     seed: int | None = None  # None: a fresh random seed
-    speed: float = 1.0
+    speed: float = 1.0  # SPEED_MIN..SPEED_MAX
     priority: int = 0  # higher joins a full LLM batch first (the daemon's request priority)
 
 

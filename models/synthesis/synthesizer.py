@@ -34,6 +34,8 @@ from cosyedge_models.batching.stage_batcher import call_priority, start_stage_ba
 from cosyedge_models.bundle.loader import Bundle, load_bundle
 from cosyedge_models.errors import RequestError
 from cosyedge_models.synthesis.api import (
+    SPEED_MAX,
+    SPEED_MIN,
     AudioChunk,
     EngineDefaults,
     LoadLevel,
@@ -173,8 +175,8 @@ class CosyVoiceSynthesizer(EngineDefaults):
     def validate(self, request: SynthesisRequest) -> None:
         if request.mode not in MODES:
             raise RequestError("unknown_mode", f"mode {request.mode!r} is not one of {', '.join(MODES)}")
-        if not 0.5 <= request.speed <= 2.0:
-            raise RequestError("bad_speed", f"speed must be between 0.5 and 2.0, got {request.speed}")
+        if not SPEED_MIN <= request.speed <= SPEED_MAX:
+            raise RequestError("bad_speed", f"speed must be between {SPEED_MIN} and {SPEED_MAX}, got {request.speed}")
         if request.speed != 1.0 and request.stream:
             raise RequestError("bad_speed", "speed other than 1.0 is only supported with stream=false (as upstream)")
         self.frontend.check(request.text)

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 from cosyedge_daemon.audio.interfaces import AudioSink
-from cosyedge_daemon.service.config import settings_from_mapping
 from cosyedge_daemon.service.service import Service
-from cosyedge_daemon.service.settings import Settings
+from cosyedge_daemon.settings.loader import settings_from_mapping
+from cosyedge_daemon.settings.schema import Settings
 from cosyedge_daemon.synthesizers.espeak import EspeakSynthesizer
 from cosyedge_models.synthesis.api import Synthesizer
 

@@ -100,7 +100,7 @@ def test_voice_activity_and_native_vad_events(daemons: DaemonFactory) -> None:
 
 def test_only_a_usable_hermes_id_is_remembered_for_the_duplicate_check() -> None:
     from cosyedge_daemon.api.hermes import parse_hermes_say
-    from cosyedge_daemon.api.tts_messages import RequestLimits
+    from cosyedge_daemon.request.request import RequestLimits
 
     def say(extra: dict[str, object]) -> bool:
         payload = json.dumps({"siteId": "s1", "text": "Hi.", **extra}).encode()

@@ -12,7 +12,7 @@ import time
 
 import pytest
 from cosyedge_cloud.wire.broker import LocalBroker
-from cosyedge_daemon.api.connection import max_packet_bytes
+from cosyedge_daemon.mqtt.connection import max_packet_bytes
 
 from tests.daemon.conftest import DaemonFactory
 from tests.daemon.mqtt_probe import Probe

@@ -9,7 +9,9 @@ import sys
 import time
 
 import pytest
-from cosyedge_daemon.api.request_policy import ResponseTopicPolicy, leading_id, topic_problem, valid_id
+from cosyedge_daemon.api.request_policy import ResponseTopicPolicy
+from cosyedge_daemon.request.ids import leading_id, valid_id
+from cosyedge_daemon.settings.topics import topic_problem
 
 ALPHABET = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.:@-")
 
@@ -105,7 +107,7 @@ def test_child_dies_with_its_parent_even_on_sigkill() -> None:
 
 def test_device_id_with_a_trailing_newline_is_refused() -> None:
     """The device id becomes every topic's prefix (found by the config fuzz after `$` matched before \\n)."""
-    from cosyedge_daemon.service.config import validate_device_id
+    from cosyedge_daemon.settings.loader import validate_device_id
     from cosyedge_models.settings_schema import ConfigError
 
     assert validate_device_id("kitchen-1") == "kitchen-1"

@@ -8,15 +8,9 @@ import numpy as np
 import pytest
 import soundfile
 from cosyedge_cloud.wire.protocol import AUDIO_HEADER
-from cosyedge_daemon.api.tts_messages import (
-    ApiError,
-    RequestLimits,
-    audio_payload,
-    audio_properties,
-    decode_audio,
-    parse_cancel,
-    parse_say,
-)
+from cosyedge_daemon.api.tts_messages import audio_payload, audio_properties, decode_audio, parse_cancel, parse_say
+from cosyedge_daemon.request.errors import ApiError
+from cosyedge_daemon.request.request import RequestLimits
 
 LIMITS = RequestLimits(max_payload_bytes=100_000, max_text_chars=500)
 

@@ -13,8 +13,8 @@ import pytest
 from cosyedge_daemon.audio.devices import AudioDeviceError, create_sink, create_source, list_devices, resolve_device
 from cosyedge_daemon.audio.interfaces import AudioSink, AudioSource
 from cosyedge_daemon.audio.pcm import resample
-from cosyedge_daemon.audio.settings import AudioSettings, VadSettings
 from cosyedge_daemon.audio.vad import segment_pcm
+from cosyedge_daemon.settings.audio import AudioSettings, VadSettings
 
 from tests.support.jack import JackServer, jack_available, jack_server
 from tests.support.speech import load_clips, speech_data_dir

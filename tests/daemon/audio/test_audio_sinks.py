@@ -14,9 +14,9 @@ import soundfile as sf
 from cosyedge_daemon.audio.devices import create_sink, create_source
 from cosyedge_daemon.audio.pcm import AudioFileError, Framer, read_pcm16_16k, wav_bytes
 from cosyedge_daemon.audio.ring import FloatRing
-from cosyedge_daemon.audio.settings import AudioSettings, VadSettings
 from cosyedge_daemon.audio.sinks import NullSink, WavFileSink
 from cosyedge_daemon.audio.sources import ArraySource
+from cosyedge_daemon.settings.audio import AudioSettings, VadSettings
 
 
 def test_ring_wraps_around_and_keeps_order() -> None:

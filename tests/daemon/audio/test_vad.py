@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import soundfile as sf
 from cosyedge_daemon.audio.interfaces import VadEvent
-from cosyedge_daemon.audio.settings import VadSettings
 from cosyedge_daemon.audio.vad import Segmenter, Utterance, WebRtcClassifier, segment_pcm
+from cosyedge_daemon.settings.audio import VadSettings
 
 from tests.support.speech import Clip, load_clips, mix, speech_data_dir
 

@@ -12,10 +12,10 @@ import pytest
 import soundfile as sf
 from cosyedge_daemon.audio.barge_in import BargeInAction, BargeInPolicy
 from cosyedge_daemon.audio.interfaces import VadEvent
-from cosyedge_daemon.audio.settings import VadSettings
 from cosyedge_daemon.audio.sinks import NullSink
 from cosyedge_daemon.audio.sources import ArraySource
 from cosyedge_daemon.audio.vad_worker import VadWorker
+from cosyedge_daemon.settings.audio import VadSettings
 
 from tests.support.speech import Clip, load_clips, mix, speech_data_dir
 

@@ -13,7 +13,7 @@ from cosyedge_cloud.wire.broker import ensure_broker, port_open
 from cosyedge_daemon.cli.default_bundle import cache_dir, ensure_tiny_bundle, tiny_bundle_dir
 from cosyedge_daemon.cli.doctor import doctor_command, tensorrt_version
 from cosyedge_daemon.cli.say import say_command
-from cosyedge_daemon.service.config import parse_broker_url
+from cosyedge_daemon.settings.loader import parse_broker_url
 
 from tests.daemon.conftest import DaemonFactory
 from tests.support.broker import free_port, mosquitto_binary

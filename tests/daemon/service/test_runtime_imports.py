@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[3]
 CHECK = """
 import sys
 import cosyedge_daemon.cli.main, cosyedge_daemon.cli.run
-import cosyedge_daemon.service.service, cosyedge_daemon.synthesizers.factory, cosyedge_daemon.audio.wiring
+import cosyedge_daemon.service.service, cosyedge_daemon.synthesizers.factory, cosyedge_daemon.service.wiring
 cosyedge_daemon.cli.main.build_parser()
 import cosyedge_models.synthesis.synthesizer, cosyedge_models.backends.ort, cosyedge_models.backends.tensorrt.backend
 heavy = sorted(m for m in ("torch", "transformers", "hyperpyyaml", "onnx", "librosa", "scipy", "tensorrt", "pycuda",

@@ -56,7 +56,7 @@ def test_unit_verifies(tmp_path: Path) -> None:
         assert line in text, line
     assert not re.search(r"^PrivateDevices=", text, re.M)  # would hide the GPU and ALSA devices
     stop = int(re.search(r"^TimeoutStopSec=(\d+)", text, re.M).group(1))  # type: ignore[union-attr]
-    from cosyedge_daemon.service.settings import HealthSettings
+    from cosyedge_daemon.settings.schema import HealthSettings
 
     assert stop > HealthSettings().stop_timeout_s  # the drain finishes before systemd kills
 

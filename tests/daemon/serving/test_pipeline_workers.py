@@ -13,12 +13,12 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from cosyedge_daemon.api.tts_messages import TtsRequest
-from cosyedge_daemon.service.settings import RoutingSettings, SchedulerSettings
+from cosyedge_daemon.request.request import TtsRequest
 from cosyedge_daemon.serving.answer import Completer
 from cosyedge_daemon.serving.jobs import Job
 from cosyedge_daemon.serving.pipeline import Pipeline
 from cosyedge_daemon.serving.scheduler import Scheduler
+from cosyedge_daemon.settings.schema import RoutingSettings, SchedulerSettings
 from cosyedge_daemon.synthesizers.routing import Router, SynthesizerSet
 
 from tests.daemon.fake_engine import FakeEngine

@@ -5,10 +5,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-from cosyedge_daemon.api.tts_messages import ApiError, TtsRequest
-from cosyedge_daemon.service.settings import SchedulerSettings
+from cosyedge_daemon.request.errors import ApiError
+from cosyedge_daemon.request.request import TtsRequest
 from cosyedge_daemon.serving.jobs import Job
 from cosyedge_daemon.serving.scheduler import DedupeMemory, Scheduler, Terminal
+from cosyedge_daemon.settings.schema import SchedulerSettings
 
 
 class Clock:

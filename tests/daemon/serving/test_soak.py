@@ -15,7 +15,7 @@ from pathlib import Path
 
 import paho.mqtt.client as mqtt
 import pytest
-from cosyedge_daemon.service.settings import SchedulerSettings
+from cosyedge_daemon.settings.schema import SchedulerSettings
 from paho.mqtt.enums import CallbackAPIVersion
 
 from tests.daemon.service.test_process import Daemon

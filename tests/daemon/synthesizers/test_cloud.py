@@ -17,8 +17,8 @@ import paho.mqtt.client as mqtt
 import pytest
 from cosyedge_cloud.wire.mqtt import MqttOptions, connect, make_client, publish_properties, received_properties
 from cosyedge_cloud.wire.protocol import CloudTopics, encode_audio, encode_done, encode_error, parse_request
-from cosyedge_daemon.api.connection import MqttConnection
-from cosyedge_daemon.service.settings import CloudSettings, MqttSettings
+from cosyedge_daemon.mqtt.connection import MqttConnection
+from cosyedge_daemon.settings.schema import CloudSettings, MqttSettings
 from cosyedge_daemon.synthesizers.cloud import CloudSynthesizer, CloudUnavailable
 from cosyedge_models.errors import RequestError
 from cosyedge_models.synthesis.api import SynthesisRequest

@@ -7,8 +7,9 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from cosyedge_daemon.api.tts_messages import ApiError, TtsRequest
-from cosyedge_daemon.service.settings import RoutingSettings
+from cosyedge_daemon.request.errors import ApiError
+from cosyedge_daemon.request.request import TtsRequest
+from cosyedge_daemon.settings.schema import RoutingSettings
 from cosyedge_daemon.synthesizers.espeak import EspeakSynthesizer
 from cosyedge_daemon.synthesizers.routing import RouteDecision, Router, SynthesizerSet, count_tokens
 from cosyedge_models.synthesis.api import PromptAudio

@@ -3,7 +3,7 @@ the neutral defaults, and the router reading `available` without probing."""
 
 from __future__ import annotations
 
-from cosyedge_daemon.service.settings import RoutingSettings
+from cosyedge_daemon.settings.schema import RoutingSettings
 from cosyedge_daemon.synthesizers.cloud import describe_link
 from cosyedge_daemon.synthesizers.routing import SynthesizerSlot
 from cosyedge_models.synthesis.api import ServedEngine, SynthesisRequest

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cosyedge_daemon.service.settings import Settings, TtsSettings
+from cosyedge_daemon.settings.schema import Settings, TtsSettings
 from cosyedge_daemon.synthesizers.factory import load_local_synthesizer
 
 
@@ -29,7 +29,7 @@ def test_batching_settings_reach_the_engine(tiny_bundle: Path) -> None:
 
 
 def test_streaming_settings_reach_the_engine(tiny_bundle: Path, tmp_path: Path) -> None:
-    from cosyedge_daemon.service.config import load_settings
+    from cosyedge_daemon.settings.loader import load_settings
     from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer
 
     defaults = load_local_synthesizer(Settings(device_id="t"), bundle=str(tiny_bundle))

@@ -8,9 +8,10 @@ from __future__ import annotations
 import time
 
 import pytest
-from cosyedge_daemon.api.tts_messages import ApiError, TtsRequest
-from cosyedge_daemon.service.settings import RoutingSettings
+from cosyedge_daemon.request.errors import ApiError
+from cosyedge_daemon.request.request import TtsRequest
 from cosyedge_daemon.serving.jobs import Job
+from cosyedge_daemon.settings.schema import RoutingSettings
 from cosyedge_daemon.synthesizers.routing import RouteDecision, Router, SynthesizerSet
 from cosyedge_models.errors import RequestError
 from cosyedge_models.synthesis.api import SynthesisRequest

@@ -5,8 +5,9 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from cosyedge_daemon.api.tts_messages import ApiError, TtsRequest
-from cosyedge_daemon.service.settings import RoutingSettings
+from cosyedge_daemon.request.errors import ApiError
+from cosyedge_daemon.request.request import TtsRequest
+from cosyedge_daemon.settings.schema import RoutingSettings
 from cosyedge_daemon.synthesizers.espeak import EspeakSynthesizer
 from cosyedge_daemon.synthesizers.routing import RouteDecision, Router, SynthesizerSet
 from cosyedge_models.synthesis.api import AudioChunk, SynthesisRequest

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from cosyedge_daemon.cli.doctor import check_wyoming
 from cosyedge_daemon.cli.say import say_command
-from cosyedge_daemon.service.config import apply_flags, settings_from_mapping
+from cosyedge_daemon.settings.loader import apply_flags, settings_from_mapping
 from cosyedge_daemon.wyoming.client import synthesize
 from cosyedge_daemon.wyoming.zeroconf import SERVICE_TYPE, Advert, advertised_addresses, service_info, should_advertise
 from cosyedge_models.settings_schema import ConfigError
@@ -119,7 +119,7 @@ class _VoicedEngine(FakeEngine):
 
 
 def test_info_voices_and_voice_choice() -> None:
-    from cosyedge_daemon.service.settings import RoutingSettings
+    from cosyedge_daemon.settings.schema import RoutingSettings
     from cosyedge_daemon.synthesizers.routing import SynthesizerSet
     from cosyedge_daemon.wyoming.info import build_info, voice_for
     from wyoming.tts import SynthesizeVoice

@@ -11,10 +11,10 @@ import asyncio
 
 import numpy as np
 import pytest
-from cosyedge_daemon.audio.settings import VadSettings
 from cosyedge_daemon.audio.sources import ArraySource
 from cosyedge_daemon.audio.vad_worker import VadWorker
 from cosyedge_daemon.service.service import Service
+from cosyedge_daemon.settings.audio import VadSettings
 from wyoming.audio import AudioChunk, AudioStart, AudioStop
 from wyoming.client import AsyncTcpClient
 from wyoming.event import Event

@@ -306,8 +306,8 @@ def test_cached_voice_parity_on_ort_cuda(voice_bundle: Path, monkeypatch: pytest
 
 
 def test_the_daemon_setting_reaches_the_engine(voice_bundle: Path, tmp_path: Path) -> None:
-    from cosyedge_daemon.service.config import load_settings
-    from cosyedge_daemon.service.settings import Settings
+    from cosyedge_daemon.settings.loader import load_settings
+    from cosyedge_daemon.settings.schema import Settings
     from cosyedge_daemon.synthesizers.factory import load_local_synthesizer
     from cosyedge_models.settings_schema import ConfigError
 

@@ -10,9 +10,9 @@ from types import MappingProxyType
 from typing import Any
 
 from cosyedge_cloud.wire.mqtt import MqttSetupError, parse_broker_url
-from cosyedge_daemon.api.request_policy import topic_problem
-from cosyedge_daemon.audio.settings import AudioSettings, VadSettings
-from cosyedge_daemon.wyoming.settings import SatelliteSettings, WyomingSettings
+from cosyedge_daemon.settings.audio import AudioSettings, VadSettings
+from cosyedge_daemon.settings.topics import topic_problem
+from cosyedge_daemon.settings.wyoming import SatelliteSettings, WyomingSettings
 from cosyedge_models.settings_schema import setting
 
 PRIORITY_MIN, PRIORITY_MAX = -1000, 1000
@@ -397,7 +397,7 @@ class Settings:
     def site_ids(self) -> tuple[str, ...]:
         return self.hermes.site_ids or (self.device_id,)
 
-    # The audio side's dataclasses validate these tables (daemon/audio/settings.py).
+    # The audio side's dataclasses validate these tables (daemon/settings/audio.py).
     # The daemon's own `device` key (and `--audio`) names both the speaker
     # and the microphone unless output_device / input_device are given.
     @property

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from cosyedge_daemon.api.vad_topics import VoiceLink
 from cosyedge_daemon.audio.interfaces import AudioSink
-from cosyedge_daemon.service.settings import Settings
+from cosyedge_daemon.settings.schema import Settings
 from cosyedge_models.errors import CosyEdgeError
 
 if TYPE_CHECKING:

@@ -3,7 +3,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from cosyedge_daemon.audio.settings import AudioSettings, AudioSettingsError, VadSettings
+from cosyedge_daemon.settings.audio import AudioSettings, AudioSettingsError, VadSettings
 
 
 def test_defaults_are_valid_and_documented_values() -> None:

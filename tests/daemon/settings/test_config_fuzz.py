@@ -10,9 +10,9 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from cosyedge_daemon.api.request_policy import topic_problem
-from cosyedge_daemon.service.config import load_settings
-from cosyedge_daemon.service.settings import SECTIONS
+from cosyedge_daemon.settings.loader import load_settings
+from cosyedge_daemon.settings.schema import SECTIONS
+from cosyedge_daemon.settings.topics import topic_problem
 from cosyedge_models.errors import CosyEdgeError
 from hypothesis import HealthCheck, given, settings
 

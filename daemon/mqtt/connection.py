@@ -16,9 +16,9 @@ from typing import Any
 
 import paho.mqtt.client as mqtt
 from cosyedge_cloud.wire.mqtt import MqttOptions, connect, make_client, received_properties
-from cosyedge_daemon.api.request_policy import topic_problem
-from cosyedge_daemon.service.config import parse_broker_url
-from cosyedge_daemon.service.settings import MqttSettings
+from cosyedge_daemon.settings.loader import parse_broker_url
+from cosyedge_daemon.settings.schema import MqttSettings
+from cosyedge_daemon.settings.topics import topic_problem
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 

@@ -15,9 +15,9 @@ from typing import Any
 
 from cosyedge_cloud.wire.mqtt import BrokerAddress, MqttSetupError
 from cosyedge_cloud.wire.mqtt import parse_broker_url as _parse_broker_url
-from cosyedge_daemon.audio.settings import AudioSettings, VadSettings
-from cosyedge_daemon.service.settings import SECTIONS, Settings, section_attr
-from cosyedge_daemon.wyoming.settings import parse_tcp_uri
+from cosyedge_daemon.settings.audio import AudioSettings, VadSettings
+from cosyedge_daemon.settings.schema import SECTIONS, Settings, section_attr
+from cosyedge_daemon.settings.wyoming import parse_tcp_uri
 from cosyedge_models.settings_schema import ConfigError, build_section, example_lines, reference_table, replace_checked
 
 if sys.version_info >= (3, 11):
@@ -158,10 +158,10 @@ def reference_markdown() -> str:
         "# Daemon configuration reference",
         "",
         "Generated from the settings schema",
-        "(`python -m cosyedge_daemon.service.config --markdown > docs/configuration.md`);",
+        "(`python -m cosyedge_daemon.settings.loader --markdown > docs/configuration.md`);",
         "a test checks it is current. A TOML file (`cosyedge run --config FILE`); every key is optional.",
         "`systemd/cosyedge.toml` is the example with every key at its default",
-        "(`python -m cosyedge_daemon.service.config`).",
+        "(`python -m cosyedge_daemon.settings.loader`).",
         "Unknown keys and invalid values stop the start with a message that names the key and the allowed",
         "values. SIGHUP re-reads the file: keys marked *reloaded by SIGHUP* apply at once, keys marked",
         "*SIGHUP reloads the engine* reload the local engine, every other change is logged as needing a",
@@ -183,7 +183,7 @@ def reference_markdown() -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """python -m cosyedge_daemon.service.config [--markdown]: print the example config (or the reference)."""
+    """python -m cosyedge_daemon.settings.loader [--markdown]: print the example config (or the reference)."""
     args = sys.argv[1:] if argv is None else argv
     print(reference_markdown() if "--markdown" in args else example_toml(), end="")
 

@@ -5,8 +5,8 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from cosyedge_daemon.audio.settings import AudioSettings, VadSettings
-from cosyedge_daemon.service.config import (
+from cosyedge_daemon.settings.audio import AudioSettings, VadSettings
+from cosyedge_daemon.settings.loader import (
     ConfigError,
     apply_flags,
     example_toml,
@@ -15,7 +15,7 @@ from cosyedge_daemon.service.config import (
     reference_markdown,
     settings_from_mapping,
 )
-from cosyedge_daemon.service.settings import SECTIONS
+from cosyedge_daemon.settings.schema import SECTIONS
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -133,10 +133,10 @@ def test_broker_urls() -> None:
 
 
 def test_example_config_is_current_and_complete() -> None:
-    """systemd/cosyedge.toml is the generated example (`python -m cosyedge_daemon.service.config`),
+    """systemd/cosyedge.toml is the generated example (`python -m cosyedge_daemon.settings.loader`),
     lists every key, and loads to the defaults."""
     text = (ROOT / "systemd" / "cosyedge.toml").read_text()
-    assert text == example_toml(), "regenerate: python -m cosyedge_daemon.service.config > systemd/cosyedge.toml"
+    assert text == example_toml(), "regenerate: python -m cosyedge_daemon.settings.loader > systemd/cosyedge.toml"
     for name, cls in SECTIONS.items():
         assert f"[{name}]" in text
         for f in dataclasses.fields(cls):
@@ -150,7 +150,7 @@ def test_reference_docs_are_generated_and_current() -> None:
     """docs/configuration.md is what the schema renders and names every key."""
     text = (ROOT / "docs" / "configuration.md").read_text()
     assert text == reference_markdown(), \
-        "regenerate: python -m cosyedge_daemon.service.config --markdown > docs/configuration.md"
+        "regenerate: python -m cosyedge_daemon.settings.loader --markdown > docs/configuration.md"
     for name, cls in {**SECTIONS, "audio": AudioSettings, "vad": VadSettings}.items():
         for f in dataclasses.fields(cls):
             assert f"| `{f.name}` |" in text, f"[{name}] {f.name} missing from docs/configuration.md"
