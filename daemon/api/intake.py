@@ -1,7 +1,8 @@
-"""From MQTT messages to queued jobs. `on_message` runs on paho's network
-thread and only parses and queues (bounded); the intake thread then checks
-duplicates, asks the router and the engine whether the request can be
-served, and submits it to the scheduler — or answers with an error."""
+"""The MQTT front end's way in: `on_message` runs on paho's network thread
+and only parses and queues (bounded); the intake thread then hands each
+request to serving's one admission path (serving/admission.py), which
+answers it from then on. Only what never became a request (a payload that
+does not parse, a refused ResponseTopic) is answered here."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from cosyedge_daemon.api.hermes import (
     SAY_TOPIC,
@@ -28,11 +29,10 @@ from cosyedge_daemon.api.tts_messages import parse_cancel, parse_say
 from cosyedge_daemon.mqtt.connection import InboundMessage, Reply
 from cosyedge_daemon.request.errors import ApiError
 from cosyedge_daemon.request.ids import leading_id, sniff_field
-from cosyedge_daemon.request.request import RequestLimits, TtsRequest
-from cosyedge_daemon.serving.jobs import Job, Responder
+from cosyedge_daemon.request.request import TtsRequest
+from cosyedge_daemon.serving.admission import Admission
+from cosyedge_daemon.serving.jobs import Responder
 from cosyedge_daemon.serving.metrics import Metrics
-from cosyedge_daemon.serving.pipeline import Pipeline
-from cosyedge_daemon.serving.scheduler import DedupeMemory, Scheduler, Terminal
 from cosyedge_daemon.settings.schema import Settings
 
 log = logging.getLogger(__name__)
@@ -65,35 +65,17 @@ class _Reload:
 _Item = _Say | _Reject | _Cancel | _Reload | HermesError
 
 
-def request_limits(settings: Settings, has_sink: bool) -> RequestLimits:
-    t, s = settings.tts, settings.scheduler
-    output = t.default_output if t.default_output != "auto" else ("play" if has_sink else "publish")
-    return RequestLimits(
-        max_payload_bytes=settings.mqtt.max_payload_bytes,
-        max_text_chars=t.max_text_chars,
-        max_prompt_s=t.max_prompt_s,
-        default_voice=t.default_voice or None,
-        default_output=output,  # type: ignore[arg-type]
-        default_route=settings.routing.default_route,  # type: ignore[arg-type]
-        default_priority=s.default_priority,
-        default_deadline_ms=s.default_deadline_ms,
-    )
-
-
 class Intake:
     def __init__(
         self,
         settings: Settings,
-        scheduler: Scheduler,
-        pipeline: Pipeline,
+        admission: Admission,
         publisher: Publisher,
         native: NativeResponder,
         metrics: Metrics | None,
         on_reload: Callable[[str | None], object],
     ) -> None:
-        self.scheduler = scheduler
-        self.pipeline = pipeline
-        self.router = pipeline.router
+        self.admission = admission
         self.publisher = publisher
         self.native = native
         self.metrics = metrics
@@ -101,7 +83,7 @@ class Intake:
         prefix = settings.topic_prefix
         self.say_topic, self.cancel_topic = f"{prefix}/tts/say", f"{prefix}/tts/cancel"
         self.reload_topic = f"{prefix}/admin/reload"
-        self.has_sink = pipeline.sink is not None
+        self.has_sink = admission.has_sink
         self._input_topics: list[str] = []
         self.reconfigure(settings)
         self._queue: queue.Queue[_Item] = queue.Queue(maxsize=settings.mqtt.inbound_queue)
@@ -111,7 +93,7 @@ class Intake:
 
     def reconfigure(self, settings: Settings) -> None:
         self.settings = settings
-        self.limits = request_limits(settings, self.has_sink)
+        self.admission.reconfigure(settings)
         self.set_input_topics(self._input_topics)
 
     def set_input_topics(self, topics: list[str]) -> None:
@@ -150,18 +132,19 @@ class Intake:
                 reply = Reply(msg.response_topic, msg.correlation_data)
         try:
             if msg.topic == self.say_topic:
-                request = parse_say(msg.payload, self.limits, reply=reply, received_at=msg.received_at)
+                request = parse_say(msg.payload, self.admission.limits, reply=reply, received_at=msg.received_at)
                 if reply_problem is not None:  # answered on the native topics only
                     return _Reject(request.id, "invalid_response_topic", reply_problem, None)
                 return _Say(request)
             if msg.topic == self.cancel_topic:
-                return _Cancel(parse_cancel(msg.payload, self.limits.max_payload_bytes))
+                return _Cancel(parse_cancel(msg.payload, self.admission.limits.max_payload_bytes))
             if msg.topic == self.reload_topic:
                 return _Reload(_reload_bundle(msg.payload))
             if msg.topic == SAY_TOPIC:
-                h = self.settings.hermes
+                # no speaker here: hand Hermes the WAV instead
+                output = self.settings.hermes.output if self.has_sink else "publish"
                 say = parse_hermes_say(
-                    msg.payload, self.limits, self.settings.site_ids, h.output, msg.received_at
+                    msg.payload, self.admission.limits, self.settings.site_ids, output, msg.received_at
                 )
                 return None if say is None else _Say(say.request, say)
         except HermesError as exc:
@@ -219,7 +202,7 @@ class Intake:
             self._rejected(item.code)
             self.native.reject(item.request_id, item.code, item.message, item.reply)
         elif isinstance(item, _Cancel):
-            self._cancel(item.request_id)
+            self.admission.cancel(item.request_id)
         elif isinstance(item, _Reload):
             self.on_reload(item.bundle)
         elif isinstance(item, HermesError):
@@ -232,80 +215,10 @@ class Intake:
             self.metrics.rejected.labels(code=code).inc()
 
     def _say(self, item: _Say) -> None:
-        request = item.request
         responder: Responder = (
             HermesResponder(self.publisher, item.hermes) if item.hermes is not None else self.native
         )
-        if item.hermes is not None and request.output == "play" and not self.has_sink:
-            request = _with_output(request, "publish")  # no speaker here: hand Hermes the WAV instead
-        job = Job(request, responder)
-        seen = self.scheduler.check_duplicate(request.id) if request.client_id else None
-        if seen is not None:
-            self._duplicate(job, seen)
-            return
-        try:
-            if request.output in ("play", "both") and not self.has_sink:
-                raise ApiError(
-                    "no_audio_device",
-                    f"output '{request.output}' needs an audio device; this "
-                    "cosyedge_daemon runs without one (use output 'publish')",
-                )
-            job.decision = self.router.admit(request)
-            preempted = self.scheduler.submit(job)
-        except ApiError as exc:
-            self._rejected(exc.code)
-            log.info("request %s rejected: %s: %s", request.id, exc.code, exc.message)
-            responder.error(job, exc.code, exc.message)
-            return
-        for other in preempted:
-            log.info("request %s (priority %d) preempts %s", job.id, job.priority, other.id)
-            self.pipeline.stop_job(other, "preempted")
-
-    def admit(self, job: Job) -> None:
-        """Validate and queue a job of another front end (Wyoming), as `_say`
-        does for MQTT: the route decided once, the same scheduler, preemption
-        and metrics. Raises ApiError (counted as rejected); the caller answers it."""
-        try:
-            job.decision = self.router.admit(job.request)
-            preempted = self.scheduler.submit(job)
-        except ApiError as exc:
-            self._rejected(exc.code)
-            log.info("request %s rejected: %s: %s", job.id, exc.code, exc.message)
-            raise
-        for other in preempted:
-            log.info("request %s (priority %d) preempts %s", job.id, job.priority, other.id)
-            self.pipeline.stop_job(other, "preempted")
-
-    def cancel(self, request_id: str) -> None:
-        """Cancel a queued or running request (any thread), as tts/cancel does."""
-        self._cancel(request_id)
-
-    def _duplicate(self, job: Job, seen: str | Terminal) -> None:
-        """A redelivered (or repeated) id is never spoken again: in flight →
-        ignored; finished → the original answer is sent again."""
-        if seen == DedupeMemory.PENDING or not isinstance(seen, Terminal):
-            log.info("duplicate request %s ignored (still in progress)", job.id)
-            return
-        log.info("duplicate request %s: replaying its %s", job.id, seen.kind)
-        if seen.kind == "done":
-            job.responder.done(job, seen.payload)
-        else:
-            job.responder.error(job, str(seen.payload["code"]), str(seen.payload["message"]))
-
-    def _cancel(self, request_id: str) -> None:
-        job, was_queued = self.scheduler.cancel(request_id)
-        if job is None:
-            log.info("cancel of %s: no such request queued or running (ignored)", request_id)
-            return
-        if was_queued:
-            job.stop("cancelled")
-            self.pipeline.completer.complete(job)
-        else:
-            self.pipeline.stop_job(job, "cancelled")
-
-
-def _with_output(request: TtsRequest, output: str) -> TtsRequest:
-    return replace(request, output=output)  # type: ignore[arg-type]
+        self.admission.admit(item.request, responder)
 
 
 def _reload_bundle(payload: bytes) -> str | None:

@@ -22,6 +22,7 @@ from cosyedge_daemon.mqtt.connection import InboundMessage, MqttConnection
 from cosyedge_daemon.request.request import TtsRequest
 from cosyedge_daemon.service.health import HealthMonitor
 from cosyedge_daemon.service.sdnotify import SdNotifier
+from cosyedge_daemon.serving.admission import Admission
 from cosyedge_daemon.serving.answer import Completer
 from cosyedge_daemon.serving.metrics import Metrics
 from cosyedge_daemon.serving.pipeline import Pipeline
@@ -80,9 +81,8 @@ class Service:
             on_connected=self._on_connected,
         )
         self.native = NativeResponder(self.conn, prefix, settings.mqtt.audio_header)
-        self.intake = Intake(
-            settings, self.scheduler, self.pipeline, self.conn, self.native, self.metrics, self.request_reload
-        )
+        self.admission = Admission(settings, self.scheduler, self.pipeline)
+        self.intake = Intake(settings, self.admission, self.conn, self.native, self.metrics, self.request_reload)
         self.conn.subscriptions = self.intake.subscriptions()
         self.cloud: CloudSynthesizer | None = None
         if settings.cloud.enabled:
@@ -102,7 +102,7 @@ class Service:
         self.extra_liveness: dict[str, Callable[[], bool]] = {}  # e.g. the audio capture worker
         self.wyoming: WyomingFrontend | None = None
         if wyoming_enabled(settings):
-            self.wyoming = WyomingFrontend(settings, self.intake, self.engines, self.pipeline, self.voice, VERSION)
+            self.wyoming = WyomingFrontend(settings, self.admission, self.engines, self.pipeline, self.voice, VERSION)
             self.extra_liveness["wyoming"] = self.wyoming.alive
         self.health = HealthMonitor(
             self.notifier,
@@ -212,8 +212,7 @@ class Service:
         self.state = "stopping"
         self.notifier.stopping("draining")
         for job in self.scheduler.close():
-            job.stop("shutting_down")
-            self.completer.complete(job)
+            self.completer.stop_queued(job, "shutting_down")
         self.health.publish_if_due(force=True)
         deadline = time.monotonic() + timeout_s
         while self.scheduler.running() and time.monotonic() < deadline:
@@ -342,8 +341,7 @@ class Service:
     def _housekeeping(self) -> None:
         queued, running = self.scheduler.expired()
         for job in queued:
-            job.stop("deadline_exceeded")
-            self.completer.complete(job)
+            self.completer.stop_queued(job, "deadline_exceeded")
         for job in running:
             self.pipeline.stop_job(job, "deadline_exceeded")
         m = self.metrics

@@ -1,5 +1,10 @@
-"""Ends a job exactly once: `done` or `error` to its responder, the
-duplicate-id memory, metrics, and the one-line JSON trace in the log."""
+"""The one owner of every answer to a request handed to serving
+(serving/admission.py): an accepted job ends exactly once, `done` or `error`
+to its responder, with the duplicate-id memory, metrics and the one-line
+JSON trace in the log (`complete`, `stop_queued`); a refused one gets its
+error (`refuse`), a duplicate its first answer again (`replay`). The
+synthesis workers, the playback worker, the deadline and cancel paths and
+the drain at shutdown all answer through here."""
 
 from __future__ import annotations
 
@@ -27,6 +32,35 @@ class Completer:
         self.scheduler = scheduler
         self.metrics = metrics
         self.log_traces = log_traces
+
+    def refuse(self, job: Job, code: str, message: str) -> None:
+        """The error of a request that was not accepted (never queued)."""
+        if self.metrics is not None:
+            self.metrics.rejected.labels(code=code).inc()
+        if not job.claim_terminal():
+            return
+        try:
+            job.responder.error(job, code, message)
+        except Exception:
+            log.exception("answering request %s failed", job.id)
+
+    def replay(self, job: Job, terminal: Terminal) -> None:
+        """A duplicate of a finished request: its first answer again."""
+        if not job.claim_terminal():
+            return
+        try:
+            if terminal.kind == "done":
+                job.responder.done(job, terminal.payload)
+            else:
+                job.responder.error(job, str(terminal.payload["code"]), str(terminal.payload["message"]))
+        except Exception:
+            log.exception("answering duplicate request %s failed", job.id)
+
+    def stop_queued(self, job: Job, reason: str) -> None:
+        """End a job the scheduler has already given up (cancelled, past its
+        deadline or still queued at shutdown) with the reason's answer."""
+        job.stop(reason)
+        self.complete(job)
 
     def complete(self, job: Job, error: tuple[str, str] | None = None) -> None:
         """Send the job's terminal answer (once; later calls do nothing)."""

@@ -1,15 +1,15 @@
 """The Wyoming front end of `cosyedge run`: the event-loop thread, the TTS
 listener (`[wyoming] uri`), the satellite listener (`[wyoming.satellite]
 uri`) and their zeroconf adverts, put together from the daemon's own
-intake, engines and pipeline. Wiring only."""
+admission, synthesizers and pipeline. Wiring only."""
 
 from __future__ import annotations
 
 import logging
 from typing import Any
 
-from cosyedge_daemon.api.intake import Intake
 from cosyedge_daemon.api.vad_topics import VoiceLink
+from cosyedge_daemon.serving.admission import Admission
 from cosyedge_daemon.serving.pipeline import Pipeline
 from cosyedge_daemon.settings.schema import Settings
 from cosyedge_daemon.settings.wyoming import parse_tcp_uri
@@ -29,7 +29,7 @@ def enabled(settings: Settings) -> bool:
 
 
 class WyomingFrontend:
-    def __init__(self, settings: Settings, intake: Intake, engines: SynthesizerSet, pipeline: Pipeline,
+    def __init__(self, settings: Settings, admission: Admission, engines: SynthesizerSet, pipeline: Pipeline,
                  voice: VoiceLink, version: str) -> None:
         self.settings = settings
         self.runtime = EventLoopThread()
@@ -42,7 +42,7 @@ class WyomingFrontend:
         if w.uri:
             host, port = parse_tcp_uri(w.uri, "[wyoming] uri")
             ctx = TtsContext(
-                intake=intake, responder=self.responder, info=lambda: build_info(engines, version),
+                admission=admission, responder=self.responder, info=lambda: build_info(engines, version),
                 voice_for=lambda v: voice_for(engines, v), priority=w.priority,
                 max_buffered_bytes=lambda rate: int(w.max_buffered_audio_s * rate * 2),
             )

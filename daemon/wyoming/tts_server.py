@@ -1,8 +1,9 @@
 """The Wyoming TTS server's protocol: describe → info; synthesize → one
 request; synthesize-start / -chunk / -stop → one request per sentence as
 each completes (streaming.py), the legacy synthesize a streaming client also
-sends ignored; ping → pong; unknown events ignored. Every request is a Job
-admitted through the daemon's Intake (scheduler, router, metrics, trace);
+sends ignored; ping → pong; unknown events ignored. Every request is built by
+the one builder and admitted through serving's Admission (scheduler, router,
+metrics, trace);
 its answers come back through the WyomingResponder."""
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cosyedge_daemon.api.intake import Intake
 from cosyedge_daemon.request.builder import build_request
 from cosyedge_daemon.request.errors import ApiError
+from cosyedge_daemon.serving.admission import Admission
 from cosyedge_daemon.serving.jobs import Job
 from cosyedge_daemon.wyoming.framing import write_event
 from cosyedge_daemon.wyoming.responder import Audio, Budget, Channel, Done, Failed, WyomingResponder
@@ -38,7 +39,7 @@ _END = None
 class TtsContext:
     """What every TTS connection shares (built once by the front end)."""
 
-    intake: Intake
+    admission: Admission
     responder: WyomingResponder
     info: Callable[[], Info]
     voice_for: Callable[[SynthesizeVoice | None], str | None]
@@ -108,7 +109,7 @@ class TtsHandler:
             await self._error("invalid_state", "synthesize-start while a stream is open; ending the old one")
             self.stream.sentences.put_nowait(_END)
         run = _Run(True, self.ctx.voice_for(voice))
-        run.buffer = SentenceBuffer(self.ctx.intake.limits.max_text_chars)
+        run.buffer = SentenceBuffer(self.ctx.admission.limits.max_text_chars)
         self.stream = run
         self._launch(run)
 
@@ -183,23 +184,23 @@ class TtsHandler:
 
     async def _admit(self, text: str, received_at: float, voice: str | None) -> tuple[Job, Channel] | None:
         try:
-            request = build_request(self.ctx.intake.limits, text, id_prefix="wyoming-", voice=voice,
+            request = build_request(self.ctx.admission.limits, text, id_prefix="wyoming-", voice=voice,
                                     output="publish", priority=self.ctx.priority, received_at=received_at)
         except ApiError as exc:
             await self._error(exc.code, exc.message)
             return None
-        job = Job(request, self.ctx.responder)
         channel = Channel(self.loop, self.budget)
-        self.ctx.responder.attach(job.id, channel)
-        self.jobs[job.id] = job
-        try:
-            # On the loop, not a helper thread: validation is short (a tokenizer pass) and one thread
-            # hop less is measurably sooner first audio on a busy two-core board.
-            self.ctx.intake.admit(job)
-        except ApiError as exc:
-            self._forget(job)
-            await self._error(exc.code, exc.message)
+        self.ctx.responder.attach(request.id, channel)
+        # On the loop, not a helper thread: validation is short (a tokenizer pass) and one thread
+        # hop less is measurably sooner first audio on a busy two-core board.
+        job = self.ctx.admission.admit(request, self.ctx.responder)
+        if job is None:  # refused: its one answer, the error, is on the channel
+            answer = await channel.queue.get()
+            self.ctx.responder.detach(request.id)
+            if isinstance(answer, Failed):
+                await self._error(answer.code, answer.message)
             return None
+        self.jobs[job.id] = job
         return job, channel
 
     async def _send_job(self, job: Job, channel: Channel) -> bool:
@@ -241,7 +242,7 @@ class TtsHandler:
     def _cancel(self, job: Job) -> None:
         if not job.finished:
             log.info("Wyoming client gone: cancelling %s", job.id)
-            self.ctx.intake.cancel(job.id)
+            self.ctx.admission.cancel(job.id)
         self._forget(job)
 
     def _forget(self, job: Job) -> None:
