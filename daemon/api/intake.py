@@ -23,7 +23,7 @@ from cosyedge_daemon.api.hermes import (
     publish_error,
     publish_say_finished,
 )
-from cosyedge_daemon.api.request_policy import ResponseTopicPolicy
+from cosyedge_daemon.api.request_policy import ResponseTopicPolicy, reserved_namespaces
 from cosyedge_daemon.api.responders import NativeResponder, Publisher
 from cosyedge_daemon.api.tts_messages import parse_cancel, parse_say
 from cosyedge_daemon.mqtt.connection import InboundMessage, Reply
@@ -100,7 +100,9 @@ class Intake:
         """Every topic the daemon subscribes to (also the cloud's): no ResponseTopic may be one of them."""
         self._input_topics = list(topics)
         self.response_policy = ResponseTopicPolicy(
-            [*self.subscriptions(), *topics], self.settings.mqtt.response_topic_prefix
+            [*self.subscriptions(), *topics],
+            self.settings.mqtt.response_topic_prefix,
+            reserved_namespaces(self.settings.topic_prefix),
         )
 
     def subscriptions(self) -> list[str]:

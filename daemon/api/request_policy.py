@@ -1,6 +1,8 @@
-"""Which MQTT v5 ResponseTopics the daemon mirrors its answers to (no
-wildcards, none of the daemon's own input topics, optionally only below an
-allowed prefix). Pure logic: no I/O here."""
+"""Which MQTT v5 ResponseTopics the daemon mirrors its answers to: no
+wildcards, none of the daemon's own input topics; by default none in the
+namespaces it publishes in itself (its status topics, `hermes/`), and only
+below `[mqtt] response_topic_prefix` when that is set. Pure logic: no I/O
+here."""
 
 from __future__ import annotations
 
@@ -11,14 +13,27 @@ from cosyedge_daemon.settings.topics import topic_problem
 from paho.mqtt.client import topic_matches_sub
 
 
+def reserved_namespaces(topic_prefix: str) -> list[str]:
+    """The namespaces the daemon publishes in itself, besides its input topics:
+    its status topics and Hermes. A ResponseTopic there would let a client
+    make the daemon speak for itself there (a `done` JSON on
+    hermes/tts/sayFinished, a fake status), so they are refused unless
+    `[mqtt] response_topic_prefix` explicitly lies inside one of them."""
+    return [f"{topic_prefix}/status", f"{topic_prefix}/status/#", "hermes/#"]
+
+
 class ResponseTopicPolicy:
     """Which v5 ResponseTopics the daemon mirrors answers to: publishable
     topics that none of its own subscriptions match (it would feed its answers
-    back into itself) and, when `allowed_prefix` is set, only below it."""
+    back into itself) and, when `allowed_prefix` is set, only below it;
+    without it, none in the `reserved` namespaces the daemon speaks itself."""
 
-    def __init__(self, own_subscriptions: Sequence[str], allowed_prefix: str = "") -> None:
+    def __init__(
+        self, own_subscriptions: Sequence[str], allowed_prefix: str = "", reserved: Sequence[str] = ()
+    ) -> None:
         self.own = list(own_subscriptions)
         self.allowed_prefix = allowed_prefix.rstrip("/")
+        self.reserved = list(reserved)
 
     def problem(self, topic: str) -> str | None:
         why = topic_problem(topic)
@@ -28,6 +43,13 @@ class ResponseTopicPolicy:
             if topic_matches_sub(sub, topic):
                 return f"the ResponseTopic {clip(topic)} is refused: it is one of the daemon's input topics ({sub})"
         p = self.allowed_prefix
-        if p and topic != p and not topic.startswith(p + "/"):
-            return f"the ResponseTopic {clip(topic)} is refused: it must be below '{p}/' ([mqtt] response_topic_prefix)"
+        if p:  # the deployment chose where answers may go (also inside a reserved namespace)
+            if topic != p and not topic.startswith(p + "/"):
+                return (f"the ResponseTopic {clip(topic)} is refused: it must be below '{p}/' "
+                        "([mqtt] response_topic_prefix)")
+            return None
+        for sub in self.reserved:
+            if topic_matches_sub(sub, topic):
+                return (f"the ResponseTopic {clip(topic)} is refused: the daemon publishes there itself ({sub}); "
+                        "[mqtt] response_topic_prefix can allow a prefix there")
         return None

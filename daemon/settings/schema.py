@@ -80,8 +80,9 @@ class MqttSettings:
     )
     response_topic_prefix: str = setting(
         "",
-        "MQTT v5 ResponseTopics must lie below this prefix (empty: any topic except wildcards and the "
-        "daemon's own input topics)",
+        "MQTT v5 ResponseTopics must lie below this prefix, which may also lie inside the namespaces the "
+        "daemon refuses by default (empty: any topic except wildcards, the daemon's own input topics, "
+        "its status topics and hermes/)",
         check=_prefix_ok, allowed="topic levels without + #, control characters or a trailing /",
     )
     local_broker: str = setting(

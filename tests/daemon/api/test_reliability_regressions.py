@@ -116,6 +116,51 @@ def test_4_response_topic_policy(daemons: DaemonFactory) -> None:
     assert not p.on("other/x")
 
 
+def _answer_ends(p: Probe, pre: str, cases: dict[str, bool]) -> None:
+    """Send one say per ResponseTopic; each ends with done (mirrored there) or invalid_response_topic."""
+    for n, topic in enumerate(cases):
+        p.publish(f"{pre}/tts/say", {"id": f"ns{n}", "text": "Hi.", "output": "publish"}, response_topic=topic)
+    for n, (topic, refused) in enumerate(cases.items()):
+        rid = f"ns{n}"
+        end = p.wait_for(lambda m, r=rid: m.topic in (f"{pre}/tts/done/{r}", f"{pre}/tts/error/{r}"), 20)
+        if refused:
+            assert end.json()["code"] == "invalid_response_topic", topic
+        else:
+            assert end.topic.endswith(f"done/{rid}"), topic
+            p.wait_for(lambda m, t=topic: m.topic == t and ("kind", "done") in m.user_properties, 10)
+
+
+def test_4_the_namespaces_the_daemon_speaks_are_refused_by_default(daemons: DaemonFactory) -> None:
+    svc = daemons.start()
+    pre = svc.settings.topic_prefix
+    p = daemons.probe(svc, extra_topics=("hermes/#", f"{pre}/reply/#", f"{pre}/statusx"))
+    cases = {  # ResponseTopic -> refused?
+        "hermes/tts/sayFinished": True,  # the probe of issue 24: the done JSON posed as a Hermes answer
+        "hermes/audioServer/x/playBytes/y": True,
+        f"{pre}/status": True,
+        f"{pre}/status/health": True,
+        f"{pre}/statusx": False,
+        f"{pre}/reply/client-1": False,
+    }
+    _answer_ends(p, pre, cases)
+    time.sleep(0.3)
+    assert not [m for m in p.messages if m.topic.startswith("hermes/")]  # nothing spoken as Hermes
+    assert {m.payload for m in p.on(f"{pre}/status")} == {b"online"}
+
+
+def test_4_the_allowed_prefix_may_open_a_reserved_namespace(daemons: DaemonFactory) -> None:
+    svc = daemons.start(mqtt={"response_topic_prefix": "hermes/replies"})
+    pre = svc.settings.topic_prefix
+    p = daemons.probe(svc, extra_topics=("hermes/#",))
+    cases = {
+        "hermes/replies/client-1": False,
+        "hermes/tts/sayFinished": True,  # outside the allowed prefix
+        "hermes/tts/say": True,  # an input topic
+    }
+    _answer_ends(p, pre, cases)
+    assert not p.on("hermes/tts/sayFinished")
+
+
 def test_5_undecodable_payloads_keep_a_leading_id(daemons: DaemonFactory) -> None:
     svc = daemons.start(mqtt={"max_payload_bytes": 4096})
     pre = svc.settings.topic_prefix

@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from cosyedge_daemon.api.request_policy import ResponseTopicPolicy
+from cosyedge_daemon.api.request_policy import ResponseTopicPolicy, reserved_namespaces
 from cosyedge_daemon.request.ids import leading_id, valid_id
 from cosyedge_daemon.settings.topics import topic_problem
 
@@ -58,10 +58,17 @@ OWN = ["cosyedge/d1/tts/say", "cosyedge/d1/tts/cancel", "cosyedge/d1/admin/reloa
         ("apps", "apps", False), ("apps/c1", "apps", False), ("apps/c1/x", "apps", False),
         ("appsx", "apps", True), ("app", "apps", True), ("other/apps/c1", "apps", True),
         ("apps/c1", "apps/", False),
+        # the namespaces the daemon speaks itself: refused by default, allowed by a prefix inside them
+        ("hermes/tts/sayFinished", "", True), ("hermes", "", True), ("hermesx/a", "", False),
+        ("cosyedge/d1/status", "", True), ("cosyedge/d1/status/health", "", True),
+        ("cosyedge/d1/statusx", "", False), ("cosyedge/d2/status", "", False),
+        ("hermes/replies/c1", "hermes/replies", False), ("hermes/tts/sayFinished", "hermes/replies", True),
+        ("hermes/tts/say", "hermes", True),  # an input topic whatever the prefix
+        ("cosyedge/d1/status/x", "cosyedge/d1/status", False),
     ],
 )
 def test_response_topic_boundaries(topic: str, prefix: str, refused: bool) -> None:
-    problem = ResponseTopicPolicy(OWN, prefix).problem(topic)
+    problem = ResponseTopicPolicy(OWN, prefix, reserved_namespaces("cosyedge/d1")).problem(topic)
     assert (problem is not None) is refused, problem
     if problem:
         assert len(problem) < 400
