@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
-from cosyedge_models.synthesis.api import SPEED_MAX, SPEED_MIN
+from cosyedge_models.synthesis.api import MAX_TEXT_CHARS, SPEED_MAX, SPEED_MIN
 from cosyedge_models.synthesis.modes import MODES, PROMPT_MODES
 
 PROTOCOL_VERSION = 1
@@ -237,7 +237,7 @@ def peek_request_id(payload: bytes) -> str | None:
     return m.group(1).decode() if m else None
 
 
-def parse_request(payload: bytes, *, max_text_chars: int = 5000) -> CloudRequest:
+def parse_request(payload: bytes, *, max_text_chars: int = MAX_TEXT_CHARS) -> CloudRequest:
     """Decode and validate a request; raises ProtocolError naming the field.
     The error carries the request id when one could be read."""
     try:
