@@ -11,7 +11,7 @@ from typing import Any
 
 from cosyedge_cloud.wire.mqtt import MqttSetupError, parse_broker_url
 from cosyedge_daemon.settings.audio import AudioSettings, VadSettings
-from cosyedge_daemon.settings.topics import topic_problem
+from cosyedge_daemon.settings.topics import NativeTopics, topic_problem
 from cosyedge_daemon.settings.wyoming import SatelliteSettings, WyomingSettings
 from cosyedge_models.settings_schema import setting
 from cosyedge_models.synthesis.api import MAX_TEXT_CHARS
@@ -395,6 +395,10 @@ class Settings:
     @property
     def topic_prefix(self) -> str:
         return self.mqtt.topic_prefix or f"cosyedge/{self.device_id}"
+
+    @property
+    def topics(self) -> NativeTopics:
+        return NativeTopics(self.topic_prefix)
 
     @property
     def site_ids(self) -> tuple[str, ...]:
