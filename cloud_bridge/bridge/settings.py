@@ -14,6 +14,7 @@ from typing import Any
 
 from cosyedge_cloud.wire.mqtt import BrokerAddress, MqttSetupError, parse_broker_url
 from cosyedge_models.settings_schema import ConfigError, build_section, check_fields, reference_table, setting
+from cosyedge_models.synthesis.api import MAX_TEXT_CHARS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -115,7 +116,9 @@ class LimitSettings:
         "busy", "when full: busy answers busy; wait lets the broker hold them", choices=("busy", "wait")
     )
     max_payload_bytes: int = setting(4_000_000, "largest request payload", min=1024, max=256_000_000)
-    max_text_chars: int = setting(5000, "longest text", min=1, max=1_000_000)
+    max_text_chars: int = setting(
+        MAX_TEXT_CHARS, "longest text (at least the devices' [tts] max_text_chars)", min=1, max=1_000_000
+    )
     drain_timeout_s: float = setting(30.0, "on SIGTERM, time to finish in-flight requests", min=0, max=3600)
     dedupe_max_ids: int = setting(4096, "recent request ids remembered to drop redeliveries (0: off)",
                                   min=0, max=10**6, aliases=("dedup_window",))

@@ -73,16 +73,15 @@ class Service:
             on_speaking=self._speaking_changed,
             workers=workers,
         )
-        prefix = settings.topic_prefix
         self.conn = MqttConnection(
             settings.mqtt,
             f"cosyedge-{settings.device_id}",
-            f"{prefix}/status",
+            settings.topics.status,
             [],
             on_message=self._on_message,
             on_connected=self._on_connected,
         )
-        self.native = NativeResponder(self.conn, prefix, settings.mqtt.audio_header)
+        self.native = NativeResponder(self.conn, settings.topics, settings.mqtt.audio_header)
         self.admission = Admission(settings, self.scheduler, self.pipeline)
         self.intake = Intake(settings, self.admission, self.conn, self.native, self.metrics, self.request_reload)
         self.conn.subscriptions = self.intake.subscriptions()
@@ -95,7 +94,7 @@ class Service:
         policy = barge_in or BargeInPolicy(settings.vad_settings)
         self.voice = VoiceLink(
             self.conn,
-            prefix,
+            settings.topics,
             self.pipeline,
             self.metrics,
             policy,
@@ -347,7 +346,7 @@ class Service:
 
     def _publish_health(self, payload: bytes) -> None:
         if self.conn.connected.is_set():
-            self.conn.publish(f"{self.settings.topic_prefix}/status/health", payload, retain=True)
+            self.conn.publish(self.settings.topics.health, payload, retain=True)
 
     def _housekeeping(self) -> None:
         queued, running = self.scheduler.expired()

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
-from cosyedge_cloud.wire.protocol import pcm16_bytes
 from cosyedge_daemon.serving.jobs import Job
+from cosyedge_models.pcm import pcm16_bytes
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -12,9 +12,10 @@ from typing import Any
 from cosyedge_cloud.wire.mqtt import MqttSetupError, parse_broker_url
 from cosyedge_daemon.settings.audio import AudioSettings, VadSettings
 from cosyedge_daemon.settings.http import HttpSettings
-from cosyedge_daemon.settings.topics import topic_problem
+from cosyedge_daemon.settings.topics import NativeTopics, topic_problem
 from cosyedge_daemon.settings.wyoming import SatelliteSettings, WyomingSettings
 from cosyedge_models.settings_schema import setting
+from cosyedge_models.synthesis.api import MAX_TEXT_CHARS
 
 PRIORITY_MIN, PRIORITY_MAX = -1000, 1000
 AUTO_WORKERS_MAX = 4  # synthesis_workers = "auto": beyond this the flow/vocoder, not the LLM, bound a board
@@ -118,7 +119,8 @@ class TtsSettings:
         live=True,
     )
     max_text_chars: int = setting(
-        4000, "longer text is rejected with text_too_long", min=1, max=1_000_000, live=True
+        MAX_TEXT_CHARS, "longer text is rejected with text_too_long (by every front end, and by the local "
+        "synthesizer, which SIGHUP reloads with it)", min=1, max=1_000_000, live=True, reload=True
     )
     max_prompt_s: float = setting(30.0, "longest voice-reference (prompt) audio", min=1, max=600, live=True)
     llm_max_batch_size: int = setting(
@@ -395,6 +397,10 @@ class Settings:
     @property
     def topic_prefix(self) -> str:
         return self.mqtt.topic_prefix or f"cosyedge/{self.device_id}"
+
+    @property
+    def topics(self) -> NativeTopics:
+        return NativeTopics(self.topic_prefix)
 
     @property
     def site_ids(self) -> tuple[str, ...]:
