@@ -19,12 +19,14 @@ from cosyedge_daemon.settings.audio import AudioSettings, VadSettings
 from cosyedge_daemon.settings.http import parse_listen
 from cosyedge_daemon.settings.schema import SECTIONS, Settings, section_attr
 from cosyedge_daemon.settings.wyoming import parse_tcp_uri
-from cosyedge_models.settings_schema import ConfigError, build_section, example_lines, reference_table, replace_checked
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10 (JetPack 6)
-    import tomli as tomllib
+from cosyedge_models.settings_schema import (
+    ConfigError,
+    build_section,
+    example_lines,
+    read_toml,
+    reference_table,
+    replace_checked,
+)
 
 _ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # fullmatch: no trailing newline
 _RAW_SECTIONS = ("audio", "vad")  # validated by the audio side's settings
@@ -92,16 +94,6 @@ def _table(data: Mapping[str, Any], name: str) -> Any:
         subs = {n.split(".", 1)[1] for n in SECTIONS if n.startswith(name + ".")}
         table = {k: v for k, v in table.items() if k not in subs}
     return table
-
-
-def read_toml(path: Path) -> dict[str, Any]:
-    try:
-        with path.open("rb") as fh:
-            return tomllib.load(fh)
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path} does not exist") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:  # TOML is UTF-8 only
-        raise ConfigError(f"config file {path}: {exc}") from None
 
 
 def apply_flags(settings: Settings, args: Any) -> Settings:

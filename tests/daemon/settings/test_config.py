@@ -66,7 +66,7 @@ def test_file_and_flags(tmp_path: Path) -> None:
         ({"scheduler": {"max_queue": 0}}, "[scheduler] max_queue = 0: must be between 1 and 10000"),
         ({"scheduler": {"max_queue": "10"}}, '[scheduler] max_queue: expected an integer, got "10"'),
         ({"scheduler": {"preempt": 1}}, "[scheduler] preempt: expected true or false, got 1"),
-        ({"mqtt": {"brokr": "x"}}, "[mqtt] unknown key brokr; known keys: broker, protocol"),
+        ({"mqtt": {"brokr": "x"}}, "[mqtt] unknown key brokr; known keys: broker, username"),
         ({"mqt": {}}, "unknown top-level key(s) mqt"),
         ({"hermes": {"site_ids": "kitchen"}}, "[hermes] site_ids: expected a list of strings"),
         ({"hermes": {"site_ids": ["a/b"]}}, '[hermes] site_ids = ["a/b"]: allowed values: siteIds, each non-empty'),
