@@ -36,7 +36,7 @@ def test_defaults_and_overrides(tmp_path: Path) -> None:
         ({"triton": {"default_version": "v2"}}, '[triton] default_version = "v2": allowed values: empty or a'),
         ({"triton": {"allowed_versions": ["1", "x"]}}, "[triton] allowed_versions"),
         ({"triton": {"url": "localhost"}}, '[triton] url = "localhost": allowed values: host:port'),
-        ({"mqtt": {"broker": "http://x"}}, '[mqtt] broker = "http://x": allowed values: mqtt://host:1883'),
+        ({"mqtt": {"broker": "http://x"}}, '[mqtt] broker = "http://x": allowed values: mqtt://host[:port]'),
         ({"mqtt": {"broker": "mqtt://h:70000"}}, '[mqtt] broker = "mqtt://h:70000": allowed values'),
         ({"mqtt": {"client_id": "a/b"}}, '[mqtt] client_id = "a/b": allowed values: a non-empty string'),
         ({"mqtt": {"password": "p", "password_file": "/f"}}, "password and password_file: set one, not both"),
