@@ -15,12 +15,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import types
 import typing
 from collections.abc import Callable, Collection, Mapping, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 from cosyedge_models.errors import CosyEdgeError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10 (JetPack 6)
+    import tomli as tomllib
 
 T = TypeVar("T")
 
@@ -30,6 +37,22 @@ Check = Callable[[Any], bool]
 
 class ConfigError(CosyEdgeError, ValueError):
     """The configuration file or a flag has an invalid value."""
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """A config file as a TOML document: the one loader of the daemon's, the
+    bridge's and `cosyedge vad`'s files; ConfigError naming the file and what is wrong."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")  # TOML is UTF-8 only
+    except FileNotFoundError:
+        raise ConfigError(f"config file {p} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read the config file {p}: {exc}") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {p} is not valid TOML: {exc}") from None
 
 
 def setting(

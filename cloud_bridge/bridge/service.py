@@ -98,11 +98,8 @@ class BridgeService:
     def _mqtt_options(self) -> MqttOptions:
         """A persistent v5 session; deliveries acknowledged once handled."""
         m = self.settings.mqtt
-        return MqttOptions(
-            broker=m.broker, client_id=m.client_id, username=m.username, password=m.password,
-            password_file=m.password_file, tls_ca_file=m.tls_ca_file, tls_cert_file=m.tls_cert_file,
-            tls_key_file=m.tls_key_file, keepalive_s=m.keepalive_s, session_expiry_s=m.session_expiry_s,
-            receive_maximum=self._receive_maximum(), reconnect_min_delay_s=1, reconnect_max_delay_s=30,
+        return m.options(
+            m.client_id, receive_maximum=self._receive_maximum(), reconnect_min_delay_s=1, reconnect_max_delay_s=30,
             manual_ack=True,
         )
 

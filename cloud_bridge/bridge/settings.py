@@ -7,28 +7,23 @@ checks it is current)."""
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cosyedge_cloud.wire.mqtt import BrokerAddress, MqttSetupError, parse_broker_url
-from cosyedge_models.settings_schema import ConfigError, build_section, check_fields, reference_table, setting
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
+from cosyedge_cloud.wire.mqtt import BrokerAddress, parse_broker_url
+from cosyedge_cloud.wire.mqtt_settings import MqttSettings
+from cosyedge_models.settings_schema import (
+    ConfigError,
+    build_section,
+    check_fields,
+    read_toml,
+    reference_table,
+    setting,
+)
+from cosyedge_models.synthesis.api import MAX_TEXT_CHARS
 
 SettingsError = ConfigError  # a setting with a wrong value; the message names the field
-
-
-def _broker_ok(url: str) -> bool:
-    try:
-        parse_broker_url(url)
-    except MqttSetupError:
-        return False
-    return True
 
 
 def _topic_word_ok(value: str) -> bool:
@@ -52,23 +47,15 @@ _TOPIC_WORD = "a non-empty string without '/', '+' or '#'"
 
 
 @dataclass(frozen=True)
-class MqttSettings:
-    broker: str = setting("mqtt://localhost:1883", "broker URL: mqtt://host:port or mqtts://host:port (TLS)",
-                          check=_broker_ok, allowed="mqtt://host:1883 or mqtts://host:8883")
+class BridgeMqttSettings(MqttSettings):
+    """The bridge's [mqtt]: the shared connection settings and the bridge's own."""
+
     client_id: str = setting("cosyedge-bridge-1", "fixed client id (the persistent session); one per replica",
                              check=_topic_word_ok, allowed=_TOPIC_WORD)
-    username: str = setting("", "broker user name (the bridge's privileged user)")
-    password: str = setting("", "broker password (prefer password_file)")
-    password_file: str = setting("", "file whose first line is the broker password")
     topic_root: str = setting("cosyedge", "topic root; devices use <root>/<device_id>/cloud/...")
     share_group: str = setting("cosyedge-bridge", "shared subscription group: replicas with the same group "
                                "split the requests", check=_topic_word_ok, allowed=_TOPIC_WORD)
-    session_expiry_s: int = setting(3600, "MQTT v5 session expiry", min=0, max=2**32 - 1)
-    keepalive_s: int = setting(30, "MQTT keepalive", min=5, max=3600)
     response_expiry_s: int = setting(300, "MQTT v5 message expiry of responses", min=1, max=86400)
-    tls_ca_file: str = setting("", "CA bundle for mqtts:// (empty: the system's)")
-    tls_cert_file: str = setting("", "client certificate (mutual TLS)")
-    tls_key_file: str = setting("", "client key (mutual TLS)")
 
     def __post_init__(self) -> None:
         check_fields(self, "mqtt")
@@ -115,7 +102,9 @@ class LimitSettings:
         "busy", "when full: busy answers busy; wait lets the broker hold them", choices=("busy", "wait")
     )
     max_payload_bytes: int = setting(4_000_000, "largest request payload", min=1024, max=256_000_000)
-    max_text_chars: int = setting(5000, "longest text", min=1, max=1_000_000)
+    max_text_chars: int = setting(
+        MAX_TEXT_CHARS, "longest text (at least the devices' [tts] max_text_chars)", min=1, max=1_000_000
+    )
     drain_timeout_s: float = setting(30.0, "on SIGTERM, time to finish in-flight requests", min=0, max=3600)
     dedupe_max_ids: int = setting(4096, "recent request ids remembered to drop redeliveries (0: off)",
                                   min=0, max=10**6, aliases=("dedup_window",))
@@ -135,14 +124,14 @@ class MetricsSettings:
 
 @dataclass(frozen=True)
 class BridgeSettings:
-    mqtt: MqttSettings = field(default_factory=MqttSettings)
+    mqtt: BridgeMqttSettings = field(default_factory=BridgeMqttSettings)
     triton: TritonSettings = field(default_factory=TritonSettings)
     limits: LimitSettings = field(default_factory=LimitSettings)
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
 
 
 _SECTIONS: dict[str, type] = {
-    "mqtt": MqttSettings,
+    "mqtt": BridgeMqttSettings,
     "triton": TritonSettings,
     "limits": LimitSettings,
     "metrics": MetricsSettings,
@@ -164,12 +153,7 @@ def load_settings(
     """The TOML file (optional) with the command line flags on top."""
     doc: dict[str, Any] = {}
     if path is not None:
-        try:
-            doc = tomllib.loads(Path(path).read_text(encoding="utf-8"))
-        except OSError as exc:
-            raise SettingsError(f"cannot read the config file {path}: {exc}") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise SettingsError(f"config file {path} is not valid TOML: {exc}") from None
+        doc = read_toml(path)
     if broker:
         doc.setdefault("mqtt", {})["broker"] = broker
     if triton_url:

@@ -51,7 +51,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
-from cosyedge_models.synthesis.api import SPEED_MAX, SPEED_MIN
+from cosyedge_models.pcm import pcm16_bytes, pcm16_to_float
+from cosyedge_models.synthesis.api import MAX_TEXT_CHARS, SPEED_MAX, SPEED_MIN
 from cosyedge_models.synthesis.modes import MODES, PROMPT_MODES
 
 PROTOCOL_VERSION = 1
@@ -237,7 +238,7 @@ def peek_request_id(payload: bytes) -> str | None:
     return m.group(1).decode() if m else None
 
 
-def parse_request(payload: bytes, *, max_text_chars: int = 5000) -> CloudRequest:
+def parse_request(payload: bytes, *, max_text_chars: int = MAX_TEXT_CHARS) -> CloudRequest:
     """Decode and validate a request; raises ProtocolError naming the field.
     The error carries the request id when one could be read."""
     try:
@@ -338,7 +339,7 @@ def _parse_prompt(raw: Any, mode: str, rid: str) -> CloudPrompt | None:
             "field 'prompt.audio_b64' must hold PCM16 samples (an even, non-zero number of bytes)",
             rid,
         )
-    pcm = np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768.0
+    pcm = pcm16_to_float(data)
     return CloudPrompt(pcm=pcm, sample_rate=rate, text=text)
 
 
@@ -357,10 +358,6 @@ def unpack_audio_header(payload: bytes) -> tuple[bytes, int, int, bool] | None:
     return payload[AUDIO_HEADER.size :], rate, seq, bool(flags & 1)
 
 
-def pcm16_bytes(pcm: np.ndarray) -> bytes:
-    return (np.clip(pcm, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
-
-
 @dataclass(frozen=True)
 class AudioMessage:
     request_id: str
@@ -371,7 +368,7 @@ class AudioMessage:
     model_version: str = ""
 
     def pcm(self) -> np.ndarray:
-        return np.frombuffer(self.pcm16, dtype="<i2").astype(np.float32) / 32768.0
+        return pcm16_to_float(self.pcm16)
 
 
 @dataclass(frozen=True)

@@ -7,15 +7,12 @@ errors go to `hermes/error/tts`; VAD events become
 
 from __future__ import annotations
 
-import io
 import json
 import logging
-import wave
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from cosyedge_cloud.wire.protocol import pcm16_bytes
 from cosyedge_daemon.api.responders import Publisher
 from cosyedge_daemon.api.tts_messages import decode_json_object
 from cosyedge_daemon.audio.interfaces import VadEvent
@@ -24,6 +21,7 @@ from cosyedge_daemon.request.errors import ApiError
 from cosyedge_daemon.request.ids import sniff_field, valid_id
 from cosyedge_daemon.request.request import RequestLimits, TtsRequest
 from cosyedge_daemon.serving.jobs import Job
+from cosyedge_models.pcm import wav_bytes
 
 log = logging.getLogger(__name__)
 
@@ -80,16 +78,6 @@ class HermesError(ApiError):
         self.site_id = site_id
         self.session_id = session_id
         self.hermes_id = hermes_id  # echoed in sayFinished, as given
-
-
-def wav_bytes(pcm: np.ndarray, sample_rate: int) -> bytes:
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(sample_rate)
-        w.writeframes(pcm16_bytes(pcm))
-    return buf.getvalue()
 
 
 def publish_error(

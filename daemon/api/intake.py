@@ -23,7 +23,7 @@ from cosyedge_daemon.api.hermes import (
     publish_error,
     publish_say_finished,
 )
-from cosyedge_daemon.api.request_policy import ResponseTopicPolicy, reserved_namespaces
+from cosyedge_daemon.api.request_policy import ResponseTopicPolicy
 from cosyedge_daemon.api.responders import NativeResponder, Publisher
 from cosyedge_daemon.api.tts_messages import parse_cancel, parse_say
 from cosyedge_daemon.mqtt.connection import InboundMessage, Reply
@@ -80,9 +80,7 @@ class Intake:
         self.native = native
         self.metrics = metrics
         self.on_reload = on_reload
-        prefix = settings.topic_prefix
-        self.say_topic, self.cancel_topic = f"{prefix}/tts/say", f"{prefix}/tts/cancel"
-        self.reload_topic = f"{prefix}/admin/reload"
+        self.topics = settings.topics
         self.has_sink = admission.has_sink
         self._input_topics: list[str] = []
         self.reconfigure(settings)
@@ -102,11 +100,11 @@ class Intake:
         self.response_policy = ResponseTopicPolicy(
             [*self.subscriptions(), *topics],
             self.settings.mqtt.response_topic_prefix,
-            reserved_namespaces(self.settings.topic_prefix),
+            self.topics.reserved(),
         )
 
     def subscriptions(self) -> list[str]:
-        topics = [self.say_topic, self.cancel_topic, self.reload_topic]
+        topics = [self.topics.say, self.topics.cancel, self.topics.reload]
         return topics + ([SAY_TOPIC] if self.settings.hermes.enabled else [])
 
     # --- paho's thread: parse and queue --------------------------------------------
@@ -133,14 +131,14 @@ class Intake:
             if reply_problem is None:
                 reply = Reply(msg.response_topic, msg.correlation_data)
         try:
-            if msg.topic == self.say_topic:
+            if msg.topic == self.topics.say:
                 request = parse_say(msg.payload, self.admission.limits, reply=reply, received_at=msg.received_at)
                 if reply_problem is not None:  # answered on the native topics only
                     return _Reject(request.id, "invalid_response_topic", reply_problem, None)
                 return _Say(request)
-            if msg.topic == self.cancel_topic:
+            if msg.topic == self.topics.cancel:
                 return _Cancel(parse_cancel(msg.payload, self.admission.limits.max_payload_bytes))
-            if msg.topic == self.reload_topic:
+            if msg.topic == self.topics.reload:
                 return _Reload(_reload_bundle(msg.payload))
             if msg.topic == SAY_TOPIC:
                 # no speaker here: hand Hermes the WAV instead

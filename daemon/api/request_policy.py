@@ -13,20 +13,15 @@ from cosyedge_daemon.settings.topics import topic_problem
 from paho.mqtt.client import topic_matches_sub
 
 
-def reserved_namespaces(topic_prefix: str) -> list[str]:
-    """The namespaces the daemon publishes in itself, besides its input topics:
-    its status topics and Hermes. A ResponseTopic there would let a client
-    make the daemon speak for itself there (a `done` JSON on
-    hermes/tts/sayFinished, a fake status), so they are refused unless
-    `[mqtt] response_topic_prefix` explicitly lies inside one of them."""
-    return [f"{topic_prefix}/status", f"{topic_prefix}/status/#", "hermes/#"]
-
-
 class ResponseTopicPolicy:
     """Which v5 ResponseTopics the daemon mirrors answers to: publishable
     topics that none of its own subscriptions match (it would feed its answers
     back into itself) and, when `allowed_prefix` is set, only below it;
-    without it, none in the `reserved` namespaces the daemon speaks itself."""
+    without it, none in the `reserved` namespaces the daemon speaks itself
+    (`NativeTopics.reserved`: its status topics and Hermes; a ResponseTopic
+    there would let a client make the daemon speak for itself, e.g. a `done`
+    JSON on hermes/tts/sayFinished, unless the deployment set the allowed
+    prefix inside one of them)."""
 
     def __init__(
         self, own_subscriptions: Sequence[str], allowed_prefix: str = "", reserved: Sequence[str] = ()

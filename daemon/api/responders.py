@@ -12,6 +12,7 @@ import numpy as np
 from cosyedge_daemon.api.tts_messages import NO_ID, audio_payload, audio_properties, error_payload
 from cosyedge_daemon.mqtt.connection import Reply
 from cosyedge_daemon.serving.jobs import Job
+from cosyedge_daemon.settings.topics import NativeTopics
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +34,9 @@ class Publisher(Protocol):
 
 
 class NativeResponder:
-    def __init__(self, publisher: Publisher, prefix: str, audio_header: str = "auto") -> None:
+    def __init__(self, publisher: Publisher, topics: NativeTopics, audio_header: str = "auto") -> None:
         self.publisher = publisher
-        self.prefix = prefix
+        self.topics = topics
         self.header = audio_header == "always" or (audio_header == "auto" and not publisher.v5)
 
     def _send(
@@ -69,7 +70,7 @@ class NativeResponder:
     def audio(self, job: Job, pcm: np.ndarray, sample_rate: int, seq: int, last: bool) -> None:
         payload = audio_payload(pcm, sample_rate, seq, last, self.header)
         self._send(
-            f"{self.prefix}/tts/audio/{job.id}",
+            self.topics.audio(job.id),
             payload,
             "audio",
             job.id,
@@ -80,7 +81,7 @@ class NativeResponder:
 
     def done(self, job: Job, summary: dict[str, Any]) -> None:
         self._send(
-            f"{self.prefix}/tts/done/{job.id}",
+            self.topics.done(job.id),
             json.dumps(summary).encode(),
             "done",
             job.id,
@@ -95,7 +96,7 @@ class NativeResponder:
         """An error for a request that never became a job (or has no usable id)."""
         log.info("request %s: %s: %s", request_id or NO_ID, code, message)
         self._send(
-            f"{self.prefix}/tts/error/{request_id or NO_ID}",
+            self.topics.error(request_id or NO_ID),
             error_payload(request_id, code, message),
             "error",
             request_id or NO_ID,

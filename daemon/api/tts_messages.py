@@ -13,12 +13,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from cosyedge_cloud.wire.protocol import pack_audio_header, pcm16_bytes, unpack_audio_header
+from cosyedge_cloud.wire.protocol import pack_audio_header, unpack_audio_header
 from cosyedge_daemon.mqtt.connection import Reply
 from cosyedge_daemon.request.builder import build_request
 from cosyedge_daemon.request.errors import ApiError
 from cosyedge_daemon.request.ids import ID_ALPHABET, clip, leading_id, valid_id
 from cosyedge_daemon.request.request import RequestLimits, TtsRequest
+from cosyedge_models.pcm import pcm16_bytes
 from cosyedge_models.synthesis.api import PromptAudio
 
 NO_ID = "_"  # error topic suffix for requests without a usable id

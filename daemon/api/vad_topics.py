@@ -16,6 +16,7 @@ from cosyedge_daemon.audio.barge_in import BargeInAction, BargeInPolicy
 from cosyedge_daemon.audio.interfaces import VadEvent
 from cosyedge_daemon.serving.metrics import Metrics
 from cosyedge_daemon.serving.pipeline import Pipeline
+from cosyedge_daemon.settings.topics import NativeTopics
 
 log = logging.getLogger(__name__)
 
@@ -23,14 +24,14 @@ class VoiceLink:
     def __init__(
         self,
         publisher: Publisher,
-        prefix: str,
+        topics: NativeTopics,
         pipeline: Pipeline,
         metrics: Metrics | None,
         policy: BargeInPolicy,
         hermes_site: str | None,
     ) -> None:
         self.publisher = publisher
-        self.prefix = prefix
+        self.topics = topics
         self.pipeline = pipeline
         self.metrics = metrics
         self.policy = policy
@@ -49,7 +50,7 @@ class VoiceLink:
             "utterance_ms": event.utterance_ms,
             "speaking": speaking,
         }
-        self.publisher.publish(f"{self.prefix}/vad/event", json.dumps(doc), qos=0)
+        self.publisher.publish(self.topics.vad_event, json.dumps(doc), qos=0)
         if self.hermes_site is not None:
             publish_voice_activity(self.publisher, self.hermes_site, event)
         if self.metrics is not None:
@@ -73,4 +74,4 @@ class VoiceLink:
             sink.set_gain(action.gain)
 
     def on_utterance(self, wav: bytes) -> None:
-        self.publisher.publish(f"{self.prefix}/vad/segment", wav, content_type="audio/wav")
+        self.publisher.publish(self.topics.vad_segment, wav, content_type="audio/wav")

@@ -1,27 +1,20 @@
-"""Sample-format helpers shared by sinks, sources and the VAD: float <-> PCM16,
-reading any WAV as 16 kHz mono, WAV bytes for MQTT, fixed-size framing."""
+"""Audio-file and framing helpers shared by sinks, sources and the VAD:
+reading any WAV as 16 kHz mono, resampling, fixed-size framing (the sample
+format conversions are cosyedge_models.pcm's)."""
 
 from __future__ import annotations
 
-import io
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 from cosyedge_daemon.settings.audio import VAD_SAMPLE_RATE
 from cosyedge_models.errors import CosyEdgeError
+from cosyedge_models.pcm import float_to_pcm16
 
 
 class AudioFileError(CosyEdgeError):
     """An audio file cannot be read (missing, not a sound file, empty)."""
-
-
-def float_to_pcm16(x: np.ndarray) -> np.ndarray:
-    return (np.clip(np.asarray(x, dtype=np.float32), -1.0, 1.0) * 32767.0).round().astype(np.int16)
-
-
-def pcm16_to_float(x: np.ndarray) -> np.ndarray:
-    return np.asarray(x, dtype=np.int16).astype(np.float32) / 32768.0
 
 
 def resample(x: np.ndarray, in_rate: int, out_rate: int, quality: str = "HQ") -> np.ndarray:
@@ -53,16 +46,6 @@ def read_pcm16_16k(path: str | Path) -> np.ndarray:
     """Any WAV (any rate, any channel count) as 16 kHz mono PCM16, the VAD's format."""
     x, rate = read_audio_file(path)
     return float_to_pcm16(resample(x, rate, VAD_SAMPLE_RATE))
-
-
-def wav_bytes(pcm16: np.ndarray | bytes, sample_rate: int = VAD_SAMPLE_RATE) -> bytes:
-    """A complete mono PCM16 WAV file in memory (utterance segments on MQTT)."""
-    import soundfile as sf
-
-    samples = np.frombuffer(pcm16, dtype=np.int16) if isinstance(pcm16, bytes) else pcm16
-    buf = io.BytesIO()
-    sf.write(buf, np.asarray(samples, dtype=np.int16), sample_rate, format="WAV", subtype="PCM_16")
-    return buf.getvalue()
 
 
 def iter_frames(pcm16: np.ndarray, frame_samples: int) -> Iterator[tuple[bytes, float]]:

@@ -21,9 +21,9 @@ from collections.abc import Callable
 from typing import Protocol
 
 from cosyedge_daemon.audio.interfaces import AudioSource, VadEvent
-from cosyedge_daemon.audio.pcm import wav_bytes
 from cosyedge_daemon.audio.vad import Classifier, Segmenter, SegmenterOutput, Utterance
 from cosyedge_daemon.settings.audio import VAD_SAMPLE_RATE, VadSettings
+from cosyedge_models.pcm import wav_bytes
 
 log = logging.getLogger(__name__)
 

@@ -18,14 +18,15 @@ import paho.mqtt.client as mqtt
 from cosyedge_cloud.wire.mqtt import MqttOptions, connect, make_client, received_properties
 from cosyedge_daemon.api.tts_messages import decode_audio
 from cosyedge_daemon.settings.loader import default_device_id, parse_broker_url, validate_device_id
+from cosyedge_daemon.settings.topics import NativeTopics
 from cosyedge_models.errors import CosyEdgeError
 
 
 class _Session:
     """Collects the audio and the done/error of one request."""
 
-    def __init__(self, prefix: str, request_id: str) -> None:
-        self.prefix, self.id = prefix, request_id
+    def __init__(self, topics: NativeTopics, request_id: str) -> None:
+        self.topics, self.id = topics, request_id
         self.chunks: list[bytes] = []
         self.sample_rate = 0
         self.first_chunk_at: float | None = None
@@ -33,7 +34,7 @@ class _Session:
         self.finished = threading.Event()
 
     def on_message(self, _c: Any, _u: Any, msg: mqtt.MQTTMessage) -> None:
-        kind = msg.topic[len(self.prefix) + 5 :].split("/")[0]  # after "<prefix>/tts/"
+        kind = self.topics.answer_kind(msg.topic)
         if kind == "audio":
             props = received_properties(msg).user_properties
             chunk = decode_audio(bytes(msg.payload), props)
@@ -47,11 +48,11 @@ class _Session:
 
 
 def _request(
-    client: mqtt.Client, prefix: str, args: argparse.Namespace, output: str, timeout_s: float
+    client: mqtt.Client, topics: NativeTopics, args: argparse.Namespace, output: str, timeout_s: float
 ) -> tuple[_Session, float]:
-    session = _Session(prefix, uuid.uuid4().hex)
+    session = _Session(topics, uuid.uuid4().hex)
     client.on_message = session.on_message
-    sub = client.subscribe(f"{prefix}/tts/+/{session.id}", qos=1)
+    sub = client.subscribe(topics.answers(session.id), qos=1)
     if sub[0] != mqtt.MQTT_ERR_SUCCESS:
         raise CosyEdgeError("could not subscribe on the broker")
     time.sleep(0.05)  # let the SUBACK land before the answer can
@@ -60,10 +61,10 @@ def _request(
         if getattr(args, key, None):
             body[key] = getattr(args, key)
     sent = time.monotonic()
-    client.publish(f"{prefix}/tts/say", json.dumps(body), qos=1)
+    client.publish(topics.say, json.dumps(body), qos=1)
     if not session.finished.wait(timeout_s):
         raise CosyEdgeError(f"no answer within {timeout_s} s (is `cosyedge run` running for this device id?)")
-    client.unsubscribe(f"{prefix}/tts/+/{session.id}")
+    client.unsubscribe(topics.answers(session.id))
     return session, sent
 
 
@@ -85,7 +86,7 @@ def say_command(args: argparse.Namespace) -> int:
     if getattr(args, "wyoming", None):
         return _say_wyoming(args)
     addr = parse_broker_url(args.broker or "mqtt://localhost:1883")
-    prefix = f"cosyedge/{validate_device_id(args.device_id or default_device_id())}"
+    topics = NativeTopics(f"cosyedge/{validate_device_id(args.device_id or default_device_id())}")
     opts = MqttOptions(broker=args.broker or "mqtt://localhost:1883", client_id=f"cosyedge-say-{uuid.uuid4().hex[:8]}")
     client = make_client(opts)
     try:
@@ -95,10 +96,10 @@ def say_command(args: argparse.Namespace) -> int:
     client.loop_start()
     try:
         output = "publish" if args.out else "play"
-        session, sent = _request(client, prefix, args, output, args.timeout_s)
+        session, sent = _request(client, topics, args, output, args.timeout_s)
         kind, result = session.result or ("error", {})
         if kind == "error" and result.get("code") == "no_audio_device" and not args.out:
-            session, sent = _request(client, prefix, args, "publish", args.timeout_s)
+            session, sent = _request(client, topics, args, "publish", args.timeout_s)
             kind, result = session.result or ("error", {})
         if kind == "error":
             print(f"error {result.get('code')}: {result.get('message')}", file=sys.stderr)

@@ -13,21 +13,12 @@ from typing import Any
 from cosyedge_daemon.audio.pcm import read_pcm16_16k
 from cosyedge_daemon.audio.vad import segment_pcm
 from cosyedge_daemon.settings.audio import AudioSettingsError, VadSettings
+from cosyedge_models.settings_schema import read_toml
 
 
 def _load_vad_table(path: str) -> dict[str, Any]:
-    if sys.version_info >= (3, 11):
-        import tomllib
-    else:  # Python 3.10 (JetPack 6)
-        import tomli as tomllib
-
     p = Path(path)
-    if not p.is_file():
-        raise AudioSettingsError(f"{p}: no such config file")
-    try:
-        data = tomllib.loads(p.read_text(encoding="utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise AudioSettingsError(f"{p}: not valid TOML ({exc})") from exc
+    data = read_toml(p)  # its ConfigError is an AudioSettingsError
     table = data.get("vad", {})
     if not isinstance(table, dict):
         raise AudioSettingsError(f"{p}: [vad] must be a table")

@@ -17,7 +17,7 @@ from typing import Any
 import paho.mqtt.client as mqtt
 from cosyedge_cloud.wire.mqtt import MqttOptions, connect, make_client, received_properties
 from cosyedge_daemon.settings.loader import parse_broker_url
-from cosyedge_daemon.settings.schema import MqttSettings
+from cosyedge_daemon.settings.schema import DeviceMqttSettings
 from cosyedge_daemon.settings.topics import topic_problem
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
@@ -55,14 +55,11 @@ class Reply:
     correlation_data: bytes | None
 
 
-def mqtt_options(settings: MqttSettings, client_id: str, status_topic: str) -> MqttOptions:
+def mqtt_options(settings: DeviceMqttSettings, client_id: str, status_topic: str) -> MqttOptions:
     """The daemon's connection: a persistent session and the retained offline will."""
     s = settings
-    return MqttOptions(
-        broker=s.broker, client_id=client_id, protocol="5" if s.protocol == "5" else "3.1.1",
-        username=s.username, password=s.password, password_file=s.password_file,
-        tls_ca_file=s.tls_ca_file, tls_cert_file=s.tls_cert_file, tls_key_file=s.tls_key_file,
-        tls_insecure=s.tls_insecure, keepalive_s=s.keepalive_s, session_expiry_s=s.session_expiry_s,
+    return s.options(
+        client_id, protocol="5" if s.protocol == "5" else "3.1.1",
         reconnect_min_delay_s=s.reconnect_min_delay_s, reconnect_max_delay_s=s.reconnect_max_delay_s,
         will_topic=status_topic, will_payload=OFFLINE, max_queued_messages=_MAX_OFFLINE_QUEUE,
         # v5: the broker drops (for us) what is larger, instead of making us read it into memory.
@@ -73,7 +70,7 @@ def mqtt_options(settings: MqttSettings, client_id: str, status_topic: str) -> M
 class MqttConnection:
     def __init__(
         self,
-        settings: MqttSettings,
+        settings: DeviceMqttSettings,
         client_id: str,
         status_topic: str,
         subscriptions: Sequence[str],

@@ -11,7 +11,7 @@ from typing import Literal
 
 from cosyedge_daemon.mqtt.connection import Reply
 from cosyedge_daemon.settings.schema import Settings
-from cosyedge_models.synthesis.api import Mode, PromptAudio, SynthesisRequest
+from cosyedge_models.synthesis.api import MAX_TEXT_CHARS, Mode, PromptAudio, SynthesisRequest
 
 Output = Literal["play", "publish", "both"]
 Route = Literal["auto", "local", "cloud"]
@@ -25,7 +25,7 @@ class RequestLimits:
     from the settings by `request_limits` (the one source)."""
 
     max_payload_bytes: int = 2_097_152
-    max_text_chars: int = 4000
+    max_text_chars: int = MAX_TEXT_CHARS
     max_prompt_s: float = 30.0
     default_voice: str | None = None
     default_output: Output = "publish"

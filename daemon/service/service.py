@@ -18,6 +18,8 @@ from cosyedge_daemon.api.responders import NativeResponder
 from cosyedge_daemon.api.vad_topics import VoiceLink
 from cosyedge_daemon.audio.barge_in import BargeInPolicy
 from cosyedge_daemon.audio.interfaces import AudioSink
+from cosyedge_daemon.http.server import HttpFrontend
+from cosyedge_daemon.http.server import enabled as http_enabled
 from cosyedge_daemon.mqtt.connection import InboundMessage, MqttConnection
 from cosyedge_daemon.request.request import TtsRequest
 from cosyedge_daemon.service.health import HealthMonitor
@@ -71,16 +73,15 @@ class Service:
             on_speaking=self._speaking_changed,
             workers=workers,
         )
-        prefix = settings.topic_prefix
         self.conn = MqttConnection(
             settings.mqtt,
             f"cosyedge-{settings.device_id}",
-            f"{prefix}/status",
+            settings.topics.status,
             [],
             on_message=self._on_message,
             on_connected=self._on_connected,
         )
-        self.native = NativeResponder(self.conn, prefix, settings.mqtt.audio_header)
+        self.native = NativeResponder(self.conn, settings.topics, settings.mqtt.audio_header)
         self.admission = Admission(settings, self.scheduler, self.pipeline)
         self.intake = Intake(settings, self.admission, self.conn, self.native, self.metrics, self.request_reload)
         self.conn.subscriptions = self.intake.subscriptions()
@@ -93,7 +94,7 @@ class Service:
         policy = barge_in or BargeInPolicy(settings.vad_settings)
         self.voice = VoiceLink(
             self.conn,
-            prefix,
+            settings.topics,
             self.pipeline,
             self.metrics,
             policy,
@@ -104,6 +105,10 @@ class Service:
         if wyoming_enabled(settings):
             self.wyoming = WyomingFrontend(settings, self.admission, self.engines, self.pipeline, self.voice, VERSION)
             self.extra_liveness["wyoming"] = self.wyoming.alive
+        self.http: HttpFrontend | None = None
+        if http_enabled(settings.http):
+            self.http = HttpFrontend(settings.http, self.admission, self.engines)
+            self.extra_liveness["http"] = self.http.alive
         self.health = HealthMonitor(
             self.notifier,
             self.liveness,
@@ -196,6 +201,8 @@ class Service:
         self.intake.start()
         if self.wyoming is not None:
             self.wyoming.start()
+        if self.http is not None:
+            self.http.start()
         self.conn.start()
         if not self.conn.wait_connected(connect_timeout_s):
             log.warning(
@@ -227,6 +234,8 @@ class Service:
         self.health.stop()
         if self.wyoming is not None:
             self.wyoming.stop()
+        if self.http is not None:
+            self.http.stop()
         self.pipeline.stop(2.0)
         self.intake.stop()
         self.state = "stopped"
@@ -322,6 +331,7 @@ class Service:
             "mqtt": {"protocol": self.settings.mqtt.protocol},
             "cloud": {"enabled": self.cloud is not None, "link": describe_link(self.cloud)},
             "wyoming": self.wyoming.describe() if self.wyoming is not None else {},
+            "http": self.http.describe() if self.http is not None else {},
             "queue_depth": self.scheduler.depth,
             "in_flight": len(self.scheduler.running()),
             "synthesizing": self.pipeline.active_syntheses,
@@ -336,7 +346,7 @@ class Service:
 
     def _publish_health(self, payload: bytes) -> None:
         if self.conn.connected.is_set():
-            self.conn.publish(f"{self.settings.topic_prefix}/status/health", payload, retain=True)
+            self.conn.publish(self.settings.topics.health, payload, retain=True)
 
     def _housekeeping(self) -> None:
         queued, running = self.scheduler.expired()

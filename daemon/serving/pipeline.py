@@ -212,9 +212,13 @@ class Pipeline:
                 with self.router.engines.lease(decision.target) as engine:
                     job.engine_name = engine.name
                     self._hint_load(engine)
-                    request = job.request.synthesis_request(fallback=decision.target == "fallback")
-                    # the cloud takes the job's id and deadline along; other engines ignore them
-                    for chunk in engine.for_job(job.id, job.deadline_at)(request, cancel=job.cancel):
+                    # built and validated once, at admission, by this very synthesizer (else built here)
+                    validated = decision.request is not None and decision.validated_by is engine
+                    request = decision.request if validated and decision.request is not None else \
+                        job.request.synthesis_request(fallback=decision.target == "fallback")
+                    # the cloud takes the job's id and deadline along; other synthesizers ignore them
+                    run = engine.for_job(job.id, job.deadline_at, validated=validated)
+                    for chunk in run(request, cancel=job.cancel):
                         if job.cancel.is_set():
                             break
                         try:

@@ -16,14 +16,17 @@ from typing import Any
 from cosyedge_cloud.wire.mqtt import BrokerAddress, MqttSetupError
 from cosyedge_cloud.wire.mqtt import parse_broker_url as _parse_broker_url
 from cosyedge_daemon.settings.audio import AudioSettings, VadSettings
+from cosyedge_daemon.settings.http import parse_listen
 from cosyedge_daemon.settings.schema import SECTIONS, Settings, section_attr
 from cosyedge_daemon.settings.wyoming import parse_tcp_uri
-from cosyedge_models.settings_schema import ConfigError, build_section, example_lines, reference_table, replace_checked
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10 (JetPack 6)
-    import tomli as tomllib
+from cosyedge_models.settings_schema import (
+    ConfigError,
+    build_section,
+    example_lines,
+    read_toml,
+    reference_table,
+    replace_checked,
+)
 
 _ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # fullmatch: no trailing newline
 _RAW_SECTIONS = ("audio", "vad")  # validated by the audio side's settings
@@ -93,16 +96,6 @@ def _table(data: Mapping[str, Any], name: str) -> Any:
     return table
 
 
-def read_toml(path: Path) -> dict[str, Any]:
-    try:
-        with path.open("rb") as fh:
-            return tomllib.load(fh)
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path} does not exist") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:  # TOML is UTF-8 only
-        raise ConfigError(f"config file {path}: {exc}") from None
-
-
 def apply_flags(settings: Settings, args: Any) -> Settings:
     """The `cosyedge run` flags override the file."""
     if getattr(args, "device_id", None):
@@ -114,6 +107,9 @@ def apply_flags(settings: Settings, args: Any) -> Settings:
     if getattr(args, "wyoming_uri", None):
         parse_tcp_uri(args.wyoming_uri, "--wyoming-uri")
         settings = replace(settings, wyoming=replace(settings.wyoming, uri=args.wyoming_uri))
+    if getattr(args, "http_listen", None):
+        parse_listen(args.http_listen, "--http-listen")
+        settings = replace(settings, http=replace(settings.http, listen=args.http_listen))
     if getattr(args, "audio", None):
         settings = replace(settings, audio=MappingProxyType({**settings.audio, "device": args.audio}))
     return settings
@@ -129,8 +125,9 @@ def example_toml() -> str:
     """The example config with every key at its default (systemd/cosyedge.toml)."""
     lines = [
         "# cosyedge daemon configuration. Every key is optional; the values below are the",
-        "# defaults. `cosyedge run --config FILE` reads it; --broker, --device-id, --bundle and",
-        "# --audio override it. SIGHUP re-reads it (keys marked 'reloaded by SIGHUP' apply live).",
+        "# defaults. `cosyedge run --config FILE` reads it; --broker, --device-id, --bundle,",
+        "# --wyoming-uri, --http-listen and --audio override it. SIGHUP re-reads it (keys marked",
+        "# 'reloaded by SIGHUP' apply live).",
         "",
         "# device id: MQTT topics are cosyedge/<device_id>/...; empty: the host name",
         'device_id = ""',

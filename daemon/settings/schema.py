@@ -9,22 +9,16 @@ from functools import cached_property
 from types import MappingProxyType
 from typing import Any
 
-from cosyedge_cloud.wire.mqtt import MqttSetupError, parse_broker_url
+from cosyedge_cloud.wire.mqtt_settings import MqttSettings
 from cosyedge_daemon.settings.audio import AudioSettings, VadSettings
-from cosyedge_daemon.settings.topics import topic_problem
+from cosyedge_daemon.settings.http import HttpSettings
+from cosyedge_daemon.settings.topics import NativeTopics, topic_problem
 from cosyedge_daemon.settings.wyoming import SatelliteSettings, WyomingSettings
 from cosyedge_models.settings_schema import setting
+from cosyedge_models.synthesis.api import MAX_TEXT_CHARS
 
 PRIORITY_MIN, PRIORITY_MAX = -1000, 1000
 AUTO_WORKERS_MAX = 4  # synthesis_workers = "auto": beyond this the flow/vocoder, not the LLM, bound a board
-
-
-def _broker_ok(url: str) -> bool:
-    try:
-        parse_broker_url(url)
-    except MqttSetupError:
-        return False
-    return True
 
 
 def _prefix_ok(prefix: str) -> bool:
@@ -37,29 +31,13 @@ def _site_ids_ok(sites: tuple[str, ...]) -> bool:
 
 
 @dataclass(frozen=True)
-class MqttSettings:
-    broker: str = setting(
-        "mqtt://localhost:1883", "broker URL: mqtt://host[:port] (1883) or mqtts://host[:port] (TLS, 8883)",
-        check=_broker_ok, allowed="mqtt://host[:port] or mqtts://host[:port]",
-    )
+class DeviceMqttSettings(MqttSettings):
+    """The daemon's [mqtt]: the shared connection settings and the device's own."""
+
     protocol: str = setting("5", "MQTT protocol version", choices=("5", "3.1.1"))
     topic_prefix: str = setting(
         "", "topic prefix; empty: cosyedge/<device_id>",
         check=_prefix_ok, allowed="topic levels without + #, control characters or a trailing /",
-    )
-    username: str = setting("", "user name (empty: anonymous)")
-    password: str = setting("", "password (prefer password_file)")
-    password_file: str = setting("", "file whose first line is the password (e.g. a systemd credential)")
-    tls_ca_file: str = setting("", "CA certificate file for mqtts:// (empty: the system CAs)")
-    tls_cert_file: str = setting("", "client certificate file (mutual TLS)")
-    tls_key_file: str = setting("", "client key file (mutual TLS)")
-    tls_insecure: bool = setting(False, "skip the server host name check (testing only)")
-    keepalive_s: int = setting(30, "MQTT keep-alive interval", min=5, max=3600)
-    session_expiry_s: int = setting(
-        3600,
-        "how long the broker keeps the session (and queued QoS 1 requests) while the daemon is away; MQTT v5",
-        min=0,
-        max=4294967295,
     )
     reconnect_min_delay_s: float = setting(
         0.5, "first reconnect delay (doubles up to the maximum)", min=0.1, max=60
@@ -122,7 +100,8 @@ class TtsSettings:
         live=True,
     )
     max_text_chars: int = setting(
-        4000, "longer text is rejected with text_too_long", min=1, max=1_000_000, live=True
+        MAX_TEXT_CHARS, "longer text is rejected with text_too_long (by every front end, and by the local "
+        "synthesizer, which SIGHUP reloads with it)", min=1, max=1_000_000, live=True, reload=True
     )
     max_prompt_s: float = setting(30.0, "longest voice-reference (prompt) audio", min=1, max=600, live=True)
     llm_max_batch_size: int = setting(
@@ -380,7 +359,7 @@ def _frozen(d: Mapping[str, Any]) -> Mapping[str, Any]:
 @dataclass(frozen=True)
 class Settings:
     device_id: str
-    mqtt: MqttSettings = field(default_factory=MqttSettings)
+    mqtt: DeviceMqttSettings = field(default_factory=DeviceMqttSettings)
     tts: TtsSettings = field(default_factory=TtsSettings)
     fallback: FallbackSettings = field(default_factory=FallbackSettings)
     scheduler: SchedulerSettings = field(default_factory=SchedulerSettings)
@@ -390,6 +369,7 @@ class Settings:
     health: HealthSettings = field(default_factory=HealthSettings)
     wyoming: WyomingSettings = field(default_factory=WyomingSettings)
     wyoming_satellite: SatelliteSettings = field(default_factory=SatelliteSettings)
+    http: HttpSettings = field(default_factory=HttpSettings)
     # Owned by the audio side: validated by AudioSettings / VadSettings
     # (audio_settings / vad_settings below, checked when the config loads).
     audio: Mapping[str, Any] = field(default_factory=lambda: _frozen({}))
@@ -398,6 +378,10 @@ class Settings:
     @property
     def topic_prefix(self) -> str:
         return self.mqtt.topic_prefix or f"cosyedge/{self.device_id}"
+
+    @property
+    def topics(self) -> NativeTopics:
+        return NativeTopics(self.topic_prefix)
 
     @property
     def site_ids(self) -> tuple[str, ...]:
@@ -438,7 +422,7 @@ class Settings:
 
 
 SECTIONS: dict[str, type] = {
-    "mqtt": MqttSettings,
+    "mqtt": DeviceMqttSettings,
     "tts": TtsSettings,
     "fallback": FallbackSettings,
     "scheduler": SchedulerSettings,
@@ -448,6 +432,7 @@ SECTIONS: dict[str, type] = {
     "health": HealthSettings,
     "wyoming": WyomingSettings,
     "wyoming.satellite": SatelliteSettings,  # a sub-table: [wyoming.satellite]
+    "http": HttpSettings,
 }
 
 

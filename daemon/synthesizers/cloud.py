@@ -132,7 +132,7 @@ class CloudSynthesizer:
         with self._lock:
             self._pending.clear()
 
-    def for_job(self, job_id: str, deadline_at: float | None) -> SynthesizeFn:
+    def for_job(self, job_id: str, deadline_at: float | None, *, validated: bool = False) -> SynthesizeFn:
         """`synthesize` for one daemon job: its id and deadline go to the cloud."""
 
         def synth(request: SynthesisRequest, cancel: threading.Event | None = None) -> Iterator[AudioChunk]:

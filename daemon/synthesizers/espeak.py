@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import numpy as np
 import soxr
 from cosyedge_models.errors import RequestError, SynthesisError
+from cosyedge_models.pcm import pcm16_to_float
 from cosyedge_models.synthesis.api import AudioChunk, EngineDefaults, Mode, StageTimes, SynthesisRequest
 from cosyedge_models.text.split import is_only_punctuation, split_paragraph
 
@@ -142,7 +143,7 @@ class EspeakSynthesizer(EngineDefaults):
             pcm16, rate_in = self._run(sentence, voice, rate, cancel)
             if pcm16 is None:
                 return
-            audio = pcm16.astype(np.float32) / 32768.0
+            audio = pcm16_to_float(pcm16)
             if rate_in != self.sample_rate and audio.size:
                 audio = soxr.resample(audio, rate_in, self.sample_rate).astype(np.float32)
             times.vocoder_ms += (time.perf_counter() - t0) * 1000.0

@@ -33,7 +33,7 @@ def load_local_synthesizer(settings: Settings, bundle: str | None = None) -> Ser
     flow_batching = BatchSettings(max_batch_size=tts.flow_max_batch_size,
                                   max_queue_delay_ms=tts.flow_max_queue_delay_ms) if tts.flow_max_batch_size else None
     engine = load_synthesizer(path, settings=SynthesisSettings(
-        backend=tts.backend, batching=batching, flow_batching=flow_batching,
+        backend=tts.backend, max_text_chars=tts.max_text_chars, batching=batching, flow_batching=flow_batching,
         overlap_stages={"on": True, "off": False}.get(tts.overlap_stages),
         first_hop_tokens=tts.first_hop_tokens or None, hop_scale=tts.stream_hop_scale,
         flow_final_chunk=tts.flow_final_chunk,  # type: ignore[arg-type]

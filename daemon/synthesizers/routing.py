@@ -13,14 +13,14 @@ import threading
 import time
 from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from cosyedge_daemon.request.errors import ApiError
 from cosyedge_daemon.request.request import TtsRequest
 from cosyedge_daemon.settings.schema import RoutingSettings
 from cosyedge_models.errors import RequestError
-from cosyedge_models.synthesis.api import ServedEngine
+from cosyedge_models.synthesis.api import ServedEngine, SynthesisRequest
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +33,10 @@ class RouteDecision:
     target: Target
     reason: str  # for people: done.route_reason
     rule: str = field(default="default", compare=False)  # a stable label for the metrics
+    # The synthesizer's request for this target, built once and validated by `validated_by`
+    # (the synthesizer instance then loaded): the pipeline runs it without validating again.
+    request: SynthesisRequest | None = field(default=None, compare=False)
+    validated_by: object | None = field(default=None, compare=False, repr=False)
 
 
 class SynthesizerSlot:
@@ -171,6 +175,15 @@ class SynthesizerSet:
         finally:
             slot.release(engine)
 
+    def served_voices(self) -> tuple[str, list[str]]:
+        """(engine name, its voices) of the local engine (or the fallback while it is missing),
+        for the front ends' voice listings."""
+        for target in ("local", "fallback"):
+            engine = self.slots[target].engine  # type: ignore[index]
+            if engine is not None:
+                return engine.name, engine.voices()
+        return "none", []
+
     def close(self) -> None:
         for slot in self.slots.values():
             slot.swap(None)
@@ -225,11 +238,10 @@ def local_down_reason(engines: SynthesizerSet) -> str:
     }.get(slot.state, "local engine is unhealthy")
 
 
-def local_lacks(request: TtsRequest, engines: SynthesizerSet, *, validate: bool = False) -> str | None:
-    """Why the loaded local engine cannot serve the request (its modes, its
-    voices and, with `validate`, its own validation); None: it can, or no
-    engine is loaded to ask. Routing a new request leaves the validation to
-    `Router.admit`, which validates once, on the engine chosen."""
+def local_lacks(request: TtsRequest, engines: SynthesizerSet) -> str | None:
+    """Why the loaded local synthesizer cannot serve the request (its modes and
+    voices); None: it can, or none is loaded to ask. Its own validation is
+    `Router.validated`, run once, on the synthesizer chosen."""
     engine = engines.slots["local"].engine
     if engine is None:
         return None
@@ -238,11 +250,6 @@ def local_lacks(request: TtsRequest, engines: SynthesizerSet, *, validate: bool 
     voices = engine.voices()
     if request.voice and voices and request.voice not in voices:
         return f"the local engine has no voice '{request.voice}'"
-    if validate:
-        try:
-            engine.validate(request.synthesis_request())
-        except RequestError as exc:
-            return f"the local engine cannot serve it: {exc}"
     return None
 
 
@@ -264,30 +271,39 @@ class Router:
     def admit(self, request: TtsRequest) -> RouteDecision:
         """The route of a new request, decided once (the pipeline runs the job
         there and moves on only through `after_failure`), with the request
-        validated once, by the engine chosen. route=auto: what the local
-        engine rejects goes to the cloud when it is up."""
+        validated once, by the synthesizer chosen. route=auto: what the local
+        synthesizer rejects goes to the cloud when it is up."""
         decision = self.decide(request)
         try:
-            self._validate(decision, request)
-            return decision
+            return self.validated(decision, request)
         except RequestError as exc:
             if decision.target != "local" or request.route != "auto":
                 raise ApiError(exc.code, str(exc), request.id) from None
-            lacks = f"the local engine cannot serve it: {exc}"
-            if self.engines.available("cloud"):
-                cloud = RouteDecision("cloud", lacks, "local_lacks")
-                try:
-                    self._validate(cloud, request)
-                except RequestError as cloud_exc:
-                    raise ApiError(cloud_exc.code, str(cloud_exc), request.id) from None
-                return cloud
-            if self.engines.slots["cloud"].engine is not None:
-                raise ApiError("cloud_unavailable", f"{lacks}, and the cloud is unavailable", request.id) from None
-            raise ApiError(exc.code, str(exc), request.id) from None
+            cloud = self._local_cannot_serve(request, f"the local engine cannot serve it: {exc}")
+            if cloud is None:
+                raise ApiError(exc.code, str(exc), request.id) from None
+            try:
+                return self.validated(cloud, request)
+            except RequestError as cloud_exc:
+                raise ApiError(cloud_exc.code, str(cloud_exc), request.id) from None
 
-    def _validate(self, decision: RouteDecision, request: TtsRequest) -> None:
+    def validated(self, decision: RouteDecision, request: TtsRequest) -> RouteDecision:
+        """`decision` with the synthesizer's request built and validated by the
+        target's synthesizer (RequestError when it refuses)."""
+        synthesis = request.synthesis_request(fallback=decision.target == "fallback")
         with self.engines.lease(decision.target) as engine:
-            engine.validate(request.synthesis_request(fallback=decision.target == "fallback"))
+            engine.validate(synthesis)
+        return replace(decision, request=synthesis, validated_by=engine)
+
+    def _local_cannot_serve(self, request: TtsRequest, lacks: str) -> RouteDecision | None:
+        """route=auto and the local synthesizer cannot serve the request: the
+        cloud when it is up; cloud_unavailable when it is configured but down;
+        None without a cloud (the local synthesizer answers with its own error)."""
+        if self.engines.available("cloud"):
+            return RouteDecision("cloud", lacks, "local_lacks")
+        if self.engines.slots["cloud"].engine is not None:
+            raise ApiError("cloud_unavailable", f"{lacks}, and the cloud is unavailable", request.id)
+        return None
 
     def decide(self, request: TtsRequest) -> RouteDecision:
         """The target by the rules alone (no engine validation: see `admit`)."""
@@ -305,15 +321,7 @@ class Router:
         cloud_up = engines.available("cloud")
         lacks = local_lacks(request, engines)
         if lacks is not None:
-            if cloud_up:
-                return RouteDecision("cloud", lacks, "local_lacks")
-            if engines.slots["cloud"].engine is None:
-                return None  # no cloud configured: the local engine answers with its own error
-            raise ApiError(
-                "cloud_unavailable",
-                f"{lacks}, and the cloud is unavailable",
-                request.id,
-            )
+            return self._local_cannot_serve(request, lacks)
         if not cloud_up:
             return None
         if not engines.available("local"):
@@ -366,9 +374,11 @@ class Router:
             return None
         engines = self.engines
         if failed.target == "cloud" and request is not None:
-            if "local" not in tried and engines.available("local") and local_lacks(
-                    request, engines, validate=True) is None:
-                return RouteDecision("local", f"cloud failed: {error}", "cloud_failed")
+            if "local" not in tried and engines.available("local") and local_lacks(request, engines) is None:
+                try:
+                    return self.validated(RouteDecision("local", f"cloud failed: {error}", "cloud_failed"), request)
+                except (RequestError, ApiError):
+                    pass  # the local synthesizer cannot serve it (or went away): on to the fallback rule
             if request.mode != "sft":  # the fallback voice would ignore what was asked for
                 return None
         if (

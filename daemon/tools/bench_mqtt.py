@@ -85,15 +85,15 @@ def bench(broker_url: str, requests: int, bundle: str | None, text: str) -> dict
         local = EspeakSynthesizer()
     service.set_engines(local, None)
     service.start(connect_timeout_s=10)
-    prefix = settings.topic_prefix
-    client, arrivals, cond = _probe(broker_url, [f"{prefix}/tts/#"])
+    topics = settings.topics
+    client, arrivals, cond = _probe(broker_url, [topics.answers()])
     overhead, first, engine_first = [], [], []
     try:
         for i in range(requests + 3):  # three warm-up requests
             rid = f"b{i}-{uuid.uuid4().hex[:6]}"
             sent = time.perf_counter()
             client.publish(
-                f"{prefix}/tts/say", json.dumps({"id": rid, "text": text, "output": "publish"}), qos=1
+                topics.say, json.dumps({"id": rid, "text": text, "output": "publish"}), qos=1
             )
             with cond:
                 cond.wait_for(

@@ -15,6 +15,7 @@ import numpy as np
 from cosyedge_daemon.request.request import TtsRequest
 from cosyedge_daemon.serving.jobs import Job
 from cosyedge_daemon.serving.pipeline import Pipeline
+from cosyedge_models.pcm import pcm16_to_float
 
 
 class PlayedResponder:
@@ -33,11 +34,11 @@ class PlayedResponder:
         self.on_played(job)
 
 
-def pcm16_to_float(data: bytes, width: int, channels: int) -> np.ndarray:
+def wyoming_pcm(data: bytes, width: int, channels: int) -> np.ndarray:
+    """A Wyoming audio chunk as float32 mono (16-bit PCM only)."""
     if width != 2:
         raise ValueError(f"audio width {width} is not supported (16-bit PCM only)")
-    pcm = np.frombuffer(data[: len(data) - len(data) % (2 * channels)], "<i2").astype(np.float32) / 32768.0
-    return pcm.reshape(-1, channels).mean(axis=1) if channels > 1 else pcm
+    return pcm16_to_float(data, channels)
 
 
 class PlaybackRelay:

@@ -26,7 +26,7 @@ from cosyedge_daemon.serving.pipeline import Pipeline
 from cosyedge_daemon.settings.audio import VAD_SAMPLE_RATE, VadSettings
 from cosyedge_daemon.settings.wyoming import SatelliteSettings
 from cosyedge_daemon.wyoming.framing import write_event
-from cosyedge_daemon.wyoming.relay import PlaybackRelay, PlayedResponder, pcm16_to_float
+from cosyedge_daemon.wyoming.relay import PlaybackRelay, PlayedResponder, wyoming_pcm
 from wyoming.asr import Transcript
 from wyoming.audio import AudioChunk, AudioStart, AudioStop
 from wyoming.error import Error
@@ -112,7 +112,7 @@ class SatelliteHandler:
         if job is None:
             return  # audio without audio-start: nothing to play it into
         try:
-            pcm = pcm16_to_float(chunk.audio, chunk.width, chunk.channels)
+            pcm = wyoming_pcm(chunk.audio, chunk.width, chunk.channels)
         except ValueError as exc:
             self.send(Error(text=str(exc), code="unsupported_audio").event())
             return

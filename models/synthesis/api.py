@@ -27,6 +27,10 @@ class PromptAudio:
 # The speaking rate a request may ask for, as a factor of the normal rate: the one
 # range the daemon's front ends, the cloud wire and the synthesizers all check.
 SPEED_MIN, SPEED_MAX = 0.5, 2.0
+# The longest text a request may carry, in characters: the one default of the daemon's
+# `[tts] max_text_chars` (which it passes on to its synthesizer), of a synthesizer's own
+# `SynthesisSettings.max_text_chars` and of the cloud bridge's `[limits] max_text_chars`.
+MAX_TEXT_CHARS = 4000
 
 
 @dataclass(frozen=True)
@@ -151,9 +155,11 @@ class ServedEngine(Synthesizer, Protocol):
         engine may cut its batching delay."""
         ...
 
-    def for_job(self, job_id: str, deadline_at: float | None) -> SynthesizeFn:
+    def for_job(self, job_id: str, deadline_at: float | None, *, validated: bool = False) -> SynthesizeFn:
         """`synthesize` for one daemon job (the cloud carries the job's id and
-        deadline, a `time.monotonic()` time, along)."""
+        deadline, a `time.monotonic()` time, along). `validated`: this
+        synthesizer's `validate` passed on the very request already (the
+        daemon validates once, at admission), so it need not run again."""
         ...
 
 
@@ -172,5 +178,5 @@ class EngineDefaults(ABC):
     def set_load_level(self, level: LoadLevel) -> None:
         return None
 
-    def for_job(self, job_id: str, deadline_at: float | None) -> SynthesizeFn:
+    def for_job(self, job_id: str, deadline_at: float | None, *, validated: bool = False) -> SynthesizeFn:
         return self.synthesize

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cosyedge_models.batching.policy import BatchSettings
+from cosyedge_models.synthesis.api import MAX_TEXT_CHARS
 from cosyedge_models.synthesis.flow import FINAL_CHUNK_MODES, FinalChunk
 from cosyedge_models.synthesis.modes import GRAPH_THREAD_MODES
 
@@ -15,7 +16,7 @@ from cosyedge_models.synthesis.modes import GRAPH_THREAD_MODES
 class SynthesisSettings:
     backend: str = "ort"
     precision: str | None = None  # None: the bundle's own
-    max_text_chars: int = 2000
+    max_text_chars: int = MAX_TEXT_CHARS
     threads: int | None = None  # intra-op threads per session (None: the runtime's default)
     first_hop_tokens: int | None = None  # None: upstream's aligned first hop
     # After each streaming chunk the hop grows by this factor up to 4x (upstream's

@@ -42,6 +42,7 @@ from cosyedge_models.synthesis.api import (
     Mode,
     StageTimes,
     SynthesisRequest,
+    SynthesizeFn,
 )
 from cosyedge_models.synthesis.conditioning import Conditioning, ConditioningBuilder
 from cosyedge_models.synthesis.flow import EstimatorWork, FlowDecoder, FlowStream, encoder_spec
@@ -183,8 +184,19 @@ class CosyVoiceSynthesizer(EngineDefaults):
         self.conditioning.check(request)
 
     def synthesize(self, request: SynthesisRequest, cancel: threading.Event | None = None) -> Iterator[AudioChunk]:
+        return self._synthesize(request, cancel, validate=True)
+
+    def for_job(self, job_id: str, deadline_at: float | None, *, validated: bool = False) -> SynthesizeFn:
+        if not validated:
+            return self.synthesize
+        return lambda request, cancel=None: self._synthesize(request, cancel, validate=False)
+
+    def _synthesize(
+        self, request: SynthesisRequest, cancel: threading.Event | None, *, validate: bool
+    ) -> Iterator[AudioChunk]:
         started = time.perf_counter()
-        self.validate(request)
+        if validate:
+            self.validate(request)
         seed = request.seed if request.seed is not None else int(np.random.default_rng().integers(1 << 62))
         sampler_seq, noise_seq = np.random.SeedSequence(seed).spawn(2)
         state = RequestState(

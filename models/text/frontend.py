@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from cosyedge_models.errors import RequestError
+from cosyedge_models.synthesis.api import MAX_TEXT_CHARS
 from cosyedge_models.text.normalize import LANGUAGE_CHOICES, Language, detect_language, normalize_text
 from cosyedge_models.text.split import SplitSettings, is_only_punctuation, split_with
 from cosyedge_models.text.tokenizer import END_OF_PROMPT, TextTokenizer
@@ -52,7 +53,7 @@ class TextFrontend:
         self,
         tokenizer: TextTokenizer,
         *,
-        max_text_chars: int = 2000,
+        max_text_chars: int = MAX_TEXT_CHARS,
         max_instruct_chars: int = 500,
         language: str = "auto",
         normalize: bool = True,

@@ -9,9 +9,9 @@ import sys
 import time
 
 import pytest
-from cosyedge_daemon.api.request_policy import ResponseTopicPolicy, reserved_namespaces
+from cosyedge_daemon.api.request_policy import ResponseTopicPolicy
 from cosyedge_daemon.request.ids import leading_id, valid_id
-from cosyedge_daemon.settings.topics import topic_problem
+from cosyedge_daemon.settings.topics import NativeTopics, topic_problem
 
 ALPHABET = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.:@-")
 
@@ -68,7 +68,7 @@ OWN = ["cosyedge/d1/tts/say", "cosyedge/d1/tts/cancel", "cosyedge/d1/admin/reloa
     ],
 )
 def test_response_topic_boundaries(topic: str, prefix: str, refused: bool) -> None:
-    problem = ResponseTopicPolicy(OWN, prefix, reserved_namespaces("cosyedge/d1")).problem(topic)
+    problem = ResponseTopicPolicy(OWN, prefix, NativeTopics("cosyedge/d1").reserved()).problem(topic)
     assert (problem is not None) is refused, problem
     if problem:
         assert len(problem) < 400

@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 import soundfile as sf
 from cosyedge_daemon.audio.devices import create_sink, create_source
-from cosyedge_daemon.audio.pcm import AudioFileError, Framer, read_pcm16_16k, wav_bytes
+from cosyedge_daemon.audio.pcm import AudioFileError, Framer, read_pcm16_16k
 from cosyedge_daemon.audio.ring import FloatRing
 from cosyedge_daemon.audio.sinks import NullSink, WavFileSink
 from cosyedge_daemon.audio.sources import ArraySource
 from cosyedge_daemon.settings.audio import AudioSettings, VadSettings
+from cosyedge_models.pcm import wav_bytes
 
 
 def test_ring_wraps_around_and_keeps_order() -> None:
@@ -109,7 +110,7 @@ def test_array_source_frames_and_times() -> None:
 def test_pcm_helpers(tmp_path: Path) -> None:
     framer = Framer(4)
     assert framer.push(b"\x00" * 6) == [] and len(framer.push(b"\x01" * 12)) == 2
-    data = wav_bytes(np.arange(100, dtype=np.int16))
+    data = wav_bytes(np.arange(100, dtype=np.int16), 16000)
     y, rate = sf.read(io.BytesIO(data), dtype="int16")
     assert rate == 16000 and y.tolist() == list(range(100))
     bad = tmp_path / "bad.wav"

@@ -173,9 +173,9 @@ def test_real_frames_must_have_the_frame_length() -> None:
 
 
 def test_segment_wav_is_16k_mono(clips: dict[str, Clip]) -> None:
-    from cosyedge_daemon.audio.pcm import wav_bytes
+    from cosyedge_models.pcm import wav_bytes
 
     m = mix([clips["digit"]], [0.5], 2.5)
     (u,) = segment_pcm(m.pcm16, VadSettings())
-    y, rate = sf.read(io.BytesIO(wav_bytes(u.pcm)), dtype="int16")
+    y, rate = sf.read(io.BytesIO(wav_bytes(u.pcm, 16000)), dtype="int16")
     assert rate == 16000 and y.ndim == 1 and len(y) == len(u.pcm) // 2

@@ -1,6 +1,6 @@
 """The device's CloudSynthesizer on a real Mosquitto, against a scripted peer in
 the bridge's place (the real bridge and Triton are in
-tests/cloud_bridge/test_e2e_*.py): what it sends, redelivery, errors,
+tests/cloud_bridge/bridge/test_e2e_*.py): what it sends, redelivery, errors,
 timeouts, the link topic."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 from cosyedge_cloud.wire.mqtt import MqttOptions, connect, make_client, publish_properties, received_properties
 from cosyedge_cloud.wire.protocol import CloudTopics, encode_audio, encode_done, encode_error, parse_request
 from cosyedge_daemon.mqtt.connection import MqttConnection
-from cosyedge_daemon.settings.schema import CloudSettings, MqttSettings
+from cosyedge_daemon.settings.schema import CloudSettings, DeviceMqttSettings
 from cosyedge_daemon.synthesizers.cloud import CloudSynthesizer, CloudUnavailable
 from cosyedge_models.errors import RequestError
 from cosyedge_models.synthesis.api import SynthesisRequest
@@ -69,7 +69,7 @@ class Peer:
 @pytest.fixture()
 def conn(broker: Broker) -> Iterator[MqttConnection]:
     device = f"d{uuid.uuid4().hex[:6]}"
-    c = MqttConnection(MqttSettings(broker=broker.url), f"cosyedge-{device}", f"cosyedge/{device}/status", [],
+    c = MqttConnection(DeviceMqttSettings(broker=broker.url), f"cosyedge-{device}", f"cosyedge/{device}/status", [],
                        on_message=lambda m: None)
     c.device = device  # type: ignore[attr-defined]
     yield c

@@ -5,7 +5,9 @@ answer either way."""
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 from cosyedge_daemon.request.errors import ApiError
@@ -14,13 +16,13 @@ from cosyedge_daemon.serving.jobs import Job
 from cosyedge_daemon.settings.schema import RoutingSettings
 from cosyedge_daemon.synthesizers.routing import RouteDecision, Router, SynthesizerSet
 from cosyedge_models.errors import RequestError
-from cosyedge_models.synthesis.api import SynthesisRequest
+from cosyedge_models.synthesis.api import AudioChunk, SynthesisRequest, SynthesizeFn
 
-from tests.daemon.fake_engine import FakeEngine
 from tests.daemon.serving.test_pipeline_workers import Answers, make
+from tests.support.fake_synthesizer import FakeSynthesizer
 
 
-class Counting(FakeEngine):
+class Counting(FakeSynthesizer):
     """Counts validations; rejects texts that contain `rejects`."""
 
     def __init__(self, name: str = "fake", rejects: str = "NOPE", **kw: object) -> None:
@@ -65,7 +67,7 @@ def test_rejection_without_a_cloud_is_the_engines_error() -> None:
     assert err.value.code == "cloud_unavailable" and "cannot say NOPE" in err.value.message
 
 
-class _Down(FakeEngine):
+class _Down(FakeSynthesizer):
     def available(self) -> bool:
         return False
 
@@ -100,3 +102,45 @@ def test_pipeline_runs_the_admitted_route_without_deciding_again() -> None:
     assert (gone.route, gone.route_rule) == ("fallback", "local_failed")
     assert fallback.started == ["hello", "hello"]
     assert local.started == [] and (local.validations, fallback.validations) == (0, 0)
+
+
+class _Recording(Counting):
+    """Records what the pipeline says of each run: whether the request was validated already, and which."""
+
+    def __init__(self, **kw: object) -> None:
+        super().__init__(**kw)
+        self.runs: list[tuple[bool, SynthesisRequest]] = []
+
+    def for_job(self, job_id: str, deadline_at: float | None, *, validated: bool = False) -> SynthesizeFn:
+        def run(request: SynthesisRequest, cancel: threading.Event | None = None) -> Iterator[AudioChunk]:
+            self.runs.append((validated, request))
+            if not validated:  # as the CosyVoice synthesizer does: validate, unless told it was
+                self.validate(request)
+            return self.synthesize(request, cancel)
+
+        return run
+
+
+def test_the_admitted_request_is_validated_once_and_run_as_built() -> None:
+    local = _Recording(chunks=1)
+    p = make(local, workers=1)
+    rec = Answers()
+    p.start()
+    try:
+        job = Job(TtsRequest(id="v1", text="hello", output="publish", received_at=time.monotonic()), rec)
+        job.decision = p.router.admit(job.request)
+        p.scheduler.submit(job)
+        rec.wait(1)
+        # a synthesizer swapped in after admission (a reload) validates for itself
+        newer = _Recording(chunks=1)
+        stale = Job(TtsRequest(id="v2", text="hello", output="publish", received_at=time.monotonic()), rec)
+        stale.decision = p.router.admit(stale.request)
+        p.router.engines.slots["local"].swap(newer)
+        p.scheduler.submit(stale)
+        rec.wait(2)
+    finally:
+        p.stop()
+    assert rec.answers == {"v1": ("done", "completed"), "v2": ("done", "completed")}
+    assert local.validations == 2 and [v for v, _ in local.runs] == [True]
+    assert job.decision is not None and local.runs[0][1] is job.decision.request  # built once
+    assert newer.validations == 1 and [v for v, _ in newer.runs] == [False]

@@ -36,7 +36,7 @@ def test_defaults_and_overrides(tmp_path: Path) -> None:
         ({"triton": {"default_version": "v2"}}, '[triton] default_version = "v2": allowed values: empty or a'),
         ({"triton": {"allowed_versions": ["1", "x"]}}, "[triton] allowed_versions"),
         ({"triton": {"url": "localhost"}}, '[triton] url = "localhost": allowed values: host:port'),
-        ({"mqtt": {"broker": "http://x"}}, '[mqtt] broker = "http://x": allowed values: mqtt://host:1883'),
+        ({"mqtt": {"broker": "http://x"}}, '[mqtt] broker = "http://x": allowed values: mqtt://host[:port]'),
         ({"mqtt": {"broker": "mqtt://h:70000"}}, '[mqtt] broker = "mqtt://h:70000": allowed values'),
         ({"mqtt": {"client_id": "a/b"}}, '[mqtt] client_id = "a/b": allowed values: a non-empty string'),
         ({"mqtt": {"password": "p", "password_file": "/f"}}, "password and password_file: set one, not both"),
@@ -54,7 +54,7 @@ def test_old_key_name_is_read_and_docs_are_current() -> None:
     """`dedup_window` (the old name) still sets `dedupe_max_ids`; the reference in
     docs/ is what the schema generates; the replica example loads."""
     assert build_settings({"limits": {"dedup_window": 7}}).limits.dedupe_max_ids == 7
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     text = (root / "docs" / "bridge-configuration.md").read_text()
     assert text == reference_markdown(), \
         "regenerate: python -m cosyedge_cloud.bridge.settings > docs/bridge-configuration.md"

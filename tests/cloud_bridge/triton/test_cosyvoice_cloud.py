@@ -7,7 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from cosyedge_cloud.wire.protocol import CloudPrompt, CloudRequest, pcm16_bytes
+from cosyedge_cloud.wire.protocol import CloudPrompt, CloudRequest
+from cosyedge_models.pcm import pcm16_bytes
 from cosyedge_models.synthesis.api import PromptAudio, SynthesisRequest
 
 from tests.cloud_bridge.device import Device

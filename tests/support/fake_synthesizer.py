@@ -26,7 +26,7 @@ class Seen:
     left: threading.Event = field(default_factory=threading.Event)
 
 
-class FakeEngine(EngineDefaults):
+class FakeSynthesizer(EngineDefaults):
     name = "fake"
     sample_rate = 24000
 
