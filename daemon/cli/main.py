@@ -37,6 +37,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bundle", help="model bundle directory (default: the tiny bundle, built on first use)")
     p.add_argument("--audio", help="audio device: none, default or a device name")
     p.add_argument("--wyoming-uri", help="serve Wyoming TTS (Home Assistant) on tcp://HOST:PORT (port 10200)")
+    p.add_argument("--http-listen", metavar="HOST:PORT",
+                   help="serve the OpenAI-style speech API (POST /v1/audio/speech) on HOST:PORT, e.g. 127.0.0.1:8880")
 
 
 def _add_say(sub: argparse._SubParsersAction) -> None:

@@ -18,6 +18,8 @@ from cosyedge_daemon.api.responders import NativeResponder
 from cosyedge_daemon.api.vad_topics import VoiceLink
 from cosyedge_daemon.audio.barge_in import BargeInPolicy
 from cosyedge_daemon.audio.interfaces import AudioSink
+from cosyedge_daemon.http.server import HttpFrontend
+from cosyedge_daemon.http.server import enabled as http_enabled
 from cosyedge_daemon.mqtt.connection import InboundMessage, MqttConnection
 from cosyedge_daemon.request.request import TtsRequest
 from cosyedge_daemon.service.health import HealthMonitor
@@ -105,6 +107,10 @@ class Service:
                 settings, self.admission, self.synthesizers, self.pipeline, self.voice, VERSION
             )
             self.extra_liveness["wyoming"] = self.wyoming.alive
+        self.http: HttpFrontend | None = None
+        if http_enabled(settings.http):
+            self.http = HttpFrontend(settings.http, self.admission, self.synthesizers)
+            self.extra_liveness["http"] = self.http.alive
         self.health = HealthMonitor(
             self.notifier,
             self.liveness,
@@ -197,6 +203,8 @@ class Service:
         self.intake.start()
         if self.wyoming is not None:
             self.wyoming.start()
+        if self.http is not None:
+            self.http.start()
         self.conn.start()
         if not self.conn.wait_connected(connect_timeout_s):
             log.warning(
@@ -228,6 +236,8 @@ class Service:
         self.health.stop()
         if self.wyoming is not None:
             self.wyoming.stop()
+        if self.http is not None:
+            self.http.stop()
         self.pipeline.stop(2.0)
         self.intake.stop()
         self.state = "stopped"
@@ -323,6 +333,7 @@ class Service:
             "mqtt": {"protocol": self.settings.mqtt.protocol},
             "cloud": {"enabled": self.cloud is not None, "link": describe_link(self.cloud)},
             "wyoming": self.wyoming.describe() if self.wyoming is not None else {},
+            "http": self.http.describe() if self.http is not None else {},
             "queue_depth": self.scheduler.depth,
             "in_flight": len(self.scheduler.running()),
             "synthesizing": self.pipeline.active_syntheses,

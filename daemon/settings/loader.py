@@ -16,6 +16,7 @@ from typing import Any
 from cosyedge_cloud.wire.mqtt import BrokerAddress, MqttSetupError
 from cosyedge_cloud.wire.mqtt import parse_broker_url as _parse_broker_url
 from cosyedge_daemon.settings.audio import AudioSettings, VadSettings
+from cosyedge_daemon.settings.http import parse_listen
 from cosyedge_daemon.settings.schema import SECTIONS, Settings, section_attr
 from cosyedge_daemon.settings.wyoming import parse_tcp_uri
 from cosyedge_models.settings_schema import (
@@ -106,6 +107,9 @@ def apply_flags(settings: Settings, args: Any) -> Settings:
     if getattr(args, "wyoming_uri", None):
         parse_tcp_uri(args.wyoming_uri, "--wyoming-uri")
         settings = replace(settings, wyoming=replace(settings.wyoming, uri=args.wyoming_uri))
+    if getattr(args, "http_listen", None):
+        parse_listen(args.http_listen, "--http-listen")
+        settings = replace(settings, http=replace(settings.http, listen=args.http_listen))
     if getattr(args, "audio", None):
         settings = replace(settings, audio=MappingProxyType({**settings.audio, "device": args.audio}))
     return settings
@@ -121,8 +125,9 @@ def example_toml() -> str:
     """The example config with every key at its default (systemd/cosyedge.toml)."""
     lines = [
         "# cosyedge daemon configuration. Every key is optional; the values below are the",
-        "# defaults. `cosyedge run --config FILE` reads it; --broker, --device-id, --bundle and",
-        "# --audio override it. SIGHUP re-reads it (keys marked 'reloaded by SIGHUP' apply live).",
+        "# defaults. `cosyedge run --config FILE` reads it; --broker, --device-id, --bundle,",
+        "# --wyoming-uri, --http-listen and --audio override it. SIGHUP re-reads it (keys marked",
+        "# 'reloaded by SIGHUP' apply live).",
         "",
         "# device id: MQTT topics are cosyedge/<device_id>/...; empty: the host name",
         'device_id = ""',

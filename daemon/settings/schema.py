@@ -11,6 +11,7 @@ from typing import Any
 
 from cosyedge_cloud.wire.mqtt_settings import MqttSettings
 from cosyedge_daemon.settings.audio import AudioSettings, VadSettings
+from cosyedge_daemon.settings.http import HttpSettings
 from cosyedge_daemon.settings.topics import NativeTopics, topic_problem
 from cosyedge_daemon.settings.wyoming import SatelliteSettings, WyomingSettings
 from cosyedge_models.settings_schema import setting
@@ -363,6 +364,7 @@ class Settings:
     health: HealthSettings = field(default_factory=HealthSettings)
     wyoming: WyomingSettings = field(default_factory=WyomingSettings)
     wyoming_satellite: SatelliteSettings = field(default_factory=SatelliteSettings)
+    http: HttpSettings = field(default_factory=HttpSettings)
     # Owned by the audio side: validated by AudioSettings / VadSettings
     # (audio_settings / vad_settings below, checked when the config loads).
     audio: Mapping[str, Any] = field(default_factory=lambda: _frozen({}))
@@ -425,6 +427,7 @@ SECTIONS: dict[str, type] = {
     "health": HealthSettings,
     "wyoming": WyomingSettings,
     "wyoming.satellite": SatelliteSettings,  # a sub-table: [wyoming.satellite]
+    "http": HttpSettings,
 }
 
 

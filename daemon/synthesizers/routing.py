@@ -175,6 +175,15 @@ class SynthesizerSet:
         finally:
             slot.release(engine)
 
+    def served_voices(self) -> tuple[str, list[str]]:
+        """(engine name, its voices) of the local engine (or the fallback while it is missing),
+        for the front ends' voice listings."""
+        for target in ("local", "fallback"):
+            engine = self.slots[target].engine  # type: ignore[index]
+            if engine is not None:
+                return engine.name, engine.voices()
+        return "none", []
+
     def close(self) -> None:
         for slot in self.slots.values():
             slot.swap(None)

@@ -10,14 +10,14 @@ from typing import Any
 
 from cosyedge_daemon.api.vad_topics import VoiceLink
 from cosyedge_daemon.serving.admission import Admission
+from cosyedge_daemon.serving.channels import ChannelResponder, EventLoopThread
 from cosyedge_daemon.serving.pipeline import Pipeline
 from cosyedge_daemon.settings.schema import Settings
 from cosyedge_daemon.settings.wyoming import parse_tcp_uri
 from cosyedge_daemon.synthesizers.routing import SynthesizerSet
 from cosyedge_daemon.wyoming.info import build_info, voice_for
-from cosyedge_daemon.wyoming.responder import WyomingResponder
 from cosyedge_daemon.wyoming.satellite import Satellite
-from cosyedge_daemon.wyoming.server import EventLoopThread, Listener
+from cosyedge_daemon.wyoming.server import Listener
 from cosyedge_daemon.wyoming.tts_server import TtsContext, TtsHandler
 from cosyedge_daemon.wyoming.zeroconf import Advert, Advertiser, advertised_addresses, should_advertise
 
@@ -32,8 +32,8 @@ class WyomingFrontend:
     def __init__(self, settings: Settings, admission: Admission, synthesizers: SynthesizerSet, pipeline: Pipeline,
                  voice: VoiceLink, version: str) -> None:
         self.settings = settings
-        self.runtime = EventLoopThread()
-        self.responder = WyomingResponder()
+        self.runtime = EventLoopThread("wyoming")
+        self.responder = ChannelResponder()
         w = settings.wyoming
         self.tts: Listener | None = None
         self.satellite: Satellite | None = None

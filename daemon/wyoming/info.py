@@ -22,11 +22,7 @@ def _languages(engine_name: str, voice: str) -> list[str]:
 
 def engine_voices(synthesizers: SynthesizerSet) -> tuple[str, list[str]]:
     """(engine name, its voices) of the local engine (or the fallback while it is missing)."""
-    for target in ("local", "fallback"):
-        engine = synthesizers.slots[target].engine  # type: ignore[index]
-        if engine is not None:
-            return engine.name, engine.voices()
-    return "none", []
+    return synthesizers.served_voices()
 
 
 def build_info(synthesizers: SynthesizerSet, version: str) -> Info:

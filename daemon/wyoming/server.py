@@ -1,6 +1,5 @@
-"""The Wyoming listeners' event loop (one thread) and the connection loop
-they share: hardened framing (framing.py), a connection limit, an idle
-timeout, and an error event where a reply is possible. A broken or hostile
+"""The connection loop the Wyoming listeners share: hardened framing
+(framing.py), a connection limit, an idle timeout, and an error event where a reply is possible. A broken or hostile
 connection ends alone; the listener keeps serving everyone else."""
 
 from __future__ import annotations
@@ -8,9 +7,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
-from collections.abc import Callable, Coroutine
-from typing import Any, Protocol, TypeVar
+from collections.abc import Callable
+from typing import Protocol
 
 from cosyedge_daemon.settings.wyoming import WyomingSettings
 from cosyedge_daemon.wyoming.framing import HEADER_LIMIT, FrameError, read_event, write_event
@@ -18,7 +16,6 @@ from wyoming.error import Error
 from wyoming.event import Event
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 class Handler(Protocol):
@@ -34,34 +31,6 @@ class Handler(Protocol):
 
 
 HandlerFactory = Callable[[asyncio.StreamWriter], Handler]
-
-
-class EventLoopThread:
-    """An asyncio loop on its own thread; other threads submit coroutines."""
-
-    def __init__(self, name: str = "wyoming") -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_forever()
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def call(self, coro: Coroutine[Any, Any, T], timeout_s: float = 10.0) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
-
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def stop(self) -> None:
-        if self._thread.is_alive():
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(5)
-        if not self.loop.is_running():
-            self.loop.close()
 
 
 class Listener:

@@ -4,7 +4,7 @@ each completes (streaming.py), the legacy synthesize a streaming client also
 sends ignored; ping → pong; unknown events ignored. Every request is built by
 the one builder and admitted through serving's Admission (scheduler, router,
 metrics, trace);
-its answers come back through the WyomingResponder."""
+its answers come back through the ChannelResponder."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from cosyedge_daemon.request.builder import build_request
 from cosyedge_daemon.request.errors import ApiError
 from cosyedge_daemon.serving.admission import Admission
+from cosyedge_daemon.serving.channels import Audio, Budget, Channel, ChannelResponder, Done, Failed
 from cosyedge_daemon.serving.jobs import Job
 from cosyedge_daemon.wyoming.framing import write_event
-from cosyedge_daemon.wyoming.responder import Audio, Budget, Channel, Done, Failed, WyomingResponder
 from cosyedge_daemon.wyoming.streaming import SentenceBuffer
 from wyoming.audio import AudioChunk, AudioStart, AudioStop
 from wyoming.error import Error
@@ -40,7 +40,7 @@ class TtsContext:
     """What every TTS connection shares (built once by the front end)."""
 
     admission: Admission
-    responder: WyomingResponder
+    responder: ChannelResponder
     info: Callable[[], Info]
     voice_for: Callable[[SynthesizeVoice | None], str | None]
     priority: int

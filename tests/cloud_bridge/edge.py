@@ -19,8 +19,8 @@ from cosyedge_daemon.synthesizers.espeak import EspeakSynthesizer
 from cosyedge_models.synthesis.api import Synthesizer
 
 from tests.daemon.conftest import make_settings
-from tests.daemon.memory_sink import MemorySink
-from tests.daemon.mqtt_probe import Probe, Received
+from tests.support.memory_sink import MemorySink
+from tests.support.mqtt_recorder import Received, Recorder
 
 
 def load_local(bundle: Path) -> Synthesizer:
@@ -47,7 +47,7 @@ class Edge:
         self.service.set_synthesizers(local, fallback)
         self.service.start(connect_timeout_s=10)
         self.prefix = self.settings.topic_prefix
-        self.probe = Probe(broker_url, [f"{self.prefix}/tts/#", f"cosyedge/{self.device_id}/cloud/request"])
+        self.probe = Recorder(broker_url, [f"{self.prefix}/tts/#", f"cosyedge/{self.device_id}/cloud/request"])
 
     def say(self, rid: str, text: str, **fields: Any) -> float:
         """Send a request; returns the monotonic time it was sent."""

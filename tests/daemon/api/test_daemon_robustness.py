@@ -12,7 +12,7 @@ from cosyedge_daemon.synthesizers.espeak import EspeakSynthesizer
 
 from tests.daemon.api.test_daemon_api import LONG, THREE
 from tests.daemon.conftest import DaemonFactory, make_settings
-from tests.daemon.memory_sink import MemorySink
+from tests.support.memory_sink import MemorySink
 
 
 def failing_espeak(tmp_path: Path, when: str = "always") -> EspeakSynthesizer:

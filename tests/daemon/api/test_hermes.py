@@ -12,8 +12,8 @@ import wave
 from cosyedge_daemon.audio.interfaces import VadEvent
 
 from tests.daemon.conftest import DaemonFactory
-from tests.daemon.memory_sink import MemorySink
 from tests.support.components import missing
+from tests.support.memory_sink import MemorySink
 
 try:  # the Hermes payload classes (test only; .ci/requirements-nodeps.txt)
     import rhasspyhermes.audioserver as audioserver

@@ -17,8 +17,8 @@ from cosyedge_daemon.service.service import Service
 
 from tests.daemon.api.test_daemon_api import LONG
 from tests.daemon.conftest import DaemonFactory, make_settings
-from tests.daemon.memory_sink import MemorySink
 from tests.support.broker import free_port
+from tests.support.memory_sink import MemorySink
 
 
 class NotifySocket:

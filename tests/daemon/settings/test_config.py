@@ -171,3 +171,24 @@ def test_old_key_names_are_still_read() -> None:
         settings_from_mapping({"fallback": {"sample_rate": 16000, "sample_rate_hz": 16000}})
 
 
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    ("127.0.0.1:8880", ("127.0.0.1", 8880)), ("0.0.0.0:0", ("0.0.0.0", 0)), ("[::1]:8880", ("::1", 8880)),
+    ("board.local:80", ("board.local", 80)),
+])
+def test_http_listen_addresses(value: str, expected: tuple[str, int]) -> None:
+    from cosyedge_daemon.settings.http import parse_listen
+
+    assert parse_listen(value, "[http] listen") == expected
+    assert settings_from_mapping({"device_id": "d", "http": {"listen": value}}).http.listen == value
+    assert apply_flags(settings_from_mapping({"device_id": "d"}), _flags(http_listen=value)).http.listen == value
+
+
+@pytest.mark.parametrize("value", ["8880", "127.0.0.1", "::1:8880", "host:99999", "host:-1", ":8880", "[nope]:80"])
+def test_http_listen_refused_with_the_form(value: str) -> None:
+    with pytest.raises(ConfigError, match=r"\[http\] listen.*HOST:PORT"):
+        settings_from_mapping({"device_id": "d", "http": {"listen": value}})
+    with pytest.raises(ConfigError, match="--http-listen"):
+        apply_flags(settings_from_mapping({"device_id": "d"}), _flags(http_listen=value))
+    assert settings_from_mapping({"device_id": "d"}).http.listen == ""  # off by default

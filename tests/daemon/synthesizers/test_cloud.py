@@ -1,6 +1,6 @@
 """The device's CloudSynthesizer on a real Mosquitto, against a scripted peer in
 the bridge's place (the real bridge and Triton are in
-tests/cloud_bridge/test_e2e_*.py): what it sends, redelivery, errors,
+tests/cloud_bridge/bridge/test_e2e_*.py): what it sends, redelivery, errors,
 timeouts, the link topic."""
 
 from __future__ import annotations

@@ -18,11 +18,11 @@ from cosyedge_daemon.synthesizers.routing import RouteDecision, Router, Synthesi
 from cosyedge_models.errors import RequestError
 from cosyedge_models.synthesis.api import AudioChunk, SynthesisRequest, SynthesizeFn
 
-from tests.daemon.fake_engine import FakeEngine
 from tests.daemon.serving.test_pipeline_workers import Answers, make
+from tests.support.fake_synthesizer import FakeSynthesizer
 
 
-class Counting(FakeEngine):
+class Counting(FakeSynthesizer):
     """Counts validations; rejects texts that contain `rejects`."""
 
     def __init__(self, name: str = "fake", rejects: str = "NOPE", **kw: object) -> None:
@@ -67,7 +67,7 @@ def test_rejection_without_a_cloud_is_the_engines_error() -> None:
     assert err.value.code == "cloud_unavailable" and "cannot say NOPE" in err.value.message
 
 
-class _Down(FakeEngine):
+class _Down(FakeSynthesizer):
     def available(self) -> bool:
         return False
 

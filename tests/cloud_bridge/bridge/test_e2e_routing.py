@@ -22,10 +22,10 @@ import pytest
 from cosyedge_cloud.triton.launcher import TritonServer
 from cosyedge_models.synthesis.api import Synthesizer
 
+from tests.cloud_bridge.bridge.test_bridge_process import BridgeProcess
 from tests.cloud_bridge.conftest import SINE_MODEL, V1_HZ, V2_HZ, device_broker_conf
 from tests.cloud_bridge.edge import Edge, load_local, wait
 from tests.cloud_bridge.sine_engine import CHUNK_SAMPLES
-from tests.cloud_bridge.test_bridge_process import BridgeProcess
 from tests.support.broker import Broker, running_broker
 
 PRODUCT = {"model": "cosyvoice2", "first_chunk_timeout_s": 120.0, "chunk_timeout_s": 120.0}

@@ -26,7 +26,7 @@ class Seen:
     left: threading.Event = field(default_factory=threading.Event)
 
 
-class FakeEngine(SynthesizerDefaults):
+class FakeSynthesizer(SynthesizerDefaults):
     name = "fake"
     sample_rate = 24000
 

@@ -1,23 +1,55 @@
-"""The Wyoming answer path beside the MQTT one (daemon/api/responders.py): the
-Responder of a Wyoming job. The synthesis workers call it on their threads;
-it converts the chunk to PCM16 there and hands it to the connection's event
-loop, where the job's `Channel` is read in order by the connection. Audio a
-slow client has not read is bounded: beyond `max_buffered_bytes` on one
-connection the job is stopped (cancelled) and the connection closed."""
+"""The answer path of the asyncio front ends (Wyoming, HTTP) beside the MQTT
+one (daemon/api/responders.py): the event-loop thread they run on and the
+Responder of their jobs. The synthesis workers call the responder on their
+threads; it converts the chunk to PCM16 there and hands it to the
+connection's event loop, where the job's `Channel` is read in order by the
+connection. Audio a slow client has not read is bounded: beyond
+`max_buffered_bytes` on one connection the job is stopped (cancelled) and
+the connection closed."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import threading
+from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from cosyedge_daemon.serving.jobs import Job
 from cosyedge_models.pcm import pcm16_bytes
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class EventLoopThread:
+    """An asyncio loop on its own thread; other threads submit coroutines."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout_s: float = 10.0) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(5)
+        if not self.loop.is_running():
+            self.loop.close()
 
 
 @dataclass(frozen=True)
@@ -73,11 +105,11 @@ class Channel:
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:  # the loop is closed: the connection is gone
-            log.debug("dropping a Wyoming answer: the event loop is closed")
+            log.debug("dropping an answer: the event loop is closed")
 
 
-class WyomingResponder:
-    """The Responder of every Wyoming job; the job's channel is looked up by id."""
+class ChannelResponder:
+    """The Responder of every job of one asyncio front end; the job's channel is looked up by id."""
 
     def __init__(self) -> None:
         self._channels: dict[str, Channel] = {}
@@ -102,7 +134,7 @@ class WyomingResponder:
             return
         data = pcm16_bytes(pcm)
         if not channel.budget.take(len(data)):
-            log.warning("Wyoming client of %s does not read its audio; cancelling", job.id)
+            log.warning("the client of %s does not read its audio; cancelling", job.id)
             job.stop("cancelled")
             return
         channel.put(Audio(data, sample_rate))
