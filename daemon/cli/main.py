@@ -26,6 +26,7 @@ _HANDLERS: dict[str, str] = {
     "triton": "cosyedge_cloud.triton.launcher:triton_command",
     "doctor": "cosyedge_daemon.cli.doctor:doctor_command",
     "voice": "cosyedge_daemon.cli.voice:voice_command",
+    "model": "cosyedge_daemon.cli.model:model_command",
 }
 
 
@@ -240,9 +241,21 @@ def _add_voice(sub: argparse._SubParsersAction) -> None:
     ls.add_argument("--bundle", required=True)
 
 
+def _add_model(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("model", help="download and build bundles, list and remove them (the bundles folder)")
+    ms = p.add_subparsers(dest="model_cmd", required=True)
+    for name, help_text in (("list", "list the installed bundles"), ("remove", "delete an installed bundle")):
+        m = ms.add_parser(name, help=help_text)
+        m.add_argument("--config", help="TOML config file whose [tts] bundles_dir to use")
+        m.add_argument("--bundles-dir", help="the bundles folder (default: [tts] bundles_dir, see docs/models.md)")
+        if name == "remove":
+            m.add_argument("name", help="the bundle's name, as `cosyedge model list` shows it")
+            m.add_argument("--force", action="store_true", help="also when it is the configured [tts] bundle")
+
+
 _ADDERS: Sequence[Callable[[argparse._SubParsersAction], None]] = (
     _add_run, _add_say, _add_synth, _add_build, _add_vad, _add_bench,
-    _add_bridge, _add_triton, _add_doctor, _add_voice,
+    _add_bridge, _add_triton, _add_doctor, _add_voice, _add_model,
 )
 
 
