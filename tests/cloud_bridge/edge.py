@@ -19,8 +19,8 @@ from cosyedge_daemon.synthesizers.espeak import EspeakSynthesizer
 from cosyedge_models.synthesis.api import Synthesizer
 
 from tests.daemon.conftest import make_settings
-from tests.daemon.memory_sink import MemorySink
-from tests.daemon.mqtt_probe import Probe, Received
+from tests.support.memory_sink import MemorySink
+from tests.support.mqtt_recorder import Received, Recorder
 
 
 def load_local(bundle: Path) -> Synthesizer:
@@ -44,10 +44,10 @@ class Edge:
         self.sink = MemorySink(sample_rate=24000, speed=sink_speed)
         self.service = Service(self.settings, sink=self.sink)
         fallback = EspeakSynthesizer(sample_rate=24000) if shutil.which("espeak-ng") else None
-        self.service.set_engines(local, fallback)
+        self.service.set_synthesizers(local, fallback)
         self.service.start(connect_timeout_s=10)
         self.prefix = self.settings.topic_prefix
-        self.probe = Probe(broker_url, [f"{self.prefix}/tts/#", f"cosyedge/{self.device_id}/cloud/request"])
+        self.probe = Recorder(broker_url, [f"{self.prefix}/tts/#", f"cosyedge/{self.device_id}/cloud/request"])
 
     def say(self, rid: str, text: str, **fields: Any) -> float:
         """Send a request; returns the monotonic time it was sent."""

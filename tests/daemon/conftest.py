@@ -17,9 +17,9 @@ from cosyedge_daemon.settings.schema import Settings
 from cosyedge_daemon.synthesizers.espeak import EspeakSynthesizer
 from cosyedge_models.synthesis.api import Synthesizer
 
-from tests.daemon.mqtt_probe import Probe
 from tests.support.broker import Broker
 from tests.support.components import require_binary
+from tests.support.mqtt_recorder import Recorder
 
 SynthesizerFactory = Callable[[], Synthesizer]
 
@@ -58,7 +58,7 @@ class DaemonFactory:
         self.engine_factory = engine_factory
         self.fallback_factory = fallback_factory
         self.services: list[Service] = []
-        self.probes: list[Probe] = []
+        self.probes: list[Recorder] = []
 
     def start(
         self,
@@ -71,7 +71,7 @@ class DaemonFactory:
     ) -> Service:
         settings = settings or make_settings(self.broker.url, **sections)
         service = Service(settings, sink=sink)
-        service.set_engines(
+        service.set_synthesizers(
             self.engine_factory() if local == "default" else local,  # type: ignore[arg-type]
             self.fallback_factory() if fallback == "default" else fallback,
         )  # type: ignore[arg-type]
@@ -79,9 +79,9 @@ class DaemonFactory:
         self.services.append(service)
         return service
 
-    def probe(self, service: Service, extra_topics: tuple[str, ...] = (), protocol: str = "5") -> Probe:
+    def probe(self, service: Service, extra_topics: tuple[str, ...] = (), protocol: str = "5") -> Recorder:
         prefix = service.settings.topic_prefix
-        probe = Probe(
+        probe = Recorder(
             self.broker.url,
             [f"{prefix}/tts/#", f"{prefix}/status/#", f"{prefix}/status", f"{prefix}/vad/#", *extra_topics],
             protocol=protocol,

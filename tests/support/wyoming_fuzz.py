@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 from hypothesis import strategies as st
 
-from tests.daemon.wyoming_support import raw_frame as frame
 from tests.support.fuzz import json_values, nasty_text, scalars
+from tests.support.wyoming_client import raw_frame as frame
 
 PLAIN = ["Hello there.", "A test.", "Pi is 3.14 today!", "Zwei Sätze, ok?", "你好。", "Yes"]
 FRAME_CODES = ("invalid_header", "invalid_data", "event_too_large", "truncated")

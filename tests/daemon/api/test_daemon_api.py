@@ -9,7 +9,7 @@ import numpy as np
 from cosyedge_daemon.api.tts_messages import decode_audio
 
 from tests.daemon.conftest import DaemonFactory
-from tests.daemon.memory_sink import MemorySink
+from tests.support.memory_sink import MemorySink
 
 THREE = "Hello there, this is the first sentence. Here comes the second one. And this is the third."
 LONG = " ".join(f"This is sentence number {n} of a long announcement." for n in range(1, 9))

@@ -15,16 +15,16 @@ from cosyedge_cloud.wire.broker import LocalBroker
 from cosyedge_daemon.mqtt.connection import max_packet_bytes
 
 from tests.daemon.conftest import DaemonFactory
-from tests.daemon.mqtt_probe import Probe
 from tests.support.components import require_binary
+from tests.support.mqtt_recorder import Recorder
 
 
-def _served(p: Probe, pre: str, rid: str) -> dict:  # type: ignore[type-arg]
+def _served(p: Recorder, pre: str, rid: str) -> dict:  # type: ignore[type-arg]
     p.publish(f"{pre}/tts/say", {"id": rid, "text": "Still here.", "output": "publish"})
     return p.wait_topic(f"{pre}/tts/done/{rid}", 20).json()  # type: ignore[no-any-return]
 
 
-def _errors(p: Probe, pre: str, rid: str, n: int = 1, timeout_s: float = 10) -> list[dict]:  # type: ignore[type-arg]
+def _errors(p: Recorder, pre: str, rid: str, n: int = 1, timeout_s: float = 10) -> list[dict]:  # type: ignore[type-arg]
     p.wait_for(lambda _m: len(p.on(f"{pre}/tts/error/{rid}")) >= n, timeout_s)
     return [m.json() for m in p.on(f"{pre}/tts/error/{rid}")]
 
@@ -82,7 +82,7 @@ def test_3_a_client_cannot_make_the_engine_unhealthy(daemons: DaemonFactory) -> 
     for n in range(4):
         assert _errors(p, pre, f"seed{n}")[0]["code"] == "invalid_field"
         assert _errors(p, pre, f"wild{n}")[0]["code"] == "invalid_response_topic"
-    slot = svc.engines.slots["local"]
+    slot = svc.synthesizers.slots["local"]
     assert slot.failures == 0 and slot.healthy
     assert _served(p, pre, "after-seed")["route"] == "local"
 
@@ -116,7 +116,7 @@ def test_4_response_topic_policy(daemons: DaemonFactory) -> None:
     assert not p.on("other/x")
 
 
-def _answer_ends(p: Probe, pre: str, cases: dict[str, bool]) -> None:
+def _answer_ends(p: Recorder, pre: str, cases: dict[str, bool]) -> None:
     """Send one say per ResponseTopic; each ends with done (mirrored there) or invalid_response_topic."""
     for n, topic in enumerate(cases):
         p.publish(f"{pre}/tts/say", {"id": f"ns{n}", "text": "Hi.", "output": "publish"}, response_topic=topic)

@@ -51,7 +51,7 @@ def test_say_writes_wav_and_prints_latency(
 def test_say_plays_on_the_daemon_and_reports_errors(
     daemons: DaemonFactory, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from tests.daemon.memory_sink import MemorySink
+    from tests.support.memory_sink import MemorySink
 
     sink = MemorySink(speed=8.0)
     svc = daemons.start(sink=sink)

@@ -68,7 +68,7 @@ def test_models_and_voices_are_listed(daemons: DaemonFactory) -> None:
     models = [m.id for m in client(svc).models.list()]
     assert "cosyedge" in models and "tts-1" in models
     voices = client(svc).get("/audio/voices", cast_to=object)
-    engine_voices = svc.engines.served_voices()[1]
+    engine_voices = svc.synthesizers.served_voices()[1]
     assert [v["id"] for v in voices["voices"]] == (engine_voices or ["default"])  # type: ignore[index]
 
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from tests.daemon.api.test_daemon_api import LONG
-from tests.daemon.mqtt_probe import Probe
 from tests.support.broker import Broker
+from tests.support.mqtt_recorder import Recorder
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -107,7 +107,7 @@ def test_sighup_reloads_config(daemon_proc: Daemon, broker: Broker) -> None:
 def test_sigterm_under_load_drains(daemon_proc: Daemon, broker: Broker) -> None:
     d = daemon_proc
     d.wait_note("READY=1")
-    probe = Probe(broker.url, [f"{d.prefix}/tts/#", f"{d.prefix}/status"])
+    probe = Recorder(broker.url, [f"{d.prefix}/tts/#", f"{d.prefix}/status"])
     try:
         _drain_under_load(d, probe)
     except (AssertionError, TimeoutError, subprocess.TimeoutExpired) as exc:
@@ -120,7 +120,7 @@ def test_sigterm_under_load_drains(daemon_proc: Daemon, broker: Broker) -> None:
     assert "SIGTERM: draining" in d.output()
 
 
-def _drain_under_load(d: Daemon, probe: Probe) -> None:
+def _drain_under_load(d: Daemon, probe: Recorder) -> None:
     ids = [f"load{n}" for n in range(20)]
     for rid in ids:
         probe.publish(f"{d.prefix}/tts/say", {"id": rid, "text": LONG, "output": "publish"})

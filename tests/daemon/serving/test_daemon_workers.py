@@ -10,13 +10,13 @@ from pathlib import Path
 from cosyedge_daemon.synthesizers.factory import load_local_synthesizer
 
 from tests.daemon.conftest import DaemonFactory, make_settings
-from tests.daemon.fake_engine import FakeEngine
-from tests.daemon.memory_sink import MemorySink
 from tests.daemon.serving.test_pipeline_workers import wait_until
+from tests.support.fake_synthesizer import FakeSynthesizer
+from tests.support.memory_sink import MemorySink
 
 
 def test_cancel_topic_stops_every_running_synthesis(daemons: DaemonFactory) -> None:
-    engine = FakeEngine()
+    engine = FakeSynthesizer()
     svc = daemons.start(sink=MemorySink(speed=8.0), local=engine, fallback=None, tts={"synthesis_workers": 2})
     p = daemons.probe(svc)
     pre = svc.settings.topic_prefix
@@ -39,7 +39,7 @@ def test_cancel_topic_stops_every_running_synthesis(daemons: DaemonFactory) -> N
 
 
 def test_stop_answers_running_and_queued_requests(daemons: DaemonFactory) -> None:
-    engine = FakeEngine()
+    engine = FakeSynthesizer()
     svc = daemons.start(local=engine, fallback=None, tts={"synthesis_workers": 2})
     p = daemons.probe(svc)
     pre = svc.settings.topic_prefix

@@ -17,8 +17,8 @@ from cosyedge_daemon.settings.schema import RoutingSettings, SchedulerSettings
 from cosyedge_daemon.synthesizers.espeak import EspeakSynthesizer
 from cosyedge_daemon.synthesizers.routing import Router, SynthesizerSet
 
-from tests.daemon.memory_sink import MemorySink
 from tests.support.components import require_binary
+from tests.support.memory_sink import MemorySink
 
 
 class Recorder:

@@ -2,7 +2,7 @@
 synthesis, played requests still play one at a time in the scheduler's
 order with a bounded lead, a barge-in moves on to the next request, a
 failing request leaves its worker serving, priorities reach the engine.
-The engine is tests/daemon/fake_engine.py; the tests wait on events and
+The engine is tests/support/fake_synthesizer.py; the tests wait on events and
 state, never on durations."""
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from cosyedge_daemon.serving.scheduler import Scheduler
 from cosyedge_daemon.settings.schema import RoutingSettings, SchedulerSettings
 from cosyedge_daemon.synthesizers.routing import Router, SynthesizerSet
 
-from tests.daemon.fake_engine import FakeEngine
-from tests.daemon.memory_sink import MemorySink
+from tests.support.fake_synthesizer import FakeSynthesizer
+from tests.support.memory_sink import MemorySink
 
 LEVELS = {"A": 0.1, "B": 0.2, "C": 0.3}
 
@@ -64,7 +64,7 @@ def wait_until(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
         time.sleep(0.005)
 
 
-def make(engine: FakeEngine, workers: int, sink: MemorySink | None = None, **sched: Any) -> Pipeline:
+def make(engine: FakeSynthesizer, workers: int, sink: MemorySink | None = None, **sched: Any) -> Pipeline:
     settings = SchedulerSettings(max_wait_ms=0, **sched)
     scheduler = Scheduler(settings, concurrency=workers)
     engines = SynthesizerSet(RoutingSettings())
@@ -97,7 +97,7 @@ def played_runs(sink: MemorySink) -> list[tuple[float, int]]:
 
 def test_two_workers_synthesize_two_requests_at_once() -> None:
     # The engine lets a request through only once both are inside it: this completes only with overlap.
-    engine = FakeEngine(together=2)
+    engine = FakeSynthesizer(together=2)
     p, rec = make(engine, workers=2), Answers()
     submit(p, rec, "one", output="publish")
     submit(p, rec, "two", output="publish")
@@ -111,7 +111,7 @@ def test_two_workers_synthesize_two_requests_at_once() -> None:
 
 
 def test_one_worker_synthesizes_one_at_a_time() -> None:
-    engine = FakeEngine()
+    engine = FakeSynthesizer()
     p, rec = make(engine, workers=1), Answers()
     for rid in ("one", "two", "three"):
         submit(p, rec, rid, output="publish")
@@ -126,7 +126,7 @@ def test_one_worker_synthesizes_one_at_a_time() -> None:
 def test_played_requests_play_one_at_a_time_in_scheduler_order() -> None:
     sink = MemorySink(speed=50.0)
     sink.start()
-    engine = FakeEngine(chunks=4, levels=LEVELS, together=3)  # all three are synthesized at once
+    engine = FakeSynthesizer(chunks=4, levels=LEVELS, together=3)  # all three are synthesized at once
     p, rec = make(engine, workers=3, sink=sink), Answers()
     submit(p, rec, "A")
     submit(p, rec, "B")
@@ -145,7 +145,7 @@ def test_played_requests_play_one_at_a_time_in_scheduler_order() -> None:
 
 def test_a_request_synthesized_ahead_waits_with_a_bounded_lead() -> None:
     sink = MemorySink()  # not started: the speaker holds what it got, so "A" stays on it
-    engine = FakeEngine(chunks=6, chunk_s=0.1, levels=LEVELS)
+    engine = FakeSynthesizer(chunks=6, chunk_s=0.1, levels=LEVELS)
     p, rec = make(engine, workers=2, sink=sink, synth_ahead_chunks=2), Answers()
     submit(p, rec, "A")
     b = submit(p, rec, "B")
@@ -170,7 +170,7 @@ def test_a_request_synthesized_ahead_waits_with_a_bounded_lead() -> None:
 
 def test_published_requests_never_wait_for_the_speaker() -> None:
     sink = MemorySink()  # not started: "A" holds the speaker
-    engine = FakeEngine(chunks=6, chunk_s=0.1, levels=LEVELS)
+    engine = FakeSynthesizer(chunks=6, chunk_s=0.1, levels=LEVELS)
     p, rec = make(engine, workers=2, sink=sink, synth_ahead_chunks=1), Answers()
     submit(p, rec, "A")
     submit(p, rec, "P1", output="publish")
@@ -192,7 +192,7 @@ def test_published_requests_never_wait_for_the_speaker() -> None:
 def test_barge_in_stops_the_playing_request_and_the_next_one_plays() -> None:
     sink = MemorySink(speed=4.0)
     sink.start()
-    engine = FakeEngine(chunks=10, chunk_s=0.1, levels=LEVELS)
+    engine = FakeSynthesizer(chunks=10, chunk_s=0.1, levels=LEVELS)
     p, rec = make(engine, workers=2, sink=sink), Answers()
     a = submit(p, rec, "A")
     submit(p, rec, "B")
@@ -212,7 +212,7 @@ def test_barge_in_stops_the_playing_request_and_the_next_one_plays() -> None:
 
 def test_stopping_requests_waiting_for_the_speaker_answers_them_at_once() -> None:
     sink = MemorySink()  # not started: "A" holds the speaker
-    engine = FakeEngine(chunks=6, chunk_s=0.1, levels=LEVELS)
+    engine = FakeSynthesizer(chunks=6, chunk_s=0.1, levels=LEVELS)
     p, rec = make(engine, workers=3, sink=sink, synth_ahead_chunks=8), Answers()
     submit(p, rec, "A")
     b = submit(p, rec, "B")
@@ -235,7 +235,7 @@ def test_stopping_requests_waiting_for_the_speaker_answers_them_at_once() -> Non
 
 
 def test_a_failing_request_does_not_kill_its_worker() -> None:
-    engine = FakeEngine()
+    engine = FakeSynthesizer()
     p, rec = make(engine, workers=2), Answers()
     for rid in ("FAIL-1", "FAIL-2", "ok-1", "ok-2"):
         submit(p, rec, rid, output="publish")
@@ -252,7 +252,7 @@ def test_a_failing_request_does_not_kill_its_worker() -> None:
 
 
 def test_workers_take_requests_in_priority_order_and_the_engine_sees_it() -> None:
-    engine = FakeEngine(together=2)
+    engine = FakeSynthesizer(together=2)
     p, rec = make(engine, workers=2), Answers()
     for rid, prio in (("low", 0), ("mid", 1), ("high", 5), ("high2", 5)):
         submit(p, rec, rid, output="publish", priority=prio)

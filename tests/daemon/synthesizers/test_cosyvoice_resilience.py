@@ -8,7 +8,7 @@ batcher and overlap threads), each with an exact expected outcome:
   that finished, `shutting_down` for the rest, at least one of each) and
   `offline` retained.
 The cloud killed mid-request on the same engine is
-tests/cloud_bridge/test_e2e_routing.py::test_cloud_killed_mid_request_falls_back_or_errs_within_the_deadline
+tests/cloud_bridge/bridge/test_e2e_routing.py::test_cloud_killed_mid_request_falls_back_or_errs_within_the_deadline
 (killed before its first chunk: done with route local, rule cloud_failed; after audio: engine_error)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The typed interface the daemon asks of an engine (cosyedge_models.synthesis.api.ServedEngine):
+"""The typed interface the daemon asks of an engine (cosyedge_models.synthesis.api.ServedSynthesizer):
 the neutral defaults, and the router reading `available` without probing."""
 
 from __future__ import annotations
@@ -6,18 +6,18 @@ from __future__ import annotations
 from cosyedge_daemon.settings.schema import RoutingSettings
 from cosyedge_daemon.synthesizers.cloud import describe_link
 from cosyedge_daemon.synthesizers.routing import SynthesizerSlot
-from cosyedge_models.synthesis.api import ServedEngine, SynthesisRequest
+from cosyedge_models.synthesis.api import ServedSynthesizer, SynthesisRequest
 
-from tests.daemon.fake_engine import FakeEngine
+from tests.support.fake_synthesizer import FakeSynthesizer
 
 
-class _Away(FakeEngine):
+class _Away(FakeSynthesizer):
     def available(self) -> bool:
         return False
 
 
 def test_defaults_of_an_engine_with_nothing_more_to_say() -> None:
-    engine: ServedEngine = FakeEngine(chunks=2)
+    engine: ServedSynthesizer = FakeSynthesizer(chunks=2)
     assert engine.available()
     engine.set_load_level("degraded")  # accepted, ignored
     synth = engine.for_job("job-1", None)
@@ -27,7 +27,7 @@ def test_defaults_of_an_engine_with_nothing_more_to_say() -> None:
 
 def test_router_slot_uses_available() -> None:
     slot = SynthesizerSlot("cloud", RoutingSettings())
-    slot.swap(FakeEngine())
+    slot.swap(FakeSynthesizer())
     assert slot.healthy and slot.describe()["state"] == "ready"
     slot.swap(_Away())
     assert not slot.healthy and slot.describe() == {

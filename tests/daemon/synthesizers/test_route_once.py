@@ -18,11 +18,11 @@ from cosyedge_daemon.synthesizers.routing import RouteDecision, Router, Synthesi
 from cosyedge_models.errors import RequestError
 from cosyedge_models.synthesis.api import AudioChunk, SynthesisRequest, SynthesizeFn
 
-from tests.daemon.fake_engine import FakeEngine
 from tests.daemon.serving.test_pipeline_workers import Answers, make
+from tests.support.fake_synthesizer import FakeSynthesizer
 
 
-class Counting(FakeEngine):
+class Counting(FakeSynthesizer):
     """Counts validations; rejects texts that contain `rejects`."""
 
     def __init__(self, name: str = "fake", rejects: str = "NOPE", **kw: object) -> None:
@@ -61,13 +61,13 @@ def test_rejection_without_a_cloud_is_the_engines_error() -> None:
     with pytest.raises(ApiError) as err:
         router.admit(TtsRequest(id="c", text="NOPE"))
     assert err.value.code == "voice_unsuitable" and local.validations == 1
-    router.engines.slots["cloud"].swap(_Down())
+    router.synthesizers.slots["cloud"].swap(_Down())
     with pytest.raises(ApiError) as err:
         router.admit(TtsRequest(id="d", text="NOPE"))
     assert err.value.code == "cloud_unavailable" and "cannot say NOPE" in err.value.message
 
 
-class _Down(FakeEngine):
+class _Down(FakeSynthesizer):
     def available(self) -> bool:
         return False
 
@@ -75,7 +75,7 @@ class _Down(FakeEngine):
 def test_pipeline_runs_the_admitted_route_without_deciding_again() -> None:
     local, fallback = Counting(chunks=1), Counting("fallback-fake", chunks=1)
     p = make(local, workers=1)
-    p.router.engines.slots["fallback"].swap(fallback)
+    p.router.synthesizers.slots["fallback"].swap(fallback)
 
     def no_second_decision(_request: TtsRequest) -> RouteDecision:
         raise AssertionError("the route was decided again")
@@ -91,7 +91,7 @@ def test_pipeline_runs_the_admitted_route_without_deciding_again() -> None:
         gone = Job(TtsRequest(id="j2", text="hello", output="publish", received_at=time.monotonic()), rec)
         gone.decision = RouteDecision("local", "chosen at intake", "default")
         for _ in range(RoutingSettings().max_consecutive_failures):
-            p.router.engines.slots["local"].report(False)
+            p.router.synthesizers.slots["local"].report(False)
         p.scheduler.submit(gone)
         rec.wait(2)
     finally:
@@ -135,7 +135,7 @@ def test_the_admitted_request_is_validated_once_and_run_as_built() -> None:
         newer = _Recording(chunks=1)
         stale = Job(TtsRequest(id="v2", text="hello", output="publish", received_at=time.monotonic()), rec)
         stale.decision = p.router.admit(stale.request)
-        p.router.engines.slots["local"].swap(newer)
+        p.router.synthesizers.slots["local"].swap(newer)
         p.scheduler.submit(stale)
         rec.wait(2)
     finally:

@@ -21,8 +21,8 @@ from cosyedge_models.synthesis.synthesizer import load_synthesizer
 from wyoming.tts import Synthesize
 
 from tests.daemon.conftest import DaemonFactory
-from tests.daemon.fake_engine import FakeEngine
-from tests.daemon.wyoming_support import exchange, run, tts_port
+from tests.support.fake_synthesizer import FakeSynthesizer
+from tests.support.wyoming_client import exchange, run, tts_port
 
 
 def test_config_tables_and_flag() -> None:
@@ -56,7 +56,7 @@ def test_zeroconf_rule_and_service_info() -> None:
 def test_zeroconf_advertisement_seen_by_a_browser(daemons: DaemonFactory) -> None:
     from zeroconf import IPVersion, ServiceBrowser, ServiceStateChange, Zeroconf
 
-    svc = daemons.start(local=FakeEngine(), fallback=None,
+    svc = daemons.start(local=FakeSynthesizer(), fallback=None,
                         wyoming={"uri": "tcp://127.0.0.1:0", "zeroconf": "on", "zeroconf_name": "cosyedge-zc"})
     zc = Zeroconf(interfaces=["127.0.0.1"], ip_version=IPVersion.V4Only)
     found: list[str] = []
@@ -80,7 +80,7 @@ def test_zeroconf_advertisement_seen_by_a_browser(daemons: DaemonFactory) -> Non
 
 
 def test_say_client_and_doctor(daemons: DaemonFactory, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    svc = daemons.start(local=FakeEngine(chunks=3), fallback=None,
+    svc = daemons.start(local=FakeSynthesizer(chunks=3), fallback=None,
                         wyoming={"uri": "tcp://127.0.0.1:0", "zeroconf": "off"})
     uri = f"tcp://127.0.0.1:{tts_port(svc)}"
     out = tmp_path / "hello.wav"
@@ -111,7 +111,7 @@ def test_end_to_end_on_the_cosyvoice_tiny_bundle(daemons: DaemonFactory, tiny_bu
     assert pcm.size > 24000 and np.abs(pcm).max() > 0
 
 
-class _VoicedEngine(FakeEngine):
+class _VoicedEngine(FakeSynthesizer):
     name = "cosyvoice-ort"
 
     def voices(self) -> list[str]:

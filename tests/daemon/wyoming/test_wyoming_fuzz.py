@@ -12,7 +12,7 @@ from cosyedge_models.text.split import cut_sentences as split_sentences
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.daemon.wyoming_support import raw_frame
+from tests.support.wyoming_client import raw_frame
 
 
 def _read_all(data: bytes, max_bytes: int = 4096) -> list[str]:

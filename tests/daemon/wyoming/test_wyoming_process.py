@@ -15,8 +15,8 @@ from wyoming.info import Describe, Info
 from wyoming.tts import Synthesize
 
 from tests.daemon.service.test_process import ROOT, Daemon
-from tests.daemon.wyoming_support import exchange, run
 from tests.support.broker import Broker
+from tests.support.wyoming_client import exchange, run
 
 
 def _free_port() -> int:

@@ -25,11 +25,11 @@ from paho.mqtt.enums import CallbackAPIVersion
 from wyoming.event import async_read_event
 
 from tests.daemon.service.test_process import Daemon
-from tests.daemon.wyoming_support import raw_frame as frame
 from tests.support.broker import Broker
 from tests.support.daemon_rss import growth_after_warmup, rss_kib, sample_due
 from tests.support.figures import record
 from tests.support.fuzz import AnswerCounter
+from tests.support.wyoming_client import raw_frame as frame
 from tests.support.wyoming_fuzz import FRAME_CODES, Session, Step, check_answer, sessions, terminal
 
 MAX_TEXT_CHARS = 120

@@ -13,8 +13,16 @@ from cosyedge_daemon.service.service import Service
 from wyoming.tts import Synthesize
 
 from tests.daemon.conftest import DaemonFactory
-from tests.daemon.fake_engine import FakeEngine
-from tests.daemon.wyoming_support import GatedEngine, exchange, parse_events, raw_frame, read_raw_events, run, tts_port
+from tests.support.fake_synthesizer import FakeSynthesizer
+from tests.support.wyoming_client import (
+    GatedSynthesizer,
+    exchange,
+    parse_events,
+    raw_frame,
+    read_raw_events,
+    run,
+    tts_port,
+)
 
 WY = {"uri": "tcp://127.0.0.1:0", "zeroconf": "off", "read_timeout_s": 0.5, "max_event_bytes": 4096}
 
@@ -31,7 +39,7 @@ def _send_raw(svc: Service, data: bytes) -> list[dict]:  # type: ignore[type-arg
 
 
 def test_broken_frames_get_an_error_and_the_connection_closed(daemons: DaemonFactory) -> None:
-    svc = daemons.start(local=FakeEngine(chunks=1), fallback=None, wyoming=WY)
+    svc = daemons.start(local=FakeSynthesizer(chunks=1), fallback=None, wyoming=WY)
     cases = {
         b"this is not json\n": "invalid_header",
         b"[1, 2]\n": "invalid_header",
@@ -53,7 +61,7 @@ def test_broken_frames_get_an_error_and_the_connection_closed(daemons: DaemonFac
 
 
 def test_bad_fields_answered_connection_kept(daemons: DaemonFactory) -> None:
-    svc = daemons.start(local=FakeEngine(chunks=1), fallback=None, wyoming=WY)
+    svc = daemons.start(local=FakeSynthesizer(chunks=1), fallback=None, wyoming=WY)
     frames = (raw_frame("synthesize", {"text": 5}) + raw_frame("synthesize-chunk", {"text": "x"})
               + raw_frame("synthesize-stop") + raw_frame("synthesize", {"text": "Fine."}))
     with socket.create_connection(("127.0.0.1", tts_port(svc))) as s:
@@ -70,13 +78,13 @@ def test_bad_fields_answered_connection_kept(daemons: DaemonFactory) -> None:
 
 
 def test_text_over_the_limit(daemons: DaemonFactory) -> None:
-    svc = daemons.start(local=FakeEngine(chunks=1), fallback=None, wyoming=WY, tts={"max_text_chars": 20})
+    svc = daemons.start(local=FakeSynthesizer(chunks=1), fallback=None, wyoming=WY, tts={"max_text_chars": 20})
     got = run(exchange(tts_port(svc), [Synthesize(text="x" * 21).event()], ("error",)))
     assert got[-1].data["code"] == "text_too_long"
 
 
 def test_disconnect_mid_stream_cancels_and_frees_the_request(daemons: DaemonFactory) -> None:
-    engine = GatedEngine(chunks=5)
+    engine = GatedSynthesizer(chunks=5)
     svc = daemons.start(local=engine, fallback=None, wyoming=WY)
     with socket.create_connection(("127.0.0.1", tts_port(svc))) as s:
         s.sendall(raw_frame("synthesize", {"text": "Going away."}))
@@ -97,7 +105,7 @@ def test_disconnect_mid_stream_cancels_and_frees_the_request(daemons: DaemonFact
 
 
 def test_many_idle_connections(daemons: DaemonFactory) -> None:
-    svc = daemons.start(local=FakeEngine(chunks=1), fallback=None,
+    svc = daemons.start(local=FakeSynthesizer(chunks=1), fallback=None,
                         wyoming={**WY, "max_connections": 4, "idle_timeout_s": 1.5})
     idle = [socket.create_connection(("127.0.0.1", tts_port(svc))) for _ in range(4)]
     try:

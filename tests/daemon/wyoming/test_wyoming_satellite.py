@@ -23,8 +23,8 @@ from wyoming.satellite import RunSatellite
 from wyoming.tts import Synthesize
 
 from tests.daemon.conftest import DaemonFactory
-from tests.daemon.fake_engine import FakeEngine
-from tests.daemon.memory_sink import MemorySink
+from tests.support.fake_synthesizer import FakeSynthesizer
+from tests.support.memory_sink import MemorySink
 from tests.support.speech import Clip, load_clips, mix, speech_data_dir
 
 SAT = {"uri": "tcp://127.0.0.1:0", "name": "kitchen-board", "area": "Kitchen"}
@@ -72,7 +72,8 @@ def test_utterance_streamed_to_home_assistant_and_answer_played(daemons: DaemonF
     vs = VadSettings()
     m = mix([clips["phrase1"]], [0.6], 3.0, "white", 25, seed=1)
     sink = MemorySink(24000)
-    svc = daemons.start(sink=sink, local=FakeEngine(), fallback=None, wyoming={"zeroconf": "off", "satellite": SAT})
+    svc = daemons.start(sink=sink, local=FakeSynthesizer(), fallback=None,
+                        wyoming={"zeroconf": "off", "satellite": SAT})
     worker, _source = _mic(svc, m.pcm16, vs)
 
     async def home_assistant() -> tuple[list[Event], list[Event]]:
@@ -119,8 +120,8 @@ def test_speech_over_the_answer_is_a_barge_in(daemons: DaemonFactory, clips: dic
     vs = VadSettings(barge_in="stop")
     m = mix([clips["phrase1"]], [1.0], 3.5, "white", 25, seed=2)
     sink = MemorySink(24000)
-    svc = daemons.start(sink=sink, local=FakeEngine(), fallback=None, wyoming={"zeroconf": "off", "satellite": SAT},
-                        vad={"barge_in": "stop"})
+    svc = daemons.start(sink=sink, local=FakeSynthesizer(), fallback=None,
+                        wyoming={"zeroconf": "off", "satellite": SAT}, vad={"barge_in": "stop"})
     worker, _source = _mic(svc, m.pcm16, vs)
 
     async def home_assistant() -> list[Event]:

@@ -22,14 +22,14 @@ from wyoming.ping import Ping
 from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeVoice
 
 from tests.daemon.conftest import DaemonFactory
-from tests.daemon.fake_engine import FakeEngine
-from tests.daemon.wyoming_support import GatedEngine, exchange, raw_frame, read_raw_events, run, tts_port, types
+from tests.support.fake_synthesizer import FakeSynthesizer
+from tests.support.wyoming_client import GatedSynthesizer, exchange, raw_frame, read_raw_events, run, tts_port, types
 
 WY = {"uri": "tcp://127.0.0.1:0", "zeroconf": "off"}
 
 
 def test_describe_gives_one_streaming_tts_program(daemons: DaemonFactory) -> None:
-    svc = daemons.start(local=FakeEngine(), fallback=None, wyoming=WY)
+    svc = daemons.start(local=FakeSynthesizer(), fallback=None, wyoming=WY)
     got = run(exchange(tts_port(svc), [Describe().event()], ("info",)))
     info = Info.from_event(got[-1])
     assert len(info.tts) == 1
@@ -40,7 +40,7 @@ def test_describe_gives_one_streaming_tts_program(daemons: DaemonFactory) -> Non
 
 
 def test_synthesize_streams_chunks_as_produced(daemons: DaemonFactory) -> None:
-    engine = GatedEngine(chunks=3)
+    engine = GatedSynthesizer(chunks=3)
     svc = daemons.start(local=engine, fallback=None, wyoming=WY)
 
     async def scenario() -> list[str]:
@@ -63,7 +63,7 @@ def test_synthesize_streams_chunks_as_produced(daemons: DaemonFactory) -> None:
 
 
 def test_streaming_synthesis_sentences_as_they_complete(daemons: DaemonFactory) -> None:
-    engine = FakeEngine(chunks=2)
+    engine = FakeSynthesizer(chunks=2)
     svc = daemons.start(local=engine, fallback=None, wyoming=WY)
     text = "Hello wor" "ld. Pi is 3" ".14 today! Zwei Sätze… ok? 你好。世" "界！ and the end"
     pieces = [text[i:i + 3] for i in range(0, len(text), 3)]  # mid-word, mid-sentence, mid-number
@@ -78,7 +78,7 @@ def test_streaming_synthesis_sentences_as_they_complete(daemons: DaemonFactory) 
 
 
 def test_first_sentence_is_synthesized_before_the_stream_ends(daemons: DaemonFactory) -> None:
-    engine = FakeEngine(chunks=1)
+    engine = FakeSynthesizer(chunks=1)
     svc = daemons.start(local=engine, fallback=None, wyoming=WY)
 
     async def scenario() -> list[str]:
@@ -100,7 +100,7 @@ def test_first_sentence_is_synthesized_before_the_stream_ends(daemons: DaemonFac
 
 
 def test_utf8_split_across_tcp_segments_and_unknown_events(daemons: DaemonFactory) -> None:
-    engine = FakeEngine(chunks=1)
+    engine = FakeSynthesizer(chunks=1)
     svc = daemons.start(local=engine, fallback=None, wyoming=WY)
     frames = raw_frame("no-such-event", {"x": 1}) + raw_frame("synthesize", {"text": "Grüße, 世界。"})
     with socket.create_connection(("127.0.0.1", tts_port(svc))) as s:
@@ -118,7 +118,7 @@ def test_utf8_split_across_tcp_segments_and_unknown_events(daemons: DaemonFactor
 
 
 def test_ping_and_empty_text(daemons: DaemonFactory) -> None:
-    svc = daemons.start(local=FakeEngine(), fallback=None, wyoming=WY)
+    svc = daemons.start(local=FakeSynthesizer(), fallback=None, wyoming=WY)
     got = run(exchange(tts_port(svc), [Ping(text="p").event()], ("pong",)))
     assert got[-1].data.get("text") == "p"
     got = run(exchange(tts_port(svc), [Synthesize(text="   ").event()], ("error",)))
@@ -127,7 +127,7 @@ def test_ping_and_empty_text(daemons: DaemonFactory) -> None:
 
 def test_concurrent_clients_each_get_their_own_audio(daemons: DaemonFactory) -> None:
     texts = [f"Client number {n}." for n in range(4)]
-    engine = FakeEngine(chunks=2, levels={t: 0.1 * (n + 1) for n, t in enumerate(texts)})
+    engine = FakeSynthesizer(chunks=2, levels={t: 0.1 * (n + 1) for n, t in enumerate(texts)})
     svc = daemons.start(local=engine, fallback=None, wyoming=WY, tts={"synthesis_workers": 2})
 
     async def all_clients() -> list[list]:  # type: ignore[type-arg]
@@ -143,7 +143,7 @@ def test_concurrent_clients_each_get_their_own_audio(daemons: DaemonFactory) -> 
 
 def test_requests_share_the_scheduler_trace_and_metrics(daemons: DaemonFactory,
                                                          caplog: pytest.LogCaptureFixture) -> None:
-    svc = daemons.start(local=FakeEngine(chunks=1), fallback=None, wyoming=WY)
+    svc = daemons.start(local=FakeSynthesizer(chunks=1), fallback=None, wyoming=WY)
     with caplog.at_level(logging.INFO, logger="cosyedge_daemon.trace"):
         run(exchange(tts_port(svc), [Synthesize(text="Traced.").event()], ("audio-stop",)))
         deadline = time.monotonic() + 5
@@ -157,7 +157,7 @@ def test_requests_share_the_scheduler_trace_and_metrics(daemons: DaemonFactory,
 
 
 def test_busy_when_the_queue_is_full(daemons: DaemonFactory) -> None:
-    engine = FakeEngine(chunks=1)
+    engine = FakeSynthesizer(chunks=1)
     svc = daemons.start(local=engine, fallback=None, wyoming=WY, scheduler={"max_queue": 1})
 
     def ask(n: int) -> Any:
@@ -181,7 +181,7 @@ def test_busy_when_the_queue_is_full(daemons: DaemonFactory) -> None:
 
 
 def test_raw_events_frame_reader_matches_package(daemons: DaemonFactory) -> None:
-    svc = daemons.start(local=FakeEngine(chunks=1), fallback=None, wyoming=WY)
+    svc = daemons.start(local=FakeSynthesizer(chunks=1), fallback=None, wyoming=WY)
     with socket.create_connection(("127.0.0.1", tts_port(svc))) as s:
         s.sendall(raw_frame("describe"))
         s.shutdown(socket.SHUT_WR)
@@ -193,7 +193,7 @@ def test_back_to_back_requests_on_one_connection_do_not_interleave(daemons: Daem
     """Two synthesize events (and a stream after them) sent at once, served by two workers,
     the second finishing first: each answer is one whole audio-start … audio-stop, in the
     order asked, as a client reading one stream needs."""
-    engine = FakeEngine(chunks=3, levels={"First HOLD.": 0.25, "Second one.": 0.5})
+    engine = FakeSynthesizer(chunks=3, levels={"First HOLD.": 0.25, "Second one.": 0.5})
     svc = daemons.start(local=engine, fallback=None, wyoming=WY, tts={"synthesis_workers": 2})
     events = [Synthesize(text="First HOLD.").event(), Synthesize(text="Second one.").event(),
               SynthesizeStart().event(), SynthesizeChunk(text="Third. Fourth.").event(), SynthesizeStop().event()]

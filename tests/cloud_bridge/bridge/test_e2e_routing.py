@@ -22,10 +22,10 @@ import pytest
 from cosyedge_cloud.triton.launcher import TritonServer
 from cosyedge_models.synthesis.api import Synthesizer
 
+from tests.cloud_bridge.bridge.test_bridge_process import BridgeProcess
 from tests.cloud_bridge.conftest import SINE_MODEL, V1_HZ, V2_HZ, device_broker_conf
 from tests.cloud_bridge.edge import Edge, load_local, wait
 from tests.cloud_bridge.sine_engine import CHUNK_SAMPLES
-from tests.cloud_bridge.test_bridge_process import BridgeProcess
 from tests.support.broker import Broker, running_broker
 
 PRODUCT = {"model": "cosyvoice2", "first_chunk_timeout_s": 120.0, "chunk_timeout_s": 120.0}
@@ -144,7 +144,7 @@ def test_cloud_killed_mid_request_falls_back_or_errs_within_the_deadline(  # typ
     assert msg.at - killed < 1.5 + 1.0 and msg.at - sent < deadline_ms / 1000
     assert 2 * CHUNK_SAMPLES <= edge.audio("midway").size < 40 * CHUNK_SAMPLES
     # the cloud counts failures; the daemon keeps serving
-    assert edge.service.engines.slots["cloud"].failures == 2
+    assert edge.service.synthesizers.slots["cloud"].failures == 2
     edge.say("after", "Still here.", output="publish")
     assert edge.answer("after", 60).json()["route"] == "local"
 

@@ -19,7 +19,7 @@ from cosyedge_models.synthesis.api import Mode, SynthesisRequest
 from wyoming.client import AsyncTcpClient
 from wyoming.event import Event
 
-from tests.daemon.fake_engine import FakeEngine
+from tests.support.fake_synthesizer import FakeSynthesizer
 
 
 def tts_port(service: Service) -> int:
@@ -95,7 +95,7 @@ def parse_events(buf: bytes) -> list[dict[str, Any]]:
     return out
 
 
-class GatedEngine(FakeEngine):
+class GatedSynthesizer(FakeSynthesizer):
     """Yields its first chunk at once, the rest only after `gate` is set:
     proves the audio is sent as produced, not after the whole utterance."""
 

@@ -18,7 +18,7 @@ from tests.cloud_bridge.helpers import wait_for
 from tests.support.broker import free_port
 from tests.support.components import missing
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_triton_command_serves_the_bundle(tiny_bundle: Path, tmp_path: Path) -> None:

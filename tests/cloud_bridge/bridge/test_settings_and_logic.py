@@ -54,7 +54,7 @@ def test_old_key_name_is_read_and_docs_are_current() -> None:
     """`dedup_window` (the old name) still sets `dedupe_max_ids`; the reference in
     docs/ is what the schema generates; the replica example loads."""
     assert build_settings({"limits": {"dedup_window": 7}}).limits.dedupe_max_ids == 7
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     text = (root / "docs" / "bridge-configuration.md").read_text()
     assert text == reference_markdown(), \
         "regenerate: python -m cosyedge_cloud.bridge.settings > docs/bridge-configuration.md"

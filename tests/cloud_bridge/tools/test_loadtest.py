@@ -1,6 +1,6 @@
 """The load test through the whole chain (a device-side client, the broker,
 the bridge, Triton with the tiny bundle). A benchmark: not in the default
-run (`pytest -m bench tests/cloud_bridge/test_loadtest.py -s`)."""
+run (`pytest -m bench tests/cloud_bridge/tools/test_loadtest.py -s`)."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from tests.cloud_bridge.device import Device
 from tests.cloud_bridge.helpers import wait_for
 from tests.support.broker import Broker
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 class BridgeProcess:

@@ -261,8 +261,8 @@ def test_full_size_checkpoint_exports(tmp_path: Path) -> None:
     (minutes, ~10 GB of memory, ~8 GB of disk)."""
     from cosyedge_build.export import export_bundle
 
+    from tests.edge_build.export.test_parity_llm import cache_array, lm_input, upstream_prefill
     from tests.edge_build.parity import TOLERANCE, max_rel, to_numpy
-    from tests.edge_build.test_parity_llm import cache_array, lm_input, upstream_prefill
 
     out = build_tiny_checkpoint(tmp_path / "full", size="full")
     refs = load_reference(out)

@@ -30,7 +30,7 @@ class Received:
         return json.loads(self.payload)
 
 
-class Probe:
+class Recorder:
     def __init__(self, broker_url: str, topics: list[str], protocol: str = "5") -> None:
         self.v5 = protocol == "5"
         opts = MqttOptions(
