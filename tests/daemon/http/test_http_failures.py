@@ -18,13 +18,13 @@ from cosyedge_models.errors import SynthesisError
 from cosyedge_models.synthesis.api import AudioChunk, SynthesisRequest
 
 from tests.daemon.conftest import DaemonFactory
-from tests.daemon.fake_engine import FakeEngine
 from tests.daemon.http.conftest import HTTP, client
 from tests.daemon.http.test_http_stream import _wait_seen
+from tests.support.fake_synthesizer import FakeSynthesizer
 
 
-class BreaksMidway(FakeEngine):
-    """Its first chunk, then a failure (texts with BREAK); others as FakeEngine."""
+class BreaksMidway(FakeSynthesizer):
+    """Its first chunk, then a failure (texts with BREAK); others as FakeSynthesizer."""
 
     def synthesize(self, request: SynthesisRequest, cancel: threading.Event | None = None) -> Iterator[AudioChunk]:
         if "BREAK" not in request.text:
@@ -40,7 +40,7 @@ def speak(svc: object, text: str) -> bytes:
 
 
 def test_engine_failure_before_audio_is_an_error_status(daemons: DaemonFactory) -> None:
-    svc = daemons.start(local=FakeEngine(chunks=1), fallback=None, http=HTTP)
+    svc = daemons.start(local=FakeSynthesizer(chunks=1), fallback=None, http=HTTP)
     with pytest.raises(openai.InternalServerError) as info:
         speak(svc, "FAIL please")
     assert info.value.status_code == 500 and info.value.code == "engine_error"
@@ -63,7 +63,7 @@ def test_engine_failure_after_audio_breaks_the_transfer(daemons: DaemonFactory) 
 
 
 def test_too_many_requests_is_busy(daemons: DaemonFactory) -> None:
-    engine = FakeEngine(chunks=1)
+    engine = FakeSynthesizer(chunks=1)
     svc = daemons.start(local=engine, fallback=None, http={**HTTP, "max_connections": 1})
     assert svc.http is not None
     body = json.dumps({"model": "cosyedge", "input": "HOLD first", "voice": "alloy"}).encode()

@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 
 from tests.daemon.conftest import DaemonFactory
-from tests.daemon.fake_engine import FakeEngine, Seen
 from tests.daemon.http.conftest import HTTP, client, start
 from tests.daemon.http.test_http_speech import SEED, TEXT, pcm16
-from tests.daemon.wyoming_support import GatedEngine
+from tests.support.fake_synthesizer import FakeSynthesizer, Seen
+from tests.support.wyoming_client import GatedSynthesizer
 
 
 def test_audio_is_streamed_as_produced(daemons: DaemonFactory) -> None:
-    engine = GatedEngine(chunks=3)
+    engine = GatedSynthesizer(chunks=3)
     svc = daemons.start(local=engine, fallback=None, http=HTTP)
     with client(svc).audio.speech.with_streaming_response.create(
             model="cosyedge", voice="alloy", input="Hello there.", response_format="pcm") as response:
@@ -58,7 +58,7 @@ def _trace(caplog: pytest.LogCaptureFixture, outcome: str) -> dict[str, object]:
 
 def test_client_gone_mid_stream_cancels(daemons: DaemonFactory, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="cosyedge_daemon.trace")
-    engine = GatedEngine(chunks=3)
+    engine = GatedSynthesizer(chunks=3)
     svc = daemons.start(local=engine, fallback=None, http=HTTP)
     with client(svc).audio.speech.with_streaming_response.create(
             model="cosyedge", voice="alloy", input="Going away.", response_format="wav") as response:
@@ -74,7 +74,7 @@ def test_client_gone_mid_stream_cancels(daemons: DaemonFactory, caplog: pytest.L
 
 def test_client_gone_before_any_audio_cancels(daemons: DaemonFactory, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="cosyedge_daemon.trace")
-    engine = FakeEngine(chunks=2)
+    engine = FakeSynthesizer(chunks=2)
     svc = daemons.start(local=engine, fallback=None, http=HTTP)
     assert svc.http is not None
     body = json.dumps({"model": "cosyedge", "input": "HOLD quiet", "voice": "alloy"}).encode()
@@ -91,7 +91,7 @@ def test_client_gone_before_any_audio_cancels(daemons: DaemonFactory, caplog: py
                                            response_format="pcm").content
 
 
-def _wait_seen(engine: FakeEngine, text: str) -> Seen:
+def _wait_seen(engine: FakeSynthesizer, text: str) -> Seen:
     deadline = time.monotonic() + 20
     while text not in engine.seen:
         assert time.monotonic() < deadline, f"the engine never started {text!r}"
