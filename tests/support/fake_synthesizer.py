@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from cosyedge_models.errors import SynthesisError
-from cosyedge_models.synthesis.api import AudioChunk, EngineDefaults, Mode, SynthesisRequest
+from cosyedge_models.synthesis.api import AudioChunk, Mode, SynthesisRequest, SynthesizerDefaults
 
 
 @dataclass
@@ -26,7 +26,7 @@ class Seen:
     left: threading.Event = field(default_factory=threading.Event)
 
 
-class FakeSynthesizer(EngineDefaults):
+class FakeSynthesizer(SynthesizerDefaults):
     name = "fake"
     sample_rate = 24000
 
