@@ -30,18 +30,23 @@ def tts_port(service: Service) -> int:
 async def exchange(port: int, events: list[Event], until: tuple[str, ...], timeout_s: float = 20.0,
                    host: str = "127.0.0.1") -> list[Event]:
     """Send the events, then read until an event of a type in `until` (included) arrives."""
-    got: list[Event] = []
     async with AsyncTcpClient(host, port) as client:
         for e in events:
             await client.write_event(e)
+        return await read_until(client, until, timeout_s)
 
-        async def read() -> None:
-            while (e := await client.read_event()) is not None:
-                got.append(e)
-                if e.type in until:
-                    return
 
-        await asyncio.wait_for(read(), timeout_s)
+async def read_until(client: AsyncTcpClient, until: tuple[str, ...], timeout_s: float = 20.0) -> list[Event]:
+    """Read events until one of a type in `until` (included) arrives."""
+    got: list[Event] = []
+
+    async def read() -> None:
+        while (e := await client.read_event()) is not None:
+            got.append(e)
+            if e.type in until:
+                return
+
+    await asyncio.wait_for(read(), timeout_s)
     return got
 
 
