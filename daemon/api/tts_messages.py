@@ -16,7 +16,7 @@ import numpy as np
 from cosyedge_cloud.wire.protocol import pack_audio_header, unpack_audio_header
 from cosyedge_daemon.mqtt.connection import Reply
 from cosyedge_daemon.request.builder import build_request
-from cosyedge_daemon.request.errors import ApiError
+from cosyedge_daemon.request.errors import CODE_ALIASES, ApiError
 from cosyedge_daemon.request.ids import ID_ALPHABET, clip, leading_id, valid_id
 from cosyedge_daemon.request.request import RequestLimits, TtsRequest
 from cosyedge_models.pcm import pcm16_bytes
@@ -191,4 +191,7 @@ def decode_audio(payload: bytes, user_properties: list[tuple[str, str]] | None) 
 
 
 def error_payload(request_id: str | None, code: str, message: str) -> bytes:
-    return json.dumps({"id": request_id, "code": code, "message": message}).encode()
+    doc = {"id": request_id, "code": code, "message": message}
+    if code in CODE_ALIASES:  # a renamed code: its old name too, for one release
+        doc["alias"] = CODE_ALIASES[code]
+    return json.dumps(doc).encode()

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from cosyedge_cloud.wire.broker import LOCAL_HOSTS, find_mosquitto, port_open
+from cosyedge_daemon.cli.bundles import bundles_dir, list_bundles
 from cosyedge_daemon.cli.default_bundle import tiny_bundle_dir
 from cosyedge_daemon.settings.loader import load_settings, parse_broker_url
 from cosyedge_daemon.settings.schema import Settings
@@ -181,6 +182,19 @@ def check_bundle(settings: Settings) -> list[Check]:
     return checks + check_engines(path, settings.tts.backend == "trt", manifest)
 
 
+def check_installed_bundles(settings: Settings) -> Check:
+    """What `cosyedge model pull` installed (information: the daemon uses [tts] bundle)."""
+    root = bundles_dir(settings.tts.bundles_dir)
+    bundles = list_bundles(root)
+    if not bundles:
+        return Check("installed bundles", False, f"none in {root}",
+                     "cosyedge model pull (downloads CosyVoice2-0.5B and builds the bundle for this machine)",
+                     required=False)
+    broken = [b for b in bundles if b.problem]
+    return Check("installed bundles", not broken, "; ".join(b.line() for b in bundles),
+                 "cosyedge model remove NAME, then pull it again" if broken else "", required=False)
+
+
 def check_runtime() -> Check:
     missing = [
         m
@@ -291,6 +305,7 @@ def run_checks(settings: Settings) -> list[Check]:
         check_gpu(trt),
         *check_tensorrt(trt),
         *check_bundle(settings),
+        check_installed_bundles(settings),
         check_runtime(),
         check_audio(settings),
         check_broker(settings),

@@ -26,6 +26,7 @@ _HANDLERS: dict[str, str] = {
     "triton": "cosyedge_cloud.triton.launcher:triton_command",
     "doctor": "cosyedge_daemon.cli.doctor:doctor_command",
     "voice": "cosyedge_daemon.cli.voice:voice_command",
+    "model": "cosyedge_daemon.cli.model:model_command",
 }
 
 
@@ -85,14 +86,15 @@ def _add_build(sub: argparse._SubParsersAction) -> None:
                    help="also export a fixed-size LLM decode step for this many positions (prompt + speech "
                         "tokens): ort-cuda replays it as a CUDA graph; weights shared with the LLM (0: off)")
     e.add_argument("--static-flow-windows", default="", metavar="FRAMES,...",
-                   help="also export fixed-shape flow estimator graphs for these streaming window sizes (mel "
+                   help="also export fixed-shape flow estimator ONNX graphs for these streaming window sizes (mel "
                         "frames; shorter windows are padded), and the streaming flow encoder's for the same "
                         "windows: ort-cuda replays them as CUDA graphs")
     e.add_argument("--static-flow-cache", type=int, default=1024, metavar="FRAMES",
-                   help="committed frames the fixed-shape estimator graphs hold (longer streams use the dynamic graph)")
+                   help="committed frames the fixed-shape estimator ONNX graphs hold (longer streams use the dynamic "
+                        "ONNX graph)")
     e.add_argument("--static-vocoder", action="store_true",
-                   help="also export fixed-length vocoder graphs for the first and the steady streaming chunk: "
-                        "ort-cuda replays them as CUDA graphs (other lengths use the dynamic graphs)")
+                   help="also export fixed-length vocoder ONNX graphs for the first and the steady streaming chunk: "
+                        "ort-cuda replays them as CUDA graphs (other lengths use the dynamic ONNX graphs)")
     q = bs.add_parser("quantize", help="INT8 / FP16 Q/DQ bundle with an accuracy gate")
     q.add_argument("--bundle", required=True)
     q.add_argument("--out", required=True)
@@ -168,20 +170,21 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--llm-only", action="store_true",
                    help="measure only the LLM (speech tokens/s at each --concurrency), no flow or vocoder")
     p.add_argument("--graph-flow", action=argparse.BooleanOptionalAction, default=None,
-                   help="replay the bundle's fixed-shape flow estimator and encoder graphs as CUDA graphs (build "
-                        "export --static-flow-windows; every slot captured at load on the engine's GPU graph thread); "
+                   help="replay the bundle's fixed-shape flow estimator and encoder ONNX graphs as CUDA graphs (build "
+                        "export --static-flow-windows; every slot captured at load on the CUDA graph thread); "
                         "default auto: on for ort-cuda with the slots that fit a quarter of the GPU's memory")
     p.add_argument("--graph-encoder", action=argparse.BooleanOptionalAction, default=None,
-                   help="the streaming flow encoder's fixed-shape graphs too (default auto: with --graph-flow's); "
-                        "--no-graph-encoder keeps the encoder on its dynamic graph on each request's thread")
+                   help="the streaming flow encoder's fixed-shape ONNX graphs as CUDA graphs too (default auto: with "
+                        "--graph-flow's); "
+                        "--no-graph-encoder keeps the encoder on its dynamic ONNX graph on each request's thread")
     p.add_argument("--graph-threads", choices=GRAPH_THREAD_MODES, default=GRAPH_THREAD_MODES[0],
-                   help="the captured stages (LLM step, flow windows, vocoder) replay on one GPU graph thread "
+                   help="the captured stages (LLM step, flow windows, vocoder) replay on one CUDA graph thread "
                         "(default) or on a thread each, so that streams overlap on the GPU")
     p.add_argument("--first-hop", metavar="N[,M..]",
                    help="also measure time to first audio for these first hops (speech tokens)")
     p.add_argument("--project", action="store_true",
                    help="print the Jetson projection (per-stage time, first audio and RTF per board and precision, "
-                        "from the graphs' FLOPs and bytes and the boards' published peaks) and exit")
+                        "from the ONNX graphs' FLOPs and bytes and the boards' published peaks) and exit")
     p.add_argument("--project-prompt-tokens", type=int, default=None,
                    help="with --project: LLM prompt length to price (default 30: sos + text + task)")
     p.add_argument("--compare", "--bundles", dest="compare", metavar="B1,B2,..",
@@ -238,9 +241,21 @@ def _add_voice(sub: argparse._SubParsersAction) -> None:
     ls.add_argument("--bundle", required=True)
 
 
+def _add_model(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("model", help="download and build bundles, list and remove them (the bundles folder)")
+    ms = p.add_subparsers(dest="model_cmd", required=True)
+    for name, help_text in (("list", "list the installed bundles"), ("remove", "delete an installed bundle")):
+        m = ms.add_parser(name, help=help_text)
+        m.add_argument("--config", help="TOML config file whose [tts] bundles_dir to use")
+        m.add_argument("--bundles-dir", help="the bundles folder (default: [tts] bundles_dir, see docs/models.md)")
+        if name == "remove":
+            m.add_argument("name", help="the bundle's name, as `cosyedge model list` shows it")
+            m.add_argument("--force", action="store_true", help="also when it is the configured [tts] bundle")
+
+
 _ADDERS: Sequence[Callable[[argparse._SubParsersAction], None]] = (
     _add_run, _add_say, _add_synth, _add_build, _add_vad, _add_bench,
-    _add_bridge, _add_triton, _add_doctor, _add_voice,
+    _add_bridge, _add_triton, _add_doctor, _add_voice, _add_model,
 )
 
 

@@ -52,7 +52,7 @@ def run_command(args: argparse.Namespace) -> int:
     service: Service | None = None
     try:
         service = Service(settings, sink=open_sink(settings))
-        service.load_engines()
+        service.load_synthesizers()
         service.start()
         voice_input = start_voice_input(settings, service.voice)
         if voice_input is None and settings.wyoming_satellite.uri:

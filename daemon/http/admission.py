@@ -36,7 +36,9 @@ class HttpAdmission:
                 self.admission.limits, speech.input, id_prefix=ID_PREFIX, voice=engine_voice(speech.voice),
                 mode="instruct" if speech.instructions else None, instruct_text=speech.instructions,
                 output="publish", priority=self.priority, speed=speech.speed, seed=speech.seed,
-                received_at=received_at,
+                # CosyVoice changes the speed on the whole utterance only (as upstream): then the audio
+                # comes in one piece at the end instead of streamed.
+                stream=speech.speed in (None, 1.0), received_at=received_at,
             )
         except ApiError as exc:
             raise from_api_error(exc.code, exc.message) from None

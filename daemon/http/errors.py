@@ -21,7 +21,7 @@ STATUS = {
     "internal": 500,
     "engine_error": 500,
     "delivery_failed": 500,
-    "engine_unavailable": 503,
+    "synthesizer_unavailable": 503,
     "cloud_unavailable": 503,
     "shutting_down": 503,
     "deadline_exceeded": 504,

@@ -51,11 +51,11 @@ def error_response(err: HttpError) -> web.Response:
 
 
 class HttpFrontend:
-    def __init__(self, settings: HttpSettings, admission: Admission, engines: SynthesizerSet) -> None:
+    def __init__(self, settings: HttpSettings, admission: Admission, synthesizers: SynthesizerSet) -> None:
         self.settings = settings
         self.host, self.port = parse_listen(settings.listen, "[http] listen")
         self.api_key = read_api_key(settings)
-        self.engines = engines
+        self.synthesizers = synthesizers
         self.runtime = EventLoopThread("http")
         self.admission = HttpAdmission(admission, settings.priority, settings.max_buffered_audio_s)
         self.speech = SpeechHandler(self.admission, settings.max_connections)
@@ -102,7 +102,7 @@ class HttpFrontend:
         return web.json_response(models_list(self._created))
 
     async def _voices(self, request: web.Request) -> web.Response:
-        return web.json_response(voices_list(*self.engines.served_voices()))
+        return web.json_response(voices_list(*self.synthesizers.served_voices()))
 
     # --- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:

@@ -9,6 +9,12 @@ from cosyedge_daemon.request.ids import clip
 
 MAX_MESSAGE_CHARS = 400  # an error message never carries more of what a client sent
 
+SYNTHESIZER_UNAVAILABLE = "synthesizer_unavailable"  # no synthesizer can serve the route
+# Codes renamed, with their old names: an error with the new code also carries the old one as
+# `alias` for one release (docs/mqtt.md), so clients can move over. "engine" names only TensorRT
+# plans now.
+CODE_ALIASES = {SYNTHESIZER_UNAVAILABLE: "engine_unavailable"}
+
 
 class ApiError(Exception):
     """A request the daemon answers with an error payload."""

@@ -1,4 +1,4 @@
-"""The daemon as one object: engines, scheduler, pipeline, MQTT, intake,
+"""The daemon as one object: synthesizers, scheduler, pipeline, MQTT, intake,
 health and metrics put together, with start, drain-and-stop, engine reload
 and live settings. `service_main.run_command` adds only signals, devices and
 the config file; tests drive this class directly."""
@@ -37,7 +37,7 @@ from cosyedge_daemon.wyoming.frontend import WyomingFrontend
 from cosyedge_daemon.wyoming.frontend import enabled as wyoming_enabled
 from cosyedge_models.backends.graph_thread import CAPTURE_AT_LOAD_BACKENDS
 from cosyedge_models.settings_schema import live_fields, reload_fields
-from cosyedge_models.synthesis.api import ServedEngine
+from cosyedge_models.synthesis.api import ServedSynthesizer
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +58,10 @@ class Service:
         self.notifier = notifier or SdNotifier()
         self.metrics = Metrics()
         self.metrics.synthesis_workers.set(settings.tts.synthesis_worker_count)
-        self.engines = SynthesizerSet(settings.routing)
+        self.synthesizers = SynthesizerSet(settings.routing)
         workers = settings.tts.synthesis_worker_count
         self.scheduler = Scheduler(settings.scheduler, concurrency=workers)
-        self.router = Router(self.engines, settings.routing, load=self._local_load)
+        self.router = Router(self.synthesizers, settings.routing, load=self._local_load)
         self.completer = Completer(self.scheduler, self.metrics, settings.health.log_traces)
         self.speaking_listeners: list[Callable[[bool], None]] = []
         self.pipeline = Pipeline(
@@ -89,7 +89,7 @@ class Service:
         if settings.cloud.enabled:
             self.cloud = CloudSynthesizer(self.conn, settings.device_id, settings.cloud)
             self.conn.subscriptions += self.cloud.subscriptions()
-            self.engines.slots["cloud"].swap(self.cloud)
+            self.synthesizers.slots["cloud"].swap(self.cloud)
         self.intake.set_input_topics(self.conn.subscriptions)
         policy = barge_in or BargeInPolicy(settings.vad_settings)
         self.voice = VoiceLink(
@@ -103,11 +103,13 @@ class Service:
         self.extra_liveness: dict[str, Callable[[], bool]] = {}  # e.g. the audio capture worker
         self.wyoming: WyomingFrontend | None = None
         if wyoming_enabled(settings):
-            self.wyoming = WyomingFrontend(settings, self.admission, self.engines, self.pipeline, self.voice, VERSION)
+            self.wyoming = WyomingFrontend(
+                settings, self.admission, self.synthesizers, self.pipeline, self.voice, VERSION
+            )
             self.extra_liveness["wyoming"] = self.wyoming.alive
         self.http: HttpFrontend | None = None
         if http_enabled(settings.http):
-            self.http = HttpFrontend(settings.http, self.admission, self.engines)
+            self.http = HttpFrontend(settings.http, self.admission, self.synthesizers)
             self.extra_liveness["http"] = self.http.alive
         self.health = HealthMonitor(
             self.notifier,
@@ -123,7 +125,7 @@ class Service:
         self._reload_lock = threading.Lock()
         self._reload_threads: list[threading.Thread] = []
 
-    # --- engines ----------------------------------------------------------------------
+    # --- synthesizers ----------------------------------------------------------------------
     def _on_message(self, msg: InboundMessage) -> None:
         cloud = self.cloud
         if cloud is not None and cloud.handles(msg.topic):
@@ -135,14 +137,14 @@ class Service:
         """For the router: requests waiting, and the estimated wait before this one is done locally."""
         return self.scheduler.depth, self.scheduler.estimated_wait_s(request.priority)
 
-    def set_engines(self, local: ServedEngine | None, fallback: ServedEngine | None) -> None:
-        self.engines.slots["local"].swap(local)
-        self.engines.slots["fallback"].swap(fallback)
+    def set_synthesizers(self, local: ServedSynthesizer | None, fallback: ServedSynthesizer | None) -> None:
+        self.synthesizers.slots["local"].swap(local)
+        self.synthesizers.slots["fallback"].swap(fallback)
 
-    def load_engines(self) -> None:
+    def load_synthesizers(self) -> None:
         """The configured local engine (systemd's start timeout is extended
         while it loads) and the fallback voice at its sample rate."""
-        slot = self.engines.slots["local"]
+        slot = self.synthesizers.slots["local"]
         slot.set_state("loading")
         local = None
         with self.notifier.extending("loading the speech engine"):
@@ -152,7 +154,7 @@ class Service:
             except Exception as exc:
                 log.error("the local engine did not load: %s", exc)
                 slot.set_state("failed", str(exc))
-        self.engines.slots["fallback"].swap(
+        self.synthesizers.slots["fallback"].swap(
             make_fallback(self.settings.fallback, local.sample_rate if local else None)
         )
 
@@ -168,7 +170,7 @@ class Service:
     def _reload(self, bundle: str | None) -> None:
         with self._reload_lock:
             log.info("reloading the local engine%s", f" from {bundle}" if bundle else "")
-            slot = self.engines.slots["local"]
+            slot = self.synthesizers.slots["local"]
             # A GPU engine captures its CUDA graphs at load, which no other GPU work may
             # overlap: local requests wait while it loads (after the running ones end).
             quiet = self.settings.tts.engine == "cosyvoice" and self.settings.tts.backend in CAPTURE_AT_LOAD_BACKENDS
@@ -244,7 +246,7 @@ class Service:
         for t in self._reload_threads:
             t.join(1.0)
         self.metrics.close()
-        self.engines.close()
+        self.synthesizers.close()
         if self.sink is not None:
             self.sink.close()
         self.notifier.close()
@@ -288,7 +290,7 @@ class Service:
         s = self.settings
         self.scheduler.reconfigure(s.scheduler)
         self.pipeline.settings = s.scheduler
-        self.engines.reconfigure(s.routing)
+        self.synthesizers.reconfigure(s.routing)
         self.router.settings = s.routing
         if self.cloud is not None:
             self.cloud.settings = dataclasses.replace(self.cloud.settings, **_live(s.cloud))
@@ -296,8 +298,8 @@ class Service:
         self.completer.log_traces = s.health.log_traces
         self.health.interval_s = s.health.health_interval_s
         if s.fallback.enabled != old.fallback.enabled:
-            local = self.engines.slots["local"].engine
-            self.engines.slots["fallback"].swap(
+            local = self.synthesizers.slots["local"].engine
+            self.synthesizers.slots["fallback"].swap(
                 make_fallback(s.fallback, local.sample_rate if local else None)
                 if s.fallback.enabled
                 else None
@@ -316,7 +318,7 @@ class Service:
     def _overall_state(self) -> str:
         if self.state != "ready":
             return self.state
-        if self.health.dead or not self.engines.available("local") or self.scheduler.degraded():
+        if self.health.dead or not self.synthesizers.available("local") or self.scheduler.degraded():
             return "degraded"
         return "ready"
 
@@ -325,7 +327,7 @@ class Service:
             "device_id": self.settings.device_id,
             "state": self._overall_state(),
             "version": VERSION,
-            "engines": {t: slot.describe() for t, slot in self.engines.slots.items()},
+            "engines": {t: slot.describe() for t, slot in self.synthesizers.slots.items()},
             "workers": self.liveness(),
             "audio": {"output": self.sink is not None, "speaking": self.pipeline.speaking},
             "mqtt": {"protocol": self.settings.mqtt.protocol},
@@ -341,7 +343,7 @@ class Service:
         }
 
     def _status_line(self) -> str:
-        local = self.engines.slots["local"].describe()
+        local = self.synthesizers.slots["local"].describe()
         return f"{self._overall_state()}: local engine {local['state']}, queue {self.scheduler.depth}"
 
     def _publish_health(self, payload: bytes) -> None:
@@ -363,7 +365,7 @@ class Service:
             m.underruns.set(self.sink.underruns)
         m.mqtt_connected.set(1.0 if self.conn.connected.is_set() else 0.0)
         m.mqtt_reconnects.set(self.conn.connect_count)
-        m.set_engine_states({t: str(slot.describe()["state"]) for t, slot in self.engines.slots.items()})
+        m.set_engine_states({t: str(slot.describe()["state"]) for t, slot in self.synthesizers.slots.items()})
 
     def _on_connected(self) -> None:
         self.health.poke()

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import numpy as np
 from cosyedge_daemon.audio.interfaces import AudioSink
-from cosyedge_daemon.request.errors import ApiError
+from cosyedge_daemon.request.errors import SYNTHESIZER_UNAVAILABLE, ApiError
 from cosyedge_daemon.serving.answer import Completer
 from cosyedge_daemon.serving.jobs import Job
 from cosyedge_daemon.serving.playback import TICK_S, Error, PlaybackOrder, PlaybackWorker
@@ -24,7 +24,7 @@ from cosyedge_daemon.serving.scheduler import Scheduler
 from cosyedge_daemon.settings.schema import SchedulerSettings
 from cosyedge_daemon.synthesizers.routing import RouteDecision, Router
 from cosyedge_models.errors import RequestError
-from cosyedge_models.synthesis.api import AudioChunk, ServedEngine
+from cosyedge_models.synthesis.api import AudioChunk, ServedSynthesizer
 
 log = logging.getLogger(__name__)
 
@@ -198,18 +198,18 @@ class Pipeline:
         while True:
             job.route, job.route_reason, job.route_rule = decision.target, decision.reason, decision.rule
             tried.add(decision.target)
-            slot = self.router.engines.slots[decision.target]
+            slot = self.router.synthesizers.slots[decision.target]
             if not slot.healthy:  # it went away while the job waited: on as after a failure
                 moved = self.router.after_failure(
                     decision, "it became unavailable while the request waited", audio_out=False,
                     request=job.request, tried=tried,
                 )
                 if moved is None:
-                    return ("engine_unavailable", f"the {decision.target} engine is unavailable")
+                    return (SYNTHESIZER_UNAVAILABLE, f"the {decision.target} engine is unavailable")
                 decision = moved
                 continue
             try:
-                with self.router.engines.lease(decision.target) as engine:
+                with self.router.synthesizers.lease(decision.target) as engine:
                     job.engine_name = engine.name
                     self._hint_load(engine)
                     # built and validated once, at admission, by this very synthesizer (else built here)
@@ -247,7 +247,7 @@ class Pipeline:
                     return ("engine_error", f"the {decision.target} engine failed: {exc}")
                 decision = following
 
-    def _hint_load(self, engine: ServedEngine) -> None:
+    def _hint_load(self, engine: ServedSynthesizer) -> None:
         # under load an engine may cut its batching delay
         engine.set_load_level("degraded" if self.scheduler.degraded() else "normal")
 

@@ -82,6 +82,11 @@ class TtsSettings:
         "model bundle directory; empty: the tiny bundle in the cache directory, "
         "built on first use (needs the build extra)", reload=True,
     )
+    bundles_dir: str = setting(
+        "",
+        "where `cosyedge model pull` installs bundles and `model list` / `doctor` look; empty: "
+        "$STATE_DIRECTORY/bundles under systemd, else $XDG_DATA_HOME/cosyedge/bundles (~/.local/share)",
+    )
     backend: str = setting(
         "ort", "inference backend of the bundle", choices=("ort", "ort-cuda", "ort-trt", "trt"), reload=True
     )

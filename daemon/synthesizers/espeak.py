@@ -16,7 +16,7 @@ import numpy as np
 import soxr
 from cosyedge_models.errors import RequestError, SynthesisError
 from cosyedge_models.pcm import pcm16_to_float
-from cosyedge_models.synthesis.api import AudioChunk, EngineDefaults, Mode, StageTimes, SynthesisRequest
+from cosyedge_models.synthesis.api import AudioChunk, Mode, StageTimes, SynthesisRequest, SynthesizerDefaults
 from cosyedge_models.text.split import is_only_punctuation, split_paragraph
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ def list_espeak_voices(binary: str) -> list[str]:
     return sorted(names)
 
 
-class EspeakSynthesizer(EngineDefaults):
+class EspeakSynthesizer(SynthesizerDefaults):
     """espeak-ng as an Synthesizer. Thread-safe: each call runs its own processes."""
 
     name = "espeak-ng"

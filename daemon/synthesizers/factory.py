@@ -5,17 +5,19 @@ espeak-ng when `[tts] engine = "espeak-ng"`) and the espeak-ng fallback."""
 from __future__ import annotations
 
 import logging
+from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
-from cosyedge_daemon.settings.schema import FallbackSettings, Settings
+from cosyedge_daemon.settings.schema import FallbackSettings, Settings, TtsSettings
 from cosyedge_daemon.synthesizers.espeak import EspeakSynthesizer
 from cosyedge_models.errors import SynthesisError
-from cosyedge_models.synthesis.api import ServedEngine
+from cosyedge_models.synthesis.api import ServedSynthesizer
 
 log = logging.getLogger(__name__)
 
 
-def load_local_synthesizer(settings: Settings, bundle: str | None = None) -> ServedEngine:
+def load_local_synthesizer(settings: Settings, bundle: str | None = None) -> ServedSynthesizer:
     tts, fb = settings.tts, settings.fallback
     if tts.engine == "espeak-ng":
         return EspeakSynthesizer(fb.voice, fb.rate_wpm, fb.sample_rate_hz, fb.binary)
@@ -32,20 +34,24 @@ def load_local_synthesizer(settings: Settings, bundle: str | None = None) -> Ser
         if tts.llm_max_batch_size else None
     flow_batching = BatchSettings(max_batch_size=tts.flow_max_batch_size,
                                   max_queue_delay_ms=tts.flow_max_queue_delay_ms) if tts.flow_max_batch_size else None
-    engine = load_synthesizer(path, settings=SynthesisSettings(
-        backend=tts.backend, max_text_chars=tts.max_text_chars, batching=batching, flow_batching=flow_batching,
-        overlap_stages={"on": True, "off": False}.get(tts.overlap_stages),
-        first_hop_tokens=tts.first_hop_tokens or None, hop_scale=tts.stream_hop_scale,
-        flow_final_chunk=tts.flow_final_chunk,  # type: ignore[arg-type]
-        flow_left_chunks=tts.flow_left_chunks, voice_cache_mb=tts.voice_cache_mb,
-        cpu_memory_arena=tts.cpu_memory_arena))
+    # The keys [tts] and SynthesisSettings share (backend, max_text_chars, flow_final_chunk, flow_left_chunks,
+    # voice_cache_mb, cpu_memory_arena, ...) pass as they are; only those that differ are translated here.
+    shared = {f.name for f in fields(SynthesisSettings)} & {f.name for f in fields(TtsSettings)}
+    values: dict[str, Any] = {name: getattr(tts, name) for name in shared}
+    values.update(
+        batching=batching, flow_batching=flow_batching,
+        overlap_stages={"on": True, "off": False}.get(tts.overlap_stages),  # auto: None
+        first_hop_tokens=tts.first_hop_tokens or None,  # 0: upstream's aligned hop
+        hop_scale=tts.stream_hop_scale,
+    )
+    engine = load_synthesizer(path, settings=SynthesisSettings(**values))
     log.info("loaded %s from %s (%d Hz)", engine.name, path, engine.sample_rate)
     return engine
 
 
-def make_fallback(settings: FallbackSettings, sample_rate: int | None) -> ServedEngine | None:
+def make_fallback(settings: FallbackSettings, sample_rate: int | None) -> ServedSynthesizer | None:
     """The espeak-ng fallback at the local engine's rate, or None (disabled or
-    not installed: logged, the daemon then answers engine_unavailable)."""
+    not installed: logged, the daemon then answers synthesizer_unavailable)."""
     if not settings.enabled:
         return None
     try:

@@ -2,7 +2,7 @@
 'fallback') in an SynthesizerSet; the Router picks a target by trying its rules
 in order (explicit cloud, the route=auto rules, local/fallback), and says
 what to try after a failure (cloud -> local, local -> cloud, either -> the
-fallback voice). Pure logic: the engines, the clock and the local load
+fallback voice). Pure logic: the synthesizers, the clock and the local load
 come in from outside, so the rules are tested alone."""
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from cosyedge_daemon.request.errors import ApiError
+from cosyedge_daemon.request.errors import SYNTHESIZER_UNAVAILABLE, ApiError
 from cosyedge_daemon.request.request import TtsRequest
 from cosyedge_daemon.settings.schema import RoutingSettings
 from cosyedge_models.errors import RequestError
-from cosyedge_models.synthesis.api import ServedEngine, SynthesisRequest
+from cosyedge_models.synthesis.api import ServedSynthesizer, SynthesisRequest
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class SynthesizerSlot:
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)  # leases released; a pause ended
         self._paused = False
-        self._engine: ServedEngine | None = None
+        self._engine: ServedSynthesizer | None = None
         self._leases: dict[int, int] = {}
         self.state = "absent"  # absent | loading | ready | failed
         self.error = ""
@@ -58,13 +58,13 @@ class SynthesizerSlot:
         self._unhealthy_since: float | None = None
 
     @property
-    def engine(self) -> ServedEngine | None:
+    def engine(self) -> ServedSynthesizer | None:
         return self._engine
 
     def set_state(self, state: str, error: str = "") -> None:
         self.state, self.error = state, error
 
-    def swap(self, engine: ServedEngine | None) -> None:
+    def swap(self, engine: ServedSynthesizer | None) -> None:
         with self._lock:
             old, self._engine = self._engine, engine
             self.failures, self._unhealthy_since = 0, None
@@ -89,7 +89,7 @@ class SynthesizerSlot:
                 self._paused = False
                 self._cond.notify_all()
 
-    def acquire(self) -> ServedEngine | None:
+    def acquire(self) -> ServedSynthesizer | None:
         with self._cond:
             self._cond.wait_for(lambda: not self._paused)
             engine = self._engine
@@ -97,7 +97,7 @@ class SynthesizerSlot:
                 self._leases[id(engine)] = self._leases.get(id(engine), 0) + 1
             return engine
 
-    def release(self, engine: ServedEngine) -> None:
+    def release(self, engine: ServedSynthesizer) -> None:
         with self._lock:
             left = self._leases.get(id(engine), 1) - 1
             if left:
@@ -146,7 +146,7 @@ class SynthesizerSlot:
         }
 
 
-def _close(engine: ServedEngine) -> None:
+def _close(engine: ServedSynthesizer) -> None:
     try:
         engine.close()
     except Exception:
@@ -165,11 +165,11 @@ class SynthesizerSet:
         return self.slots[target].healthy
 
     @contextmanager
-    def lease(self, target: Target) -> Iterator[ServedEngine]:
+    def lease(self, target: Target) -> Iterator[ServedSynthesizer]:
         slot = self.slots[target]
         engine = slot.acquire()
         if engine is None:
-            raise ApiError("engine_unavailable", f"no {target} engine is loaded")
+            raise ApiError(SYNTHESIZER_UNAVAILABLE, f"no {target} engine is loaded")
         try:
             yield engine
         finally:
@@ -200,11 +200,11 @@ def count_tokens(text: str) -> int:
     return len(_TOKEN_RE.findall(text))
 
 
-def cloud_rule(request: TtsRequest, engines: SynthesizerSet) -> RouteDecision | None:
+def cloud_rule(request: TtsRequest, synthesizers: SynthesizerSet) -> RouteDecision | None:
     """route=cloud: the cloud engine or an error."""
     if request.route != "cloud":
         return None
-    if engines.available("cloud"):
+    if synthesizers.available("cloud"):
         return RouteDecision("cloud", "requested", "requested")
     raise ApiError(
         "cloud_unavailable",
@@ -213,22 +213,22 @@ def cloud_rule(request: TtsRequest, engines: SynthesizerSet) -> RouteDecision | 
     )
 
 
-def local_rule(request: TtsRequest, engines: SynthesizerSet) -> RouteDecision | None:
+def local_rule(request: TtsRequest, synthesizers: SynthesizerSet) -> RouteDecision | None:
     """route=local/auto: the local engine when loaded and healthy, else the fallback voice."""
     if request.route not in ("local", "auto"):
         return None
-    if engines.available("local"):
+    if synthesizers.available("local"):
         if request.route == "local":
             return RouteDecision("local", "requested", "requested")
         return RouteDecision("local", "local engine ready", "default")
-    why = local_down_reason(engines)
-    if engines.available("fallback"):
+    why = local_down_reason(synthesizers)
+    if synthesizers.available("fallback"):
         return RouteDecision("fallback", why, "local_unavailable")
-    raise ApiError("engine_unavailable", f"{why}, and the fallback voice is off or missing", request.id)
+    raise ApiError(SYNTHESIZER_UNAVAILABLE, f"{why}, and the fallback voice is off or missing", request.id)
 
 
-def local_down_reason(engines: SynthesizerSet) -> str:
-    slot = engines.slots["local"]
+def local_down_reason(synthesizers: SynthesizerSet) -> str:
+    slot = synthesizers.slots["local"]
     if slot.engine is not None and not slot.healthy:
         return f"local engine is unhealthy ({slot.failures} failures)"
     return {
@@ -238,11 +238,11 @@ def local_down_reason(engines: SynthesizerSet) -> str:
     }.get(slot.state, "local engine is unhealthy")
 
 
-def local_lacks(request: TtsRequest, engines: SynthesizerSet) -> str | None:
+def local_lacks(request: TtsRequest, synthesizers: SynthesizerSet) -> str | None:
     """Why the loaded local synthesizer cannot serve the request (its modes and
     voices); None: it can, or none is loaded to ask. Its own validation is
     `Router.validated`, run once, on the synthesizer chosen."""
-    engine = engines.slots["local"].engine
+    engine = synthesizers.slots["local"].engine
     if engine is None:
         return None
     if request.mode not in engine.modes():
@@ -258,7 +258,7 @@ class Router:
     """Rules in order; the first that decides wins. With route=auto the cloud
     gets what the local engine cannot or should not serve (when it is up)."""
 
-    engines: SynthesizerSet
+    synthesizers: SynthesizerSet
     settings: RoutingSettings
     load: LoadProbe | None = None
     clock: Callable[[], float] = time.monotonic
@@ -291,7 +291,7 @@ class Router:
         """`decision` with the synthesizer's request built and validated by the
         target's synthesizer (RequestError when it refuses)."""
         synthesis = request.synthesis_request(fallback=decision.target == "fallback")
-        with self.engines.lease(decision.target) as engine:
+        with self.synthesizers.lease(decision.target) as engine:
             engine.validate(synthesis)
         return replace(decision, request=synthesis, validated_by=engine)
 
@@ -299,33 +299,33 @@ class Router:
         """route=auto and the local synthesizer cannot serve the request: the
         cloud when it is up; cloud_unavailable when it is configured but down;
         None without a cloud (the local synthesizer answers with its own error)."""
-        if self.engines.available("cloud"):
+        if self.synthesizers.available("cloud"):
             return RouteDecision("cloud", lacks, "local_lacks")
-        if self.engines.slots["cloud"].engine is not None:
+        if self.synthesizers.slots["cloud"].engine is not None:
             raise ApiError("cloud_unavailable", f"{lacks}, and the cloud is unavailable", request.id)
         return None
 
     def decide(self, request: TtsRequest) -> RouteDecision:
         """The target by the rules alone (no engine validation: see `admit`)."""
         for rule in self.rules:
-            decision = rule(request, self.engines)
+            decision = rule(request, self.synthesizers)
             if decision is not None:
                 return decision
-        raise ApiError("engine_unavailable", f"no route serves route={request.route!r}", request.id)
+        raise ApiError(SYNTHESIZER_UNAVAILABLE, f"no route serves route={request.route!r}", request.id)
 
-    def auto_rule(self, request: TtsRequest, engines: SynthesizerSet) -> RouteDecision | None:
+    def auto_rule(self, request: TtsRequest, synthesizers: SynthesizerSet) -> RouteDecision | None:
         """route=auto: the cloud when a rule says so and it is up; None: local_rule decides."""
         if request.route != "auto":
             return None
         s = self.settings
-        cloud_up = engines.available("cloud")
-        lacks = local_lacks(request, engines)
+        cloud_up = synthesizers.available("cloud")
+        lacks = local_lacks(request, synthesizers)
         if lacks is not None:
             return self._local_cannot_serve(request, lacks)
         if not cloud_up:
             return None
-        if not engines.available("local"):
-            return RouteDecision("cloud", local_down_reason(engines), "local_unavailable")
+        if not synthesizers.available("local"):
+            return RouteDecision("cloud", local_down_reason(synthesizers), "local_unavailable")
         if request.mode in s.cloud_modes:
             return RouteDecision("cloud", f"mode '{request.mode}' goes to the cloud", "mode")
         if request.voice and request.voice in s.cloud_voices:
@@ -372,9 +372,9 @@ class Router:
         Nothing is retried after audio went out (it would be spoken twice)."""
         if audio_out or failed.target == "fallback":
             return None
-        engines = self.engines
+        synthesizers = self.synthesizers
         if failed.target == "cloud" and request is not None:
-            if "local" not in tried and engines.available("local") and local_lacks(request, engines) is None:
+            if "local" not in tried and synthesizers.available("local") and local_lacks(request, synthesizers) is None:
                 try:
                     return self.validated(RouteDecision("local", f"cloud failed: {error}", "cloud_failed"), request)
                 except (RequestError, ApiError):
@@ -386,9 +386,9 @@ class Router:
             and request is not None
             and request.route == "auto"
             and "cloud" not in tried
-            and engines.available("cloud")
+            and synthesizers.available("cloud")
         ):
             return RouteDecision("cloud", f"local engine failed: {error}", "local_failed")
-        if self.settings.fallback_on_error and engines.available("fallback"):
+        if self.settings.fallback_on_error and synthesizers.available("fallback"):
             return RouteDecision("fallback", f"{failed.target} engine failed: {error}", f"{failed.target}_failed")
         return None

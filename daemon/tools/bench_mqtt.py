@@ -83,7 +83,7 @@ def bench(broker_url: str, requests: int, bundle: str | None, text: str) -> dict
         local: Any = load_synthesizer(bundle)
     else:
         local = EspeakSynthesizer()
-    service.set_engines(local, None)
+    service.set_synthesizers(local, None)
     service.start(connect_timeout_s=10)
     topics = settings.topics
     client, arrivals, cond = _probe(broker_url, [topics.answers()])

@@ -31,7 +31,14 @@ from cosyedge_daemon.service.service import Service
 from cosyedge_daemon.settings.loader import parse_broker_url, settings_from_mapping
 from cosyedge_daemon.wyoming.client import synthesize
 from cosyedge_models.errors import CosyEdgeError
-from cosyedge_models.synthesis.api import AudioChunk, EngineDefaults, Mode, ServedEngine, StageTimes, SynthesisRequest
+from cosyedge_models.synthesis.api import (
+    AudioChunk,
+    Mode,
+    ServedSynthesizer,
+    StageTimes,
+    SynthesisRequest,
+    SynthesizerDefaults,
+)
 from cosyedge_models.synthesis.synthesizer import load_synthesizer
 from cosyedge_models.tools.host import machine
 
@@ -39,7 +46,7 @@ TEXT = "Hello from the kitchen, the weather is fine today."
 GOAL_MS = 5.0
 
 
-class InstantEngine(EngineDefaults):
+class InstantEngine(SynthesizerDefaults):
     """An engine whose audio is ready at once (one silent chunk): what is left
     of the time to first audio is the daemon's and the protocol's own path."""
 
@@ -102,8 +109,8 @@ def measure(bundle: Path | None, runs: int, warmup: int = 2) -> dict[str, Any]:
     trace_log.addHandler(traces)
     trace_log.setLevel(logging.INFO)
     service = Service(settings)
-    engine: ServedEngine = load_synthesizer(bundle) if bundle is not None else InstantEngine()
-    service.set_engines(engine, None)
+    engine: ServedSynthesizer = load_synthesizer(bundle) if bundle is not None else InstantEngine()
+    service.set_synthesizers(engine, None)
     service.start(connect_timeout_s=10 if broker is not None else 0.5)
     assert service.wyoming is not None and service.wyoming.tts is not None
     uri = f"tcp://127.0.0.1:{service.wyoming.tts.port}"

@@ -29,7 +29,7 @@ def enabled(settings: Settings) -> bool:
 
 
 class WyomingFrontend:
-    def __init__(self, settings: Settings, admission: Admission, engines: SynthesizerSet, pipeline: Pipeline,
+    def __init__(self, settings: Settings, admission: Admission, synthesizers: SynthesizerSet, pipeline: Pipeline,
                  voice: VoiceLink, version: str) -> None:
         self.settings = settings
         self.runtime = EventLoopThread("wyoming")
@@ -42,8 +42,8 @@ class WyomingFrontend:
         if w.uri:
             host, port = parse_tcp_uri(w.uri, "[wyoming] uri")
             ctx = TtsContext(
-                admission=admission, responder=self.responder, info=lambda: build_info(engines, version),
-                voice_for=lambda v: voice_for(engines, v), priority=w.priority,
+                admission=admission, responder=self.responder, info=lambda: build_info(synthesizers, version),
+                voice_for=lambda v: voice_for(synthesizers, v), priority=w.priority,
                 max_buffered_bytes=lambda rate: int(w.max_buffered_audio_s * rate * 2),
             )
             self.tts = Listener("tts", host, port, lambda writer: TtsHandler(ctx, writer), w, w.idle_timeout_s)

@@ -20,13 +20,13 @@ def _languages(engine_name: str, voice: str) -> list[str]:
     return list(COSYVOICE_LANGUAGES)
 
 
-def engine_voices(engines: SynthesizerSet) -> tuple[str, list[str]]:
+def engine_voices(synthesizers: SynthesizerSet) -> tuple[str, list[str]]:
     """(engine name, its voices) of the local engine (or the fallback while it is missing)."""
-    return engines.served_voices()
+    return synthesizers.served_voices()
 
 
-def build_info(engines: SynthesizerSet, version: str) -> Info:
-    name, voices = engine_voices(engines)
+def build_info(synthesizers: SynthesizerSet, version: str) -> Info:
+    name, voices = engine_voices(synthesizers)
     listed = voices or [DEFAULT_VOICE]
     return Info(tts=[TtsProgram(
         name="cosyedge",
@@ -40,14 +40,14 @@ def build_info(engines: SynthesizerSet, version: str) -> Info:
     )])
 
 
-def voice_for(engines: SynthesizerSet, voice: SynthesizeVoice | None) -> str | None:
+def voice_for(synthesizers: SynthesizerSet, voice: SynthesizeVoice | None) -> str | None:
     """The engine voice of a request: a listed name as is (`default`: the
     engine's default), a language: the first voice that speaks it; else None
     (the default voice). An unknown name is passed on so the engine's own
     check answers it (unknown_voice)."""
     if voice is None:
         return None
-    name, voices = engine_voices(engines)
+    name, voices = engine_voices(synthesizers)
     if isinstance(voice.name, str) and voice.name:
         return None if voice.name == DEFAULT_VOICE else voice.name
     if isinstance(voice.language, str) and voice.language:

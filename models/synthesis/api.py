@@ -134,15 +134,15 @@ LoadLevel = Literal["normal", "degraded"]
 
 
 class SynthesizeFn(Protocol):
-    """`Synthesizer.synthesize`'s call shape (what `ServedEngine.for_job` returns)."""
+    """`Synthesizer.synthesize`'s call shape (what `ServedSynthesizer.for_job` returns)."""
 
     def __call__(self, request: SynthesisRequest, cancel: threading.Event | None = None) -> Iterator[AudioChunk]: ...
 
 
-class ServedEngine(Synthesizer, Protocol):
+class ServedSynthesizer(Synthesizer, Protocol):
     """What the daemon may ask of an engine it serves with, besides synthesis.
     Every engine the daemon uses implements it (the CosyVoice engine, the
-    espeak-ng fallback, the cloud engine); `EngineDefaults` gives the neutral
+    espeak-ng fallback, the cloud engine); `SynthesizerDefaults` gives the neutral
     answers to an engine with nothing more to say."""
 
     def available(self) -> bool:
@@ -163,8 +163,8 @@ class ServedEngine(Synthesizer, Protocol):
         ...
 
 
-class EngineDefaults(ABC):
-    """The neutral `ServedEngine` answers: always available, no use for the
+class SynthesizerDefaults(ABC):
+    """The neutral `ServedSynthesizer` answers: always available, no use for the
     load hint, the same `synthesize` for every job."""
 
     @abstractmethod

@@ -37,12 +37,12 @@ from cosyedge_models.synthesis.api import (
     SPEED_MAX,
     SPEED_MIN,
     AudioChunk,
-    EngineDefaults,
     LoadLevel,
     Mode,
     StageTimes,
     SynthesisRequest,
     SynthesizeFn,
+    SynthesizerDefaults,
 )
 from cosyedge_models.synthesis.conditioning import Conditioning, ConditioningBuilder
 from cosyedge_models.synthesis.flow import EstimatorWork, FlowDecoder, FlowStream, encoder_spec
@@ -95,7 +95,7 @@ def default_noise(seq: np.random.SeedSequence) -> NoiseSource:
     return np.random.default_rng(seq)
 
 
-class CosyVoiceSynthesizer(EngineDefaults):
+class CosyVoiceSynthesizer(SynthesizerDefaults):
     # The vocoder's random source per request; parity tests swap in one that
     # draws exactly what upstream's torch code draws.
     noise_factory: Callable[[np.random.SeedSequence], NoiseSource] = staticmethod(default_noise)

@@ -44,7 +44,7 @@ class Edge:
         self.sink = MemorySink(sample_rate=24000, speed=sink_speed)
         self.service = Service(self.settings, sink=self.sink)
         fallback = EspeakSynthesizer(sample_rate=24000) if shutil.which("espeak-ng") else None
-        self.service.set_engines(local, fallback)
+        self.service.set_synthesizers(local, fallback)
         self.service.start(connect_timeout_s=10)
         self.prefix = self.settings.topic_prefix
         self.probe = Recorder(broker_url, [f"{self.prefix}/tts/#", f"cosyedge/{self.device_id}/cloud/request"])

@@ -71,7 +71,7 @@ class DaemonFactory:
     ) -> Service:
         settings = settings or make_settings(self.broker.url, **sections)
         service = Service(settings, sink=sink)
-        service.set_engines(
+        service.set_synthesizers(
             self.engine_factory() if local == "default" else local,  # type: ignore[arg-type]
             self.fallback_factory() if fallback == "default" else fallback,
         )  # type: ignore[arg-type]

@@ -144,7 +144,7 @@ def test_cloud_killed_mid_request_falls_back_or_errs_within_the_deadline(  # typ
     assert msg.at - killed < 1.5 + 1.0 and msg.at - sent < deadline_ms / 1000
     assert 2 * CHUNK_SAMPLES <= edge.audio("midway").size < 40 * CHUNK_SAMPLES
     # the cloud counts failures; the daemon keeps serving
-    assert edge.service.engines.slots["cloud"].failures == 2
+    assert edge.service.synthesizers.slots["cloud"].failures == 2
     edge.say("after", "Still here.", output="publish")
     assert edge.answer("after", 60).json()["route"] == "local"
 

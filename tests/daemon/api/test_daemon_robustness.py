@@ -200,9 +200,10 @@ def test_no_engine_and_no_cloud(daemons: DaemonFactory, tmp_path: Path) -> None:
     assert p.wait_topic(f"{pre}/tts/error/e1").json()["code"] == "engine_error"
     p.publish(f"{pre}/tts/say", {"id": "c1", "text": "x", "route": "cloud", "output": "publish"})
     assert p.wait_topic(f"{pre}/tts/error/c1").json()["code"] == "cloud_unavailable"
-    svc.set_engines(None, None)
+    svc.set_synthesizers(None, None)
     p.publish(f"{pre}/tts/say", {"id": "e2", "text": "x", "output": "publish"})
-    assert p.wait_topic(f"{pre}/tts/error/e2").json()["code"] == "engine_unavailable"
+    err = p.wait_topic(f"{pre}/tts/error/e2").json()
+    assert (err["code"], err["alias"]) == ("synthesizer_unavailable", "engine_unavailable")
     p.publish(f"{pre}/tts/say", {"id": "np", "text": "x", "output": "play"})
     assert p.wait_topic(f"{pre}/tts/error/np").json()["code"] == "no_audio_device"
 
@@ -229,9 +230,9 @@ def test_engine_reload_without_dropping_requests(daemons: DaemonFactory) -> None
     assert done["reason"] == "completed"
     assert p.wait_topic(f"{pre}/tts/done/next", 15).json()["reason"] == "completed"
     deadline = time.monotonic() + 5
-    while (svc.engines.slots["local"].engine is old or not old.closed) and time.monotonic() < deadline:
+    while (svc.synthesizers.slots["local"].engine is old or not old.closed) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert svc.engines.slots["local"].engine is not old
+    assert svc.synthesizers.slots["local"].engine is not old
     assert old.closed
 
 
@@ -248,7 +249,7 @@ def test_health_document_and_status(daemons: DaemonFactory) -> None:
     assert health["engines"]["local"]["state"] == "ready"
     assert health["engines"]["cloud"]["state"] == "absent"
     assert health["workers"] == {"synthesis-1": True, "intake": True}
-    svc.engines.slots["local"].swap(None)
+    svc.synthesizers.slots["local"].swap(None)
     changed = p.wait_for(lambda m: m.topic == f"{pre}/status/health" and m.json()["state"] == "degraded", 5)
     assert changed.json()["engines"]["local"]["state"] == "absent"
     svc.stop(timeout_s=1)

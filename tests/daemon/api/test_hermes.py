@@ -71,7 +71,7 @@ def test_errors_on_hermes_error_tts(daemons: DaemonFactory) -> None:
     p = daemons.probe(svc, extra_topics=("hermes/#",))
     p.publish("hermes/tts/say", _say("s1", "e-1"))
     err = tts.TtsError.from_dict(p.wait_topic(tts.TtsError.topic()).json())
-    assert err.site_id == "s1" and err.session_id == "sess-1" and "engine_unavailable" in err.error
+    assert err.site_id == "s1" and err.session_id == "sess-1" and "synthesizer_unavailable" in err.error
     assert err.context == "e-1"
     fin = p.wait_topic("hermes/tts/sayFinished").json()  # so a dialogue manager never waits forever
     assert fin["id"] == "e-1"

@@ -88,7 +88,7 @@ def test_tls_and_password(tls_broker: tuple[int, Path], engine_factory: Synthesi
         },
     )
     svc = Service(settings)
-    svc.set_engines(engine_factory(), None)
+    svc.set_synthesizers(engine_factory(), None)
     svc.start(connect_timeout_s=10)
     try:
         assert svc.conn.connected.is_set()
@@ -129,7 +129,7 @@ def test_wrong_password_is_refused(tls_broker: tuple[int, Path], engine_factory:
         mqtt={"tls_ca_file": str(work / "server.crt"), "username": "dev-tls", "password": "wrong"},
     )
     svc = Service(settings)
-    svc.set_engines(engine_factory(), None)
+    svc.set_synthesizers(engine_factory(), None)
     svc.start(connect_timeout_s=1.5)
     try:
         assert not svc.conn.connected.is_set()

@@ -82,7 +82,7 @@ def test_3_a_client_cannot_make_the_engine_unhealthy(daemons: DaemonFactory) -> 
     for n in range(4):
         assert _errors(p, pre, f"seed{n}")[0]["code"] == "invalid_field"
         assert _errors(p, pre, f"wild{n}")[0]["code"] == "invalid_response_topic"
-    slot = svc.engines.slots["local"]
+    slot = svc.synthesizers.slots["local"]
     assert slot.failures == 0 and slot.healthy
     assert _served(p, pre, "after-seed")["route"] == "local"
 

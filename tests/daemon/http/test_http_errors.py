@@ -65,3 +65,38 @@ def test_token_wrong_or_missing(daemons: DaemonFactory) -> None:
     models = [m.id for m in client(svc, key="sk-wrong").models.list()]  # the listings need no key
     assert "cosyedge" in models
     still_serving(svc)
+
+
+@pytest.mark.parametrize(("body", "status", "code"), [
+    (b"", 400, "invalid_json"),
+    (b'{"model": "cosyedge", "input": "Hi.",', 400, "invalid_json"),
+    (b'{"model": "cosyedge", "input": "Gr\xfc\xdfe"}', 400, "invalid_utf8"),
+    (b'["cosyedge", "Hi."]', 400, "invalid_request"),
+    (b'{"model": "cosyedge", "input": "Hi.", "speed": NaN}', 400, "invalid_json"),
+    (b'{"model": "cosyedge", "input": "Hi.", "speed": 1e400}', 400, "invalid_field"),
+    (b'{"model": "cosyedge", "input": "Hi.", "speed": 1' + b"0" * 400 + b"}", 400, "invalid_field"),
+    (b'{"model": "cosyedge", "input": "Hi.", "seed": -1}', 400, "invalid_field"),
+    (b'{"model": "cosyedge", "input": 42}', 400, "invalid_field"),
+    (b'{"model": "cosyedge", "input": "Hi.", "voice": ["alloy"]}', 400, "invalid_field"),
+    (b'{"model": "cosyedge", "input": "Hi.", "speed": true}', 400, "invalid_field"),
+    (b'{"input": "Hi."}', 400, "invalid_field"),
+    (b"[" * 100_000 + b"]" * 100_000, 400, "invalid_json"),  # nested beyond the parser's depth
+    (b'{"model": "cosyedge", "input": "' + b"x" * 300_000 + b'"}', 413, "payload_too_large"),
+    (b"{" + b'"a":{' * 20_000 + b"}" * 20_001, 400, "invalid_json"),
+])
+def test_malformed_bodies_answered_by_code(daemons: DaemonFactory, body: bytes, status: int, code: str) -> None:
+    svc = start(daemons)
+    reply = raw_post(svc, body)
+    assert reply.status == status
+    error = reply.json()["error"]
+    assert error["code"] == code and error["type"] == "invalid_request_error" and error["message"]
+    still_serving(svc)
+
+
+def test_unknown_path_and_method(daemons: DaemonFactory) -> None:
+    svc = start(daemons)
+    reply = raw_post(svc, b"{}", path="/audio/transcriptions")
+    assert reply.status == 404 and reply.json()["error"]["code"] == "not_found"
+    reply = raw_post(svc, b"", method="GET")
+    assert reply.status == 405 and reply.json()["error"]["code"] == "method_not_allowed"
+    still_serving(svc)

@@ -68,5 +68,41 @@ def test_models_and_voices_are_listed(daemons: DaemonFactory) -> None:
     models = [m.id for m in client(svc).models.list()]
     assert "cosyedge" in models and "tts-1" in models
     voices = client(svc).get("/audio/voices", cast_to=object)
-    engine_voices = svc.engines.served_voices()[1]
+    engine_voices = svc.synthesizers.served_voices()[1]
     assert [v["id"] for v in voices["voices"]] == (engine_voices or ["default"])  # type: ignore[index]
+
+
+@pytest.mark.parametrize("fmt", ["flac", "mp3", "opus"])
+def test_compressed_formats_decode_to_the_audio(daemons: DaemonFactory, fmt: str) -> None:
+    svc = start(daemons)
+    c = client(svc)
+    samples = pcm16(c.audio.speech.create(model="cosyedge", voice="alloy", input=TEXT, response_format="pcm",
+                                          extra_body=SEED).content)
+    with c.audio.speech.with_streaming_response.create(model="cosyedge", voice="alloy", input=TEXT,
+                                                       response_format=fmt, extra_body=SEED) as response:
+        assert response.headers["content-type"] == {"flac": "audio/flac", "mp3": "audio/mpeg",
+                                                    "opus": "audio/ogg"}[fmt]
+        data = response.read()
+    rate, decoded = decode(data)
+    if fmt == "flac":  # lossless: the very samples
+        assert rate == 24000 and np.array_equal(decoded, samples)
+        return
+    # Lossy: the same duration (mp3 adds LAME's delay of 1105 samples, the padding to its 576-sample frames
+    # and the empty first frame a stream cannot rewrite: under 4 frames; Opus decodes at 48 kHz), and audio.
+    seconds, expected = decoded.size / rate, samples.size / 24000
+    assert rate == {"mp3": 24000, "opus": 48000}[fmt]
+    assert expected - 0.001 <= seconds <= expected + 4 * 576 / 24000
+    assert np.sqrt(np.mean(decoded**2)) > 0.3 * np.sqrt(np.mean(samples**2))
+
+
+def test_speed_and_instructions(daemons: DaemonFactory) -> None:
+    svc = start(daemons)
+    c = client(svc)
+
+    def length(**kw: object) -> int:
+        return len(c.audio.speech.create(model="cosyedge", voice="alloy", input=TEXT, response_format="pcm",
+                                         extra_body=SEED, **kw).content)  # type: ignore[arg-type]
+
+    normal, fast = length(), length(speed=2.0)
+    assert fast < 0.75 * normal  # the same tokens (same seed), spoken faster
+    assert length(instructions="Speak cheerfully.") > 0  # the instruct mode

@@ -90,7 +90,7 @@ def test_service_ready_watchdog_only_while_workers_live(
 ) -> None:
     settings = make_settings(daemons.broker.url)
     svc = Service(settings, notifier=SdNotifier(str(notify_socket.path), watchdog_usec="800000"))
-    svc.set_engines(daemons.engine_factory(), None)
+    svc.set_synthesizers(daemons.engine_factory(), None)
     daemons.services.append(svc)
     svc.start(connect_timeout_s=10)
     msgs = notify_socket.collect(0.6)
@@ -203,4 +203,4 @@ def test_live_settings_and_restart_keys(daemons: DaemonFactory) -> None:
     assert svc.scheduler.settings.max_queue == 5
     assert "[scheduler] synth_ahead_chunks" in restart and "[mqtt] keepalive_s" in restart
     assert svc.settings.scheduler.synth_ahead_chunks == 8  # not applied live
-    assert svc.engines.slots["fallback"].engine is None
+    assert svc.synthesizers.slots["fallback"].engine is None

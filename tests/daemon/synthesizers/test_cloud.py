@@ -214,7 +214,7 @@ def test_service_wires_the_cloud_and_reloads_its_live_settings(daemons) -> None:
     from tests.daemon.conftest import with_section
 
     svc = daemons.start(cloud={"enabled": True})
-    assert svc.cloud is not None and svc.engines.slots["cloud"].engine is svc.cloud
+    assert svc.cloud is not None and svc.synthesizers.slots["cloud"].engine is svc.cloud
     assert set(svc.cloud.subscriptions()) <= set(svc.conn.subscriptions)
     new = with_section(svc.settings, "cloud", first_chunk_timeout_s=2.5, enabled=False)
     new = with_section(new, "routing", cloud_min_chars=12)
@@ -222,4 +222,4 @@ def test_service_wires_the_cloud_and_reloads_its_live_settings(daemons) -> None:
     assert restart == ["[cloud] enabled"]  # the engine itself is made at start
     assert svc.cloud.settings.first_chunk_timeout_s == 2.5 and svc.router.settings.cloud_min_chars == 12
     plain = daemons.start()
-    assert plain.cloud is None and plain.engines.slots["cloud"].engine is None
+    assert plain.cloud is None and plain.synthesizers.slots["cloud"].engine is None

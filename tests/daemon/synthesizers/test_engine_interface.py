@@ -1,4 +1,4 @@
-"""The typed interface the daemon asks of an engine (cosyedge_models.synthesis.api.ServedEngine):
+"""The typed interface the daemon asks of an engine (cosyedge_models.synthesis.api.ServedSynthesizer):
 the neutral defaults, and the router reading `available` without probing."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from cosyedge_daemon.settings.schema import RoutingSettings
 from cosyedge_daemon.synthesizers.cloud import describe_link
 from cosyedge_daemon.synthesizers.routing import SynthesizerSlot
-from cosyedge_models.synthesis.api import ServedEngine, SynthesisRequest
+from cosyedge_models.synthesis.api import ServedSynthesizer, SynthesisRequest
 
 from tests.support.fake_synthesizer import FakeSynthesizer
 
@@ -17,7 +17,7 @@ class _Away(FakeSynthesizer):
 
 
 def test_defaults_of_an_engine_with_nothing_more_to_say() -> None:
-    engine: ServedEngine = FakeSynthesizer(chunks=2)
+    engine: ServedSynthesizer = FakeSynthesizer(chunks=2)
     assert engine.available()
     engine.set_load_level("degraded")  # accepted, ignored
     synth = engine.for_job("job-1", None)

@@ -61,7 +61,7 @@ def test_rejection_without_a_cloud_is_the_engines_error() -> None:
     with pytest.raises(ApiError) as err:
         router.admit(TtsRequest(id="c", text="NOPE"))
     assert err.value.code == "voice_unsuitable" and local.validations == 1
-    router.engines.slots["cloud"].swap(_Down())
+    router.synthesizers.slots["cloud"].swap(_Down())
     with pytest.raises(ApiError) as err:
         router.admit(TtsRequest(id="d", text="NOPE"))
     assert err.value.code == "cloud_unavailable" and "cannot say NOPE" in err.value.message
@@ -75,7 +75,7 @@ class _Down(FakeSynthesizer):
 def test_pipeline_runs_the_admitted_route_without_deciding_again() -> None:
     local, fallback = Counting(chunks=1), Counting("fallback-fake", chunks=1)
     p = make(local, workers=1)
-    p.router.engines.slots["fallback"].swap(fallback)
+    p.router.synthesizers.slots["fallback"].swap(fallback)
 
     def no_second_decision(_request: TtsRequest) -> RouteDecision:
         raise AssertionError("the route was decided again")
@@ -91,7 +91,7 @@ def test_pipeline_runs_the_admitted_route_without_deciding_again() -> None:
         gone = Job(TtsRequest(id="j2", text="hello", output="publish", received_at=time.monotonic()), rec)
         gone.decision = RouteDecision("local", "chosen at intake", "default")
         for _ in range(RoutingSettings().max_consecutive_failures):
-            p.router.engines.slots["local"].report(False)
+            p.router.synthesizers.slots["local"].report(False)
         p.scheduler.submit(gone)
         rec.wait(2)
     finally:
@@ -135,7 +135,7 @@ def test_the_admitted_request_is_validated_once_and_run_as_built() -> None:
         newer = _Recording(chunks=1)
         stale = Job(TtsRequest(id="v2", text="hello", output="publish", received_at=time.monotonic()), rec)
         stale.decision = p.router.admit(stale.request)
-        p.router.engines.slots["local"].swap(newer)
+        p.router.synthesizers.slots["local"].swap(newer)
         p.scheduler.submit(stale)
         rec.wait(2)
     finally:

@@ -53,7 +53,7 @@ def test_local_when_ready_else_fallback_else_error(espeak: EspeakSynthesizer) ->
     engines.slots["fallback"].swap(None)
     with pytest.raises(ApiError) as err:
         router.decide(req())
-    assert err.value.code == "engine_unavailable"
+    assert err.value.code == "synthesizer_unavailable"
 
 
 def test_cloud_without_cloud_engine(espeak: EspeakSynthesizer) -> None:

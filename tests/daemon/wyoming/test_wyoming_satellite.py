@@ -25,7 +25,7 @@ from wyoming.tts import Synthesize
 from tests.daemon.conftest import DaemonFactory
 from tests.support.fake_synthesizer import FakeSynthesizer
 from tests.support.memory_sink import MemorySink
-from tests.support.speech import Clip, load_clips, mix, speech_data_dir
+from tests.support.speech import Clip, load_clips, mix, require_speech_data
 from tests.support.wyoming_client import read_until
 
 SAT = {"uri": "tcp://127.0.0.1:0", "name": "kitchen-board", "area": "Kitchen"}
@@ -33,9 +33,7 @@ SAT = {"uri": "tcp://127.0.0.1:0", "name": "kitchen-board", "area": "Kitchen"}
 
 @pytest.fixture(scope="module")
 def clips() -> dict[str, Clip]:
-    data = speech_data_dir()
-    if data is None:
-        pytest.skip("the speech recordings of the test dependency auditok==0.2.0 are not installed")
+    data = require_speech_data()
     return load_clips(data)
 
 

@@ -1,0 +1,98 @@
+"""Streaming: the audio goes out as the engine produces it (chunked), a
+streamed read carries the same audio as a whole one, and a client that goes
+away cancels its request (seen by the engine's cancel event and the trace,
+not by timing) while the daemon serves on."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import time
+
+import numpy as np
+import pytest
+
+from tests.daemon.conftest import DaemonFactory
+from tests.daemon.http.conftest import HTTP, client, start
+from tests.daemon.http.test_http_speech import SEED, TEXT, pcm16
+from tests.support.fake_synthesizer import FakeSynthesizer, GatedSynthesizer, Seen
+
+
+def test_audio_is_streamed_as_produced(daemons: DaemonFactory) -> None:
+    engine = GatedSynthesizer(chunks=3)
+    svc = daemons.start(local=engine, fallback=None, http=HTTP)
+    with client(svc).audio.speech.with_streaming_response.create(
+            model="cosyedge", voice="alloy", input="Hello there.", response_format="pcm") as response:
+        assert response.headers["transfer-encoding"] == "chunked"
+        parts = response.iter_bytes(chunk_size=None)
+        first = next(parts)  # the engine holds its other chunks until the gate opens: streamed
+        assert not engine.gate.is_set() and 0 < len(first) <= engine.chunk_samples * 2
+        engine.gate.set()
+        body = first + b"".join(parts)
+    assert np.allclose(pcm16(body), 0.1, atol=1e-3) and len(body) == 3 * engine.chunk_samples * 2
+
+
+def test_streamed_read_equals_the_whole_one(daemons: DaemonFactory) -> None:
+    svc = start(daemons)
+    c = client(svc)
+    whole = c.audio.speech.create(model="cosyedge", voice="alloy", input=TEXT, response_format="pcm",
+                                  extra_body=SEED).content
+    with c.audio.speech.with_streaming_response.create(model="cosyedge", voice="alloy", input=TEXT,
+                                                       response_format="pcm", extra_body=SEED) as response:
+        pieces = list(response.iter_bytes(chunk_size=None))
+    assert len(pieces) >= 2 and b"".join(pieces) == whole
+
+
+def _trace(caplog: pytest.LogCaptureFixture, outcome: str) -> dict[str, object]:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "cosyedge_daemon.trace"]
+        found = [x for x in lines if str(x["id"]).startswith("http-") and x["outcome"] == outcome]
+        if found:
+            return found[0]
+        time.sleep(0.02)
+    raise AssertionError(f"no HTTP request ended {outcome}")
+
+
+def test_client_gone_mid_stream_cancels(daemons: DaemonFactory, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="cosyedge_daemon.trace")
+    engine = GatedSynthesizer(chunks=3)
+    svc = daemons.start(local=engine, fallback=None, http=HTTP)
+    with client(svc).audio.speech.with_streaming_response.create(
+            model="cosyedge", voice="alloy", input="Going away.", response_format="wav") as response:
+        assert next(response.iter_bytes(chunk_size=None))
+    # The client closed the connection after the first chunk: the engine is told to stop.
+    assert engine.cancelled.wait(20)
+    assert _trace(caplog, "cancelled")["route"] == "local"
+    engine.gate.set()
+    assert len(client(svc).audio.speech.create(model="cosyedge", voice="alloy", input="Next.",
+                                               response_format="pcm").content) == 3 * engine.chunk_samples * 2
+    assert svc.http is not None and svc.http.describe()["cancelled"] == 1
+
+
+def test_client_gone_before_any_audio_cancels(daemons: DaemonFactory, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="cosyedge_daemon.trace")
+    engine = FakeSynthesizer(chunks=2)
+    svc = daemons.start(local=engine, fallback=None, http=HTTP)
+    assert svc.http is not None
+    body = json.dumps({"model": "cosyedge", "input": "HOLD quiet", "voice": "alloy"}).encode()
+    with socket.create_connection(("127.0.0.1", svc.http.port)) as sock:
+        sock.sendall(b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        seen = _wait_seen(engine, "HOLD quiet")
+        assert seen.entered.wait(20)
+    # Nothing was written yet: only the closed connection tells the server, which cancels the handler.
+    assert _trace(caplog, "cancelled")["route"] == "local"
+    assert seen.left.wait(20) and seen.cancelled
+    engine.release.set()
+    assert client(svc).audio.speech.create(model="cosyedge", voice="alloy", input="After.",
+                                           response_format="pcm").content
+
+
+def _wait_seen(engine: FakeSynthesizer, text: str) -> Seen:
+    deadline = time.monotonic() + 20
+    while text not in engine.seen:
+        assert time.monotonic() < deadline, f"the engine never started {text!r}"
+        time.sleep(0.01)
+    return engine.seen[text]
