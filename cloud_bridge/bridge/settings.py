@@ -13,6 +13,7 @@ from typing import Any
 
 from cosyedge_cloud.wire.mqtt import BrokerAddress, parse_broker_url
 from cosyedge_cloud.wire.mqtt_settings import MqttSettings
+from cosyedge_cloud.wire.protocol import CLOUD_REQUEST_HEADROOM_BYTES, MAX_REQUEST_BYTES
 from cosyedge_models.settings_schema import (
     ConfigError,
     build_section,
@@ -101,7 +102,10 @@ class LimitSettings:
     overflow: str = setting(
         "busy", "when full: busy answers busy; wait lets the broker hold them", choices=("busy", "wait")
     )
-    max_payload_bytes: int = setting(4_000_000, "largest request payload", min=1024, max=256_000_000)
+    max_payload_bytes: int = setting(
+        MAX_REQUEST_BYTES + CLOUD_REQUEST_HEADROOM_BYTES,
+        "largest request payload (at least the devices' [mqtt] max_payload_bytes + 65536)", min=1024, max=256_000_000,
+    )
     max_text_chars: int = setting(
         MAX_TEXT_CHARS, "longest text (at least the devices' [tts] max_text_chars)", min=1, max=1_000_000
     )

@@ -55,6 +55,14 @@ from cosyedge_models.pcm import pcm16_bytes, pcm16_to_float
 from cosyedge_models.synthesis.api import MAX_TEXT_CHARS, SPEED_MAX, SPEED_MIN
 from cosyedge_models.synthesis.modes import MODES, PROMPT_MODES
 
+# The largest request payload, in bytes: the one default of the daemon's `[mqtt]
+# max_payload_bytes` (a `tts/say`, prompt audio included) and, with room for the cloud
+# request's own fields, of the bridge's `[limits] max_payload_bytes`. A device's cloud
+# request is never larger than the say it came from plus that room (its prompt is
+# re-encoded as mono PCM16, at most the size of the WAV it came in).
+MAX_REQUEST_BYTES = 2_097_152
+CLOUD_REQUEST_HEADROOM_BYTES = 65_536
+
 PROTOCOL_VERSION = 1
 NO_ID = "_"
 # one topic level, no wildcards, no '/': usable as an MQTT user name and in topics

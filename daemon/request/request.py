@@ -9,6 +9,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Literal
 
+from cosyedge_cloud.wire.protocol import MAX_REQUEST_BYTES
 from cosyedge_daemon.mqtt.connection import Reply
 from cosyedge_daemon.settings.schema import Settings
 from cosyedge_models.synthesis.api import MAX_TEXT_CHARS, Mode, PromptAudio, SynthesisRequest
@@ -24,7 +25,7 @@ class RequestLimits:
     """What every front end's requests are held to, and their defaults: made
     from the settings by `request_limits` (the one source)."""
 
-    max_payload_bytes: int = 2_097_152
+    max_payload_bytes: int = MAX_REQUEST_BYTES
     max_text_chars: int = MAX_TEXT_CHARS
     max_prompt_s: float = 30.0
     default_voice: str | None = None

@@ -220,19 +220,9 @@ class Service:
         timeout_s = self.settings.health.stop_timeout_s if timeout_s is None else timeout_s
         self.state = "stopping"
         self.notifier.stopping("draining")
-        for job in self.scheduler.close():
-            self.completer.stop_queued(job, "shutting_down")
+        self.admission.close()
         self.health.publish_if_due(force=True)
-        deadline = time.monotonic() + timeout_s
-        while self.scheduler.running() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        for job in self.scheduler.running():
-            self.pipeline.stop_job(job, "shutting_down")
-        deadline = time.monotonic() + 3.0
-        while self.scheduler.running() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        for job in self.scheduler.running():  # a stuck engine: answer anyway
-            self.completer.complete(job)
+        self.admission.drain(timeout_s)
         self.health.stop()
         if self.wyoming is not None:
             self.wyoming.stop()
@@ -351,11 +341,7 @@ class Service:
             self.conn.publish(self.settings.topics.health, payload, retain=True)
 
     def _housekeeping(self) -> None:
-        queued, running = self.scheduler.expired()
-        for job in queued:
-            self.completer.stop_queued(job, "deadline_exceeded")
-        for job in running:
-            self.pipeline.stop_job(job, "deadline_exceeded")
+        self.admission.expire()
         m = self.metrics
         m.queue_depth.set(self.scheduler.depth)
         m.in_flight.set(len(self.scheduler.running()))

@@ -8,6 +8,7 @@ Completer (serving/answer.py), never by the front end itself."""
 from __future__ import annotations
 
 import logging
+import time
 
 from cosyedge_daemon.request.errors import ApiError
 from cosyedge_daemon.request.request import RequestLimits, TtsRequest, request_limits
@@ -69,6 +70,35 @@ class Admission:
             self.completer.stop_queued(job, "cancelled")
         else:
             self.pipeline.stop_job(job, "cancelled")
+
+    def expire(self) -> None:
+        """Deadlines (the health tick): a queued request past its deadline is
+        answered, a running one without audio by then is stopped."""
+        queued, running = self.scheduler.expired()
+        for job in queued:
+            self.completer.stop_queued(job, "deadline_exceeded")
+        for job in running:
+            self.pipeline.stop_job(job, "deadline_exceeded")
+
+    def close(self) -> None:
+        """Shutdown, first step: refuse new requests (shutting_down) and answer the queued ones."""
+        for job in self.scheduler.close():
+            self.completer.stop_queued(job, "shutting_down")
+
+    def drain(self, timeout_s: float, stuck_s: float = 3.0) -> None:
+        """Shutdown, second step: running requests get `timeout_s` to finish,
+        then are stopped (shutting_down); one a stuck synthesizer does not give
+        up within `stuck_s` is answered anyway."""
+        deadline = time.monotonic() + timeout_s
+        while self.scheduler.running() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        for job in self.scheduler.running():
+            self.pipeline.stop_job(job, "shutting_down")
+        deadline = time.monotonic() + stuck_s
+        while self.scheduler.running() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        for job in self.scheduler.running():
+            self.completer.complete(job)
 
     def _duplicate(self, job: Job, seen: str | Terminal) -> None:
         """A redelivered (or repeated) id is never spoken again: in flight →

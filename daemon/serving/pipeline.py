@@ -174,10 +174,14 @@ class Pipeline:
         except Exception as exc:  # answer the request whatever went wrong
             log.exception("request %s failed", job.id)
             error = ("internal", f"internal error: {exc}")
+        self.end_job(job, error)
+
+    def end_job(self, job: Job, error: Error | None = None) -> None:
+        """A job's audio is all out (or it failed): answered now, or by the
+        playback worker once its queued audio played."""
         job.synth_done_at = time.monotonic()
         if not (job.plays and self.sink is not None) or self.order.end(job, error):
             self.completer.complete(job, error)
-        # else: answered by the playback worker after the queued audio played
 
     def _run_job(self, job: Job) -> Error | None:
         deadline = job.deadline_at

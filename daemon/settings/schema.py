@@ -10,6 +10,7 @@ from types import MappingProxyType
 from typing import Any
 
 from cosyedge_cloud.wire.mqtt_settings import MqttSettings
+from cosyedge_cloud.wire.protocol import MAX_REQUEST_BYTES
 from cosyedge_daemon.settings.audio import AudioSettings, VadSettings
 from cosyedge_daemon.settings.http import HttpSettings
 from cosyedge_daemon.settings.topics import NativeTopics, topic_problem
@@ -45,7 +46,8 @@ class DeviceMqttSettings(MqttSettings):
     reconnect_max_delay_s: float = setting(30.0, "longest reconnect delay", min=1, max=3600)
     qos: int = setting(1, "QoS of subscriptions and of everything the daemon publishes", choices=(0, 1, 2))
     max_payload_bytes: int = setting(
-        2_097_152, "larger requests are rejected with payload_too_large", min=1024, max=268_435_455, live=True
+        MAX_REQUEST_BYTES, "larger requests are rejected with payload_too_large (the cloud bridge's "
+        "[limits] max_payload_bytes must exceed it by 65536)", min=1024, max=268_435_455, live=True
     )
     audio_header: str = setting(
         "auto",

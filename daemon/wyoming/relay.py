@@ -71,7 +71,4 @@ class PlaybackRelay:
         return self.pipeline.order.put_chunk(job, pcm, sample_rate, lambda: limit, lambda: None)
 
     def end(self, job: Job) -> None:
-        job.synth_done_at = time.monotonic()
-        if not self.can_play or self.pipeline.order.end(job, None):
-            self.pipeline.completer.complete(job)
-        # else: the playback worker answers it once the audio played
+        self.pipeline.end_job(job)

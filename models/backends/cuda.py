@@ -56,6 +56,12 @@ class _Allocation(Protocol):
     def free(self) -> None: ...
 
 
+class _HostAllocation(Protocol):
+    """The `base` of an array from pagelocked_empty (pycuda's PagelockedHostAllocation)."""
+
+    def free(self) -> None: ...
+
+
 class _Context(Protocol):
     def push(self) -> None: ...
 
@@ -118,6 +124,8 @@ class _Driver(Protocol):
 
     def memset_d8_async(self, dest: int, data: int, count: int, stream: _Stream | None = None) -> None: ...
 
+
+STREAM_NON_BLOCKING = 1  # CU_STREAM_NON_BLOCKING (pycuda.driver.stream_flags.NON_BLOCKING)
 
 _driver_lock = threading.Lock()
 _driver: _Driver | None = None
@@ -240,12 +248,24 @@ class DeviceBuffer:
 
 
 def pinned_empty(nbytes: int) -> np.ndarray:
-    """Page-locked host bytes (async copies need them; on Jetson the same DRAM).
-    Freed when the array goes (pycuda frees it then if the context is on its
-    stack or that thread retained the context; otherwise pycuda drops the free
-    silently)."""
+    """Page-locked host bytes (async copies need them; on Jetson the same DRAM),
+    allocated in the bound device's primary context. Free them with free_pinned:
+    pycuda frees a page-locked allocation only with its context current (from
+    a garbage-collected array on another thread it warns and leaks it)."""
     with pycuda_scope():
         return driver().pagelocked_empty((max(int(nbytes), 1),), np.uint8)
+
+
+def free_pinned(host: np.ndarray, device_id: int | None = None) -> None:
+    """Free an array from pinned_empty now, in its context (pushed for the call, so from
+    any thread); the array must not be used afterwards. An already freed one is skipped."""
+    owner = host.base if host.base is not None else host
+    while isinstance(owner, np.ndarray) and owner.base is not None:  # a view of a view
+        owner = owner.base
+    if isinstance(owner, np.ndarray):
+        raise SynthesisError("free_pinned: not an array from pinned_empty")
+    with pycuda_scope(device_id):
+        cast(_HostAllocation, owner).free()
 
 
 class ThreadCuda:
@@ -257,7 +277,9 @@ class ThreadCuda:
         bind_thread(device_id)
         self.thread = threading.get_ident()
         with pycuda_scope(device_id):
-            self.stream = driver().Stream()
+            # non-blocking: no implicit sync with the legacy default stream, which other
+            # threads' work may use and which would invalidate a capture running here
+            self.stream = driver().Stream(STREAM_NON_BLOCKING)
         self.graphs = GraphApi()
 
     @property

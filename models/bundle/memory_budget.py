@@ -19,7 +19,8 @@ Assumptions (also printed with every report):
   (only used rows are paged in); the speech tokenizer (loaded only for
   requests with prompt audio) is listed in the notes.
 * One worker thread per stage group (LLM, flow, vocoder): one execution
-  context each, plus one per decode bucket (CUDA graphs).
+  context each; the decode loop's contexts (prefill, steps and one per decode
+  bucket, for CUDA graphs) share one activation buffer.
 * Synthesizer weights: the plan size if built, else the ONNX file size (it stores
   int8 weights for Q/DQ graphs, fp16 for fp16 graphs). Precisions without
   files are derived from the fp32 files (fp16: x0.5, int8: x0.27: int8
@@ -50,7 +51,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cosyedge_models.backends.kv_layout import decode_buckets
 from cosyedge_models.backends.profiles import all_input_ranges
 from cosyedge_models.backends.shared_weights import find_index, graph_shared_bytes
 from cosyedge_models.bundle.loader import FIXED_SHAPE_PREFIXES
@@ -282,11 +282,10 @@ def bundle_budget(root: Path, manifest: Mapping[str, Any], precision: str) -> Bu
         io = 2 * io_elems * act_bytes  # device buffer + pinned host twin
         contexts = 1
         if stage == "llm_decode":
-            # The decode loop's own buffers: two max-length KV caches, one
-            # context per decode bucket besides the thread's own.
+            # The decode loop's own buffers: two max-length KV caches; its contexts
+            # (one per decode bucket among them) share one activation buffer.
             past = shapes["past_kv"]
             io = 2 * _vol((*past[:4], past[4] + 1, past[5])) * kv_bytes + 2 * shapes["inputs_embeds"][2] * act_bytes
-            contexts = 1 + len(decode_buckets(1, past[4]))
         out.append(StageBudget(stage, int(weights), int(activation), int(io), contexts, source, act_source))
     if {"llm_prefill", "llm_decode"} <= set(stages_meta):
         by_plan = {"llm_prefill", "llm_decode"} <= set(built)

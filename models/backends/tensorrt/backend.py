@@ -4,10 +4,13 @@ caches (tensorrt/flow_cache.py) on the device."""
 
 from __future__ import annotations
 
+import functools
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from cosyedge_models.backends.cuda import device_info, driver
 from cosyedge_models.backends.flow_cache import HostStepCache, StepCache, StepCacheSpec
 from cosyedge_models.backends.gpu_probe import import_tensorrt
@@ -15,6 +18,7 @@ from cosyedge_models.backends.tensorrt.session import TrtSession, thread_cuda, t
 from cosyedge_models.errors import BundleError, SynthesisError
 
 if TYPE_CHECKING:
+    import tensorrt as trt
     from cosyedge_models.backends.base import Session
     from cosyedge_models.backends.tensorrt.decode import TrtDecodeLoop
 
@@ -48,7 +52,7 @@ class TrtBackend:
         with self._lock:
             engine = self._engines.get(key)
         if engine is not None:
-            return TrtSession(stage, path, engine, self.device_id)
+            return self._session(stage, path, engine)
         try:
             data = path.read_bytes()
         except OSError as exc:
@@ -61,7 +65,15 @@ class TrtBackend:
             raise BundleError(f"{path}: TensorRT could not deserialize this engine (built by another TensorRT "
                               f"version or for another GPU?); rebuild with: cosyedge build engines --bundle "
                               f"{path.parent}")
-        return TrtSession(stage, path, engine, self.device_id)
+        return self._session(stage, path, engine)
+
+    def _session(self, stage: str, path: Path, engine: trt.ICudaEngine) -> TrtSession:
+        session = TrtSession(stage, path, engine, self.device_id)
+        if stage == "llm_prefill" and "past_kv" in session.input_names:
+            # one LLM engine (llm_prefill recorded as llm_decode's plan): a plain prefill
+            # (a voice's prefix, synthesis/llm_prefix.py) runs it over an empty past
+            session.defaults["past_kv"] = functools.partial(empty_past, session)
+        return session
 
     def decode_loop(self, prefill: Session, decode: Session) -> TrtDecodeLoop:
         from cosyedge_models.backends.tensorrt.decode import TrtDecodeLoop
@@ -85,6 +97,14 @@ class TrtBackend:
         info = device_info(self.device_id)
         return {"backend": self.name, "tensorrt": str(trt.__version__), "device": info.name,
                 "compute_capability": info.compute_capability, "decode_graphs": str(self.decode_graphs)}
+
+
+def empty_past(session: TrtSession, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
+    """past_kv [L, 2, B, Hkv, 0, hd] for a prefill of `inputs` that starts from nothing."""
+    spec = session.specs["past_kv"]
+    layers, two, _, heads, _, head_dim = next(p["past_kv"].max for p in session.profiles if "past_kv" in p)
+    batch = int(np.shape(inputs["inputs_embeds"])[0]) if "inputs_embeds" in inputs else 1
+    return np.zeros((layers, two, batch, heads, 0, head_dim), dtype=spec.dtype)
 
 
 def describe_engine(session: TrtSession) -> dict[str, Any]:

@@ -25,13 +25,13 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
-from cosyedge_models.backends.cuda import DeviceBuffer, ThreadCuda, pinned_empty
+from cosyedge_models.backends.cuda import DeviceBuffer, ThreadCuda, free_pinned, pinned_empty
 from cosyedge_models.backends.gpu_probe import import_tensorrt
 from cosyedge_models.backends.profiles import ProfileShapes, ShapeRange, choose_profile
 from cosyedge_models.errors import SynthesisError
@@ -67,13 +67,31 @@ class TensorSpec:
 
 @dataclass
 class IoBuffers:
-    """Device + pinned host memory for one tensor, sized for a profile's max."""
+    """Device memory and a page-locked host twin of the same size (one tensor, sized
+    for a profile's max). close() frees both explicitly, in the device's context."""
 
     device: DeviceBuffer
     host: np.ndarray  # uint8, page-locked
 
+    @classmethod
+    def allocate(cls, nbytes: int) -> IoBuffers:
+        return cls(DeviceBuffer(nbytes), pinned_empty(nbytes))
+
+    def view(self, dtype: np.dtype, shape: Sequence[int]) -> np.ndarray:
+        """The host twin's first bytes as `dtype` [shape] (a view)."""
+        n = _volume(shape) * dtype.itemsize
+        if n > self.host.nbytes:
+            raise SynthesisError(f"{tuple(shape)} {dtype} exceeds its page-locked buffer of {self.host.nbytes} bytes")
+        return self.host[:n].view(dtype).reshape(tuple(shape))
+
+    def nbytes(self) -> int:
+        return self.device.nbytes + self.host.nbytes
+
     def close(self) -> None:
         self.device.close()
+        if self.host.size:
+            free_pinned(self.host, self.device.device_id)
+            self.host = self.host[:0]  # nothing left to touch
 
 
 class Closable(Protocol):
@@ -85,17 +103,36 @@ class Closable(Protocol):
 @dataclass
 class ThreadState:
     cuda: ThreadCuda
-    context: trt.IExecutionContext
+    engine: trt.ICudaEngine
+    name: str
     profile: int = -1
+    # made on first use (its activation memory is allocated then): the decode loop
+    # runs its own contexts on one shared scratch and never needs this one
+    _context: trt.IExecutionContext | None = None
     buffers: dict[int, dict[str, IoBuffers]] = field(default_factory=dict)
     # Per-thread resources other users of this context own (the decode loop's KV cache).
     extras: dict[str, Closable] = field(default_factory=dict)
 
+    @property
+    def context(self) -> trt.IExecutionContext:
+        if self._context is None:
+            context = self.engine.create_execution_context()
+            if context is None:
+                raise SynthesisError(f"{self.name}: TensorRT could not create an execution context "
+                                     "(out of GPU memory?)")
+            self._context = context
+        return self._context
+
+    @property
+    def has_context(self) -> bool:
+        return self._context is not None
+
     def nbytes(self) -> int:
-        own = sum(b.device.nbytes + b.host.nbytes for bufs in self.buffers.values() for b in bufs.values())
+        own = sum(b.nbytes() for bufs in self.buffers.values() for b in bufs.values())
         return own + sum(x.nbytes() for x in self.extras.values())
 
     def close(self) -> None:
+        self._context = None  # TensorRT frees a context with its last reference
         for bufs in self.buffers.values():
             for b in bufs.values():
                 b.close()
@@ -146,6 +183,9 @@ class TrtSession:
                 lo, opt, hi = engine.get_tensor_profile_shape(n, p)
                 prof[n] = ShapeRange(dims(lo), dims(opt), dims(hi))
             self.profiles.append(prof)
+        # inputs a caller may leave out, made from the ones it gives (llm_prefill on
+        # llm_decode's engine: an empty past_kv, tensorrt/backend.py)
+        self.defaults: dict[str, Callable[[Mapping[str, np.ndarray]], np.ndarray]] = {}
         self._local = threading.local()
         self._states: list[ThreadState] = []
         self._lock = threading.Lock()
@@ -157,12 +197,7 @@ class TrtSession:
         if st is None:
             if self._closed:
                 raise SynthesisError(f"{self.name}: session is closed")
-            cuda = thread_cuda(self.device_id)
-            context = self.engine.create_execution_context()
-            if context is None:
-                raise SynthesisError(f"{self.name}: TensorRT could not create an execution context "
-                                  "(out of GPU memory?)")
-            st = ThreadState(cuda, context)
+            st = ThreadState(thread_cuda(self.device_id), self.engine, self.name)
             self._local.state = st
             with self._lock:
                 self._states.append(st)
@@ -202,7 +237,7 @@ class TrtSession:
             if any(d < 0 for d in shape):
                 raise SynthesisError(f"{self.name}: output {n} has a data-dependent shape {shape}; not supported")
             sizes[n] = _volume(shape) * self.specs[n].dtype.itemsize
-        return {n: IoBuffers(DeviceBuffer(size), pinned_empty(size)) for n, size in sizes.items()}
+        return {n: IoBuffers.allocate(size) for n, size in sizes.items()}
 
     # --- Session ------------------------------------------------------------------------
     def host_view(self, buf: IoBuffers, name: str, shape: Sequence[int]) -> np.ndarray:
@@ -246,6 +281,8 @@ class TrtSession:
             raise SynthesisError(f"{self.name}: TensorRT execution failed (see the TensorRT log above)")
 
     def run(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        if self.defaults:
+            inputs = {**{n: fill(inputs) for n, fill in self.defaults.items() if n not in inputs}, **inputs}
         missing = [n for n in self.input_names if n not in inputs]
         if missing:
             raise SynthesisError(f"{self.name}: missing inputs {missing} (expects {list(self.input_names)})")
@@ -273,7 +310,7 @@ class TrtSession:
         total = self.path.stat().st_size
         with self._lock:
             states = list(self._states)
-        total += len(states) * int(self.engine.device_memory_size_v2)
+        total += sum(st.has_context for st in states) * int(self.engine.device_memory_size_v2)
         return total + sum(st.nbytes() for st in states)
 
     def close(self) -> None:
