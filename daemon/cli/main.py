@@ -251,6 +251,24 @@ def _add_model(sub: argparse._SubParsersAction) -> None:
         if name == "remove":
             m.add_argument("name", help="the bundle's name, as `cosyedge model list` shows it")
             m.add_argument("--force", action="store_true", help="also when it is the configured [tts] bundle")
+    pull = ms.add_parser("pull", help="download a CosyVoice 2 checkpoint and build the bundle for this machine")
+    pull.add_argument("name", nargs="?", default="CosyVoice2-0.5B",
+                      help="CosyVoice2-0.5B (default) or a repository id owner/name in the same layout")
+    pull.add_argument("--source", choices=["huggingface", "modelscope"], default="huggingface")
+    pull.add_argument("--revision", default="main", help="branch, tag or commit to pin (default: main)")
+    pull.add_argument("--precision", choices=["auto", "fp32", "fp16", "int8", "int8w"], default="auto",
+                      help="auto: int8 with TensorRT, fp16 on a CUDA GPU, fp32 on a CPU")
+    pull.add_argument("--engines", action=argparse.BooleanOptionalAction, default=None,
+                      help="build TensorRT engines into the bundle (default: when TensorRT is available)")
+    pull.add_argument("--endpoint", help="hub URL (default: $HF_ENDPOINT or https://huggingface.co)")
+    pull.add_argument("--config", help="TOML config file: its [tts] bundles_dir; --set-default writes it")
+    pull.add_argument("--bundles-dir", help="install here (default: [tts] bundles_dir, see docs/models.md)")
+    pull.add_argument("--set-default", action="store_true",
+                      help="write [tts] bundle and backend into the --config file")
+    pull.add_argument("--keep-work", action="store_true",
+                      help="keep the downloaded checkpoint and the fp32 export (for another precision later)")
+    pull.add_argument("--skip-resource-check", action="store_true",
+                      help="start even when the disk or memory estimate does not fit")
 
 
 _ADDERS: Sequence[Callable[[argparse._SubParsersAction], None]] = (
@@ -270,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    level = logging.WARNING - 10 * min(args.verbose, 2) if args.command not in ("run", "bridge") else (
+    level = logging.WARNING - 10 * min(args.verbose, 2) if args.command not in ("run", "bridge", "model") else (
         logging.DEBUG if args.verbose >= 2 else logging.INFO)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     module_name, func_name = _HANDLERS[args.command].split(":")

@@ -24,12 +24,18 @@ _UNKNOWN_SIZE = 0xFFFFFFFF
 
 
 class Encoder(Protocol):
+    # The largest piece encoded at once (0: any): a compressing encoder takes a while over a long chunk,
+    # and its first frames can be on their way meanwhile.
+    slice_bytes: int
+
     def encode(self, pcm16: bytes) -> bytes: ...
 
     def finish(self) -> bytes: ...
 
 
 class PcmEncoder:
+    slice_bytes = 0
+
     def __init__(self, sample_rate: int) -> None:
         self.sample_rate = sample_rate
 
@@ -116,6 +122,8 @@ class _Outbox(io.RawIOBase):
 
 
 class SndfileEncoder:
+    slice_bytes = 4800  # 0.1 s at 24 kHz: an mp3 frame is 576 samples, Opus' 20 ms, FLAC's block 4096
+
     def __init__(self, fmt: str, sample_rate: int) -> None:
         major, subtype = _SNDFILE[fmt]
         if not sf.check_format(major, subtype):

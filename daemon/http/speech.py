@@ -21,7 +21,7 @@ from cosyedge_daemon.serving.channels import Audio, Channel, Done, Failed
 from cosyedge_daemon.serving.jobs import Job
 
 log = logging.getLogger(__name__)
-DEFAULT_RATE = 24000  # a request that produced no audio at all still gets a well-formed (empty) file
+DEFAULT_RATE = 24000  # CosyVoice 2's; the fallback voice is made at the local synthesizer's rate
 
 
 @dataclass
@@ -60,7 +60,10 @@ class SpeechHandler:
     async def _stream(self, request: web.Request, speech: SpeechRequest, job: Job,
                       channel: Channel) -> web.StreamResponse:
         response: web.StreamResponse | None = None
-        encoder: Encoder | None = None
+        # Made while the engine works towards its first audio (an mp3 encoder takes milliseconds to set
+        # up), at CosyVoice's rate; made again in the rare case the first chunk has another one.
+        encoder: Encoder = make_encoder(speech.response_format, DEFAULT_RATE)
+        rate = DEFAULT_RATE
         while True:
             item = await channel.queue.get()
             if isinstance(item, Failed):
@@ -70,16 +73,19 @@ class SpeechHandler:
                 if request.transport is not None:
                     request.transport.close()  # a chunked stream without its end: the client sees it failed
                 return response
-            if response is None or encoder is None:
-                rate = item.sample_rate if isinstance(item, Audio) else int(item.summary.get("sample_rate")
-                                                                            or DEFAULT_RATE)
-                encoder = make_encoder(speech.response_format, rate)
+            if response is None:
+                first_rate = item.sample_rate if isinstance(item, Audio) else int(item.summary.get("sample_rate")
+                                                                                  or DEFAULT_RATE)
+                if first_rate != rate:
+                    encoder, rate = make_encoder(speech.response_format, first_rate), first_rate
                 response = await self._begin(request, speech, job, rate)
             if isinstance(item, Audio):
-                data = encoder.encode(item.pcm16)
+                step = encoder.slice_bytes or len(item.pcm16)
+                for start in range(0, len(item.pcm16), step):
+                    data = encoder.encode(item.pcm16[start:start + step])
+                    if data:
+                        await response.write(data)
                 channel.budget.give(len(item.pcm16))
-                if data:
-                    await response.write(data)
             elif isinstance(item, Done):
                 tail = encoder.finish()
                 if tail:

@@ -94,6 +94,13 @@ def list_files(repo: str, revision: str, endpoint: str | None = None) -> tuple[s
     return str(info.sha), needed_files(files, repo)
 
 
+def missing_bytes(folder: Path, files: list[RepoFile], commit: str) -> int:
+    """What a download into `folder` still has to fetch (a part on disk counts as fetched)."""
+    verified = _read_verified(folder)
+    done = set(verified) if verified.get("commit") == commit else set()
+    return sum(f.size or 0 for f in files if f.path not in done)
+
+
 def _read_verified(folder: Path) -> dict[str, str]:
     try:
         data = json.loads((folder / VERIFIED).read_text())
@@ -104,13 +111,15 @@ def _read_verified(folder: Path) -> dict[str, str]:
 
 def download_checkpoint(repo: str, revision: str, folder: Path, endpoint: str | None = None,
                         progress: bool | None = None,
-                        on_file: Callable[[RepoFile], None] | None = None) -> Checkpoint:
+                        on_file: Callable[[RepoFile], None] | None = None,
+                        listing: tuple[str, list[RepoFile]] | None = None) -> Checkpoint:
     """Download the needed files of `repo` at `revision` into `folder`
     (resuming what an earlier run left there) and check each one.
     `progress`: huggingface_hub's progress bars (default: on a terminal);
-    without them one log line per file."""
+    without them one log line per file. `listing`: list_files' answer, when
+    the caller asked for it already."""
     hub = _hub()
-    commit, files = list_files(repo, revision, endpoint)
+    commit, files = listing or list_files(repo, revision, endpoint)
     folder.mkdir(parents=True, exist_ok=True)
     verified = _read_verified(folder)
     if verified.get("commit") != commit:

@@ -54,6 +54,17 @@ class Repo:
         return entry
 
 
+TINY_REPO = "tests/CosyVoice2-tiny"
+# files of the real repository that the export does not read: never downloaded
+TINY_EXTRA = {"README.md": b"# CosyVoice2\n", "flow.encoder.fp32.zip": b"PK" + b"\0" * 4000,
+              "asset/zero_shot_prompt.wav": b"RIFF" + b"\0" * 2000}
+
+
+def tiny_hub(tiny_model_dir: Path) -> FakeHub:
+    """The fake hub with the tiny checkpoint as TINY_REPO (use as a context manager)."""
+    return FakeHub([repo_from_dir(TINY_REPO, tiny_model_dir, TINY_EXTRA)])
+
+
 def repo_from_dir(repo_id: str, folder: Path, extra: dict[str, bytes] | None = None) -> Repo:
     files = {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*"))
              if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts)}

@@ -96,3 +96,19 @@ def test_doctor_lists_installed_bundles(tiny_bundle: Path, tmp_path: Path,
     main(["doctor", "--config", str(cfg)])
     line = next(x for x in capsys.readouterr().out.splitlines() if "installed bundles" in x)
     assert line.startswith("[ok  ]") and "tiny-fp32: fp32" in line
+
+
+def test_set_keys_keeps_the_file_and_loads(tmp_path: Path) -> None:
+    from cosyedge_daemon.cli.config_edit import set_keys, write_config
+
+    text = '# top\ndevice_id = "d"\n[tts]\n# mine\nbackend = "ort"\nengine = "cosyvoice"\n[audio]\ndevice = "none"\n'
+    new = set_keys(text, "tts", {"bundle": "/b/x y", "backend": "ort-cuda"})
+    assert new == ('# top\ndevice_id = "d"\n[tts]\nbundle = "/b/x y"\n# mine\nbackend = "ort-cuda"\n'
+                   'engine = "cosyvoice"\n[audio]\ndevice = "none"\n')
+    assert set_keys("", "tts", {"bundle": "/b"}) == '[tts]\nbundle = "/b"\n'
+    assert set_keys('[mqtt]\nbroker = "mqtt://h"\n', "tts", {"bundle": "/b"}).endswith('\n\n[tts]\nbundle = "/b"\n')
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(text)
+    with pytest.raises(CosyEdgeError, match="backend"):
+        write_config(cfg, "tts", {"backend": "cuda"})  # the schema refuses it: the file stays as it was
+    assert cfg.read_text() == text and [p.name for p in tmp_path.iterdir()] == ["c.toml"]

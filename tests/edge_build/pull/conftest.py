@@ -7,15 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.fake_hub import FakeHub, repo_from_dir
+from tests.support.fake_hub import TINY_EXTRA, TINY_REPO, FakeHub, tiny_hub
 
-REPO = "tests/CosyVoice2-tiny"
-# files of the real repository that the export does not read: never downloaded
-EXTRA = {"README.md": b"# CosyVoice2\n", "flow.encoder.fp32.zip": b"PK" + b"\0" * 4000,
-         "asset/zero_shot_prompt.wav": b"RIFF" + b"\0" * 2000}
+REPO, EXTRA = TINY_REPO, TINY_EXTRA
 
 
 @pytest.fixture
 def fake_hub(tiny_model_dir: Path) -> Iterator[FakeHub]:
-    with FakeHub([repo_from_dir(REPO, tiny_model_dir, EXTRA)]) as hub:
+    with tiny_hub(tiny_model_dir) as hub:
         yield hub

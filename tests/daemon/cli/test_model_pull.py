@@ -1,0 +1,112 @@
+"""`cosyedge model pull` against the fake hub (tests/support/fake_hub.py)
+serving the tiny checkpoint: end to end in its own process (HF_ENDPOINT
+honoured) to a bundle that synthesizes; a pull stopped after a stage and run
+again (no second download, no second export); the installed bundle kept
+while a pull fails; no network; --set-default."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import soundfile
+from cosyedge_build.pull.pipeline import PullJob, run_pull
+from cosyedge_daemon.cli.bundles import install_bundle, list_bundles
+from cosyedge_daemon.cli.main import main
+from cosyedge_daemon.settings.loader import load_settings
+
+from tests.support.broker import free_port
+from tests.support.fake_hub import TINY_EXTRA, TINY_REPO, FakeHub, tiny_hub
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture
+def hub(tiny_model_dir: Path) -> Iterator[FakeHub]:
+    with tiny_hub(tiny_model_dir) as h:
+        yield h
+
+
+def test_pull_end_to_end_then_synthesize(hub: FakeHub, tmp_path: Path) -> None:
+    root, cfg = tmp_path / "bundles", tmp_path / "cosyedge.toml"
+    cfg.write_text('# mine\n[tts]\n# the engine\nengine = "cosyvoice"\n[audio]\ndevice = "none"\n')
+    env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_TELEMETRY": "1"}
+    proc = subprocess.run([sys.executable, "-m", "cosyedge_daemon", "model", "pull", TINY_REPO, "--precision",
+                           "fp32", "--bundles-dir", str(root), "--config", str(cfg), "--set-default"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    installed = root / "cosyvoice2-tiny-fp32"
+    assert f"installed {installed}" in proc.stdout
+    # one log line per file (no terminal: no progress bars), each checked against the hub's hash
+    repo = hub.repos[TINY_REPO]
+    needed = [p for p in repo.files if p not in TINY_EXTRA]
+    for path in needed:
+        line = next(x for x in proc.stderr.splitlines() if f"/{len(needed)} {path}: " in x)
+        assert line.endswith("sha256 checked" if repo.is_lfs(path) else "git blob id checked"), line
+    settings = load_settings(cfg)
+    assert settings.tts.bundle == str(installed) and settings.tts.backend == "ort"
+    assert cfg.read_text().startswith('# mine\n[tts]\nbundle = "')  # the rest of the file kept
+    assert "# the engine" in cfg.read_text()
+    assert [p.name for p in root.iterdir()] == ["cosyvoice2-tiny-fp32"]  # the work folder is gone
+    record = json.loads((installed / "pull.json").read_text())
+    assert record["commit"] == hub.repos[TINY_REPO].commit and record["source"] == "huggingface"
+    out = tmp_path / "hello.wav"
+    assert main(["synth", "Hello there.", "--bundle", str(installed), "--out", str(out)]) == 0
+    pcm, rate = soundfile.read(out)
+    assert rate == 24000 and pcm.size > rate // 4 and float(abs(pcm).max()) > 0.0
+
+
+class Stop(Exception):
+    pass
+
+
+def test_stopped_pull_resumes_and_keeps_the_installed_bundle(hub: FakeHub, tiny_bundle: Path,
+                                                             tmp_path: Path) -> None:
+    root = tmp_path / "bundles"
+    root.mkdir()
+    install_bundle(root, "cv-fp32", shutil.copytree(tiny_bundle, root / ".old"), {"commit": "old"})
+    job = PullJob(repo=TINY_REPO, revision="main", source="huggingface", precision="fp32", engines=False,
+                  work=root / ".pull-cv", endpoint=hub.url, progress=False)
+
+    def stop_after_export(stage: str) -> None:
+        if stage == "export":
+            raise Stop
+
+    with pytest.raises(Stop):
+        run_pull(job, stop_after_export)
+    assert [(b.name, b.source) for b in list_bundles(root)] == [("cv-fp32", {"commit": "old"})]
+    manifest = job.work / "fp32" / "manifest.json"
+    exported_at = manifest.stat().st_mtime_ns
+    before = len(hub.requests)
+    result = run_pull(job)
+    assert hub.requests[before:] == [], "the second run asked the hub again"
+    assert manifest.stat().st_mtime_ns == exported_at, "the export ran again"
+    install_bundle(root, "cv-fp32", result.bundle, result.record)
+    assert list_bundles(root)[0].source["commit"] == hub.repos[TINY_REPO].commit
+
+
+def test_failing_pull_keeps_bundle_and_says_why(hub: FakeHub, tiny_bundle: Path, tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "bundles"
+    root.mkdir()
+    install_bundle(root, "cosyvoice2-tiny-fp32", shutil.copytree(tiny_bundle, root / ".old"), {"commit": "old"})
+    hub.faults.corrupt = {"llm.pt"}
+    args = ["model", "pull", TINY_REPO, "--precision", "fp32", "--bundles-dir", str(root), "--endpoint", hub.url]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "llm.pt: sha256" in err and "does not match the hub's" in err
+    assert [(b.name, b.source) for b in list_bundles(root)] == [("cosyvoice2-tiny-fp32", {"commit": "old"})]
+    dead = f"http://127.0.0.1:{free_port()}"
+    assert main([*args[:-1], dead]) == 2
+    err = capsys.readouterr().err
+    assert dead in err and "cosyedge build export --model-dir" in err and "docs/models.md" in err
+    assert main([*args, "--set-default"]) == 2
+    assert "--set-default writes the config file given with --config" in capsys.readouterr().err
+    assert main([*args, "--source", "modelscope"]) == 2
+    assert "docs/models.md" in capsys.readouterr().err
