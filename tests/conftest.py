@@ -8,11 +8,15 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from tests.support.broker import Broker, mosquitto_binary, running_broker
 from tests.support.components import missing
+
+if TYPE_CHECKING:
+    from tests.support.trt_emulator import Emulation
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("COSYEDGE_TEST_CACHE", ROOT / ".cache" / "tests"))
@@ -104,3 +108,18 @@ def broker() -> Iterator[Broker]:
         missing("mosquitto is not installed (apt-get install mosquitto); .ci/setup installs it")
     with running_broker() as b:
         yield b
+
+
+@pytest.fixture()
+def emulated_tensorrt(request: pytest.FixtureRequest) -> Iterator[Emulation]:
+    """TensorRT + pycuda + libcuda emulated (tests/support/trt_emulator) for the test; TensorRT 10.13
+    unless parametrized indirectly with a version ("10.3", "10.13", "11"). Skips where a real
+    TensorRT is importable: the emulator never replaces it."""
+    from tests.support.trt_emulator import emulated_tensorrt as emulate
+    from tests.support.trt_emulator import real_tensorrt_present
+
+    if real_tensorrt_present():
+        pytest.skip("a real TensorRT is importable here; the emulator never replaces it")
+    version = getattr(request, "param", "10.13")
+    with emulate(version) as emu:
+        yield emu

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 import numpy as np
-from cosyedge_models.backends.gpu_probe import probe_gpu
+from cosyedge_models.backends.gpu_probe import CudaLibrary, cuda_library, cuda_library_generation, probe_gpu
 from cosyedge_models.errors import MissingExtraError, SynthesisError
 
 log = logging.getLogger(__name__)
@@ -130,12 +130,30 @@ STREAM_NON_BLOCKING = 1  # CU_STREAM_NON_BLOCKING (pycuda.driver.stream_flags.NO
 _driver_lock = threading.Lock()
 _driver: _Driver | None = None
 _primary: dict[int, _Context] = {}
+_generation = -1  # gpu_probe.cuda_library_generation() the caches below were built with
+
+
+def generation() -> int:
+    """The CUDA library generation now (gpu_probe.use_cuda_library): objects made under another one
+    (a thread's ThreadCuda) belong to a driver that is gone."""
+    return cuda_library_generation()
+
+
+def _drop_stale() -> None:
+    """Forget the driver, contexts and library when the CUDA library was replaced (under _driver_lock)."""
+    global _driver, _libcuda, _generation
+    if _generation != cuda_library_generation():
+        _driver, _libcuda = None, None
+        _primary.clear()
+        _primary_handles.clear()
+        _generation = cuda_library_generation()
 
 
 def driver() -> _Driver:
     """pycuda.driver, initialised once (only after the GPU probe said yes)."""
     global _driver
     with _driver_lock:
+        _drop_stale()
         if _driver is None:
             gpu = probe_gpu()
             if not gpu.available:
@@ -160,7 +178,7 @@ def _primary_context(device_id: int) -> _Context:
         return ctx
 
 
-_libcuda: ctypes.CDLL | None = None
+_libcuda: CudaLibrary | None = None
 _primary_handles: dict[int, int] = {}  # device -> CUcontext of its primary context (retained for the process)
 _bound = threading.local()  # .device: the device whose primary context this thread has current
 
@@ -170,12 +188,14 @@ def _check(rc: int, what: str) -> None:
         raise SynthesisError(f"{what} failed with CUDA error {rc}")
 
 
-def _lib() -> ctypes.CDLL:
+def _lib() -> CudaLibrary:
     global _libcuda
     driver()  # cuInit, after the GPU probe
     with _driver_lock:
         if _libcuda is None:
-            _libcuda = ctypes.CDLL("libcuda.so.1")
+            _libcuda = cuda_library()
+            if _libcuda is None:
+                raise SynthesisError("libcuda.so.1 cannot be loaded")
         return _libcuda
 
 
@@ -274,6 +294,7 @@ class ThreadCuda:
 
     def __init__(self, device_id: int) -> None:
         self.device_id = device_id
+        self.generation = generation()
         bind_thread(device_id)
         self.thread = threading.get_ident()
         with pycuda_scope(device_id):
@@ -345,7 +366,7 @@ class GraphApi:
     _MODE_THREAD_LOCAL = 1  # CU_STREAM_CAPTURE_MODE_THREAD_LOCAL: other threads may keep working
 
     def __init__(self) -> None:
-        self.lib = ctypes.CDLL("libcuda.so.1")
+        self.lib = _lib()
         self._begin = getattr(self.lib, "cuStreamBeginCapture_v2", None) or self.lib.cuStreamBeginCapture
 
     @staticmethod

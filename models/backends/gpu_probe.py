@@ -17,6 +17,7 @@ import os
 import threading
 from dataclasses import dataclass, field
 from types import ModuleType
+from typing import Any, Protocol
 
 from cosyedge_models.backends.engine_meta import EngineIdentity
 
@@ -49,6 +50,41 @@ def _device_nodes() -> list[str]:
     return sorted(glob.glob("/dev/nvidia[0-9]*") + glob.glob("/dev/nvhost-*gpu*") + glob.glob("/dev/nvgpu/*"))
 
 
+class CudaLibrary(Protocol):
+    """The CUDA driver library as ctypes exposes it: functions by name, each returning a CUresult."""
+
+    def __getattr__(self, name: str) -> Any: ...
+
+
+_library_lock = threading.Lock()
+_library_override: CudaLibrary | None = None
+_library_generation = 0
+
+
+def use_cuda_library(lib: CudaLibrary | None) -> None:
+    """Test seam: the CUDA driver library to use instead of libcuda.so.1 (the TensorRT emulator in
+    tests/support/trt_emulator gives one), or None for the real one. Drops every cached answer: the
+    probe here, and (through cuda_library_generation) cuda.py's driver, contexts and library."""
+    global _library_override, _library_generation, _probe_cache
+    with _library_lock:
+        _library_override = lib
+        _library_generation += 1
+    with _probe_lock:
+        _probe_cache = None
+
+
+def cuda_library_generation() -> int:
+    """Changes whenever use_cuda_library is called: caches built on the library compare it."""
+    return _library_generation
+
+
+def cuda_library() -> CudaLibrary | None:
+    """The CUDA driver library: the one use_cuda_library set, else libcuda.so.1 (None if absent)."""
+    with _library_lock:
+        override = _library_override
+    return override if override is not None else _load_libcuda()
+
+
 def _load_libcuda() -> ctypes.CDLL | None:
     names = list(_LIBCUDA)
     found = ctypes.util.find_library("cuda")
@@ -79,10 +115,13 @@ def probe_gpu(refresh: bool = False) -> GpuProbe:
 def _probe_uncached() -> GpuProbe:
     if os.environ.get("COSYEDGE_NO_GPU"):
         return GpuProbe(False, "COSYEDGE_NO_GPU is set")
-    nodes = _device_nodes()
+    with _library_lock:
+        override = _library_override
+    # a library given explicitly (use_cuda_library) stands for the driver and its device nodes
+    nodes = ["(given library)"] if override is not None else _device_nodes()
     if not nodes:
         return GpuProbe(False, "no NVIDIA device node (/dev/nvidia0 or Jetson /dev/nvhost-*gpu*, /dev/nvgpu/*)")
-    lib = _load_libcuda()
+    lib = cuda_library()
     if lib is None:
         return GpuProbe(False, f"device nodes exist ({nodes[0]}) but libcuda.so.1 cannot be loaded; "
                                "install the NVIDIA driver (on Jetson: JetPack)")
@@ -121,7 +160,7 @@ def device_memory_used(device_id: int = 0) -> int | None:
     without a GPU. For memory reports: the growth while an engine loads is its device memory."""
     if not probe_gpu().available:
         return None
-    lib = _load_libcuda()
+    lib = cuda_library()
     if lib is None:
         return None
     dev, ctx = ctypes.c_int(0), ctypes.c_void_p(0)

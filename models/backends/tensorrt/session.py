@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 from cosyedge_models.backends.cuda import DeviceBuffer, ThreadCuda, free_pinned, pinned_empty
+from cosyedge_models.backends.cuda import generation as cuda_generation
 from cosyedge_models.backends.gpu_probe import import_tensorrt
 from cosyedge_models.backends.profiles import ProfileShapes, ShapeRange, choose_profile
 from cosyedge_models.errors import SynthesisError
@@ -337,7 +338,7 @@ def thread_cuda(device_id: int) -> ThreadCuda:
         per_thread = {}
         _thread_cuda.devices = per_thread
     tc = per_thread.get(device_id)
-    if tc is None:
+    if tc is None or tc.generation != cuda_generation():  # the CUDA library was replaced (emulator in tests)
         tc = ThreadCuda(device_id)
         per_thread[device_id] = tc
     return tc
