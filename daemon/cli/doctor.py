@@ -165,7 +165,8 @@ def check_bundle(settings: Settings) -> list[Check]:
                 "bundle",
                 False,
                 f"{path} has no manifest.json",
-                "cosyedge build export --model-dir CKPT --out DIR",
+                "cosyedge model pull --set-default (or cosyedge build export --model-dir CKPT --out DIR: "
+                "docs/models.md)",
             )
         ]
     try:

@@ -21,13 +21,13 @@ from cosyedge_cloud.triton.launcher import (
     set_parameters,
 )
 
-from tests.cloud_bridge.sine_engine import write_sine_bundle
 from tests.support.broker import Broker, free_port
 from tests.support.components import missing, require_binary
+from tests.support.fake_synthesizer import write_sine_bundle
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "systemd" / "mosquitto"
 USERS = {"cosyedge-bridge": "bridge-secret", "devA": "a-secret", "devB": "b-secret"}
-SINE_FACTORY = "tests.cloud_bridge.sine_engine:load_sine_engine"
+SINE_FACTORY = "tests.support.fake_synthesizer:load_sine_synthesizer"
 SINE_MODEL = "sine"
 V1_HZ, V2_HZ = 440.0, 660.0
 

@@ -1,14 +1,19 @@
 """One rule for tests that need a component which `.ci/setup` installs
-(mosquitto, tritonserver, espeak-ng, systemd-analyze, the Hermes test
-package): locally a missing component skips the test with the reason and
-the fix; in CI (environment CI=true) it fails the test, so a broken setup
-can never turn the run green by skipping."""
+(binaries: mosquitto, tritonserver, espeak-ng, systemd-analyze, jackd;
+Python modules: torch, the upstream CosyVoice modules, tensorrt-stubs, the
+Hermes test package; data: the auditok speech recordings): locally a missing
+component skips the test with the reason and the fix; in CI (environment
+CI=true) it fails the test, so a broken setup can never turn the run green
+by skipping. Tests use require_binary, require_module and require_data,
+never pytest.importorskip or a skipif on a component (tests/static checks)."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
-from typing import NoReturn
+from pathlib import Path
+from typing import Any, NoReturn
 
 import pytest
 
@@ -33,4 +38,22 @@ def require_binary(name: str, install: str) -> str:
     )
     if path is None:
         missing(f"{name} is not installed ({install}; .ci/setup installs it)")
+    return path
+
+
+SETUP = "pip install -e '.[build,cloud,dev]' and .ci/requirements-nodeps.txt"
+
+
+def require_module(name: str, install: str = SETUP) -> Any:
+    """The imported module `name`, else missing() with `install`."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        missing(f"Python module {name} cannot be imported ({exc}); {install}; .ci/setup installs it")
+
+
+def require_data(path: Path | None, what: str) -> Path:
+    """`path` when the data is there (a finder returns None when not), else missing(`what`)."""
+    if path is None or not path.exists():
+        missing(f"{what} is not installed; .ci/setup installs it")
     return path

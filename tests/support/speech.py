@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 from cosyedge_daemon.audio.pcm import read_audio_file, resample
 
+from tests.support.components import require_data
+
 RATE = 16000
 GERMAN = "was_der_mensch_saet_das_wird_er_vielfach_ernten_44100Hz_mono_lead_trail_silence.wav"
 ARABIC = "1to6arabic_16000_mono_bc_noise.wav"
@@ -26,6 +28,11 @@ def speech_data_dir() -> Path | None:
         return None
     d = Path(next(iter(spec.submodule_search_locations))) / "data"
     return d if (d / GERMAN).is_file() else None
+
+
+def require_speech_data() -> Path:
+    """The recordings' folder; missing (skip locally, fail under CI=true) without them."""
+    return require_data(speech_data_dir(), "the speech recordings of the test dependency auditok==0.2.0")
 
 
 def frame_db(x: np.ndarray, hop: int = RATE // 100) -> np.ndarray:

@@ -7,19 +7,12 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 from cosyedge_daemon.service.service import Service
-from cosyedge_models.synthesis.api import AudioChunk as EngineChunk
-from cosyedge_models.synthesis.api import Mode, SynthesisRequest
 from wyoming.client import AsyncTcpClient
 from wyoming.event import Event
-
-from tests.support.fake_synthesizer import FakeSynthesizer
 
 
 def tts_port(service: Service) -> int:
@@ -30,18 +23,23 @@ def tts_port(service: Service) -> int:
 async def exchange(port: int, events: list[Event], until: tuple[str, ...], timeout_s: float = 20.0,
                    host: str = "127.0.0.1") -> list[Event]:
     """Send the events, then read until an event of a type in `until` (included) arrives."""
-    got: list[Event] = []
     async with AsyncTcpClient(host, port) as client:
         for e in events:
             await client.write_event(e)
+        return await read_until(client, until, timeout_s)
 
-        async def read() -> None:
-            while (e := await client.read_event()) is not None:
-                got.append(e)
-                if e.type in until:
-                    return
 
-        await asyncio.wait_for(read(), timeout_s)
+async def read_until(client: AsyncTcpClient, until: tuple[str, ...], timeout_s: float = 20.0) -> list[Event]:
+    """Read events until one of a type in `until` (included) arrives."""
+    got: list[Event] = []
+
+    async def read() -> None:
+        while (e := await client.read_event()) is not None:
+            got.append(e)
+            if e.type in until:
+                return
+
+    await asyncio.wait_for(read(), timeout_s)
     return got
 
 
@@ -93,28 +91,3 @@ def parse_events(buf: bytes) -> list[dict[str, Any]]:
         buf = rest[n + p:]
         out.append({"type": header["type"], "data": data})
     return out
-
-
-class GatedSynthesizer(FakeSynthesizer):
-    """Yields its first chunk at once, the rest only after `gate` is set:
-    proves the audio is sent as produced, not after the whole utterance."""
-
-    def __init__(self, chunks: int = 3) -> None:
-        super().__init__(chunks=chunks)
-        self.gate = threading.Event()
-        self.cancelled = threading.Event()
-
-    def modes(self) -> tuple[Mode, ...]:
-        return ("sft",)
-
-    def synthesize(self, request: SynthesisRequest, cancel: threading.Event | None = None) -> Iterator[EngineChunk]:
-        with self._lock:
-            self.started.append(request.text)
-        for n in range(self.chunks):
-            if n > 0:
-                while not self.gate.wait(0.01):
-                    if cancel is not None and cancel.is_set():
-                        self.cancelled.set()
-                        return
-            yield EngineChunk(np.full(self.chunk_samples, 0.1, np.float32), self.sample_rate, n,
-                              n == self.chunks - 1)

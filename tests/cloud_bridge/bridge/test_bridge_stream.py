@@ -15,8 +15,8 @@ from cosyedge_cloud.wire.protocol import CloudPrompt, CloudRequest, now_unix_ms
 from tests.cloud_bridge.conftest import SINE_MODEL, V1_HZ, V2_HZ, bridge_settings
 from tests.cloud_bridge.device import Device
 from tests.cloud_bridge.helpers import settled_metric, triton_metric, wait_for
-from tests.cloud_bridge.sine_engine import CHUNK_SAMPLES, dominant_frequency
 from tests.support.broker import free_port
+from tests.support.fake_synthesizer import CHUNK_SAMPLES, dominant_frequency
 
 
 def test_request_streams_chunks_then_done(broker, make_bridge) -> None:  # type: ignore[no-untyped-def]

@@ -25,8 +25,8 @@ from cosyedge_models.synthesis.api import Synthesizer
 from tests.cloud_bridge.bridge.test_bridge_process import BridgeProcess
 from tests.cloud_bridge.conftest import SINE_MODEL, V1_HZ, V2_HZ, device_broker_conf
 from tests.cloud_bridge.edge import Edge, load_local, wait
-from tests.cloud_bridge.sine_engine import CHUNK_SAMPLES
 from tests.support.broker import Broker, running_broker
+from tests.support.fake_synthesizer import CHUNK_SAMPLES
 
 PRODUCT = {"model": "cosyvoice2", "first_chunk_timeout_s": 120.0, "chunk_timeout_s": 120.0}
 LONG = " ".join(f"This is sentence number {n} of a long announcement." for n in range(1, 5))

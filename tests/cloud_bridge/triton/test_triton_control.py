@@ -14,7 +14,7 @@ from cosyedge_models.errors import BundleError
 
 from tests.cloud_bridge.conftest import SINE_MODEL
 from tests.cloud_bridge.device import Device
-from tests.cloud_bridge.sine_engine import dominant_frequency, write_sine_bundle
+from tests.support.fake_synthesizer import dominant_frequency, write_sine_bundle
 
 
 def test_unload_load_and_a_new_version(broker, make_bridge, triton, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

@@ -6,14 +6,13 @@ application user: exactly what each may publish and read, Hermes included."""
 from __future__ import annotations
 
 import threading
-import time
-import uuid
 from collections.abc import Iterator
 
 import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
+from tests.support.mqtt_recorder import Recorder
 from tests.support.shipped_broker import ShippedBroker, shipped_broker
 
 USERS = {"devA": "pw-a", "devB": "pw-b", "app": "pw-app", "admin": "pw-admin"}
@@ -67,25 +66,16 @@ READ = [
 ]
 
 
-class Client:
-    def __init__(self, port: int, user: str) -> None:
-        self.got: list[tuple[str, bytes]] = []
-        self.c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"{user}-{uuid.uuid4().hex[:6]}",
-                             protocol=mqtt.MQTTv5)
-        self.c.username_pw_set(user, USERS[user])
-        ok, subscribed = threading.Event(), threading.Event()
-        self.c.on_connect = lambda _c, _u, _f, rc, _p: ok.set() if not rc.is_failure else None
-        self.c.on_subscribe = lambda *_a: subscribed.set()
-        self.c.on_message = lambda _c, _u, m: self.got.append((m.topic, bytes(m.payload)))
-        self.c.connect("127.0.0.1", port)
-        self.c.loop_start()
-        assert ok.wait(5), f"{user} could not log in"
-        self.c.subscribe("#", qos=1)
-        assert subscribed.wait(5)
+# A topic each user may publish to and one each may read: sent last, their arrival shows that
+# everything sent before by the same client has been delivered or dropped (MQTT keeps the order
+# of one publisher's messages to a subscriber), so no test waits for a time.
+LAST_PUBLISH = {"devA": "cosyedge/devA/status", "devB": "hermes/voiceActivity/devB/vadUp",
+                "app": "cosyedge/devA/tts/say", "admin": "cosyedge/devA/admin/reload"}
+LAST_READ = {"devA": "cosyedge/devA/tts/say", "devB": "hermes/tts/say", "app": "cosyedge/devA/status"}
 
-    def close(self) -> None:
-        self.c.disconnect()
-        self.c.loop_stop()
+
+def _client(port: int, user: str) -> Recorder:
+    return Recorder(f"mqtt://127.0.0.1:{port}", ["#"], username=user, password=USERS[user], name=user)
 
 
 @pytest.fixture(scope="module")
@@ -94,17 +84,20 @@ def broker() -> Iterator[ShippedBroker]:
         yield b
 
 
-def _clients(broker: ShippedBroker) -> dict[str, Client]:
-    return {u: Client(broker.port, u) for u in USERS}
+def _clients(broker: ShippedBroker) -> dict[str, Recorder]:
+    return {u: _client(broker.port, u) for u in USERS}
 
 
 def test_what_each_user_may_publish(broker: ShippedBroker) -> None:
     clients = _clients(broker)
     try:
         for n, (user, topic, _) in enumerate(PUBLISH):
-            clients[user].c.publish(topic, f"pub-{n}", qos=1).wait_for_publish(5)
-        time.sleep(0.5)
-        seen = {p for _t, p in clients["admin"].got}
+            clients[user].publish(topic, f"pub-{n}")
+        for user, topic in LAST_PUBLISH.items():
+            clients[user].publish(topic, f"end-{user}")
+        admin = clients["admin"]
+        assert admin.wait(lambda: all(f"end-{u}".encode() in admin.payloads() for u in LAST_PUBLISH), 10)
+        seen = admin.payloads()
         delivered = [(u, t, f"pub-{n}".encode() in seen) for n, (u, t, _) in enumerate(PUBLISH)]
     finally:
         for c in clients.values():
@@ -116,9 +109,12 @@ def test_what_each_user_may_read(broker: ShippedBroker) -> None:
     clients = _clients(broker)
     try:
         for n, (_, topic, _) in enumerate(READ):
-            clients["admin"].c.publish(topic, f"read-{n}", qos=1).wait_for_publish(5)
-        time.sleep(0.5)
-        got = {u: {p for _t, p in c.got} for u, c in clients.items()}
+            clients["admin"].publish(topic, f"read-{n}")
+        for user, topic in LAST_READ.items():
+            clients["admin"].publish(topic, f"end-{user}")
+        for user in LAST_READ:
+            assert clients[user].wait(lambda u=user: f"end-{u}".encode() in clients[u].payloads(), 10), user
+        got = {u: c.payloads() for u, c in clients.items()}
         received = [(u, t, f"read-{n}".encode() in got[u]) for n, (u, t, _) in enumerate(READ)]
     finally:
         for c in clients.values():

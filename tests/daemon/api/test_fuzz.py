@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-import uuid
 from collections import Counter
 from pathlib import Path
 
@@ -27,45 +26,31 @@ from tests.support.broker import Broker
 from tests.support.daemon_rss import growth_after_warmup, rss_kib, sample_due
 from tests.support.figures import record
 from tests.support.fuzz import AnswerCounter, Case, cases
+from tests.support.mqtt_recorder import Recorder
 
 MAX_BYTES = 8192
 RSS_GROWTH_MAX = 0.05  # after warm-up (the first tenth of the examples)
 DEDUPE_MAX_IDS = 64
 
 
-class Client:
-    def __init__(self, broker: Broker, topics: list[str], counter: AnswerCounter) -> None:
-        self.c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"fz-{uuid.uuid4().hex[:6]}",
-                             protocol=mqtt.MQTTv5)
-        done = threading.Event()
-        self.c.on_connect = lambda c, *_a: c.subscribe([(t, 1) for t in topics])
-        self.c.on_subscribe = lambda *_a: done.set()
-        self.c.on_message = lambda _c, _u, m: counter.on_message(m.topic, bytes(m.payload))
-        self.c.connect("127.0.0.1", broker.port)
-        self.c.loop_start()
-        assert done.wait(10)
-
-    def send(self, topic: str, case: Case) -> None:
-        props = None
-        if case.response_topic or case.correlation or case.user_properties:
+def properties(case: Case) -> Properties | None:
+    """The case's v5 properties (paho refuses some ResponseTopic strings itself: then none)."""
+    props = None
+    if case.response_topic or case.correlation or case.user_properties:
+        props = Properties(PacketTypes.PUBLISH)
+        if case.user_properties:
+            props.UserProperty = list(case.user_properties)
+        if case.response_topic:
+            try:
+                props.ResponseTopic = case.response_topic
+            except Exception:
+                props = None
+        if props is None and case.user_properties:
             props = Properties(PacketTypes.PUBLISH)
-            if case.user_properties:
-                props.UserProperty = list(case.user_properties)
-            if case.response_topic:
-                try:
-                    props.ResponseTopic = case.response_topic
-                except Exception:  # paho refuses some strings itself: then no property
-                    props = None
-            if props is None and case.user_properties:
-                props = Properties(PacketTypes.PUBLISH)
-                props.UserProperty = list(case.user_properties)
-            if props is not None and case.correlation:
-                props.CorrelationData = case.correlation
-        self.c.publish(topic, case.payload, qos=1, properties=props).wait_for_publish(10)
-
-    def close(self) -> None:
-        self.c.disconnect()
-        self.c.loop_stop()
+            props.UserProperty = list(case.user_properties)
+        if props is not None and case.correlation:
+            props.CorrelationData = case.correlation
+    return props
 
 
 class FuzzDaemon(Daemon):
@@ -79,15 +64,16 @@ def run_fuzz(tmp_path: Path, broker: Broker, examples: int) -> dict[str, object]
     d = FuzzDaemon(tmp_path, broker, '[health]\nmetrics_port = 0\n[hermes]\noutput = "publish"\n'
                    f"[scheduler]\ndedupe_max_ids = {DEDUPE_MAX_IDS}\n")
     counter = AnswerCounter((f"{d.prefix}/tts/done/", f"{d.prefix}/tts/error/", "hermes/tts/sayFinished"))
-    client: Client | None = None
+    client: Recorder | None = None
     stats: Counter[str] = Counter()
     expected = 0
     rss: list[int] = []
     failures: list[Case] = []
     try:
         d.wait_note("READY=1")
-        client = Client(broker, [f"{d.prefix}/tts/done/+", f"{d.prefix}/tts/error/+", f"{d.prefix}/status",
-                                 "hermes/tts/sayFinished"], counter)
+        client = Recorder(broker.url, [f"{d.prefix}/tts/done/+", f"{d.prefix}/tts/error/+", f"{d.prefix}/status",
+                                       "hermes/tts/sayFinished"],
+                          on_message=lambda m: counter.on_message(m.topic, m.payload), keep=False, name="fz")
         site = d.device
 
         @settings(max_examples=examples, deadline=None, database=None, derandomize=examples < 1000,
@@ -97,7 +83,7 @@ def run_fuzz(tmp_path: Path, broker: Broker, examples: int) -> dict[str, object]
             nonlocal expected
             assert client is not None
             topic = case.topic_suffix if case.surface == "hermes" else f"{d.prefix}/{case.topic_suffix}"
-            client.send(topic, case)
+            client.publish(topic, case.payload, properties=properties(case))
             expected += case.answers
             stats[f"{case.surface}:{case.answers}"] += 1
             if not counter.wait_at_least(expected, 10):

@@ -13,7 +13,7 @@ from cosyedge_daemon.audio.interfaces import VadEvent
 from cosyedge_daemon.audio.vad import Segmenter, Utterance, WebRtcClassifier, segment_pcm
 from cosyedge_daemon.settings.audio import VadSettings
 
-from tests.support.speech import Clip, load_clips, mix, speech_data_dir
+from tests.support.speech import Clip, load_clips, mix, require_speech_data
 
 TOLERANCE_S = 0.090  # the issue's bound on boundary errors
 
@@ -27,9 +27,7 @@ CONDITIONS = [(None, 0.0), ("white", 20.0), ("white", 10.0), ("pink", 20.0), ("p
 
 @pytest.fixture(scope="module")
 def clips() -> dict[str, Clip]:
-    data = speech_data_dir()
-    if data is None:
-        pytest.skip("the speech recordings of the test dependency auditok==0.2.0 are not installed")
+    data = require_speech_data()
     return load_clips(data)
 
 

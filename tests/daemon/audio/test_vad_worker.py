@@ -17,14 +17,12 @@ from cosyedge_daemon.audio.sources import ArraySource
 from cosyedge_daemon.audio.vad_worker import VadWorker
 from cosyedge_daemon.settings.audio import VadSettings
 
-from tests.support.speech import Clip, load_clips, mix, speech_data_dir
+from tests.support.speech import Clip, load_clips, mix, require_speech_data
 
 
 @pytest.fixture(scope="module")
 def clips() -> dict[str, Clip]:
-    data = speech_data_dir()
-    if data is None:
-        pytest.skip("the speech recordings of the test dependency auditok==0.2.0 are not installed")
+    data = require_speech_data()
     return load_clips(data)
 
 

@@ -8,11 +8,10 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 import soundfile as sf
 from cosyedge_daemon.audio.pcm import resample
 
-from tests.support.speech import load_clips, mix, speech_data_dir
+from tests.support.speech import load_clips, mix, require_speech_data
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -23,9 +22,7 @@ def _vad(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_vad_command_prints_one_json_line_per_utterance(tmp_path: Path) -> None:
-    data = speech_data_dir()
-    if data is None:
-        pytest.skip("the speech recordings of the test dependency auditok==0.2.0 are not installed")
+    data = require_speech_data()
     clips = load_clips(data)
     m = mix([clips["digit"], clips["sentence"]], [0.7, 3.0], 8.5, "pink", 20, seed=5)
     wav = tmp_path / "mix48k.wav"  # any WAV: 48 kHz stereo here, read as 16 kHz mono

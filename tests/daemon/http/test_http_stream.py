@@ -16,8 +16,7 @@ import pytest
 from tests.daemon.conftest import DaemonFactory
 from tests.daemon.http.conftest import HTTP, client, start
 from tests.daemon.http.test_http_speech import SEED, TEXT, pcm16
-from tests.support.fake_synthesizer import FakeSynthesizer, Seen
-from tests.support.wyoming_client import GatedSynthesizer
+from tests.support.fake_synthesizer import FakeSynthesizer, GatedSynthesizer, Seen
 
 
 def test_audio_is_streamed_as_produced(daemons: DaemonFactory) -> None:

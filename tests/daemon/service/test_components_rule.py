@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.components import require_binary
+from tests.support.components import require_binary, require_data, require_module
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -20,6 +20,24 @@ def test_missing_component_skips_locally_and_fails_in_ci(monkeypatch: pytest.Mon
     with pytest.raises(pytest.fail.Exception, match="CI=true"):
         require_binary("no-such-tool-x", "apt-get install x")
     assert require_binary("sh", "-").endswith("/sh")
+
+
+def test_missing_module_or_data_skips_locally_and_fails_in_ci(monkeypatch: pytest.MonkeyPatch,
+                                                               tmp_path: Path) -> None:
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="no_such_module_x cannot be imported"):
+        require_module("no_such_module_x")
+    with pytest.raises(pytest.skip.Exception, match="the recordings is not installed"):
+        require_data(None, "the recordings")
+    with pytest.raises(pytest.skip.Exception, match="the recordings is not installed"):
+        require_data(tmp_path / "absent", "the recordings")
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="CI=true"):
+        require_module("no_such_module_x")
+    with pytest.raises(pytest.fail.Exception, match="CI=true"):
+        require_data(None, "the recordings")
+    assert require_module("json").dumps([1]) == "[1]"
+    assert require_data(tmp_path, "-") == tmp_path
 
 
 def test_triton_setup_fails_loudly_in_ci_where_it_would_skip(tmp_path: Path) -> None:

@@ -10,18 +10,16 @@ import shutil
 import subprocess
 import tempfile
 import threading
-import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import paho.mqtt.client as mqtt
 import pytest
-from cosyedge_cloud.wire.mqtt import MqttOptions, connect, make_client
 from paho.mqtt.enums import CallbackAPIVersion
 
 from tests.support.broker import free_port, wait_for_port
 from tests.support.components import require_binary
+from tests.support.mqtt_recorder import Recorder
 
 ROOT = Path(__file__).resolve().parents[3]
 SYSTEMD = ROOT / "systemd"
@@ -85,20 +83,6 @@ def test_sysusers_and_tmpfiles_apply(tmp_path: Path) -> None:
         assert st.st_uid == uid and oct(st.st_mode & 0o777) == "0o750", d
 
 
-def _client(port: int, user: str, password: str) -> tuple[mqtt.Client, list[str]]:
-    got: list[str] = []
-    opts = MqttOptions(broker=f"mqtt://127.0.0.1:{port}", client_id=f"{user}-{uuid.uuid4().hex[:6]}",
-                       username=user, password=password)
-    c = make_client(opts)
-    connected = threading.Event()
-    c.on_connect = lambda *_a: connected.set()
-    c.on_message = lambda _c, _u, m: got.append(m.topic)
-    connect(c, opts)
-    c.loop_start()
-    assert connected.wait(5)
-    return c, got
-
-
 @pytest.fixture()
 def readable_dir() -> Iterator[Path]:
     """A scratch directory the mosquitto user can read (mosquitto started as
@@ -138,22 +122,23 @@ def test_mosquitto_config_starts_and_acls_separate_devices(readable_dir: Path) -
             wait_for_port(port, 10)
         except TimeoutError:
             pytest.fail((tmp_path / "log").read_text())
-        dev1, got1 = _client(port, "dev1", "pw")
-        dev2, got2 = _client(port, "dev2", "pw")
-        app, _ = _client(port, "app", "pw")
-        dev1.subscribe("cosyedge/#", qos=1)
-        dev2.subscribe("cosyedge/dev1/#", qos=1)  # not its tree: the broker will not deliver
-        app.subscribe("cosyedge/+/tts/#", qos=1)
-        time.sleep(0.3)
-        app.publish("cosyedge/dev1/tts/say", "{}", qos=1).wait_for_publish(5)
-        dev2.publish("cosyedge/dev1/tts/say", "{}", qos=1).wait_for_publish(5)  # denied (dropped)
-        dev1.publish("cosyedge/dev1/tts/done/x", "{}", qos=1).wait_for_publish(5)
-        time.sleep(0.5)
-        assert got1.count("cosyedge/dev1/tts/say") == 1  # the app's, not dev2's
-        assert got2 == []
+        url = f"mqtt://127.0.0.1:{port}"
+        dev1 = Recorder(url, ["cosyedge/#"], username="dev1", password="pw", name="dev1")
+        # dev1's tree is not dev2's: the broker will not deliver it; its own tree shows when all has arrived
+        dev2 = Recorder(url, ["cosyedge/dev1/#", "cosyedge/dev2/#"], username="dev2", password="pw", name="dev2")
+        app = Recorder(url, ["cosyedge/+/tts/#"], username="app", password="pw", name="app")
+        app.publish("cosyedge/dev1/tts/say", "{}")
+        dev2.publish("cosyedge/dev1/tts/say", "{}")  # denied (dropped)
+        dev1.publish("cosyedge/dev1/tts/done/x", "{}")
+        # last messages (Mosquitto delivers in the order it took them): what came before has arrived
+        dev1.publish("cosyedge/dev1/tts/done/end", "{}")
+        app.publish("cosyedge/dev2/tts/say", "end")
+        dev1.wait_topic("cosyedge/dev1/tts/done/end", 10)
+        dev2.wait_topic("cosyedge/dev2/tts/say", 10)
+        assert [m.topic for m in dev1.messages].count("cosyedge/dev1/tts/say") == 1  # the app's, not dev2's
+        assert [m.topic for m in dev2.messages] == ["cosyedge/dev2/tts/say"]
         for c in (dev1, dev2, app):
-            c.disconnect()
-            c.loop_stop()
+            c.close()
         bad = mqtt.Client(CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
         refused = threading.Event()
         bad.on_connect = lambda _c, _u, _f, rc, _p: refused.set() if rc.is_failure else None

@@ -13,24 +13,18 @@ tests/cloud_bridge/bridge/test_e2e_routing.py::test_cloud_killed_mid_request_fal
 
 from __future__ import annotations
 
-import json
 import signal
-import threading
 import time
-import uuid
 from pathlib import Path
 
-import paho.mqtt.client as mqtt
 import pytest
 from cosyedge_models.synthesis.synthesizer import load_synthesizer
-from paho.mqtt.enums import CallbackAPIVersion
-from paho.mqtt.packettypes import PacketTypes
-from paho.mqtt.properties import Properties
 
 from tests.daemon.conftest import DaemonFactory, SynthesizerFactory
 from tests.daemon.service.test_process import Daemon
 from tests.support.broker import Broker
 from tests.support.figures import record
+from tests.support.mqtt_recorder import Recorder
 
 RESTARTS = 10
 TEXT = "Hello from the tiny model, one two three four five six."
@@ -41,55 +35,22 @@ def engine_factory(tiny_bundle: Path) -> SynthesizerFactory:
     return lambda: load_synthesizer(tiny_bundle)
 
 
-class SessionClient:
+def session_client(broker: Broker, topics: list[str]) -> Recorder:
     """A subscriber with a persistent session (expiry 300 s): the broker keeps
     what arrives for it while it is away, so a restart loses nothing for it."""
-
-    def __init__(self, broker: Broker, topics: list[str]) -> None:
-        self.messages: list[tuple[str, bytes]] = []
-        self.cond = threading.Condition()
-        self.c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"sess-{uuid.uuid4().hex[:6]}",
-                             protocol=mqtt.MQTTv5)
-        subscribed = threading.Event()
-        self.c.on_connect = lambda cl, _u, flags, _rc, _p: (
-            None if flags.session_present else cl.subscribe([(t, 1) for t in topics]))
-        self.c.on_subscribe = lambda *_a: subscribed.set()
-        self.c.on_message = self._on
-        self.c.reconnect_delay_set(0.1, 1)
-        props = Properties(PacketTypes.CONNECT)
-        props.SessionExpiryInterval = 300
-        self.c.connect("127.0.0.1", broker.port, clean_start=False, properties=props)
-        self.c.loop_start()
-        assert subscribed.wait(10)
-
-    def _on(self, _c: object, _u: object, m: mqtt.MQTTMessage) -> None:
-        with self.cond:
-            self.messages.append((m.topic, bytes(m.payload)))
-            self.cond.notify_all()
-
-    def on(self, topic: str) -> list[bytes]:
-        with self.cond:
-            return [p for t, p in self.messages if t == topic]
-
-    def wait(self, pred, timeout_s: float) -> bool:  # type: ignore[no-untyped-def]
-        with self.cond:
-            return self.cond.wait_for(pred, timeout_s)
-
-    def close(self) -> None:
-        self.c.disconnect()
-        self.c.loop_stop()
+    return Recorder(broker.url, topics, session_expiry_s=300, name="sess")
 
 
 def test_broker_restarted_10_times_mid_request(daemons: DaemonFactory) -> None:
     svc = daemons.start()
     pre = svc.settings.topic_prefix
-    sub = SessionClient(daemons.broker, [f"{pre}/tts/#", f"{pre}/status"])
+    sub = session_client(daemons.broker, [f"{pre}/tts/#", f"{pre}/status"])
     outcomes, reconnect_s = [], []
     try:
         for n in range(RESTARTS):
             rid = f"br{n}"
-            assert sub.wait(sub.c.is_connected, 15)
-            sub.c.publish(f"{pre}/tts/say", json.dumps({"id": rid, "text": TEXT, "output": "publish"}), qos=1)
+            assert sub.wait(sub.client.is_connected, 15)
+            sub.publish(f"{pre}/tts/say", {"id": rid, "text": TEXT, "output": "publish"})
             assert sub.wait(lambda rid=rid: sub.on(f"{pre}/tts/audio/{rid}"), 60), f"{rid}: no audio"
             count = svc.conn.connect_count
             t0 = time.monotonic()
@@ -98,12 +59,14 @@ def test_broker_restarted_10_times_mid_request(daemons: DaemonFactory) -> None:
             reconnect_s.append(round(time.monotonic() - t0, 2))
             assert sub.wait(lambda rid=rid: sub.on(f"{pre}/tts/done/{rid}") or sub.on(f"{pre}/tts/error/{rid}"),
                             90), (f"{rid}: no answer; daemon side: {svc.scheduler.check_duplicate(rid)}; "
-                                  f"received: {[t for t, _ in sub.messages][-8:]}")
-        time.sleep(1.0)
+                                  f"received: {[m.topic for m in sub.messages][-8:]}")
+        # a last request answered: a late or doubled answer of the restarts would have come before it
+        sub.publish(f"{pre}/tts/say", {"id": "last", "text": TEXT, "output": "publish"})
+        assert sub.wait(lambda: bool(sub.on(f"{pre}/tts/done/last")), 90)
         for n in range(RESTARTS):
             done, errors = sub.on(f"{pre}/tts/done/br{n}"), sub.on(f"{pre}/tts/error/br{n}")
             outcomes.append({"done": len(done), "errors": len(errors),
-                             **({k: json.loads(done[0])[k] for k in ("reason", "route")} if done else {})})
+                             **({k: done[0].json()[k] for k in ("reason", "route")} if done else {})})
     finally:
         sub.close()
     record("cosyvoice-broker-restarts", {"restarts": RESTARTS, "outcomes": outcomes,
@@ -128,22 +91,23 @@ def test_sigterm_under_load_on_cosyvoice(tmp_path: Path, broker: Broker, tiny_bu
     sub = None
     try:
         d.wait_note("READY=1", 120)
-        sub = SessionClient(broker, [f"{d.prefix}/tts/#", f"{d.prefix}/status"])
+        sub = session_client(broker, [f"{d.prefix}/tts/#", f"{d.prefix}/status"])
         ids = [f"load{n}" for n in range(8)]
         for rid in ids:
-            sub.c.publish(f"{d.prefix}/tts/say", json.dumps({"id": rid, "text": TEXT, "output": "publish"}), qos=1)
+            sub.publish(f"{d.prefix}/tts/say", {"id": rid, "text": TEXT, "output": "publish"})
         assert sub.wait(lambda: sub.on(f"{d.prefix}/tts/done/load0"), 120)
         t0 = time.monotonic()
         d.proc.send_signal(signal.SIGTERM)
         code = d.proc.wait(20)
         took = time.monotonic() - t0
-        time.sleep(0.5)
+        # the daemon's last message is its offline status: every answer it sent came before
+        assert sub.wait(lambda: any(m.payload == b"offline" for m in sub.on(f"{d.prefix}/status")), 10)
         answers = {}
         for rid in ids:
             done, err = sub.on(f"{d.prefix}/tts/done/{rid}"), sub.on(f"{d.prefix}/tts/error/{rid}")
             assert len(done) + len(err) == 1, f"{rid}: {len(done)} done, {len(err)} errors"
-            answers[rid] = "done" if done else json.loads(err[0])["code"]
-        statuses = sub.on(f"{d.prefix}/status")
+            answers[rid] = "done" if done else err[0].json()["code"]
+        statuses = [m.payload for m in sub.on(f"{d.prefix}/status")]
     except (AssertionError, TimeoutError) as exc:
         raise AssertionError(f"{exc}\ndaemon log:\n{d.output()[-4000:]}") from exc
     finally:

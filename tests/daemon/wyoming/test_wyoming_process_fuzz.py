@@ -18,10 +18,8 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
-import paho.mqtt.client as mqtt
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
-from paho.mqtt.enums import CallbackAPIVersion
 from wyoming.event import async_read_event
 
 from tests.daemon.service.test_process import Daemon
@@ -29,6 +27,7 @@ from tests.support.broker import Broker
 from tests.support.daemon_rss import growth_after_warmup, rss_kib, sample_due
 from tests.support.figures import record
 from tests.support.fuzz import AnswerCounter
+from tests.support.mqtt_recorder import Recorder
 from tests.support.wyoming_client import raw_frame as frame
 from tests.support.wyoming_fuzz import FRAME_CODES, Session, Step, check_answer, sessions, terminal
 
@@ -113,16 +112,14 @@ def run_fuzz(tmp_path: Path, broker: Broker, examples: int) -> dict[str, object]
     d = _WyomingDaemon(tmp_path, broker, f'[health]\nmetrics_port = 0\n[wyoming]\nuri = "tcp://127.0.0.1:{port}"\n'
                f'zeroconf = "off"\nmax_event_bytes = {MAX_EVENT_BYTES}\nread_timeout_s = 2.0\n')
     counter = AnswerCounter(())
-    status = mqtt.Client(CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
-    status.on_connect = lambda c, *_a: c.subscribe(f"{d.prefix}/status", 1)
-    status.on_message = lambda _c, _u, m: counter.on_message(m.topic, bytes(m.payload))
+    status: Recorder | None = None
     stats: Counter[str] = Counter()
     problems: list[str] = []
     rss: list[int] = []
     try:
         d.wait_note("READY=1", 60)
-        status.connect("127.0.0.1", broker.port)
-        status.loop_start()
+        status = Recorder(broker.url, [f"{d.prefix}/status"], keep=False, name="status",
+                          on_message=lambda m: counter.on_message(m.topic, m.payload))
 
         @settings(max_examples=examples, deadline=None, database=None, derandomize=examples < 1000,
                   suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate])
@@ -146,8 +143,8 @@ def run_fuzz(tmp_path: Path, broker: Broker, examples: int) -> dict[str, object]
         after = asyncio.run(play(port, Session((Step("describe", frame("describe"), answer="info"),), None, ()), -1))
         alive = d.proc.poll() is None
     finally:
-        status.loop_stop()
-        status.disconnect()
+        if status is not None:
+            status.close()
         if d.proc.poll() is None:
             d.proc.terminate()
             d.proc.wait(15)

@@ -13,9 +13,8 @@ from cosyedge_daemon.service.service import Service
 from wyoming.tts import Synthesize
 
 from tests.daemon.conftest import DaemonFactory
-from tests.support.fake_synthesizer import FakeSynthesizer
+from tests.support.fake_synthesizer import FakeSynthesizer, GatedSynthesizer
 from tests.support.wyoming_client import (
-    GatedSynthesizer,
     exchange,
     parse_events,
     raw_frame,

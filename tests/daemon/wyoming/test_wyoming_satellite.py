@@ -25,16 +25,15 @@ from wyoming.tts import Synthesize
 from tests.daemon.conftest import DaemonFactory
 from tests.support.fake_synthesizer import FakeSynthesizer
 from tests.support.memory_sink import MemorySink
-from tests.support.speech import Clip, load_clips, mix, speech_data_dir
+from tests.support.speech import Clip, load_clips, mix, require_speech_data
+from tests.support.wyoming_client import read_until
 
 SAT = {"uri": "tcp://127.0.0.1:0", "name": "kitchen-board", "area": "Kitchen"}
 
 
 @pytest.fixture(scope="module")
 def clips() -> dict[str, Clip]:
-    data = speech_data_dir()
-    if data is None:
-        pytest.skip("the speech recordings of the test dependency auditok==0.2.0 are not installed")
+    data = require_speech_data()
     return load_clips(data)
 
 
@@ -55,16 +54,7 @@ def _mic(svc: Service, pcm16: np.ndarray, vs: VadSettings) -> tuple[VadWorker, A
 
 
 async def _read_until(client: AsyncTcpClient, kind: str, timeout_s: float = 30.0) -> list[Event]:
-    got: list[Event] = []
-
-    async def read() -> None:
-        while (e := await client.read_event()) is not None:
-            got.append(e)
-            if e.type == kind:
-                return
-
-    await asyncio.wait_for(read(), timeout_s)
-    return got
+    return await read_until(client, (kind,), timeout_s)
 
 
 def test_utterance_streamed_to_home_assistant_and_answer_played(daemons: DaemonFactory,

@@ -22,8 +22,8 @@ from wyoming.ping import Ping
 from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeVoice
 
 from tests.daemon.conftest import DaemonFactory
-from tests.support.fake_synthesizer import FakeSynthesizer
-from tests.support.wyoming_client import GatedSynthesizer, exchange, raw_frame, read_raw_events, run, tts_port, types
+from tests.support.fake_synthesizer import FakeSynthesizer, GatedSynthesizer
+from tests.support.wyoming_client import exchange, raw_frame, read_raw_events, run, tts_port, types
 
 WY = {"uri": "tcp://127.0.0.1:0", "zeroconf": "off"}
 

@@ -24,6 +24,8 @@ from cosyedge_models.synthesis.flow import CacheFactory, FlowDecoder, FlowPrompt
 from cosyedge_models.synthesis.streaming import ChunkSchedule
 from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer
 
+from tests.support.components import require_module
+
 
 class Recording:
     """A cache factory that keeps what it made (optionally with a smaller
@@ -123,7 +125,7 @@ def test_close_releases_the_device_buffers(engine: CosyVoiceSynthesizer, prompt:
     assert isinstance(cache, BoundStepCache) and cache.length > 0
     row = cache.spec.row_bytes
     assert stream.cache_bytes() >= len(factory.made) * cache.capacity * row
-    buffers = [weakref.ref(c._buf) for c in factory.made if isinstance(c, BoundStepCache)]
+    buffers = [weakref.ref(c.rows.buffer) for c in factory.made if isinstance(c, BoundStepCache)]
     assert all(b() is not None for b in buffers)
     stream.close()
     assert all(b() is None for b in buffers)  # no reference left anywhere: the memory is back with onnxruntime
@@ -155,7 +157,7 @@ def test_engine_closes_the_stream_caches(engine: CosyVoiceSynthesizer, monkeypat
 @pytest.fixture(scope="module")
 def fp16_flow_bundle(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny bundle with only its estimator in fp16 (fp16 K/V cache I/O)."""
-    pytest.importorskip("onnx")
+    require_module("onnx")
     from cosyedge_build.quantize.fp16 import FP16_IO, convert_fp16
     from cosyedge_build.quantize.writer import add_variants, link_bundle
 

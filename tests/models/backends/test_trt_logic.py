@@ -7,7 +7,6 @@ probes on a machine without either."""
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 from pathlib import Path
 from typing import Any
@@ -55,6 +54,7 @@ from cosyedge_models.errors import BundleError, SynthesisError
 from onnx import TensorProto, helper, numpy_helper
 
 from tests.models import tiny_llm
+from tests.support.components import require_module
 
 # --- profiles ------------------------------------------------------------------------------
 
@@ -489,10 +489,7 @@ def test_probes_report_why_not(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_stub_package_is_not_mistaken_for_tensorrt() -> None:
-    try:
-        mod = importlib.import_module("tensorrt")
-    except ImportError:
-        pytest.skip("tensorrt-stubs is not installed")
+    mod = require_module("tensorrt", "tensorrt-stubs: pip install --no-deps -r .ci/requirements-nodeps.txt")
     # The import succeeds (an empty namespace package of .pyi files) ...
     if _is_real_tensorrt(mod):
         pytest.skip("a real TensorRT is installed here")

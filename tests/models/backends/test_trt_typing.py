@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.components import missing
 from tests.support.trt_stubs import installed_stub_root, patched_stubs
 from tests.support.typecheck import link_farm
 
@@ -57,7 +58,7 @@ def _mypy(config: Path, *files: str) -> subprocess.CompletedProcess[str]:
 @pytest.fixture(scope="module")
 def stub_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if installed_stub_root() is None:
-        pytest.skip("tensorrt-stubs is not installed (.ci/requirements-nodeps.txt installs it)")
+        missing("tensorrt-stubs is not installed (pip install --no-deps -r .ci/requirements-nodeps.txt)")
     tmp = tmp_path_factory.mktemp("trtstubs")
     return _config(tmp, patched_stubs(tmp / "stubs"))
 

@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 from cosyedge_models.errors import RequestError
 
-torch = pytest.importorskip("torch")
-librosa = pytest.importorskip("librosa")
+from tests.support.components import require_module
+
+torch = require_module("torch")
+librosa = require_module("librosa")
 
 
 def _speechlike(seconds: float, rate: int, seed: int = 0) -> np.ndarray:
@@ -81,7 +83,7 @@ def test_whisper_log_mel_silence_and_short() -> None:
 
 
 def _knf_fbank(audio: np.ndarray) -> np.ndarray:
-    knf = pytest.importorskip("kaldi_native_fbank")
+    knf = require_module("kaldi_native_fbank")
     opts = knf.FbankOptions()
     opts.frame_opts.dither = 0.0
     opts.frame_opts.samp_freq = 16000
@@ -121,7 +123,7 @@ def test_campplus_features_are_mean_normalised() -> None:
 
 @pytest.mark.parametrize("seconds", [0.05, 1.0, 10.0])
 def test_matcha_mel_matches_reference(seconds: float) -> None:
-    matcha_audio = pytest.importorskip("matcha.utils.audio")
+    matcha_audio = require_module("matcha.utils.audio")
     audio = _speechlike(seconds, 24000, seed=5)
     ref = matcha_audio.mel_spectrogram(
         torch.from_numpy(audio)[None],
@@ -141,7 +143,7 @@ def test_matcha_mel_matches_reference(seconds: float) -> None:
 
 
 def test_matcha_mel_shorter_window() -> None:
-    matcha_audio = pytest.importorskip("matcha.utils.audio")
+    matcha_audio = require_module("matcha.utils.audio")
     audio = _speechlike(1.0, 22050, seed=9)
     kw = {
         "n_fft": 1024,
@@ -178,7 +180,7 @@ def test_resample() -> None:
 
 @pytest.mark.parametrize(("fmt", "subtype"), [("WAV", "PCM_16"), ("WAV", "PCM_24"), ("FLAC", "PCM_16")])
 def test_load_audio(tmp_path: Path, fmt: str, subtype: str) -> None:
-    soundfile = pytest.importorskip("soundfile")
+    soundfile = require_module("soundfile")
     left = _speechlike(0.5, 22050, seed=1)
     right = _speechlike(0.5, 22050, seed=2)
     path = tmp_path / f"a.{fmt.lower()}"

@@ -16,6 +16,8 @@ from cosyedge_models.synthesis.settings import SynthesisSettings
 from cosyedge_models.synthesis.streaming import ChunkSchedule
 from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, load_synthesizer
 
+from tests.support.components import require_module
+
 # Cached vs full-prefix windows: the same fp32 ops over other tensor shapes,
 # so only summation order differs (measured max 3.3e-6 on mels of max ~5).
 CHUNK_ATOL = 2e-5
@@ -101,7 +103,7 @@ def test_chunks_match_the_official_flow(engine: CosyVoiceSynthesizer, voice: Flo
     """Against upstream's own modules: flow.inference(streaming=True) over the
     growing prefix for the chunks, the non-streaming finalize pass for the end
     ("upstream" final chunk)."""
-    torch = pytest.importorskip("torch")
+    torch = require_module("torch")
     from cosyedge_build.reference.pipeline import load_reference
 
     flow = load_reference(tiny_model_dir).flow

@@ -20,9 +20,11 @@ from cosyedge_models.synthesis.sampling import TokenSampler
 from cosyedge_models.synthesis.settings import SynthesisSettings
 from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, load_synthesizer
 
-torch = pytest.importorskip("torch")
-reference_pipeline = pytest.importorskip("cosyedge_build.reference.pipeline")
-TorchNoise = pytest.importorskip("cosyedge_build.validate").TorchNoise
+from tests.support.components import require_module
+
+torch = require_module("torch")
+reference_pipeline = require_module("cosyedge_build.reference.pipeline")
+TorchNoise = require_module("cosyedge_build.validate").TorchNoise
 
 TEXT = "Hello from the tiny model, one two three."
 SEED = 3

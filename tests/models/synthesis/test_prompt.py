@@ -22,9 +22,10 @@ from cosyedge_models.text.frontend import TextFrontend
 from cosyedge_models.text.tokenizer import TextTokenizer
 
 from tests.models.synthesis.test_features import _knf_fbank, _speechlike, _whisper_reference
+from tests.support.components import require_module
 
-torch = pytest.importorskip("torch")
-ort = pytest.importorskip("onnxruntime")
+torch = require_module("torch")
+ort = require_module("onnxruntime")
 
 
 class _Campplus(torch.nn.Module):  # fbank [1, T, 80] -> embedding [1, 192]
@@ -98,7 +99,7 @@ def _extract(
 def test_matches_reference_pipeline(
     sessions: tuple[Any, Any], frontend: TextFrontend, text_tokenizer: TextTokenizer, rate: int
 ) -> None:
-    matcha_audio = pytest.importorskip("matcha.utils.audio")
+    matcha_audio = require_module("matcha.utils.audio")
     pcm = _speechlike(3.3, rate, seed=rate)
     prompt = _extract(sessions, frontend, pcm, rate, "希望你以后能够做的比我还好呦，我有3个。")
 
@@ -255,7 +256,7 @@ def test_bad_voice_files(tmp_path: Path) -> None:
 
 
 def test_prompt_from_file(sessions: tuple[Any, Any], frontend: TextFrontend, tmp_path: Path) -> None:
-    soundfile = pytest.importorskip("soundfile")
+    soundfile = require_module("soundfile")
     pcm = _speechlike(1.2, 48000, seed=11)
     soundfile.write(tmp_path / "p.flac", pcm, 48000)
     audio, rate = load_audio(tmp_path / "p.flac")

@@ -8,8 +8,10 @@ from cosyedge_models.bundle.loader import SamplingConfig
 from cosyedge_models.errors import SynthesisError
 from cosyedge_models.synthesis.sampling import TokenSampler, nucleus_candidates, softmax
 
-torch = pytest.importorskip("torch")
-common = pytest.importorskip("cosyvoice.utils.common")
+from tests.support.components import require_module
+
+torch = require_module("torch")
+common = require_module("cosyvoice.utils.common")
 
 CFG = SamplingConfig(top_p=0.8, top_k=25, win_size=10, tau_r=0.1)
 

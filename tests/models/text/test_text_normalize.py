@@ -22,11 +22,13 @@ from cosyedge_models.text.normalize import (
 from cosyedge_models.text.normalize_en import RULES as EN_RULES
 from cosyedge_models.text.normalize_zh import RULES as ZH_RULES
 
+from tests.support.components import require_module
+
 # --- English number words -------------------------------------------------------
 
 
 def test_cardinal_matches_inflect() -> None:
-    inflect = pytest.importorskip("inflect")
+    inflect = require_module("inflect")
     engine = inflect.engine()
     rng = random.Random(0)
     numbers = list(range(0, 1200)) + [rng.randrange(10 ** rng.randint(4, 30)) for _ in range(400)]
@@ -36,7 +38,7 @@ def test_cardinal_matches_inflect() -> None:
 
 
 def test_ordinal_matches_inflect() -> None:
-    inflect = pytest.importorskip("inflect")
+    inflect = require_module("inflect")
     engine = inflect.engine()
     for n in list(range(1, 400)) + [1000, 1001, 1012, 20_000, 1_000_000, 123_456_789]:
         expected = engine.ordinal(engine.number_to_words(n, andword="")).replace(",", "")
@@ -286,7 +288,7 @@ def test_language_detection() -> None:
     ["你好 世界", "a b c", "中 a b 文", "hello  world", "你 好", "x - y", "中 文 a", "a  b", "1 2 好 3"],
 )
 def test_helpers_match_upstream(text: str) -> None:
-    upstream = pytest.importorskip("cosyvoice.utils.frontend_utils")
+    upstream = require_module("cosyvoice.utils.frontend_utils")
     assert replace_blank(text) == upstream.replace_blank(text)
     assert contains_chinese(text) == upstream.contains_chinese(text)
     for sample in ("x²", "（a）【b】`c`——d", text):

@@ -10,7 +10,9 @@ import pytest
 from cosyedge_models.text.split import SplitSettings, is_only_punctuation, split_paragraph, split_with
 from cosyedge_models.text.tokenizer import TextTokenizer
 
-upstream = pytest.importorskip("cosyvoice.utils.frontend_utils")
+from tests.support.components import require_module
+
+upstream = require_module("cosyvoice.utils.frontend_utils")
 
 ZH = [
     "收到好友从远方寄来的生日礼物，那份意外的惊喜与深深的祝福让我心中充满了甜蜜的快乐，笑容如花儿般绽放。",
