@@ -182,6 +182,13 @@ class Machine:
             return addr
 
     def free(self, addr: int) -> None:
+        """cuMemFree: "this API may perform implicit synchronization": the emulator always does (work
+        still queued that uses the memory runs first)."""
+        if self.fault is None:
+            try:
+                self.synchronize_all()
+            except CudaError as exc:  # sticky now; the free itself still happens
+                self.errors.append(f"work queued before cuMemFree failed: {exc}")
         with self.lock:
             if addr not in self._allocs:
                 raise CudaError(INVALID_VALUE, f"cuMemFree: {addr:#x} is not the start of an allocation")
@@ -263,6 +270,9 @@ class Machine:
 
     def synchronize(self, handle: int) -> None:
         self.require_context("cuStreamSynchronize")
+        self._flush(handle)
+
+    def _flush(self, handle: int) -> None:
         st = self.stream(handle, "cuStreamSynchronize")
         if st is None:
             self.synchronize_all()
@@ -289,13 +299,16 @@ class Machine:
         with self.lock:
             handles = [s.handle for s in self.streams.values() if s.capture is None]
         for h in handles:
-            self.synchronize(h)
+            self._flush(h)
 
     def destroy_stream(self, handle: int) -> None:
         with self.lock:
             st = self.streams.pop(handle, None)
-        if st is not None:
-            self.run(st.pending)  # cuStreamDestroy: pending work still completes
+        if st is not None and self.fault is None:
+            try:
+                self.run(st.pending)  # cuStreamDestroy: pending work still completes
+            except CudaError as exc:  # called from a finalizer: nobody to raise to
+                self.errors.append(f"work pending on a destroyed stream failed: {exc}")
 
     # --- capture and graphs (cuStreamBeginCapture / cuStreamEndCapture / cuGraphInstantiate / cuGraphLaunch) ---
     def begin_capture(self, handle: int, mode: int) -> None:

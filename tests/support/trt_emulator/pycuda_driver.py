@@ -255,19 +255,26 @@ def make_driver(machine: Machine) -> types.ModuleType:
         except CudaError as exc:
             raise _raise(exc) from exc
 
+    def _host_bytes(arr: np.ndarray) -> np.ndarray:
+        """The array's bytes, sharing its memory (pycuda takes a buffer with PyBUF_ANY_CONTIGUOUS)."""
+        a = np.asarray(arr)
+        if not (a.flags.c_contiguous or a.flags.f_contiguous):
+            raise BufferError("ndarray is not contiguous")
+        return a.reshape(-1, order="A").view(np.uint8)
+
     def memcpy_htod_async(dest: int, src: np.ndarray, stream: Stream | None = None) -> None:
-        host = memoryview(src).cast("B")
+        host = _host_bytes(src)
         d = _device(dest, host.nbytes, "cuMemcpyHtoDAsync")
 
         def run() -> None:
-            machine.span(d, host.nbytes, "cuMemcpyHtoDAsync")[...] = np.frombuffer(host, np.uint8)
+            machine.span(d, host.nbytes, "cuMemcpyHtoDAsync")[...] = host
 
         _submit(stream, Op("cuMemcpyHtoDAsync", run))
 
     def memcpy_dtoh_async(dest: np.ndarray, src: int, stream: Stream | None = None) -> None:
-        if not dest.flags.c_contiguous or not dest.flags.writeable:
-            raise LogicError("memcpy_dtoh_async: the destination must be a contiguous writable array")
-        out = dest.reshape(-1).view(np.uint8)
+        if not dest.flags.writeable:
+            raise BufferError("memcpy_dtoh_async: the destination is not writable")
+        out = _host_bytes(dest)
         s = _device(src, out.nbytes, "cuMemcpyDtoHAsync")
 
         def run() -> None:
@@ -349,7 +356,7 @@ def make_driver(machine: Machine) -> types.ModuleType:
     for name, value in {
         "Error": Error, "LogicError": LogicError, "LaunchError": LaunchError, "RuntimeError": CudaRuntimeError,
         "MemoryError": CudaMemoryError, "Context": Context, "Device": Device, "DeviceAllocation": DeviceAllocation,
-        "HostAllocation": HostAllocation, "Stream": Stream, "Memcpy2D": Memcpy2D, "init": init,
+        "PagelockedHostAllocation": HostAllocation, "Stream": Stream, "Memcpy2D": Memcpy2D, "init": init,
         "mem_alloc": mem_alloc, "mem_get_info": mem_get_info, "pagelocked_empty": pagelocked_empty,
         "memcpy_htod_async": memcpy_htod_async, "memcpy_dtoh_async": memcpy_dtoh_async,
         "memcpy_dtod_async": memcpy_dtod_async, "memset_d8_async": memset_d8_async,
