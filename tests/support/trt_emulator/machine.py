@@ -161,6 +161,20 @@ class Machine:
             raise CudaError(INVALID_CONTEXT, f"{what}: no CUDA context is current on this thread")
         return ctx
 
+    def unsafe_call(self, what: str) -> None:
+        """cuThreadExchangeStreamCaptureMode: during a capture "some actions, such as a call to cudaMalloc,
+        may be unsafe"; a thread with its own capture (mode GLOBAL or THREAD_LOCAL), or any thread while
+        some capture runs in GLOBAL mode, "is prohibited from potentially unsafe API calls": the call fails
+        and the capture is invalidated."""
+        me = threading.get_ident()
+        with self.lock:
+            hits = [s.capture for s in self.streams.values() if s.capture is not None
+                    and (s.capture.mode == 0 or (s.capture.mode == 1 and s.capture.thread == me))]
+            for cap in hits:
+                cap.invalidated = f"{what} during the capture"
+        if hits:
+            raise CudaError(STREAM_CAPTURE_UNSUPPORTED, f"{what}: not permitted while a stream is capturing")
+
     # --- device memory (cuMemAlloc / cuMemFree) ---
     def used_bytes(self) -> int:
         with self.lock:
@@ -168,6 +182,7 @@ class Machine:
 
     def alloc(self, nbytes: int, what: str = "cuMemAlloc") -> int:
         ctx = self.require_context(what)
+        self.unsafe_call(what)
         if nbytes <= 0:
             # cuMemAlloc: "If bytesize is 0, cuMemAlloc() returns CUDA_ERROR_INVALID_VALUE"
             raise CudaError(INVALID_VALUE, f"{what}: size {nbytes}")
@@ -184,6 +199,7 @@ class Machine:
     def free(self, addr: int) -> None:
         """cuMemFree: "this API may perform implicit synchronization": the emulator always does (work
         still queued that uses the memory runs first)."""
+        self.unsafe_call("cuMemFree")
         if self.fault is None:
             try:
                 self.synchronize_all()
@@ -194,6 +210,14 @@ class Machine:
                 raise CudaError(INVALID_VALUE, f"cuMemFree: {addr:#x} is not the start of an allocation")
             del self._allocs[addr]
             self._starts.remove(addr)
+
+    def release(self, addr: int) -> None:
+        """cuMemFree from a finalizer (TensorRT freeing what an engine or context owned): a failure is
+        recorded, not raised."""
+        try:
+            self.free(addr)
+        except CudaError as exc:
+            self.errors.append(f"cuMemFree of {addr:#x} failed: {exc}")
 
     def find(self, addr: int, nbytes: int) -> tuple[DeviceAllocation, int] | None:
         with self.lock:

@@ -196,6 +196,10 @@ def make_driver(machine: Machine) -> types.ModuleType:
 
         def __init__(self, shape: tuple[int, ...], dtype: np.dtype) -> None:
             self._ctx = owning_context("cuMemHostAlloc")
+            try:
+                machine.unsafe_call("cuMemHostAlloc")
+            except CudaError as exc:
+                raise _raise(exc) from exc
             self.nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
             self._buf = (np.ctypeslib.ctypes.c_uint8 * max(self.nbytes, 1))()
             self.__array_interface__ = {
@@ -379,6 +383,11 @@ def _free_device(machine: Machine, ptr: int, ctx: Any, may_free: Any) -> None:
 def _free_host(machine: Machine, key: int, nbytes: int, ctx: Any, may_free: Any) -> None:
     if not may_free(ctx):
         machine.skipped_frees.append(f"page-locked {nbytes} bytes: freed outside its context (leaked)")
+        return
+    try:
+        machine.unsafe_call("cuMemFreeHost")
+    except CudaError as exc:  # pycuda's CUDAPP_CALL_GUARDED_CLEANUP: a warning, the memory stays
+        machine.errors.append(f"page-locked free failed: {exc}")
         return
     with machine.lock:
         machine.pinned_bytes -= nbytes
