@@ -30,8 +30,9 @@ def run_command(args: argparse.Namespace) -> int:
             args.bundle = str(ensure_tiny_bundle())
         except MissingExtraError:
             print("cosyedge run: no bundle configured and the build extra is not installed: build a bundle on a "
-                  "build host (cosyedge build export, see README.md) and pass --bundle DIR or set [tts] bundle, "
-                  "or install the build extra (pip install 'cosyedge[build]') for the tiny test model",
+                  "build host (cosyedge model pull, or cosyedge build export: docs/models.md) and pass --bundle DIR "
+                  "or set [tts] bundle, or install the build extra (pip install 'cosyedge[build]') for the tiny "
+                  "test model",
                   file=sys.stderr)
             return 2
         settings = load_settings(getattr(args, "config", None), args)

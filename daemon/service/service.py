@@ -284,6 +284,7 @@ class Service:
         self.router.settings = s.routing
         if self.cloud is not None:
             self.cloud.settings = dataclasses.replace(self.cloud.settings, **_live(s.cloud))
+        self.admission.reconfigure(s)  # the limits and defaults of every front end
         self.intake.reconfigure(s)
         self.completer.log_traces = s.health.log_traces
         self.health.interval_s = s.health.health_interval_s

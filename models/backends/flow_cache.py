@@ -12,7 +12,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import numpy as np
 
@@ -151,6 +151,79 @@ def trim_due(length: int, keep: int, capacity: int) -> bool:
     dropped ones fill half the buffer (amortized, like the growth; length >
     2 * keep, so the moved rows never overlap their new place)."""
     return length > max(2 * keep, 1) and length - keep >= capacity // 2
+
+
+BufT = TypeVar("BufT")
+
+
+class DeviceRows(Generic[BufT]):
+    """The committed K/V rows of a device step cache (onnxruntime's, ort_cache.py, and
+    TensorRT's, tensorrt/flow_cache.py): one device buffer [capacity, *row] that grows
+    by doubling and, with a bounded left context, trims (trim_due), both by
+    device-to-device copies. The runtime's device calls are passed in: `alloc(frames)`
+    a buffer, `address(buf)` its device address, `copy(dst, src, nbytes)` (done when
+    it returns), `free(buf)`."""
+
+    def __init__(self, spec: StepCacheSpec, alloc: Callable[[int], BufT], address: Callable[[BufT], int],
+                 copy: Callable[[int, int, int], None], free: Callable[[BufT], None]) -> None:
+        self.spec = spec
+        self._alloc, self._address, self._copy, self._release = alloc, address, copy, free
+        self.length = 0  # committed rows
+        self.capacity = 0
+        self.growths = 0  # reallocations that moved committed rows (tests, logs)
+        self.buffer: BufT | None = None
+        self.reserve(max(spec.initial_frames, 1))
+
+    def ptr(self, frame: int) -> int:
+        if self.buffer is None:
+            raise RuntimeError("flow cache used after close()")
+        return self._address(self.buffer) + frame * self.spec.row_bytes
+
+    def first(self) -> int:
+        """The first row a call attends to (all, or the last `visible`)."""
+        return 0 if self.spec.visible < 0 else max(self.length - self.spec.visible, 0)
+
+    def reserve(self, frames: int) -> None:
+        """Room for `frames` rows: a buffer of double the capacity (or more), the committed rows copied."""
+        if frames <= self.capacity:
+            return
+        capacity = max(2 * self.capacity, frames)
+        grown = self._alloc(capacity)
+        if self.buffer is not None:
+            if self.length:
+                self._copy(self._address(grown), self.ptr(0), self.length * self.spec.row_bytes)
+                self.growths += 1
+                log.debug("flow cache: %d -> %d frames (%.1f MiB), %d rows copied", self.capacity, capacity,
+                          capacity * self.spec.row_bytes / (1 << 20), self.length)
+            self._release(self.buffer)
+        self.buffer, self.capacity = grown, capacity
+
+    def copy_in(self, src_ptr: int, frames: int) -> None:
+        """Start from `frames` rows at `src_ptr` on the same device."""
+        if self.length:
+            raise RuntimeError("the flow cache already holds frames")
+        self.reserve(max(frames, 1))
+        if frames:
+            self._copy(self.ptr(0), src_ptr, frames * self.spec.row_bytes)
+        self.length = frames
+
+    def trim(self) -> None:
+        """Bounded left context: the last `visible` rows to the front once trim_due says so."""
+        keep = self.spec.visible
+        if keep < 0 or self.buffer is None:
+            return
+        if trim_due(self.length, keep, self.capacity):
+            self._copy(self.ptr(0), self.ptr(self.length - keep), keep * self.spec.row_bytes)
+            self.length = keep
+
+    def nbytes(self) -> int:
+        return 0 if self.buffer is None else self.capacity * self.spec.row_bytes
+
+    def close(self) -> None:
+        if self.buffer is not None:
+            self._release(self.buffer)
+            self.buffer = None
+        self.capacity = self.length = 0
 
 
 class HostKvBuffer:

@@ -29,9 +29,9 @@ from cosyedge_models.backends.flow_cache import (
     CONV_CACHE,
     CONV_CACHE_NEW,
     DPHI_DT,
+    DeviceRows,
     PrefixRows,
     StepCacheSpec,
-    trim_due,
 )
 from cosyedge_models.errors import SynthesisError
 from numpy.typing import DTypeLike
@@ -127,103 +127,83 @@ class BoundStepCache:
         self._session = session
         self._copier = copier
         self._device = copier.device
-        self.length = 0
-        self.growths = 0  # reallocations that moved committed rows (tests, logs)
-        self._buf: ort.OrtValue | None = None
-        self._capacity = 0
-        self._reserve(max(spec.initial_frames, 1))
         kind, dev = self._device
+        self.rows: DeviceRows[ort.OrtValue] = DeviceRows(
+            spec, lambda frames: ort.OrtValue.ortvalue_from_shape_and_type([frames, *spec.row], spec.dtype.type,
+                                                                           kind, dev),
+            lambda buf: int(buf.data_ptr()), copier.copy,
+            lambda buf: None)  # dropping the last reference gives the memory back to onnxruntime's arena
         self._conv: ort.OrtValue | None = ort.OrtValue.ortvalue_from_numpy(
             np.zeros(spec.conv, dtype=np.float32), kind, dev)
 
     @property
+    def length(self) -> int:
+        return self.rows.length
+
+    @property
     def capacity(self) -> int:
-        return self._capacity
+        return self.rows.capacity
 
-    def _ptr(self, frame: int) -> int:
-        assert self._buf is not None
-        return int(self._buf.data_ptr()) + frame * self.spec.row_bytes
-
-    def _reserve(self, frames: int) -> None:
-        """Room for `frames` rows: a new buffer of double the capacity (or
-        more) and a device-to-device copy of the committed rows."""
-        if frames <= self._capacity:
-            return
-        capacity = max(2 * self._capacity, frames)
-        kind, dev = self._device
-        grown = ort.OrtValue.ortvalue_from_shape_and_type([capacity, *self.spec.row], self.spec.dtype.type, kind, dev)
-        if self._buf is not None and self.length:
-            self._copier.copy(int(grown.data_ptr()), self._ptr(0), self.length * self.spec.row_bytes)
-            self.growths += 1
-            log.debug("flow cache: %d -> %d frames (%.1f MiB) on %s:%d, %d rows copied", self._capacity, capacity,
-                      capacity * self.spec.row_bytes / (1 << 20), kind, dev, self.length)
-        self._buf, self._capacity = grown, capacity
+    @property
+    def growths(self) -> int:
+        return self.rows.growths
 
     def adopt(self, src_ptr: int, frames: int, conv: ort.OrtValue) -> None:
         """Start from `frames` committed rows at src_ptr and a conv history
         (device copies: a fixed-shape cache moving here, ort_static_flow.py)."""
-        self._reserve(frames)
-        self._copier.copy(self._ptr(0), src_ptr, frames * self.spec.row_bytes)
+        self.rows.copy_in(src_ptr, frames)
         assert self._conv is not None
         self._copier.copy(int(self._conv.data_ptr()), int(conv.data_ptr()), self.spec.conv_bytes)
-        self.length = frames
 
     def run(self, feeds: Mapping[str, np.ndarray], commit: int) -> np.ndarray:
-        if self._buf is None or self._conv is None:
+        rows = self.rows
+        if rows.buffer is None or self._conv is None:
             raise RuntimeError("flow cache used after close()")
-        self._reserve(self.length + commit)  # before binding: growth moves the buffer
+        rows.reserve(rows.length + commit)  # before binding: growth moves the buffer
         kind, dev = self._device
         dtype = self.spec.dtype.type
-        first = 0 if self.spec.visible < 0 else max(self.length - self.spec.visible, 0)
+        first = rows.first()
         binding = self._session.io_binding()
         for name, value in feeds.items():
             binding.bind_cpu_input(name, np.ascontiguousarray(value))
-        binding.bind_input(ATT_CACHE, kind, dev, dtype, [self.length - first, *self.spec.row], self._ptr(first))
+        binding.bind_input(ATT_CACHE, kind, dev, dtype, [rows.length - first, *self.spec.row], rows.ptr(first))
         binding.bind_ortvalue_input(CONV_CACHE, self._conv)
         binding.bind_output(DPHI_DT, "cpu")
         if commit:
             # Zero-copy append: the graph writes the new rows after the committed ones.
-            binding.bind_output(ATT_CACHE_NEW, kind, dev, dtype, [commit, *self.spec.row], self._ptr(self.length))
+            binding.bind_output(ATT_CACHE_NEW, kind, dev, dtype, [commit, *self.spec.row], rows.ptr(rows.length))
             binding.bind_output(CONV_CACHE_NEW, kind, dev)
         self._session.run_bound(binding)
         outputs = binding.get_outputs()
         if commit:
-            self.length += commit
+            rows.length += commit
             self._conv = outputs[2]
         return np.asarray(outputs[0].numpy())
 
     def trim(self) -> None:
-        """As HostKvBuffer.trim (trim_due), with a device-to-device copy."""
-        keep = self.spec.visible
-        if keep < 0 or self._buf is None:
-            return
-        if trim_due(self.length, keep, self._capacity):
-            self._copier.copy(self._ptr(0), self._ptr(self.length - keep), keep * self.spec.row_bytes)
-            self.length = keep
+        self.rows.trim()
 
     def preload(self, rows: PrefixRows, conv: np.ndarray) -> None:
         """The saved rows copied into the device buffer from their copy on this
         device (uploaded once per voice and device), the conv history uploaded."""
-        if self.length:
+        if self.rows.length:
             raise RuntimeError("preload() on a cache that holds frames")
         kind, dev = self._device
-        self._reserve(rows.frames)
-        copy_prefix(self._copier, self._ptr(0), rows, self.spec.dtype)
-        self.length = rows.frames
+        self.rows.reserve(rows.frames)
+        copy_prefix(self._copier, self.rows.ptr(0), rows, self.spec.dtype)
+        self.rows.length = rows.frames
         self._conv = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(conv, dtype=np.float32), kind, dev)
 
     def nbytes(self) -> int:
-        if self._buf is None:
+        if self.rows.buffer is None:
             return 0
-        return self._capacity * self.spec.row_bytes + self.spec.conv_bytes
+        return self.rows.nbytes() + self.spec.conv_bytes
 
     def close(self) -> None:
         # Drops the only references: the memory goes back to onnxruntime's
         # allocator for the device (its arena reuses it for the next request).
-        self._buf = None
+        self.rows.close()
         self._conv = None
-        self._capacity = 0
-        self.length = 0
 
 
 class BoundCacheFactory:

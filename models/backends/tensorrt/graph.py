@@ -27,12 +27,13 @@ TensorRT."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
-from cosyedge_models.backends.cuda import CudaGraph, DeviceBuffer, ThreadCuda, pinned_empty
-from cosyedge_models.backends.tensorrt.session import IoBuffers, TrtSession, dims
+from cosyedge_models.backends.cuda import CudaGraph, DeviceBuffer, ThreadCuda
+from cosyedge_models.backends.graph_thread import GraphThread, GraphThreadClosed
+from cosyedge_models.backends.tensorrt.session import IoBuffers, TrtSession, dims, thread_cuda
 from cosyedge_models.errors import SynthesisError
 
 if TYPE_CHECKING:
@@ -63,7 +64,7 @@ class TensorBuffers:
         self.buffers: dict[str, IoBuffers] = {}
         for name, shape in self.shapes.items():
             nbytes = int(np.prod(shape, dtype=np.int64)) * self.dtypes[name].itemsize
-            self.buffers[name] = IoBuffers(DeviceBuffer(nbytes), pinned_empty(nbytes))
+            self.buffers[name] = IoBuffers.allocate(nbytes)
 
     def host(self, name: str) -> np.ndarray:
         """The pinned host buffer of `name` as an array of its dtype and shape (a view)."""
@@ -87,7 +88,7 @@ class TensorBuffers:
             buf.host[...] = 0
 
     def nbytes(self) -> int:
-        return sum(b.device.nbytes + b.host.nbytes for b in self.buffers.values())
+        return sum(b.nbytes() for b in self.buffers.values())
 
     def close(self) -> None:
         for buf in self.buffers.values():
@@ -171,3 +172,64 @@ class CapturedEnqueue:
         if self.graph is not None:
             self.graph.close()
             self.graph = None
+
+
+class CapturedRuntime:
+    """The skeleton of the fixed-shape TensorRT runtimes (tensorrt/static_flow.py,
+    static_encoder.py, static_vocoder.py): their engines' sessions, the GraphThread that
+    makes, captures and replays everything, and one activation scratch for all their
+    contexts. `warm_up()` makes the scratch and then the runtime's own buffers, contexts
+    and captures (`_make`) on that thread; a SynthesisError there disables the runtime
+    (the dynamic engines serve), logged. `close()` frees them (`_dispose`) and the scratch
+    on that thread too, where their page-locked memory's context is current."""
+
+    what = "fixed-shape engines"
+
+    def __init__(self, sessions: Sequence[TrtSession], thread: GraphThread, capture: bool) -> None:
+        if not sessions:
+            raise ValueError(f"no {self.what}")
+        self.thread = thread
+        self.capture = capture  # False once a capture was refused: the rest enqueue plainly
+        self.device_id = sessions[0].device_id
+        self._sessions = list(sessions)
+        self.scratch: DeviceBuffer | None = None  # the contexts' shared activation memory, made at warm_up
+        self.disabled: str | None = None  # set when the load failed: the dynamic engines serve
+
+    def warm_up(self) -> None:
+        self.thread.call(self._warm_up)
+
+    def _warm_up(self) -> None:
+        try:
+            cuda = thread_cuda(self.device_id)
+            self.scratch = DeviceBuffer(scratch_bytes(self._sessions))
+            self._make(cuda, self.scratch)
+            cuda.synchronize()
+        except SynthesisError as exc:
+            self.disabled = str(exc)[:500]
+            log.warning("%s disabled at load, the dynamic engines take over: %s", self.what, exc)
+
+    def _make(self, cuda: ThreadCuda, scratch: DeviceBuffer) -> None:
+        """The runtime's buffers, contexts and captures (on the graph thread)."""
+        raise NotImplementedError
+
+    def prepare(self, run: CapturedEnqueue) -> None:
+        """`run`'s warm-up and capture; a refused capture turns capturing off for the rest."""
+        if not run.prepare(self.capture):
+            self.capture = False
+
+    def close(self) -> None:
+        """Free everything (on the graph thread, where it was made)."""
+        try:
+            self.thread.call(self._close)
+        except GraphThreadClosed:
+            self._close()
+
+    def _close(self) -> None:
+        self._dispose()
+        if self.scratch is not None:
+            self.scratch.close()
+            self.scratch = None
+
+    def _dispose(self) -> None:
+        """Free what _make made."""
+        raise NotImplementedError

@@ -57,12 +57,12 @@ from cosyedge_models.backends.fixed_shapes import (
     fixed_shape_names,
     fixed_shapes_wanted,
 )
-from cosyedge_models.backends.graph_thread import GraphThread, GraphThreadClosed
+from cosyedge_models.backends.graph_thread import GraphThread
 from cosyedge_models.backends.tensorrt.graph import (
     CapturedEnqueue,
+    CapturedRuntime,
     TensorBuffers,
     execute,
-    scratch_bytes,
     set_addresses,
     static_shapes,
     user_context,
@@ -154,49 +154,35 @@ class TrtEncoderSlot:
             buf.close()
 
 
-class TrtStaticEncoder(SlotPool[TrtEncoderSlot]):
+class TrtStaticEncoder(CapturedRuntime, SlotPool[TrtEncoderSlot]):
     """The fixed-shape encoder engines of one engine and their slot pool (one slot per
     request), run on `thread`. `__call__` is an EncoderCacheFactory: a
     TrtStaticEncoderCache while slots last, else a HostEncoderCache over the dynamic
     engine. `warm_up()` makes every slot and captures every (slot, window) before the
     engine serves."""
 
+    what = "fixed-shape flow encoder engines"
+
     def __init__(self, sessions: Sequence[TrtSession], spec: EncoderCacheSpec, max_slots: int, thread: GraphThread,
                  capture: bool = True) -> None:
-        if not sessions:
-            raise ValueError("no fixed-shape encoder engines")
-        super().__init__(max_slots, thread)
+        CapturedRuntime.__init__(self, sessions, thread, capture)
+        SlotPool.__init__(self, max_slots, thread)
         self.spec = spec
-        self.device_id = sessions[0].device_id
-        self._sessions = list(sessions)
         self.io: list[_Window] = []
         self.windows: list[int] = []
         self.cache_tokens = 0
-        self.capture = capture  # False once a capture was refused: the rest enqueue plainly
-        self.scratch: DeviceBuffer | None = None  # the contexts' shared activation memory, made at warm_up
 
-    def warm_up(self) -> None:
-        self.thread.call(self._warm_up)
-
-    def _warm_up(self) -> None:
-        try:
-            cuda = thread_cuda(self.device_id)
-            self.io = sorted((_Window(s) for s in self._sessions), key=lambda w: w.window)
-            self.windows = [w.window for w in self.io]
-            self.cache_tokens = self._check_shapes()
-            self.scratch = DeviceBuffer(scratch_bytes(self._sessions))
-            for win in self.io:  # defined inputs for the warm-up runs: no tokens, no cached rows
-                win.io.zero_host()
-            while self.slot_count < self.max_slots:
-                slot = TrtEncoderSlot(self.slot_count, self, cuda)
-                self.register(slot)  # freed by close() even if its warm-up fails (which disables the pool)
-                for run in slot.runs:
-                    if not run.prepare(self.capture):
-                        self.capture = False
-            cuda.synchronize()
-        except SynthesisError as exc:
-            self.disabled = str(exc)[:500]
-            log.warning("fixed-shape flow encoder engines disabled at load, the dynamic engine takes over: %s", exc)
+    def _make(self, cuda: ThreadCuda, scratch: DeviceBuffer) -> None:
+        self.io = sorted((_Window(s) for s in self._sessions), key=lambda w: w.window)
+        self.windows = [w.window for w in self.io]
+        self.cache_tokens = self._check_shapes()
+        for win in self.io:  # defined inputs for the warm-up runs: no tokens, no cached rows
+            win.io.zero_host()
+        while self.slot_count < self.max_slots:
+            slot = TrtEncoderSlot(self.slot_count, self, cuda)
+            self.register(slot)  # freed by close() even if its warm-up fails (which disables the pool)
+            for run in slot.runs:
+                self.prepare(run)
 
     def _check_shapes(self) -> int:
         """The committed tokens the engines cache (S); a SynthesisError unless every window's
@@ -221,21 +207,11 @@ class TrtStaticEncoder(SlotPool[TrtEncoderSlot]):
             return HostEncoderCache(session, spec)
         return TrtStaticEncoderCache(self, slot, session)
 
-    def close(self) -> None:
-        """Free the slots, contexts, graphs and buffers (on the graph thread, where they were made)."""
-        try:
-            self.thread.call(self._close)
-        except GraphThreadClosed:
-            self._close()
-
-    def _close(self) -> None:
+    def _dispose(self) -> None:
         for slot in self.drop_slots():
             slot.close()
         for win in self.io:
             win.io.close()
-        if self.scratch is not None:
-            self.scratch.close()
-            self.scratch = None
 
 
 class TrtStaticEncoderCache(PooledEncoderCache[TrtEncoderSlot]):

@@ -60,13 +60,13 @@ from cosyedge_models.backends.fixed_shapes import (
     visible_first,
 )
 from cosyedge_models.backends.flow_cache import PrefixRows, StepCache, StepCacheSpec
-from cosyedge_models.backends.graph_thread import GraphThread, GraphThreadClosed
+from cosyedge_models.backends.graph_thread import GraphThread
 from cosyedge_models.backends.tensorrt.flow_cache import TrtStepCache
 from cosyedge_models.backends.tensorrt.graph import (
     CapturedEnqueue,
+    CapturedRuntime,
     TensorBuffers,
     execute,
-    scratch_bytes,
     set_addresses,
     static_shapes,
     user_context,
@@ -143,55 +143,41 @@ class TrtSlot:
         self.conv.close()
 
 
-class TrtStaticFlow(SlotPool[TrtSlot]):
+class TrtStaticFlow(CapturedRuntime, SlotPool[TrtSlot]):
     """The fixed-shape estimator engines of one engine and their slot pool, run
     on `thread`. `__call__` is a Backend.flow_cache: a TrtStaticStepCache while
     slots last, else TrtStepCache over the dynamic engine. `warm_up()` makes
     every slot and captures every (slot, window) before the engine serves."""
 
+    what = "fixed-shape flow engines"
+
     def __init__(self, sessions: Sequence[TrtSession], max_slots: int, thread: GraphThread,
                  capture: bool = True) -> None:
-        if not sessions:
-            raise ValueError("no fixed-shape estimator engines")
-        super().__init__(max_slots, thread)
-        self.device_id = sessions[0].device_id
-        self._sessions = list(sessions)
+        CapturedRuntime.__init__(self, sessions, thread, capture)
+        SlotPool.__init__(self, max_slots, thread)
         self.io: list[_Window] = []
         self.windows: list[int] = []
         self.cache_frames = 0
         self.row: tuple[int, ...] = ()
         self.conv: tuple[int, ...] = ()
-        self.capture = capture  # False once a capture was refused: the rest enqueue plainly
-        self.scratch: DeviceBuffer | None = None  # the contexts' shared activation memory, made at warm_up
 
     def bucket(self, frames: int) -> int | None:
         return bucket(self.windows, frames)
 
-    def warm_up(self) -> None:
-        self.thread.call(self._warm_up)
-
-    def _warm_up(self) -> None:
-        try:
-            cuda = thread_cuda(self.device_id)
-            self.io = sorted((_Window(s) for s in self._sessions), key=lambda w: w.window)
-            self.windows = [w.window for w in self.io]
-            sizes = {w.att[0] for w in self.io}
-            if len(sizes) > 1 or len({(w.att[1:], w.conv) for w in self.io}) > 1:
-                raise SynthesisError(f"fixed-shape estimator engines with different cache shapes {sorted(sizes)}")
-            self.cache_frames, self.row, self.conv = self.io[0].att[0], self.io[0].att[1:], self.io[0].conv
-            self.scratch = DeviceBuffer(scratch_bytes(self._sessions))
-            for win in self.io:  # defined inputs for the warm-up runs: zero masks, no valid cache rows
-                win.io.zero_host()
-            while self.slot_count < self.max_slots:
-                slot = TrtSlot(self.slot_count, self, cuda)
-                self.register(slot)  # freed by close() even if its warm-up fails (which disables the pool)
-                for run in slot.runs:
-                    if not run.prepare(self.capture):
-                        self.capture = False
-            cuda.synchronize()
-        except SynthesisError as exc:
-            self.disabled = str(exc)[:500]
-            log.warning("fixed-shape flow engines disabled at load, the dynamic engine takes over: %s", exc)
+    def _make(self, cuda: ThreadCuda, scratch: DeviceBuffer) -> None:
+        self.io = sorted((_Window(s) for s in self._sessions), key=lambda w: w.window)
+        self.windows = [w.window for w in self.io]
+        sizes = {w.att[0] for w in self.io}
+        if len(sizes) > 1 or len({(w.att[1:], w.conv) for w in self.io}) > 1:
+            raise SynthesisError(f"fixed-shape estimator engines with different cache shapes {sorted(sizes)}")
+        self.cache_frames, self.row, self.conv = self.io[0].att[0], self.io[0].att[1:], self.io[0].conv
+        for win in self.io:  # defined inputs for the warm-up runs: zero masks, no valid cache rows
+            win.io.zero_host()
+        while self.slot_count < self.max_slots:
+            slot = TrtSlot(self.slot_count, self, cuda)
+            self.register(slot)  # freed by close() even if its warm-up fails (which disables the pool)
+            for run in slot.runs:
+                self.prepare(run)
 
     def acquire(self, spec: StepCacheSpec) -> TrtSlot | None:
         if self.disabled is not None or spec.dtype != np.float32 or spec.row != self.row or spec.conv != self.conv:
@@ -206,21 +192,11 @@ class TrtStaticFlow(SlotPool[TrtSlot]):
             return TrtStepCache(session, spec)
         return TrtStaticStepCache(self, slot, session, spec)
 
-    def close(self) -> None:
-        """Free the slots, contexts, graphs and buffers (on the graph thread, where they were made)."""
-        try:
-            self.thread.call(self._close)
-        except GraphThreadClosed:
-            self._close()
-
-    def _close(self) -> None:
+    def _dispose(self) -> None:
         for slot in self.drop_slots():
             slot.close()
         for win in self.io:
             win.io.close()
-        if self.scratch is not None:
-            self.scratch.close()
-            self.scratch = None
 
 
 @dataclass(frozen=True)

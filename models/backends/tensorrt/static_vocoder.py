@@ -23,16 +23,16 @@ import numpy as np
 from cosyedge_models.backends.base import Session
 from cosyedge_models.backends.cuda import DeviceBuffer, ThreadCuda
 from cosyedge_models.backends.fixed_shapes import fixed_shape_names, fixed_shapes_wanted, source_cache, vocoder_length
-from cosyedge_models.backends.graph_thread import GraphThread, GraphThreadClosed
+from cosyedge_models.backends.graph_thread import GraphThread
 from cosyedge_models.backends.tensorrt.graph import (
     CapturedEnqueue,
+    CapturedRuntime,
     TensorBuffers,
     execute,
-    scratch_bytes,
     set_addresses,
     user_context,
 )
-from cosyedge_models.backends.tensorrt.session import TrtSession, thread_cuda
+from cosyedge_models.backends.tensorrt.session import TrtSession
 from cosyedge_models.bundle.loader import STATIC_VOCODER_PREFIX, Bundle
 from cosyedge_models.errors import SynthesisError
 
@@ -80,40 +80,25 @@ class _Length:
         self.io.close()
 
 
-class TrtStaticVocoder:
+class TrtStaticVocoder(CapturedRuntime):
     """The fixed-length vocoder engines of one engine, run on `thread`. `warm_up()`
     (before serving) binds every length and captures its graph."""
 
+    what = "fixed-length vocoder engines"
+
     def __init__(self, sessions: Sequence[TrtSession], thread: GraphThread, capture: bool = True) -> None:
-        if not sessions:
-            raise ValueError("no fixed-length vocoder engines")
-        self.thread = thread
-        self.capture = capture  # False once a capture was refused: the rest enqueue plainly
-        self.device_id = sessions[0].device_id
-        self._sessions = list(sessions)
+        super().__init__(sessions, thread, capture)
         self._lengths: dict[int, _Length] = {}
         self.frames: list[int] = []
-        self.scratch: DeviceBuffer | None = None  # the contexts' shared activation memory, made at warm_up
         self.replays = 0  # chunks served here (tests, logs); counted on the graph thread
-        self.disabled: str | None = None  # set when the load failed: the dynamic engines serve
 
-    def warm_up(self) -> None:
-        self.thread.call(self._warm_up)
-
-    def _warm_up(self) -> None:
-        try:
-            cuda = thread_cuda(self.device_id)
-            self.scratch = scratch = DeviceBuffer(scratch_bytes(self._sessions))
-            for session in self._sessions:
-                length = _Length(session, scratch, cuda)
-                length.io.zero_host()
-                self._lengths[length.frames] = length
-                if not length.captured.prepare(self.capture):
-                    self.capture = False
-            self.frames = sorted(self._lengths)
-        except SynthesisError as exc:
-            self.disabled = str(exc)[:500]
-            log.warning("fixed-length vocoder engines disabled at load, the dynamic engines take over: %s", exc)
+    def _make(self, cuda: ThreadCuda, scratch: DeviceBuffer) -> None:
+        for session in self._sessions:
+            length = _Length(session, scratch, cuda)
+            length.io.zero_host()
+            self._lengths[length.frames] = length
+            self.prepare(length.captured)
+        self.frames = sorted(self._lengths)
 
     def run(self, mel: np.ndarray, noise: np.ndarray, cache: np.ndarray | None) -> tuple[
             np.ndarray, np.ndarray] | None:
@@ -134,20 +119,10 @@ class TrtStaticVocoder:
 
         return self.thread.call(work)
 
-    def close(self) -> None:
-        """Free the contexts, graphs and buffers (on the graph thread, where they were made)."""
-        try:
-            self.thread.call(self._close)
-        except GraphThreadClosed:
-            self._close()
-
-    def _close(self) -> None:
+    def _dispose(self) -> None:
         lengths, self._lengths = self._lengths, {}
         for length in lengths.values():
             length.close()
-        if self.scratch is not None:
-            self.scratch.close()
-            self.scratch = None
 
 
 def load_trt_static_vocoder(bundle: Bundle, backend_name: str, load: Callable[[str], Session],

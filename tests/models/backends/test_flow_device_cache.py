@@ -125,7 +125,7 @@ def test_close_releases_the_device_buffers(engine: CosyVoiceSynthesizer, prompt:
     assert isinstance(cache, BoundStepCache) and cache.length > 0
     row = cache.spec.row_bytes
     assert stream.cache_bytes() >= len(factory.made) * cache.capacity * row
-    buffers = [weakref.ref(c._buf) for c in factory.made if isinstance(c, BoundStepCache)]
+    buffers = [weakref.ref(c.rows.buffer) for c in factory.made if isinstance(c, BoundStepCache)]
     assert all(b() is not None for b in buffers)
     stream.close()
     assert all(b() is None for b in buffers)  # no reference left anywhere: the memory is back with onnxruntime

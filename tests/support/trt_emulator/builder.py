@@ -378,10 +378,10 @@ class Builder:
         if profiles is None:
             return None
         model = network.model
-        shapes = env.shapes_for(model)
         static = {}
         if all(all(d >= 0 for d in t.shape) for t in network.inputs):
-            static = shapes.output_shapes({t.name: t.shape.tuple() for t in network.inputs})
+            # a fully static network: TensorRT resolves every output shape at build time
+            static = env.shapes_for(model).output_shapes({t.name: t.shape.tuple() for t in network.inputs})
         io = [planfmt.TensorInfo(t.name, True, int(t.dtype), list(t.shape)) for t in network.inputs]
         for t in network.outputs:
             dims = list(static.get(t.name, t.shape.tuple()))

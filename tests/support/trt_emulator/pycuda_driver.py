@@ -196,6 +196,10 @@ def make_driver(machine: Machine) -> types.ModuleType:
 
         def __init__(self, shape: tuple[int, ...], dtype: np.dtype) -> None:
             self._ctx = owning_context("cuMemHostAlloc")
+            try:
+                machine.unsafe_call("cuMemHostAlloc")
+            except CudaError as exc:
+                raise _raise(exc) from exc
             self.nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
             self._buf = (np.ctypeslib.ctypes.c_uint8 * max(self.nbytes, 1))()
             self.__array_interface__ = {
@@ -255,19 +259,26 @@ def make_driver(machine: Machine) -> types.ModuleType:
         except CudaError as exc:
             raise _raise(exc) from exc
 
+    def _host_bytes(arr: np.ndarray) -> np.ndarray:
+        """The array's bytes, sharing its memory (pycuda takes a buffer with PyBUF_ANY_CONTIGUOUS)."""
+        a = np.asarray(arr)
+        if not (a.flags.c_contiguous or a.flags.f_contiguous):
+            raise BufferError("ndarray is not contiguous")
+        return a.reshape(-1, order="A").view(np.uint8)
+
     def memcpy_htod_async(dest: int, src: np.ndarray, stream: Stream | None = None) -> None:
-        host = memoryview(src).cast("B")
+        host = _host_bytes(src)
         d = _device(dest, host.nbytes, "cuMemcpyHtoDAsync")
 
         def run() -> None:
-            machine.span(d, host.nbytes, "cuMemcpyHtoDAsync")[...] = np.frombuffer(host, np.uint8)
+            machine.span(d, host.nbytes, "cuMemcpyHtoDAsync")[...] = host
 
         _submit(stream, Op("cuMemcpyHtoDAsync", run))
 
     def memcpy_dtoh_async(dest: np.ndarray, src: int, stream: Stream | None = None) -> None:
-        if not dest.flags.c_contiguous or not dest.flags.writeable:
-            raise LogicError("memcpy_dtoh_async: the destination must be a contiguous writable array")
-        out = dest.reshape(-1).view(np.uint8)
+        if not dest.flags.writeable:
+            raise BufferError("memcpy_dtoh_async: the destination is not writable")
+        out = _host_bytes(dest)
         s = _device(src, out.nbytes, "cuMemcpyDtoHAsync")
 
         def run() -> None:
@@ -349,7 +360,7 @@ def make_driver(machine: Machine) -> types.ModuleType:
     for name, value in {
         "Error": Error, "LogicError": LogicError, "LaunchError": LaunchError, "RuntimeError": CudaRuntimeError,
         "MemoryError": CudaMemoryError, "Context": Context, "Device": Device, "DeviceAllocation": DeviceAllocation,
-        "HostAllocation": HostAllocation, "Stream": Stream, "Memcpy2D": Memcpy2D, "init": init,
+        "PagelockedHostAllocation": HostAllocation, "Stream": Stream, "Memcpy2D": Memcpy2D, "init": init,
         "mem_alloc": mem_alloc, "mem_get_info": mem_get_info, "pagelocked_empty": pagelocked_empty,
         "memcpy_htod_async": memcpy_htod_async, "memcpy_dtoh_async": memcpy_dtoh_async,
         "memcpy_dtod_async": memcpy_dtod_async, "memset_d8_async": memset_d8_async,
@@ -372,6 +383,11 @@ def _free_device(machine: Machine, ptr: int, ctx: Any, may_free: Any) -> None:
 def _free_host(machine: Machine, key: int, nbytes: int, ctx: Any, may_free: Any) -> None:
     if not may_free(ctx):
         machine.skipped_frees.append(f"page-locked {nbytes} bytes: freed outside its context (leaked)")
+        return
+    try:
+        machine.unsafe_call("cuMemFreeHost")
+    except CudaError as exc:  # pycuda's CUDAPP_CALL_GUARDED_CLEANUP: a warning, the memory stays
+        machine.errors.append(f"page-locked free failed: {exc}")
         return
     with machine.lock:
         machine.pinned_bytes -= nbytes
