@@ -252,3 +252,35 @@ def test_never_replaces_a_real_tensorrt(monkeypatch: pytest.MonkeyPatch) -> None
     with pytest.raises(RuntimeError, match="real TensorRT"), emulate():
         pass
     assert sys.modules["tensorrt"] is real
+
+
+def test_pageable_copies_synchronize_and_freed_pinned_memory_fails(emulated_tensorrt: Emulation,
+                                                                    static_engine: Any) -> None:
+    """CUDA runtime API, "API synchronization behavior": a copy to pageable host memory returns when it is
+    done; one from pageable memory stages the bytes at the call. Page-locked memory freed is gone:
+    a copy naming it fails, and a graph replay that reaches it is an illegal address."""
+    from cosyedge_models.backends.cuda import DeviceBuffer, free_pinned, pinned_empty
+
+    drv = emulated_tensorrt.pycuda_driver
+    cuda, bufs, ctx = _bound(static_engine)
+    dev = DeviceBuffer(16)
+    src = np.arange(16, dtype=np.uint8)  # pageable
+    cuda.htod(dev.ptr, src)
+    src[...] = 0  # the bytes were staged at the call
+    out = np.zeros(16, np.uint8)  # pageable: the download is complete when the call returns
+    cuda.dtoh(out, dev.ptr)
+    np.testing.assert_array_equal(out, np.arange(16, dtype=np.uint8))
+    pinned = pinned_empty(16)
+    free_pinned(pinned)
+    with pytest.raises(drv.LogicError, match="already freed"):
+        cuda.dtoh(pinned, dev.ptr)
+    # a captured download into page-locked memory freed before the replay
+    ctx.execute_async_v3(cuda.handle)
+    cuda.synchronize()
+    cuda.graphs.begin(cuda.handle)
+    bufs.download(cuda, ["y"])
+    graph = cuda.graphs.end(cuda.handle)
+    free_pinned(bufs.buffers["y"].host)
+    graph.launch(cuda.handle)
+    with pytest.raises(drv.LaunchError):
+        cuda.synchronize()

@@ -109,6 +109,7 @@ class Machine:
         self._starts: list[int] = []  # sorted keys of _allocs
         self.pinned_bytes = 0  # live page-locked host bytes
         self.pinned_ranges: dict[int, tuple[int, int]] = {}  # id -> (host address, bytes) of live page-locked memory
+        self.freed_pinned: dict[int, tuple[int, int]] = {}  # freed page-locked ranges whose arrays still exist
         self.skipped_frees: list[str] = []  # frees pycuda skipped (out-of-thread context): leaks
         self._handles = 0x1000
         self.streams: dict[int, StreamState] = {}
@@ -174,6 +175,16 @@ class Machine:
                 cap.invalidated = f"{what} during the capture"
         if hits:
             raise CudaError(STREAM_CAPTURE_UNSUPPORTED, f"{what}: not permitted while a stream is capturing")
+
+    def host_kind(self, addr: int, nbytes: int) -> str:
+        """'pinned' (inside live page-locked memory), 'freed' (inside page-locked memory already
+        freed) or 'pageable'."""
+        with self.lock:
+            for table, kind in ((self.pinned_ranges, "pinned"), (self.freed_pinned, "freed")):
+                for start, n in table.values():
+                    if start <= addr and addr + nbytes <= start + n:
+                        return kind
+        return "pageable"
 
     # --- device memory (cuMemAlloc / cuMemFree) ---
     def used_bytes(self) -> int:
