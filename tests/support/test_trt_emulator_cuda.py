@@ -98,8 +98,7 @@ def test_thread_ending_with_a_pushed_context_is_an_abort(emulated_tensorrt: Emul
     import gc
 
     gc.collect()
-    assert any("aborts the process" in e for e in emulated_tensorrt.machine.errors)
-    emulated_tensorrt.machine.errors.clear()
+    assert any("aborts the process" in e for e in emulated_tensorrt.take_faults())
 
 
 @pytest.fixture()
@@ -182,3 +181,107 @@ def test_replay_uses_the_addresses_bound_at_capture(emulated_tensorrt: Emulation
     cuda.synchronize()
     np.testing.assert_allclose(bufs.host("y"), affine_reference(x), rtol=1e-6)
     graph.close()
+
+
+def test_allocation_during_a_capture_is_refused_and_invalidates_it(emulated_tensorrt: Emulation,
+                                                                   static_engine: Any) -> None:
+    """cuThreadExchangeStreamCaptureMode: the capturing thread (THREAD_LOCAL) may not allocate or free."""
+    from cosyedge_models.backends.cuda import DeviceBuffer, pinned_empty
+    from cosyedge_models.errors import SynthesisError
+
+    drv = emulated_tensorrt.pycuda_driver
+    cuda, bufs, ctx = _bound(static_engine)
+    cuda.graphs.begin(cuda.handle)
+    with pytest.raises(drv.LogicError, match="capturing"):
+        DeviceBuffer(64)
+    with pytest.raises(drv.LogicError, match="capturing"):
+        pinned_empty(64)
+    with pytest.raises(SynthesisError):
+        cuda.graphs.end(cuda.handle)
+    errors: list[BaseException] = []
+
+    def other_thread() -> None:  # another thread is unaffected by a THREAD_LOCAL capture
+        try:
+            DeviceBuffer(64, 0).close()
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    ctx.execute_async_v3(cuda.handle)
+    cuda.synchronize()
+    cuda.graphs.begin(cuda.handle)
+    t = threading.Thread(target=other_thread)
+    t.start()
+    t.join()
+    cuda.graphs.end(cuda.handle).close()
+    assert not errors, errors
+
+
+def test_one_context_used_by_two_threads_at_once_is_an_error(emulated_tensorrt: Emulation,
+                                                              static_engine: Any) -> None:
+    cuda, bufs, ctx = _bound(static_engine)
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:  # stands for another thread inside a call on the same context
+        with ctx._busy:
+            held.set()
+            release.wait(10)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    held.wait(10)
+    try:
+        assert ctx.execute_async_v3(cuda.handle) is False
+    finally:
+        release.set()
+        t.join()
+    assert any("another thread" in e for e in emulated_tensorrt.take_faults())
+    assert ctx.execute_async_v3(cuda.handle)
+
+
+def test_never_replaces_a_real_tensorrt(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+    import types
+
+    from tests.support.trt_emulator import emulated_tensorrt as emulate
+
+    real = types.ModuleType("tensorrt")
+    real.Builder = object  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "tensorrt", real)
+    with pytest.raises(RuntimeError, match="real TensorRT"), emulate():
+        pass
+    assert sys.modules["tensorrt"] is real
+
+
+def test_pageable_copies_synchronize_and_freed_pinned_memory_fails(emulated_tensorrt: Emulation,
+                                                                    static_engine: Any) -> None:
+    """CUDA runtime API, "API synchronization behavior": a copy to pageable host memory returns when it is
+    done; one from pageable memory stages the bytes at the call. Page-locked memory freed is gone:
+    a copy naming it fails, and a graph replay that reaches it is an illegal address."""
+    from cosyedge_models.backends.cuda import DeviceBuffer, free_pinned, pinned_empty
+
+    drv = emulated_tensorrt.pycuda_driver
+    cuda, bufs, ctx = _bound(static_engine)
+    dev = DeviceBuffer(16)
+    src = np.arange(16, dtype=np.uint8)  # pageable
+    cuda.htod(dev.ptr, src)
+    src[...] = 0  # the bytes were staged at the call
+    out = np.zeros(16, np.uint8)  # pageable: the download is complete when the call returns
+    cuda.dtoh(out, dev.ptr)
+    np.testing.assert_array_equal(out, np.arange(16, dtype=np.uint8))
+    pinned = pinned_empty(16)
+    free_pinned(pinned)
+    with pytest.raises(drv.LogicError, match="already freed"):
+        cuda.dtoh(pinned, dev.ptr)
+    # a captured download into page-locked memory freed before the replay
+    ctx.execute_async_v3(cuda.handle)
+    cuda.synchronize()
+    cuda.graphs.begin(cuda.handle)
+    bufs.download(cuda, ["y"])
+    graph = cuda.graphs.end(cuda.handle)
+    free_pinned(bufs.buffers["y"].host)
+    graph.launch(cuda.handle)
+    with pytest.raises(drv.LaunchError):
+        cuda.synchronize()
+    with pytest.raises(drv.LaunchError):  # sticky: the context is unusable afterwards
+        cuda.htod(dev.ptr, src)
+    assert any("sticky" in f for f in emulated_tensorrt.take_faults())
