@@ -91,7 +91,6 @@ class Intake:
 
     def reconfigure(self, settings: Settings) -> None:
         self.settings = settings
-        self.admission.reconfigure(settings)
         self.set_input_topics(self._input_topics)
 
     def set_input_topics(self, topics: list[str]) -> None:

@@ -300,6 +300,32 @@ def check_wyoming(settings: Settings) -> list[Check]:
     return checks
 
 
+def check_http(settings: Settings) -> Check:
+    """The HTTP speech API: off, free (`cosyedge run` listens there), answering
+    GET /v1/models (the daemon runs), or taken by something else."""
+    import json
+    import urllib.request
+
+    from cosyedge_daemon.settings.http import parse_listen
+
+    name, listen = "HTTP speech API", settings.http.listen
+    if not listen:
+        return Check(name, True, "off ([http] listen, or --http-listen)", required=False)
+    host, port = parse_listen(listen, "[http] listen")
+    probe_host = "127.0.0.1" if host in ("0.0.0.0", "") else ("::1" if host == "::" else host)
+    if not port_open(probe_host, port, timeout_s=2.0):
+        return Check(name, True, f"{listen}: free; `cosyedge run` listens there")
+    url_host = f"[{probe_host}]" if ":" in probe_host else probe_host
+    try:
+        with urllib.request.urlopen(f"http://{url_host}:{port}/v1/models", timeout=5) as reply:
+            models = [m["id"] for m in json.load(reply)["data"]]
+    except Exception as exc:
+        return Check(name, False, f"{listen}: something listens there but does not answer GET /v1/models ({exc})",
+                     "stop what holds the port or pick another one")
+    return Check(name, True, f"{listen}: answering (models {', '.join(models)}; "
+                 f"OpenAI API base URL http://<this host>:{port}/v1)")
+
+
 def run_checks(settings: Settings) -> list[Check]:
     trt = settings.tts.backend == "trt" and settings.tts.engine == "cosyvoice"
     return [
@@ -312,6 +338,7 @@ def run_checks(settings: Settings) -> list[Check]:
         check_broker(settings),
         check_espeak(settings),
         *check_wyoming(settings),
+        check_http(settings),
     ]
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -43,6 +44,14 @@ def pull_command(args: argparse.Namespace, root: Path) -> int:
         raise CosyEdgeError("--source modelscope is not supported by this version; download "
                             f"https://modelscope.cn/models/{repo} by hand (`modelscope download --model {repo} "
                             "--local_dir DIR`) and build with `cosyedge build export` (docs/models.md)")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".write-test-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        raise CosyEdgeError(f"cannot write to the bundles folder {root} ({exc.strerror}): run the pull as its owner "
+                            "(sudo -u cosyedge cosyedge model pull ...) or pass --bundles-dir DIR") from exc
     tensorrt, cuda = _machine()
     precision = choose_precision(args.precision, tensorrt, cuda)
     engines = tensorrt if args.engines is None else args.engines

@@ -28,6 +28,7 @@ STATUS = {
 }
 # The builder names the fields of the daemon's request; an HTTP client knows OpenAI's names.
 WIRE_NAMES = {"text": "input", "instruct_text": "instructions"}
+CODE_PARAMS = {"unknown_voice": "voice", "text_too_long": "input"}  # codes whose message may not name the field
 _FIELD_RE = re.compile(r"^'([a-z_]+)'")
 
 
@@ -45,7 +46,7 @@ class HttpError(ApiError):
 
 def from_api_error(code: str, message: str) -> HttpError:
     """The daemon's error (builder, admission, engine) in the HTTP client's words."""
-    param = None
+    param = CODE_PARAMS.get(code)
     m = _FIELD_RE.match(message)
     if m:
         param = WIRE_NAMES.get(m.group(1), m.group(1))

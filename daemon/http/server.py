@@ -32,10 +32,6 @@ _AIOHTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "payload_too
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def enabled(settings: HttpSettings) -> bool:
-    return bool(settings.listen)
-
-
 def read_api_key(settings: HttpSettings) -> str:
     if settings.api_key_file:
         try:

@@ -11,15 +11,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cosyedge_daemon.api.intake import Intake
 from cosyedge_daemon.api.responders import NativeResponder
 from cosyedge_daemon.api.vad_topics import VoiceLink
 from cosyedge_daemon.audio.barge_in import BargeInPolicy
 from cosyedge_daemon.audio.interfaces import AudioSink
-from cosyedge_daemon.http.server import HttpFrontend
-from cosyedge_daemon.http.server import enabled as http_enabled
 from cosyedge_daemon.mqtt.connection import InboundMessage, MqttConnection
 from cosyedge_daemon.request.request import TtsRequest
 from cosyedge_daemon.service.health import HealthMonitor
@@ -38,6 +36,9 @@ from cosyedge_daemon.wyoming.frontend import enabled as wyoming_enabled
 from cosyedge_models.backends.graph_thread import CAPTURE_AT_LOAD_BACKENDS
 from cosyedge_models.settings_schema import live_fields, reload_fields
 from cosyedge_models.synthesis.api import ServedSynthesizer
+
+if TYPE_CHECKING:
+    from cosyedge_daemon.http.server import HttpFrontend
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +109,9 @@ class Service:
             )
             self.extra_liveness["wyoming"] = self.wyoming.alive
         self.http: HttpFrontend | None = None
-        if http_enabled(settings.http):
+        if settings.http.listen:
+            from cosyedge_daemon.http.server import HttpFrontend  # aiohttp (25 MB) only when the API is on
+
             self.http = HttpFrontend(settings.http, self.admission, self.synthesizers)
             self.extra_liveness["http"] = self.http.alive
         self.health = HealthMonitor(
@@ -284,6 +287,7 @@ class Service:
         self.router.settings = s.routing
         if self.cloud is not None:
             self.cloud.settings = dataclasses.replace(self.cloud.settings, **_live(s.cloud))
+        self.admission.reconfigure(s)  # the limits and defaults of every front end
         self.intake.reconfigure(s)
         self.completer.log_traces = s.health.log_traces
         self.health.interval_s = s.health.health_interval_s

@@ -76,7 +76,7 @@ class DeviceMqttSettings(MqttSettings):
 class TtsSettings:
     engine: str = setting(
         "cosyvoice",
-        "the local engine: a CosyVoice bundle, or espeak-ng only",
+        "the local synthesizer: a CosyVoice bundle, or espeak-ng only",
         choices=("cosyvoice", "espeak-ng"), reload=True,
     )
     bundle: str = setting(
@@ -181,7 +181,7 @@ class TtsSettings:
 @dataclass(frozen=True)
 class FallbackSettings:
     enabled: bool = setting(
-        True, "answer with espeak-ng when the local engine is missing or fails", live=True
+        True, "answer with espeak-ng when the local synthesizer is missing or fails", live=True
     )
     binary: str = setting("espeak-ng", "the espeak-ng executable")
     voice: str = setting("en-us", "espeak-ng voice (espeak-ng --voices)")
@@ -231,7 +231,7 @@ class SchedulerSettings:
     )
     degraded_queue_depth: int = setting(
         4,
-        "from this queue depth on, buffer less ahead and tell the engine to cut batching delay",
+        "from this queue depth on, buffer less ahead and tell the synthesizer to cut batching delay",
         min=1,
         max=10_000,
         live=True,
@@ -244,15 +244,15 @@ class RoutingSettings:
         "auto", "route of requests that give none", choices=("auto", "local", "cloud"), live=True
     )
     fallback_on_error: bool = setting(
-        True, "retry on the fallback voice when an engine fails before any audio went out", live=True
+        True, "retry on the fallback voice when a synthesizer fails before any audio went out", live=True
     )
     max_consecutive_failures: int = setting(
-        3, "after this many failures in a row an engine counts as unhealthy", min=1, max=1000, live=True
+        3, "after this many failures in a row a synthesizer counts as unhealthy", min=1, max=1000, live=True
     )
     unhealthy_retry_s: float = setting(
-        30.0, "an unhealthy engine is tried again after this long", min=1, max=86_400, live=True
+        30.0, "an unhealthy synthesizer is tried again after this long", min=1, max=86_400, live=True
     )
-    # route = "auto": the rules that send a request to the cloud (when the cloud engine is up)
+    # route = "auto": the rules that send a request to the cloud (when the cloud synthesizer is up)
     cloud_min_chars: int = setting(
         400, "auto: texts of at least this many characters go to the cloud (0: off)", min=0, max=1_000_000,
         live=True,

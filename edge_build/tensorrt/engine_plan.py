@@ -1,30 +1,28 @@
 """How each stage's TensorRT engine is built, decided from its ONNX graph and
-the manifest, without TensorRT: precision mode, builder flags, layers pinned
-to fp32, optimization profiles (capped for Jetson memory), workspace size.
+the manifest, without TensorRT: precision, optimization profiles (capped for
+Jetson memory), workspace size.
 
-The precision rule (`precision_mode`):
+The precision rule (`precision_mode`): every engine is a STRONGLY TYPED
+network built with no precision builder flags, so the ONNX graph's types are
+the precision policy and one build path serves TensorRT 10.3 (JetPack 6.2),
+10.13 (JetPack 7.0) and 11 (where the weak-typing API, BuilderFlag.INT8/FP16,
+OBEY_PRECISION_CONSTRAINTS, ILayer.precision and set_output_type, is gone;
+deprecated since 10.12):
 
-* The graph carries float16 tensors (an fp16 bundle, or an INT8 bundle whose
-  quantizer kept layers in fp16/fp32 by explicit casts): build a STRONGLY
-  TYPED network. The graph's types are the precision policy (the fp32
-  islands around normalization, softmax, the time embedding, the F0
-  predictor exist because fp16 overflows there); a weakly typed build with
-  the FP16 flag may move those layers back to fp16 and re-create the NaNs.
-  TensorRT forbids precision flags on strongly typed networks; Q/DQ nodes
-  carry INT8 by themselves.
-* Otherwise, the graph has Q/DQ nodes (INT8 explicit quantization of an fp32
-  graph, as onnxruntime.quantization writes it): weakly typed with the INT8
-  and FP16 flags, so the quantized ops run in INT8 and the rest may use
-  FP16; the nodes the quantizer's sensitivity pass lists in the stage's
-  `fp32_nodes` are pinned to fp32 (layer precision + output types, with
-  OBEY_PRECISION_CONSTRAINTS).
-* Otherwise (a plain fp32 graph): weakly typed, no precision flags (TF32
-  where the GPU has it).
+* fp16: the bundle's fp16 graphs carry float16 tensors by casts, with the
+  overflow-prone nodes (normalization, softmax, the time embedding, the F0
+  predictor) kept in float32 by the converter's block list; TensorRT runs
+  each layer in the type the graph gives it, so those islands stay fp32.
+* int8: the bundle's Q/DQ graphs (explicit quantization, as
+  onnxruntime.quantization writes it): a strongly typed network runs the
+  quantized ops in INT8 and every other layer in the graph's type (fp32), so
+  the nodes the quantizer's sensitivity pass kept out of INT8 (`fp32_nodes`)
+  stay fp32 by construction, with nothing to pin.
+* a plain fp32 graph: fp32 (TF32 where the GPU has it, TensorRT's default).
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,10 +38,12 @@ QDQ_OPS = {"QuantizeLinear", "DequantizeLinear"}
 
 @dataclass(frozen=True)
 class PrecisionMode:
-    strongly_typed: bool
-    flags: tuple[str, ...]  # BuilderFlag names
-    fp32_nodes: tuple[str, ...]
+    """What the graph's types make of an engine; the network is always strongly typed."""
+
+    carried_by: str  # "fp16 casts", "Q/DQ", "Q/DQ and fp16 casts" or "fp32"
+    fp32_nodes: tuple[str, ...]  # the quantizer's fp32 nodes (fp32 in the graph itself)
     reason: str
+    strongly_typed: bool = True
 
 
 def graph_has_fp16(model: onnx.ModelProto) -> bool:
@@ -69,37 +69,21 @@ def graph_has_qdq(model: onnx.ModelProto) -> bool:
 
 
 def precision_mode(model: onnx.ModelProto, fp32_nodes: Sequence[str] = ()) -> PrecisionMode:
-    if graph_has_fp16(model):
-        return PrecisionMode(True, (), (), "the graph carries fp16 tensors: its types are the precision policy, "
-                                           "so the network is strongly typed (no precision flags)")
-    if graph_has_qdq(model):
-        names = {n.name for n in model.graph.node}
-        unknown = [n for n in fp32_nodes if n not in names]
-        if unknown:
-            raise BundleError(f"manifest fp32_nodes names nodes the graph lacks: {unknown[:5]}")
-        flags = ("INT8", "FP16", "OBEY_PRECISION_CONSTRAINTS") if fp32_nodes else ("INT8", "FP16")
-        return PrecisionMode(False, flags, tuple(fp32_nodes),
-                             "fp32 graph with Q/DQ: weakly typed, INT8 + FP16, sensitive nodes pinned to fp32")
-    return PrecisionMode(False, (), (), "plain fp32 graph: weakly typed, no precision flags")
-
-
-_ONNX_META = re.compile(r"\[ONNX Layer: ([^\]]+)\]")
-_SUFFIX = re.compile(r"^(.*)_(\d+)$")
-
-
-def onnx_node_of(layer_name: str, metadata: str, nodes: set[str]) -> str | None:
-    """The ONNX node a TensorRT layer came from: the parser names a node's
-    first layer after the node and further ones `<node>_<n>`, and (TensorRT
-    10) records `[ONNX Layer: <node>]` in the layer metadata."""
-    if layer_name in nodes:
-        return layer_name
-    for name in _ONNX_META.findall(metadata or ""):
-        if name in nodes:
-            return name
-    m = _SUFFIX.match(layer_name)
-    if m and m.group(1) in nodes:
-        return m.group(1)
-    return None
+    names = {n.name for n in model.graph.node}
+    unknown = [n for n in fp32_nodes if n not in names]
+    if unknown:
+        raise BundleError(f"manifest fp32_nodes names nodes the graph lacks: {unknown[:5]}")
+    fp16, qdq = graph_has_fp16(model), graph_has_qdq(model)
+    if fp16 and qdq:
+        return PrecisionMode("Q/DQ and fp16 casts", tuple(fp32_nodes),
+                             "Q/DQ over fp16: INT8 where quantized, fp16/fp32 as the graph's casts say")
+    if fp16:
+        return PrecisionMode("fp16 casts", tuple(fp32_nodes),
+                             "the graph's casts: fp16 layers, its fp32 islands fp32")
+    if qdq:
+        return PrecisionMode("Q/DQ", tuple(fp32_nodes),
+                             "Q/DQ: the quantized ops in INT8, every other layer fp32 as the graph says")
+    return PrecisionMode("fp32", tuple(fp32_nodes), "plain fp32 graph")
 
 
 def onnx_input_specs(model: onnx.ModelProto) -> list[dict[str, Any]]:

@@ -4,10 +4,12 @@ ONNX, on the device that will run it.
 Uses the TensorRT 10 Python API as typed by tensorrt-stubs 10.13 (JetPack
 7.0); every call also exists in TensorRT 10.3 (JetPack 6.2): Builder,
 create_network(STRONGLY_TYPED), OnnxParser.parse_from_file, IBuilderConfig
-(set_flag, set_memory_pool_limit(WORKSPACE), add_optimization_profile,
-create_timing_cache / set_timing_cache / get_timing_cache().serialize()),
+(set_memory_pool_limit(WORKSPACE), add_optimization_profile,
+create_timing_cache / set_timing_cache, ITimingCache.serialize),
 build_serialized_network, Runtime.deserialize_cuda_engine,
-device_memory_size_v2 (10.1+), ILayer.precision / set_output_type.
+device_memory_size_v2 (10.1+); and TensorRT 11, which has no weak typing:
+every network is strongly typed, its precision carried by the ONNX graph
+(engine_plan.precision_mode), with no precision builder flags.
 
 Besides the six dynamic stages it builds one engine per fixed-shape stage
 the bundle has (FIXED_SHAPE_PREFIXES: the flow estimator windows, the
@@ -23,7 +25,12 @@ rule is the same (precision_mode on their own ONNX).
 The decisions (precision mode, profiles, workspace) are made in
 edge_build/tensorrt/engine_plan.py, which needs no TensorRT and is tested on the CPU.
 The timing cache persists in the bundle (`timing.cache`), so a rebuild after
-a re-export reuses the measured tactics."""
+a re-export reuses the measured tactics; a cache made on another device or
+TensorRT version is refused by set_timing_cache(ignore_mismatch=False), which
+is logged and the cache replaced by a fresh one (written back after the
+build). Each stage's network, config, plan and deserialized engine are
+released before the next stage builds: on an 8 GB board they share the DRAM
+the builder needs."""
 
 from __future__ import annotations
 
@@ -39,12 +46,10 @@ from typing import TYPE_CHECKING, Any
 
 import onnx
 from cosyedge_build.tensorrt.engine_plan import (
-    PrecisionMode,
     batch_caps,
     build_profiles,
     engine_stages,
     is_fixed_shape,
-    onnx_node_of,
     precision_mode,
     prefill_profiles,
     resolve_board,
@@ -102,30 +107,25 @@ def _write_atomic(path: Path, data: bytes | memoryview) -> None:
     os.replace(tmp, path)
 
 
-def _pin_fp32(network: trt.INetworkDefinition, mode: PrecisionMode) -> int:
-    """Pin the layers of the sensitive ONNX nodes to fp32; returns how many."""
-    import tensorrt as trt
-
-    wanted = set(mode.fp32_nodes)
-    pinned = 0
-    for i in range(network.num_layers):
-        layer = network.get_layer(i)
-        if onnx_node_of(layer.name, layer.metadata, wanted) is None:
-            continue
-        layer.precision = trt.float32
-        for j in range(layer.num_outputs):
-            if layer.get_output(j).dtype in (trt.float32, trt.float16):
-                layer.set_output_type(j, trt.float32)
-        pinned += 1
-    return pinned
+def attach_timing_cache(config: trt.IBuilderConfig, cache_bytes: bytes, source: Path) -> trt.ITimingCache:
+    """The builder's timing cache: `cache_bytes` (read from `source`) when this
+    device and TensorRT accept it, else a fresh one (logged)."""
+    cache = config.create_timing_cache(cache_bytes)
+    if config.set_timing_cache(cache, ignore_mismatch=False):
+        return cache
+    log.warning("%s was made on another device or TensorRT version; building with a fresh timing cache, "
+                "which replaces it", source)
+    cache = config.create_timing_cache(b"")
+    if not config.set_timing_cache(cache, ignore_mismatch=False):
+        raise SynthesisError("TensorRT refused an empty timing cache")
+    return cache
 
 
-def _parse(builder: trt.Builder, onnx_path: Path, strongly_typed: bool) -> tuple[trt.INetworkDefinition, Any]:
+def _parse(builder: trt.Builder, onnx_path: Path) -> tuple[trt.INetworkDefinition, Any]:
     import tensorrt as trt
     from cosyedge_models.backends.tensorrt.session import trt_logger
 
-    flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED) if strongly_typed else 0
-    network = builder.create_network(flags)
+    network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
     parser = trt.OnnxParser(network, trt_logger())
     if not parser.parse_from_file(str(onnx_path)):
         errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
@@ -134,6 +134,18 @@ def _parse(builder: trt.Builder, onnx_path: Path, strongly_typed: bool) -> tuple
 
 
 ENGINE_PRECISIONS = ("fp32", "fp16", "int8")
+
+
+def _device_memory_bytes(runtime: trt.Runtime, plan: bytes) -> int | None:
+    """The engine's activation memory; the engine is released on return, before
+    the next stage builds (peak memory on a board that shares its DRAM)."""
+    engine = runtime.deserialize_cuda_engine(plan)
+    if engine is None:
+        return None
+    try:
+        return int(engine.device_memory_size_v2)
+    finally:
+        del engine
 
 
 def build_engines(bundle_dir: Path | str, settings: EngineBuildSettings | None = None,
@@ -183,31 +195,28 @@ def build_engines(bundle_dir: Path | str, settings: EngineBuildSettings | None =
         caps = batch_caps(stage_profiles(info.raw, stage), settings.max_batch)
         profiles = build_profiles(info.raw, stage, model, caps)
         t0 = time.monotonic()
-        network, parser = _parse(builder, onnx_path, mode.strongly_typed)
+        network, parser = _parse(builder, onnx_path)
         config = builder.create_builder_config()
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, workspace)
-        for flag in mode.flags:
-            config.set_flag(getattr(trt.BuilderFlag, flag))
-        pinned = _pin_fp32(network, mode) if mode.fp32_nodes else 0
         for prof in profiles:
             p = builder.create_optimization_profile()
             for name, rng in prof.items():
                 p.set_shape(name, trt.Dims(list(rng.min)), trt.Dims(list(rng.opt)), trt.Dims(list(rng.max)))
             config.add_optimization_profile(p)
         if cache is None:
-            cache = config.create_timing_cache(cache_bytes)
-        config.set_timing_cache(cache, False)
-        progress(f"{stage}: building from {onnx_path.name} ({mode.reason}"
-                 + (f"; {pinned} layers pinned to fp32" if mode.fp32_nodes else "") + ")")
+            cache = attach_timing_cache(config, cache_bytes, cache_path)
+        elif not config.set_timing_cache(cache, ignore_mismatch=False):
+            raise SynthesisError(f"{stage}: TensorRT refused the timing cache it made for the previous stage")
+        progress(f"{stage}: building from {onnx_path.name} (strongly typed; {mode.reason})")
         serialized = builder.build_serialized_network(network, config)
         if serialized is None:
             raise SynthesisError(f"{stage}: TensorRT could not build the engine (see the TensorRT log above; "
                               f"a smaller --workspace-mib or --max-batch may help on a small board)")
-        del parser
+        del parser, network, config
         plan_name = plan_file_name(stage, bundle.precision)
-        data = memoryview(serialized)
-        _write_atomic(root / plan_name, data)
-        engine = runtime.deserialize_cuda_engine(data)
+        _write_atomic(root / plan_name, memoryview(serialized))
+        del serialized
+        device_memory = _device_memory_bytes(runtime, (root / plan_name).read_bytes())
         records[stage] = {
             "file": plan_name,
             "sha256": sha256_file(root / plan_name),
@@ -215,11 +224,11 @@ def build_engines(bundle_dir: Path | str, settings: EngineBuildSettings | None =
             "onnx": onnx_path.name,
             "onnx_sha256": info.sha256 or sha256_file(onnx_path),
             "precision": info.precision,
-            "strongly_typed": mode.strongly_typed,
-            "flags": list(mode.flags),
-            "fp32_layers": pinned,
+            "strongly_typed": True,
+            "precision_from": mode.carried_by,
+            "fp32_nodes": len(mode.fp32_nodes),
             "profiles": [{n: [list(r.min), list(r.opt), list(r.max)] for n, r in p.items()} for p in profiles],
-            "device_memory_bytes": int(engine.device_memory_size_v2) if engine is not None else None,
+            "device_memory_bytes": device_memory,
             "build_seconds": round(time.monotonic() - t0, 1),
         }
         progress(f"{stage}: {plan_name} {records[stage]['plan_bytes'] / MIB:.1f} MiB in "

@@ -11,7 +11,7 @@ identity is probed by `cosyedge_models.backends.gpu_probe`.
   "timing_cache": "timing.cache",
   "stages": {"llm_decode": {"file": "llm_decode.int8.plan", "sha256": "...", "plan_bytes": 123,
                             "onnx": "llm_decode.int8.onnx", "onnx_sha256": "...", "precision": "int8",
-                            "strongly_typed": false, "flags": ["INT8", "FP16"],
+                            "strongly_typed": true, "precision_from": "Q/DQ", "fp32_nodes": 12,
                             "profiles": [{"P": [1, 256, 2048], "B": [1, 1, 1]}],
                             "device_memory_bytes": 4194304, "build_seconds": 81.2},
              "llm_prefill": {"file": "llm_decode.int8.plan", "engine_of": "llm_decode", "...": "..."}}

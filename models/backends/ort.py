@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
+from cosyedge_models.backends import ort_trt
 from cosyedge_models.backends.base import DecodeLoop, HostDecodeLoop, Session
 from cosyedge_models.backends.fixed_shapes import fixed_shape_names, fixed_shapes_wanted
 from cosyedge_models.backends.flow_cache import HostStepCache, StepCache, StepCacheSpec
@@ -52,7 +53,8 @@ def _device_values(arrays: dict[str, np.ndarray], device_id: int) -> dict[str, o
 class OrtSession:
     def __init__(self, name: str, path: Path, providers: Sequence[str], device_id: int, threads: int | None,
                  cuda_graph: bool = False, shared: SharedWeights | None = None,
-                 registry: SharedWeightsRegistry | None = None, cpu_memory_arena: bool = False) -> None:
+                 registry: SharedWeightsRegistry | None = None, cpu_memory_arena: bool = False,
+                 trt_options: Mapping[str, str] | None = None) -> None:
         opts = ort.SessionOptions()
         self._shared, self._registry = shared, registry
         self._counts_shared = False
@@ -104,8 +106,8 @@ class OrtSession:
                 if cuda_graph:
                     options["enable_cuda_graph"] = "1"
                 chosen.append((p, options))
-            elif p == "TensorrtExecutionProvider":
-                chosen.append((p, {"device_id": str(device_id)}))
+            elif p == ort_trt.PROVIDER:
+                chosen.append((p, dict(trt_options or {"device_id": str(device_id)})))
             else:
                 chosen.append(p)
         if not chosen:
@@ -148,7 +150,7 @@ class OrtSession:
     @property
     def on_device(self) -> bool:
         """True when the graph runs on a GPU provider (its tensors can stay there)."""
-        return self.providers[0] in ("CUDAExecutionProvider", "TensorrtExecutionProvider")
+        return self.providers[0] in ("CUDAExecutionProvider", ort_trt.PROVIDER)
 
     def memory_bytes(self) -> int:
         # Weights dominate; the arena is not exposed by onnxruntime's Python API.
@@ -181,7 +183,12 @@ class OrtSession:
 
 
 class OrtBackend:
-    def __init__(self, providers: Sequence[str], device_id: int = 0, cpu_memory_arena: bool = False) -> None:
+    def __init__(self, providers: Sequence[str], device_id: int = 0, cpu_memory_arena: bool = False,
+                 trt_stages: ort_trt.TrtStages | None = None) -> None:
+        """`trt_stages`: the bundle's stages, for the TensorRT provider's options (ort-trt)."""
+        if ort_trt.PROVIDER in providers and trt_stages is None:
+            raise ValueError("the TensorRT execution provider needs the bundle's stages (trt_stages)")
+        self._trt = trt_stages
         self.providers = tuple(providers)
         self.device_id = device_id
         self.cpu_memory_arena = cpu_memory_arena  # SynthesisSettings.cpu_memory_arena
@@ -203,8 +210,12 @@ class OrtBackend:
         sharing = self.providers[0] in ("CPUExecutionProvider", "CUDAExecutionProvider")
         share = sharing and os.environ.get("COSYEDGE_ORT_SHARE_WEIGHTS", "1") != "0"
         shared = self._shared.for_graph(path) if share else None
+        trt_options = None
+        if self._trt is not None:
+            trt_options = ort_trt.provider_options(self._trt.stage(stage), bundle_root=self._trt.root,
+                                                   device_id=self.device_id, cuda_graph=graph)
         return OrtSession(stage, path, self.providers, self.device_id, threads, cuda_graph=graph, shared=shared,
-                          registry=self._shared, cpu_memory_arena=self.cpu_memory_arena)
+                          registry=self._shared, cpu_memory_arena=self.cpu_memory_arena, trt_options=trt_options)
 
     def decode_loop(self, prefill: Session, decode: Session) -> DecodeLoop:
         if isinstance(prefill, OrtSession) and isinstance(decode, OrtSession) and decode.on_device:

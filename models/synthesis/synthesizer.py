@@ -418,4 +418,5 @@ def load_synthesizer(bundle_dir: Path | str, backend: str | None = None,
     name = settings.backend
     # The trt backend loads the bundle's TensorRT plans, checked against this GPU.
     bundle = load_bundle(bundle_dir, precision=settings.precision, backend="trt" if name == "trt" else "ort")
-    return CosyVoiceSynthesizer(bundle, create_backend(name, cpu_memory_arena=settings.cpu_memory_arena), settings)
+    backend_ = create_backend(name, cpu_memory_arena=settings.cpu_memory_arena, bundle=bundle)
+    return CosyVoiceSynthesizer(bundle, backend_, settings)

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from cosyedge_models.errors import BundleError
 
-from tests.support.trt_emulator import RTX_4090, Emulation, emulated_tensorrt
+from tests.support.trt_emulator import RTX_4090, Emulation
+from tests.support.trt_emulator import emulated_tensorrt as emulate
 from tests.support.trt_emulator.samples import affine_model, affine_reference, build_plan
 
 DYN = {"x": ((1, 1, 4), (1, 8, 4), (2, 16, 4))}
@@ -53,9 +54,9 @@ def test_shape_outside_the_profile_is_refused(emulated_tensorrt: Emulation, tmp_
 def test_plan_from_another_tensorrt_or_gpu_is_refused(tmp_path: Path, other: dict[str, object]) -> None:
     from cosyedge_models.backends.tensorrt.backend import TrtBackend
 
-    with emulated_tensorrt("10.13") as emu:
+    with emulate("10.13") as emu:
         path = _plan(emu, tmp_path)
-    with emulated_tensorrt(**other) as emu:  # type: ignore[arg-type]
+    with emulate(**other) as emu:  # type: ignore[arg-type]
         with pytest.raises(BundleError, match="could not deserialize"):
             TrtBackend().load("affine", path)
         assert any("deserializeCudaEngine" in m for m in emu.errors_logged())

@@ -1,6 +1,6 @@
 """`cosyedge model pull` against the fake hub (tests/support/fake_hub.py)
 serving the tiny checkpoint: end to end in its own process (HF_ENDPOINT
-honoured) to a bundle that synthesizes; a pull stopped after a stage and run
+honoured) to a bundle that synthesizes; a pull that fails in a stage and runs
 again (no second download, no second export); the installed bundle kept
 while a pull fails; no network; --set-default."""
 
@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import soundfile
-from cosyedge_build.pull.pipeline import PullJob, run_pull
 from cosyedge_daemon.cli.bundles import install_bundle, list_bundles
 from cosyedge_daemon.cli.main import main
 from cosyedge_daemon.settings.loader import load_settings
@@ -62,33 +61,32 @@ def test_pull_end_to_end_then_synthesize(hub: FakeHub, tmp_path: Path) -> None:
     assert rate == 24000 and pcm.size > rate // 4 and float(abs(pcm).max()) > 0.0
 
 
-class Stop(Exception):
-    pass
-
-
-def test_stopped_pull_resumes_and_keeps_the_installed_bundle(hub: FakeHub, tiny_bundle: Path,
-                                                             tmp_path: Path) -> None:
+def test_failed_stage_then_resumed_keeps_the_installed_bundle(hub: FakeHub, tiny_bundle: Path, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """The tiny model's random weights miss the quantization's accuracy budget:
+    the pull stops after its export with the reason, the bundle of that name
+    stays as it was; the next pull (fp32) asks the hub nothing and reuses the
+    export."""
     root = tmp_path / "bundles"
     root.mkdir()
-    install_bundle(root, "cv-fp32", shutil.copytree(tiny_bundle, root / ".old"), {"commit": "old"})
-    job = PullJob(repo=TINY_REPO, revision="main", source="huggingface", precision="fp32", engines=False,
-                  work=root / ".pull-cv", endpoint=hub.url, progress=False)
-
-    def stop_after_export(stage: str) -> None:
-        if stage == "export":
-            raise Stop
-
-    with pytest.raises(Stop):
-        run_pull(job, stop_after_export)
-    assert [(b.name, b.source) for b in list_bundles(root)] == [("cv-fp32", {"commit": "old"})]
-    manifest = job.work / "fp32" / "manifest.json"
-    exported_at = manifest.stat().st_mtime_ns
+    old = install_bundle(root, "cosyvoice2-tiny-int8w", shutil.copytree(tiny_bundle, root / ".old"),
+                         {"commit": "old"})
+    args = ["model", "pull", TINY_REPO, "--bundles-dir", str(root), "--endpoint", hub.url]
+    assert main([*args, "--precision", "int8w"]) == 2
+    err = capsys.readouterr().err
+    assert "the int8w bundle misses the accuracy budget" in err and "pull --precision fp32" in err
+    assert [(b.name, b.source) for b in list_bundles(root)] == [(old.name, {"commit": "old"})]
+    work = root / ".pull-cosyvoice2-tiny-work"
+    exported = (work / "fp32" / "manifest.json").stat()
     before = len(hub.requests)
-    result = run_pull(job)
+    assert main([*args, "--precision", "fp32"]) == 0
     assert hub.requests[before:] == [], "the second run asked the hub again"
-    assert manifest.stat().st_mtime_ns == exported_at, "the export ran again"
-    install_bundle(root, "cv-fp32", result.bundle, result.record)
-    assert list_bundles(root)[0].source["commit"] == hub.repos[TINY_REPO].commit
+    installed = root / "cosyvoice2-tiny-fp32" / "manifest.json"
+    assert (installed.stat().st_ino, installed.stat().st_mtime_ns) == (exported.st_ino, exported.st_mtime_ns), \
+        "the export ran again"
+    assert not work.exists()
+    assert {b.name: b.source.get("commit") for b in list_bundles(root)} == {
+        old.name: "old", "cosyvoice2-tiny-fp32": hub.repos[TINY_REPO].commit}
 
 
 def test_failing_pull_keeps_bundle_and_says_why(hub: FakeHub, tiny_bundle: Path, tmp_path: Path,
@@ -110,3 +108,6 @@ def test_failing_pull_keeps_bundle_and_says_why(hub: FakeHub, tiny_bundle: Path,
     assert "--set-default writes the config file given with --config" in capsys.readouterr().err
     assert main([*args, "--source", "modelscope"]) == 2
     assert "docs/models.md" in capsys.readouterr().err
+    (tmp_path / "a-file").write_text("")  # unwritable for root too
+    assert main([*args[:5], "--bundles-dir", str(tmp_path / "a-file" / "b"), *args[7:]]) == 2
+    assert "cannot write to the bundles folder" in capsys.readouterr().err

@@ -30,7 +30,7 @@ def still_serving(svc: Any) -> None:
 @pytest.mark.parametrize(("kwargs", "status", "code", "param"), [
     ({"input": ""}, 400, "invalid_field", "input"),
     ({"input": "x" * 5000}, 400, "text_too_long", "input"),
-    ({"voice": "nobody-here"}, 400, "unknown_voice", None),
+    ({"voice": "nobody-here"}, 400, "unknown_voice", "voice"),
     ({"response_format": "aiff"}, 400, "invalid_field", "response_format"),
     ({"model": "gpt-5"}, 400, "unknown_model", "model"),
     ({"speed": 9.0}, 400, "invalid_field", "speed"),
@@ -49,6 +49,7 @@ def test_bad_fields_answered_by_code(daemons: DaemonFactory, kwargs: dict[str, A
     assert err.status_code == status
     assert err.code == code and err.param == param
     assert isinstance(err.body, dict) and err.body["type"] == "invalid_request_error" and err.body["message"]
+    assert "'text'" not in err.body["message"]  # the client's field names, not the daemon's
     still_serving(svc)
 
 

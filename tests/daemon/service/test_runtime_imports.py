@@ -1,5 +1,6 @@
 """The board runs the daemon without torch, transformers or the build side:
-importing what `cosyedge run` imports must not pull them in."""
+importing what `cosyedge run` imports must not pull them in (nor aiohttp,
+which only a daemon with the HTTP API on imports)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import cosyedge_daemon.service.service, cosyedge_daemon.synthesizers.factory, co
 cosyedge_daemon.cli.main.build_parser()
 import cosyedge_models.synthesis.synthesizer, cosyedge_models.backends.ort, cosyedge_models.backends.tensorrt.backend
 heavy = sorted(m for m in ("torch", "transformers", "hyperpyyaml", "onnx", "librosa", "scipy", "tensorrt", "pycuda",
-                          "cosyedge_build", "cosyedge_cloud.bridge.service", "tritonclient") if m in sys.modules)
+                          "cosyedge_build", "cosyedge_cloud.bridge.service", "tritonclient",
+                          "aiohttp") if m in sys.modules)  # aiohttp: only with [http] listen
 print(",".join(heavy))
 """
 

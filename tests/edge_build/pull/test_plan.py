@@ -32,6 +32,10 @@ def test_precision_and_backend_per_machine() -> None:
 
 
 def test_estimate_counts_only_what_is_left() -> None:
+    from cosyedge_build.pull.pipeline import PRECISIONS
+
+    for precision in PRECISIONS:  # every precision the pull accepts has an estimate
+        resources.estimate(FULL, precision, engines=False, to_download=0, export_done=False, variant_done=False)
     fresh = resources.estimate(FULL, "int8", engines=True, to_download=4 * GB, export_done=False,
                                variant_done=False)
     fp32 = (2_020 + 450 + 83 + 28 + 496) * 10**6

@@ -126,9 +126,13 @@ def test_sensitivity_table_and_fp32_nodes(int8_bundle: Any) -> None:
         # Normalization/softmax are pinned; excluded quantizable nodes run without Q/DQ.
         pinned_ops = {names[n] for n in variant["fp32_nodes"]}
         assert pinned_ops & {"LayerNormalization", "Softmax", "ReduceMean", "Sin"}, stage
-        # The TensorRT builder's reading of the variant: weakly typed INT8 + FP16 with pinned layers.
+        # The TensorRT builder's reading of the variant: strongly typed from the Q/DQ graph, the
+        # fp32 nodes fp32 in the graph itself (no Q/DQ on them).
         mode = precision_mode(model, variant["fp32_nodes"])
-        assert not mode.strongly_typed and {"INT8", "OBEY_PRECISION_CONSTRAINTS"} <= set(mode.flags)
+        assert mode.strongly_typed and mode.carried_by == "Q/DQ" and mode.fp32_nodes
+        dq_out = {o for n in model.graph.node if n.op_type == "DequantizeLinear" for o in n.output}
+        fed_by_dq = [n.name for n in model.graph.node if n.name in variant["fp32_nodes"] and set(n.input) & dq_out]
+        assert not fed_by_dq, f"{stage}: TensorRT would fuse these fp32 nodes' DequantizeLinear into INT8"
     flow = json.loads((out / "manifest.json").read_text())["stages"]["flow_estimator"]["variants"]["int8"]
     assert "/time_mlp/linear_1/Gemm" in flow["fp32_nodes"]
     assert manifest["stages"]["hift_source"]["variants"]["int8"]["precision"] == "fp32"

@@ -51,11 +51,12 @@ def test_the_precision_rule_applies_to_them_unchanged() -> None:
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 80, 64])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 80, 64])
     plain = helper.make_model(helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", [x], [y]))
-    assert not precision_mode(plain).strongly_typed and precision_mode(plain).flags == ()
+    assert precision_mode(plain).strongly_typed and precision_mode(plain).carried_by == "fp32"
     half = helper.make_model(helper.make_graph([helper.make_node("Cast", ["x"], ["h"], to=TensorProto.FLOAT16),
                                                 helper.make_node("Cast", ["h"], ["y"], to=TensorProto.FLOAT)],
                                                "g", [x], [y]))
-    assert precision_mode(half).strongly_typed  # an fp16 companion's engine: its types are the policy
+    # an fp16 companion's engine: its types are the policy
+    assert precision_mode(half).strongly_typed and precision_mode(half).carried_by == "fp16 casts"
 
 
 def test_cli_builds_all_stages_by_default(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -20,7 +20,6 @@ from cosyedge_build.tensorrt.engine_plan import (
     build_profiles,
     graph_has_fp16,
     onnx_input_specs,
-    onnx_node_of,
     precision_mode,
     workspace_bytes,
 )
@@ -226,25 +225,17 @@ def _tiny_model(kind: str) -> onnx.ModelProto:
 
 
 def test_precision_rule() -> None:
+    """Every engine is strongly typed; the graph's types say where the precision comes from."""
     plain = precision_mode(_tiny_model("fp32"))
-    assert not plain.strongly_typed and plain.flags == ()
+    assert plain.strongly_typed and plain.carried_by == "fp32"
     qdq = precision_mode(_tiny_model("qdq"))
-    assert not qdq.strongly_typed and qdq.flags == ("INT8", "FP16")
-    pinned = precision_mode(_tiny_model("qdq"), ["mm"])
-    assert pinned.flags == ("INT8", "FP16", "OBEY_PRECISION_CONSTRAINTS") and pinned.fp32_nodes == ("mm",)
+    assert qdq.strongly_typed and qdq.carried_by == "Q/DQ" and qdq.fp32_nodes == ()
+    kept = precision_mode(_tiny_model("qdq"), ["mm"])
+    assert kept.strongly_typed and kept.fp32_nodes == ("mm",)
     typed = precision_mode(_tiny_model("fp16"))
-    assert graph_has_fp16(_tiny_model("fp16")) and typed.strongly_typed and typed.flags == ()
+    assert graph_has_fp16(_tiny_model("fp16")) and typed.strongly_typed and typed.carried_by == "fp16 casts"
     with pytest.raises(BundleError, match="nodes the graph lacks"):
         precision_mode(_tiny_model("qdq"), ["nope"])
-
-
-def test_onnx_node_of_layer_names() -> None:
-    nodes = {"/layers.0/mlp/Add", "node_Add_1"}
-    assert onnx_node_of("/layers.0/mlp/Add", "", nodes) == "/layers.0/mlp/Add"
-    assert onnx_node_of("/layers.0/mlp/Add_3", "", nodes) == "/layers.0/mlp/Add"
-    assert onnx_node_of("fused", "[ONNX Layer: node_Add_1]", nodes) == "node_Add_1"
-    assert onnx_node_of("node_Add_12", "", nodes) is None  # not node_Add_1's layer
-    assert onnx_node_of("other", "", nodes) is None
 
 
 def test_build_profiles_from_onnx_inputs_when_manifest_has_no_shapes() -> None:

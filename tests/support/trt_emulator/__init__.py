@@ -26,6 +26,7 @@ from tests.support.trt_emulator.trt_types import VERSIONS
 __all__ = ["VERSIONS", "EmulatedGpu", "Emulation", "emulated_tensorrt", "real_tensorrt_present"]
 
 _MODULES = ("tensorrt", "pycuda", "pycuda.driver")
+_active: list[EmulatedLibcuda] = []  # emulations in place, innermost last (nesting restores the outer one)
 JETSON_ORIN_NANO = EmulatedGpu()
 RTX_4090 = EmulatedGpu("NVIDIA GeForce RTX 4090", (8, 9), 128, 25_386_352_640)
 
@@ -55,9 +56,10 @@ class Emulation:
 
 def real_tensorrt_present() -> bool:
     """A real `tensorrt` (not tensorrt-stubs' stub-only namespace) is importable."""
-    if isinstance(sys.modules.get("tensorrt"), types.ModuleType) and not getattr(
-            sys.modules["tensorrt"], "__emulated__", False):
-        return hasattr(sys.modules["tensorrt"], "Builder")
+    loaded = sys.modules.get("tensorrt")
+    if loaded is not None:
+        # an emulation already in place (nested emulations are fine: the outer one checked)
+        return not getattr(loaded, "__emulated__", False) and hasattr(loaded, "Builder")
     spec = importlib.util.find_spec("tensorrt")
     return spec is not None and spec.origin is not None and not spec.origin.endswith(".pyi")
 
@@ -82,10 +84,12 @@ def emulated_tensorrt(version: str = "10.13", gpu: EmulatedGpu | None = None) ->
     no_gpu = os.environ.pop("COSYEDGE_NO_GPU", None)
     sys.modules.update({"tensorrt": trt, "pycuda": pkg, "pycuda.driver": drv})
     gpu_probe.use_cuda_library(lib)
+    _active.append(lib)
     try:
         yield Emulation(machine, env, trt, drv, lib)
     finally:
-        gpu_probe.use_cuda_library(None)
+        _active.remove(lib)
+        gpu_probe.use_cuda_library(_active[-1] if _active else None)
         for name, mod in saved.items():
             if mod is None:
                 sys.modules.pop(name, None)

@@ -378,15 +378,16 @@ class Builder:
         if profiles is None:
             return None
         model = network.model
-        shapes = env.shapes_for(model)
         static = {}
         if all(all(d >= 0 for d in t.shape) for t in network.inputs):
-            static = shapes.output_shapes({t.name: t.shape.tuple() for t in network.inputs})
+            # a fully static network: TensorRT resolves every output shape at build time
+            static = env.shapes_for(model).output_shapes({t.name: t.shape.tuple() for t in network.inputs})
         io = [planfmt.TensorInfo(t.name, True, int(t.dtype), list(t.shape)) for t in network.inputs]
         for t in network.outputs:
             dims = list(static.get(t.name, t.shape.tuple()))
             io.append(planfmt.TensorInfo(t.name, False, int(t.dtype), dims))
-        weights = sum(int(np.prod(i.dims, dtype=np.int64)) * 4 for i in model.graph.initializer)
+        weights = sum(int(np.prod(i.dims, dtype=np.int64)) * onnx.helper.tensor_dtype_to_np_dtype(i.data_type).itemsize
+                      for i in model.graph.initializer)
         activation = env.activation_bytes(io, profiles)
         if config.timing_cache is not None:
             config.timing_cache.entries.update(f"{layer.type}:{layer.name}" for layer in network.layers)

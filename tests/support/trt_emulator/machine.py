@@ -109,6 +109,7 @@ class Machine:
         self._starts: list[int] = []  # sorted keys of _allocs
         self.pinned_bytes = 0  # live page-locked host bytes
         self.pinned_ranges: dict[int, tuple[int, int]] = {}  # id -> (host address, bytes) of live page-locked memory
+        self.freed_pinned: dict[int, tuple[int, int]] = {}  # freed page-locked ranges whose arrays still exist
         self.skipped_frees: list[str] = []  # frees pycuda skipped (out-of-thread context): leaks
         self._handles = 0x1000
         self.streams: dict[int, StreamState] = {}
@@ -161,6 +162,30 @@ class Machine:
             raise CudaError(INVALID_CONTEXT, f"{what}: no CUDA context is current on this thread")
         return ctx
 
+    def unsafe_call(self, what: str) -> None:
+        """cuThreadExchangeStreamCaptureMode: during a capture "some actions, such as a call to cudaMalloc,
+        may be unsafe"; a thread with its own capture (mode GLOBAL or THREAD_LOCAL), or any thread while
+        some capture runs in GLOBAL mode, "is prohibited from potentially unsafe API calls": the call fails
+        and the capture is invalidated."""
+        me = threading.get_ident()
+        with self.lock:
+            hits = [s.capture for s in self.streams.values() if s.capture is not None
+                    and (s.capture.mode == 0 or (s.capture.mode == 1 and s.capture.thread == me))]
+            for cap in hits:
+                cap.invalidated = f"{what} during the capture"
+        if hits:
+            raise CudaError(STREAM_CAPTURE_UNSUPPORTED, f"{what}: not permitted while a stream is capturing")
+
+    def host_kind(self, addr: int, nbytes: int) -> str:
+        """'pinned' (inside live page-locked memory), 'freed' (inside page-locked memory already
+        freed) or 'pageable'."""
+        with self.lock:
+            for table, kind in ((self.pinned_ranges, "pinned"), (self.freed_pinned, "freed")):
+                for start, n in table.values():
+                    if start <= addr and addr + nbytes <= start + n:
+                        return kind
+        return "pageable"
+
     # --- device memory (cuMemAlloc / cuMemFree) ---
     def used_bytes(self) -> int:
         with self.lock:
@@ -168,6 +193,7 @@ class Machine:
 
     def alloc(self, nbytes: int, what: str = "cuMemAlloc") -> int:
         ctx = self.require_context(what)
+        self.unsafe_call(what)
         if nbytes <= 0:
             # cuMemAlloc: "If bytesize is 0, cuMemAlloc() returns CUDA_ERROR_INVALID_VALUE"
             raise CudaError(INVALID_VALUE, f"{what}: size {nbytes}")
@@ -182,11 +208,27 @@ class Machine:
             return addr
 
     def free(self, addr: int) -> None:
+        """cuMemFree: "this API may perform implicit synchronization": the emulator always does (work
+        still queued that uses the memory runs first)."""
+        self.unsafe_call("cuMemFree")
+        if self.fault is None:
+            try:
+                self.synchronize_all()
+            except CudaError as exc:  # sticky now; the free itself still happens
+                self.errors.append(f"work queued before cuMemFree failed: {exc}")
         with self.lock:
             if addr not in self._allocs:
                 raise CudaError(INVALID_VALUE, f"cuMemFree: {addr:#x} is not the start of an allocation")
             del self._allocs[addr]
             self._starts.remove(addr)
+
+    def release(self, addr: int) -> None:
+        """cuMemFree from a finalizer (TensorRT freeing what an engine or context owned): a failure is
+        recorded, not raised."""
+        try:
+            self.free(addr)
+        except CudaError as exc:
+            self.errors.append(f"cuMemFree of {addr:#x} failed: {exc}")
 
     def find(self, addr: int, nbytes: int) -> tuple[DeviceAllocation, int] | None:
         with self.lock:
@@ -263,6 +305,9 @@ class Machine:
 
     def synchronize(self, handle: int) -> None:
         self.require_context("cuStreamSynchronize")
+        self._flush(handle)
+
+    def _flush(self, handle: int) -> None:
         st = self.stream(handle, "cuStreamSynchronize")
         if st is None:
             self.synchronize_all()
@@ -289,13 +334,16 @@ class Machine:
         with self.lock:
             handles = [s.handle for s in self.streams.values() if s.capture is None]
         for h in handles:
-            self.synchronize(h)
+            self._flush(h)
 
     def destroy_stream(self, handle: int) -> None:
         with self.lock:
             st = self.streams.pop(handle, None)
-        if st is not None:
-            self.run(st.pending)  # cuStreamDestroy: pending work still completes
+        if st is not None and self.fault is None:
+            try:
+                self.run(st.pending)  # cuStreamDestroy: pending work still completes
+            except CudaError as exc:  # called from a finalizer: nobody to raise to
+                self.errors.append(f"work pending on a destroyed stream failed: {exc}")
 
     # --- capture and graphs (cuStreamBeginCapture / cuStreamEndCapture / cuGraphInstantiate / cuGraphLaunch) ---
     def begin_capture(self, handle: int, mode: int) -> None:

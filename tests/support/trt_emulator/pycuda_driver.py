@@ -196,6 +196,10 @@ def make_driver(machine: Machine) -> types.ModuleType:
 
         def __init__(self, shape: tuple[int, ...], dtype: np.dtype) -> None:
             self._ctx = owning_context("cuMemHostAlloc")
+            try:
+                machine.unsafe_call("cuMemHostAlloc")
+            except CudaError as exc:
+                raise _raise(exc) from exc
             self.nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
             self._buf = (np.ctypeslib.ctypes.c_uint8 * max(self.nbytes, 1))()
             self.__array_interface__ = {
@@ -211,9 +215,12 @@ def make_driver(machine: Machine) -> types.ModuleType:
 
         def free(self) -> None:
             if not self._valid:
-                raise LogicError("host_allocation::free failed: invalid resource handle")
+                raise LogicError("pagelocked_host_allocation::free failed: invalid resource handle")
             self._valid = False
-            self._finalizer()
+            self._finalizer.detach()
+            _free_host(machine, id(self), self.nbytes, self._ctx, activate_for_free, explicit=True)
+            # the freed range is remembered (a copy from it fails) while the array exists
+            weakref.finalize(self, machine.freed_pinned.pop, id(self), None)
 
     def pagelocked_empty(shape: Sequence[int] | int, dtype: Any, order: str = "C", mem_flags: int = 0) -> np.ndarray:
         shp = (int(shape),) if isinstance(shape, int) else tuple(int(s) for s in shape)
@@ -255,22 +262,66 @@ def make_driver(machine: Machine) -> types.ModuleType:
         except CudaError as exc:
             raise _raise(exc) from exc
 
+    def _host_bytes(arr: np.ndarray) -> np.ndarray:
+        """The array's bytes, sharing its memory (pycuda takes a buffer with PyBUF_ANY_CONTIGUOUS)."""
+        a = np.asarray(arr)
+        if not (a.flags.c_contiguous or a.flags.f_contiguous):
+            raise BufferError("ndarray is not contiguous")
+        return a.reshape(-1, order="A").view(np.uint8)
+
+    def _host_side(arr: np.ndarray, handle: int, what: str) -> str:
+        """Page-locked or pageable (CUDA runtime API, "API synchronization behavior"): async copies with
+        pageable memory synchronize the stream first; freed page-locked memory is an invalid argument."""
+        kind = machine.host_kind(int(arr.ctypes.data), arr.nbytes)
+        if kind == "freed":
+            raise LogicError(f"{what} failed: invalid argument (page-locked host memory already freed)")
+        if kind == "pageable" and arr.nbytes:
+            if machine.capturing(handle) is not None:
+                # GUESS: the stream sync a pageable copy needs is not allowed while capturing
+                machine.invalidate_capture(handle, f"{what} with pageable host memory")
+                raise LogicError(f"{what} failed: operation not permitted when stream is capturing "
+                                 "(pageable host memory)")
+            try:
+                machine.synchronize(handle)
+            except CudaError as exc:
+                raise _raise(exc) from exc
+        return kind
+
+    def _still_pinned(host: np.ndarray, what: str) -> None:
+        if machine.host_kind(int(host.ctypes.data), host.nbytes) != "pinned":
+            raise CudaError(ILLEGAL_ADDRESS, f"{what}: its page-locked host memory was freed")
+
     def memcpy_htod_async(dest: int, src: np.ndarray, stream: Stream | None = None) -> None:
-        host = memoryview(src).cast("B")
+        host = _host_bytes(src)
         d = _device(dest, host.nbytes, "cuMemcpyHtoDAsync")
+        if _host_side(host, _stream_handle(stream), "cuMemcpyHtoDAsync") == "pageable":
+            staged = host.copy()  # "returns once the pageable buffer has been copied to the staging memory"
+
+            def run_staged() -> None:
+                machine.span(d, staged.nbytes, "cuMemcpyHtoDAsync")[...] = staged
+
+            _submit(stream, Op("cuMemcpyHtoDAsync", run_staged))
+            return
 
         def run() -> None:
-            machine.span(d, host.nbytes, "cuMemcpyHtoDAsync")[...] = np.frombuffer(host, np.uint8)
+            _still_pinned(host, "cuMemcpyHtoDAsync")
+            machine.span(d, host.nbytes, "cuMemcpyHtoDAsync")[...] = host
 
         _submit(stream, Op("cuMemcpyHtoDAsync", run))
 
     def memcpy_dtoh_async(dest: np.ndarray, src: int, stream: Stream | None = None) -> None:
-        if not dest.flags.c_contiguous or not dest.flags.writeable:
-            raise LogicError("memcpy_dtoh_async: the destination must be a contiguous writable array")
-        out = dest.reshape(-1).view(np.uint8)
+        if not dest.flags.writeable:
+            raise BufferError("memcpy_dtoh_async: the destination is not writable")
+        out = _host_bytes(dest)
         s = _device(src, out.nbytes, "cuMemcpyDtoHAsync")
+        if _host_side(out, _stream_handle(stream), "cuMemcpyDtoHAsync") == "pageable":
+            # "for transfers from device memory to pageable host memory, the function will return only
+            # once the copy has completed"
+            out[...] = machine.span(s, out.nbytes, "cuMemcpyDtoHAsync")
+            return
 
         def run() -> None:
+            _still_pinned(out, "cuMemcpyDtoHAsync")
             out[...] = machine.span(s, out.nbytes, "cuMemcpyDtoHAsync")
 
         _submit(stream, Op("cuMemcpyDtoHAsync", run))
@@ -349,7 +400,7 @@ def make_driver(machine: Machine) -> types.ModuleType:
     for name, value in {
         "Error": Error, "LogicError": LogicError, "LaunchError": LaunchError, "RuntimeError": CudaRuntimeError,
         "MemoryError": CudaMemoryError, "Context": Context, "Device": Device, "DeviceAllocation": DeviceAllocation,
-        "HostAllocation": HostAllocation, "Stream": Stream, "Memcpy2D": Memcpy2D, "init": init,
+        "PagelockedHostAllocation": HostAllocation, "Stream": Stream, "Memcpy2D": Memcpy2D, "init": init,
         "mem_alloc": mem_alloc, "mem_get_info": mem_get_info, "pagelocked_empty": pagelocked_empty,
         "memcpy_htod_async": memcpy_htod_async, "memcpy_dtoh_async": memcpy_dtoh_async,
         "memcpy_dtod_async": memcpy_dtod_async, "memset_d8_async": memset_d8_async,
@@ -369,13 +420,25 @@ def _free_device(machine: Machine, ptr: int, ctx: Any, may_free: Any) -> None:
         machine.errors.append(f"cuMemFree: {exc}")
 
 
-def _free_host(machine: Machine, key: int, nbytes: int, ctx: Any, may_free: Any) -> None:
+def _free_host(machine: Machine, key: int, nbytes: int, ctx: Any, may_free: Any, explicit: bool = False) -> None:
     if not may_free(ctx):
         machine.skipped_frees.append(f"page-locked {nbytes} bytes: freed outside its context (leaked)")
         return
+    try:
+        machine.unsafe_call("cuMemFreeHost")
+    except CudaError as exc:  # pycuda's CUDAPP_CALL_GUARDED_CLEANUP: a warning, the memory stays
+        machine.errors.append(f"page-locked free failed: {exc}")
+        return
+    if machine.fault is None:
+        try:  # GUESS: like cuMemFree, freeing page-locked memory waits for the work queued before it
+            machine.synchronize_all()
+        except CudaError as exc:
+            machine.errors.append(f"work queued before cuMemFreeHost failed: {exc}")
     with machine.lock:
         machine.pinned_bytes -= nbytes
-        machine.pinned_ranges.pop(key, None)
+        rng = machine.pinned_ranges.pop(key, None)
+        if rng is not None and explicit:
+            machine.freed_pinned[key] = rng
 
 
 def _thread_end(machine: Machine, stack: list[Any], thread: str) -> None:

@@ -91,7 +91,7 @@ class ICudaEngine:
         self._io = {t.name: t for t in header.io}
         self._order = [t.name for t in header.io]
         self.name = "emulated engine"
-        weakref.finalize(self, env.machine.free, weights)
+        weakref.finalize(self, env.machine.release, weights)
 
     def _log(self, sev: Any, msg: str) -> None:
         report(self._logger, sev, msg, self._env.journal)
@@ -180,13 +180,22 @@ class IExecutionContext:
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._addresses: dict[str, int] = {}
         self._needs_plain_enqueue = True  # deferred setup runs on the first enqueue after a shape/profile change
-        self._lock = threading.Lock()
+        self._busy = threading.Lock()
         self.name = ""
         if scratch:
-            weakref.finalize(self, self._env.machine.free, scratch)
+            weakref.finalize(self, self._env.machine.release, scratch)
 
     def _log(self, sev: Any, msg: str) -> None:
         self.engine._log(sev, msg)
+
+    def _enter(self, what: str) -> bool:
+        """An execution context is not thread-safe (developer guide, "Thread Safety": TensorRT objects may
+        be used from several threads only with one execution context per thread at a time): a call that
+        overlaps another thread's call on the same context is recorded as an error and fails."""
+        if self._busy.acquire(blocking=False):
+            return True
+        self._env.machine.errors.append(f"IExecutionContext.{what} while another thread uses the same context")
+        return self._fail(f"IExecutionContext::{what}: the context is in use by another thread")
 
     def _fail(self, msg: str) -> bool:
         self._log(_SEV.ERROR, msg)
@@ -197,6 +206,14 @@ class IExecutionContext:
         return self._profile
 
     def set_optimization_profile_async(self, profile_index: int, stream_handle: int) -> bool:
+        if not self._enter("set_optimization_profile_async"):
+            return False
+        try:
+            return self._set_optimization_profile_async(profile_index, stream_handle)
+        finally:
+            self._busy.release()
+
+    def _set_optimization_profile_async(self, profile_index: int, stream_handle: int) -> bool:
         if not 0 <= profile_index < self.engine.num_optimization_profiles:
             return self._fail(f"setOptimizationProfileAsync: profile {profile_index} out of range "
                               f"[0, {self.engine.num_optimization_profiles})")
@@ -209,6 +226,14 @@ class IExecutionContext:
         return True
 
     def set_input_shape(self, name: str, shape: Any) -> bool:
+        if not self._enter("set_input_shape"):
+            return False
+        try:
+            return self._set_input_shape(name, shape)
+        finally:
+            self._busy.release()
+
+    def _set_input_shape(self, name: str, shape: Any) -> bool:
         t = self.engine._io.get(name)
         if t is None or not t.is_input:
             return self._fail(f"IExecutionContext::setInputShape: Error Code 3: API Usage Error ({name} is not an "
@@ -250,6 +275,14 @@ class IExecutionContext:
         return Dims(self.engine.model.output_shapes(self._input_shapes())[name])
 
     def set_tensor_address(self, name: str, memory: int) -> bool:
+        if not self._enter("set_tensor_address"):
+            return False
+        try:
+            return self._set_tensor_address(name, memory)
+        finally:
+            self._busy.release()
+
+    def _set_tensor_address(self, name: str, memory: int) -> bool:
         if name not in self.engine._io:
             return self._fail(f"IExecutionContext::setTensorAddress: Error Code 3: API Usage Error (no tensor named "
                               f"{name})")
@@ -271,6 +304,14 @@ class IExecutionContext:
         self._device_memory = (int(memory), int(size))
 
     def execute_async_v3(self, stream_handle: int) -> bool:
+        if not self._enter("execute_async_v3"):
+            return False
+        try:
+            return self._execute_async_v3(stream_handle)
+        finally:
+            self._busy.release()
+
+    def _execute_async_v3(self, stream_handle: int) -> bool:
         env, eng = self._env, self.engine
         if not self._inputs_specified():
             missing = [t.name for t in eng.header.io if t.is_input and t.name not in self._shapes

@@ -23,6 +23,7 @@ class EngineModel:
         self._outputs = [o.name for o in self.session.get_outputs()]
         self._cache: dict[tuple[tuple[str, tuple[int, ...]], ...], dict[str, tuple[int, ...]]] = {}
         self._lock = threading.Lock()
+        self._trust_symbolic: bool | None = None  # None: not checked yet
 
     def run(self, feeds: Mapping[str, np.ndarray], outputs: Sequence[str]) -> list[np.ndarray]:
         return [np.asarray(v) for v in self.session.run(list(outputs), dict(feeds))]
@@ -33,13 +34,18 @@ class EngineModel:
             hit = self._cache.get(key)
         if hit is not None:
             return hit
-        shapes = self._symbolic(inputs)
-        if shapes is None:
+        shapes = self._symbolic(inputs) if self._trust_symbolic is not False else None
+        if shapes is None or self._trust_symbolic is None:
             # GUESS (method): shapes the graph does not state symbolically come from a run on zeros; TensorRT
             # computes them without running (data-dependent shapes are not emulated)
             feeds = {n: np.zeros(inputs[n], _np_type(self._inputs[n].type)) for n in self._inputs}
             outs = self.session.run(self._outputs, feeds)
-            shapes = {n: tuple(int(d) for d in np.shape(v)) for n, v in zip(self._outputs, outs, strict=False)}
+            ran = {n: tuple(int(d) for d in np.shape(v)) for n, v in zip(self._outputs, outs, strict=True)}
+            if shapes is not None:
+                # the first symbolic answer is checked against a run: an exporter may name an output
+                # dimension after an input's while it differs (T vs T + 1)
+                self._trust_symbolic = shapes == ran
+            shapes = ran
         with self._lock:
             self._cache[key] = shapes
         return shapes
