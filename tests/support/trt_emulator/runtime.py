@@ -374,6 +374,7 @@ class IExecutionContext:
                 out = np.ascontiguousarray(value, dtype=dtype).reshape(-1).view(np.uint8)
                 machine.span(addr, out.nbytes, f"enqueueV3 output {name}")[...] = out
 
+        env.runtime_context()  # TensorRT launches through the CUDA runtime, which binds the primary context
         try:
             machine.enqueue(int(stream_handle), Op("enqueueV3", run))
         except CudaError as exc:
