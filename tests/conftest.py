@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from tests.support import hypothesis_seed
 from tests.support.broker import Broker, mosquitto_binary, running_broker
 from tests.support.components import missing
 
@@ -20,6 +21,20 @@ if TYPE_CHECKING:
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("COSYEDGE_TEST_CACHE", ROOT / ".cache" / "tests"))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    hypothesis_seed.configure(config)
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return hypothesis_seed.header()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    hypothesis_seed.add_seed_to_failure(item, outcome.get_result())
 
 
 def _code_hash(*packages: str) -> str:
@@ -123,3 +138,5 @@ def emulated_tensorrt(request: pytest.FixtureRequest) -> Iterator[Emulation]:
     version = getattr(request, "param", "10.13")
     with emulate(version) as emu:
         yield emu
+        # what would have crashed or faulted a real GPU process fails the test, even if it caught the error
+        assert not emu.faults(), emu.faults()

@@ -255,12 +255,13 @@ def _add_model(sub: argparse._SubParsersAction) -> None:
     pull.add_argument("name", nargs="?", default="CosyVoice2-0.5B",
                       help="CosyVoice2-0.5B (default) or a repository id owner/name in the same layout")
     pull.add_argument("--source", choices=["huggingface", "modelscope"], default="huggingface")
-    pull.add_argument("--revision", default="main", help="branch, tag or commit to pin (default: main)")
+    pull.add_argument("--revision", help="branch, tag or commit to pin (default: main; ModelScope: master)")
     pull.add_argument("--precision", choices=["auto", "fp32", "fp16", "int8", "int8w"], default="auto",
                       help="auto: int8 with TensorRT, fp16 on a CUDA GPU, fp32 on a CPU")
     pull.add_argument("--engines", action=argparse.BooleanOptionalAction, default=None,
                       help="build TensorRT engines into the bundle (default: when TensorRT is available)")
-    pull.add_argument("--endpoint", help="hub URL (default: $HF_ENDPOINT or https://huggingface.co)")
+    pull.add_argument("--endpoint", help="hub URL (default: $HF_ENDPOINT or https://huggingface.co; ModelScope: "
+                                         "https://$MODELSCOPE_DOMAIN or https://www.modelscope.cn)")
     pull.add_argument("--config", help="TOML config file: its [tts] bundles_dir; --set-default writes it")
     pull.add_argument("--bundles-dir", help="install here (default: [tts] bundles_dir, see docs/models.md)")
     pull.add_argument("--set-default", action="store_true",

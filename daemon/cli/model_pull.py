@@ -40,10 +40,7 @@ def pull_command(args: argparse.Namespace, root: Path) -> int:
     if args.set_default and not args.config:
         raise CosyEdgeError("--set-default writes the config file given with --config FILE")
     repo, model = resolve_repo(args.name, args.source)
-    if args.source == "modelscope":
-        raise CosyEdgeError("--source modelscope is not supported by this version; download "
-                            f"https://modelscope.cn/models/{repo} by hand (`modelscope download --model {repo} "
-                            "--local_dir DIR`) and build with `cosyedge build export` (docs/models.md)")
+    revision = args.revision or ("master" if args.source == "modelscope" else "main")
     try:
         root.mkdir(parents=True, exist_ok=True)
         probe = root / f".write-test-{os.getpid()}"
@@ -59,9 +56,9 @@ def pull_command(args: argparse.Namespace, root: Path) -> int:
         raise CosyEdgeError("--engines needs TensorRT on this machine (`cosyedge doctor` says what is missing)")
     name = bundle_name(model, precision)
     work = root / f".pull-{bundle_name(model, 'work')}"
-    print(f"pulling {repo}@{args.revision} from {args.source} into {root / name} ({precision}"
+    print(f"pulling {repo}@{revision} from {args.source} into {root / name} ({precision}"
           f"{', TensorRT engines' if engines else ''})", flush=True)
-    job = PullJob(repo=repo, revision=args.revision, source=args.source, precision=precision, engines=engines,
+    job = PullJob(repo=repo, revision=revision, source=args.source, precision=precision, engines=engines,
                   work=work, endpoint=args.endpoint, check_resources=not args.skip_resource_check)
     result = run_pull(job)
     installed = install_bundle(root, name, result.bundle, result.record)

@@ -12,6 +12,7 @@ what is done."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import sys
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cosyedge_build.pull import modelscope
 from cosyedge_build.pull.hub import ChecksumError, RepoFile, needed_files, verify
 from cosyedge_models.errors import CosyEdgeError, MissingExtraError
 
@@ -70,14 +72,30 @@ def _unreachable(hub: Any, endpoint: str | None, exc: BaseException, what: str) 
                                f"(HTTPS_PROXY) or a mirror (HF_ENDPOINT); {MANUAL_STEPS}")
 
 
+_MS_ERRORS = (OSError, http.client.HTTPException)  # urllib's URLError/HTTPError are OSErrors
+
+
+def _ms_unreachable(endpoint: str | None, exc: BaseException, what: str) -> HubUnreachableError:
+    return HubUnreachableError(f"{what} from {modelscope.endpoint_url(endpoint)} failed: {type(exc).__name__}: "
+                               f"{exc}. Check the network, a proxy (HTTPS_PROXY) or the endpoint "
+                               f"(MODELSCOPE_DOMAIN); {MANUAL_STEPS}")
+
+
 def _request_errors(hub: Any) -> tuple[type[BaseException], ...]:
     import requests  # huggingface_hub's own HTTP client
 
     return (requests.RequestException, OSError, hub.errors.HfHubHTTPError, hub.errors.LocalEntryNotFoundError)
 
 
-def list_files(repo: str, revision: str, endpoint: str | None = None) -> tuple[str, list[RepoFile]]:
+def list_files(repo: str, revision: str, endpoint: str | None = None,
+               source: str = "huggingface") -> tuple[str, list[RepoFile]]:
     """(commit, needed files) of `repo` at `revision` (a branch, tag or commit)."""
+    if source == "modelscope":
+        try:
+            commit, every = modelscope.list_files(repo, revision, endpoint)
+        except _MS_ERRORS as exc:
+            raise _ms_unreachable(endpoint, exc, f"reading the file list of {repo}") from exc
+        return commit, needed_files(every, repo)
     hub = _hub()
     errors = hub.errors
     try:
@@ -112,46 +130,66 @@ def _read_verified(folder: Path) -> dict[str, str]:
 def download_checkpoint(repo: str, revision: str, folder: Path, endpoint: str | None = None,
                         progress: bool | None = None,
                         on_file: Callable[[RepoFile], None] | None = None,
-                        listing: tuple[str, list[RepoFile]] | None = None) -> Checkpoint:
+                        listing: tuple[str, list[RepoFile]] | None = None,
+                        source: str = "huggingface") -> Checkpoint:
     """Download the needed files of `repo` at `revision` into `folder`
     (resuming what an earlier run left there) and check each one.
     `progress`: huggingface_hub's progress bars (default: on a terminal);
-    without them one log line per file. `listing`: list_files' answer, when
-    the caller asked for it already."""
-    hub = _hub()
-    commit, files = listing or list_files(repo, revision, endpoint)
+    without them (and from ModelScope) one log line per file. `listing`:
+    list_files' answer, when the caller asked for it already."""
+    commit, files = listing or list_files(repo, revision, endpoint, source)
     folder.mkdir(parents=True, exist_ok=True)
     verified = _read_verified(folder)
     if verified.get("commit") != commit:
         verified = {"commit": commit}
+
+    def fetch_ms(f: RepoFile) -> None:
+        try:
+            modelscope.fetch_file(repo, revision, f, folder / f.path, endpoint)
+        except _MS_ERRORS as exc:
+            raise _ms_unreachable(endpoint, exc, f"downloading {f.path} of {repo}") from exc
+
+    if source == "modelscope":
+        _each_file(folder, files, verified, fetch_ms, on_file)
+        return Checkpoint(folder, repo, revision, commit, tuple(files))
+    hub = _hub()
+
+    def fetch_hf(f: RepoFile) -> None:
+        try:
+            hub.hf_hub_download(repo, f.path, revision=commit, local_dir=folder, endpoint=endpoint)
+        except hub.errors.EntryNotFoundError as exc:
+            raise CosyEdgeError(f"{repo}@{commit[:12]} lists {f.path} but does not serve it: {exc}") from exc
+        except _request_errors(hub) as exc:
+            raise _unreachable(hub, endpoint, exc, f"downloading {f.path} of {repo}") from exc
+
     bars = sys.stderr.isatty() if progress is None else progress
     was_disabled = hub.utils.are_progress_bars_disabled()
     if not bars:
         hub.utils.disable_progress_bars()
     try:
-        for index, f in enumerate(files, 1):
-            _one_file(hub, repo, commit, folder, f, endpoint, verified, f"{index}/{len(files)}")
-            if on_file is not None:
-                on_file(f)
+        _each_file(folder, files, verified, fetch_hf, on_file)
     finally:
         if not bars and not was_disabled:
             hub.utils.enable_progress_bars()
     return Checkpoint(folder, repo, revision, commit, tuple(files))
 
 
-def _one_file(hub: Any, repo: str, commit: str, folder: Path, f: RepoFile, endpoint: str | None,
-              verified: dict[str, str], count: str) -> None:
+def _each_file(folder: Path, files: list[RepoFile], verified: dict[str, str],
+               fetch: Callable[[RepoFile], None], on_file: Callable[[RepoFile], None] | None) -> None:
+    for index, f in enumerate(files, 1):
+        _one_file(folder, f, fetch, verified, f"{index}/{len(files)}")
+        if on_file is not None:
+            on_file(f)
+
+
+def _one_file(folder: Path, f: RepoFile, fetch: Callable[[RepoFile], None], verified: dict[str, str],
+              count: str) -> None:
     target = folder / f.path
     if verified.get(f.path) and target.is_file() and (f.size is None or target.stat().st_size == f.size):
         log.info("%s %s: downloaded and checked before", count, f.path)
         return
     started = time.monotonic()
-    try:
-        hub.hf_hub_download(repo, f.path, revision=commit, local_dir=folder, endpoint=endpoint)
-    except hub.errors.EntryNotFoundError as exc:
-        raise CosyEdgeError(f"{repo}@{commit[:12]} lists {f.path} but does not serve it: {exc}") from exc
-    except _request_errors(hub) as exc:
-        raise _unreachable(hub, endpoint, exc, f"downloading {f.path} of {repo}") from exc
+    fetch(f)
     try:
         digest = verify(target, f, "the hub")
     except ChecksumError:

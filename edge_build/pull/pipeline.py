@@ -114,19 +114,21 @@ def run_pull(job: PullJob, on_stage: Callable[[str], None] | None = None) -> Pul
         _clean_partials(job.work)
         state = _read_state(job.work)
         ckpt, fp32, final = job.work / "checkpoint", job.work / "fp32", job.work / job.precision
-        same = state.get("repo") == job.repo and job.revision in (state.get("revision"), state.get("commit"))
+        same = (state.get("source", "huggingface"), state.get("repo")) == (job.source, job.repo) and \
+            job.revision in (state.get("revision"), state.get("commit"))
         if same and state.get("downloaded"):
             commit = str(state["commit"])
             files = [RepoFile(**f) for f in state["files"]]
             log.info("checkpoint %s@%s: downloaded before", job.repo, commit[:12])
         else:
-            commit, files = list_files(job.repo, job.revision, job.endpoint)
-            if state and (state.get("repo") != job.repo or state.get("commit") != commit):
+            commit, files = list_files(job.repo, job.revision, job.endpoint, job.source)
+            if state and (state.get("repo") != job.repo or state.get("commit") != commit
+                          or state.get("source", "huggingface") != job.source):
                 log.info("%s: another repository or commit than the last pull's: starting over", job.work)
                 for entry in job.work.iterdir():
                     if entry.name != ".lock":
                         shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
-            state = {"repo": job.repo, "revision": job.revision, "commit": commit,
+            state = {"source": job.source, "repo": job.repo, "revision": job.revision, "commit": commit,
                      "files": [asdict(f) for f in files], "downloaded": False}
             _write_state(job.work, state)
         if job.check_resources:
@@ -135,7 +137,10 @@ def run_pull(job: PullJob, on_stage: Callable[[str], None] | None = None) -> Pul
                                        _done(fp32) or _done(final), _done(final) or job.precision == "fp32")
             resources.check(needs, job.work, free_memory=available_bytes())
         if not state.get("downloaded"):
-            download_checkpoint(job.repo, commit, ckpt, job.endpoint, job.progress, listing=(commit, files))
+            # ModelScope serves files by branch or tag name (its listing's Revision field is not always one)
+            revision = commit if job.source == "huggingface" else job.revision
+            download_checkpoint(job.repo, revision, ckpt, job.endpoint, job.progress, listing=(commit, files),
+                                source=job.source)
             state["downloaded"] = True
             _write_state(job.work, state)
         _stage(on_stage, "download")

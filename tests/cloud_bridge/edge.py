@@ -7,7 +7,6 @@ request topic."""
 from __future__ import annotations
 
 import shutil
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -74,12 +73,3 @@ class Edge:
         self.probe.close()
         if self.service.state != "stopped":
             self.service.stop(timeout_s=1.0)
-
-
-def wait(pred: Any, timeout_s: float) -> bool:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return bool(pred())

@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 import time
 import urllib.request
-from collections.abc import Callable
 
 from cosyedge_cloud.triton.launcher import TritonServer
 
@@ -37,12 +36,3 @@ def settled_metric(server: TritonServer, name: str, **labels: str) -> float:
             return now
         last = now
     return last
-
-
-def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0, interval_s: float = 0.02) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval_s)
-    return predicate()

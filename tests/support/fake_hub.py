@@ -1,5 +1,6 @@
 """A local HTTP server that answers the requests `huggingface_hub` makes for
-a model repository, standing where the hub would (HF_ENDPOINT or `endpoint=`):
+a model repository, standing where the hub would (HF_ENDPOINT or `endpoint=`),
+and the two requests of ModelScope's HTTP API (edge_build/pull/modelscope.py):
 
 * GET /api/models/<repo>/revision/<rev>[?blobs=true]: the model info, with
   `sha` and `siblings` (rfilename, size, blobId, lfs {sha256, size});
@@ -7,7 +8,10 @@ a model repository, standing where the hub would (HF_ENDPOINT or `endpoint=`):
   sha256 for LFS files with X-Linked-Etag / X-Linked-Size as the hub sends
   them before its CDN redirect), X-Repo-Commit, Content-Length, and Range
   requests (206 + Content-Range) for resumed downloads;
-* 404 with X-Error-Code RepoNotFound / RevisionNotFound / EntryNotFound.
+* 404 with X-Error-Code RepoNotFound / RevisionNotFound / EntryNotFound;
+* ModelScope: GET /api/v1/models/<repo>/repo/files?Revision=..&Recursive=true
+  ({"Code", "Data": {"Files": [{Path, Size, Sha256, Revision, Type}]}}) and
+  GET /api/v1/models/<repo>/repo?Revision=..&FilePath=.. (Range as above).
 
 Faults for the tests: serve a file corrupted (same length), or drop the
 connection after some bytes of a file (a number of times). Every request is
@@ -21,7 +25,7 @@ import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 LFS_SUFFIXES = (".pt", ".onnx", ".safetensors", ".zip", ".wav")
 
@@ -37,7 +41,7 @@ class Repo:
     repo_id: str
     files: dict[str, bytes]
     commit: str = "c0ffee" + "0" * 34
-    branches: tuple[str, ...] = ("main",)
+    branches: tuple[str, ...] = ("main", "master")  # Hugging Face's default branch, ModelScope's
 
     def is_lfs(self, path: str) -> bool:
         return path.endswith(LFS_SUFFIXES)
@@ -95,9 +99,11 @@ class FakeHub:
         self._server.server_close()
 
     def downloads(self, path: str) -> list[str]:
-        """The Range headers of the GETs of one file ('' for a whole-file GET)."""
+        """The Range headers of the GETs of one file ('' for a whole-file GET), from either API."""
+        ms = "FilePath=" + quote(path, safe="")
         with self._lock:
-            return [r for m, p, r in self.requests if m == "GET" and p.endswith(f"/{path}") and "/resolve/" in p]
+            return [r for m, p, r in self.requests if m == "GET" and (
+                ("/resolve/" in p and p.endswith(f"/{path}")) or (p.endswith(ms) or f"{ms}&" in p))]
 
     def _record(self, method: str, path: str, rng: str) -> None:
         with self._lock:
@@ -130,9 +136,21 @@ class FakeHub:
                     self.wfile.write(body)
 
             def _serve(self, head: bool) -> None:
-                path = unquote(urlsplit(self.path).path)
-                hub._record(self.command, path, self.headers.get("Range", ""))
-                if path.startswith("/api/models/"):
+                parts = urlsplit(self.path)
+                path, query = unquote(parts.path), {k: v[0] for k, v in parse_qs(parts.query).items()}
+                hub._record(self.command, path + (f"?{parts.query}" if parts.query else ""),
+                            self.headers.get("Range", ""))
+                if path.startswith("/api/v1/models/"):  # ModelScope
+                    rest = path.removeprefix("/api/v1/models/")
+                    if rest.endswith("/repo/files"):
+                        self._ms_files(rest.removesuffix("/repo/files"), query.get("Revision", "master"))
+                    elif rest.endswith("/repo"):
+                        repo = self._repo(rest.removesuffix("/repo"), query.get("Revision", "master"))
+                        if repo is not None:
+                            self._send_file(repo, query.get("FilePath", ""), head)
+                    else:
+                        self._error(404, "NotFound", f"no route {path}")
+                elif path.startswith("/api/models/"):
                     self._model_info(path.removeprefix("/api/models/"))
                 elif "/resolve/" in path:
                     repo_id, _, rest = path.lstrip("/").partition("/resolve/")
@@ -165,10 +183,29 @@ class FakeHub:
                 self.end_headers()
                 self.wfile.write(body)
 
-            def _resolve(self, repo_id: str, revision: str, file_path: str, head: bool) -> None:
+            def _ms_files(self, repo_id: str, revision: str) -> None:
                 repo = self._repo(repo_id, revision)
                 if repo is None:
                     return
+                files = [{"Name": p.rpartition("/")[2], "Path": p, "Size": len(d), "Type": "blob",
+                          "Sha256": hashlib.sha256(d).hexdigest(), "Revision": repo.commit}
+                         for p, d in repo.files.items()]
+                folders = sorted({p.rpartition("/")[0] for p in repo.files if "/" in p})
+                files += [{"Name": f, "Path": f, "Size": 0, "Type": "tree", "Sha256": "", "Revision": repo.commit}
+                          for f in folders]
+                body = json.dumps({"Code": 200, "Data": {"Files": files}, "Success": True}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def _resolve(self, repo_id: str, revision: str, file_path: str, head: bool) -> None:
+                repo = self._repo(repo_id, revision)
+                if repo is not None:
+                    self._send_file(repo, file_path, head)
+
+            def _send_file(self, repo: Repo, file_path: str, head: bool) -> None:
                 if file_path not in repo.files:
                     self._error(404, "EntryNotFound", f"{file_path} does not exist")
                     return

@@ -1,11 +1,14 @@
 """An AudioSink for tests (there is no sound card here): it "plays" the
 written audio at `speed` times real time on its own thread, with the same
-bounded buffer and back-pressure as a device, and keeps what it played."""
+bounded buffer and back-pressure as a device, and keeps what it played.
+A test can hold the playback (`hold`/`resume`: a device that stalls) and
+wait on what was written or played (`wait`), instead of waiting a time."""
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -24,6 +27,8 @@ class MemorySink:
         self.played: list[np.ndarray] = []
         self.flushes = 0
         self.gains: list[float] = []
+        self.written = 0  # samples written
+        self._held = False
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._play, name="memory-sink", daemon=True)
@@ -33,7 +38,7 @@ class MemorySink:
         block = self.sample_rate // 100  # 10 ms
         while True:
             with self._cond:
-                while not self._buf and not self._closed:
+                while (not self._buf or self._held) and not self._closed:
                     self._cond.wait()
                 if self._closed:
                     return
@@ -58,6 +63,7 @@ class MemorySink:
                 n = min(pcm.size - pos, self.capacity - self._buffered)
                 self._buf.append(pcm[pos : pos + n])
                 self._buffered += n
+                self.written += n
                 pos += n
                 self._cond.notify_all()
 
@@ -70,6 +76,21 @@ class MemorySink:
                     return False
                 self._cond.wait(left)
             return True
+
+    def hold(self) -> None:
+        """Stop playing (what is written stays buffered) until resume()."""
+        with self._cond:
+            self._held = True
+
+    def resume(self) -> None:
+        with self._cond:
+            self._held = False
+            self._cond.notify_all()
+
+    def wait(self, predicate: Callable[[], bool], timeout_s: float = 20.0) -> bool:
+        """Wait until `predicate()` holds, checked whenever audio is written, played or flushed."""
+        with self._cond:
+            return self._cond.wait_for(predicate, timeout_s)
 
     def flush(self) -> None:
         with self._cond:

@@ -153,3 +153,25 @@ def test_fixed_shape_network_gets_static_output_shapes(emulated_tensorrt: Emulat
     assert engine.num_optimization_profiles == 1
     assert [tuple(d) for d in engine.get_tensor_profile_shape("x", 0)] == [(1, 8, 4)] * 3
     assert np.dtype(emulated_tensorrt.tensorrt.nptype(engine.get_tensor_dtype("y"))) == np.float32
+
+
+@pytest.mark.parametrize("emulated_tensorrt", ALL_VERSIONS, indirect=True)
+@pytest.mark.parametrize("kind", ["fp16", "qdq"])
+def test_strongly_typed_precision_graphs_build_and_run_on_every_version(emulated_tensorrt: Emulation,
+                                                                         tmp_path: Path, kind: str) -> None:
+    """One build path for 10.3, 10.13 and 11: the precision is in the graph (casts, Q/DQ), no flags."""
+    from cosyedge_models.backends.tensorrt.backend import TrtBackend
+
+    from tests.support.trt_emulator.samples import affine_reference, precision_model
+
+    plan = build_plan(emulated_tensorrt.tensorrt, precision_model(tmp_path / f"{kind}.onnx", kind), [DYN],
+                      strongly_typed=True)
+    assert plan is not None, emulated_tensorrt.errors_logged()
+    (tmp_path / "p.plan").write_bytes(plan)
+    session = TrtBackend().load("p", tmp_path / "p.plan")
+    x = np.random.default_rng(3).uniform(-2, 2, (1, 6, 4)).astype(np.float32)
+    got = session.run({"x": x})["y"]
+    tol = 2e-2 if kind == "fp16" else 0.1  # what fp16 / int8 rounding of this graph allows
+    np.testing.assert_allclose(got, affine_reference(x), atol=tol)
+    assert not np.array_equal(got, affine_reference(x))  # the graph's own rounding is what runs
+    session.close()

@@ -16,9 +16,9 @@ from cosyedge_cloud.wire.protocol import CloudRequest
 
 from tests.cloud_bridge.conftest import USERS, bridge_settings, device_broker_conf
 from tests.cloud_bridge.device import Device
-from tests.cloud_bridge.helpers import wait_for
 from tests.support.broker import Broker, running_broker
 from tests.support.components import require_binary
+from tests.support.waiting import wait_for
 
 
 def _device(broker: Broker, user: str, **kw: object) -> Device:

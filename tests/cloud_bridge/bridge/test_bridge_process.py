@@ -16,8 +16,8 @@ from cosyedge_cloud.wire.protocol import CloudRequest
 
 from tests.cloud_bridge.conftest import SINE_MODEL
 from tests.cloud_bridge.device import Device
-from tests.cloud_bridge.helpers import wait_for
 from tests.support.broker import Broker
+from tests.support.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[3]
 

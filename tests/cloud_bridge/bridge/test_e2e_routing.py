@@ -24,9 +24,10 @@ from cosyedge_models.synthesis.api import Synthesizer
 
 from tests.cloud_bridge.bridge.test_bridge_process import BridgeProcess
 from tests.cloud_bridge.conftest import SINE_MODEL, V1_HZ, V2_HZ, device_broker_conf
-from tests.cloud_bridge.edge import Edge, load_local, wait
+from tests.cloud_bridge.edge import Edge, load_local
 from tests.support.broker import Broker, running_broker
 from tests.support.fake_synthesizer import CHUNK_SAMPLES
+from tests.support.waiting import wait_for
 
 PRODUCT = {"model": "cosyvoice2", "first_chunk_timeout_s": 120.0, "chunk_timeout_s": 120.0}
 LONG = " ".join(f"This is sentence number {n} of a long announcement." for n in range(1, 5))
@@ -104,7 +105,7 @@ def test_long_text_goes_to_the_cloud_and_is_spoken(make_bridge, edges, local_eng
     def counted(route: str, rule: str) -> bool:  # counted just after `done` went out
         return reg.get_sample_value("cosyedge_tts_routes_total", {"route": route, "rule": rule}) == 1
 
-    assert wait(lambda: counted("cloud", "text_length") and counted("local", "default"), 5)
+    assert wait_for(lambda: counted("cloud", "text_length") and counted("local", "default"), 5)
 
 
 def test_cloud_killed_mid_request_falls_back_or_errs_within_the_deadline(  # type: ignore[no-untyped-def]
@@ -120,7 +121,7 @@ def test_cloud_killed_mid_request_falls_back_or_errs_within_the_deadline(  # typ
     # stream, which nobody reads any more, before the next request)
     bridge = bridge_process("bridge-1.log")
     sent = edge.say("before", "Hello cloud. {chunks=1}{delay_ms=2500}", output="publish", deadline_ms=deadline_ms)
-    assert wait(lambda: edge.cloud_requests(), 10)
+    assert wait_for(lambda: edge.cloud_requests(), 10)
     bridge.signal(signal.SIGKILL)
     bridge.wait(10)
     msg = edge.answer("before", deadline_ms / 1000)
@@ -133,7 +134,7 @@ def test_cloud_killed_mid_request_falls_back_or_errs_within_the_deadline(  # typ
     # killed after audio went out: no second voice mid-sentence, an error soon after the stream stalls
     bridge = bridge_process("bridge-2.log", "bridge-e2e-2")  # not the dead one's session
     sent = edge.say("midway", "Go on and on. {chunks=40}{delay_ms=200}", output="publish", deadline_ms=deadline_ms)
-    assert wait(lambda: edge.audio("midway").size >= 2 * CHUNK_SAMPLES, 20)
+    assert wait_for(lambda: edge.audio("midway").size >= 2 * CHUNK_SAMPLES, 20)
     bridge.signal(signal.SIGKILL)
     killed = time.monotonic()
     bridge.wait(10)
@@ -155,7 +156,7 @@ def test_bridge_restarted_mid_request_loses_nothing(bridge_process, edges, local
     bridge = bridge_process("bridge-1.log")
     chunks = 12
     edge.say("kept", f"Keep going. {{chunks={chunks}}}{{delay_ms=250}}", output="publish", route="cloud")
-    assert wait(lambda: edge.audio("kept").size >= 3 * CHUNK_SAMPLES, 30)
+    assert wait_for(lambda: edge.audio("kept").size >= 3 * CHUNK_SAMPLES, 30)
     bridge.signal(signal.SIGKILL)
     bridge.wait(10)
     bridge_process("bridge-2.log")  # the same session: the unanswered request comes again
@@ -186,13 +187,13 @@ def test_link_state_routes_without_waiting_for_a_timeout(  # type: ignore[no-unt
         try:
             cloud = edge.service.cloud
             assert cloud is not None
-            assert wait(lambda: cloud.link_up is True, 10), "the device broker's bridge did not come up"
+            assert wait_for(lambda: cloud.link_up is True, 10), "the device broker's bridge did not come up"
             edge.say("up", "Over the link we go. {chunks=2}", output="publish")
             up = edge.answer("up", 30).json()
             assert (up["route"], up["route_rule"], up["chunks"]) == ("cloud", "text_length", 2), up
             # the cloud broker goes away: the device broker says so on the link topic ("0")
             cloud_broker.stop()
-            assert wait(lambda: cloud.link_up is False, 10)
+            assert wait_for(lambda: cloud.link_up is False, 10)
             health = edge.service.health_doc()
             assert health["cloud"]["link"] == "down" and health["engines"]["cloud"]["state"] == "unreachable"
             sent = edge.say("down", "Hello link, goodbye.", output="publish")
@@ -206,6 +207,6 @@ def test_link_state_routes_without_waiting_for_a_timeout(  # type: ignore[no-unt
             assert msg.topic.endswith("/error/must") and msg.json()["code"] == "cloud_unavailable"
             # and back
             cloud_broker.start()
-            assert wait(lambda: cloud.link_up is True, 15)
+            assert wait_for(lambda: cloud.link_up is True, 15)
         finally:
             edge.close()

@@ -14,9 +14,9 @@ import numpy as np
 from cosyedge_cloud.triton.launcher import TritonError, find_server
 from cosyedge_cloud.triton.model_io import OUTPUTS, request_tensors
 
-from tests.cloud_bridge.helpers import wait_for
 from tests.support.broker import free_port
 from tests.support.components import missing
+from tests.support.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[3]
 

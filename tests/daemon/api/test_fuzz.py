@@ -76,7 +76,7 @@ def run_fuzz(tmp_path: Path, broker: Broker, examples: int) -> dict[str, object]
                           on_message=lambda m: counter.on_message(m.topic, m.payload), keep=False, name="fz")
         site = d.device
 
-        @settings(max_examples=examples, deadline=None, database=None, derandomize=examples < 1000,
+        @settings(max_examples=examples, deadline=None, database=None, derandomize=False,
                   suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate])
         @given(case=cases(d.prefix, site, MAX_BYTES))
         def one(case: Case) -> None:

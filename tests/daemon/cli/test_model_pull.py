@@ -106,8 +106,9 @@ def test_failing_pull_keeps_bundle_and_says_why(hub: FakeHub, tiny_bundle: Path,
     assert dead in err and "cosyedge build export --model-dir" in err and "docs/models.md" in err
     assert main([*args, "--set-default"]) == 2
     assert "--set-default writes the config file given with --config" in capsys.readouterr().err
-    assert main([*args, "--source", "modelscope"]) == 2
-    assert "docs/models.md" in capsys.readouterr().err
+    assert main([*args, "--source", "modelscope"]) == 2  # the same checks on ModelScope's API
+    assert "llm.pt: sha256" in capsys.readouterr().err
+    assert [(b.name, b.source) for b in list_bundles(root)] == [("cosyvoice2-tiny-fp32", {"commit": "old"})]
     (tmp_path / "a-file").write_text("")  # unwritable for root too
     assert main([*args[:5], "--bundles-dir", str(tmp_path / "a-file" / "b"), *args[7:]]) == 2
     assert "cannot write to the bundles folder" in capsys.readouterr().err

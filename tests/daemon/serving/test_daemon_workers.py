@@ -10,9 +10,9 @@ from pathlib import Path
 from cosyedge_daemon.synthesizers.factory import load_local_synthesizer
 
 from tests.daemon.conftest import DaemonFactory, make_settings
-from tests.daemon.serving.test_pipeline_workers import wait_until
 from tests.support.fake_synthesizer import FakeSynthesizer
 from tests.support.memory_sink import MemorySink
+from tests.support.waiting import wait_until
 
 
 def test_cancel_topic_stops_every_running_synthesis(daemons: DaemonFactory) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -23,6 +22,7 @@ from cosyedge_daemon.synthesizers.routing import Router, SynthesizerSet
 
 from tests.support.fake_synthesizer import FakeSynthesizer
 from tests.support.memory_sink import MemorySink
+from tests.support.waiting import wait_until
 
 LEVELS = {"A": 0.1, "B": 0.2, "C": 0.3}
 
@@ -55,13 +55,6 @@ class Answers:
         with self._cond:
             self._cond.wait_for(lambda: len(self.answers) >= n, timeout_s)
         assert len(self.answers) >= n, self.answers
-
-
-def wait_until(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.005)
 
 
 def make(engine: FakeSynthesizer, workers: int, sink: MemorySink | None = None, **sched: Any) -> Pipeline:

@@ -28,7 +28,7 @@ def run(examples: int) -> dict[str, int]:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "cosyedge.toml"
 
-        @settings(max_examples=examples, deadline=None, database=None, derandomize=examples < 1000,
+        @settings(max_examples=examples, deadline=None, database=None, derandomize=False,
                   suppress_health_check=list(HealthCheck))
         @given(data=config_files(SCHEMA))
         def one(data: bytes) -> None:

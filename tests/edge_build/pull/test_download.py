@@ -64,7 +64,7 @@ def test_download_only_needed_files_checked(fake_hub: FakeHub, tiny_model_dir: P
     # a second run asks for the file list only
     before = len(fake_hub.requests)
     download_checkpoint(REPO, "main", tmp_path / "ckpt", endpoint=fake_hub.url, progress=False)
-    assert [p for _, p, _ in fake_hub.requests[before:]] == [f"/api/models/{REPO}/revision/main"]
+    assert [p for _, p, _ in fake_hub.requests[before:]] == [f"/api/models/{REPO}/revision/main?blobs=True"]
 
 
 def test_dropped_connection_resumes_without_refetching(fake_hub: FakeHub, tiny_model_dir: Path,
@@ -110,3 +110,28 @@ def test_no_network_and_unknown_names(fake_hub: FakeHub, tmp_path: Path) -> None
         download_checkpoint("tests/nothing", "main", tmp_path / "c2", endpoint=fake_hub.url)
     with pytest.raises(CosyEdgeError, match="has no revision 'v9'"):
         download_checkpoint(REPO, "v9", tmp_path / "c2", endpoint=fake_hub.url)
+
+
+def test_modelscope_api_same_checks_and_resume(fake_hub: FakeHub, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """ModelScope's HTTP API (edge_build/pull/modelscope.py) through the same
+    selection, checks and resume as Hugging Face's."""
+    victim = "flow.pt"
+    fake_hub.faults.drop_after[victim] = (3_000_000, 1)
+    with pytest.raises(HubUnreachableError, match=f"downloading {victim} of {REPO}.*MODELSCOPE_DOMAIN"):
+        download_checkpoint(REPO, "main", tmp_path / "ckpt", endpoint=fake_hub.url, source="modelscope")
+    assert 0 < (tmp_path / "ckpt" / f"{victim}.incomplete").stat().st_size <= 3_000_000
+    fake_hub.faults.corrupt = {"hift.pt"}
+    with pytest.raises(ChecksumError, match="hift.pt: sha256 .* does not match"):
+        download_checkpoint(REPO, "main", tmp_path / "ckpt", endpoint=fake_hub.url, source="modelscope")
+    fake_hub.faults.corrupt = set()
+    ckpt = download_checkpoint(REPO, "main", tmp_path / "ckpt", endpoint=fake_hub.url, source="modelscope")
+    assert sorted(f.path for f in ckpt.files) == _source_files(tiny_model_dir)
+    for name in _source_files(tiny_model_dir):
+        assert filecmp.cmp(tiny_model_dir / name, tmp_path / "ckpt" / name, shallow=False), name
+    ranges = fake_hub.downloads(victim)
+    assert ranges[0] == "" and ranges[-1].startswith("bytes=") and len(ranges) == 2, ranges
+    assert all(len(fake_hub.downloads(f)) == 1 for f in ("llm.pt", "cosyvoice2.yaml"))  # fetched once
+    assert not any(e in p for _, p, _ in fake_hub.requests for e in ("README.md", "asset"))
+    with pytest.raises(HubUnreachableError, match="cosyedge build export --model-dir"):
+        download_checkpoint(REPO, "main", tmp_path / "c2", endpoint=f"http://127.0.0.1:{free_port()}",
+                            source="modelscope")

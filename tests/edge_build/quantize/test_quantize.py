@@ -204,6 +204,29 @@ def test_strict_budget_is_refused_unless_forced(tiny_bundle: Path, tmp_path: Pat
     assert report["forced"] and json.loads((out / REPORT_FILE).read_text())["failed"]
 
 
+def test_end_to_end_gate_refuses_a_bundle(tiny_bundle: Path, tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """`build quantize` with an end-to-end floor the tiny bundle cannot reach: int8 weights on
+    random weights flip near-tied tokens, so the seeded sequences part before their end (a
+    matched fraction below 1); every per-stage gate is left open, so the end-to-end gate alone
+    refuses, names itself, exits 2 and writes nothing."""
+    from cosyedge_daemon.cli.main import main
+
+    out = tmp_path / "refused"
+    rc = main(["build", "quantize", "--bundle", str(tiny_bundle), "--out", str(out), "--precision", "int8w",
+               "--held-out-size", "2", "--feeds-per-stage", "4", "--min-llm-cosine", "0", "--min-llm-top1", "0",
+               "--min-mel-snr-db", "-1000", "--min-wav-snr-db", "-1000", "--min-e2e-match", "1.0"])
+    captured = capsys.readouterr()
+    assert rc == 2, captured.out + captured.err
+    failed = re.search(r"misses the accuracy budget \((.*)\); nothing was written", captured.err)
+    assert failed is not None, captured.err
+    reason = failed.group(1)
+    match = re.fullmatch(r"end-to-end: matched token fraction (\S+) < 1", reason)
+    assert match is not None, reason  # the end-to-end gate, and only it
+    assert 0.0 <= float(match.group(1)) < 1.0
+    assert not out.exists() and not list(tmp_path.iterdir())
+
+
 def test_feed_store_caps_and_keeps_late_feeds() -> None:
     store = FeedStore(cap=4, seed=1)
     for i in range(100):

@@ -386,7 +386,8 @@ class Builder:
         for t in network.outputs:
             dims = list(static.get(t.name, t.shape.tuple()))
             io.append(planfmt.TensorInfo(t.name, False, int(t.dtype), dims))
-        weights = sum(int(np.prod(i.dims, dtype=np.int64)) * 4 for i in model.graph.initializer)
+        weights = sum(int(np.prod(i.dims, dtype=np.int64)) * onnx.helper.tensor_dtype_to_np_dtype(i.data_type).itemsize
+                      for i in model.graph.initializer)
         activation = env.activation_bytes(io, profiles)
         if config.timing_cache is not None:
             config.timing_cache.entries.update(f"{layer.type}:{layer.name}" for layer in network.layers)

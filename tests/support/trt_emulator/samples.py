@@ -58,3 +58,36 @@ def build_plan(trt: object, onnx_path: Path, profiles: list[dict[str, tuple[tupl
         config.add_optimization_profile(p)
     plan = builder.build_serialized_network(network, config)
     return None if plan is None else bytes(plan)
+
+
+def precision_model(path: Path, kind: str) -> Path:
+    """The affine model carrying its precision in the graph, as strongly typed builds want it:
+    kind "fp16": fp16 weights, Casts at the fp32 inputs/outputs; "qdq": Q/DQ pairs (int8) on the
+    activation and the weight, the bias and Relu in fp32."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", "T", 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", "T", 3])
+    inits = [numpy_helper.from_array(BIAS, "bias")]
+    if kind == "fp16":
+        inits.append(numpy_helper.from_array(WEIGHT.astype(np.float16), "w16"))
+        nodes = [helper.make_node("Cast", ["x"], ["x16"], name="cast_in", to=TensorProto.FLOAT16),
+                 helper.make_node("MatMul", ["x16", "w16"], ["xw16"], name="matmul"),
+                 helper.make_node("Cast", ["xw16"], ["xw"], name="cast_out", to=TensorProto.FLOAT)]
+    elif kind == "qdq":
+        scale_x, scale_w = np.float32(0.05), np.float32(0.01)
+        inits += [numpy_helper.from_array(WEIGHT, "w"), numpy_helper.from_array(np.array(scale_x), "sx"),
+                  numpy_helper.from_array(np.array(scale_w), "sw"), numpy_helper.from_array(np.array(0, np.int8), "z")]
+        nodes = [helper.make_node("QuantizeLinear", ["x", "sx", "z"], ["xq"], name="q_x"),
+                 helper.make_node("DequantizeLinear", ["xq", "sx", "z"], ["xd"], name="dq_x"),
+                 helper.make_node("QuantizeLinear", ["w", "sw", "z"], ["wq"], name="q_w"),
+                 helper.make_node("DequantizeLinear", ["wq", "sw", "z"], ["wd"], name="dq_w"),
+                 helper.make_node("MatMul", ["xd", "wd"], ["xw"], name="matmul")]
+    else:
+        raise ValueError(kind)
+    nodes += [helper.make_node("Add", ["xw", "bias"], ["pre"], name="add"),
+              helper.make_node("Relu", ["pre"], ["y"], name="relu")]
+    model = helper.make_model(helper.make_graph(nodes, kind, [x], [y], inits),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    onnx.save(model, str(path))
+    return path
