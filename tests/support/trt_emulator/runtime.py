@@ -286,6 +286,11 @@ class IExecutionContext:
         if name not in self.engine._io:
             return self._fail(f"IExecutionContext::setTensorAddress: Error Code 3: API Usage Error (no tensor named "
                               f"{name})")
+        if int(memory) % 256:
+            # C++ IExecutionContext::setTensorAddress: "The pointer must have at least 256-byte alignment"
+            # (setInputTensorAddress: returns false when the pointer "does not meet alignment requirements")
+            return self._fail(f"IExecutionContext::setTensorAddress: Error Code 3: API Usage Error ({name}: address "
+                              f"{int(memory):#x} is not 256-byte aligned)")
         self._addresses[name] = int(memory)
         return True
 
@@ -374,6 +379,7 @@ class IExecutionContext:
                 out = np.ascontiguousarray(value, dtype=dtype).reshape(-1).view(np.uint8)
                 machine.span(addr, out.nbytes, f"enqueueV3 output {name}")[...] = out
 
+        env.runtime_context()  # TensorRT launches through the CUDA runtime, which binds the primary context
         try:
             machine.enqueue(int(stream_handle), Op("enqueueV3", run))
         except CudaError as exc:
