@@ -138,3 +138,5 @@ def emulated_tensorrt(request: pytest.FixtureRequest) -> Iterator[Emulation]:
     version = getattr(request, "param", "10.13")
     with emulate(version) as emu:
         yield emu
+        # what would have crashed or faulted a real GPU process fails the test, even if it caught the error
+        assert not emu.faults(), emu.faults()

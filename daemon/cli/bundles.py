@@ -30,13 +30,20 @@ _REMOVING = ".removing-"
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,99}$")
 
 
-def bundles_dir(configured: str = "") -> Path:
-    """`[tts] bundles_dir`; else systemd's StateDirectory= + /bundles; else
+SYSTEM_BUNDLES = Path("/var/lib/cosyedge/bundles")  # systemd/cosyedge.tmpfiles creates it
+
+
+def bundles_dir(configured: str = "", system: Path = SYSTEM_BUNDLES) -> Path:
+    """`[tts] bundles_dir`; else systemd's StateDirectory= + /bundles; else the
+    service's folder when this user may write it (root, or the service's user
+    outside the unit: `sudo -u cosyedge cosyedge model pull`); else
     $XDG_DATA_HOME/cosyedge/bundles (~/.local/share/cosyedge/bundles)."""
     if configured:
         return Path(configured).expanduser()
     if os.environ.get("STATE_DIRECTORY"):
         return Path(os.environ["STATE_DIRECTORY"].split(":")[0]) / "bundles"
+    if system.is_dir() and os.access(system, os.W_OK | os.X_OK):
+        return system
     base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
     return Path(base) / "cosyedge" / "bundles"
 

@@ -54,7 +54,7 @@ class HttpFrontend:
         self.synthesizers = synthesizers
         self.runtime = EventLoopThread("http")
         self.admission = HttpAdmission(admission, settings.priority, settings.max_buffered_audio_s)
-        self.speech = SpeechHandler(self.admission, settings.max_connections)
+        self.speech = SpeechHandler(self.admission, settings.max_connections, settings.write_timeout_s)
         self.errors = 0
         self._created = int(time.time())
         self._runner: web.AppRunner | None = None

@@ -8,6 +8,7 @@ cancels its request (the handler is cancelled, or its write fails)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass
@@ -33,9 +34,10 @@ class SpeechCounters:
 
 
 class SpeechHandler:
-    def __init__(self, admission: HttpAdmission, max_in_progress: int) -> None:
+    def __init__(self, admission: HttpAdmission, max_in_progress: int, write_timeout_s: float) -> None:
         self.admission = admission
         self.max_in_progress = max_in_progress
+        self.write_timeout_s = write_timeout_s
         self.counters = SpeechCounters()
 
     async def __call__(self, request: web.Request) -> web.StreamResponse:
@@ -84,15 +86,26 @@ class SpeechHandler:
                 for start in range(0, len(item.pcm16), step):
                     data = encoder.encode(item.pcm16[start:start + step])
                     if data:
-                        await response.write(data)
+                        await self._write(request, response, data)
                 channel.budget.give(len(item.pcm16))
             elif isinstance(item, Done):
                 tail = encoder.finish()
                 if tail:
-                    await response.write(tail)
+                    await self._write(request, response, tail)
                 await response.write_eof()
                 self.counters.served += 1
                 return response
+
+    async def _write(self, request: web.Request, response: web.StreamResponse, data: bytes) -> None:
+        """Write, or drop a client that takes nothing for write_timeout_s (it would hold its
+        connection and a request slot for ever): ConnectionResetError, and the request is cancelled."""
+        try:
+            await asyncio.wait_for(response.write(data), self.write_timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("HTTP client takes no audio for %.1f s; disconnecting it", self.write_timeout_s)
+            if request.transport is not None:
+                request.transport.abort()
+            raise ConnectionResetError("the client takes no audio") from None
 
     async def _begin(self, request: web.Request, speech: SpeechRequest, job: Job,
                      rate: int) -> web.StreamResponse:

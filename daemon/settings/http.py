@@ -63,3 +63,7 @@ class HttpSettings:
         60.0, "audio produced but not yet read by the client beyond which the request is cancelled",
         min=1, max=3600,
     )
+    write_timeout_s: float = setting(
+        30.0, "a client that takes none of its audio this long is disconnected and its request cancelled",
+        min=0.1, max=3600,
+    )

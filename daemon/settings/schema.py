@@ -87,7 +87,8 @@ class TtsSettings:
     bundles_dir: str = setting(
         "",
         "where `cosyedge model pull` installs bundles and `model list` / `doctor` look; empty: "
-        "$STATE_DIRECTORY/bundles under systemd, else $XDG_DATA_HOME/cosyedge/bundles (~/.local/share)",
+        "$STATE_DIRECTORY/bundles under systemd, else /var/lib/cosyedge/bundles when this user may write it, "
+        "else $XDG_DATA_HOME/cosyedge/bundles (~/.local/share)",
     )
     backend: str = setting(
         "ort", "inference backend of the bundle", choices=("ort", "ort-cuda", "ort-trt", "trt"), reload=True

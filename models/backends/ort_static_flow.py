@@ -232,8 +232,7 @@ class StaticStepCache(SlotBorrower[StaticSlot, BoundStepCache]):
         moved = BoundStepCache(self._dynamic, self.spec, self._graphs.copier)
         first = self._first()
         moved.adopt(slot.ptr(first, self.spec.row_bytes), self._length - first, slot.conv)
-        self._graphs.release(slot)
-        self._slot = None
+        self._give_back()
         self._moved = moved
         self._graphs.note_move()
         log.debug("flow cache: %d frames moved to the dynamic estimator", self._length - first)
@@ -292,14 +291,18 @@ class StaticStepCache(SlotBorrower[StaticSlot, BoundStepCache]):
             return self._moved.nbytes()
         return 0 if self._slot is None else self._graphs.cache_frames * self.spec.row_bytes + self.spec.conv_bytes
 
-    def close(self) -> None:
+    def _give_back(self) -> None:
+        """The slot back to the pool with a zero conv history for its next borrower (its K/V
+        rows are masked by cache_valid), whether this cache closes or moves."""
         if self._slot is not None:
-            # zero the conv history for the next borrower (the K/V rows are masked by cache_valid)
             kind, dev = self._graphs.device
             zero = ort.OrtValue.ortvalue_from_numpy(np.zeros(self.spec.conv, np.float32), kind, dev)
             self._graphs.copier.copy(int(self._slot.conv.data_ptr()), int(zero.data_ptr()), self.spec.conv_bytes)
             self._graphs.release(self._slot)
             self._slot = None
+
+    def close(self) -> None:
+        self._give_back()
         if self._moved is not None:
             self._moved.close()
             self._moved = None

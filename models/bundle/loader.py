@@ -318,8 +318,9 @@ def _engine_stages(root: Path, manifest: dict[str, Any], stages: dict[str, Stage
         if entry is None:
             raise BundleError(f"{root}: the TensorRT engines lack stage {name}; "
                               f"rebuild them with: cosyedge build engines --bundle {root}")
+        # the stage's own metadata (cache dimensions, ...) with the engine's record over it
         stages[name] = StageInfo(name, root / entry["file"], str(entry.get("precision", built)),
-                                 entry.get("sha256"), entry)
+                                 entry.get("sha256"), {**stages[name].raw, **entry})
     stages.update(fixed_shape_engines(root, manifest, engines))
     return engines
 
@@ -335,7 +336,7 @@ def fixed_shape_engines(root: Path, manifest: Mapping[str, Any], engines: Mappin
         path = root / str(entry.get("file", ""))
         if path.is_file():
             found[name] = StageInfo(name, path, str(entry.get("precision", engines.get("precision", "fp32"))),
-                                    entry.get("sha256"), entry)
+                                    entry.get("sha256"), {**dict(listed[name]), **entry})
         else:
             log.warning("%s: engine %s of the fixed-shape stage %s is missing; running without it (rebuild with: "
                         "cosyedge build engines --bundle %s)", root, path.name, name, root)

@@ -81,6 +81,7 @@ class FakeHub:
         self.repos = {r.repo_id: r for r in repos}
         self.faults = Faults()
         self.requests: list[tuple[str, str, str]] = []  # (method, path, Range header)
+        self.proxied = 0  # requests that came as a proxy's (an absolute URL in the request line)
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._server.daemon_threads = True
@@ -136,6 +137,9 @@ class FakeHub:
                     self.wfile.write(body)
 
             def _serve(self, head: bool) -> None:
+                if self.path.startswith("http://"):
+                    with hub._lock:
+                        hub.proxied += 1
                 parts = urlsplit(self.path)
                 path, query = unquote(parts.path), {k: v[0] for k, v in parse_qs(parts.query).items()}
                 hub._record(self.command, path + (f"?{parts.query}" if parts.query else ""),

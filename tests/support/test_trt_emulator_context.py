@@ -143,3 +143,11 @@ def test_user_managed_context_needs_device_memory(rig: Rig) -> None:
     ctx.set_device_memory(small, need)
     assert ctx.execute_async_v3(rig.stream.handle)
     np.testing.assert_allclose(rig.download(yp, (1, 2, 3)), affine_reference(x), rtol=1e-6)
+
+
+def test_tensor_addresses_must_be_256_byte_aligned(rig: Rig) -> None:
+    ctx = rig.engine.create_execution_context()
+    base = rig.alloc(4096)
+    assert ctx.set_tensor_address("x", base + 128) is False  # inside the allocation, but misaligned
+    assert any("256-byte aligned" in m for m in _errors(rig))
+    assert ctx.set_tensor_address("x", base + 256)

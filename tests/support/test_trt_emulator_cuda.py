@@ -98,8 +98,7 @@ def test_thread_ending_with_a_pushed_context_is_an_abort(emulated_tensorrt: Emul
     import gc
 
     gc.collect()
-    assert any("aborts the process" in e for e in emulated_tensorrt.machine.errors)
-    emulated_tensorrt.machine.errors.clear()
+    assert any("aborts the process" in e for e in emulated_tensorrt.take_faults())
 
 
 @pytest.fixture()
@@ -235,8 +234,7 @@ def test_one_context_used_by_two_threads_at_once_is_an_error(emulated_tensorrt: 
     finally:
         release.set()
         t.join()
-    assert any("another thread" in e for e in emulated_tensorrt.machine.errors)
-    emulated_tensorrt.machine.errors.clear()
+    assert any("another thread" in e for e in emulated_tensorrt.take_faults())
     assert ctx.execute_async_v3(cuda.handle)
 
 
@@ -284,3 +282,42 @@ def test_pageable_copies_synchronize_and_freed_pinned_memory_fails(emulated_tens
     graph.launch(cuda.handle)
     with pytest.raises(drv.LaunchError):
         cuda.synchronize()
+    with pytest.raises(drv.LaunchError):  # sticky: the context is unusable afterwards
+        cuda.htod(dev.ptr, src)
+    assert any("sticky" in f for f in emulated_tensorrt.take_faults())
+
+
+def test_probe_and_memory_report_see_the_emulated_gpu(emulated_tensorrt: Emulation) -> None:
+    """gpu_probe's ctypes calls (cuInit, cuDeviceGet*, cuMemGetInfo_v2 ...) run against the emulated
+    libcuda through the one seam, use_cuda_library."""
+    from cosyedge_models.backends.cuda import DeviceBuffer, ThreadCuda
+    from cosyedge_models.backends.gpu_probe import device_memory_used, local_identity, probe_gpu
+
+    gpu = emulated_tensorrt.machine.gpu
+    probe = probe_gpu()
+    assert probe.available and probe.driver_version == gpu.driver_version
+    dev = probe.devices[0]
+    assert (dev.name, dev.compute_capability, dev.multiprocessors, dev.total_memory_bytes) == (
+        gpu.name, "8.7", gpu.multiprocessors, gpu.total_memory_bytes)
+    assert local_identity().tensorrt == emulated_tensorrt.env.full_version
+    ThreadCuda(0)
+    before = device_memory_used()
+    buf = DeviceBuffer(1 << 20)
+    assert device_memory_used() == (before or 0) + (1 << 20)
+    buf.close()
+    assert device_memory_used() == before
+
+
+def test_everything_is_restored_after_the_emulation() -> None:
+    import sys
+
+    from cosyedge_models.backends.gpu_probe import probe_gpu
+
+    from tests.support.trt_emulator import emulated_tensorrt as emulate
+
+    before = {name: sys.modules.get(name) for name in ("tensorrt", "pycuda", "pycuda.driver")}
+    outside = probe_gpu(refresh=True)
+    with emulate() as emu:
+        assert sys.modules["tensorrt"] is emu.tensorrt and probe_gpu().available
+    assert {name: sys.modules.get(name) for name in before} == before
+    assert probe_gpu() == outside

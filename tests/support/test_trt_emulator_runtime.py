@@ -92,3 +92,4 @@ def test_captured_graph_replays_the_bound_addresses(emulated_tensorrt: Emulation
     step.run()
     with pytest.raises(Exception, match="illegal memory access|not inside a live device allocation"):
         cuda.synchronize()
+    assert any("sticky" in f for f in emulated_tensorrt.take_faults())

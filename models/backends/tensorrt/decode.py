@@ -343,7 +343,10 @@ class TrtDecodeLoop:
         return logp
 
     def close(self) -> None:
-        # The per-thread buffers, contexts and graphs stay for the thread's next request.
+        # The per-thread buffers, contexts and graphs stay for the thread's next request;
+        # the last step's cache copies finish now, so nothing of this request stays queued.
+        if self._started:
+            self._dst.cuda.synchronize()
         self._started = False
 
     # --- internals ----------------------------------------------------------------------------

@@ -262,7 +262,8 @@ class TrtSession:
         if spec.host_side:
             st.context.set_tensor_address(name, int(host.ctypes.data))
         else:
-            st.cuda.htod(buf.device.ptr, host)
+            if host.size:  # an empty tensor (no cached frames yet) has nothing to copy
+                st.cuda.htod(buf.device.ptr, host)
             st.context.set_tensor_address(name, buf.device.ptr)
 
     def bind_outputs(self, st: ThreadState, bufs: dict[str, IoBuffers]) -> dict[str, tuple[int, ...]]:

@@ -249,8 +249,7 @@ class TrtStaticStepCache(SlotBorrower[TrtSlot, TrtStepCache]):
         moved = TrtStepCache(self._dynamic, self.spec)
         first = visible_first(self._length, self.spec.visible)
         moved.adopt(slot.ptr(first), self._length - first, slot.conv.ptr)
-        self._flow.release(slot)
-        self._slot = None
+        self._give_back()
         self._moved = moved
         self._flow.note_move()
         log.debug("flow cache: %d frames moved to the dynamic engine", self._length - first)
@@ -309,14 +308,18 @@ class TrtStaticStepCache(SlotBorrower[TrtSlot, TrtStepCache]):
             return self._moved.nbytes()
         return 0 if self._slot is None else self._slot.kv.nbytes + self._slot.conv.nbytes
 
-    def close(self) -> None:
+    def _give_back(self) -> None:
+        """The slot back to the pool with a zero conv history for its next borrower (its K/V
+        rows are masked by cache_valid), whether this cache closes or moves."""
         if self._slot is not None:
-            # a zero conv history for the next borrower (its K/V rows are masked by cache_valid)
             cuda = thread_cuda(self._flow.device_id)
             cuda.zero(self._slot.conv.ptr, self._slot.conv.nbytes)
             cuda.synchronize()
             self._flow.release(self._slot)
             self._slot = None
+
+    def close(self) -> None:
+        self._give_back()
         if self._moved is not None:
             self._moved.close()
             self._moved = None

@@ -30,7 +30,10 @@ def _copy(tiny_bundle: Path, dest: Path) -> Path:
 def test_bundles_dir_resolution(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv("STATE_DIRECTORY", raising=False)
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
-    assert bundles_dir() == tmp_path / "data" / "cosyedge" / "bundles"
+    system = tmp_path / "var-lib-cosyedge-bundles"
+    assert bundles_dir(system=system) == tmp_path / "data" / "cosyedge" / "bundles"  # no service folder here
+    system.mkdir()
+    assert bundles_dir(system=system) == system  # the service's folder, writable by this user
     monkeypatch.setenv("STATE_DIRECTORY", f"{tmp_path}/state:{tmp_path}/other")
     assert bundles_dir() == tmp_path / "state" / "bundles"
     assert bundles_dir(str(tmp_path / "mine")) == tmp_path / "mine"

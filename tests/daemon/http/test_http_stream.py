@@ -96,3 +96,31 @@ def _wait_seen(engine: FakeSynthesizer, text: str) -> Seen:
         assert time.monotonic() < deadline, f"the engine never started {text!r}"
         time.sleep(0.01)
     return engine.seen[text]
+
+
+def test_client_that_reads_nothing_is_dropped(daemons: DaemonFactory, caplog: pytest.LogCaptureFixture) -> None:
+    """A client that sends its request and never reads: its request is cancelled once
+    max_buffered_audio_s waits for it, and its connection dropped after write_timeout_s
+    instead of holding a request slot for ever; the daemon serves on."""
+    caplog.set_level(logging.INFO, logger="cosyedge_daemon.trace")
+    engine = FakeSynthesizer(chunks=400, chunk_s=1.0)  # 400 s of audio: far more than the socket buffers hold
+    # 200 s of audio waiting (9.6 MB) is more than the socket buffers take: the server's writes block first.
+    svc = daemons.start(local=engine, fallback=None,
+                        http={**HTTP, "write_timeout_s": 0.5, "max_buffered_audio_s": 200})
+    assert svc.http is not None
+    body = json.dumps({"model": "cosyedge", "input": "Long story.", "voice": "alloy",
+                       "response_format": "pcm"}).encode()
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: a small window
+        sock.connect(("127.0.0.1", svc.http.port))
+        sock.sendall(b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        assert _trace(caplog, "cancelled")["route"] == "local"
+        assert engine.seen["Long story."].left.wait(20) and engine.seen["Long story."].produced < 400
+        deadline = time.monotonic() + 20
+        while svc.http.describe()["in_progress"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert svc.http.describe()["in_progress"] == 0 and svc.http.describe()["served"] == 0
+    engine.chunks = 1  # a short answer the client reads
+    assert client(svc).audio.speech.create(model="cosyedge", voice="alloy", input="Next.",
+                                           response_format="pcm").content

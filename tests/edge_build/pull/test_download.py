@@ -135,3 +135,18 @@ def test_modelscope_api_same_checks_and_resume(fake_hub: FakeHub, tiny_model_dir
     with pytest.raises(HubUnreachableError, match="cosyedge build export --model-dir"):
         download_checkpoint(REPO, "main", tmp_path / "c2", endpoint=f"http://127.0.0.1:{free_port()}",
                             source="modelscope")
+
+
+@pytest.mark.parametrize("source", ["huggingface", "modelscope"])
+def test_proxy_from_the_environment(fake_hub: FakeHub, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                    tmp_path: Path, source: str) -> None:
+    """HTTP_PROXY is honoured (requests for Hugging Face, urllib for ModelScope):
+    the hub's name does not resolve, only the proxy (the fake hub, which also
+    answers as a proxy) reaches it."""
+    for name in ("NO_PROXY", "no_proxy", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HTTP_PROXY", fake_hub.url)
+    ckpt = download_checkpoint(REPO, "main", tmp_path / "ckpt", endpoint="http://hub.invalid", progress=False,
+                               source=source)
+    assert sorted(f.path for f in ckpt.files) == _source_files(tiny_model_dir)
+    assert fake_hub.proxied == len(fake_hub.requests) > len(ckpt.files)

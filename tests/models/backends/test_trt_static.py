@@ -1,17 +1,15 @@
-"""The fixed-shape TensorRT engines on a real GPU (`pytest -m gpu`): `build
-engines` builds and records one engine per fixed-shape stage of the bundle
-with every CUDA-graph stage (graph_bundle), the loader takes them, and their
-CUDA-graph replay (models/backends/tensorrt/static_flow.py, tensorrt/static_vocoder.py,
-tensorrt/static_encoder.py) gives what the dynamic TensorRT engines and onnxruntime on the CPU give,
-within the tolerance of test_trt_backend.py, through slot reuse, a voice's
-preloaded prefix, trims and the move to the dynamic engine. Skipped with the
-reason wherever there is no GPU, TensorRT or pycuda (conftest.py): no machine
-here has TensorRT, so these have never run."""
+"""The fixed-shape TensorRT engines, under the emulator (tests/support/trt_emulator) in
+the default run or on a real GPU with TensorRT (conftest.py's trt_runtime): `build engines`
+builds and records one engine per fixed-shape stage of the bundle with every CUDA-graph
+stage (graph_bundle), the loader takes them, and their CUDA-graph replay
+(models/backends/tensorrt/static_flow.py, tensorrt/static_vocoder.py,
+tensorrt/static_encoder.py) gives what the dynamic TensorRT engines and onnxruntime on the
+CPU give, within the tolerance of test_trt_backend.py, through slot reuse, a voice's
+preloaded prefix, trims and the move to the dynamic engine."""
 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -36,20 +34,17 @@ from cosyedge_models.synthesis.vocoder import HiftVocoder
 from cosyedge_models.synthesis.voice_cache import build_flow_prefix
 
 from tests.conftest import STATIC_FLOW_CACHE
+from tests.models.backends.conftest import build_trt_bundle
 from tests.models.flow_streams import stream_mel
+from tests.support.trt_emulator import Emulation
 
-pytestmark = pytest.mark.gpu
 TOL = 2e-2  # relative, as test_trt_backend.py's stage checks (TF32 / other tactics per shape)
 
 
 @pytest.fixture(scope="module")
-def trt_graph_bundle(graph_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from cosyedge_build.tensorrt.engines import EngineBuildSettings, build_engines
-
-    root = tmp_path_factory.mktemp("trt-static") / "bundle"
-    shutil.copytree(graph_bundle, root)
-    build_engines(root, EngineBuildSettings(workspace_mib=512))
-    return root
+def trt_graph_bundle(trt_runtime: Emulation | None, graph_bundle: Path,
+                     tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_trt_bundle(graph_bundle, tmp_path_factory.mktemp("trt-static") / "bundle")
 
 
 def _fixed(bundle: Bundle, prefix: str) -> list[str]:
@@ -108,6 +103,7 @@ def test_static_flow_engines_match_the_dynamic_engine_and_onnxruntime(trt_graph_
     reference = stream_mel(FlowDecoder(ort_bundle, ort.load("flow_encoder", ort_bundle.stages["flow_encoder"].path),
                                     ort.load("flow_estimator", ort_bundle.stages["flow_estimator"].path),
                                     ort.flow_cache), prompt, toks, left)
+    _close_to(dynamic, reference, "dynamic TensorRT vs onnxruntime")
     with GraphThread() as thread:
         flow = TrtStaticFlow(statics, 2 * bundle.flow.n_timesteps, thread)
         flow.warm_up()
@@ -120,7 +116,9 @@ def test_static_flow_engines_match_the_dynamic_engine_and_onnxruntime(trt_graph_
             made.append(flow(session, spec))
             return made[-1]
 
-        for _ in range(2):  # the second stream reuses the slots (and their captured graphs)
+        # the second stream reuses the slots (and their captured graphs), also those given back
+        # by a move to the dynamic engine: with their conv history zeroed
+        for _ in range(2):
             made.clear()
             static = stream_mel(FlowDecoder(bundle, enc, est, factory), prompt, toks, left)
             _close_to(static, dynamic, "static vs dynamic TensorRT")

@@ -53,6 +53,22 @@ class Emulation:
     def pinned_bytes(self) -> int:
         return self.machine.pinned_bytes
 
+    def faults(self) -> list[str]:
+        """What a real GPU process would have died of or reported as a driver error: failures inside the
+        emulator's C callbacks, a pycuda abort (a thread ending with a context on pycuda's stack), a
+        sticky illegal address, work that failed on a destroyed stream. Empty when all went well."""
+        out = list(self.machine.errors)
+        if self.machine.fault is not None:
+            out.append(f"sticky GPU fault: {self.machine.fault}")
+        return out
+
+    def take_faults(self) -> list[str]:
+        """faults(), then forgotten (for a test that provokes one on purpose; the GPU works again)."""
+        out = self.faults()
+        self.machine.errors.clear()
+        self.machine.fault = None
+        return out
+
 
 def real_tensorrt_present() -> bool:
     """A real `tensorrt` (not tensorrt-stubs' stub-only namespace) is importable."""

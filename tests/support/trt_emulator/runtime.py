@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import math
 import threading
-import weakref
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from tests.support.trt_emulator import plan as planfmt
-from tests.support.trt_emulator.machine import CudaError, Op
+from tests.support.trt_emulator.machine import CudaError, Op, finalizer
 from tests.support.trt_emulator.trt_types import (
     DataType,
     Dims,
@@ -91,7 +90,7 @@ class ICudaEngine:
         self._io = {t.name: t for t in header.io}
         self._order = [t.name for t in header.io]
         self.name = "emulated engine"
-        weakref.finalize(self, env.machine.release, weights)
+        finalizer(self, env.machine.release, weights)
 
     def _log(self, sev: Any, msg: str) -> None:
         report(self._logger, sev, msg, self._env.journal)
@@ -183,7 +182,7 @@ class IExecutionContext:
         self._busy = threading.Lock()
         self.name = ""
         if scratch:
-            weakref.finalize(self, self._env.machine.release, scratch)
+            finalizer(self, self._env.machine.release, scratch)
 
     def _log(self, sev: Any, msg: str) -> None:
         self.engine._log(sev, msg)
@@ -286,6 +285,11 @@ class IExecutionContext:
         if name not in self.engine._io:
             return self._fail(f"IExecutionContext::setTensorAddress: Error Code 3: API Usage Error (no tensor named "
                               f"{name})")
+        if int(memory) % 256:
+            # C++ IExecutionContext::setTensorAddress: "The pointer must have at least 256-byte alignment"
+            # (setInputTensorAddress: returns false when the pointer "does not meet alignment requirements")
+            return self._fail(f"IExecutionContext::setTensorAddress: Error Code 3: API Usage Error ({name}: address "
+                              f"{int(memory):#x} is not 256-byte aligned)")
         self._addresses[name] = int(memory)
         return True
 
@@ -374,6 +378,7 @@ class IExecutionContext:
                 out = np.ascontiguousarray(value, dtype=dtype).reshape(-1).view(np.uint8)
                 machine.span(addr, out.nbytes, f"enqueueV3 output {name}")[...] = out
 
+        env.runtime_context()  # TensorRT launches through the CUDA runtime, which binds the primary context
         try:
             machine.enqueue(int(stream_handle), Op("enqueueV3", run))
         except CudaError as exc:
