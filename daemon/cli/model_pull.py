@@ -51,9 +51,12 @@ def pull_command(args: argparse.Namespace, root: Path) -> int:
                             "(sudo -u cosyedge cosyedge model pull ...) or pass --bundles-dir DIR") from exc
     tensorrt, cuda = _machine()
     precision = choose_precision(args.precision, tensorrt, cuda)
-    engines = tensorrt if args.engines is None else args.engines
+    engines = tensorrt and precision != "int8w" if args.engines is None else args.engines
     if engines and not tensorrt:
         raise CosyEdgeError("--engines needs TensorRT on this machine (`cosyedge doctor` says what is missing)")
+    if engines and precision == "int8w":
+        raise CosyEdgeError("int8w (weight-only) is an onnxruntime format: TensorRT engines are built from fp32, "
+                            "fp16 or int8; pass --no-engines or another --precision")
     name = bundle_name(model, precision)
     work = root / f".pull-{bundle_name(model, 'work')}"
     print(f"pulling {repo}@{revision} from {args.source} into {root / name} ({precision}"
