@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -35,6 +36,14 @@ UNKNOWN = 999
 
 _BASE = 0x7F00_0000_0000  # where emulated device addresses start (any non-zero value would do)
 _ALIGN = 256  # cuMemAlloc: "The allocated memory is suitably aligned for any kind of variable"; 256 in practice
+
+
+def finalizer(obj: object, fn: Callable[..., object], *args: object) -> weakref.finalize:
+    """A weakref finalizer that does not run at interpreter exit (the emulated GPU goes with the process;
+    freeing at exit would only run queued work nobody waits for)."""
+    f = weakref.finalize(obj, fn, *args)
+    f.atexit = False
+    return f
 
 
 class CudaError(Exception):

@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import threading
 import types
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from tests.support.trt_emulator.machine import ILLEGAL_ADDRESS, CudaError, Machine, Op
+from tests.support.trt_emulator.machine import ILLEGAL_ADDRESS, CudaError, Machine, Op, finalizer
 
 
 class Error(Exception):
@@ -78,7 +77,7 @@ def make_driver(machine: Machine) -> types.ModuleType:
             # pycuda's context_stack destructor aborts when a thread ends with a context still pushed:
             # the sentinel goes with the thread's locals
             local.sentinel = _Sentinel()
-            weakref.finalize(local.sentinel, _thread_end, machine, st, threading.current_thread().name)
+            finalizer(local.sentinel, _thread_end, machine, st, threading.current_thread().name)
         return st
 
     def current() -> Context | None:
@@ -176,7 +175,7 @@ def make_driver(machine: Machine) -> types.ModuleType:
             except CudaError as exc:
                 raise _raise(exc) from exc
             self._valid = True
-            self._finalizer = weakref.finalize(self, _free_device, machine, self._ptr, self._ctx,
+            self.finalizerr = finalizer(self, _free_device, machine, self._ptr, self._ctx,
                                                activate_for_free)
 
         def __int__(self) -> int:
@@ -189,7 +188,7 @@ def make_driver(machine: Machine) -> types.ModuleType:
             if not self._valid:
                 raise LogicError("device_allocation::free failed: invalid resource handle")
             self._valid = False
-            self._finalizer()
+            self.finalizerr()
 
     class HostAllocation:
         """The base of a page-locked array (its `.base`), freed by free() or when collected."""
@@ -210,17 +209,17 @@ def make_driver(machine: Machine) -> types.ModuleType:
             with machine.lock:
                 machine.pinned_bytes += self.nbytes
                 machine.pinned_ranges[id(self)] = (np.ctypeslib.ctypes.addressof(self._buf), self.nbytes)
-            self._finalizer = weakref.finalize(self, _free_host, machine, id(self), self.nbytes, self._ctx,
+            self.finalizerr = finalizer(self, _free_host, machine, id(self), self.nbytes, self._ctx,
                                                activate_for_free)
 
         def free(self) -> None:
             if not self._valid:
                 raise LogicError("pagelocked_host_allocation::free failed: invalid resource handle")
             self._valid = False
-            self._finalizer.detach()
+            self.finalizerr.detach()
             _free_host(machine, id(self), self.nbytes, self._ctx, activate_for_free, explicit=True)
             # the freed range is remembered (a copy from it fails) while the array exists
-            weakref.finalize(self, machine.freed_pinned.pop, id(self), None)
+            finalizer(self, machine.freed_pinned.pop, id(self), None)
 
     def pagelocked_empty(shape: Sequence[int] | int, dtype: Any, order: str = "C", mem_flags: int = 0) -> np.ndarray:
         shp = (int(shape),) if isinstance(shape, int) else tuple(int(s) for s in shape)
@@ -234,7 +233,7 @@ def make_driver(machine: Machine) -> types.ModuleType:
             except CudaError as exc:
                 raise _raise(exc) from exc
             self.flags = int(flags)
-            weakref.finalize(self, machine.destroy_stream, self.handle)
+            finalizer(self, machine.destroy_stream, self.handle)
 
         def synchronize(self) -> None:
             try:

@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import math
 import threading
-import weakref
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from tests.support.trt_emulator import plan as planfmt
-from tests.support.trt_emulator.machine import CudaError, Op
+from tests.support.trt_emulator.machine import CudaError, Op, finalizer
 from tests.support.trt_emulator.trt_types import (
     DataType,
     Dims,
@@ -91,7 +90,7 @@ class ICudaEngine:
         self._io = {t.name: t for t in header.io}
         self._order = [t.name for t in header.io]
         self.name = "emulated engine"
-        weakref.finalize(self, env.machine.release, weights)
+        finalizer(self, env.machine.release, weights)
 
     def _log(self, sev: Any, msg: str) -> None:
         report(self._logger, sev, msg, self._env.journal)
@@ -183,7 +182,7 @@ class IExecutionContext:
         self._busy = threading.Lock()
         self.name = ""
         if scratch:
-            weakref.finalize(self, self._env.machine.release, scratch)
+            finalizer(self, self._env.machine.release, scratch)
 
     def _log(self, sev: Any, msg: str) -> None:
         self.engine._log(sev, msg)
