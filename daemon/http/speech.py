@@ -92,8 +92,8 @@ class SpeechHandler:
                 tail = encoder.finish()
                 if tail:
                     await self._write(request, response, tail)
+                self.counters.served += 1  # before the end goes out: a client holding its answer sees it counted
                 await response.write_eof()
-                self.counters.served += 1
                 return response
 
     async def _write(self, request: web.Request, response: web.StreamResponse, data: bytes) -> None:

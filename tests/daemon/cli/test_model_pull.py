@@ -6,6 +6,7 @@ while a pull fails; no network; --set-default."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -22,6 +23,7 @@ from cosyedge_daemon.settings.loader import load_settings
 
 from tests.support.broker import free_port
 from tests.support.fake_hub import TINY_EXTRA, TINY_REPO, FakeHub, tiny_hub
+from tests.support.trt_emulator import emulated_tensorrt, real_tensorrt_present
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -65,8 +67,9 @@ def test_failed_stage_then_resumed_keeps_the_installed_bundle(hub: FakeHub, tiny
                                                                capsys: pytest.CaptureFixture[str]) -> None:
     """The tiny model's random weights miss the quantization's accuracy budget:
     the pull stops after its export with the reason, the bundle of that name
-    stays as it was; the next pull (fp32) asks the hub nothing and reuses the
-    export."""
+    stays as it was; the next pull (fp32) asks the hub nothing, reuses the
+    export and, TensorRT being there (the project's emulator), builds the
+    engines and names the trt backend."""
     root = tmp_path / "bundles"
     root.mkdir()
     old = install_bundle(root, "cosyvoice2-tiny-int8w", shutil.copytree(tiny_bundle, root / ".old"),
@@ -77,16 +80,27 @@ def test_failed_stage_then_resumed_keeps_the_installed_bundle(hub: FakeHub, tiny
     assert "the int8w bundle misses the accuracy budget" in err and "pull --precision fp32" in err
     assert [(b.name, b.source) for b in list_bundles(root)] == [(old.name, {"commit": "old"})]
     work = root / ".pull-cosyvoice2-tiny-work"
-    exported = (work / "fp32" / "manifest.json").stat()
+    exported = (work / "fp32" / "flow_estimator.onnx").stat()  # (the engines rewrite the manifest)
     before = len(hub.requests)
-    assert main([*args, "--precision", "fp32"]) == 0
+    # TensorRT from here on: the real one where it is installed, else the project's emulator (not during
+    # the export: transformers probes for a real tensorrt)
+    real = real_tensorrt_present()
+    with contextlib.nullcontext() if real else emulated_tensorrt() as emu:
+        assert main([*args, "--precision", "int8w", "--engines"]) == 2
+        assert "int8w (weight-only) is an onnxruntime format" in capsys.readouterr().err
+        assert main([*args, "--precision", "fp32"]) == 0
+        assert emu is None or not emu.faults(), emu.faults()
+    assert 'backend = "trt"' in capsys.readouterr().out
     assert hub.requests[before:] == [], "the second run asked the hub again"
+    graph = (root / "cosyvoice2-tiny-fp32" / "flow_estimator.onnx").stat()
+    assert (graph.st_ino, graph.st_mtime_ns) == (exported.st_ino, exported.st_mtime_ns), "the export ran again"
     installed = root / "cosyvoice2-tiny-fp32" / "manifest.json"
-    assert (installed.stat().st_ino, installed.stat().st_mtime_ns) == (exported.st_ino, exported.st_mtime_ns), \
-        "the export ran again"
     assert not work.exists()
     assert {b.name: b.source.get("commit") for b in list_bundles(root)} == {
         old.name: "old", "cosyvoice2-tiny-fp32": hub.repos[TINY_REPO].commit}
+    pulled = next(b for b in list_bundles(root) if b.name == "cosyvoice2-tiny-fp32")
+    assert pulled.engines and pulled.source["engines"] is True
+    assert real or json.loads(installed.read_text())["engines"]["tensorrt"].startswith("10.13.")
 
 
 def test_failing_pull_keeps_bundle_and_says_why(hub: FakeHub, tiny_bundle: Path, tmp_path: Path,

@@ -9,7 +9,6 @@ from __future__ import annotations
 import io
 import json
 import logging
-import time
 
 import av
 import numpy as np
@@ -17,6 +16,7 @@ import pytest
 
 from tests.daemon.conftest import DaemonFactory
 from tests.daemon.http.conftest import client, start
+from tests.support.waiting import wait_for
 
 TEXT = "Hello from the speech API, one two three."
 SEED = {"seed": 7}  # the daemon's own field: the same audio for every format
@@ -45,9 +45,8 @@ def test_pcm_and_wav_carry_the_same_samples(daemons: DaemonFactory, caplog: pyte
                                     extra_body=SEED)
         wav = c.audio.speech.create(model="tts-1", voice="alloy", input=TEXT, response_format="wav",
                                     extra_body=SEED)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and sum("http-" in r.message for r in caplog.records) < 2:
-            time.sleep(0.02)
+        wait_for(lambda: sum("http-" in r.getMessage() for r in caplog.records
+                             if r.name == "cosyedge_daemon.trace") >= 2)
     assert raw.response.headers["content-type"] == "audio/pcm"
     assert raw.response.headers["x-sample-rate"] == "24000"
     samples = pcm16(raw.content)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import logging
 import socket
-import time
 
 import numpy as np
 import pytest
@@ -17,6 +16,7 @@ from tests.daemon.conftest import DaemonFactory
 from tests.daemon.http.conftest import HTTP, client, start
 from tests.daemon.http.test_http_speech import SEED, TEXT, pcm16
 from tests.support.fake_synthesizer import FakeSynthesizer, GatedSynthesizer, Seen
+from tests.support.waiting import wait_for, wait_until
 
 
 def test_audio_is_streamed_as_produced(daemons: DaemonFactory) -> None:
@@ -45,14 +45,13 @@ def test_streamed_read_equals_the_whole_one(daemons: DaemonFactory) -> None:
 
 
 def _trace(caplog: pytest.LogCaptureFixture, outcome: str) -> dict[str, object]:
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
+    """The trace line of the first HTTP request that ended with `outcome`."""
+    def found() -> list[dict[str, object]]:
         lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "cosyedge_daemon.trace"]
-        found = [x for x in lines if str(x["id"]).startswith("http-") and x["outcome"] == outcome]
-        if found:
-            return found[0]
-        time.sleep(0.02)
-    raise AssertionError(f"no HTTP request ended {outcome}")
+        return [x for x in lines if str(x["id"]).startswith("http-") and x["outcome"] == outcome]
+
+    assert wait_for(found, 20), f"no HTTP request ended {outcome}"
+    return found()[0]
 
 
 def test_client_gone_mid_stream_cancels(daemons: DaemonFactory, caplog: pytest.LogCaptureFixture) -> None:
@@ -68,7 +67,8 @@ def test_client_gone_mid_stream_cancels(daemons: DaemonFactory, caplog: pytest.L
     engine.gate.set()
     assert len(client(svc).audio.speech.create(model="cosyedge", voice="alloy", input="Next.",
                                                response_format="pcm").content) == 3 * engine.chunk_samples * 2
-    assert svc.http is not None and svc.http.describe()["cancelled"] == 1
+    assert svc.http is not None
+    wait_until(lambda: svc.http.describe()["cancelled"] == 1)  # type: ignore[union-attr]
 
 
 def test_client_gone_before_any_audio_cancels(daemons: DaemonFactory, caplog: pytest.LogCaptureFixture) -> None:
@@ -91,10 +91,7 @@ def test_client_gone_before_any_audio_cancels(daemons: DaemonFactory, caplog: py
 
 
 def _wait_seen(engine: FakeSynthesizer, text: str) -> Seen:
-    deadline = time.monotonic() + 20
-    while text not in engine.seen:
-        assert time.monotonic() < deadline, f"the engine never started {text!r}"
-        time.sleep(0.01)
+    assert wait_for(lambda: text in engine.seen, 20), f"the engine never started {text!r}"
     return engine.seen[text]
 
 
@@ -117,10 +114,8 @@ def test_client_that_reads_nothing_is_dropped(daemons: DaemonFactory, caplog: py
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         assert _trace(caplog, "cancelled")["route"] == "local"
         assert engine.seen["Long story."].left.wait(20) and engine.seen["Long story."].produced < 400
-        deadline = time.monotonic() + 20
-        while svc.http.describe()["in_progress"] and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert svc.http.describe()["in_progress"] == 0 and svc.http.describe()["served"] == 0
+        wait_until(lambda: svc.http.describe()["in_progress"] == 0, 20)  # type: ignore[union-attr]
+        assert svc.http.describe()["served"] == 0
     engine.chunks = 1  # a short answer the client reads
     assert client(svc).audio.speech.create(model="cosyedge", voice="alloy", input="Next.",
                                            response_format="pcm").content
