@@ -5,6 +5,7 @@ the config lines that use it (or --set-default writes them)."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
 import shutil
@@ -37,6 +38,12 @@ def pull_command(args: argparse.Namespace, root: Path) -> int:
         if str(getattr(exc, "name", "")).startswith("cosyedge"):
             raise
         raise MissingExtraError(str(getattr(exc, "name", "torch")), "build", "cosyedge model pull") from exc
+    # the whole build side is needed, not only the download: say so before gigabytes arrive
+    for module in ("huggingface_hub", "torch", "transformers", "onnx", "hyperpyyaml"):
+        if importlib.util.find_spec(module) is None:
+            from cosyedge_models.errors import MissingExtraError
+
+            raise MissingExtraError(module, "build", "cosyedge model pull (the download and the export)")
     if args.set_default and not args.config:
         raise CosyEdgeError("--set-default writes the config file given with --config FILE")
     repo, model = resolve_repo(args.name, args.source)

