@@ -216,3 +216,36 @@ def test_trt_synthesizer_gives_ort_audio_and_reloads_cleanly(trt_runtime: Emulat
             gc.collect()
             assert (trt_runtime.device_bytes(), trt_runtime.pinned_bytes()) == before, f"after load {load}"
             assert trt_runtime.faults() == []
+
+
+def test_a_capture_survives_other_threads_work_on_the_legacy_stream(trt_runtime: Emulation | None) -> None:
+    """The worker streams are non-blocking (issue 22, defect 4): another thread's work on the
+    legacy default stream while this thread captures does not invalidate the capture."""
+    from cosyedge_models.backends.cuda import STREAM_NON_BLOCKING, DeviceBuffer, driver, free_pinned, pinned_empty
+    from cosyedge_models.backends.tensorrt.session import thread_cuda
+
+    cuda = thread_cuda(0)
+    assert cuda.stream.flags == STREAM_NON_BLOCKING  # type: ignore[attr-defined]
+    mine, theirs = DeviceBuffer(256), DeviceBuffer(256)
+    host = pinned_empty(256)  # a capture records copies from page-locked memory only
+    host[:] = 7
+    cuda.graphs.begin(cuda.handle)
+    cuda.htod(mine.ptr, host)
+
+    def other() -> None:
+        thread_cuda(0)
+        driver().memset_d8_async(theirs.ptr, 1, 256)  # no stream: the legacy default stream
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    graph = cuda.graphs.end(cuda.handle)
+    graph.launch(cuda.handle)
+    out = np.zeros(256, np.uint8)
+    cuda.dtoh(out, mine.ptr)
+    cuda.synchronize()
+    assert (out == 7).all()
+    graph.close()
+    mine.close()
+    theirs.close()
+    free_pinned(host)
