@@ -85,27 +85,28 @@ class SpeechHandler:
                 step = encoder.slice_bytes or len(item.pcm16)
                 for start in range(0, len(item.pcm16), step):
                     data = encoder.encode(item.pcm16[start:start + step])
-                    if data:
-                        await self._write(request, response, data)
+                    if data and not await self._write(request, response, data):
+                        return response  # the client was dropped
                 channel.budget.give(len(item.pcm16))
             elif isinstance(item, Done):
                 tail = encoder.finish()
-                if tail:
-                    await self._write(request, response, tail)
+                if tail and not await self._write(request, response, tail):
+                    return response
                 self.counters.served += 1  # before the end goes out: a client holding its answer sees it counted
                 await response.write_eof()
                 return response
 
-    async def _write(self, request: web.Request, response: web.StreamResponse, data: bytes) -> None:
-        """Write, or drop a client that takes nothing for write_timeout_s (it would hold its
-        connection and a request slot for ever): ConnectionResetError, and the request is cancelled."""
+    async def _write(self, request: web.Request, response: web.StreamResponse, data: bytes) -> bool:
+        """Write; or drop a client that takes nothing for write_timeout_s (it would hold its
+        connection and a request slot for ever) and return False: the request is then cancelled."""
         try:
             await asyncio.wait_for(response.write(data), self.write_timeout_s)
         except asyncio.TimeoutError:
             log.warning("HTTP client takes no audio for %.1f s; disconnecting it", self.write_timeout_s)
             if request.transport is not None:
                 request.transport.abort()
-            raise ConnectionResetError("the client takes no audio") from None
+            return False
+        return True
 
     async def _begin(self, request: web.Request, speech: SpeechRequest, job: Job,
                      rate: int) -> web.StreamResponse:

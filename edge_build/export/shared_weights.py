@@ -100,7 +100,11 @@ def share_weights(root: Path, graphs: Sequence[str], data_file: str) -> dict[str
                 if shared != t.name:
                     renames[t.name] = shared
                 t.name = shared
-                t.ClearField("raw_data")
+                # every value field: a tensor with external data may hold no other (ONNX's checker
+                # and TensorRT's parser refuse it; the quantizer writes zero points as int32_data)
+                for value_field in ("raw_data", "float_data", "int32_data", "int64_data", "double_data",
+                                    "uint64_data", "string_data"):
+                    t.ClearField(value_field)
                 del t.external_data[:]
                 t.data_location = onnx.TensorProto.EXTERNAL
                 for k, v in (("location", data_file), ("offset", str(tensors[shared]["offset"])),

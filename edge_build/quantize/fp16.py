@@ -41,9 +41,46 @@ def convert_fp16(src: Path, dst: Path, block_nodes: Sequence[str] = (), fp16_io:
                                                  node_block_list=list(block_nodes))
     drop_repeated_casts(converted.graph)
     unique_node_names(converted.graph)
+    # The converter appends the input casts after the nodes that read them; onnxruntime
+    # accepts that, but the ONNX spec and TensorRT's parser need the nodes in order.
+    topological_sort(converted.graph)
     big = converted.ByteSize() > (1 << 30)
     onnx.save(converted, str(dst), save_as_external_data=big,
               location=dst.name + ".data" if big else None)
+
+
+def topological_sort(graph: onnx.GraphProto) -> bool:
+    """Order `graph.node` so that every node comes after the nodes whose outputs it reads
+    (each node is placed after its producers, otherwise in its old order); returns whether
+    it changed."""
+    nodes = list(graph.node)
+    producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
+    state = [0] * len(nodes)  # 0 not placed, 1 being placed, 2 placed
+    order: list[int] = []
+    for start in range(len(nodes)):
+        stack = [(start, False)]
+        while stack:
+            i, expanded = stack.pop()
+            if expanded:
+                state[i] = 2
+                order.append(i)
+                continue
+            if state[i] == 2:
+                continue
+            if state[i] == 1:
+                raise ValueError(f"graph {graph.name}: node {nodes[i].name} is part of a cycle")
+            state[i] = 1
+            stack.append((i, True))
+            stack += [(producer[t], False) for t in reversed(nodes[i].input) if t in producer
+                      and state[producer[t]] != 2]
+    if order == list(range(len(nodes))):
+        return False
+    copies = [onnx.NodeProto() for _ in order]
+    for c, i in zip(copies, order, strict=True):
+        c.CopyFrom(nodes[i])
+    del graph.node[:]
+    graph.node.extend(copies)
+    return True
 
 
 def load_with_data(src: Path, scratch: Path) -> onnx.ModelProto:

@@ -61,6 +61,7 @@ from cosyedge_models.backends.profiles import stage_profiles
 from cosyedge_models.bundle.loader import STAGES, load_bundle, sha256_file
 from cosyedge_models.bundle.memory_budget import BOARDS, MIB, bundle_budget
 from cosyedge_models.errors import BundleError, SynthesisError
+from google.protobuf.message import DecodeError
 
 if TYPE_CHECKING:
     import tensorrt as trt
@@ -190,7 +191,11 @@ def build_engines(bundle_dir: Path | str, settings: EngineBuildSettings | None =
             continue
         info = bundle.stages[stage]
         onnx_path = info.path
-        model = onnx.load(str(onnx_path), load_external_data=False)
+        try:
+            model = onnx.load(str(onnx_path), load_external_data=False)
+        except (DecodeError, OSError) as exc:
+            raise BundleError(f"{stage}: {onnx_path.name} is not a readable ONNX graph ({exc}); "
+                              "re-export the bundle") from exc
         mode = precision_mode(model, info.raw.get("fp32_nodes", ()))
         caps = batch_caps(stage_profiles(info.raw, stage), settings.max_batch)
         profiles = build_profiles(info.raw, stage, model, caps)

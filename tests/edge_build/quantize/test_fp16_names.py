@@ -103,3 +103,23 @@ def test_a_shared_weights_file_with_several_hard_links_converts(tiny_bundle: Pat
     logp = sess.run(["logp"], {"inputs_embeds": x, "attention_mask": np.ones((1, 4), np.int64)})[0]
     assert np.isfinite(logp).all()
     assert not list(out.glob(".fp16-*"))  # the copy is gone
+
+
+def test_topological_sort_puts_producers_first() -> None:
+    """The float16 converter appends its input casts after their readers (TensorRT's parser and the
+    ONNX checker refuse that order); the sort moves them before, keeping the rest in place."""
+    from cosyedge_build.quantize.fp16 import topological_sort
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])
+    nodes = [helper.make_node("Relu", ["xh"], ["a"], name="relu"),
+             helper.make_node("Neg", ["a"], ["b"], name="neg"),
+             helper.make_node("Cast", ["b"], ["y"], to=TensorProto.FLOAT, name="out_cast"),
+             helper.make_node("Cast", ["x"], ["xh"], to=TensorProto.FLOAT16, name="in_cast")]
+    model = helper.make_model(helper.make_graph(nodes, "g", [x], [y]))
+    with pytest.raises(onnx.checker.ValidationError, match="topologically sorted"):
+        onnx.checker.check_model(model)
+    assert topological_sort(model.graph)
+    assert [n.name for n in model.graph.node] == ["in_cast", "relu", "neg", "out_cast"]
+    onnx.checker.check_model(model)
+    assert not topological_sort(model.graph)  # already in order: unchanged

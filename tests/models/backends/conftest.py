@@ -1,38 +1,6 @@
-"""TensorRT for the trt tests of this folder: the real one where it is importable (a GPU
-machine with TensorRT and pycuda; skipped with the reason when it cannot run there), else the
-emulator (tests/support/trt_emulator), so the whole `trt` path runs in the default test run.
-`trt_runtime` holds it for a module; the engines built inside it (`trt_engines`) are the
-tiny bundle's, by `cosyedge build engines`, for that TensorRT and GPU."""
+"""The trt tests of this folder run on the real TensorRT where it is importable, else on the
+emulator (tests/support/trt_runtime.py)."""
 
-from __future__ import annotations
+from tests.support.trt_runtime import build_trt_bundle, trt_runtime
 
-import shutil
-from collections.abc import Iterator
-from pathlib import Path
-
-import pytest
-
-from tests.models.conftest import trt_unavailable_reason
-from tests.support.trt_emulator import Emulation, emulated_tensorrt, real_tensorrt_present
-
-
-@pytest.fixture(scope="module")
-def trt_runtime() -> Iterator[Emulation | None]:
-    """The module's TensorRT: None for a real one, else the emulation (TensorRT 10.13, an Orin)."""
-    if real_tensorrt_present():
-        reason = trt_unavailable_reason()
-        if reason:
-            pytest.skip(f"a real TensorRT is installed but cannot run here: {reason}")
-        yield None
-        return
-    with emulated_tensorrt("10.13") as emu:
-        yield emu
-
-
-def build_trt_bundle(source: Path, dst: Path) -> Path:
-    """A copy of `source` with its engines built (fp32) by `cosyedge build engines`."""
-    from cosyedge_build.tensorrt.engines import EngineBuildSettings, build_engines
-
-    shutil.copytree(source, dst)
-    build_engines(dst, EngineBuildSettings(workspace_mib=512))
-    return dst
+__all__ = ["build_trt_bundle", "trt_runtime"]

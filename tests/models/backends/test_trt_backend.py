@@ -22,8 +22,8 @@ from cosyedge_models.bundle.loader import STAGES, load_bundle
 from cosyedge_models.errors import BundleError
 from cosyedge_models.synthesis.api import SynthesisRequest
 
-from tests.models.backends.conftest import build_trt_bundle
 from tests.support.trt_emulator import Emulation
+from tests.support.trt_runtime import build_trt_bundle
 
 
 @pytest.fixture(scope="module")

@@ -34,9 +34,9 @@ from cosyedge_models.synthesis.vocoder import HiftVocoder
 from cosyedge_models.synthesis.voice_cache import build_flow_prefix
 
 from tests.conftest import STATIC_FLOW_CACHE
-from tests.models.backends.conftest import build_trt_bundle
 from tests.models.flow_streams import stream_mel
 from tests.support.trt_emulator import Emulation
+from tests.support.trt_runtime import build_trt_bundle
 
 TOL = 2e-2  # relative, as test_trt_backend.py's stage checks (TF32 / other tactics per shape)
 
