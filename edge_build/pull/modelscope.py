@@ -35,7 +35,9 @@ def endpoint_url(endpoint: str | None) -> str:
 
 def _get(url: str, headers: dict[str, str] | None = None) -> urllib.response.addinfourl:
     request = urllib.request.Request(url, headers={"User-Agent": "cosyedge", **(headers or {})})
-    return urllib.request.urlopen(request, timeout=TIMEOUT_S)  # noqa: S310 - http(s) URLs we build
+    # an opener per request: its ProxyHandler reads HTTP(S)_PROXY now (urlopen's global one keeps the
+    # environment of its first use)
+    return urllib.request.build_opener().open(request, timeout=TIMEOUT_S)
 
 
 def list_files(repo: str, revision: str, endpoint: str | None) -> tuple[str, list[RepoFile]]:

@@ -8,12 +8,10 @@ cache's growth, a move to the dynamic graph and bounded-context trims."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
 import pytest
-from cosyedge_models.backends.factory import create_backend
 from cosyedge_models.backends.fixed_shapes import (
     AUTO_DEVICE_FRACTION,
     RowCopy,
@@ -33,14 +31,9 @@ from cosyedge_models.backends.fixed_shapes import (
     visible_first,
     vocoder_length,
 )
-from cosyedge_models.backends.flow_cache import HostStepCache, PrefixRows, StepCache, StepCacheSpec, trim_due
-from cosyedge_models.backends.ort import OrtSession
-from cosyedge_models.bundle.loader import STATIC_FLOW_PREFIX, STATIC_VOCODER_PREFIX, load_bundle
+from cosyedge_models.backends.flow_cache import trim_due
+from cosyedge_models.bundle.loader import STATIC_FLOW_PREFIX, STATIC_VOCODER_PREFIX
 from cosyedge_models.errors import BundleError
-from cosyedge_models.synthesis.flow import FlowDecoder, FlowPrompt
-from cosyedge_models.synthesis.streaming import ChunkSchedule
-
-from tests.conftest import STATIC_FLOW_WINDOWS
 
 
 def test_settings_turn_a_family_on() -> None:
@@ -109,116 +102,5 @@ def test_which_vocoder_graph_a_chunk_takes() -> None:
     assert vocoder_length(lens, (1, 80, 58), np.zeros((1, 1, 100), np.float32)) is None
 
 
-class HostSlotCache:
-    """TrtStaticStepCache's steps with a host array as the slot: fixed_shapes decides, the
-    fixed-shape graph runs on onnxruntime's CPU provider, host copies stand for device ones."""
-
-    def __init__(self, statics: list[OrtSession], dynamic: OrtSession, spec: StepCacheSpec,
-                 room: int | None = None) -> None:
-        self.spec = spec
-        self.statics = sorted(statics, key=lambda s: int(s.input_shapes["x"][2]))
-        self.windows = [int(s.input_shapes["x"][2]) for s in self.statics]
-        self.frames = int(self.statics[0].input_shapes["att_cache"][0])
-        self.history = int(self.statics[0].input_shapes["commit_index"][0])
-        self.room = self.frames if room is None else room  # a smaller room makes the stream move sooner
-        self.kv = np.zeros((self.frames, *spec.row), np.float32)
-        self.conv = np.zeros(spec.conv, np.float32)
-        self.length = 0
-        self.dynamic = dynamic
-        self.moved: HostStepCache | None = None
-        self.static_calls = 0
-        self.moves = 0  # kept after close (which drops the moved cache)
-
-    def preload(self, rows: PrefixRows, conv: np.ndarray) -> None:
-        assert prefix_fits(rows.frames, self.windows, self.frames)
-        self.kv[: rows.frames] = rows.host
-        self.conv = conv.copy()
-        self.length = rows.frames
-
-    def _move(self) -> HostStepCache:
-        moved = HostStepCache(self.dynamic, self.spec)
-        first = visible_first(self.length, self.spec.visible)
-        moved.preload(PrefixRows(self.kv[first: self.length].copy()), self.conv.copy())
-        self.moved = moved
-        self.moves += 1
-        return moved
-
-    def run(self, feeds: Mapping[str, np.ndarray], commit: int) -> np.ndarray:
-        w = bucket(self.windows, int(feeds["x"].shape[2]))
-        if self.moved is None and not stays_fixed(w, self.length, commit, self.room, False):
-            self._move()
-        if self.moved is not None:
-            return self.moved.run(feeds, commit)
-        assert w is not None
-        window, frames = self.windows[w], int(feeds["x"].shape[2])
-        out = self.statics[w].run({
-            **{n: pad_window(feeds[n], window) for n in ("x", "mask", "mu", "cond")},
-            "t": feeds["t"], "spks": feeds["spks"], "att_cache": self.kv, "conv_cache": self.conv,
-            "cache_valid": valid_mask(self.frames, visible_first(self.length, self.spec.visible), self.length),
-            "commit_index": commit_index(commit, self.history)})
-        copy = commit_copy(self.length, commit)
-        if copy is not None:
-            self.kv[copy.dst: copy.dst + copy.frames] = out["att_window"][copy.src: copy.src + copy.frames]
-            self.conv = out["conv_cache_new"]
-        self.length += commit
-        self.static_calls += 1
-        return out["dphi_dt"][:, :, :frames]
-
-    def trim(self) -> None:
-        if self.moved is not None:
-            self.moved.trim()
-            return
-        copy = trim_copy(self.length, self.spec.visible, self.frames)
-        if copy is not None:
-            self.kv[copy.dst: copy.dst + copy.frames] = self.kv[copy.src: copy.src + copy.frames].copy()
-            self.length = copy.frames
-
-    def nbytes(self) -> int:
-        return 0
-
-    def close(self) -> None:
-        self.moved = None
-
-
-@pytest.mark.parametrize(("n_tokens", "left", "room"), [(60, -1, None), (120, -1, 100), (190, 2, None)],
-                         ids=["fits", "moves", "left-2-trims"])
-def test_the_trt_slot_logic_gives_the_dynamic_graphs_mel(static_flow_bundle: Path, n_tokens: int, left: int,
-                                                          room: int | None) -> None:
-    bundle = load_bundle(static_flow_bundle)
-    backend = create_backend("ort")
-    load = {n: backend.load(n, bundle.stages[n].path, threads=1)
-            for n in ("flow_encoder", "flow_estimator", *fixed_shape_names(bundle.stages, STATIC_FLOW_PREFIX))}
-    statics = [s for n, s in load.items() if n.startswith(STATIC_FLOW_PREFIX) and isinstance(s, OrtSession)]
-    assert sorted(int(s.input_shapes["x"][2]) for s in statics) == sorted(STATIC_FLOW_WINDOWS)
-    est = load["flow_estimator"]
-    assert isinstance(est, OrtSession)
-    made: list[HostSlotCache] = []
-
-    def slot_cache(session: object, spec: StepCacheSpec) -> StepCache:
-        made.append(HostSlotCache(statics, est, spec, room))
-        return made[-1]
-
-    prompt = FlowPrompt(tokens=np.arange(12, dtype=np.int64) % 50,
-                        feat=np.random.default_rng(1).standard_normal((24, bundle.mel_bins)).astype(np.float32),
-                        embedding=np.random.default_rng(2).standard_normal(192).astype(np.float32))
-    toks = np.random.default_rng(3).integers(0, bundle.llm.speech_token_size, n_tokens)
-
-    def stream(factory: object) -> np.ndarray:
-        dec = FlowDecoder(bundle, load["flow_encoder"], est, factory)  # type: ignore[arg-type]
-        look = dec.config.pre_lookahead_len
-        schedule = ChunkSchedule(25, look, prompt_tokens=len(prompt.tokens))
-        mels = []
-        with dec.stream(prompt, "cached", left) as s:
-            while (chunk := schedule.next_chunk(len(toks))) is not None:
-                mels.append(s.push(toks[: chunk.end + look]))
-            mels.append(s.finish(toks))
-        return np.concatenate(mels, axis=2)
-
-    dynamic = stream(lambda session, spec: HostStepCache(session, spec))
-    fixed = stream(slot_cache)
-    np.testing.assert_allclose(fixed, dynamic, rtol=0, atol=1e-5)
-    assert made and all(c.static_calls > 0 for c in made)
-    moved = any(c.moves for c in made)
-    assert moved == (room is not None)  # a room of 100 frames is outgrown mid-stream: the move
-    for s in load.values():
-        s.close()
+# The slot logic itself (TrtStaticStepCache over these decisions: fits, moves, trims) runs on the
+# real class under the TensorRT emulator: tests/models/backends/test_trt_static.py.

@@ -198,7 +198,8 @@ class Machine:
     # --- device memory (cuMemAlloc / cuMemFree) ---
     def used_bytes(self) -> int:
         with self.lock:
-            return sum(a.nbytes for a in self._allocs.values())
+            # a copy: a collected allocation's finalizer may free (same thread, reentrant lock) mid-sum
+            return sum(a.nbytes for a in list(self._allocs.values()))
 
     def alloc(self, nbytes: int, what: str = "cuMemAlloc") -> int:
         ctx = self.require_context(what)
