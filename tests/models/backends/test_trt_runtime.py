@@ -6,6 +6,7 @@ reload that gives its device and page-locked memory back."""
 from __future__ import annotations
 
 import gc
+import shutil
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -250,3 +251,61 @@ def test_a_capture_survives_other_threads_work_on_the_legacy_stream(trt_runtime:
     mine.close()
     theirs.close()
     free_pinned(host)
+
+
+def _int32_mask(onnx_path: Path) -> None:
+    """The graph with an int32 attention-mask input, cast to int64 at once (what an exporter
+    that writes int32 masks gives): same results, another binding dtype."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    model = onnx.load(str(onnx_path), load_external_data=False)  # the weights stay where they are
+    (mask,) = [i for i in model.graph.input if i.name == "attention_mask"]
+    assert mask.type.tensor_type.elem_type == TensorProto.INT64
+    mask.type.tensor_type.elem_type = TensorProto.INT32
+    for node in model.graph.node:
+        node.input[:] = ["attention_mask_i64" if n == "attention_mask" else n for n in node.input]
+    model.graph.node.insert(0, helper.make_node("Cast", ["attention_mask"], ["attention_mask_i64"],
+                                                to=TensorProto.INT64))
+    onnx.save(model, str(onnx_path))
+
+
+@pytest.fixture(scope="module")
+def int32_mask_bundle(trt_voice_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """trt_voice_bundle with its LLM engine rebuilt from graphs that take an int32 mask."""
+    from cosyedge_build.tensorrt.engines import EngineBuildSettings, build_engines
+
+    dst = tmp_path_factory.mktemp("mask32") / "bundle"
+    shutil.copytree(trt_voice_bundle, dst)
+    for stage in ("llm_prefill", "llm_decode"):
+        _int32_mask(dst / f"{stage}.onnx")
+    build_engines(dst, EngineBuildSettings(workspace_mib=512, stages=("llm_prefill", "llm_decode")))
+    return dst
+
+
+def test_an_int32_mask_engine_decodes_as_the_int64_one(llm: tuple, int32_mask_bundle: Path) -> None:  # type: ignore[type-arg]
+    """Defect 9: the mask buffers are of the engine's mask dtype, not an assumed int64: an
+    engine taking an int32 mask gives the int64 engine's log-probabilities, prefill and every
+    step across the decode buckets (the bucketed mask is rewritten there)."""
+    from cosyedge_models.backends.tensorrt.backend import TrtBackend
+
+    bundle, trt, pre, dec = llm
+    b32 = load_bundle(int32_mask_bundle, backend="trt")
+    trt32 = TrtBackend()
+    pre32 = trt32.load("llm_prefill", b32.stages["llm_prefill"].path)
+    dec32 = trt32.load("llm_decode", b32.stages["llm_decode"].path)
+    assert dec32.specs["attention_mask"].dtype == np.dtype(np.int32)
+    assert dec.specs["attention_mask"].dtype == np.dtype(np.int64)
+    rng = np.random.default_rng(3)
+    steps = [rng.standard_normal((1, 1, bundle.llm.hidden_size)).astype(np.float32) for _ in range(40)]
+    got = []
+    for t, (p, d) in ((trt32, (pre32, dec32)), (trt, (pre, dec))):
+        loop = t.decode_loop(p, d)
+        assert loop._res.mask_dtype == d.specs["attention_mask"].dtype
+        got.append([loop.prefill(_prompt(bundle)), *(loop.step(s) for s in steps)])
+        loop.close()
+    pre32.close()
+    dec32.close()
+    assert len(got[0]) == len(got[1]) == 41
+    for i, (a, b) in enumerate(zip(*got)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=f"call {i}")
