@@ -307,5 +307,5 @@ def test_an_int32_mask_engine_decodes_as_the_int64_one(llm: tuple, int32_mask_bu
     pre32.close()
     dec32.close()
     assert len(got[0]) == len(got[1]) == 41
-    for i, (a, b) in enumerate(zip(*got)):
+    for i, (a, b) in enumerate(zip(*got, strict=True)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=f"call {i}")
