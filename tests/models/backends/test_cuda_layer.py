@@ -1,12 +1,13 @@
-"""models/backends/cuda.py on a real GPU (`pytest -m gpu`; needs pycuda,
-not TensorRT): pinned round trips, the KV plan's device copies against the
-host reference (kv_layout.apply_host), a CUDA graph replay reading fresh
-pinned input, and one stream per thread. Skipped with the reason elsewhere."""
+"""models/backends/cuda.py under the emulated libcuda + pycuda (tests/support/trt_emulator) in
+the default run, or on a real GPU where TensorRT is installed (tests/support/trt_runtime.py):
+pinned round trips, the KV plan's device copies against the host reference
+(kv_layout.apply_host), a CUDA graph replay reading fresh pinned input, and one stream per thread."""
 
 from __future__ import annotations
 
 import importlib.util
 import threading
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -21,16 +22,23 @@ from cosyedge_models.backends.kv_layout import (
     decode_buckets,
 )
 
-pytestmark = pytest.mark.gpu
+from tests.support.trt_emulator import Emulation
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _needs_gpu_and_pycuda() -> None:
-    gpu = probe_gpu()
-    if not gpu.available:
-        pytest.skip(f"CUDA layer tests need a GPU: {gpu.reason}")
-    if importlib.util.find_spec("pycuda") is None:
+def _cuda(trt_runtime: Emulation | None) -> Emulation | None:
+    """The emulated libcuda + pycuda in the default run, a real GPU where TensorRT is installed."""
+    if trt_runtime is None and importlib.util.find_spec("pycuda") is None:
         pytest.skip("CUDA layer tests need pycuda (pip install pycuda==2025.1.2)")
+    return trt_runtime
+
+
+@pytest.fixture(autouse=True)
+def _no_faults(_cuda: Emulation | None) -> Iterator[None]:
+    """What would have faulted a real GPU (even if the test caught it) fails the test."""
+    yield
+    if _cuda is not None:
+        assert _cuda.faults() == []
 
 
 def test_probe_reads_the_device() -> None:

@@ -89,6 +89,9 @@ class StreamState:
     context: int
     pending: list[Op] = field(default_factory=list)
     capture: Capture | None = None
+    # held while the stream's work runs: a synchronize returns only after work that another
+    # thread's synchronize (a cuMemFree's implicit one) took off the queue has finished too
+    running: threading.RLock = field(default_factory=threading.RLock)
 
 
 @dataclass
@@ -322,14 +325,20 @@ class Machine:
         if st is None:
             self.synchronize_all()
             return
-        with self.lock:
-            if st.capture is not None:
-                # "Prohibited and Unhandled Operations": synchronizing a capturing stream is an error
-                # and invalidates the capture.
-                st.capture.invalidated = "cuStreamSynchronize on the capturing stream"
-                raise CudaError(STREAM_CAPTURE_UNSUPPORTED, "cuStreamSynchronize on a capturing stream")
-            ops, st.pending = st.pending, []
-        self.run(ops)
+        self._drain(st, capturing_is_error=True)
+
+    def _drain(self, st: StreamState, capturing_is_error: bool) -> None:
+        with st.running:
+            with self.lock:
+                if st.capture is not None:
+                    if not capturing_is_error:
+                        return  # began capturing after synchronize_all looked: its queue ran at begin_capture
+                    # "Prohibited and Unhandled Operations": synchronizing a capturing stream is an error
+                    # and invalidates the capture.
+                    st.capture.invalidated = "cuStreamSynchronize on the capturing stream"
+                    raise CudaError(STREAM_CAPTURE_UNSUPPORTED, "cuStreamSynchronize on a capturing stream")
+                ops, st.pending = st.pending, []
+            self.run(ops)
 
     def run(self, ops: list[Op]) -> None:
         """Execute work; a fault is sticky."""
@@ -342,16 +351,18 @@ class Machine:
 
     def synchronize_all(self) -> None:
         with self.lock:
-            handles = [s.handle for s in self.streams.values() if s.capture is None]
-        for h in handles:
-            self._flush(h)
+            # the states, not their handles: another thread may destroy a stream meanwhile (its
+            # destroy_stream runs what it still had queued)
+            states = [s for s in self.streams.values() if s.capture is None]
+        for st in states:
+            self._drain(st, capturing_is_error=False)
 
     def destroy_stream(self, handle: int) -> None:
         with self.lock:
             st = self.streams.pop(handle, None)
         if st is not None and self.fault is None:
             try:
-                self.run(st.pending)  # cuStreamDestroy: pending work still completes
+                self._drain(st, capturing_is_error=False)  # cuStreamDestroy: pending work still completes
             except CudaError as exc:  # called from a finalizer: nobody to raise to
                 self.errors.append(f"work pending on a destroyed stream failed: {exc}")
 
