@@ -22,6 +22,7 @@ from cosyedge_models.backends.kv_layout import (
     decode_buckets,
 )
 
+from tests.support.components import missing
 from tests.support.trt_emulator import Emulation
 
 
@@ -29,7 +30,7 @@ from tests.support.trt_emulator import Emulation
 def _cuda(trt_runtime: Emulation | None) -> Emulation | None:
     """The emulated libcuda + pycuda in the default run, a real GPU where TensorRT is installed."""
     if trt_runtime is None and importlib.util.find_spec("pycuda") is None:
-        pytest.skip("CUDA layer tests need pycuda (pip install pycuda==2025.1.2)")
+        missing("CUDA layer tests on a real TensorRT need pycuda (pip install pycuda==2025.1.2)")
     return trt_runtime
 
 
