@@ -132,7 +132,7 @@ def check(fig: dict[str, object], examples: int, rss_limit: float | None) -> Non
 
 
 CI_EXAMPLES = 1000  # the default run (CI): enough after the warm-up for the RSS bound to mean something
-CI_WARMUP = 0.3  # a short run's warm-up is a larger share (RSS still settles over the first few hundred)
+CI_WARMUP = 0.5  # a short run's warm-up is half of it: RSS still settles over the first few hundred
 
 
 def test_fuzz_mqtt_surfaces_ci(tmp_path: Path, broker: Broker) -> None:
