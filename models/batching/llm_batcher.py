@@ -18,9 +18,11 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from cosyedge_models.backends.profiles import stage_profiles
+from cosyedge_models.batching.group import RequestGroup
 from cosyedge_models.batching.kv import BatchDecoder
 from cosyedge_models.batching.policy import BatchSettings, Waiting, admit
 from cosyedge_models.batching.worker import BatchWorker
@@ -110,6 +112,7 @@ class LlmBatcher(BatchWorker):
         self._keys = itertools.count()
         self._waiting: list[_Request] = []
         self._active: dict[int, _Request] = {}  # worker-owned
+        self._groups: list[RequestGroup] = []  # open groups hold admission back (models/batching/group.py)
 
     # --- lifecycle (start/stop: BatchWorker) -------------------------------------------
     def _stopped(self) -> None:
@@ -143,6 +146,22 @@ class LlmBatcher(BatchWorker):
         with self._cond:
             self._kick()
 
+    @contextmanager
+    def group(self, size: int, timeout_s: float) -> Iterator[RequestGroup]:
+        """`size` requests about to be submitted from other threads join the
+        batch at one step boundary (at the latest after `timeout_s`). Call
+        `ended()` on the group when a member finishes, whatever the outcome."""
+        members = RequestGroup(size=size, deadline=self.clock() + timeout_s, on_end=self.kick)
+        with self._cond:
+            self._groups.append(members)
+        try:
+            yield members
+        finally:
+            members.release()
+            with self._cond:
+                self._groups.remove(members)
+                self._kick()
+
     @property
     def active(self) -> int:
         return len(self._active)
@@ -158,8 +177,12 @@ class LlmBatcher(BatchWorker):
         (whether anything ran, when waiting requests should be looked at again)."""
         self._drop_cancelled()
         with self._cond:
+            now = self.clock()
+            holding = [g.deadline for g in self._groups if g.blocks(len(self._waiting), now)]
+            if holding:  # members of a group are still on their way: step the active ones only
+                return self._step(), min(holding)
             decision = admit(self.settings, [r.waiting() for r in self._waiting], len(self._active),
-                             self.clock(), self.delay_ms)
+                             now, self.delay_ms)
             chosen = {w.key for w in decision.join}
             joining = sorted((r for r in self._waiting if r.key in chosen), key=lambda r: (-r.priority, r.key))
             self._waiting = [r for r in self._waiting if r.key not in chosen]
@@ -215,6 +238,7 @@ class LlmBatcher(BatchWorker):
         for key, logp in logps.items():
             request = self._active[key]
             request.decode.stats.decode_ms += ms
+            request.decode.stats.batch_max = max(request.decode.stats.batch_max, len(logps))
             try:
                 self._emit(request, request.decode.accept(logp))
             except Exception as exc:
