@@ -14,21 +14,25 @@ threads `call()` a piece of work (copy the inputs in, replay, copy the outputs
 out) and wait for its result. The captures themselves are done there at engine
 load (the users' warm-up, models/backends/ort_static_flow.py and
 ort_graph_decode.py) while no request runs, so no capture ever overlaps
-another thread's CUDA work, and afterwards the thread only replays. Work is
-run in submission order, one piece at a time (the replays share the GPU and
-their bound buffers anyway). On the CPU provider the same code runs without
-capture: that is how it is tested."""
+another thread's CUDA work, and afterwards the thread only replays. Work runs
+one piece at a time (the replays share the GPU and their bound buffers anyway),
+in submission order within its priority: a request's first chunk's flow and
+vocoder, inside `first_audio()`, go ahead of the LLM steps and later chunks
+(models/backends/graph_order.py says how and why). On the CPU provider the same
+code runs without capture: that is how it is tested."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import queue
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from types import TracebackType
 from typing import TypeVar
 
+from cosyedge_models.backends.graph_order import HOLD_MAX_S, MAX_OVERTAKES, GraphPriority, GraphWorkOrder
 from cosyedge_models.errors import SynthesisError
 
 log = logging.getLogger(__name__)
@@ -50,25 +54,26 @@ class GraphThreadClosed(SynthesisError):
     """Work was submitted to a GraphThread that is closed (or never started)."""
 
 
-class _Stop:
-    pass
-
-
-_STOP = _Stop()
+_Item = tuple[Callable[[], object], "Future[object]"]
 
 
 class GraphThread:
     """A worker thread with a bounded queue of work items; `call` runs one
     there and returns its result or raises its exception in the caller."""
 
-    def __init__(self, name: str = "cosyedge-cuda-graphs", max_pending: int = 64) -> None:
+    def __init__(self, name: str = "cosyedge-cuda-graphs", max_pending: int = 64,
+                 hold_max_s: float = HOLD_MAX_S, max_overtakes: int = MAX_OVERTAKES) -> None:
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
         self.name = name
-        self._queue: queue.Queue[tuple[Callable[[], object], Future[object]] | _Stop] = queue.Queue(max_pending)
+        self.max_pending = max_pending  # NORMAL items queued at most (FIRST_AUDIO ones are bounded by the holds)
+        self._order: GraphWorkOrder[_Item] = GraphWorkOrder(hold_max_s, max_overtakes)
         self._thread: threading.Thread | None = None
         self._closed = False
-        self._lock = threading.Lock()  # start / close / submit against close
+        self._stopping = False  # closed: the worker runs what is queued, holds ignored, then exits
+        self._lock = threading.Lock()  # start / close / submit against close; guards _order
+        self._changed = threading.Condition(self._lock)  # work queued, a hold closed, room made, stop
+        self._local = threading.local()  # per caller thread: depth of its first_audio() blocks here
         self.ident: int | None = None  # the worker's thread id once started
         self.calls = 0  # work items run (tests, logs)
 
@@ -91,36 +96,72 @@ class GraphThread:
         """True when called from the worker itself."""
         return threading.get_ident() == self.ident
 
-    def submit(self, work: Callable[[], T]) -> Future[T]:
-        """Queue `work` (blocks while the queue is full); its Future carries the result or the exception."""
+    @contextlib.contextmanager
+    def first_audio(self) -> Iterator[None]:
+        """A request's first chunk (flow and vocoder) on the way to its first audio: what this
+        thread submits inside the block runs ahead of NORMAL work, and NORMAL work waits while the
+        block is open (bounded: models/backends/graph_order.py). Nests; other threads unaffected."""
+        with self._lock:
+            hold = self._order.open_hold(time.monotonic())
+        self._local.depth = getattr(self._local, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            self._local.depth -= 1
+            with self._changed:
+                self._order.close_hold(hold, time.monotonic())
+                self._changed.notify_all()
+
+    def current_priority(self) -> GraphPriority:
+        """The priority this thread's submissions get now."""
+        return GraphPriority.FIRST_AUDIO if getattr(self._local, "depth", 0) > 0 else GraphPriority.NORMAL
+
+    def order_stats(self) -> dict[str, object]:
+        """What the ordering did so far (graph_order.OrderStats), for bench and probe output."""
+        with self._lock:
+            return self._order.stats.as_dict()
+
+    def submit(self, work: Callable[[], T], priority: GraphPriority | None = None) -> Future[T]:
+        """Queue `work` (NORMAL work blocks while the queue is full); its Future carries the
+        result or the exception. `priority`: None takes the calling thread's (first_audio())."""
         future: Future[T] = Future()
-        while True:
-            with self._lock:
+        prio = self.current_priority() if priority is None else GraphPriority(priority)
+        with self._changed:
+            while True:
                 if self._closed or self._thread is None:
                     state = "closed" if self._closed else "not started"
                     raise GraphThreadClosed(f"{self.name}: the GPU graph thread is {state} (the engine was closed); "
                                             "no captured graph can run")
-                try:
-                    # Future[T] is stored as Future[object]: the worker only sets what work() returned
-                    self._queue.put((work, future), timeout=0.05)  # type: ignore[arg-type]
-                    return future
-                except queue.Full:
-                    pass
-            # full: wait outside the lock so that close() can get in
+                if prio is GraphPriority.FIRST_AUDIO or self._order.pending(GraphPriority.NORMAL) < self.max_pending:
+                    break
+                self._changed.wait()  # full: close() and the worker's pops notify
+            # Future[T] is stored as Future[object]: the worker only sets what work() returned
+            self._order.push((work, future), prio)  # type: ignore[arg-type]
+            self._changed.notify_all()
+        return future
 
-    def call(self, work: Callable[[], T]) -> T:
+    def call(self, work: Callable[[], T], priority: GraphPriority | None = None) -> T:
         """Run `work` on the worker and wait for it; on the worker itself it runs inline."""
         if self.on_thread():
             return work()
-        return self.submit(work).result()
+        return self.submit(work, priority).result()
+
+    def _next(self) -> _Item | None:
+        """The next item to run, waiting for one; None: closed and nothing left."""
+        with self._changed:
+            while True:
+                item = self._order.pop(time.monotonic(), drain=self._stopping)
+                if item is not None:
+                    self._changed.notify_all()  # room for a waiting submit
+                    return item
+                if self._stopping and not len(self._order):
+                    return None
+                self._changed.wait(self._order.wake_in(time.monotonic()))
 
     def _run(self, ready: threading.Event) -> None:
         self.ident = threading.get_ident()
         ready.set()
-        while True:
-            item = self._queue.get()
-            if isinstance(item, _Stop):
-                return
+        while (item := self._next()) is not None:
             work, future = item
             if not future.set_running_or_notify_cancel():
                 continue
@@ -135,14 +176,16 @@ class GraphThread:
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Run what is queued, stop the worker and wait for it; later calls raise GraphThreadClosed."""
-        with self._lock:
+        with self._changed:
             if self._closed:
                 return
             self._closed = True
             thread = self._thread
+            # after every queued item: they run (their callers wait for them)
+            self._stopping = True
+            self._changed.notify_all()
         if thread is None:
             return
-        self._queue.put(_STOP)  # after every queued item: they run (their callers wait for them)
         if threading.get_ident() != thread.ident:
             thread.join(timeout_s)
             if thread.is_alive():
