@@ -1,4 +1,4 @@
-"""The graph thread's work order (models/backends/graph_order.py): a request's
+"""The graph thread's work order (GraphWorkOrder in models/backends/graph_thread.py): a request's
 first-chunk work (FIRST_AUDIO) runs ahead of NORMAL work, first in first out
 within each class; NORMAL work waits while a first-audio hold is open, and is
 never starved (the overtake bound, the hold's age bound). The clock is passed
@@ -10,8 +10,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from cosyedge_models.backends.graph_order import GraphPriority, GraphWorkOrder
-from cosyedge_models.backends.graph_thread import GraphThread
+from cosyedge_models.backends.graph_thread import GraphPriority, GraphThread, GraphWorkOrder
 
 FIRST, NORMAL = GraphPriority.FIRST_AUDIO, GraphPriority.NORMAL
 
