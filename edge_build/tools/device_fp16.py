@@ -1,9 +1,10 @@
 """An fp16 bundle for a GPU run, without the calibration and accuracy report
 of `cosyedge build quantize --precision fp16` (at full size those run the
 fp32 and fp16 pipelines on the CPU for many minutes, too long for a device
-lease): the same conversion (edge_build/quantize/fp16.py: normalization,
-softmax, transcendental ops and reductions kept fp32, the flow's time
-embedding kept fp32, hift_source and the flow encoder kept fp32). The companions (the
+lease): the same conversion (edge_build/quantize/fp16.py: only Sin/Cos/Exp/
+Softplus/Pow, reductions and index arithmetic kept fp32 with their elementwise
+tails and arguments; LayerNorm and Softmax in fp16; the flow's time embedding,
+hift_source and the flow encoder kept fp32). The companions (the
 fixed-size decode step, the fixed-shape estimator graphs) are converted as
 `build quantize` converts them (edge_build/quantize/companions.py), and the
 three LLM graphs share one fp16 weight file. NaN/Inf on the tiny
