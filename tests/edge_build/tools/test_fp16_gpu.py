@@ -15,8 +15,8 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 from cosyedge_build.quantize.capture import capture_feeds
-from cosyedge_build.quantize.texts import calibration_texts
 from cosyedge_build.quantize.finite import FINITE_CHECK_FILE
+from cosyedge_build.quantize.texts import calibration_texts
 from cosyedge_build.tools.device_fp16 import check_bundle, fp16_bundle
 from cosyedge_models.bundle.loader import STATIC_FLOW_PREFIX, load_bundle
 from cosyedge_models.synthesis.api import SynthesisRequest
