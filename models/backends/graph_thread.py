@@ -66,21 +66,27 @@ CAPTURE_RUNS = 3
 # (each waits for the one before), so between two windows the queue holds only
 # the LLM step, and it runs.
 #
-# So a request opens a *first-audio hold* around its first chunk's flow and
-# vocoder: the work it submits there is `FIRST_AUDIO` and runs ahead of `NORMAL`
-# work (every LLM step, later chunks, streams that already speak), first in,
-# first out within each class; and while any hold is open, NORMAL work waits even
-# on an idle worker, until the holds close. Two bounds keep the NORMAL work from
-# starving:
+# So the work items are typed (GraphPriority) and a request opens a *first-audio
+# hold* around its first chunk's flow and vocoder (GraphThread.first_audio()):
 #
+# * FIRST_AUDIO work (what a request submits inside its hold) runs ahead of the
+#   rest, first in, first out among itself;
+# * the rest, NORMAL (flow and vocoder of streams that already speak, warm-up,
+#   anything untagged) and LLM (the decode steps, ort_graph_decode.py), runs first
+#   in, first out among itself; but while any hold is open, LLM work waits, even
+#   on an idle worker, until the holds close. NORMAL work is not held: a stream
+#   that already speaks keeps its flow going (holding it would make it stutter).
+#
+# Two bounds keep the LLM work from starving:
 # * a hold blocks for at most `hold_max_s` after it opened (a first chunk that
 #   takes longer, e.g. on a slow board, lets the others go on as before);
-# * the oldest NORMAL item is passed over by at most `max_overtakes` FIRST_AUDIO
-#   items, then runs (new streams arriving back to back cannot hold it forever).
+# * the oldest LLM item is passed over by at most `max_overtakes` items, then
+#   the rest runs in its order again (new streams arriving back to back cannot
+#   hold it forever).
 #
-# Once a request's first audio is out it opens no hold again: its work is NORMAL,
-# first in, first out, like everyone else's. Pure logic: the caller passes the
-# clock in (`now`, seconds), so tests order work without timing.
+# Once a request's first audio is out it opens no hold again. Pure logic: the
+# caller passes the clock in (`now`, seconds), so tests order work without timing.
+
 # Defaults: a full-size first chunk's flow + vocoder is ~150 ms on an H200 (docs/gpu.md) and
 # a few times that on a Jetson; past 1.5 s the hold no longer pays for what it delays.
 HOLD_MAX_S = 1.5
@@ -90,10 +96,12 @@ MAX_OVERTAKES = 64
 
 
 class GraphPriority(enum.IntEnum):
-    """A work item's class; lower runs first."""
+    """A work item's class: FIRST_AUDIO runs first; NORMAL and LLM share one first-in,
+    first-out order, except that LLM work waits while a first-audio hold is open."""
 
     FIRST_AUDIO = 0  # a request's work inside its first-audio hold (first chunk's flow and vocoder)
-    NORMAL = 1  # everything else: LLM steps, later chunks, warm-up
+    NORMAL = 1  # flow and vocoder after the first audio, warm-up, anything untagged
+    LLM = 2  # the LLM's decode steps
 
 
 @dataclass
@@ -102,9 +110,9 @@ class OrderStats:
 
     runs: dict[str, int] = field(default_factory=lambda: {p.name.lower(): 0 for p in GraphPriority})
     holds: int = 0  # first-audio holds opened
-    deferred: int = 0  # NORMAL items that waited behind FIRST_AUDIO work or a hold (at least once)
-    overtaken: int = 0  # times a FIRST_AUDIO item ran before a waiting NORMAL one
-    forced: int = 0  # NORMAL items run while a hold was open (the overtake bound)
+    deferred: int = 0  # LLM items that waited behind other work or a hold (at least once)
+    overtaken: int = 0  # times another item ran before a waiting, older LLM item
+    forced: int = 0  # LLM items let go by the overtake bound (ahead of FIRST_AUDIO work or a hold)
     expired: int = 0  # holds that outlived hold_max_s
     held_s: float = 0.0  # time with at least one hold open (summed over closed spans)
 
@@ -117,6 +125,7 @@ class OrderStats:
 @dataclass
 class _Waiting(Generic[ItemT]):
     item: ItemT
+    priority: GraphPriority
     overtaken: int = 0
     deferred: bool = False
 
@@ -132,24 +141,32 @@ class GraphWorkOrder(Generic[ItemT]):
             raise ValueError(f"max_overtakes must be >= 0, got {max_overtakes}")
         self.hold_max_s = hold_max_s
         self.max_overtakes = max_overtakes
-        self._queues: dict[GraphPriority, deque[_Waiting[ItemT]]] = {p: deque() for p in GraphPriority}
+        self._first: deque[_Waiting[ItemT]] = deque()  # FIRST_AUDIO
+        self._rest: deque[_Waiting[ItemT]] = deque()  # NORMAL and LLM, in submission order
         self._holds: dict[int, float] = {}  # hold id -> when it opened
         self._next_hold = 0
         self._held_since: float | None = None
         self.stats = OrderStats()
 
     def __len__(self) -> int:
-        return sum(len(q) for q in self._queues.values())
+        return len(self._first) + len(self._rest)
 
     def pending(self, priority: GraphPriority) -> int:
-        return len(self._queues[priority])
+        queue = self._first if priority is GraphPriority.FIRST_AUDIO else self._rest
+        return sum(w.priority is priority for w in queue)
+
+    @property
+    def pending_rest(self) -> int:
+        """NORMAL and LLM items queued (what a bounded queue bounds)."""
+        return len(self._rest)
 
     @property
     def open_holds(self) -> int:
         return len(self._holds)
 
     def push(self, item: ItemT, priority: GraphPriority) -> None:
-        self._queues[GraphPriority(priority)].append(_Waiting(item))
+        priority = GraphPriority(priority)
+        (self._first if priority is GraphPriority.FIRST_AUDIO else self._rest).append(_Waiting(item, priority))
 
     def open_hold(self, now: float) -> int:
         """A request starts its first chunk's flow and vocoder; returns the hold's id."""
@@ -173,46 +190,57 @@ class GraphWorkOrder(Generic[ItemT]):
             self._held_since = None
 
     def blocking(self, now: float) -> bool:
-        """True while an open hold (younger than hold_max_s) keeps NORMAL work waiting."""
+        """True while an open hold (younger than hold_max_s) keeps LLM work waiting."""
         return any(now - opened <= self.hold_max_s for opened in self._holds.values())
 
     def wake_in(self, now: float) -> float | None:
-        """Seconds until the youngest blocking hold expires (NORMAL work could run then
+        """Seconds until the youngest blocking hold expires (held LLM work could run then
         without any other event), or None when nothing is held back."""
-        if not self._queues[GraphPriority.NORMAL] or not self._holds:
+        if not self._holds or self._oldest_llm() is None:
             return None
         return max(0.0, max(self._holds.values()) + self.hold_max_s - now)
 
+    def _oldest_llm(self) -> int | None:
+        return next((i for i, w in enumerate(self._rest) if w.priority is GraphPriority.LLM), None)
+
     def pop(self, now: float, drain: bool = False) -> ItemT | None:
-        """The item to run now, or None (nothing queued, or only NORMAL work behind a hold).
+        """The item to run now, or None (nothing queued, or only LLM work behind a hold).
         `drain`: ignore the holds (the worker is closing)."""
-        first, normal = self._queues[GraphPriority.FIRST_AUDIO], self._queues[GraphPriority.NORMAL]
-        head = normal[0] if normal else None
-        if head is not None and head.overtaken >= self.max_overtakes:  # the starvation bound
-            if first or self.blocking(now):
+        llm = self._oldest_llm()
+        waiting = self._rest[llm] if llm is not None else None
+        if waiting is not None and waiting.overtaken >= self.max_overtakes:  # the starvation bound
+            if self._first or self.blocking(now):
                 self.stats.forced += 1
-            return self._run(normal, GraphPriority.NORMAL)
-        if first:
-            if head is not None:
-                head.overtaken += 1
-                self.stats.overtaken += 1
-                self._defer(head)
-            return self._run(first, GraphPriority.FIRST_AUDIO)
-        if head is None:
+            return self._take(self._rest, 0)  # the rest in its order, up to and with that item
+        if self._first:
+            return self._take(self._first, 0, waiting)
+        if not self._rest:
             return None
         if drain or not self.blocking(now):
-            return self._run(normal, GraphPriority.NORMAL)
-        self._defer(head)
-        return None
+            return self._take(self._rest, 0)
+        # held: the NORMAL work runs, the LLM work waits
+        normal = next((i for i, w in enumerate(self._rest) if w.priority is not GraphPriority.LLM), None)
+        if normal is None:
+            if waiting is not None:
+                self._defer(waiting)
+            return None
+        return self._take(self._rest, normal, waiting if llm is not None and llm < normal else None)
+
+    def _take(self, queue: deque[_Waiting[ItemT]], index: int, passed: _Waiting[ItemT] | None = None) -> ItemT:
+        """Remove and return queue[index]; `passed`: an older LLM item it goes ahead of."""
+        if passed is not None:
+            passed.overtaken += 1
+            self.stats.overtaken += 1
+            self._defer(passed)
+        waiting = queue[index]
+        del queue[index]
+        self.stats.runs[waiting.priority.name.lower()] += 1
+        return waiting.item
 
     def _defer(self, waiting: _Waiting[ItemT]) -> None:
         if not waiting.deferred:
             waiting.deferred = True
             self.stats.deferred += 1
-
-    def _run(self, queue: deque[_Waiting[ItemT]], priority: GraphPriority) -> ItemT:
-        self.stats.runs[priority.name.lower()] += 1
-        return queue.popleft().item
 
 
 class GraphThreadClosed(SynthesisError):
@@ -231,8 +259,9 @@ class GraphThread:
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
         self.name = name
-        self.max_pending = max_pending  # NORMAL items queued at most (FIRST_AUDIO ones are bounded by the holds)
-        self._order: GraphWorkOrder[_Item] = GraphWorkOrder(hold_max_s, max_overtakes)
+        self.max_pending = max_pending  # NORMAL + LLM items queued at most (FIRST_AUDIO: bounded by the holds)
+        # the queued work and the holds (guarded by _lock; its bounds may be set before use)
+        self.order: GraphWorkOrder[_Item] = GraphWorkOrder(hold_max_s, max_overtakes)
         self._thread: threading.Thread | None = None
         self._closed = False
         self._stopping = False  # closed: the worker runs what is queued, holds ignored, then exits
@@ -264,31 +293,38 @@ class GraphThread:
     @contextlib.contextmanager
     def first_audio(self) -> Iterator[None]:
         """A request's first chunk (flow and vocoder) on the way to its first audio: what this
-        thread submits inside the block runs ahead of NORMAL work, and NORMAL work waits while the
-        block is open (bounded: GraphWorkOrder). Nests; other threads unaffected."""
+        thread submits inside the block (untagged) is FIRST_AUDIO and runs ahead of the rest, and
+        LLM work waits while the block is open (bounded: GraphWorkOrder). Nests."""
         with self._lock:
-            hold = self._order.open_hold(time.monotonic())
+            hold = self.order.open_hold(time.monotonic())
         self._local.depth = getattr(self._local, "depth", 0) + 1
         try:
             yield
         finally:
             self._local.depth -= 1
             with self._changed:
-                self._order.close_hold(hold, time.monotonic())
+                self.order.close_hold(hold, time.monotonic())
                 self._changed.notify_all()
 
     def current_priority(self) -> GraphPriority:
-        """The priority this thread's submissions get now."""
+        """The priority this thread's untagged submissions get now."""
         return GraphPriority.FIRST_AUDIO if getattr(self._local, "depth", 0) > 0 else GraphPriority.NORMAL
+
+    def holding(self) -> bool:
+        """True while a first-audio hold keeps LLM work waiting."""
+        with self._lock:
+            return self.order.blocking(time.monotonic())
 
     def order_stats(self) -> dict[str, object]:
         """What the ordering did so far (OrderStats), for bench and probe output."""
         with self._lock:
-            return self._order.stats.as_dict()
+            return self.order.stats.as_dict()
 
     def submit(self, work: Callable[[], T], priority: GraphPriority | None = None) -> Future[T]:
-        """Queue `work` (NORMAL work blocks while the queue is full); its Future carries the
-        result or the exception. `priority`: None takes the calling thread's (first_audio())."""
+        """Queue `work` (blocks while the queue is full, except FIRST_AUDIO work); its Future
+        carries the result or the exception. `priority`: None takes the calling thread's
+        (FIRST_AUDIO inside first_audio(), else NORMAL); LLM steps pass LLM, which a hold does
+        not raise (the holder's own LLM work is what must wait)."""
         future: Future[T] = Future()
         prio = self.current_priority() if priority is None else GraphPriority(priority)
         with self._changed:
@@ -297,11 +333,11 @@ class GraphThread:
                     state = "closed" if self._closed else "not started"
                     raise GraphThreadClosed(f"{self.name}: the GPU graph thread is {state} (the engine was closed); "
                                             "no captured graph can run")
-                if prio is GraphPriority.FIRST_AUDIO or self._order.pending(GraphPriority.NORMAL) < self.max_pending:
+                if prio is GraphPriority.FIRST_AUDIO or self.order.pending_rest < self.max_pending:
                     break
                 self._changed.wait()  # full: close() and the worker's pops notify
             # Future[T] is stored as Future[object]: the worker only sets what work() returned
-            self._order.push((work, future), prio)  # type: ignore[arg-type]
+            self.order.push((work, future), prio)  # type: ignore[arg-type]
             self._changed.notify_all()
         return future
 
@@ -315,13 +351,13 @@ class GraphThread:
         """The next item to run, waiting for one; None: closed and nothing left."""
         with self._changed:
             while True:
-                item = self._order.pop(time.monotonic(), drain=self._stopping)
+                item = self.order.pop(time.monotonic(), drain=self._stopping)
                 if item is not None:
                     self._changed.notify_all()  # room for a waiting submit
                     return item
-                if self._stopping and not len(self._order):
+                if self._stopping and not len(self.order):
                     return None
-                self._changed.wait(self._order.wake_in(time.monotonic()))
+                self._changed.wait(self.order.wake_in(time.monotonic()))
 
     def _run(self, ready: threading.Event) -> None:
         self.ident = threading.get_ident()

@@ -81,6 +81,10 @@ class SynthesisSettings:
     # thread, one replay at a time; "per-stage": a thread each, so streams' LLM steps and flow
     # windows can overlap on the GPU (captures still happen at load, one stage after another).
     graph_threads: str = "one"
+    # "The first chunk first": a streaming request's first chunk's flow and vocoder run ahead of
+    # other work on the graph thread(s), and the LLM's captured decode steps (every stream's)
+    # wait while it runs (bounded; models/backends/graph_thread.py). False: submission order.
+    first_audio_first: bool = True
     # onnxruntime's CPU memory arena for host tensors (the ort backends): True keeps the peak of
     # every run allocated for the process's life (2-6% faster at full size on 2 cores); False
     # (default) frees them as they go: 0.24x instead of 0.35x of the fp32 engine's memory for the

@@ -19,7 +19,7 @@ from cosyedge_models.backends.graph_thread import GraphThread, GraphThreadClosed
 from cosyedge_models.backends.ort import OrtSession
 from cosyedge_models.backends.ort_graph_decode import GraphDecoder
 from cosyedge_models.bundle.loader import STATIC_FLOW_PREFIX
-from cosyedge_models.synthesis.api import SynthesisRequest
+from cosyedge_models.synthesis.api import AudioChunk, SynthesisRequest
 from cosyedge_models.synthesis.settings import SynthesisSettings
 from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, load_synthesizer
 
@@ -294,3 +294,58 @@ def test_eight_streams_with_cuda_graphs_match_serial_runs(graph_bundle: Path,
     for i in range(8):
         assert concurrent[i].shape == serial[i].shape and serial[i].size > 0
         np.testing.assert_allclose(concurrent[i], serial[i], rtol=0, atol=1e-4)
+
+
+def test_a_streams_first_chunk_holds_the_llm_steps_on_the_graph_thread(graph_bundle: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first chunk first (graph_thread.py's GraphWorkOrder): each request opens one
+    first-audio hold, around its first chunk's flow and vocoder, recorded in its timeline;
+    every LLM step reaches the graph thread tagged LLM (so a hold keeps it waiting)."""
+    from cosyedge_models.backends import ort_graph_decode
+
+    steps: list[int] = []
+    real_replay = ort_graph_decode._replay
+
+    def replay(*args: object) -> np.ndarray:
+        steps.append(threading.get_ident())
+        return real_replay(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ort_graph_decode, "_replay", replay)
+    engine = _engine(graph_bundle, slots=4)
+    worker = engine.graph_thread
+    assert worker is not None and engine.graphs.holds_first_audio
+    worker.order.hold_max_s = 3600.0  # no expiry on a loaded CI machine: the order is exact
+    worker.order.max_overtakes = 1 << 30
+    chunks: dict[int, list[AudioChunk]] = {}
+    try:
+        before = worker.order_stats()
+        start = threading.Barrier(2)
+
+        def one(i: int) -> None:
+            start.wait()
+            chunks[i] = list(engine.synthesize(_request(i)))
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(600)
+        by_thread = engine.graphs.order_stats()
+        assert list(by_thread) == ["decode+flow"]  # one graph thread for both stages
+        stats = by_thread["decode+flow"]
+    finally:
+        engine.close()
+    assert before["holds"] == 0 and before["runs"]["llm"] == 0  # warm-up is NORMAL work
+    assert sorted(chunks) == [0, 1]
+    assert stats["holds"] == 2 and stats["forced"] == 0 and stats["expired"] == 0
+    runs = stats["runs"]
+    assert isinstance(runs, dict) and runs["llm"] == len(steps) > 0 and runs["first_audio"] > 0
+    assert set(steps) == {worker.ident}
+    for out in chunks.values():
+        assert len(out) >= 2 and out[0].pcm.size > 0
+        events = out[-1].times.timeline
+        holds = [e for e in events if e.stage == "hold"]
+        assert len(holds) == 1 and holds[0].chunk == 0
+        first = [e for e in events if e.chunk == 0 and e.stage in ("flow", "vocoder")]
+        assert {e.stage for e in first} == {"flow", "vocoder"}
+        assert all(holds[0].start_ms <= e.start_ms and e.end_ms <= holds[0].end_ms for e in first)
