@@ -15,7 +15,9 @@ from cosyedge_models.synthesis.modes import GRAPH_THREAD_MODES
 @dataclass(frozen=True)
 class SynthesisSettings:
     backend: str = "ort"
-    precision: str | None = None  # None: the bundle's own
+    # None: the bundle's own, but on ort-cuda the faster of fp32/fp16 where the bundle records
+    # both measured (models/bundle/precision_speed.py); "fp32"/"fp16"/"int8" pick that variant.
+    precision: str | None = None
     max_text_chars: int = MAX_TEXT_CHARS
     threads: int | None = None  # intra-op threads per session (None: the runtime's default)
     first_hop_tokens: int | None = None  # None: upstream's aligned first hop

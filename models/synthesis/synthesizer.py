@@ -32,6 +32,7 @@ from cosyedge_models.backends.shape_pinned import ShapePinnedSession
 from cosyedge_models.batching.llm_batcher import start_batcher
 from cosyedge_models.batching.stage_batcher import call_priority, start_stage_batching
 from cosyedge_models.bundle.loader import Bundle, load_bundle
+from cosyedge_models.bundle.precision_speed import AUTO_BACKENDS, auto_precision
 from cosyedge_models.errors import RequestError
 from cosyedge_models.synthesis.api import (
     SPEED_MAX,
@@ -433,6 +434,9 @@ def load_synthesizer(bundle_dir: Path | str, backend: str | None = None,
         raise ValueError(f"backend {backend!r} differs from settings.backend {settings.backend!r}")
     name = settings.backend
     # The trt backend loads the bundle's TensorRT plans, checked against this GPU.
-    bundle = load_bundle(bundle_dir, precision=settings.precision, backend="trt" if name == "trt" else "ort")
+    precision = settings.precision
+    if precision is None and name in AUTO_BACKENDS:  # fp16 on CUDA where the bundle measured it faster
+        precision = auto_precision(bundle_dir, name, load_bundle(bundle_dir).manifest)
+    bundle = load_bundle(bundle_dir, precision=precision, backend="trt" if name == "trt" else "ort")
     backend_ = create_backend(name, cpu_memory_arena=settings.cpu_memory_arena, bundle=bundle)
     return CosyVoiceSynthesizer(bundle, backend_, settings)

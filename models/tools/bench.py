@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from cosyedge_models.batching.policy import BatchSettings
-from cosyedge_models.bundle.loader import Bundle
+from cosyedge_models.bundle.loader import Bundle, load_bundle
 from cosyedge_models.bundle.memory_budget import BOARDS, MIB, bundle_budget
 from cosyedge_models.errors import CosyEdgeError
 from cosyedge_models.synthesis.settings import SynthesisSettings
@@ -162,7 +162,9 @@ def compare_bundle(bundle_dir: str, settings: SynthesisSettings, text: str, repe
     its engine memory, and its output against `reference`'s (the bench's own
     engine): token agreement and mel SNR (models/tools/precision_compare.py)."""
     before = process_memory()
-    engine = load_synthesizer(bundle_dir, settings=dataclasses.replace(settings, precision=None))
+    # the bundle's own precision (not the faster-on-CUDA choice of an unset precision)
+    own = load_bundle(bundle_dir).precision
+    engine = load_synthesizer(bundle_dir, settings=dataclasses.replace(settings, precision=own))
     try:
         run_once(engine, text, stream=True, seed=0, voice=voice)  # warm-up (every weight touched)
         # measured in this process after the bundles before it:
@@ -211,7 +213,6 @@ def int_list(value: str, what: str) -> list[int]:
 
 def project_command(args: argparse.Namespace) -> int:
     """`bench --project`: the Jetson projection from the bundle's graphs (no synthesis)."""
-    from cosyedge_models.bundle.loader import load_bundle
     from cosyedge_models.tools.graph_cost import RequestShape, bundle_workload
     from cosyedge_models.tools.projection import H200_MEASURED, format_projection, projection_table
 
