@@ -247,7 +247,7 @@ class GraphThreadClosed(SynthesisError):
     """Work was submitted to a GraphThread that is closed (or never started)."""
 
 
-_Item = tuple[Callable[[], object], "Future[object]"]
+_Item = tuple[Callable[[], object], Future[object]]
 
 
 class GraphThread:
@@ -265,7 +265,7 @@ class GraphThread:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._stopping = False  # closed: the worker runs what is queued, holds ignored, then exits
-        self._lock = threading.Lock()  # start / close / submit against close; guards _order
+        self._lock = threading.Lock()  # start / close / submit against close; guards order
         self._changed = threading.Condition(self._lock)  # work queued, a hold closed, room made, stop
         self._local = threading.local()  # per caller thread: depth of its first_audio() blocks here
         self.ident: int | None = None  # the worker's thread id once started
@@ -309,11 +309,6 @@ class GraphThread:
     def current_priority(self) -> GraphPriority:
         """The priority this thread's untagged submissions get now."""
         return GraphPriority.FIRST_AUDIO if getattr(self._local, "depth", 0) > 0 else GraphPriority.NORMAL
-
-    def holding(self) -> bool:
-        """True while a first-audio hold keeps LLM work waiting."""
-        with self._lock:
-            return self.order.blocking(time.monotonic())
 
     def order_stats(self) -> dict[str, object]:
         """What the ordering did so far (OrderStats), for bench and probe output."""

@@ -263,6 +263,7 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
                               graph_flow=getattr(args, "graph_flow", None),
                               graph_encoder=getattr(args, "graph_encoder", None),
                               graph_threads=getattr(args, "graph_threads", "one"),
+                              first_audio_first=getattr(args, "first_audio_first", True),
                               graph_flow_slots=max(4, min(8, max(concurrency, default=1))))
     if cache_mb is not None:
         settings = dataclasses.replace(settings, voice_cache_mb=cache_mb)
@@ -301,7 +302,9 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
                         "overlap_stages": engine.overlap,
                         "fixed_size_decode": engine.lm.fixed_size_decode is not None, "text": text,
                         "load_ms": load_ms, "graph_load_s": engine.graphs.load_seconds, "voice": voice,
-                        **concurrency_report(engine, text, concurrency, mode, voice)}
+                        "first_audio_first": settings.first_audio_first,
+                        **concurrency_report(engine, text, concurrency, mode, voice),
+                        "graph_order": engine.graphs.order_stats()}
             print(json.dumps(report_c, indent=2))
             if args.json:
                 Path(args.json).write_text(json.dumps(report_c, indent=2) + "\n")
@@ -374,6 +377,9 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
         report.update(concurrency_report(engine, text, concurrency, mode, voice))
         if concurrency:
             progress.advance("concurrency")
+        # what the graph thread's order did over the runs so far (first-audio holds, LLM steps held)
+        report["first_audio_first"] = settings.first_audio_first
+        report["graph_order"] = engine.graphs.order_stats()
         report["session_memory_bytes"] = engine.session_memory_bytes()
         report["peak_rss_mb"] = round(peak_rss_mb(), 1)  # before other bundles load and the reference loads torch
         save_partial(args.json, report)
