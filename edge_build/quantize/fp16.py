@@ -33,9 +33,10 @@ FP16_KEEP_FP32_OPS = TRANSCENDENTAL_OPS + REDUCTION_OPS + EXACT_OPS
 # fp32 results such as the ISTFT's exp(magnitude) * cos(phase)): casting to fp16
 # before them would overflow where the fp32 op was kept for exactly that reason.
 TAIL_OPS = ("Add", "Sub", "Mul", "Div", "Sqrt", "Reciprocal", "Neg", "Abs", "Clip")
-# Ops computed in fp32 where only fp32 nodes read their result (the fp32 op's argument).
-ARGUMENT_OPS = TAIL_OPS + ("MatMul", "Concat", "Transpose", "Reshape", "Unsqueeze", "Squeeze", "Expand", "Gather",
-                           "Slice", "Where", "Cast")
+# Ops computed in fp32 where only fp32 nodes read their result (the fp32 op's argument;
+# a Constant so kept holds its fp32 value: the rotary frequencies).
+ARGUMENT_OPS = TAIL_OPS + ("Constant", "MatMul", "Concat", "Transpose", "Reshape", "Unsqueeze", "Squeeze", "Expand",
+                           "Gather", "Slice", "Where", "Cast")
 # I/O that fp16 graphs take and give in fp16: the flow estimator's streaming
 # K/V cache (the runtime then keeps it in fp16: half the host memory, and no
 # cast of the whole cache per call).

@@ -100,17 +100,23 @@ def test_rms_norm_of_large_activations_stays_finite(tmp_path: Path) -> None:
     np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3)
 
 
-def test_rotary_phase_of_late_positions_is_computed_in_fp32(tmp_path: Path) -> None:
+@pytest.mark.parametrize("as_constant_node", [False, True])
+def test_rotary_phase_of_late_positions_is_computed_in_fp32(tmp_path: Path, as_constant_node: bool) -> None:
     """position * frequency feeds Sin: fp16 rounds position 3001 to 3000 (steps of 2 past
-    2048), a phase error of a whole radian; the phase's arguments stay fp32 with Sin."""
+    2048) and a frequency to 11 bits (0.1779 by 9e-5: 0.35 rad at position 4095); the
+    phase's arguments, the frequencies (an initializer, or a Constant node as the LLM
+    export writes them) included, stay fp32 with Sin."""
+    freq = np.array([1.0, 0.17782794, 0.03162278, 0.00562341], np.float32)
     nodes = [helper.make_node("Cast", ["pos"], ["posf"], name="to_float", to=TensorProto.FLOAT),
              helper.make_node("Mul", ["posf", "freq"], ["phase"], name="phase"),
              helper.make_node("Sin", ["phase"], ["s"], name="sin"),
              helper.make_node("Mul", ["s", "h"], ["y"], name="rotate")]
-    freq = np.array([1.0, 0.1, 0.01, 0.001], np.float32)
+    tensor = helper.make_tensor("freq", TensorProto.FLOAT, [4], freq.tolist())
+    if as_constant_node:
+        nodes.insert(0, helper.make_node("Constant", [], ["freq"], name="freq_const", value=tensor))
     model = _model(nodes, [helper.make_tensor_value_info("pos", TensorProto.INT64, [5, 1]),
                            helper.make_tensor_value_info("h", TensorProto.FLOAT, [5, 4])],
-                   [helper.make_tensor("freq", TensorProto.FLOAT, [4], freq.tolist())])
+                   [] if as_constant_node else [tensor])
     pos = np.array([[1], [700], [2049], [3001], [4095]], np.int64)
     h = np.ones((5, 4), np.float32)
     got = _run(model, tmp_path, {"pos": pos, "h": h})
