@@ -310,6 +310,11 @@ class GraphThread:
         """The priority this thread's untagged submissions get now."""
         return GraphPriority.FIRST_AUDIO if getattr(self._local, "depth", 0) > 0 else GraphPriority.NORMAL
 
+    def pending(self, priority: GraphPriority) -> int:
+        """Items of `priority` queued now (tests, logs)."""
+        with self._lock:
+            return self.order.pending(priority)
+
     def order_stats(self) -> dict[str, object]:
         """What the ordering did so far (OrderStats), for bench and probe output."""
         with self._lock:

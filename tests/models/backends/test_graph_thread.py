@@ -349,3 +349,53 @@ def test_a_streams_first_chunk_holds_the_llm_steps_on_the_graph_thread(graph_bun
         first = [e for e in events if e.chunk == 0 and e.stage in ("flow", "vocoder")]
         assert {e.stage for e in first} == {"flow", "vocoder"}
         assert all(holds[0].start_ms <= e.start_ms and e.end_ms <= holds[0].end_ms for e in first)
+
+
+def test_the_llm_producers_next_step_waits_for_the_first_chunk(graph_bundle: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gating through the real pipeline: while the first chunk's flow and vocoder run,
+    the LLM producer's next decode step is queued on the graph thread and does not run."""
+    from cosyedge_models.backends import ort_graph_decode
+    from cosyedge_models.backends.graph_thread import GraphPriority
+
+    llm_runs: list[int] = []
+    real_replay = ort_graph_decode._replay
+
+    def replay(*args: object) -> np.ndarray:
+        llm_runs.append(1)
+        return real_replay(*args)  # type: ignore[arg-type]
+
+    seen: dict[str, int] = {}
+    real_flow = CosyVoiceSynthesizer._flow_stream
+
+    def flow_stream(self: CosyVoiceSynthesizer, flow: object, tokens: list[int], state: object, final: bool,
+                    prime: bool = False) -> np.ndarray:
+        worker = self.graph_thread
+        if not prime and not seen and worker is not None:  # the first chunk, inside its hold
+            deadline = time.monotonic() + 120
+            while worker.pending(GraphPriority.LLM) == 0 and time.monotonic() < deadline:
+                time.sleep(0.005)  # the producer decodes on: its next step reaches the queue
+            seen["queued"], seen["ran_before"] = worker.pending(GraphPriority.LLM), len(llm_runs)
+            mel = real_flow(self, flow, tokens, state, final)  # type: ignore[arg-type]
+            seen["queued_after"], seen["ran_after"] = worker.pending(GraphPriority.LLM), len(llm_runs)
+            return mel
+        return real_flow(self, flow, tokens, state, final, prime)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ort_graph_decode, "_replay", replay)
+    monkeypatch.setattr(CosyVoiceSynthesizer, "_flow_stream", flow_stream)
+    engine = load_synthesizer(graph_bundle, settings=SynthesisSettings(
+        threads=1, overlap_stages=True, graph_flow=True, graph_decode=True, graph_flow_slots=2,
+        graph_decode_slots=2, overlap_queue_tokens=1024))
+    try:
+        assert engine.graph_thread is not None
+        engine.graph_thread.order.hold_max_s = 3600.0
+        engine.graph_thread.order.max_overtakes = 1 << 30
+        chunks = list(engine.synthesize(_request(1)))
+        stats = engine.graph_thread.order_stats()
+    finally:
+        engine.close()
+    assert len(chunks) >= 2
+    # (a seeded request: the LLM has tokens left after the first chunk, so its next step comes)
+    assert seen["queued"] == 1 and seen["ran_before"] > 0
+    assert seen["queued_after"] == 1 and seen["ran_after"] == seen["ran_before"]  # held through the flow
+    assert isinstance(stats["deferred"], int) and stats["deferred"] >= 1 and stats["holds"] == 1
