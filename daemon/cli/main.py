@@ -180,6 +180,10 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--graph-threads", choices=GRAPH_THREAD_MODES, default=GRAPH_THREAD_MODES[0],
                    help="the captured stages (LLM step, flow windows, vocoder) replay on one CUDA graph thread "
                         "(default) or on a thread each, so that streams overlap on the GPU")
+    p.add_argument("--first-audio-first", action=argparse.BooleanOptionalAction, default=True,
+                   help="a stream's first chunk (flow and vocoder) runs ahead of the captured LLM steps on the CUDA "
+                        "graph thread, which wait meanwhile (default); --no-first-audio-first: submission order "
+                        "(the report's graph_order says what the order did)")
     p.add_argument("--first-hop", metavar="N[,M..]",
                    help="also measure time to first audio for these first hops (speech tokens)")
     p.add_argument("--project", action="store_true",

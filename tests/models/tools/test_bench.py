@@ -74,6 +74,10 @@ def test_bench_json_with_first_hop_and_compare(tiny_bundle: Path, fp16_variant: 
         assert all(isinstance(b["fits"], bool) for b in budget["boards"].values())
     assert fp16["graph_bytes"] < fp32["graph_bytes"]
     assert fp16["jetson_budget"]["engines_mb"] < fp32["jetson_budget"]["engines_mb"]
+    # against the bench's own engine (the fp32 tiny bundle): itself exactly, fp16 close and finite
+    assert fp32["accuracy"]["token_agreement"] == 1.0 and fp32["accuracy"]["mel_snr_db"] == float("inf")
+    assert fp16["accuracy"]["mel_nonfinite"] == 0 and fp16["accuracy"]["mel_snr_db"] > 15
+    assert 0 <= fp16["accuracy"]["token_agreement"] <= 1
 
 
 def test_bench_concurrency_only_offline_and_streaming_with_flow_batching(tiny_bundle: Path, tmp_path: Path) -> None:
