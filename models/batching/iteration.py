@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cosyedge_models.backends.batched_step import check_batch_sizes, padded_size
+from cosyedge_models.batching.batched_step import check_batch_sizes, padded_size
 from cosyedge_models.batching.policy import BatchSettings, Waiting, admission_order, admit
 
 

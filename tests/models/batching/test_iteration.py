@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from cosyedge_models.backends.batched_step import padded_size
+from cosyedge_models.batching.batched_step import padded_size
 from cosyedge_models.batching.iteration import IterationScheduler, IterationSettings
 from cosyedge_models.batching.policy import BatchSettings
 
