@@ -95,6 +95,11 @@ def _add_build(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--static-vocoder", action="store_true",
                    help="also export fixed-length vocoder ONNX graphs for the first and the steady streaming chunk: "
                         "ort-cuda replays them as CUDA graphs (other lengths use the dynamic ONNX graphs)")
+    e.add_argument("--fused-decode-batches", default="", metavar="B,...",
+                   help="also export the onnxruntime-fused batched LLM decode step (GroupQueryAttention over an "
+                        "in-place KV cache) for these batch sizes, e.g. 1,2,4,8,16 (TensorRT keeps the plain graphs)")
+    e.add_argument("--fused-decode-len", type=int, default=0, metavar="POSITIONS",
+                   help="cache positions of the fused decode step (0: --static-decode-len, else 1536)")
     q = bs.add_parser("quantize", help="INT8 / FP16 Q/DQ bundle with an accuracy gate")
     q.add_argument("--bundle", required=True)
     q.add_argument("--out", required=True)

@@ -112,3 +112,30 @@ def test_the_tool_checks_on_the_cuda_provider(static_flow_bundle: Path, gpu_fp16
     check = check_bundle(static_flow_bundle, gpu_fp16[0], texts=2)
     assert check["capture_backend"] == "ort-cuda" and check["ok"], check
     assert all(s["provider"] == "CUDAExecutionProvider" for s in check["stages"].values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("faster_one", ["fp16", "fp32"])
+def test_ort_cuda_loads_the_precision_recorded_faster(gpu_fp16: tuple[Path, dict[str, Any]], tmp_path: Path,
+                                                      faster_one: str) -> None:
+    """models/bundle/precision_speed.py on the real CUDA backend: with precision unset, the
+    variant the bundle's record measured faster (figures made up here: the rule, not the speed)."""
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("onnxruntime has no CUDAExecutionProvider here")
+    import shutil
+
+    from cosyedge_models.bundle.precision_speed import write_record
+
+    bundle = tmp_path / "b"
+    shutil.copytree(gpu_fp16[0], bundle)
+    slow, fast = {"rtf": 0.2, "first_audio_ms": 200.0}, {"rtf": 0.1, "first_audio_ms": 100.0}
+    figures = {"fp16": fast, "fp32": slow} if faster_one == "fp16" else {"fp16": slow, "fp32": fast}
+    write_record(bundle, "ort-cuda", figures)
+    eng = load_synthesizer(bundle, settings=SynthesisSettings(backend="ort-cuda", graph_flow=False, graph_decode=False,
+                                                              graph_vocoder=False))
+    try:
+        assert eng.bundle.precision == faster_one
+        assert eng.bundle.stages["llm_decode"].path.name == ("llm_decode.fp16.onnx" if faster_one == "fp16"
+                                                             else "llm_decode.onnx")
+    finally:
+        eng.close()
