@@ -95,6 +95,11 @@ def _add_build(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--static-vocoder", action="store_true",
                    help="also export fixed-length vocoder ONNX graphs for the first and the steady streaming chunk: "
                         "ort-cuda replays them as CUDA graphs (other lengths use the dynamic ONNX graphs)")
+    e.add_argument("--fused-decode-batches", default="", metavar="B,...",
+                   help="also export the onnxruntime-fused batched LLM decode step (GroupQueryAttention over an "
+                        "in-place KV cache) for these batch sizes, e.g. 1,2,4,8,16 (TensorRT keeps the plain graphs)")
+    e.add_argument("--fused-decode-len", type=int, default=0, metavar="POSITIONS",
+                   help="cache positions of the fused decode step (0: --static-decode-len, else 1536)")
     q = bs.add_parser("quantize", help="INT8 / FP16 Q/DQ bundle with an accuracy gate")
     q.add_argument("--bundle", required=True)
     q.add_argument("--out", required=True)
@@ -180,6 +185,10 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--graph-threads", choices=GRAPH_THREAD_MODES, default=GRAPH_THREAD_MODES[0],
                    help="the captured stages (LLM step, flow windows, vocoder) replay on one CUDA graph thread "
                         "(default) or on a thread each, so that streams overlap on the GPU")
+    p.add_argument("--first-audio-first", action=argparse.BooleanOptionalAction, default=True,
+                   help="a stream's first chunk (flow and vocoder) runs ahead of the captured LLM steps on the CUDA "
+                        "graph thread, which wait meanwhile (default); --no-first-audio-first: submission order "
+                        "(the report's graph_order says what the order did)")
     p.add_argument("--first-hop", metavar="N[,M..]",
                    help="also measure time to first audio for these first hops (speech tokens)")
     p.add_argument("--project", action="store_true",

@@ -140,15 +140,17 @@ class CapturingBackend:
 
 
 def capture_feeds(bundle_dir: Path, texts: Sequence[str], cap_per_stage: int, seed: int = 0,
-                  directory: Path | None = None, on_text: Callable[[int], None] | None = None) -> FeedStore:
+                  directory: Path | None = None, on_text: Callable[[int], None] | None = None,
+                  backend: str = "ort") -> FeedStore:
     """Synthesize every text with the fp32 bundle (streaming and offline
     alternately, so both flow paths are seen) and keep the stage feeds (in
-    `directory` when given; `on_text(i)` after text i, for progress)."""
+    `directory` when given; `on_text(i)` after text i, for progress). `backend`:
+    "ort" (CPU) or "ort-cuda" (a full-size bundle's capture in seconds on a GPU)."""
     store = FeedStore(cap=cap_per_stage, seed=seed, directory=directory)
     bundle = load_bundle(bundle_dir, precision="fp32")
     # Serial stages: with overlap the LLM's and the flow's feeds would reach the
     # store's reservoir sampler in a thread-dependent order (irreproducible calibration).
-    engine = CosyVoiceSynthesizer(bundle, CapturingBackend(create_backend("ort"), store),
+    engine = CosyVoiceSynthesizer(bundle, CapturingBackend(create_backend(backend), store),
                              SynthesisSettings(overlap_stages=False))
     try:
         for i, text in enumerate(texts):

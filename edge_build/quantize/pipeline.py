@@ -12,7 +12,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import onnx
 from cosyedge_build.export.shared_weights import share_llm_files
 from cosyedge_build.quantize.accuracy import compare_bundles, failures
@@ -23,6 +22,8 @@ from cosyedge_build.quantize.companions import (
     convert_companions,
     fp16_io,
 )
+from cosyedge_build.quantize.finite import failures as finite_failures
+from cosyedge_build.quantize.finite import finite_check
 from cosyedge_build.quantize.fp16 import convert_fp16
 from cosyedge_build.quantize.memory import (
     GIB,
@@ -164,12 +165,12 @@ def _fp16_unit(unit: Any, src: Path, tmp: Path, calib: Mapping[str, Sequence[Fee
         block = always_fp32_nodes(unit, src / f"{stage}.onnx")
         paths[stage] = tmp / f"{stage}.fp16.onnx"
         convert_fp16(src / f"{stage}.onnx", paths[stage], block, fp16_io(stage, manifest))
-        bad = sum(not np.isfinite(o).all() for o in _outputs(paths[stage], calib[stage]))
-        if bad:
-            raise CosyEdgeError(f"{stage}: the fp16 graph gives NaN/Inf on {bad} of {len(calib[stage])} "
-                                "calibration inputs; not writing it")
-        files[stage] = paths[stage]
-    return _unit_report(unit, src, paths, held)
+    check = finite_check(paths, calib)  # every output on every calibration input (CPU)
+    if not check["ok"]:
+        raise CosyEdgeError("the fp16 graphs are not finite on the calibration set; not writing them: "
+                            + "; ".join(finite_failures(check)))
+    files.update(paths)
+    return {**_unit_report(unit, src, paths, held), "finite_check": check}
 
 
 def _weight_only_unit(unit: Any, src: Path, tmp: Path, held: Mapping[str, Sequence[Feed]],

@@ -1,17 +1,22 @@
 """An fp16 bundle for a GPU run, without the calibration and accuracy report
 of `cosyedge build quantize --precision fp16` (at full size those run the
 fp32 and fp16 pipelines on the CPU for many minutes, too long for a device
-lease): the same conversion (edge_build/quantize/fp16.py: normalization,
-softmax, transcendental ops and reductions kept fp32, the flow's time
-embedding kept fp32, hift_source and the flow encoder kept fp32). The companions (the
+lease): the same conversion (edge_build/quantize/fp16.py: only Sin/Cos/Exp/
+Softplus/Pow, reductions and index arithmetic kept fp32 with their elementwise
+tails and arguments; LayerNorm and Softmax in fp16; the flow's time embedding,
+hift_source and the flow encoder kept fp32). The companions (the
 fixed-size decode step, the fixed-shape estimator graphs) are converted as
 `build quantize` converts them (edge_build/quantize/companions.py), and the
-three LLM graphs share one fp16 weight file. NaN/Inf on the tiny
-bundle's calibration set is tested in tests/edge_build (CPU and `-m gpu`);
-`cosyedge bench --compare` reports this bundle's mel SNR and token
-agreement against the fp32 one.
+three LLM graphs share one fp16 weight file. The overflow check
+(edge_build/quantize/finite.py) runs the fp16 stage graphs on calibration
+feeds captured from the fp32 bundle (`--check-texts`, 0 skips it) with the
+CUDA provider where there is one, writes the result to DST/fp16_check.json
+and exits 3 when a stage gave NaN/Inf (the bundle is kept, for inspection).
+The fixed-shape companions are checked by tests/edge_build/tools/test_fp16_gpu.py
+(they are not reached by the capture). `cosyedge bench --compare` reports this
+bundle's mel SNR and token agreement against the fp32 one.
 
-    python -m cosyedge_build.tools.device_fp16 --bundle SRC --out DST"""
+    python -m cosyedge_build.tools.device_fp16 --bundle SRC --out DST [--check-texts 4]"""
 
 from __future__ import annotations
 
@@ -20,16 +25,20 @@ import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from cosyedge_build.export.shared_weights import share_llm_files
+from cosyedge_build.quantize.capture import capture_feeds
 from cosyedge_build.quantize.companions import (
     add_companion_variants,
     always_fp32_nodes,
     convert_companions,
     fp16_io,
 )
+from cosyedge_build.quantize.finite import FINITE_CHECK_FILE, failures, finite_check
 from cosyedge_build.quantize.fp16 import convert_fp16
 from cosyedge_build.quantize.policy import UNITS
+from cosyedge_build.quantize.texts import calibration_texts
 from cosyedge_build.quantize.writer import add_variants, link_bundle
 
 log = logging.getLogger(__name__)
@@ -53,13 +62,40 @@ def fp16_bundle(src: Path, dst: Path) -> Path:
     return dst
 
 
+def check_bundle(src: Path, dst: Path, texts: int, backend: str | None = None) -> dict[str, Any]:
+    """The overflow check of `dst` (made from `src` by fp16_bundle) on `texts` calibration
+    texts, with `backend` (None: ort-cuda where onnxruntime has CUDA, else ort); written
+    to dst/FINITE_CHECK_FILE."""
+    import onnxruntime as ort
+
+    if backend is None:
+        backend = "ort-cuda" if "CUDAExecutionProvider" in ort.get_available_providers() else "ort"
+    providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if backend == "ort-cuda" else ["CPUExecutionProvider"]
+    feeds = capture_feeds(src, calibration_texts(texts), cap_per_stage=12, backend=backend).feeds
+    graphs = {stage: dst / f"{stage}.fp16.onnx" for u in UNITS for stage in u.stages}
+    check = {**finite_check(graphs, feeds, providers), "texts": texts, "capture_backend": backend}
+    (dst / FINITE_CHECK_FILE).write_text(json.dumps(check, indent=2) + "\n")
+    return check
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m cosyedge_build.tools.device_fp16", description=__doc__.split("\n\n")[0])
     p.add_argument("--bundle", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--check-texts", type=int, default=4, help="calibration texts for the NaN/Inf check (0: skip)")
+    p.add_argument("--check-backend", choices=("ort", "ort-cuda"), default=None,
+                   help="where the check captures and runs (default: ort-cuda where onnxruntime has CUDA)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     print(fp16_bundle(args.bundle, args.out))
+    if args.check_texts > 0:
+        check = check_bundle(args.bundle, args.out, args.check_texts, args.check_backend)
+        for line in failures(check):
+            log.error("%s", line)
+        print(f"fp16 check ({', '.join(check['providers'])}): {'finite' if check['ok'] else 'FAILED'}, "
+              f"{args.out / FINITE_CHECK_FILE}")
+        if not check["ok"]:
+            return 3
     return 0
 
 

@@ -15,9 +15,15 @@
 #   tests  every `pytest -m gpu` suite; the script FAILS when one fails
 #   probe  edge_build/tools/device_stream_probe.py (vocoder calls in the pipeline,
 #          fixed-shape flow on/off) and edge_build/tools/device_probe.py
+#   first  "the first chunk first" on and off (device_stream_probe.py --only-first-audio): one
+#          stream and 8 at once on the fp32 bundle, with the saved voice VOICE_NAME where it is;
+#          first audio, each first chunk's stage times and the graph thread's counters
 #   profile onnxruntime's profile of one streaming synthesis with the saved voice, the fixed-shape
 #          graphs run without capture: time per stage and operator type (models/tools/ort_profile.py)
 #   bench16 the same concurrency levels on the fp16 bundle (--concurrency-only)
+#   fp16   the fp16 bundle's fp32 and fp16 variants measured on ort-cuda and recorded in it
+#          (python -m cosyedge_models.tools.precision_measure --write: with precision unset,
+#          ort-cuda then loads the faster one), and its NaN/Inf check (fp16_check.json)
 #   threads the fp32 bundle at each concurrency with a graph thread per stage (--graph-threads per-stage)
 #   load   engine load time and device memory with the CUDA-graph stages off and on (their captures)
 #   memory engine memory on ort-cuda (device and process): fp32 with the LLM weights
@@ -106,6 +112,13 @@ for step in ${steps//,/ }; do
       timeout "${PROBE_TIMEOUT_S:-300}" python3 -m cosyedge_build.tools.device_stream_probe --bundle "$full/bundle" \
         --out "$out" --runs 2 2>&1 | grep -v -i warn | tee "$out/stream_probe.log" | grep -v " INFO " | tail -80
       stamp "probe done" ;;
+    first)
+      voice=()  # the saved voice, where the setup made it (VOICE_WAV, now or in an earlier call)
+      [ -f "$full/bundle/voices/${VOICE_NAME:-en8}.npz" ] && voice=(--voice "${VOICE_NAME:-en8}")
+      timeout "${PROBE_TIMEOUT_S:-300}" python3 -m cosyedge_build.tools.device_stream_probe --bundle "$full/bundle" \
+        --out "$out/first" --runs 2 --only-first-audio --streams 8 ${voice[@]+"${voice[@]}"} 2>&1 \
+        | grep -v -i warn | tee "$out/first_audio.log" | grep -v " INFO " | tail -60
+      stamp "first-audio-first done" ;;
     bench)
       timeout "${BENCH_TIMEOUT_S:-480}" python3 -m cosyedge_daemon -v bench --bundle "$full/bundle" --backend ort-cuda \
         --repeats 1 --concurrency "${CONCURRENCY:-1,4,8,16}" --compare "$full/fp16" --reference ${BENCH_ARGS:-} \
@@ -118,6 +131,13 @@ for step in ${steps//,/ }; do
         --concurrency "${CONCURRENCY:-1,4,8,16}" --concurrency-only ${BENCH_ARGS:-} \
         --json "$out/bench_h200_fp16.json" 2>&1 | grep -v -i warn > "$out/bench16.log" || { tail -40 "$out/bench16.log"; exit 1; }
       stamp "bench16 done" ;;
+    fp16)
+      cp "$full/fp16/fp16_check.json" "$out/" 2>/dev/null || echo "no fp16_check.json (bundle made before the check)"
+      timeout "${BENCH_TIMEOUT_S:-480}" python3 -m cosyedge_models.tools.precision_measure --bundle "$full/fp16" \
+        --backend ort-cuda --repeats 3 --write >"$out/precision_h200.json" 2>"$out/precision.log" \
+        || { tail -30 "$out/precision.log"; exit 1; }
+      cp "$full/fp16/precision_speed.json" "$out/"
+      stamp "fp16 measured" ;;
     threads)
       # the fp32 bundle's streams at each concurrency with a graph thread per stage
       # (graph_threads = per-stage), to set beside the bench step's one thread
@@ -156,6 +176,6 @@ for step in ${steps//,/ }; do
       python3 -m cosyedge_models.tools.ort_profile /tmp/prof --top 14 --json "$out/profile.json" | tee "$out/profile.txt"
       stamp "profile done" ;;
     setup) ;;  # the setup above only (bundles and the voice ready for other commands)
-    *) echo "unknown step $step (setup, tests, probe, profile, bench, bench16, threads, memory, load)"; exit 2 ;;
+    *) echo "unknown step $step (setup, tests, probe, first, profile, bench, bench16, fp16, threads, memory, load)"; exit 2 ;;
   esac
 done

@@ -9,7 +9,12 @@ call (the device tool's leases are short, so one call measures it all):
   first call at a new shape much slower than its repeat is per-shape set-up
   (cuDNN algorithm choice, arena growth);
 * the streaming flow with the fixed-shape estimator graphs (CUDA graphs) on
-  and off: first audio, flow ms per chunk.
+  and off: first audio, flow ms per chunk;
+* with --first-audio (or --only-first-audio), "the first chunk first" on and
+  off (SynthesisSettings.first_audio_first): one stream and --streams at once, each stream's first audio, its first
+  chunk's stage times (the "hold" row: its first-audio hold on the graph
+  thread) and what the graph thread's order did (runs per class, LLM steps
+  held, holds, ms held).
 
     python -m cosyedge_build.tools.device_stream_probe --bundle B --backend ort-cuda --out DIR
 
@@ -30,10 +35,10 @@ from typing import Any
 
 import numpy as np
 from cosyedge_models.backends.base import Session
-from cosyedge_models.synthesis.api import SynthesisRequest
 from cosyedge_models.synthesis.settings import SynthesisSettings
 from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, load_synthesizer
 from cosyedge_models.synthesis.vocoder import HiftVocoder
+from cosyedge_models.tools.bench_runs import bench_request
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +73,9 @@ class TimedSession:
         self._inner.close()
 
 
-def _stream(engine: CosyVoiceSynthesizer, seed: int) -> dict[str, Any]:
+def _stream(engine: CosyVoiceSynthesizer, seed: int, text: str = TEXT, voice: str | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
-    chunks = list(engine.synthesize(SynthesisRequest(text=TEXT, stream=True, seed=seed)))
+    chunks = list(engine.synthesize(bench_request(text, stream=True, seed=seed, voice=voice)))
     wall = time.perf_counter() - t0
     times = chunks[-1].times
     events: list[dict[str, Any]] = [e.as_dict() for e in sorted(times.timeline, key=lambda e: e.start_ms)]
@@ -149,6 +154,53 @@ def static_flow_on_off(bundle: Path, settings: SynthesisSettings, runs: int) -> 
     return out
 
 
+def _streams_at_once(engine: CosyVoiceSynthesizer, n: int, seed: int, text: str,
+                     voice: str | None) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = [{} for _ in range(n)]
+    start = threading.Barrier(n)
+
+    def one(i: int) -> None:
+        start.wait()
+        out[i] = _stream(engine, seed=seed + i, text=text, voice=voice)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def first_audio_first_on_off(bundle: Path, settings: SynthesisSettings, runs: int, streams: int,
+                             text: str = TEXT, voice: str | None = None) -> dict[str, Any]:
+    """One stream, then `streams` at once, with the first-audio holds on and off (`voice`: a
+    saved voice, in zero_shot mode, as bench's --voice)."""
+    out: dict[str, Any] = {}
+    for label, on in (("first_audio_first_on", True), ("first_audio_first_off", False)):
+        # a fixed-shape flow slot and a fixed-size LLM slot for every stream: all on the graph thread
+        engine = load_synthesizer(bundle, settings=dataclasses.replace(
+            settings, first_audio_first=on, graph_flow_slots=max(settings.graph_flow_slots, streams),
+            graph_decode_slots=max(settings.graph_decode_slots, streams)))
+        try:
+            if voice is not None:
+                engine.warm_voice(bench_request(text, stream=True, seed=0, voice=voice))
+            _stream(engine, seed=100, text=text, voice=voice)  # warm-up
+            before = engine.graphs.order_stats()
+            alone = [_stream(engine, seed=r, text=text, voice=voice) for r in range(runs)]
+            after_alone = engine.graphs.order_stats()
+            together = _streams_at_once(engine, streams, seed=200, text=text, voice=voice)
+            first = sorted(r["first_audio_ms"] for r in together)
+            out[label] = {"alone": alone, "concurrent": together,
+                          "concurrent_first_audio_ms": {"p50": first[len(first) // 2], "max": first[-1]},
+                          "graph_order": {"warm_up": before, "after_alone": after_alone,
+                                          "after_concurrent": engine.graphs.order_stats()}}
+        except Exception as exc:  # a bundle without the graphs, a capture refused: say why
+            out[label] = {"error": str(exc)[:600]}
+        finally:
+            engine.close()
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m cosyedge_build.tools.device_stream_probe",
                                 description=__doc__.split("\n\n")[0])
@@ -156,12 +208,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--backend", default="ort-cuda")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--first-audio", action="store_true",
+                   help="also the first-audio-first part (two more engines: on a GPU, their captures at load)")
+    p.add_argument("--only-first-audio", action="store_true", help="run only the first-audio-first part")
+    p.add_argument("--streams", type=int, default=8, help="concurrent streams for the first-audio-first part")
+    p.add_argument("--voice", default=None, help="a saved voice for the first-audio-first part (zero_shot)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = SynthesisSettings(backend=args.backend)
     report: dict[str, Any] = {"backend": args.backend, "bundle": str(args.bundle)}
-    report["static_flow"] = static_flow_on_off(args.bundle, settings, args.runs)
-    report["vocoder"] = vocoder_in_pipeline(args.bundle, dataclasses.replace(settings, graph_flow=False), args.runs)
+    if args.first_audio or args.only_first_audio:
+        report["first_audio_first"] = first_audio_first_on_off(args.bundle, settings, args.runs, args.streams,
+                                                               voice=args.voice)
+    if not args.only_first_audio:
+        report["static_flow"] = static_flow_on_off(args.bundle, settings, args.runs)
+        report["vocoder"] = vocoder_in_pipeline(args.bundle, dataclasses.replace(settings, graph_flow=False),
+                                                args.runs)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "stream_probe.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(summary(report), indent=1))
@@ -171,6 +233,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 def summary(report: dict[str, Any]) -> dict[str, Any]:
     """The short table the device call's output ends with."""
     s: dict[str, Any] = {}
+    for label, part in report.get("first_audio_first", {}).items():
+        if "error" in part:
+            s[label] = part
+            continue
+        s[label] = {"alone_first_audio_ms": [r["first_audio_ms"] for r in part["alone"]],
+                    "alone_chunk0": part["alone"][-1]["per_chunk"].get(0),
+                    "concurrent_first_audio_ms": part["concurrent_first_audio_ms"],
+                    "graph_order": part["graph_order"]["after_concurrent"]}
+    if "static_flow" not in report:
+        return s
     for label, runs in report["static_flow"].items():
         if isinstance(runs, list):
             s[label] = [{k: r[k] for k in ("first_audio_ms", "rtf", "flow_ms", "vocoder_ms", "llm_ms")} for r in runs]

@@ -14,26 +14,33 @@ threads `call()` a piece of work (copy the inputs in, replay, copy the outputs
 out) and wait for its result. The captures themselves are done there at engine
 load (the users' warm-up, models/backends/ort_static_flow.py and
 ort_graph_decode.py) while no request runs, so no capture ever overlaps
-another thread's CUDA work, and afterwards the thread only replays. Work is
-run in submission order, one piece at a time (the replays share the GPU and
-their bound buffers anyway). On the CPU provider the same code runs without
-capture: that is how it is tested."""
+another thread's CUDA work, and afterwards the thread only replays. Work runs
+one piece at a time (the replays share the GPU and their bound buffers anyway),
+in submission order within its priority: a request's first chunk's flow and
+vocoder, inside `first_audio()`, go ahead of the LLM steps and later chunks
+(GraphWorkOrder below says how and why). On the CPU provider the same
+code runs without capture: that is how it is tested."""
 
 from __future__ import annotations
 
+import contextlib
+import enum
 import logging
-import queue
 import threading
-from collections.abc import Callable
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 from cosyedge_models.errors import SynthesisError
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+ItemT = TypeVar("ItemT")
 
 # Backends whose engines capture CUDA graphs while they load (the fixed-size LLM step and the
 # fixed-shape flow windows, on by default on ort-cuda): no other GPU work of the process may
@@ -46,29 +53,221 @@ CAPTURE_AT_LOAD_BACKENDS = ("ort-cuda",)
 CAPTURE_RUNS = 3
 
 
+# --- the order of the work -------------------------------------------------------------------
+# The order in which the GPU graph thread runs
+# its work (GraphWorkOrder): "the first chunk first".
+#
+# A streaming request's time to first audio is its first chunk's LLM steps, then
+# that chunk's flow and vocoder. With the stages overlapped the LLM producer goes
+# on decoding the next chunk meanwhile, and on the one graph thread its steps
+# alternate with the first chunk's estimator windows: measured on the H200, about
+# 35 ms of a 143 ms first-chunk "flow" was the next chunk's LLM steps (docs/gpu.md).
+# Ordering by priority alone does not help: the flow's calls come one at a time
+# (each waits for the one before), so between two windows the queue holds only
+# the LLM step, and it runs.
+#
+# So the work items are typed (GraphPriority) and a request opens a *first-audio
+# hold* around its first chunk's flow and vocoder (GraphThread.first_audio()):
+#
+# * FIRST_AUDIO work (what a request submits inside its hold) runs ahead of the
+#   rest, first in, first out among itself;
+# * the rest, NORMAL (flow and vocoder of streams that already speak, warm-up,
+#   anything untagged) and LLM (the decode steps, ort_graph_decode.py), runs first
+#   in, first out among itself; but while any hold is open, LLM work waits, even
+#   on an idle worker, until the holds close. NORMAL work is not held: a stream
+#   that already speaks keeps its flow going (holding it would make it stutter).
+#
+# Two bounds keep the LLM work from starving:
+# * a hold blocks for at most `hold_max_s` after it opened (a first chunk that
+#   takes longer, e.g. on a slow board, lets the others go on as before);
+# * the oldest LLM item is passed over by at most `max_overtakes` items, then
+#   the rest runs in its order again (new streams arriving back to back cannot
+#   hold it forever).
+#
+# Once a request's first audio is out it opens no hold again. Pure logic: the
+# caller passes the clock in (`now`, seconds), so tests order work without timing.
+
+# Defaults: a full-size first chunk's flow + vocoder is ~150 ms on an H200 (docs/gpu.md) and
+# a few times that on a Jetson; past 1.5 s the hold no longer pays for what it delays.
+HOLD_MAX_S = 1.5
+# an estimator window is ~9 ms on the H200: 64 windows (a first chunk's ten Euler steps of
+# ~3-6 windows each) bound an LLM step's wait to about one first chunk
+MAX_OVERTAKES = 64
+
+
+class GraphPriority(enum.IntEnum):
+    """A work item's class: FIRST_AUDIO runs first; NORMAL and LLM share one first-in,
+    first-out order, except that LLM work waits while a first-audio hold is open."""
+
+    FIRST_AUDIO = 0  # a request's work inside its first-audio hold (first chunk's flow and vocoder)
+    NORMAL = 1  # flow and vocoder after the first audio, warm-up, anything untagged
+    LLM = 2  # the LLM's decode steps
+
+
+@dataclass
+class OrderStats:
+    """What the order did (bench and probe output, logs)."""
+
+    runs: dict[str, int] = field(default_factory=lambda: {p.name.lower(): 0 for p in GraphPriority})
+    holds: int = 0  # first-audio holds opened
+    deferred: int = 0  # LLM items that waited behind other work or a hold (at least once)
+    overtaken: int = 0  # times another item ran before a waiting, older LLM item
+    forced: int = 0  # LLM items let go by the overtake bound (ahead of FIRST_AUDIO work or a hold)
+    expired: int = 0  # holds that outlived hold_max_s
+    held_s: float = 0.0  # time with at least one hold open (summed over closed spans)
+
+    def as_dict(self) -> dict[str, object]:
+        return {"runs": dict(self.runs), "holds": self.holds, "deferred": self.deferred,
+                "overtaken": self.overtaken, "forced": self.forced, "expired": self.expired,
+                "held_ms": round(self.held_s * 1e3, 1)}
+
+
+@dataclass
+class _Waiting(Generic[ItemT]):
+    item: ItemT
+    priority: GraphPriority
+    overtaken: int = 0
+    deferred: bool = False
+
+
+class GraphWorkOrder(Generic[ItemT]):
+    """The queued work and the open holds; `pop` says what runs next. Not thread-safe:
+    the graph thread guards it with its lock."""
+
+    def __init__(self, hold_max_s: float = HOLD_MAX_S, max_overtakes: int = MAX_OVERTAKES) -> None:
+        if hold_max_s <= 0:
+            raise ValueError(f"hold_max_s must be > 0, got {hold_max_s}")
+        if max_overtakes < 0:
+            raise ValueError(f"max_overtakes must be >= 0, got {max_overtakes}")
+        self.hold_max_s = hold_max_s
+        self.max_overtakes = max_overtakes
+        self._first: deque[_Waiting[ItemT]] = deque()  # FIRST_AUDIO
+        self._rest: deque[_Waiting[ItemT]] = deque()  # NORMAL and LLM, in submission order
+        self._holds: dict[int, float] = {}  # hold id -> when it opened
+        self._next_hold = 0
+        self._held_since: float | None = None
+        self.stats = OrderStats()
+
+    def __len__(self) -> int:
+        return len(self._first) + len(self._rest)
+
+    def pending(self, priority: GraphPriority) -> int:
+        queue = self._first if priority is GraphPriority.FIRST_AUDIO else self._rest
+        return sum(w.priority is priority for w in queue)
+
+    @property
+    def pending_rest(self) -> int:
+        """NORMAL and LLM items queued (what a bounded queue bounds)."""
+        return len(self._rest)
+
+    @property
+    def open_holds(self) -> int:
+        return len(self._holds)
+
+    def push(self, item: ItemT, priority: GraphPriority) -> None:
+        priority = GraphPriority(priority)
+        (self._first if priority is GraphPriority.FIRST_AUDIO else self._rest).append(_Waiting(item, priority))
+
+    def open_hold(self, now: float) -> int:
+        """A request starts its first chunk's flow and vocoder; returns the hold's id."""
+        hold = self._next_hold
+        self._next_hold += 1
+        if not self._holds:
+            self._held_since = now
+        self._holds[hold] = now
+        self.stats.holds += 1
+        return hold
+
+    def close_hold(self, hold: int, now: float) -> None:
+        """Its first audio is out (or the request ended); unknown ids are ignored."""
+        opened = self._holds.pop(hold, None)
+        if opened is None:
+            return
+        if now - opened > self.hold_max_s:
+            self.stats.expired += 1
+        if not self._holds and self._held_since is not None:
+            self.stats.held_s += now - self._held_since
+            self._held_since = None
+
+    def blocking(self, now: float) -> bool:
+        """True while an open hold (younger than hold_max_s) keeps LLM work waiting."""
+        return any(now - opened <= self.hold_max_s for opened in self._holds.values())
+
+    def wake_in(self, now: float) -> float | None:
+        """Seconds until the youngest blocking hold expires (held LLM work could run then
+        without any other event), or None when nothing is held back."""
+        if not self._holds or self._oldest_llm() is None:
+            return None
+        return max(0.0, max(self._holds.values()) + self.hold_max_s - now)
+
+    def _oldest_llm(self) -> int | None:
+        return next((i for i, w in enumerate(self._rest) if w.priority is GraphPriority.LLM), None)
+
+    def pop(self, now: float, drain: bool = False) -> ItemT | None:
+        """The item to run now, or None (nothing queued, or only LLM work behind a hold).
+        `drain`: ignore the holds (the worker is closing)."""
+        llm = self._oldest_llm()
+        waiting = self._rest[llm] if llm is not None else None
+        if waiting is not None and waiting.overtaken >= self.max_overtakes:  # the starvation bound
+            if self._first or self.blocking(now):
+                self.stats.forced += 1
+            return self._take(self._rest, 0)  # the rest in its order, up to and with that item
+        if self._first:
+            return self._take(self._first, 0, waiting)
+        if not self._rest:
+            return None
+        if drain or not self.blocking(now):
+            return self._take(self._rest, 0)
+        # held: the NORMAL work runs, the LLM work waits
+        normal = next((i for i, w in enumerate(self._rest) if w.priority is not GraphPriority.LLM), None)
+        if normal is None:
+            if waiting is not None:
+                self._defer(waiting)
+            return None
+        return self._take(self._rest, normal, waiting if llm is not None and llm < normal else None)
+
+    def _take(self, queue: deque[_Waiting[ItemT]], index: int, passed: _Waiting[ItemT] | None = None) -> ItemT:
+        """Remove and return queue[index]; `passed`: an older LLM item it goes ahead of."""
+        if passed is not None:
+            passed.overtaken += 1
+            self.stats.overtaken += 1
+            self._defer(passed)
+        waiting = queue[index]
+        del queue[index]
+        self.stats.runs[waiting.priority.name.lower()] += 1
+        return waiting.item
+
+    def _defer(self, waiting: _Waiting[ItemT]) -> None:
+        if not waiting.deferred:
+            waiting.deferred = True
+            self.stats.deferred += 1
+
+
 class GraphThreadClosed(SynthesisError):
     """Work was submitted to a GraphThread that is closed (or never started)."""
 
 
-class _Stop:
-    pass
-
-
-_STOP = _Stop()
+_Item = tuple[Callable[[], object], Future[object]]
 
 
 class GraphThread:
     """A worker thread with a bounded queue of work items; `call` runs one
     there and returns its result or raises its exception in the caller."""
 
-    def __init__(self, name: str = "cosyedge-cuda-graphs", max_pending: int = 64) -> None:
+    def __init__(self, name: str = "cosyedge-cuda-graphs", max_pending: int = 64,
+                 hold_max_s: float = HOLD_MAX_S, max_overtakes: int = MAX_OVERTAKES) -> None:
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
         self.name = name
-        self._queue: queue.Queue[tuple[Callable[[], object], Future[object]] | _Stop] = queue.Queue(max_pending)
+        self.max_pending = max_pending  # NORMAL + LLM items queued at most (FIRST_AUDIO: bounded by the holds)
+        # the queued work and the holds (guarded by _lock; its bounds may be set before use)
+        self.order: GraphWorkOrder[_Item] = GraphWorkOrder(hold_max_s, max_overtakes)
         self._thread: threading.Thread | None = None
         self._closed = False
-        self._lock = threading.Lock()  # start / close / submit against close
+        self._stopping = False  # closed: the worker runs what is queued, holds ignored, then exits
+        self._lock = threading.Lock()  # start / close / submit against close; guards order
+        self._changed = threading.Condition(self._lock)  # work queued, a hold closed, room made, stop
+        self._local = threading.local()  # per caller thread: depth of its first_audio() blocks here
         self.ident: int | None = None  # the worker's thread id once started
         self.calls = 0  # work items run (tests, logs)
 
@@ -91,36 +290,79 @@ class GraphThread:
         """True when called from the worker itself."""
         return threading.get_ident() == self.ident
 
-    def submit(self, work: Callable[[], T]) -> Future[T]:
-        """Queue `work` (blocks while the queue is full); its Future carries the result or the exception."""
+    @contextlib.contextmanager
+    def first_audio(self) -> Iterator[None]:
+        """A request's first chunk (flow and vocoder) on the way to its first audio: what this
+        thread submits inside the block (untagged) is FIRST_AUDIO and runs ahead of the rest, and
+        LLM work waits while the block is open (bounded: GraphWorkOrder). Nests."""
+        with self._lock:
+            hold = self.order.open_hold(time.monotonic())
+        self._local.depth = getattr(self._local, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            self._local.depth -= 1
+            with self._changed:
+                self.order.close_hold(hold, time.monotonic())
+                self._changed.notify_all()
+
+    def current_priority(self) -> GraphPriority:
+        """The priority this thread's untagged submissions get now."""
+        return GraphPriority.FIRST_AUDIO if getattr(self._local, "depth", 0) > 0 else GraphPriority.NORMAL
+
+    def pending(self, priority: GraphPriority) -> int:
+        """Items of `priority` queued now (tests, logs)."""
+        with self._lock:
+            return self.order.pending(priority)
+
+    def order_stats(self) -> dict[str, object]:
+        """What the ordering did so far (OrderStats), for bench and probe output."""
+        with self._lock:
+            return self.order.stats.as_dict()
+
+    def submit(self, work: Callable[[], T], priority: GraphPriority | None = None) -> Future[T]:
+        """Queue `work` (blocks while the queue is full, except FIRST_AUDIO work); its Future
+        carries the result or the exception. `priority`: None takes the calling thread's
+        (FIRST_AUDIO inside first_audio(), else NORMAL); LLM steps pass LLM, which a hold does
+        not raise (the holder's own LLM work is what must wait)."""
         future: Future[T] = Future()
-        while True:
-            with self._lock:
+        prio = self.current_priority() if priority is None else GraphPriority(priority)
+        with self._changed:
+            while True:
                 if self._closed or self._thread is None:
                     state = "closed" if self._closed else "not started"
                     raise GraphThreadClosed(f"{self.name}: the GPU graph thread is {state} (the engine was closed); "
                                             "no captured graph can run")
-                try:
-                    # Future[T] is stored as Future[object]: the worker only sets what work() returned
-                    self._queue.put((work, future), timeout=0.05)  # type: ignore[arg-type]
-                    return future
-                except queue.Full:
-                    pass
-            # full: wait outside the lock so that close() can get in
+                if prio is GraphPriority.FIRST_AUDIO or self.order.pending_rest < self.max_pending:
+                    break
+                self._changed.wait()  # full: close() and the worker's pops notify
+            # Future[T] is stored as Future[object]: the worker only sets what work() returned
+            self.order.push((work, future), prio)  # type: ignore[arg-type]
+            self._changed.notify_all()
+        return future
 
-    def call(self, work: Callable[[], T]) -> T:
+    def call(self, work: Callable[[], T], priority: GraphPriority | None = None) -> T:
         """Run `work` on the worker and wait for it; on the worker itself it runs inline."""
         if self.on_thread():
             return work()
-        return self.submit(work).result()
+        return self.submit(work, priority).result()
+
+    def _next(self) -> _Item | None:
+        """The next item to run, waiting for one; None: closed and nothing left."""
+        with self._changed:
+            while True:
+                item = self.order.pop(time.monotonic(), drain=self._stopping)
+                if item is not None:
+                    self._changed.notify_all()  # room for a waiting submit
+                    return item
+                if self._stopping and not len(self.order):
+                    return None
+                self._changed.wait(self.order.wake_in(time.monotonic()))
 
     def _run(self, ready: threading.Event) -> None:
         self.ident = threading.get_ident()
         ready.set()
-        while True:
-            item = self._queue.get()
-            if isinstance(item, _Stop):
-                return
+        while (item := self._next()) is not None:
             work, future = item
             if not future.set_running_or_notify_cancel():
                 continue
@@ -135,14 +377,16 @@ class GraphThread:
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Run what is queued, stop the worker and wait for it; later calls raise GraphThreadClosed."""
-        with self._lock:
+        with self._changed:
             if self._closed:
                 return
             self._closed = True
             thread = self._thread
+            # after every queued item: they run (their callers wait for them)
+            self._stopping = True
+            self._changed.notify_all()
         if thread is None:
             return
-        self._queue.put(_STOP)  # after every queued item: they run (their callers wait for them)
         if threading.get_ident() != thread.ident:
             thread.join(timeout_s)
             if thread.is_alive():

@@ -31,7 +31,7 @@ import threading
 
 import numpy as np
 import onnxruntime as ort
-from cosyedge_models.backends.graph_thread import CAPTURE_RUNS, GraphThread
+from cosyedge_models.backends.graph_thread import CAPTURE_RUNS, GraphPriority, GraphThread
 from cosyedge_models.backends.ort import OrtSession, bound_lm_run
 from cosyedge_models.errors import SynthesisError
 
@@ -189,7 +189,9 @@ class GraphDecodeLoop:
             raise SynthesisError(f"static decode: the cache of {slot.positions} positions is full")
         embeds = np.ascontiguousarray(inputs_embeds, dtype=np.float32).reshape(1, 1, -1)
         dec = self._decoder
-        logp = dec.thread.call(functools.partial(_replay, dec.step_session, slot, self._src, embeds, self._len))
+        # LLM work: it waits while a stream's first chunk is on its way to audio (graph_thread.py)
+        logp = dec.thread.call(functools.partial(_replay, dec.step_session, slot, self._src, embeds, self._len),
+                               GraphPriority.LLM)
         self._src = 1 - self._src
         self._len += 1
         return logp

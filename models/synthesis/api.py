@@ -46,7 +46,9 @@ class SynthesisRequest:
     priority: int = 0  # higher joins a full LLM batch first (the daemon's request priority)
 
 
-TimelineStage = Literal["llm", "flow", "vocoder"]
+# "hold": a request's first-audio hold on the GPU graph thread (its first chunk's flow and
+# vocoder, while the captured LLM steps wait: models/backends/graph_thread.py)
+TimelineStage = Literal["llm", "flow", "vocoder", "hold"]
 
 
 @dataclass(frozen=True)

@@ -7,10 +7,11 @@ before it closes the sessions."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, TypeVar
 
 from cosyedge_models.backends.base import FixedSizeDecode, Session
@@ -73,6 +74,30 @@ class GraphStages:
             shared = self.settings.graph_threads == "one" and self.threads
             self.threads[stage] = next(iter(self.threads.values())) if shared else GraphThread().start()
         return self.threads[stage]
+
+    @property
+    def holds_first_audio(self) -> bool:
+        """Whether first_audio() opens holds: a graph thread exists and first_audio_first is on."""
+        return self.settings.first_audio_first and bool(self.threads)
+
+    @contextlib.contextmanager
+    def first_audio(self) -> Iterator[None]:
+        """A request's first chunk (flow and vocoder) on its way to the first audio: its graph
+        work runs first and the LLM steps wait, on every graph thread of the engine
+        (GraphThread.first_audio); nothing when holds_first_audio is False."""
+        with contextlib.ExitStack() as stack:
+            if self.holds_first_audio:
+                for thread in {id(t): t for t in self.threads.values()}.values():
+                    stack.enter_context(thread.first_audio())
+            yield
+
+    def order_stats(self) -> dict[str, dict[str, object]]:
+        """Each graph thread's ordering counters (GraphThread.order_stats), by its stages."""
+        by_thread: dict[int, list[str]] = {}
+        for stage, thread in self.threads.items():
+            by_thread.setdefault(id(thread), []).append(stage)
+        threads = {id(t): t for t in self.threads.values()}
+        return {"+".join(stages): threads[key].order_stats() for key, stages in by_thread.items()}
 
     def fixed_size_decode(self, prefill: Session, decode: Session | None = None) -> FixedSizeDecode | None:
         """The LLM's fixed-size step over `prefill`, captured now, or None (the ordinary loop);

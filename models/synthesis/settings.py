@@ -15,7 +15,9 @@ from cosyedge_models.synthesis.modes import GRAPH_THREAD_MODES
 @dataclass(frozen=True)
 class SynthesisSettings:
     backend: str = "ort"
-    precision: str | None = None  # None: the bundle's own
+    # None: the bundle's own, but on ort-cuda the faster of fp32/fp16 where the bundle records
+    # both measured (models/bundle/precision_speed.py); "fp32"/"fp16"/"int8" pick that variant.
+    precision: str | None = None
     max_text_chars: int = MAX_TEXT_CHARS
     threads: int | None = None  # intra-op threads per session (None: the runtime's default)
     first_hop_tokens: int | None = None  # None: upstream's aligned first hop
@@ -82,6 +84,10 @@ class SynthesisSettings:
     # thread, one replay at a time; "per-stage": a thread each, so streams' LLM steps and flow
     # windows can overlap on the GPU (captures still happen at load, one stage after another).
     graph_threads: str = "one"
+    # "The first chunk first": a streaming request's first chunk's flow and vocoder run ahead of
+    # other work on the graph thread(s), and the LLM's captured decode steps (every stream's)
+    # wait while it runs (bounded; models/backends/graph_thread.py). False: submission order.
+    first_audio_first: bool = True
     # onnxruntime's CPU memory arena for host tensors (the ort backends): True keeps the peak of
     # every run allocated for the process's life (2-6% faster at full size on 2 cores); False
     # (default) frees them as they go: 0.24x instead of 0.35x of the fp32 engine's memory for the

@@ -32,6 +32,7 @@ from cosyedge_models.backends.shape_pinned import ShapePinnedSession
 from cosyedge_models.batching.llm_batcher import start_batcher
 from cosyedge_models.batching.stage_batcher import call_priority, start_stage_batching
 from cosyedge_models.bundle.loader import Bundle, load_bundle
+from cosyedge_models.bundle.precision_speed import AUTO_BACKENDS, auto_precision
 from cosyedge_models.errors import RequestError
 from cosyedge_models.synthesis.api import (
     SPEED_MAX,
@@ -379,24 +380,40 @@ class CosyVoiceSynthesizer(SynthesizerDefaults):
                 spans.add(timed)
                 while (chunk := schedule.next_chunk(len(tokens))) is not None:
                     spans.take(state, timed.end)
-                    # the frames of tokens [chunk.start, chunk.end): what upstream's full-prefix pass
-                    # over tokens[:chunk.end + lookahead] gives for them
-                    mel = self._flow_stream(flow, tokens[:chunk.end + lookahead], state, final=False)
-                    yield self._vocode(stream, mel, state, final=False), False
+                    with self._first_chunk(state):
+                        # the frames of tokens [chunk.start, chunk.end): what upstream's full-prefix
+                        # pass over tokens[:chunk.end + lookahead] gives for them
+                        mel = self._flow_stream(flow, tokens[:chunk.end + lookahead], state, final=False)
+                        pcm = self._vocode(stream, mel, state, final=False)
+                    yield pcm, False
                 if state.cancelled():
                     return
             if state.cancelled():
                 return
             spans.finish(state, source.end)
         schedule.final_chunk(len(tokens))
-        if tokens:
-            mel = self._flow_stream(flow, tokens, state, final=True)
-        else:
-            mel = np.zeros((1, self.bundle.mel_bins, 0), dtype=np.float32)
-        if mel.shape[2] == 0 and stream.mel is None:
-            yield np.zeros(0, dtype=np.float32), True
+        with self._first_chunk(state):
+            if tokens:
+                mel = self._flow_stream(flow, tokens, state, final=True)
+            else:
+                mel = np.zeros((1, self.bundle.mel_bins, 0), dtype=np.float32)
+            empty = mel.shape[2] == 0 and stream.mel is None
+            last = np.zeros(0, dtype=np.float32) if empty else self._vocode(stream, mel, state, final=True)
+        yield last, True
+
+    @contextlib.contextmanager
+    def _first_chunk(self, state: RequestState) -> Iterator[None]:
+        """Around a chunk's flow and vocoder: until the request's first audio is out, a
+        first-audio hold on the graph thread(s) (GraphStages.first_audio), timed as "hold"."""
+        if state.times.first_audio_ms is not None or not self.graphs.holds_first_audio:
+            yield
             return
-        yield self._vocode(stream, mel, state, final=True), True
+        t0 = time.perf_counter()
+        try:
+            with self.graphs.first_audio():
+                yield
+        finally:
+            state.event("hold", t0, time.perf_counter())
 
     def _vocode(self, stream: VocoderStream, mel: np.ndarray, state: RequestState, final: bool) -> np.ndarray:
         t0 = time.perf_counter()
@@ -418,6 +435,9 @@ def load_synthesizer(bundle_dir: Path | str, backend: str | None = None,
         raise ValueError(f"backend {backend!r} differs from settings.backend {settings.backend!r}")
     name = settings.backend
     # The trt backend loads the bundle's TensorRT plans, checked against this GPU.
-    bundle = load_bundle(bundle_dir, precision=settings.precision, backend="trt" if name == "trt" else "ort")
+    precision = settings.precision
+    if precision is None and name in AUTO_BACKENDS:  # fp16 on CUDA where the bundle measured it faster
+        precision = auto_precision(bundle_dir, name, load_bundle(bundle_dir).manifest)
+    bundle = load_bundle(bundle_dir, precision=precision, backend="trt" if name == "trt" else "ort")
     backend_ = create_backend(name, cpu_memory_arena=settings.cpu_memory_arena, bundle=bundle)
     return CosyVoiceSynthesizer(bundle, backend_, settings)

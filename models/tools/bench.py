@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from cosyedge_models.batching.policy import BatchSettings
-from cosyedge_models.bundle.loader import Bundle
+from cosyedge_models.bundle.loader import Bundle, load_bundle
 from cosyedge_models.bundle.memory_budget import BOARDS, MIB, bundle_budget
 from cosyedge_models.errors import CosyEdgeError
 from cosyedge_models.synthesis.settings import SynthesisSettings
@@ -162,7 +162,9 @@ def compare_bundle(bundle_dir: str, settings: SynthesisSettings, text: str, repe
     its engine memory, and its output against `reference`'s (the bench's own
     engine): token agreement and mel SNR (models/tools/precision_compare.py)."""
     before = process_memory()
-    engine = load_synthesizer(bundle_dir, settings=dataclasses.replace(settings, precision=None))
+    # the bundle's own precision (not the faster-on-CUDA choice of an unset precision)
+    own = load_bundle(bundle_dir).precision
+    engine = load_synthesizer(bundle_dir, settings=dataclasses.replace(settings, precision=own))
     try:
         run_once(engine, text, stream=True, seed=0, voice=voice)  # warm-up (every weight touched)
         # measured in this process after the bundles before it:
@@ -211,7 +213,6 @@ def int_list(value: str, what: str) -> list[int]:
 
 def project_command(args: argparse.Namespace) -> int:
     """`bench --project`: the Jetson projection from the bundle's graphs (no synthesis)."""
-    from cosyedge_models.bundle.loader import load_bundle
     from cosyedge_models.tools.graph_cost import RequestShape, bundle_workload
     from cosyedge_models.tools.projection import H200_MEASURED, format_projection, projection_table
 
@@ -262,6 +263,7 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
                               graph_flow=getattr(args, "graph_flow", None),
                               graph_encoder=getattr(args, "graph_encoder", None),
                               graph_threads=getattr(args, "graph_threads", "one"),
+                              first_audio_first=getattr(args, "first_audio_first", True),
                               graph_flow_slots=max(4, min(8, max(concurrency, default=1))))
     if cache_mb is not None:
         settings = dataclasses.replace(settings, voice_cache_mb=cache_mb)
@@ -300,7 +302,9 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
                         "overlap_stages": engine.overlap,
                         "fixed_size_decode": engine.lm.fixed_size_decode is not None, "text": text,
                         "load_ms": load_ms, "graph_load_s": engine.graphs.load_seconds, "voice": voice,
-                        **concurrency_report(engine, text, concurrency, mode, voice)}
+                        "first_audio_first": settings.first_audio_first,
+                        **concurrency_report(engine, text, concurrency, mode, voice),
+                        "graph_order": engine.graphs.order_stats()}
             print(json.dumps(report_c, indent=2))
             if args.json:
                 Path(args.json).write_text(json.dumps(report_c, indent=2) + "\n")
@@ -373,6 +377,9 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
         report.update(concurrency_report(engine, text, concurrency, mode, voice))
         if concurrency:
             progress.advance("concurrency")
+        # what the graph thread's order did over the runs so far (first-audio holds, LLM steps held)
+        report["first_audio_first"] = settings.first_audio_first
+        report["graph_order"] = engine.graphs.order_stats()
         report["session_memory_bytes"] = engine.session_memory_bytes()
         report["peak_rss_mb"] = round(peak_rss_mb(), 1)  # before other bundles load and the reference loads torch
         save_partial(args.json, report)

@@ -54,10 +54,27 @@ def run_parallel(n: int, worker: Callable[[int], None]) -> float:
     return time.perf_counter() - t0
 
 
+# the GPU graph threads' order counters (GraphThread.order_stats) reported per level, by their key there
+ORDER_KEYS = {"holds": "graph_holds", "deferred": "graph_llm_held", "held_ms": "graph_held_ms",
+              "forced": "graph_forced", "expired": "graph_expired"}
+
+
+def order_delta(before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """What the graph threads' order did between two GraphStages.order_stats(), summed over the
+    threads: first-audio holds opened, LLM steps they held, ms with a hold open, bound hits."""
+    out: dict[str, float] = {}
+    for thread, stats in after.items():
+        old = before.get(thread, {})
+        for key, name in ORDER_KEYS.items():
+            out[name] = round(out.get(name, 0.0) + float(stats[key]) - float(old.get(key, 0)), 1)
+    return out
+
+
 def run_concurrent(engine: CosyVoiceSynthesizer, text: str, n: int, stream: bool = True,
                    voice: str | None = None) -> dict[str, float]:
     results: list[dict[str, Any]] = [{} for _ in range(n)]
     before = {b.name: (b.stats.runs, b.stats.calls) for b in engine.stage_batchers}
+    order_before = engine.graphs.order_stats()
 
     def worker(i: int) -> None:
         results[i] = run_once(engine, text, stream=stream, seed=1000 + i, voice=voice)
@@ -79,6 +96,7 @@ def run_concurrent(engine: CosyVoiceSynthesizer, text: str, n: int, stream: bool
         # requests per graph run at this level (1.0: nothing merged)
         runs, calls = b.stats.runs - before[b.name][0], b.stats.calls - before[b.name][1]
         out[f"{b.name}_mean_batch"] = round(calls / runs, 3) if runs else 0.0
+    out.update(order_delta(order_before, engine.graphs.order_stats()))  # (no graph thread: nothing)
     return out
 
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from cosyedge_models.synthesis.api import StageEvent
 
-ROWS = ("llm", "flow", "vocoder")
+ROWS = ("llm", "flow", "vocoder", "hold")  # hold: the first-audio hold on the GPU graph thread
 
 
 def render_timeline(events: Sequence[StageEvent], width: int = 100) -> str:

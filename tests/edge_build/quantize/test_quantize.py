@@ -107,6 +107,12 @@ def test_report_meets_budget(precision: str, int8_bundle: Any, fp16_bundle: Any)
     assert set(saved["held_out_texts"]).isdisjoint(calibration_texts(len(calibration_texts(16))))
     for stage, sizes in saved["sizes"].items():
         assert sizes["variant_bytes"] < sizes["fp32_bytes"], stage
+    if precision == "fp16":  # the overflow check the build ran, per stage
+        checks = {stage: c for u in saved["units"] for stage, c in u["finite_check"]["stages"].items()}
+        assert set(checks) == set(QUANT_STAGES)
+        assert all(c["inputs"] > 0 and c["nonfinite_inputs"] == 0 for c in checks.values())
+        decode = checks["llm_decode"]
+        assert decode["fp32_ops"].get("ReduceMean", 0) > 0 and "Softmax" in decode["fp16_ops"]
 
 
 def test_sensitivity_table_and_fp32_nodes(int8_bundle: Any) -> None:

@@ -7,6 +7,7 @@ precision), and the bundle speaks with the fixed-shape flow graphs."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +15,9 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 from cosyedge_build.quantize.capture import capture_feeds
+from cosyedge_build.quantize.finite import FINITE_CHECK_FILE
 from cosyedge_build.quantize.texts import calibration_texts
-from cosyedge_build.tools.device_fp16 import fp16_bundle
+from cosyedge_build.tools.device_fp16 import check_bundle, fp16_bundle
 from cosyedge_models.bundle.loader import STATIC_FLOW_PREFIX, load_bundle
 from cosyedge_models.synthesis.api import SynthesisRequest
 from cosyedge_models.synthesis.settings import SynthesisSettings
@@ -71,6 +73,19 @@ def test_fp16_graphs_are_finite_on_the_calibration_set(gpu_fp16: tuple[Path, dic
     _check_finite(*gpu_fp16, ["CPUExecutionProvider"])
 
 
+def test_the_tool_checks_the_bundle_and_writes_the_result(static_flow_bundle: Path,
+                                                          gpu_fp16: tuple[Path, dict[str, Any]]) -> None:
+    out, _ = gpu_fp16
+    check = check_bundle(static_flow_bundle, out, texts=2, backend="ort")
+    assert check["ok"] and check["providers"] == ["CPUExecutionProvider"]
+    assert json.loads((out / FINITE_CHECK_FILE).read_text()) == check
+    assert set(check["stages"]) == set(FP16_STAGES)
+    for stage, s in check["stages"].items():
+        assert s["inputs"] > 0 and s["nonfinite_inputs"] == 0, stage
+        assert "LayerNormalization" not in s["fp32_ops"] and "Softmax" not in s["fp32_ops"], stage
+    assert check["stages"]["llm_decode"]["fp32_ops"]["ReduceMean"] > 0
+
+
 def test_fp16_bundle_speaks_with_the_fixed_shape_flow(gpu_fp16: tuple[Path, dict[str, Any]]) -> None:
     out, _ = gpu_fp16
     eng = load_synthesizer(out, settings=SynthesisSettings(backend="ort", graph_flow=True, overlap_stages=False))
@@ -88,3 +103,39 @@ def test_fp16_graphs_are_finite_on_the_cuda_provider(gpu_fp16: tuple[Path, dict[
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         pytest.skip("onnxruntime has no CUDAExecutionProvider here")
     _check_finite(*gpu_fp16, ["CUDAExecutionProvider"])
+
+
+@pytest.mark.gpu
+def test_the_tool_checks_on_the_cuda_provider(static_flow_bundle: Path, gpu_fp16: tuple[Path, dict[str, Any]]) -> None:
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("onnxruntime has no CUDAExecutionProvider here")
+    check = check_bundle(static_flow_bundle, gpu_fp16[0], texts=2)
+    assert check["capture_backend"] == "ort-cuda" and check["ok"], check
+    assert all(s["provider"] == "CUDAExecutionProvider" for s in check["stages"].values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("faster_one", ["fp16", "fp32"])
+def test_ort_cuda_loads_the_precision_recorded_faster(gpu_fp16: tuple[Path, dict[str, Any]], tmp_path: Path,
+                                                      faster_one: str) -> None:
+    """models/bundle/precision_speed.py on the real CUDA backend: with precision unset, the
+    variant the bundle's record measured faster (figures made up here: the rule, not the speed)."""
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("onnxruntime has no CUDAExecutionProvider here")
+    import shutil
+
+    from cosyedge_models.bundle.precision_speed import write_record
+
+    bundle = tmp_path / "b"
+    shutil.copytree(gpu_fp16[0], bundle)
+    slow, fast = {"rtf": 0.2, "first_audio_ms": 200.0}, {"rtf": 0.1, "first_audio_ms": 100.0}
+    figures = {"fp16": fast, "fp32": slow} if faster_one == "fp16" else {"fp16": slow, "fp32": fast}
+    write_record(bundle, "ort-cuda", figures)
+    eng = load_synthesizer(bundle, settings=SynthesisSettings(backend="ort-cuda", graph_flow=False, graph_decode=False,
+                                                              graph_vocoder=False))
+    try:
+        assert eng.bundle.precision == faster_one
+        assert eng.bundle.stages["llm_decode"].path.name == ("llm_decode.fp16.onnx" if faster_one == "fp16"
+                                                             else "llm_decode.onnx")
+    finally:
+        eng.close()

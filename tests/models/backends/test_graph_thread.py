@@ -19,7 +19,7 @@ from cosyedge_models.backends.graph_thread import GraphThread, GraphThreadClosed
 from cosyedge_models.backends.ort import OrtSession
 from cosyedge_models.backends.ort_graph_decode import GraphDecoder
 from cosyedge_models.bundle.loader import STATIC_FLOW_PREFIX
-from cosyedge_models.synthesis.api import SynthesisRequest
+from cosyedge_models.synthesis.api import AudioChunk, SynthesisRequest
 from cosyedge_models.synthesis.settings import SynthesisSettings
 from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, load_synthesizer
 
@@ -294,3 +294,108 @@ def test_eight_streams_with_cuda_graphs_match_serial_runs(graph_bundle: Path,
     for i in range(8):
         assert concurrent[i].shape == serial[i].shape and serial[i].size > 0
         np.testing.assert_allclose(concurrent[i], serial[i], rtol=0, atol=1e-4)
+
+
+def test_a_streams_first_chunk_holds_the_llm_steps_on_the_graph_thread(graph_bundle: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first chunk first (graph_thread.py's GraphWorkOrder): each request opens one
+    first-audio hold, around its first chunk's flow and vocoder, recorded in its timeline;
+    every LLM step reaches the graph thread tagged LLM (so a hold keeps it waiting)."""
+    from cosyedge_models.backends import ort_graph_decode
+
+    steps: list[int] = []
+    real_replay = ort_graph_decode._replay
+
+    def replay(*args: object) -> np.ndarray:
+        steps.append(threading.get_ident())
+        return real_replay(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ort_graph_decode, "_replay", replay)
+    engine = _engine(graph_bundle, slots=4)
+    worker = engine.graph_thread
+    assert worker is not None and engine.graphs.holds_first_audio
+    worker.order.hold_max_s = 3600.0  # no expiry on a loaded CI machine: the order is exact
+    worker.order.max_overtakes = 1 << 30
+    chunks: dict[int, list[AudioChunk]] = {}
+    try:
+        before = worker.order_stats()
+        start = threading.Barrier(2)
+
+        def one(i: int) -> None:
+            start.wait()
+            chunks[i] = list(engine.synthesize(_request(i)))
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(600)
+        by_thread = engine.graphs.order_stats()
+        assert list(by_thread) == ["decode+flow"]  # one graph thread for both stages
+        stats = by_thread["decode+flow"]
+    finally:
+        engine.close()
+    assert before["holds"] == 0 and before["runs"]["llm"] == 0  # warm-up is NORMAL work
+    assert sorted(chunks) == [0, 1]
+    assert stats["holds"] == 2 and stats["forced"] == 0 and stats["expired"] == 0
+    runs = stats["runs"]
+    assert isinstance(runs, dict) and runs["llm"] == len(steps) > 0 and runs["first_audio"] > 0
+    assert set(steps) == {worker.ident}
+    for out in chunks.values():
+        assert len(out) >= 2 and out[0].pcm.size > 0
+        events = out[-1].times.timeline
+        holds = [e for e in events if e.stage == "hold"]
+        assert len(holds) == 1 and holds[0].chunk == 0
+        first = [e for e in events if e.chunk == 0 and e.stage in ("flow", "vocoder")]
+        assert {e.stage for e in first} == {"flow", "vocoder"}
+        assert all(holds[0].start_ms <= e.start_ms and e.end_ms <= holds[0].end_ms for e in first)
+
+
+def test_the_llm_producers_next_step_waits_for_the_first_chunk(graph_bundle: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gating through the real pipeline: while the first chunk's flow and vocoder run,
+    the LLM producer's next decode step is queued on the graph thread and does not run."""
+    from cosyedge_models.backends import ort_graph_decode
+    from cosyedge_models.backends.graph_thread import GraphPriority
+
+    llm_runs: list[int] = []
+    real_replay = ort_graph_decode._replay
+
+    def replay(*args: object) -> np.ndarray:
+        llm_runs.append(1)
+        return real_replay(*args)  # type: ignore[arg-type]
+
+    seen: dict[str, int] = {}
+    real_flow = CosyVoiceSynthesizer._flow_stream
+
+    def flow_stream(self: CosyVoiceSynthesizer, flow: object, tokens: list[int], state: object, final: bool,
+                    prime: bool = False) -> np.ndarray:
+        worker = self.graph_thread
+        if not prime and not seen and worker is not None:  # the first chunk, inside its hold
+            deadline = time.monotonic() + 120
+            while worker.pending(GraphPriority.LLM) == 0 and time.monotonic() < deadline:
+                time.sleep(0.005)  # the producer decodes on: its next step reaches the queue
+            seen["queued"], seen["ran_before"] = worker.pending(GraphPriority.LLM), len(llm_runs)
+            mel = real_flow(self, flow, tokens, state, final)  # type: ignore[arg-type]
+            seen["queued_after"], seen["ran_after"] = worker.pending(GraphPriority.LLM), len(llm_runs)
+            return mel
+        return real_flow(self, flow, tokens, state, final, prime)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ort_graph_decode, "_replay", replay)
+    monkeypatch.setattr(CosyVoiceSynthesizer, "_flow_stream", flow_stream)
+    engine = load_synthesizer(graph_bundle, settings=SynthesisSettings(
+        threads=1, overlap_stages=True, graph_flow=True, graph_decode=True, graph_flow_slots=2,
+        graph_decode_slots=2, overlap_queue_tokens=1024))
+    try:
+        assert engine.graph_thread is not None
+        engine.graph_thread.order.hold_max_s = 3600.0
+        engine.graph_thread.order.max_overtakes = 1 << 30
+        chunks = list(engine.synthesize(_request(1)))
+        stats = engine.graph_thread.order_stats()
+    finally:
+        engine.close()
+    assert len(chunks) >= 2
+    # (a seeded request: the LLM has tokens left after the first chunk, so its next step comes)
+    assert seen["queued"] == 1 and seen["ran_before"] > 0
+    assert seen["queued_after"] == 1 and seen["ran_after"] == seen["ran_before"]  # held through the flow
+    assert isinstance(stats["deferred"], int) and stats["deferred"] >= 1 and stats["holds"] == 1

@@ -74,6 +74,10 @@ def test_bench_json_with_first_hop_and_compare(tiny_bundle: Path, fp16_variant: 
         assert all(isinstance(b["fits"], bool) for b in budget["boards"].values())
     assert fp16["graph_bytes"] < fp32["graph_bytes"]
     assert fp16["jetson_budget"]["engines_mb"] < fp32["jetson_budget"]["engines_mb"]
+    # against the bench's own engine (the fp32 tiny bundle): itself exactly, fp16 close and finite
+    assert fp32["accuracy"]["token_agreement"] == 1.0 and fp32["accuracy"]["mel_snr_db"] == float("inf")
+    assert fp16["accuracy"]["mel_nonfinite"] == 0 and fp16["accuracy"]["mel_snr_db"] > 15
+    assert 0 <= fp16["accuracy"]["token_agreement"] <= 1
 
 
 def test_bench_concurrency_only_offline_and_streaming_with_flow_batching(tiny_bundle: Path, tmp_path: Path) -> None:
@@ -128,3 +132,19 @@ def test_a_bench_stopped_part_way_keeps_what_it_measured(tiny_bundle: Path, tmp_
     assert r["complete"] is False and r["rtf"] > 0
     assert r["concurrency"]["1"]["requests_per_s"] > 0 and r["streaming_cost_vs_offline"]["ratio"] > 0
     assert "reference" not in r
+
+
+def test_order_delta_sums_each_graph_threads_counters_over_a_level() -> None:
+    from cosyedge_models.tools.bench_runs import order_delta
+
+    def stats(holds: int, deferred: int, held_ms: float) -> dict[str, object]:
+        return {"runs": {}, "holds": holds, "deferred": deferred, "held_ms": held_ms, "forced": 0, "expired": 0,
+                "overtaken": 0}
+
+    before = {"decode+flow": stats(1, 3, 10.0)}
+    after = {"decode+flow": stats(5, 9, 72.5)}
+    assert order_delta(before, after) == {"graph_holds": 4, "graph_llm_held": 6, "graph_held_ms": 62.5,
+                                          "graph_forced": 0, "graph_expired": 0}
+    # per-stage threads: summed; a thread that had no counters before counts from zero
+    assert order_delta({}, {"decode": stats(2, 1, 1.0), "flow": stats(2, 0, 1.5)})["graph_holds"] == 4
+    assert order_delta({}, {}) == {}

@@ -1,0 +1,178 @@
+"""The LLM decode step as an onnxruntime-fused graph with a batch of slot rows
+(`llm_decode_fused_b<B>`, one file per batch size B, every shape fixed so
+that ort-cuda captures each size once).
+
+Written node by node from the upstream layers' weights (not traced): each
+layer is one packed QKV MatMul + bias, one `com.microsoft` GroupQueryAttention
+that applies the rotary embedding itself from precomputed cos/sin caches
+(`do_rotary`) and writes the new K/V into the cache in place, the output
+projection, `SkipSimplifiedLayerNormalization` (residual add + RMS norm in
+one kernel), and the SwiGLU MLP with `QuickGelu(alpha=1)` = SiLU.
+
+The KV cache is one buffer per bundle, `[L, 2, R, Hkv, C, hd]` (R slot rows,
+C positions); the runtime binds `past_key_<i>` / `present_key_<i>` (and the
+values) of a B-row step to the SAME memory, the view `[i, 0|1, 0:B]`, so
+GroupQueryAttention updates it in place (past/present share one buffer).
+
+Inputs: `inputs_embeds` [B, 1, D] float32; `seqlens_k` [B] int32, the new
+token's position in its row (= the row's cached length before the step);
+`query_seqlens` [B] int32, 1 for a row that steps and 0 for an idle row
+(its cache is left untouched, its logp is undefined); `past_key_<i>`,
+`past_value_<i>` [B, Hkv, C, hd]. Outputs: `logp` [B, V]; `present_key_<i>`,
+`present_value_<i>` (the same buffers). The plain graphs (llm.py) stay for
+TensorRT, which cannot parse onnxruntime's contrib operators."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from cosyedge_build.export.graphs import StageGraph, TensorSpec
+from cosyedge_build.export.llm import llm_dims
+from cosyedge_build.reference.modules import require
+from cosyedge_models.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+FUSED_PREFIX = "llm_decode_fused_b"
+MS_DOMAIN = "com.microsoft"
+FUSED_DECODE_LEN = 1536  # default cache positions: a 512-position prompt and 1,024 speech tokens
+
+
+def fused_stage_name(batch: int) -> str:
+    return f"{FUSED_PREFIX}{batch}"
+
+
+def _np(t: Any) -> np.ndarray:
+    return t.detach().float().cpu().numpy().astype(np.float32)
+
+
+def rope_caches(llm: Any, positions: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin [C, hd/2] for positions 0..C-1, computed in float32 the way the
+    plain graphs compute them (llm.py: positions * inv_freq, then cos/sin,
+    times the RoPE attention scaling)."""
+    torch = require("torch", "torch", "exporting the LLM")
+    rotary = llm.llm.model.model.rotary_emb
+    inv_freq = rotary.inv_freq.detach().clone().float()
+    freqs = torch.arange(positions).unsqueeze(-1).float() * inv_freq  # [C, hd/2]
+    scale = float(rotary.attention_scaling)
+    return _np(freqs.cos() * scale), _np(freqs.sin() * scale)
+
+
+def build_fused_decode(llm: Any, batch: int, positions: int) -> tuple[Any, StageGraph]:
+    """The ONNX model of one B-row step over a C-position cache, and its stage spec."""
+    onnx = require("onnx", "onnx", "exporting the LLM")
+    from onnx import TensorProto, helper, numpy_helper
+
+    config = llm.llm.model.config
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise CheckpointError(f"fused LLM step: hidden_act {config.hidden_act!r} is not supported (expected silu)")
+    dims = llm_dims(llm)
+    d, n_l, n_h, n_kv, hd, v = (dims["hidden_size"], dims["num_layers"], dims["num_heads"],
+                                dims["num_kv_heads"], dims["head_dim"], dims["speech_vocab_size"])
+    if batch < 1 or positions < 2:
+        raise CheckpointError(f"fused LLM step: batch {batch} and positions {positions} must be >= 1 and >= 2")
+    qwen = llm.llm.model.model
+    inits: list[Any] = []
+    nodes: list[Any] = []
+
+    def init(name: str, array: np.ndarray) -> str:
+        inits.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        return name
+
+    cos, sin = rope_caches(llm, positions)
+    init("cos_cache", cos)
+    init("sin_cache", sin)
+    init("total_sequence_length", np.array(positions, np.int32))  # an upper bound with query_seqlens
+    init("logp_shape", np.array([batch, v], np.int64))
+
+    def norm_eps(norm: Any) -> float:
+        return float(norm.variance_epsilon)
+
+    layers = list(qwen.layers)
+    first = layers[0].input_layernorm
+    nodes.append(helper.make_node("SimplifiedLayerNormalization", ["inputs_embeds", init("ln_in_0", _np(first.weight))],
+                                  ["x_0"], name="ln_in_0", axis=-1, epsilon=norm_eps(first), stash_type=1))
+    h = "inputs_embeds"
+    inputs = [helper.make_tensor_value_info("inputs_embeds", TensorProto.FLOAT, [batch, 1, d]),
+              helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [batch]),
+              helper.make_tensor_value_info("query_seqlens", TensorProto.INT32, [batch])]
+    outputs = [helper.make_tensor_value_info("logp", TensorProto.FLOAT, [batch, v])]
+    cache = [batch, n_kv, positions, hd]
+    for i, layer in enumerate(layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        w_qkv = np.concatenate([_np(attn.q_proj.weight), _np(attn.k_proj.weight), _np(attn.v_proj.weight)]).T
+        b_qkv = np.concatenate([_np(p.bias) if p.bias is not None else np.zeros(p.out_features, np.float32)
+                                for p in (attn.q_proj, attn.k_proj, attn.v_proj)])
+        nodes.append(helper.make_node("MatMul", [f"x_{i}", init(f"w_qkv_{i}", w_qkv)], [f"qkv_mm_{i}"]))
+        nodes.append(helper.make_node("Add", [f"qkv_mm_{i}", init(f"b_qkv_{i}", b_qkv)], [f"qkv_{i}"]))
+        for kind in ("key", "value"):
+            inputs.append(helper.make_tensor_value_info(f"past_{kind}_{i}", TensorProto.FLOAT, cache))
+            outputs.append(helper.make_tensor_value_info(f"present_{kind}_{i}", TensorProto.FLOAT, cache))
+        nodes.append(helper.make_node(
+            "GroupQueryAttention",
+            [f"qkv_{i}", "", "", f"past_key_{i}", f"past_value_{i}", "seqlens_k", "total_sequence_length",
+             "cos_cache", "sin_cache", "", "", "", "", "", "", "", "query_seqlens"],
+            [f"attn_{i}", f"present_key_{i}", f"present_value_{i}"], name=f"gqa_{i}", domain=MS_DOMAIN,
+            num_heads=n_h, kv_num_heads=n_kv, do_rotary=1, rotary_interleaved=0, scale=float(attn.scaling)))
+        nodes.append(helper.make_node("MatMul", [f"attn_{i}", init(f"w_o_{i}", _np(attn.o_proj.weight).T)],
+                                      [f"o_{i}"]))
+        post = layer.post_attention_layernorm
+        nodes.append(helper.make_node(
+            "SkipSimplifiedLayerNormalization", [f"o_{i}", h, init(f"ln_post_{i}", _np(post.weight))],
+            [f"xm_{i}", "", "", f"h_attn_{i}"], name=f"ln_post_{i}", domain=MS_DOMAIN, epsilon=norm_eps(post)))
+        h = f"h_attn_{i}"
+        nodes.append(helper.make_node("MatMul", [f"xm_{i}", init(f"w_gate_{i}", _np(mlp.gate_proj.weight).T)],
+                                      [f"gate_{i}"]))
+        nodes.append(helper.make_node("MatMul", [f"xm_{i}", init(f"w_up_{i}", _np(mlp.up_proj.weight).T)],
+                                      [f"up_{i}"]))
+        nodes.append(helper.make_node("QuickGelu", [f"gate_{i}"], [f"silu_{i}"], domain=MS_DOMAIN, alpha=1.0))
+        nodes.append(helper.make_node("Mul", [f"silu_{i}", f"up_{i}"], [f"act_{i}"]))
+        nodes.append(helper.make_node("MatMul", [f"act_{i}", init(f"w_down_{i}", _np(mlp.down_proj.weight).T)],
+                                      [f"mlp_{i}"]))
+        nxt = layers[i + 1].input_layernorm if i + 1 < n_l else qwen.norm
+        out_x = f"x_{i + 1}" if i + 1 < n_l else "x_final"
+        out_h = f"h_{i + 1}" if i + 1 < n_l else ""
+        nodes.append(helper.make_node(
+            "SkipSimplifiedLayerNormalization", [f"mlp_{i}", h, init(f"ln_in_{i + 1}", _np(nxt.weight))],
+            [out_x, "", "", out_h], name=f"ln_in_{i + 1}", domain=MS_DOMAIN, epsilon=norm_eps(nxt)))
+        h = out_h
+    head = llm.llm_decoder
+    nodes.append(helper.make_node("MatMul", ["x_final", init("w_head", _np(head.weight).T)], ["head_mm"]))
+    if head.bias is not None:
+        nodes.append(helper.make_node("Add", ["head_mm", init("b_head", _np(head.bias))], ["head_b"]))
+    nodes.append(helper.make_node("Reshape", ["head_b" if head.bias is not None else "head_mm", "logp_shape"],
+                                  ["logits"]))
+    nodes.append(helper.make_node("LogSoftmax", ["logits"], ["logp"], axis=-1))
+    graph = helper.make_graph(nodes, f"{FUSED_PREFIX}{batch}", inputs, outputs, inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MS_DOMAIN, 1)],
+                              producer_name="cosyedge")
+    model.ir_version = min(model.ir_version, onnx.IR_VERSION)
+
+    kv = [(i, k) for i in range(n_l) for k in ("key", "value")]
+    past_spec = [TensorSpec(f"past_{k}_{i}", "float32", tuple(cache)) for i, k in kv]
+    present_spec = [TensorSpec(f"present_{k}_{i}", "float32", tuple(cache)) for i, k in kv]
+    stage = StageGraph(
+        fused_stage_name(batch), f"{fused_stage_name(batch)}.onnx",
+        [TensorSpec("inputs_embeds", "float32", (batch, 1, d)), TensorSpec("seqlens_k", "int32", (batch,)),
+         TensorSpec("query_seqlens", "int32", (batch,)), *past_spec],
+        [TensorSpec("logp", "float32", (batch, v)), *present_spec],
+        {}, extra={"batch": batch, "positions": positions, "fused": "onnxruntime",
+                   "kv_cache": {"layout": "[L, 2, R, Hkv, C, hd]", "in_place": True}},
+    )
+    return model, stage
+
+
+def export_fused_decode(llm: Any, out: Path, batches: list[int] | tuple[int, ...], positions: int) -> list[StageGraph]:
+    """llm_decode_fused_b<B>.onnx for each B (weights inline, one copy per file)."""
+    onnx = require("onnx", "onnx", "exporting the LLM")
+    stages = []
+    for batch in sorted(set(batches)):
+        model, stage = build_fused_decode(llm, batch, positions)
+        path = Path(out) / stage.file
+        onnx.save_model(model, str(path))  # contrib operators: onnx.checker does not know them
+        log.info("exported %s (%.1f MB)", stage.file, path.stat().st_size / 1e6)
+        stages.append(stage)
+    return stages
