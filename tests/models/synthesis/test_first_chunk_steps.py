@@ -16,7 +16,10 @@ from cosyedge_models.synthesis.flow import FlowPrompt, step_grid
 from cosyedge_models.synthesis.settings import SynthesisSettings
 from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, load_synthesizer
 
-from tests.models.synthesis.test_flow_stream import CHUNK_ATOL, chunks, tokens, voice  # noqa: F401 (fixture)
+from tests.models.synthesis import test_flow_stream
+from tests.models.synthesis.test_flow_stream import CHUNK_ATOL, chunks, tokens
+
+voice = test_flow_stream.voice  # its zero-shot prompt fixture (prompt tokens off the chunk grid)
 
 
 def test_step_grid_and_the_settings_messages(tiny_bundle: Path) -> None:
