@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from cosyedge_models.backends.ort import BoundDecodeLoop, OrtSession
-from cosyedge_models.batching.fused_step import FusedDecodeStep
 from cosyedge_models.batching.batched_step import BatchedDecodeStep
+from cosyedge_models.batching.fused_step import FusedDecodeStep
 from cosyedge_models.errors import SynthesisError
 
 POSITIONS = 40
