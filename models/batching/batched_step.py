@@ -45,6 +45,11 @@ class BatchedDecodeStep(Protocol):
         """Cache positions of one row: prompt + generated tokens of a stream at most."""
         ...
 
+    @property
+    def takes_past(self) -> bool:
+        """Whether `prefill` can start from a saved prefix cache (a voice's LLM prefix)."""
+        ...
+
     def prefill(self, row: int, inputs_embeds: np.ndarray, past: np.ndarray | None = None) -> np.ndarray:
         """The prompt [1, T, D] (after `past`, a saved prefix cache, if given) into `row`; logp [1, V]."""
         ...

@@ -75,7 +75,7 @@ class TokenStream:
     """The consumer side of one batched request: iterate for tokens; close()
     (or leaving a for loop early and dropping it) frees its batch row."""
 
-    def __init__(self, batcher: LlmBatcher, request: _Request) -> None:
+    def __init__(self, batcher: BatchWorker, request: _Request) -> None:
         self._batcher = batcher
         self._request = request
 
@@ -138,10 +138,6 @@ class LlmBatcher(BatchWorker):
                  priority: int = 0, cancel: threading.Event | None = None) -> Iterator[int]:
         """Like `SpeechTokenLM.generate`, with the decode steps shared with the other active requests."""
         return iter(self.submit(inp, sampler, stats, priority=priority, cancel=cancel))
-
-    def kick(self) -> None:
-        with self._cond:
-            self._kick()
 
     @property
     def active(self) -> int:

@@ -56,6 +56,11 @@ class BatchWorker:
     def worker_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def kick(self) -> None:
+        """Wake the worker (a consumer went away, new work)."""
+        with self._cond:
+            self._kick()
+
     def _kick(self) -> None:
         """New work: the worker starts a round now (call with _cond held)."""
         self._kicked = True

@@ -1,0 +1,183 @@
+"""Continuous batching on the fixed-shape (captured-graph) LLM path: one worker
+thread runs the iteration-level scheduler (models/batching/iteration.py) over a
+`BatchedDecodeStep` (models/batching/batched_step.py). Each round: drop
+cancelled streams, admit and prefill (at most max_prefills_between_steps, on
+this worker: dynamic sessions), then one step for every running stream, padded
+to the next captured batch size, as one piece of work on the engine's GPU graph
+thread. Sampling and the length/EOS/fill rules are each stream's own
+`RequestDecode` (shared with the unbatched path), and a row's logits do not
+depend on the rows beside it, so a seeded stream yields the same tokens alone
+and batched. The consumer side (`TokenStream`) is the dynamic batcher's.
+
+`run_once` is one round; tests call it directly to place joins and leaves at
+chosen steps."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+from cosyedge_models.backends.graph_thread import GraphThread
+from cosyedge_models.batching.batched_step import BatchedDecodeStep
+from cosyedge_models.batching.iteration import IterationScheduler, IterationSettings
+from cosyedge_models.batching.llm_batcher import _END, BatchStats, TokenStream, _as_engine_error, _Request
+from cosyedge_models.batching.worker import BatchWorker
+from cosyedge_models.errors import SynthesisError
+from cosyedge_models.synthesis.llm import LlmInput, LlmStats, SpeechTokenLM
+from cosyedge_models.synthesis.sampling import TokenSampler
+
+log = logging.getLogger(__name__)
+
+
+class GraphBatcher(BatchWorker):
+    def __init__(self, lm: SpeechTokenLM, step: BatchedDecodeStep, thread: GraphThread,
+                 settings: IterationSettings, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__("llm-graph-batcher", clock)
+        if settings.rows > step.rows or not set(settings.batch_sizes) <= set(step.batch_sizes):
+            raise ValueError(f"the schedule ({settings.rows} rows, sizes {list(settings.batch_sizes)}) does not fit "
+                             f"the step ({step.rows} rows, sizes {list(step.batch_sizes)})")
+        self.lm = lm
+        self.step = step
+        self.thread = thread
+        self.scheduler = IterationScheduler(settings)  # under _cond: submit() runs on other threads
+        self.stats = BatchStats()
+        self._keys = itertools.count()
+        self._requests: dict[int, _Request] = {}  # admitted or waiting, by key (under _cond)
+        self._lengths: dict[int, int] = {}  # running streams' cache lengths (worker-owned)
+
+    # --- consumer side -----------------------------------------------------------------
+    def submit(self, inp: LlmInput, sampler: TokenSampler, stats: LlmStats | None = None, *,
+               priority: int = 0, cancel: threading.Event | None = None) -> TokenStream:
+        decode = self.lm.start(inp, sampler, stats)
+        need = decode.prompt.shape[1] + decode.max_len
+        if need > self.step.positions:
+            raise SynthesisError(f"a request of {need} positions (prompt + most speech tokens) does not fit the "
+                                 f"fixed-size decode's {self.step.positions}")
+        request = _Request(next(self._keys), priority, self.clock(), decode, cancel)
+        with self._cond:
+            if self._stopping:
+                raise SynthesisError("the LLM graph batcher is stopped")
+            try:
+                self.scheduler.arrive(request.key, request.arrived, priority)
+            except OverflowError as exc:
+                raise SynthesisError(f"the LLM graph batcher's queue is full: {exc}") from exc
+            self._requests[request.key] = request
+            self._kick()
+        return TokenStream(self, request)
+
+    def generate(self, inp: LlmInput, sampler: TokenSampler, stats: LlmStats | None = None, *,
+                 priority: int = 0, cancel: threading.Event | None = None) -> Iterator[int]:
+        """Like `SpeechTokenLM.generate`, with each step shared with the other running streams."""
+        return iter(self.submit(inp, sampler, stats, priority=priority, cancel=cancel))
+
+    @property
+    def active(self) -> int:
+        with self._cond:
+            return len(self.scheduler.running) + self.scheduler.pending_prefills
+
+    @property
+    def waiting(self) -> int:
+        with self._cond:
+            return self.scheduler.waiting
+
+    # --- worker side -------------------------------------------------------------------
+    def run_once(self) -> tuple[bool, float | None]:
+        """One round: drop cancelled streams, the prefills the scheduler allows, one step."""
+        with self._cond:
+            for key in [k for k, r in self._requests.items() if r.cancelled()]:
+                self._leave(key)
+            plan = self.scheduler.prefills(self.clock())
+        for p in plan.run:
+            self._prefill(self._requests[p.key], p.row)
+        stepped = self._step()
+        return bool(plan.run) or stepped, plan.wake_at
+
+    def _prefill(self, request: _Request, row: int) -> None:
+        req = request.decode
+        try:
+            t0 = time.perf_counter()
+            embeds, past = req.prefill_inputs(self.step.takes_past)
+            logp = self.step.prefill(row, embeds, past)
+            req.stats.prefill_ms += (time.perf_counter() - t0) * 1e3
+            if not req.finished:
+                _emit(request, req.accept(logp[0]))
+        except Exception as exc:
+            # Only this stream fails: a prefill writes its own row only.
+            with self._cond:
+                self._leave(request.key, _as_engine_error(exc, "LLM prefill failed"))
+            return
+        with self._cond:
+            self.scheduler.prefilled(request.key, req.finished)
+            if req.finished:
+                self._leave(request.key)
+            else:
+                self._lengths[request.key] = req.prompt.shape[1]
+
+    def _step(self) -> bool:
+        with self._cond:
+            batch = self.scheduler.batch()
+            requests = [self._requests[k] for k in batch.keys] if batch is not None else []
+        if batch is None:
+            return False
+        embeds = np.stack([r.decode.next_input for r in requests]).astype(np.float32, copy=False)
+        lengths = [self._lengths[k] for k in batch.keys]
+        t0 = time.perf_counter()
+        try:
+            logps = self.thread.call(functools.partial(self.step.step, batch.rows, embeds, lengths, batch.batch_size))
+        except Exception as exc:
+            # The rows' caches are not trusted after a failed step: every stream in it fails.
+            err = _as_engine_error(exc, f"LLM batched step failed ({len(requests)} streams, batch {batch.batch_size})")
+            log.error("%s", err)
+            with self._cond:
+                for key in batch.keys:
+                    self._leave(key, err)
+            return True
+        ms = (time.perf_counter() - t0) * 1e3
+        self.stats.steps += 1
+        self.stats.shared_steps += len(requests) > 1
+        self.stats.peak_batch = max(self.stats.peak_batch, len(requests))
+        for request, logp in zip(requests, logps, strict=True):
+            key = request.key
+            self._lengths[key] += 1
+            request.decode.stats.decode_ms += ms
+            try:
+                _emit(request, request.decode.accept(logp))
+            except Exception as exc:
+                with self._cond:
+                    self._leave(key, _as_engine_error(exc, "LLM sampling failed"))
+                continue
+            with self._cond:
+                self.scheduler.stepped(key, request.decode.finished)
+                if request.decode.finished:
+                    self._leave(key)
+        return True
+
+    def _leave(self, key: int, error: BaseException | None = None) -> None:
+        """(under _cond) the stream leaves the schedule; its consumer gets the end or the error."""
+        self.scheduler.remove(key)
+        self._lengths.pop(key, None)
+        request = self._requests.pop(key, None)
+        if request is not None:
+            request.out.put_nowait(_END if error is None else error)
+
+    # --- lifecycle (start/stop: BatchWorker) -------------------------------------------
+    def _stopped(self) -> None:
+        self._fail_all(SynthesisError("the LLM graph batcher stopped before the request finished"))
+
+    def _round_failed(self, exc: Exception) -> None:
+        self._fail_all(_as_engine_error(exc, "LLM graph batcher round failed"))
+
+    def _fail_all(self, error: SynthesisError) -> None:
+        with self._cond:
+            for key in list(self._requests):
+                self._leave(key, error)
+
+
+def _emit(request: _Request, token: int | None) -> None:
+    if token is not None and not request.cancelled():
+        request.out.put_nowait(token)

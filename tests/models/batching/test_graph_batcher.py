@@ -1,0 +1,180 @@
+"""The iteration-level batcher of the fixed-shape LLM path on the tiny bundle
+(models/batching/graph_batcher.py over LoopedGraphStep, the per-stream
+fixed-size step, without capture on the CPU): seeded streams that join and
+leave at chosen steps give exactly the tokens they give alone; the steps run
+on the engine's graph thread, padded to the captured sizes; a running stream
+waits for at most max_prefills_between_steps prefills between two steps
+(counted from the calls the step received)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+from cosyedge_models.backends.ort_graph_decode import GraphDecoder
+from cosyedge_models.batching.graph_batcher import GraphBatcher
+from cosyedge_models.batching.iteration import IterationSettings
+from cosyedge_models.batching.llm_batcher import TokenStream
+from cosyedge_models.batching.looped_step import LoopedGraphStep
+from cosyedge_models.batching.policy import BatchSettings
+from cosyedge_models.errors import SynthesisError
+from cosyedge_models.synthesis.llm import LlmInput, SpeechTokenLM
+from cosyedge_models.synthesis.sampling import TokenSampler
+from cosyedge_models.synthesis.settings import SynthesisSettings
+from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, load_synthesizer
+
+TEXTS = ["Hello world one two.", "A quick fox", "A", "Numbers today", "Dates and times"]
+
+
+@pytest.fixture(scope="module")
+def static_engine(tiny_static_bundle: Path) -> Iterator[CosyVoiceSynthesizer]:
+    eng = load_synthesizer(tiny_static_bundle, settings=SynthesisSettings(threads=1, graph_decode=True,
+                                                                          graph_decode_slots=4))
+    yield eng
+    eng.close()
+
+
+def _decoder(lm: SpeechTokenLM) -> GraphDecoder:
+    assert isinstance(lm.fixed_size_decode, GraphDecoder)
+    return lm.fixed_size_decode
+
+
+def _input(eng: CosyVoiceSynthesizer, i: int) -> LlmInput:
+    return LlmInput(text=eng.tokenizer.encode(TEXTS[i]))
+
+
+def _sampler(lm: SpeechTokenLM, seed: int) -> TokenSampler:
+    return TokenSampler.seeded(lm.config.sampling, lm.config.eos_token, seed)
+
+
+class Recorder:
+    """A BatchedDecodeStep around another that records its calls (and where they ran)."""
+
+    def __init__(self, inner: LoopedGraphStep, thread_ident: int | None) -> None:
+        self.inner = inner
+        self.events: list[tuple] = []
+        self.thread_ident = thread_ident
+        self.off_thread_steps = 0
+        self.batch_sizes = inner.batch_sizes
+        self.rows = inner.rows
+        self.positions = inner.positions
+        self.takes_past = inner.takes_past
+
+    def prefill(self, row: int, inputs_embeds: np.ndarray, past: np.ndarray | None = None) -> np.ndarray:
+        self.events.append(("prefill", row))
+        return self.inner.prefill(row, inputs_embeds, past)
+
+    def step(self, rows: Sequence[int], inputs_embeds: np.ndarray, lengths: Sequence[int],
+             batch_size: int) -> np.ndarray:
+        self.off_thread_steps += threading.get_ident() != self.thread_ident
+        self.events.append(("step", tuple(rows), batch_size))
+        return self.inner.step(rows, inputs_embeds, lengths, batch_size)
+
+
+def _batcher(eng: CosyVoiceSynthesizer, bound: int, rows: int = 4) -> tuple[GraphBatcher, Recorder]:
+    dec = _decoder(eng.lm)
+    rec = Recorder(LoopedGraphStep(dec, rows), dec.thread.ident)
+    settings = IterationSettings(BatchSettings(max_batch_size=rows), rec.batch_sizes, rows, bound)
+    return GraphBatcher(eng.lm, rec, dec.thread, settings), rec
+
+
+def _drive(eng: CosyVoiceSynthesizer, b: GraphBatcher, joins: dict[int, list[tuple[int, int]]]
+           ) -> dict[int, TokenStream]:
+    """Submit (text, seed) pairs before round r; rounds until everything is done."""
+    streams: dict[int, TokenStream] = {}
+    r = 0
+    while r <= max(joins) or b.active or b.waiting:
+        for i, seed in joins.get(r, ()):
+            streams[seed] = b.submit(_input(eng, i), _sampler(b.lm, seed))
+        b.run_once()
+        r += 1
+    return streams
+
+
+@pytest.mark.parametrize(("joins", "bound"), [
+    ({0: [(0, 11)], 2: [(1, 12)], 5: [(2, 13), (3, 14)], 6: [(4, 15)]}, 1),
+    ({0: [(1, 21), (3, 22), (0, 23)], 1: [(4, 24)], 9: [(2, 25)]}, 2),
+])
+def test_streams_joining_and_leaving_give_their_tokens_alone(static_engine: CosyVoiceSynthesizer,
+                                                             joins: dict[int, list[tuple[int, int]]],
+                                                             bound: int) -> None:
+    lm = static_engine.lm
+    alone = {seed: list(lm.generate(_input(static_engine, i), _sampler(lm, seed)))
+             for group in joins.values() for i, seed in group}
+    assert all(alone.values()) and len({tuple(t) for t in alone.values()}) == len(alone)  # distinct, non-empty
+    b, rec = _batcher(static_engine, bound)
+    try:
+        streams = _drive(static_engine, b, joins)
+    finally:
+        rec.inner.close()
+    assert {seed: list(s) for seed, s in streams.items()} == alone
+    steps = [e for e in rec.events if e[0] == "step"]
+    assert rec.off_thread_steps == 0 and b.stats.shared_steps > 0
+    assert all(e[2] in rec.batch_sizes and len(e[1]) <= e[2] for e in steps)
+    assert any(e[2] > len(e[1]) for e in steps)  # some batch was padded (3 rows run as 4)
+    # The prefill bound: between two steps, at most `bound` prefills while streams run.
+    since, worst, running = 0, 0, False
+    for e in rec.events:
+        if e[0] == "prefill":
+            since += 1
+            worst = max(worst, since) if running else worst
+        else:
+            since, running = 0, True
+    assert 0 < worst <= bound
+
+
+def test_a_cancelled_stream_leaves_and_its_row_is_reused(static_engine: CosyVoiceSynthesizer) -> None:
+    lm = static_engine.lm
+    want = list(lm.generate(_input(static_engine, 0), _sampler(lm, 31)))
+    later = list(lm.generate(_input(static_engine, 1), _sampler(lm, 33)))
+    b, rec = _batcher(static_engine, bound=1, rows=2)
+    try:
+        keep = b.submit(_input(static_engine, 0), _sampler(lm, 31))
+        cancel = threading.Event()
+        gone = b.submit(_input(static_engine, 3), _sampler(lm, 32), cancel=cancel)
+        for _ in range(3):
+            b.run_once()
+        cancel.set()
+        b.run_once()
+        assert b.active == 1
+        newcomer = b.submit(_input(static_engine, 1), _sampler(lm, 33))
+        while b.active or b.waiting:
+            b.run_once()
+    finally:
+        rec.inner.close()
+    assert list(keep) == want and list(newcomer) == later
+    assert len(list(gone)) <= 3
+    assert [e[1] for e in rec.events if e[0] == "prefill"] == [0, 1, 1]  # the freed row 1 again
+
+
+def test_worker_thread_serves_concurrent_streams(static_engine: CosyVoiceSynthesizer) -> None:
+    lm = static_engine.lm
+    alone = {i: list(lm.generate(_input(static_engine, i), _sampler(lm, 40 + i))) for i in range(4)}
+    b, rec = _batcher(static_engine, bound=1)
+    got: dict[int, list[int]] = {}
+    try:
+        with b:
+            def run(i: int) -> None:
+                got[i] = list(b.generate(_input(static_engine, i), _sampler(lm, 40 + i)))
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+    finally:
+        rec.inner.close()
+    assert got == alone
+
+
+def test_a_request_that_does_not_fit_is_refused(static_engine: CosyVoiceSynthesizer) -> None:
+    b, rec = _batcher(static_engine, bound=1, rows=1)
+    try:
+        with pytest.raises(SynthesisError, match="does not fit"):
+            b.submit(LlmInput(text=[5] * 200), _sampler(static_engine.lm, 1))
+        with pytest.raises(SynthesisError, match="free slots"):
+            LoopedGraphStep(_decoder(static_engine.lm), 4)  # one of the four is borrowed
+    finally:
+        rec.inner.close()
