@@ -28,8 +28,9 @@ def fused_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     return out
 
 
-def _session(name: str, path: Path) -> OrtSession:
-    return OrtSession(name, path, ["CPUExecutionProvider"], 0, 1)
+def _session(name: str, path: Path, device: str = "cpu", capture: bool = False) -> OrtSession:
+    providers = ["CPUExecutionProvider"] if device == "cpu" else ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    return OrtSession(name, path, providers, 0, 1, cuda_graph=capture)
 
 
 def _rel(a: np.ndarray, b: np.ndarray) -> float:
@@ -37,11 +38,26 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def test_rows_equal_the_plain_loop_alone(fused_dir: Path, tiny_bundle: Path) -> None:
-    prefill = _session("llm_prefill", tiny_bundle / "llm_prefill.onnx")
-    decode = _session("llm_decode", tiny_bundle / "llm_decode.onnx")
-    steps = {b: _session(f"fused{b}", fused_dir / f"llm_decode_fused_b{b}.onnx") for b in (1, 2, 4)}
-    fused = FusedDecodeStep(steps, _session("insert", fused_dir / "llm_fused_kv_insert.onnx"), prefill,
-                            ("cpu", 0), rows=4, decode=decode)
+    _compare(fused_dir, tiny_bundle, "cpu", TOLERANCE)
+
+
+@pytest.mark.gpu
+def test_captured_rows_equal_the_plain_loop_alone_on_cuda(fused_dir: Path, tiny_bundle: Path) -> None:
+    """ort-cuda: every batch size captured once (gpu_graph_id), the steps replayed."""
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("onnxruntime has no CUDAExecutionProvider here")
+    _compare(fused_dir, tiny_bundle, "cuda", 1e-3)
+
+
+def _compare(fused_dir: Path, tiny_bundle: Path, device: str, tolerance: float) -> None:
+    prefill = _session("llm_prefill", tiny_bundle / "llm_prefill.onnx", device)
+    decode = _session("llm_decode", tiny_bundle / "llm_decode.onnx", device)
+    steps = {b: _session(f"fused{b}", fused_dir / f"llm_decode_fused_b{b}.onnx", device, capture=device == "cuda")
+             for b in (1, 2, 4)}
+    fused = FusedDecodeStep(steps, _session("insert", fused_dir / "llm_fused_kv_insert.onnx", device), prefill,
+                            (device, 0), rows=4, decode=decode)
     protocol: BatchedDecodeStep = fused  # the scheduler's interface (mypy checks the match)
     assert protocol.batch_sizes == (1, 2, 4) and protocol.rows == 4 and protocol.positions == POSITIONS
     fused.warm_up()
@@ -53,16 +69,16 @@ def test_rows_equal_the_plain_loop_alone(fused_dir: Path, tiny_bundle: Path) -> 
 
     def join(row: int, t: int, prefix: int = 0) -> None:
         x = (rng.standard_normal((1, t, d)) * 0.05).astype(np.float32)
-        loop = BoundDecodeLoop(prefill, decode, "cpu")
+        loop = BoundDecodeLoop(prefill, decode, device)
         if prefix:  # a saved prefix cache, then the prompt's rest (the voice prompt cache)
-            head = BoundDecodeLoop(prefill, decode, "cpu")
+            head = BoundDecodeLoop(prefill, decode, device)
             head.prefill(x[:, :prefix])
             past = np.asarray(head._kv.numpy())  # noqa: SLF001 - the prefix cache as a host array
             ref = loop.prefill(x[:, prefix:], past)
             got = fused.prefill(row, x[:, prefix:], past)
         else:
             ref, got = loop.prefill(x), fused.prefill(row, x)
-        assert _rel(got, ref) < TOLERANCE
+        assert _rel(got, ref) < tolerance
         alone[row], lengths[row] = loop, t
 
     def step(rows: list[int], batch_size: int) -> None:
@@ -72,10 +88,10 @@ def test_rows_equal_the_plain_loop_alone(fused_dir: Path, tiny_bundle: Path) -> 
         assert logp.shape == (len(rows), speech.shape[0])
         for j, row in enumerate(rows):
             ref = alone[row].step(x[j].reshape(1, 1, d))
-            assert _rel(logp[j], ref[0]) < TOLERANCE
+            assert _rel(logp[j], ref[0]) < tolerance
             lengths[row] += 1
             plain = np.asarray(alone[row]._kv.numpy())[:, :, 0]  # noqa: SLF001
-            assert _rel(fused.row_cache(row, lengths[row]), plain) < TOLERANCE
+            assert _rel(fused.row_cache(row, lengths[row]), plain) < tolerance
 
     join(0, 7)
     step([0], 1)
