@@ -141,6 +141,11 @@ class TtsSettings:
         0, "speech tokens before the first audio chunk (smaller: sooner first audio); 0: upstream's aligned hop",
         min=0, max=200, reload=True,
     )
+    first_chunk_euler_steps: int = setting(
+        0, "Euler steps of the flow for the first audio chunk only (fewer: sooner first audio, a coarser first "
+        "chunk; later chunks unchanged; docs/engine.md has the trade-off); 0: the model's own (10 for CosyVoice 2)",
+        min=0, max=100, reload=True,
+    )
     stream_hop_scale: float = setting(
         1.0, "grow the streaming hop by this factor after each chunk, up to 4x (upstream's stream_scale_factor; "
         "2: chunks of 25, 50, then 100 tokens, less total work, same first audio); 1: a fixed hop",

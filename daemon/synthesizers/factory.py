@@ -42,6 +42,7 @@ def load_local_synthesizer(settings: Settings, bundle: str | None = None) -> Ser
         batching=batching, flow_batching=flow_batching,
         overlap_stages={"on": True, "off": False}.get(tts.overlap_stages),  # auto: None
         first_hop_tokens=tts.first_hop_tokens or None,  # 0: upstream's aligned hop
+        first_chunk_euler_steps=tts.first_chunk_euler_steps or None,  # 0: the bundle's n_timesteps
         hop_scale=tts.stream_hop_scale,
     )
     engine = load_synthesizer(path, settings=SynthesisSettings(**values))

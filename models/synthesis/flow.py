@@ -90,6 +90,20 @@ def stream_cache_bytes(dims: CacheDims, n_timesteps: int, frames: int, itemsize:
     return frames * cache_bytes_per_frame(dims, n_timesteps, itemsize) + conv
 
 
+def step_grid(n_timesteps: int, steps: int | None) -> list[int]:
+    """Indices into the bundle's time grid (n_timesteps + 1 points) of an Euler
+    pass of `steps` steps: every point (None or n_timesteps), else an evenly
+    spread subset from 0 to n_timesteps. Its steps start at the bundle's own
+    times, so each still reads the cache of the bundle step that starts there
+    (a voice prefix's rows, the K/V of earlier frames)."""
+    if steps is None or steps == n_timesteps:
+        return list(range(n_timesteps + 1))
+    if not 1 <= steps <= n_timesteps:
+        raise ValueError(f"first_chunk_euler_steps must be between 1 and the bundle's n_timesteps "
+                         f"({n_timesteps}), got {steps}")
+    return [(2 * j * n_timesteps + steps) // (2 * steps) for j in range(steps + 1)]
+
+
 def time_span(n_timesteps: int, scheduler: str) -> np.ndarray:
     t = np.linspace(0.0, 1.0, n_timesteps + 1, dtype=np.float32)
     if scheduler == "cosine":
@@ -201,11 +215,15 @@ class FlowDecoder:
 
     def euler(self, mu: np.ndarray, spks: np.ndarray, cond: np.ndarray, start: int, chunk_frames: int,
               caches: list[StepCache] | None = None, commit: int = 0,
-              work: EstimatorWork | None = None) -> np.ndarray:
+              work: EstimatorWork | None = None, grid: Sequence[int] | None = None) -> np.ndarray:
         """Euler steps from the fixed noise over the window of frames
         [start, start + mu.shape[2]) (mu, cond [1, C, window]); with `caches`
         (one per step) the frames before `start` come from them, and the
-        window's first `commit` frames are appended to them. Returns x [1, C, window]."""
+        window's first `commit` frames are appended to them. `grid` (step_grid):
+        fewer steps, at those points of the time grid, reading (never writing:
+        commit must be 0) the caches of the steps starting there. Returns x [1, C, window]."""
+        if grid is not None and caches is not None and commit and len(grid) != len(self.t_span):
+            raise ValueError("an Euler pass with fewer steps cannot commit to the caches")
         frames = mu.shape[2]
         end = start + frames
         if end > self.noise.shape[1]:
@@ -223,12 +241,13 @@ class FlowDecoder:
         chunk_in = np.full((CFG_BATCH,), chunk_frames, dtype=np.int64)
         commit_in = np.zeros((commit,), dtype=np.float32)  # only its length is read
         rate = np.float32(self.config.inference_cfg_rate)
-        t_span = self.t_span
+        points = list(range(len(self.t_span))) if grid is None else list(grid)
+        t_span = self.t_span[points]
         t = t_span[0]
         dt = t_span[1] - t_span[0]
         empty = self.empty_cache()  # offline calls: no history
         for step in range(1, len(t_span)):
-            cache = caches[step - 1] if caches is not None else empty
+            cache = caches[points[step - 1]] if caches is not None else empty
             x_in = np.concatenate([x, x], axis=0)
             t_in = np.full((CFG_BATCH,), t, dtype=np.float32)
             d = cache.run({"x": x_in, "mask": mask_in, "mu": mu_in, "t": t_in, "spks": spks_in, "cond": cond_in,
@@ -270,8 +289,8 @@ class FlowDecoder:
         return feat[:, :, prompt.feat.shape[0]:]
 
     def stream(self, prompt: FlowPrompt, final_chunk: FinalChunk = "upstream", left_chunks: int = -1,
-               prefix: FlowPrefix | None = None) -> FlowStream:
-        return FlowStream(self, prompt, final_chunk, left_chunks, prefix)
+               prefix: FlowPrefix | None = None, first_steps: int | None = None) -> FlowStream:
+        return FlowStream(self, prompt, final_chunk, left_chunks, prefix, first_steps)
 
 
 class FlowStream:
@@ -294,10 +313,18 @@ class FlowStream:
     `prefix` (models/synthesis/voice_cache.py): the caches of the prompt's complete
     chunks, computed once per voice; the stream then starts after them.
     `prime()` computes the same into this stream's own caches, so a voice
-    served with and without its cache gives the same mel, bit for bit."""
+    served with and without its cache gives the same mel, bit for bit.
+
+    `first_steps` (fewer than the bundle's n_timesteps: sooner first audio): the
+    first returned chunk runs that many Euler steps (step_grid) and commits
+    nothing; the next call first runs the bundle's steps over that chunk's
+    committed frames (its encoder output is kept) to fill every step's cache,
+    so from the second chunk on the mel is the default's (up to summation
+    order). The fill costs one full chunk pass, after the first audio is out.
+    Streams without caches (not chunk-causal estimators) ignore it."""
 
     def __init__(self, decoder: FlowDecoder, prompt: FlowPrompt, final_chunk: FinalChunk = "upstream",
-                 left_chunks: int = -1, prefix: FlowPrefix | None = None) -> None:
+                 left_chunks: int = -1, prefix: FlowPrefix | None = None, first_steps: int | None = None) -> None:
         if final_chunk not in FINAL_CHUNK_MODES:
             raise ValueError(f"final_chunk must be one of {', '.join(FINAL_CHUNK_MODES)}, got {final_chunk!r}")
         if left_chunks < -1:
@@ -330,6 +357,10 @@ class FlowStream:
             self.encoder_cache = prefix.apply(self.caches, self.encoder_cache)
             self.committed = prefix.committed
         self.work = EstimatorWork()
+        grid = step_grid(cfg.n_timesteps, first_steps)
+        # The first window's fewer steps, until it has run; then what its caches still need.
+        self._first_grid: list[int] | None = grid if self.cached and len(grid) < cfg.n_timesteps + 1 else None
+        self._unfilled: tuple[np.ndarray, np.ndarray, np.ndarray, int, int] | None = None
         self._tokens = prompt.tokens.astype(np.int64)
         self._closed = False
 
@@ -363,9 +394,22 @@ class FlowStream:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _fill(self) -> None:
+        """The caches the fewer-step first chunk left unwritten: the bundle's
+        Euler steps over its committed frames (the mel is not used)."""
+        if self._unfilled is None:
+            return
+        mu, spks, cond, start, commit = self._unfilled
+        self._unfilled = None
+        self.decoder.euler(mu, spks, cond, start, self.chunk_frames, self.caches, commit, self.work)
+        self.committed += commit
+        for cache in self.caches:
+            cache.trim()
+
     def _window(self, tokens: np.ndarray, finalize: bool) -> np.ndarray:
         dec = self.decoder
         cfg = dec.config
+        self._fill()
         all_tokens = np.concatenate([self._tokens, np.asarray(tokens, dtype=np.int64)])
         lookahead = 0 if finalize else cfg.pre_lookahead_len
         # The encoder's chunks (chunk_tokens) and the estimator's (chunk_frames)
@@ -383,6 +427,14 @@ class FlowStream:
             raise ValueError(f"the token prefix shrank: {end} mel frames, {self.emitted} already returned")
         commit = commit_tokens * dec.token_mel_ratio
         cond = dec.cond_window(self.prompt.feat, start, end)
+        grid, self._first_grid = self._first_grid, None
+        if grid is not None:
+            x = dec.euler(mu, spks, cond, start, self.chunk_frames, self.caches, 0, self.work, grid)
+            if commit:  # committed by the next call, before its window (start stays here until then)
+                self._unfilled = (mu[:, :, :commit], spks, cond[:, :, :commit], start, commit)
+            out = x[:, :, self.emitted - start:]
+            self.emitted = end
+            return out
         x = dec.euler(mu, spks, cond, start, self.chunk_frames, self.caches, commit, self.work)
         self.committed += commit
         for cache in self.caches:

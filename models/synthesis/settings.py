@@ -21,6 +21,9 @@ class SynthesisSettings:
     max_text_chars: int = MAX_TEXT_CHARS
     threads: int | None = None  # intra-op threads per session (None: the runtime's default)
     first_hop_tokens: int | None = None  # None: upstream's aligned first hop
+    # Euler steps of the first streaming chunk (sooner first audio, a coarser first chunk; the
+    # later chunks are unchanged, models/synthesis/flow.py FlowStream); None: the bundle's n_timesteps.
+    first_chunk_euler_steps: int | None = None
     # After each streaming chunk the hop grows by this factor up to 4x (upstream's
     # stream_scale_factor); 1.0: a fixed hop, as CosyVoice 2 upstream.
     hop_scale: float = 1.0
@@ -106,6 +109,9 @@ class SynthesisSettings:
             raise ValueError(f"hop_scale must be >= 1.0, got {self.hop_scale}")
         if self.first_hop_tokens is not None and self.first_hop_tokens < 1:
             raise ValueError(f"first_hop_tokens must be >= 1 or None, got {self.first_hop_tokens}")
+        if self.first_chunk_euler_steps is not None and self.first_chunk_euler_steps < 1:
+            raise ValueError(f"first_chunk_euler_steps must be >= 1 or None (the bundle's n_timesteps), "
+                             f"got {self.first_chunk_euler_steps}")
         if self.batching is not None and not isinstance(self.batching, BatchSettings):
             raise ValueError(f"batching must be a BatchSettings or None, got {type(self.batching).__name__}")
         if self.flow_batching is not None and not isinstance(self.flow_batching, BatchSettings):

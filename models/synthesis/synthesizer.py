@@ -47,7 +47,7 @@ from cosyedge_models.synthesis.api import (
     SynthesizerDefaults,
 )
 from cosyedge_models.synthesis.conditioning import Conditioning, ConditioningBuilder
-from cosyedge_models.synthesis.flow import EstimatorWork, FlowDecoder, FlowStream, encoder_spec
+from cosyedge_models.synthesis.flow import EstimatorWork, FlowDecoder, FlowStream, encoder_spec, step_grid
 from cosyedge_models.synthesis.graph_stages import GraphStages
 from cosyedge_models.synthesis.llm import LlmInput, SpeechTokenLM
 from cosyedge_models.synthesis.llm_prefix import LlmPrefix
@@ -103,6 +103,7 @@ class CosyVoiceSynthesizer(SynthesizerDefaults):
     noise_factory: Callable[[np.random.SeedSequence], NoiseSource] = staticmethod(default_noise)
 
     def __init__(self, bundle: Bundle, backend: Backend, settings: SynthesisSettings) -> None:
+        step_grid(bundle.flow.n_timesteps, settings.first_chunk_euler_steps)  # at most the bundle's: ValueError
         self.bundle = bundle
         self.settings = settings
         self.backend = backend
@@ -361,7 +362,7 @@ class CosyVoiceSynthesizer(SynthesizerDefaults):
         # or is abandoned (synthesize closes this generator).
         prefix = self.voice_prefix(cond)
         with self.flow.stream(cond.flow, self.settings.flow_final_chunk, self.settings.flow_left_chunks,
-                              prefix) as flow:
+                              prefix, self.settings.first_chunk_euler_steps) as flow:
             # A saved voice without its cache computes the same prefix itself: identical output.
             prime = prefix is None and cond.voice is not None and flow.cached and self.settings.flow_left_chunks < 0
             yield from self._stream_chunks(flow, llm_in, cond, state, prime)
