@@ -12,8 +12,8 @@ at every round; the caller counts members that end (`ended`)."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -59,3 +59,35 @@ class GroupedSynthesizer(Protocol):
     (CosyVoiceSynthesizer; None from the context when its LLM is unbatched)."""
 
     def request_group(self, size: int, timeout_s: float) -> AbstractContextManager[RequestGroup | None]: ...
+
+
+class GroupGate:
+    """The open groups of one batcher (its worker asks `holding` every round)."""
+
+    def __init__(self, clock: Callable[[], float], kick: Callable[[], None]) -> None:
+        self._clock = clock
+        self._kick = kick
+        self._lock = threading.Lock()
+        self._groups: list[RequestGroup] = []
+
+    @contextmanager
+    def group(self, size: int, timeout_s: float) -> Iterator[RequestGroup]:
+        """`size` requests about to be submitted from other threads join the
+        batch at one step boundary (at the latest after `timeout_s`). Call
+        `ended()` on the group when a member finishes, whatever the outcome."""
+        members = RequestGroup(size=size, deadline=self._clock() + timeout_s, on_end=self._kick)
+        with self._lock:
+            self._groups.append(members)
+        try:
+            yield members
+        finally:
+            members.release()
+            with self._lock:
+                self._groups.remove(members)
+            self._kick()
+
+    def holding(self, waiting: int, now: float) -> float | None:
+        """The earliest deadline of the groups that still hold admission back, None when none does."""
+        with self._lock:
+            deadlines = [g.deadline for g in self._groups if g.blocks(waiting, now)]
+        return min(deadlines) if deadlines else None

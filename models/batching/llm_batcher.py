@@ -18,11 +18,11 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 from cosyedge_models.backends.profiles import stage_profiles
-from cosyedge_models.batching.group import RequestGroup
+from cosyedge_models.batching.group import GroupGate, RequestGroup
 from cosyedge_models.batching.kv import BatchDecoder
 from cosyedge_models.batching.policy import BatchSettings, Waiting, admit
 from cosyedge_models.batching.worker import BatchWorker
@@ -112,7 +112,7 @@ class LlmBatcher(BatchWorker):
         self._keys = itertools.count()
         self._waiting: list[_Request] = []
         self._active: dict[int, _Request] = {}  # worker-owned
-        self._groups: list[RequestGroup] = []  # open groups hold admission back (models/batching/group.py)
+        self.groups = GroupGate(self.clock, self.kick)  # open groups hold admission back
 
     # --- lifecycle (start/stop: BatchWorker) -------------------------------------------
     def _stopped(self) -> None:
@@ -142,21 +142,9 @@ class LlmBatcher(BatchWorker):
         """Like `SpeechTokenLM.generate`, with the decode steps shared with the other active requests."""
         return iter(self.submit(inp, sampler, stats, priority=priority, cancel=cancel))
 
-    @contextmanager
-    def group(self, size: int, timeout_s: float) -> Iterator[RequestGroup]:
-        """`size` requests about to be submitted from other threads join the
-        batch at one step boundary (at the latest after `timeout_s`). Call
-        `ended()` on the group when a member finishes, whatever the outcome."""
-        members = RequestGroup(size=size, deadline=self.clock() + timeout_s, on_end=self.kick)
-        with self._cond:
-            self._groups.append(members)
-        try:
-            yield members
-        finally:
-            members.release()
-            with self._cond:
-                self._groups.remove(members)
-                self._kick()
+    def group(self, size: int, timeout_s: float) -> AbstractContextManager[RequestGroup]:
+        """A request group (models/batching/group.py): its members join at one step boundary."""
+        return self.groups.group(size, timeout_s)
 
     @property
     def active(self) -> int:
@@ -174,9 +162,9 @@ class LlmBatcher(BatchWorker):
         self._drop_cancelled()
         with self._cond:
             now = self.clock()
-            holding = [g.deadline for g in self._groups if g.blocks(len(self._waiting), now)]
-            if holding:  # members of a group are still on their way: step the active ones only
-                return self._step(), min(holding)
+            holding = self.groups.holding(len(self._waiting), now)
+            if holding is not None:  # members of a group are still on their way: step the active ones only
+                return self._step(), holding
             decision = admit(self.settings, [r.waiting() for r in self._waiting], len(self._active),
                              now, self.delay_ms)
             chosen = {w.key for w in decision.join}

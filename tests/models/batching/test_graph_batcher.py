@@ -21,6 +21,7 @@ from cosyedge_models.batching.llm_batcher import TokenStream
 from cosyedge_models.batching.looped_step import LoopedGraphStep
 from cosyedge_models.batching.policy import BatchSettings
 from cosyedge_models.errors import SynthesisError
+from cosyedge_models.synthesis.api import SynthesisRequest
 from cosyedge_models.synthesis.llm import LlmInput, SpeechTokenLM
 from cosyedge_models.synthesis.sampling import TokenSampler
 from cosyedge_models.synthesis.settings import SynthesisSettings
@@ -178,3 +179,51 @@ def test_a_request_that_does_not_fit_is_refused(static_engine: CosyVoiceSynthesi
             LoopedGraphStep(_decoder(static_engine.lm), 4)  # one of the four is borrowed
     finally:
         rec.inner.close()
+
+
+def test_engine_with_graph_batching_gives_the_same_audio(static_engine: CosyVoiceSynthesizer,
+                                                         tiny_static_bundle: Path) -> None:
+    def audio(eng: CosyVoiceSynthesizer, seed: int) -> np.ndarray:
+        return np.concatenate([c.pcm for c in eng.synthesize(SynthesisRequest(text=TEXTS[0], seed=seed))])
+
+    plain = {seed: audio(static_engine, seed) for seed in (3, 5)}
+    settings = SynthesisSettings(threads=1, graph_decode=True, graph_decode_slots=2, graph_batching=True,
+                                 batching=BatchSettings(max_batch_size=8))  # lowered to the 2 slots
+    batched = load_synthesizer(tiny_static_bundle, settings=settings)
+    results: dict[int, np.ndarray] = {}
+    try:
+        assert isinstance(batched.batcher, GraphBatcher)
+        assert batched.batcher.scheduler.settings.batch.max_batch_size == 2
+        threads = [threading.Thread(target=lambda s=seed: results.__setitem__(s, audio(batched, s)))
+                   for seed in (3, 5)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert batched.batcher.stats.steps > 0
+    finally:
+        batched.close()
+    for seed in (3, 5):
+        assert np.array_equal(results[seed], plain[seed])
+
+
+def test_a_request_group_prefills_together_on_the_graph_path(static_engine: CosyVoiceSynthesizer) -> None:
+    """A Triton batch (models/batching/group.py) on the fixed-shape path: no
+    prefill until every member submitted or ended; then all decode together."""
+    lm = static_engine.lm
+    alone = {seed: list(lm.generate(_input(static_engine, i), _sampler(lm, seed))) for i, seed in ((0, 41), (1, 42))}
+    b, rec = _batcher(static_engine, bound=2)
+    try:
+        with b.group(size=3, timeout_s=60.0) as group:
+            first = b.submit(_input(static_engine, 0), _sampler(lm, 41))
+            b.run_once()
+            assert rec.events == []  # held: the others are on their way
+            second = b.submit(_input(static_engine, 1), _sampler(lm, 42))
+            group.ended()  # the third failed before the LLM
+            while b.active or b.waiting:
+                b.run_once()
+    finally:
+        rec.inner.close()
+    assert [e[0] for e in rec.events[:2]] == ["prefill", "prefill"]  # both prefills before the first step
+    assert {41: list(first), 42: list(second)} == alone
+    assert first._request.decode.stats.batch_max == second._request.decode.stats.batch_max == 2
