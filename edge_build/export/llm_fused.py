@@ -37,6 +37,7 @@ from cosyedge_models.errors import CheckpointError
 log = logging.getLogger(__name__)
 
 FUSED_PREFIX = "llm_decode_fused_b"
+KV_INSERT = "llm_fused_kv_insert"  # a prefill's cache into one slot row of the buffer
 MS_DOMAIN = "com.microsoft"
 FUSED_DECODE_LEN = 1536  # default cache positions: a 512-position prompt and 1,024 speech tokens
 
@@ -165,8 +166,49 @@ def build_fused_decode(llm: Any, batch: int, positions: int) -> tuple[Any, Stage
     return model, stage
 
 
+def build_kv_insert(dims: dict[str, int], positions: int) -> tuple[Any, StageGraph]:
+    """A prefill's cache [L, 2, 1, Hkv, T, hd] as one slot row: `row_key_<i>` /
+    `row_value_<i>` [1, Hkv, C, hd], zero after T. The runtime binds them to the
+    row's views of the buffer (dynamic T: never captured)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    n_l, n_kv, hd = dims["num_layers"], dims["num_kv_heads"], dims["head_dim"]
+    inits = [numpy_helper.from_array(np.array([4], np.int64), "axis_t"),
+             numpy_helper.from_array(np.array([positions], np.int64), "positions"),
+             numpy_helper.from_array(np.zeros(4, np.int64), "pads_head"),
+             numpy_helper.from_array(np.zeros(1, np.int64), "zero"),
+             numpy_helper.from_array(np.zeros(2, np.int64), "pads_mid")]
+    nodes = [helper.make_node("Shape", ["present_kv"], ["kv_shape"]),
+             helper.make_node("Gather", ["kv_shape", "axis_t"], ["t"], axis=0),
+             helper.make_node("Sub", ["positions", "t"], ["tail"]),
+             # Pad of [1, Hkv, T, hd]: begins 0, ends (0, 0, C - T, 0)
+             helper.make_node("Concat", ["pads_head", "pads_mid", "tail", "zero"], ["pads"], axis=0)]
+    outputs, out_specs = [], []
+    for i in range(n_l):
+        inits.append(numpy_helper.from_array(np.array(i, np.int64), f"layer_{i}"))
+        nodes.append(helper.make_node("Gather", ["present_kv", f"layer_{i}"], [f"kv_{i}"], axis=0))
+        for k, kind in enumerate(("key", "value")):
+            if i == 0:
+                inits.append(numpy_helper.from_array(np.array(k, np.int64), f"kind_{k}"))
+            name = f"row_{kind}_{i}"
+            nodes.append(helper.make_node("Gather", [f"kv_{i}", f"kind_{k}"], [f"{name}_t"], axis=0))
+            nodes.append(helper.make_node("Pad", [f"{name}_t", "pads"], [name]))
+            outputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, n_kv, positions, hd]))
+            out_specs.append(TensorSpec(name, "float32", (1, n_kv, positions, hd)))
+    graph = helper.make_graph(
+        nodes, KV_INSERT,
+        [helper.make_tensor_value_info("present_kv", TensorProto.FLOAT, [n_l, 2, 1, n_kv, "T", hd])],
+        outputs, inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="cosyedge")
+    stage = StageGraph(KV_INSERT, f"{KV_INSERT}.onnx",
+                       [TensorSpec("present_kv", "float32", (n_l, 2, 1, n_kv, "T", hd))], out_specs,
+                       {"T": [1, 128, positions - 1]}, extra={"positions": positions})
+    return model, stage
+
+
 def export_fused_decode(llm: Any, out: Path, batches: list[int] | tuple[int, ...], positions: int) -> list[StageGraph]:
-    """llm_decode_fused_b<B>.onnx for each B (weights inline, one copy per file)."""
+    """llm_decode_fused_b<B>.onnx for each B (weights inline, one copy per file)
+    and llm_fused_kv_insert.onnx."""
     onnx = require("onnx", "onnx", "exporting the LLM")
     stages = []
     for batch in sorted(set(batches)):
@@ -175,4 +217,8 @@ def export_fused_decode(llm: Any, out: Path, batches: list[int] | tuple[int, ...
         onnx.save_model(model, str(path))  # contrib operators: onnx.checker does not know them
         log.info("exported %s (%.1f MB)", stage.file, path.stat().st_size / 1e6)
         stages.append(stage)
+    model, stage = build_kv_insert(llm_dims(llm), positions)
+    onnx.save_model(model, str(Path(out) / stage.file))
+    onnx.checker.check_model(str(Path(out) / stage.file))
+    stages.append(stage)
     return stages

@@ -122,13 +122,47 @@ def flow_request_bytes(att_cache: Sequence[int], conv_cache: Sequence[int], n_ti
     return n_timesteps * itemsize * (int(np.prod(att_cache)) + int(np.prod(conv_cache)))
 
 
+BATCH_SIZES = (1, 2, 4, 8, 16)  # the batch sizes a batched fixed-shape graph may be captured for
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """What the auto setting gives a device: request slots, the batch sizes captured (each
+    replay serves up to the largest; more ready streams take more replays) and their bytes."""
+
+    slots: int
+    batch_sizes: tuple[int, ...]
+    bytes: int
+
+
+def plan_batches(requested_slots: int, per_slot_bytes: int, device_bytes: int,
+                 per_batch_bytes: Mapping[int, int] | None = None, fixed_bytes: int = 0,
+                 sizes: Sequence[int] = BATCH_SIZES, fraction: float = AUTO_DEVICE_FRACTION) -> BatchPlan:
+    """The most slots (at most `requested_slots`) whose caches (`per_slot_bytes` each), the
+    captured batch sizes up to the slots (`per_batch_bytes[b]`: what capturing size b costs,
+    its activation and I/O buffers; 0 where absent) and `fixed_bytes` fit within `fraction`
+    of `device_bytes`; slots 0 and no sizes where not even one stream fits."""
+    if requested_slots < 0 or any(b < 1 for b in sizes) or list(sizes) != sorted(set(sizes)) or 1 not in sizes:
+        raise ValueError(f"plan_batches: requested_slots >= 0 and sizes ascending from 1, got "
+                         f"{requested_slots} and {list(sizes)}")
+    costs = per_batch_bytes or {}
+    budget = int(device_bytes * fraction)
+    for slots in range(requested_slots, 0, -1):
+        chosen = tuple(b for b in sizes if b <= slots)
+        need = fixed_bytes + slots * max(per_slot_bytes, 0) + sum(costs.get(b, 0) for b in chosen)
+        if need <= budget:
+            return BatchPlan(slots, chosen, need)
+    return BatchPlan(0, (), 0)
+
+
 def slots_that_fit(requested: int, per_request_bytes: int, device_bytes: int,
                    fraction: float = AUTO_DEVICE_FRACTION) -> int:
     """Requests given fixed-shape slots by the auto setting: at most `requested`, all of
-    them within `fraction` of the device's memory (0: not even one fits)."""
+    them within `fraction` of the device's memory (0: not even one fits); `plan_batches`
+    without batched graphs."""
     if per_request_bytes <= 0:
         return requested
-    return max(0, min(requested, int(device_bytes * fraction) // per_request_bytes))
+    return plan_batches(requested, per_request_bytes, device_bytes, fraction=fraction).slots
 
 
 def device_total_bytes(device_id: int) -> int:

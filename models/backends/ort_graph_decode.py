@@ -94,6 +94,11 @@ class GraphDecoder:
         # set when a capture at load failed: every request then uses the ordinary loop
         self.disabled: str | None = None
 
+    @property
+    def slots(self) -> int:
+        """Requests that can hold a slot at once (graph_decode_slots)."""
+        return self._max_slots
+
     def warm_up(self) -> None:
         """On the graph thread, before any request: every slot, and both of its
         graphs run CAPTURE_RUNS times (onnxruntime captures on the last; once

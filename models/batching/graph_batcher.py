@@ -14,6 +14,7 @@ chosen steps."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
@@ -23,9 +24,12 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 from cosyedge_models.backends.graph_thread import GraphThread
+from cosyedge_models.backends.ort_graph_decode import GraphDecoder
 from cosyedge_models.batching.batched_step import BatchedDecodeStep
 from cosyedge_models.batching.iteration import IterationScheduler, IterationSettings
 from cosyedge_models.batching.llm_batcher import _END, BatchStats, TokenStream, _as_engine_error, _Request
+from cosyedge_models.batching.looped_step import LoopedGraphStep
+from cosyedge_models.batching.policy import BatchSettings
 from cosyedge_models.batching.worker import BatchWorker
 from cosyedge_models.errors import SynthesisError
 from cosyedge_models.synthesis.llm import LlmInput, LlmStats, SpeechTokenLM
@@ -36,16 +40,19 @@ log = logging.getLogger(__name__)
 
 class GraphBatcher(BatchWorker):
     def __init__(self, lm: SpeechTokenLM, step: BatchedDecodeStep, thread: GraphThread,
-                 settings: IterationSettings, clock: Callable[[], float] = time.monotonic) -> None:
+                 settings: IterationSettings, clock: Callable[[], float] = time.monotonic,
+                 on_stop: Callable[[], None] | None = None) -> None:
         super().__init__("llm-graph-batcher", clock)
         if settings.rows > step.rows or not set(settings.batch_sizes) <= set(step.batch_sizes):
             raise ValueError(f"the schedule ({settings.rows} rows, sizes {list(settings.batch_sizes)}) does not fit "
                              f"the step ({step.rows} rows, sizes {list(step.batch_sizes)})")
         self.lm = lm
         self.step = step
+        self._on_stop = on_stop  # after the worker ended (the engine's batcher gives its slots back)
         self.thread = thread
         self.scheduler = IterationScheduler(settings)  # under _cond: submit() runs on other threads
         self.stats = BatchStats()
+        self.delay_ms: float | None = None  # None: the queue delay setting (the engine's load hint sets 0)
         self._keys = itertools.count()
         self._requests: dict[int, _Request] = {}  # admitted or waiting, by key (under _cond)
         self._lengths: dict[int, int] = {}  # running streams' cache lengths (worker-owned)
@@ -91,7 +98,7 @@ class GraphBatcher(BatchWorker):
         with self._cond:
             for key in [k for k, r in self._requests.items() if r.cancelled()]:
                 self._leave(key)
-            plan = self.scheduler.prefills(self.clock())
+            plan = self.scheduler.prefills(self.clock(), self.delay_ms)
         for p in plan.run:
             self._prefill(self._requests[p.key], p.row)
         stepped = self._step()
@@ -168,6 +175,8 @@ class GraphBatcher(BatchWorker):
     # --- lifecycle (start/stop: BatchWorker) -------------------------------------------
     def _stopped(self) -> None:
         self._fail_all(SynthesisError("the LLM graph batcher stopped before the request finished"))
+        if self._on_stop is not None:
+            self._on_stop()
 
     def _round_failed(self, exc: Exception) -> None:
         self._fail_all(_as_engine_error(exc, "LLM graph batcher round failed"))
@@ -176,6 +185,24 @@ class GraphBatcher(BatchWorker):
         with self._cond:
             for key in list(self._requests):
                 self._leave(key, error)
+
+
+def start_graph_batcher(lm: SpeechTokenLM, batching: BatchSettings | None,
+                        prefills_between_steps: int) -> GraphBatcher | None:
+    """The engine's iteration-level batcher over its fixed-size decode slots (LoopedGraphStep), or
+    None: batching off or no fixed-size decode (the dynamic-graph batcher serves then). A
+    max_batch_size beyond the slots is lowered to them (every stream needs its own cache row)."""
+    decoder = lm.fixed_size_decode
+    if batching is None or not isinstance(decoder, GraphDecoder) or decoder.disabled is not None:
+        return None
+    step = LoopedGraphStep(decoder, min(batching.max_batch_size, decoder.slots))
+    if step.rows < batching.max_batch_size:
+        log.warning("LLM graph batching: max_batch_size %d lowered to the %d fixed-size decode slots "
+                    "(graph_decode_slots)", batching.max_batch_size, step.rows)
+        batching = dataclasses.replace(batching, max_batch_size=step.rows, preferred_batch_sizes=tuple(
+            s for s in batching.preferred_batch_sizes if s <= step.rows))
+    settings = IterationSettings(batching, step.batch_sizes, step.rows, prefills_between_steps)
+    return GraphBatcher(lm, step, decoder.thread, settings, on_stop=step.close).start()
 
 
 def _emit(request: _Request, token: int | None) -> None:

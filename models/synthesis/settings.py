@@ -55,6 +55,14 @@ class SynthesisSettings:
     # when the bundle has it), True also on the CPU (no capture: for tests), False off.
     graph_decode: bool | None = None
     graph_decode_slots: int = 4  # requests decoding with it at once; more use the ordinary loop
+    # With `batching` and the fixed-size decode on: the LLM batch runs through the iteration-level
+    # scheduler over the fixed-shape step (models/batching/graph_batcher.py; rows: graph_decode_slots)
+    # instead of the dynamic-graph batcher. Off by default until the batched step graph replaces the
+    # per-stream one (models/batching/looped_step.py: one replay per stream, as without batching).
+    graph_batching: bool = False
+    # With graph_batching: a running stream waits for at most this many new requests' prefills
+    # between two of its decode steps.
+    llm_prefills_between_steps: int = 1
     # Per-voice prompt caches (models/synthesis/voice_cache.py) for saved voices, in MiB
     # (host memory; about 4.4 MiB per prompt mel frame at full size in fp32); 0: off.
     voice_cache_mb: int = 2048
@@ -118,6 +126,8 @@ class SynthesisSettings:
             raise ValueError(f"voice_cache_mb must be >= 0 (0: off), got {self.voice_cache_mb}")
         if self.graph_decode_slots < 1:
             raise ValueError(f"graph_decode_slots must be >= 1, got {self.graph_decode_slots}")
+        if self.llm_prefills_between_steps < 1:
+            raise ValueError(f"llm_prefills_between_steps must be >= 1 prefill, got {self.llm_prefills_between_steps}")
         if self.vocoder_sessions is not None and self.vocoder_sessions < 1:
             raise ValueError(f"vocoder_sessions must be >= 1 or None, got {self.vocoder_sessions}")
         if self.graph_flow_slots < 1:

@@ -29,7 +29,8 @@ from cosyedge_models.backends.encoder_cache import host_encoder_cache
 from cosyedge_models.backends.factory import create_backend
 from cosyedge_models.backends.graph_thread import GraphThread
 from cosyedge_models.backends.shape_pinned import ShapePinnedSession
-from cosyedge_models.batching.llm_batcher import start_batcher
+from cosyedge_models.batching.graph_batcher import GraphBatcher, start_graph_batcher
+from cosyedge_models.batching.llm_batcher import LlmBatcher, start_batcher
 from cosyedge_models.batching.stage_batcher import call_priority, start_stage_batching
 from cosyedge_models.bundle.loader import Bundle, load_bundle
 from cosyedge_models.bundle.precision_speed import AUTO_BACKENDS, auto_precision
@@ -145,7 +146,12 @@ class CosyVoiceSynthesizer(SynthesizerDefaults):
                      "TensorRT engines run single decode steps" if bundle.backend == "trt" else
                      "this bundle's llm_decode takes one new position (re-export it with this version's "
                      "'cosyedge build export' to cache sos + transcript of saved zero_shot voices)")
-        self.batcher = start_batcher(bundle, backend.name, self.lm, settings.batching)
+        # The LLM batch on the fixed-shape step (iteration-level scheduler), else on the dynamic graphs.
+        self.batcher: LlmBatcher | GraphBatcher | None = None
+        if settings.graph_batching:
+            self.batcher = start_graph_batcher(self.lm, settings.batching, settings.llm_prefills_between_steps)
+        if self.batcher is None:
+            self.batcher = start_batcher(bundle, backend.name, self.lm, settings.batching)
         self._producers: ProducerPool | None = None
         self.overlap = resolve_overlap(settings.overlap_stages, backend.name, os.cpu_count())
         if self.overlap:

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from cosyedge_models.backends.fixed_shapes import (
     AUTO_DEVICE_FRACTION,
+    BatchPlan,
     RowCopy,
     bucket,
     commit_copy,
@@ -22,6 +23,7 @@ from cosyedge_models.backends.fixed_shapes import (
     fixed_shapes_wanted,
     flow_request_bytes,
     pad_window,
+    plan_batches,
     prefix_fits,
     slots_that_fit,
     source_cache,
@@ -88,6 +90,18 @@ def test_slots_that_fit_and_request_bytes() -> None:
     assert slots_that_fit(8, int(4.7 * gb), 8 * gb) == 0
     assert slots_that_fit(3, 0, 0) == 3
     assert flow_request_bytes((320, 2, 2, 2, 4, 8), (3, 2, 16, 2), 10) == 10 * 4 * (320 * 256 + 192)
+
+
+def test_plan_batches_fits_slots_and_captured_sizes() -> None:
+    # budget 100 x 0.5 = 50; 4 slots: 5 + 4 x 10 + (1 + 2 + 4) = 52 > 50; 3 slots: 5 + 30 + 1 + 2 = 38
+    costs = {1: 1, 2: 2, 4: 4, 8: 8}
+    assert plan_batches(16, 10, 100, costs, fixed_bytes=5, fraction=0.5) == BatchPlan(3, (1, 2), 38)
+    # without the batch sizes' own cost 4 slots would fit (45): the captured sizes count
+    assert plan_batches(16, 10, 100, fixed_bytes=5, fraction=0.5) == BatchPlan(4, (1, 2, 4), 45)
+    assert plan_batches(2, 10, 100, costs, fraction=0.5) == BatchPlan(2, (1, 2), 23)  # never more than asked
+    assert plan_batches(8, 60, 100, fraction=0.5) == BatchPlan(0, (), 0)  # an 8 GB board at full size: none
+    with pytest.raises(ValueError, match="ascending from 1"):
+        plan_batches(4, 10, 100, sizes=(2, 4))
 
 
 def test_which_vocoder_graph_a_chunk_takes() -> None:

@@ -21,6 +21,7 @@ from cosyedge_models.batching.llm_batcher import TokenStream
 from cosyedge_models.batching.looped_step import LoopedGraphStep
 from cosyedge_models.batching.policy import BatchSettings
 from cosyedge_models.errors import SynthesisError
+from cosyedge_models.synthesis.api import SynthesisRequest
 from cosyedge_models.synthesis.llm import LlmInput, SpeechTokenLM
 from cosyedge_models.synthesis.sampling import TokenSampler
 from cosyedge_models.synthesis.settings import SynthesisSettings
@@ -178,3 +179,29 @@ def test_a_request_that_does_not_fit_is_refused(static_engine: CosyVoiceSynthesi
             LoopedGraphStep(_decoder(static_engine.lm), 4)  # one of the four is borrowed
     finally:
         rec.inner.close()
+
+
+def test_engine_with_graph_batching_gives_the_same_audio(static_engine: CosyVoiceSynthesizer,
+                                                         tiny_static_bundle: Path) -> None:
+    def audio(eng: CosyVoiceSynthesizer, seed: int) -> np.ndarray:
+        return np.concatenate([c.pcm for c in eng.synthesize(SynthesisRequest(text=TEXTS[0], seed=seed))])
+
+    plain = {seed: audio(static_engine, seed) for seed in (3, 5)}
+    settings = SynthesisSettings(threads=1, graph_decode=True, graph_decode_slots=2, graph_batching=True,
+                                 batching=BatchSettings(max_batch_size=8))  # lowered to the 2 slots
+    batched = load_synthesizer(tiny_static_bundle, settings=settings)
+    results: dict[int, np.ndarray] = {}
+    try:
+        assert isinstance(batched.batcher, GraphBatcher)
+        assert batched.batcher.scheduler.settings.batch.max_batch_size == 2
+        threads = [threading.Thread(target=lambda s=seed: results.__setitem__(s, audio(batched, s)))
+                   for seed in (3, 5)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert batched.batcher.stats.steps > 0
+    finally:
+        batched.close()
+    for seed in (3, 5):
+        assert np.array_equal(results[seed], plain[seed])

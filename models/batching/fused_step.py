@@ -1,0 +1,157 @@
+"""`BatchedDecodeStep` (models/batching/batched_step.py) over the bundle's
+onnxruntime-fused decode graphs (`llm_decode_fused_b<B>`, one per batch size,
+edge_build/export/llm_fused.py).
+
+One KV buffer `[L, 2, R, Hkv, C, hd]` on the device (R slot rows). A B-row
+step binds each layer's `past_key_<i>` and `present_key_<i>` (and the values)
+to the SAME view, `[i, 0|1, 0:B]`, so GroupQueryAttention writes the new K/V
+in place; the bindings of every size are made once (fixed addresses, so
+ort-cuda can capture each size once, `gpu_graph_id` = B). A step therefore
+serves the rows 0..B-1: the rows that step get `query_seqlens` 1, the others
+0 (GroupQueryAttention leaves an idle row's cache untouched). When a
+requested row is >= the scheduler's `batch_size`, the step runs the smallest
+captured size that covers it (the scheduler should hand out the lowest free
+rows). A prefill runs the plain dynamic graphs on the caller's thread and
+`llm_fused_kv_insert` copies its cache into the row's views."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import onnxruntime as ort
+from cosyedge_models.backends.graph_thread import CAPTURE_RUNS
+from cosyedge_models.backends.ort import OrtSession, bound_lm_run
+from cosyedge_models.batching.batched_step import check_batch_sizes, padded_size
+from cosyedge_models.errors import SynthesisError
+
+log = logging.getLogger(__name__)
+
+FLOAT_BYTES = 4
+
+
+class FusedDecodeStep:
+    """The fused step graphs of several batch sizes over one in-place KV buffer.
+    Call `warm_up()` on the graph thread before serving (captures each size on ort-cuda)."""
+
+    def __init__(self, steps: Mapping[int, OrtSession], insert: OrtSession, prefill: OrtSession,
+                 device: tuple[str, int], rows: int = 0, decode: OrtSession | None = None) -> None:
+        self._sizes = check_batch_sizes(sorted(steps))
+        self._rows = rows or self._sizes[-1]
+        if self._rows < self._sizes[-1]:
+            raise ValueError(f"rows ({self._rows}) must be >= the largest batch size ({self._sizes[-1]})")
+        self._steps = dict(steps)
+        self._insert, self._prefill, self._decode = insert, prefill, decode
+        self._device = device
+        first = self._steps[self._sizes[0]]
+        self._layers = sum(1 for n in first.input_names if n.startswith("past_key_"))
+        _, n_kv, self._positions, hd = (int(d) for d in first.input_shapes["past_key_0"])
+        self._hidden = int(first.input_shapes["inputs_embeds"][2])
+        self._vocab = int(first.output_shapes["logp"][1])
+        self._row_shape = (n_kv, self._positions, hd)
+        shape = (self._layers, 2, self._rows, *self._row_shape)
+        kind, dev = device
+        self._buffer = ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float32), kind, dev)
+        self._base = int(self._buffer.data_ptr())
+        self._capture = {b: s.cuda_graph for b, s in self._steps.items()}
+        self._io = {b: self._bind(b) for b in self._sizes}
+
+    @property
+    def batch_sizes(self) -> tuple[int, ...]:
+        return self._sizes
+
+    @property
+    def rows(self) -> int:
+        return self._rows
+
+    @property
+    def positions(self) -> int:
+        return self._positions
+
+    def _ptr(self, layer: int, kind: int, row: int) -> int:
+        row_floats = int(np.prod(self._row_shape))
+        return self._base + ((layer * 2 + kind) * self._rows + row) * row_floats * FLOAT_BYTES
+
+    def _bind(self, b: int) -> tuple[ort.IOBinding, ort.RunOptions, dict[str, ort.OrtValue]]:
+        kind, dev = self._device
+        session = self._steps[b]
+        values = {"inputs_embeds": np.zeros((b, 1, self._hidden), np.float32),
+                  "seqlens_k": np.zeros(b, np.int32), "query_seqlens": np.zeros(b, np.int32)}
+        bound = {n: ort.OrtValue.ortvalue_from_numpy(a, kind, dev) for n, a in values.items()}
+        bound["logp"] = ort.OrtValue.ortvalue_from_shape_and_type((b, self._vocab), np.float32, kind, dev)
+        binding = session.io_binding()
+        for name in values:
+            binding.bind_ortvalue_input(name, bound[name])
+        binding.bind_ortvalue_output("logp", bound["logp"])
+        for i in range(self._layers):
+            for k, name in enumerate(("key", "value")):
+                ptr = self._ptr(i, k, 0)  # rows 0..b-1: contiguous
+                binding.bind_input(f"past_{name}_{i}", kind, dev, np.float32, [b, *self._row_shape], ptr)
+                binding.bind_output(f"present_{name}_{i}", kind, dev, np.float32, [b, *self._row_shape], ptr)
+        options = ort.RunOptions()
+        if self._capture[b]:
+            options.add_run_config_entry("gpu_graph_id", str(b))
+        return binding, options, bound
+
+    def warm_up(self) -> None:
+        """Every size with every row idle (caches untouched), CAPTURE_RUNS times where captured."""
+        for b in self._sizes:
+            binding, options, bound = self._io[b]
+            bound["query_seqlens"].update_inplace(np.zeros(b, np.int32))
+            bound["seqlens_k"].update_inplace(np.zeros(b, np.int32))
+            for _ in range(CAPTURE_RUNS if self._capture[b] else 1):
+                self._steps[b].run_bound(binding, options)
+
+    def prefill(self, row: int, inputs_embeds: np.ndarray, past: np.ndarray | None = None) -> np.ndarray:
+        if not 0 <= row < self._rows:
+            raise ValueError(f"row {row} outside 0..{self._rows - 1}")
+        p = 0 if past is None else int(past.shape[4])
+        t = p + int(inputs_embeds.shape[1])
+        if inputs_embeds.shape[0] != 1 or t >= self._positions:
+            raise SynthesisError(f"fused decode: a prompt of {t} positions does not fit {self._positions}")
+        if past is None:
+            logp, present = bound_lm_run(self._prefill, inputs_embeds, None, 0, self._device)
+        elif self._decode is None:
+            raise SynthesisError("fused decode: no llm_decode session was given, so a prefill cannot start from a past")
+        else:
+            logp, present = bound_lm_run(self._decode, inputs_embeds, past, p, self._device)
+        kind, dev = self._device
+        binding = self._insert.io_binding()
+        binding.bind_ortvalue_input("present_kv", present)
+        for i in range(self._layers):
+            for k, name in enumerate(("key", "value")):
+                binding.bind_output(f"row_{name}_{i}", kind, dev, np.float32, [1, *self._row_shape],
+                                    self._ptr(i, k, row))
+        self._insert.run_bound(binding)
+        return logp
+
+    def step(self, rows: Sequence[int], inputs_embeds: np.ndarray, lengths: Sequence[int],
+             batch_size: int) -> np.ndarray:
+        rows = list(rows)
+        if not rows or len(set(rows)) != len(rows) or len(lengths) != len(rows):
+            raise ValueError(f"step: distinct rows with one length each, got rows {rows}, lengths {list(lengths)}")
+        if min(rows) < 0 or max(rows) >= self._rows:
+            raise ValueError(f"step: rows {rows} outside 0..{self._rows - 1}")
+        if any(not 0 < n < self._positions for n in lengths):
+            raise SynthesisError(f"fused decode: lengths {list(lengths)} outside 1..{self._positions - 1}")
+        b = padded_size(max(batch_size, max(rows) + 1), self._sizes)
+        embeds = np.zeros((b, 1, self._hidden), np.float32)
+        seqlens = np.zeros(b, np.int32)
+        active = np.zeros(b, np.int32)
+        x = np.asarray(inputs_embeds, np.float32).reshape(len(rows), self._hidden)
+        for j, row in enumerate(rows):
+            embeds[row, 0], seqlens[row], active[row] = x[j], lengths[j], 1
+        binding, options, bound = self._io[b]
+        bound["inputs_embeds"].update_inplace(embeds)
+        bound["seqlens_k"].update_inplace(seqlens)
+        bound["query_seqlens"].update_inplace(active)
+        self._steps[b].run_bound(binding, options)
+        return np.asarray(bound["logp"].numpy())[rows]
+
+    def row_cache(self, row: int, length: int) -> np.ndarray:
+        """A copy of one row's cache [L, 2, Hkv, length, hd] on the host (tests, diagnostics)."""
+        return np.array(self._buffer.numpy()[:, :, row, :, :length])
+
+    def close(self) -> None:
+        self._io.clear()
