@@ -214,9 +214,9 @@ def int_list(value: str, what: str) -> list[int]:
 def project_command(args: argparse.Namespace) -> int:
     """`bench --project`: the Jetson projection from the bundle's graphs (no synthesis)."""
     from cosyedge_models.tools.graph_cost import RequestShape, bundle_workload
-    from cosyedge_models.tools.projection import H200_MEASURED, format_projection, projection_table
     from cosyedge_models.tools.launch_projection import H200_MEASURED as LAUNCH_H200_MEASURED
     from cosyedge_models.tools.launch_projection import launch_table
+    from cosyedge_models.tools.projection import H200_MEASURED, format_projection, projection_table
 
     bundle = load_bundle(args.bundle, precision="fp32")
     shape = RequestShape(prompt_tokens=getattr(args, "project_prompt_tokens", None) or RequestShape.prompt_tokens)
