@@ -69,6 +69,10 @@ class FusedDecodeStep:
     def positions(self) -> int:
         return self._positions
 
+    @property
+    def takes_past(self) -> bool:
+        return self._decode is not None
+
     def _ptr(self, layer: int, kind: int, row: int) -> int:
         row_floats = int(np.prod(self._row_shape))
         return self._base + ((layer * 2 + kind) * self._rows + row) * row_floats * FLOAT_BYTES

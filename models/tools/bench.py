@@ -216,6 +216,8 @@ def int_list(value: str, what: str) -> list[int]:
 def project_command(args: argparse.Namespace) -> int:
     """`bench --project`: the Jetson projection from the bundle's graphs (no synthesis)."""
     from cosyedge_models.tools.graph_cost import RequestShape, bundle_workload
+    from cosyedge_models.tools.launch_projection import H200_MEASURED as LAUNCH_H200_MEASURED
+    from cosyedge_models.tools.launch_projection import launch_table
     from cosyedge_models.tools.projection import H200_MEASURED, format_projection, projection_table
 
     bundle = load_bundle(args.bundle, precision="fp32")
@@ -223,6 +225,8 @@ def project_command(args: argparse.Namespace) -> int:
     table = projection_table(bundle_workload(bundle.root, bundle.manifest, shape), H200_MEASURED)
     report = {"bench": "jetson_projection", "bundle": str(Path(args.bundle).resolve()), "machine": machine(),
               "request": dataclasses.asdict(shape), **table}
+    # the same rows with the per-kernel launch cost calibrated on the H200 (docs/jetson-projection.md)
+    report["launch"] = launch_table(table, LAUNCH_H200_MEASURED)
     print(format_projection(table))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")

@@ -1,0 +1,66 @@
+"""The iteration-level batcher over the fused batched step (FusedDecodeStep,
+one graph per batch size over one in-place KV buffer) on the CPU: seeded
+streams joining and leaving at chosen rounds give the same tokens as each
+stream through the same batcher alone, and the steps really share graphs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from cosyedge_models.backends.graph_thread import GraphThread
+from cosyedge_models.backends.ort import OrtSession
+from cosyedge_models.batching.fused_step import FusedDecodeStep
+from cosyedge_models.batching.graph_batcher import GraphBatcher
+from cosyedge_models.batching.iteration import IterationSettings
+from cosyedge_models.batching.policy import BatchSettings
+from cosyedge_models.synthesis.llm import LlmInput
+from cosyedge_models.synthesis.sampling import TokenSampler
+from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer
+
+POSITIONS = 256
+TEXTS = ["Hello world one two.", "A quick fox", "A", "Numbers today"]
+
+
+@pytest.fixture(scope="module")
+def fused_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from cosyedge_build.export.llm_fused import export_fused_decode
+    from cosyedge_build.reference.modules import load_reference
+
+    out = tmp_path_factory.mktemp("fused")
+    export_fused_decode(load_reference(tiny_model_dir).llm, out, [1, 2, 4], POSITIONS)
+    return out
+
+
+def _session(name: str, path: Path) -> OrtSession:
+    return OrtSession(name, path, ["CPUExecutionProvider"], 0, 1)
+
+
+def test_fused_batches_give_each_stream_its_tokens_alone(engine: CosyVoiceSynthesizer, fused_dir: Path,
+                                                         tiny_bundle: Path) -> None:
+    lm = engine.lm
+    steps = {b: _session(f"fused{b}", fused_dir / f"llm_decode_fused_b{b}.onnx") for b in (1, 2, 4)}
+    fused = FusedDecodeStep(steps, _session("insert", fused_dir / "llm_fused_kv_insert.onnx"),
+                            _session("llm_prefill", tiny_bundle / "llm_prefill.onnx"), ("cpu", 0), rows=4)
+    with GraphThread() as thread:
+        thread.call(fused.warm_up)
+        settings = IterationSettings(BatchSettings(max_batch_size=4), fused.batch_sizes, 4, 1)
+        batcher = GraphBatcher(lm, fused, thread, settings)
+
+        def run(joins: dict[int, list[tuple[int, int]]]) -> dict[int, list[int]]:
+            streams, r = {}, 0
+            while r <= max(joins) or batcher.active or batcher.waiting:
+                for i, seed in joins.get(r, ()):
+                    sampler = TokenSampler.seeded(lm.config.sampling, lm.config.eos_token, seed)
+                    streams[seed] = batcher.submit(LlmInput(text=engine.tokenizer.encode(TEXTS[i])), sampler)
+                batcher.run_once()
+                r += 1
+            return {seed: list(s) for seed, s in streams.items()}
+
+        schedule = {0: [(0, 1)], 2: [(1, 2)], 4: [(2, 3), (3, 4)]}
+        alone = {seed: run({0: [(i, seed)]})[seed] for group in schedule.values() for i, seed in group}
+        alone_steps = batcher.stats.steps
+        together = run(schedule)
+    assert all(alone.values()) and together == alone
+    assert batcher.stats.shared_steps > 0 and batcher.stats.steps - alone_steps < alone_steps
+    assert batcher.stats.peak_batch >= 3
