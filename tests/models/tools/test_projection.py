@@ -108,3 +108,18 @@ def test_bundle_workload_from_the_tiny_graphs(tiny_bundle: Path) -> None:
     assert steps == manifest["flow"]["n_timesteps"] and est.flops > 0
     row = project(workload, DEVICES["orin-nano-8gb"], "fp16")
     assert row["first_audio_ms"] > 0 and row["rtf"] > 0
+
+
+def test_project_command_reports_the_launch_term(tiny_bundle: Path, tmp_path: Path) -> None:
+    import argparse
+
+    from cosyedge_models.tools.bench import project_command
+
+    out = tmp_path / "p.json"
+    assert project_command(argparse.Namespace(bundle=str(tiny_bundle), json=str(out), project_prompt_tokens=None)) == 0
+    report = json.loads(out.read_text())
+    launch = report["launch"]
+    assert {(r["device"], r["concurrency"]) for r in launch["boards"]} == {(b, c) for b in BOARDS for c in (1, 4)}
+    # the launch term comes on top of the roofline
+    roof = report["h200"]["predicted"]["first_audio_ms"]
+    assert launch["h200"]["predicted"]["first_audio_ms"][0] > roof
