@@ -191,6 +191,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                         "(the report's graph_order says what the order did)")
     p.add_argument("--first-hop", metavar="N[,M..]",
                    help="also measure time to first audio for these first hops (speech tokens)")
+    p.add_argument("--first-chunk", metavar="HOP:STEPS[,..]",
+                   help="also measure first audio and the mel against the default for these first hops (speech "
+                        "tokens) with these Euler steps on the first chunk (0: the default of either), e.g. 15:6,25:6")
     p.add_argument("--project", action="store_true",
                    help="print the Jetson projection (per-stage time, first audio and RTF per board and precision, "
                         "from the ONNX graphs' FLOPs and bytes and the boards' published peaks) and exit")

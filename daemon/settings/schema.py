@@ -115,6 +115,18 @@ class TtsSettings:
         0.0, "with llm_max_batch_size: how long a request may wait to join so that the batch fills up",
         min=0, max=10_000, reload=True,
     )
+    graph_batching: bool = setting(
+        False, "with llm_max_batch_size and the fixed-size decode on (ort-cuda, bundles exported with "
+        "--static-decode-len): the LLM batch runs through the iteration-level scheduler over the fixed-shape "
+        "step, one step per token for every running stream on the GPU graph thread (at most the "
+        "fixed-size decode's 4 slots); off: the dynamic-graph batcher",
+        reload=True,
+    )
+    llm_prefills_between_steps: int = setting(
+        1, "with graph_batching: a running stream waits for at most this many new requests' prefills between "
+        "two of its decode steps (more: new requests start sooner, running ones stall longer)",
+        min=1, max=64, reload=True,
+    )
     synthesis_workers: int | str = setting(
         "auto", "requests synthesized at once (each on its own worker thread, so the LLM batcher can batch "
         "them; played requests still play one at a time, in order); auto: 1 without llm_max_batch_size, "

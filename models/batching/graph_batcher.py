@@ -193,7 +193,11 @@ def start_graph_batcher(lm: SpeechTokenLM, batching: BatchSettings | None,
     None: batching off or no fixed-size decode (the dynamic-graph batcher serves then). A
     max_batch_size beyond the slots is lowered to them (every stream needs its own cache row)."""
     decoder = lm.fixed_size_decode
-    if batching is None or not isinstance(decoder, GraphDecoder) or decoder.disabled is not None:
+    if batching is None:
+        return None
+    if not isinstance(decoder, GraphDecoder) or decoder.disabled is not None:
+        log.info("LLM graph batching: no fixed-size decode (%s); the dynamic-graph batcher serves the batch",
+                 "disabled at load" if isinstance(decoder, GraphDecoder) else "graph_decode off or not in the bundle")
         return None
     step = LoopedGraphStep(decoder, min(batching.max_batch_size, decoder.slots))
     if step.rows < batching.max_batch_size:

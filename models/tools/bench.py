@@ -1,7 +1,8 @@
 """`cosyedge bench`: real-time factor, time to first audio, time per stage,
 peak memory, throughput under concurrency, streaming vs offline cost on a
 ~20 s utterance, the per-chunk stage timeline of one streaming run, time to
-first audio per first hop (--first-hop), other bundles of the same model on
+first audio per first hop (--first-hop) and per first hop and first-chunk Euler steps with the mel
+against the default (--first-chunk, models/tools/first_chunk_bench.py), other bundles of the same model on
 the same backend (--compare: fp32 / fp16 / int8 side by side, with their
 Jetson memory budget), and (with --reference) the official PyTorch pipeline
 on the same checkpoint in the same run. --voice NAME runs all of it with a
@@ -38,6 +39,7 @@ from cosyedge_models.tools.bench_runs import (
     run_once,
 )
 from cosyedge_models.tools.engine_memory import memory_delta, process_memory
+from cosyedge_models.tools.first_chunk_bench import first_chunk_sweep, parse_combos
 from cosyedge_models.tools.host import machine
 from cosyedge_models.tools.precision_compare import accuracy
 from cosyedge_models.tools.progress import StageProgress
@@ -248,6 +250,7 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
         return project_command(args)
     text = args.text or DEFAULT_TEXT
     hops = int_list(args.first_hop, "--first-hop") if getattr(args, "first_hop", None) else []
+    first_chunk = parse_combos(args.first_chunk) if getattr(args, "first_chunk", None) else []
     compare = [b for b in (getattr(args, "compare", None) or "").split(",") if b.strip()]
     concurrency = int_list(args.concurrency, "--concurrency") if args.concurrency else []
     batching = BatchSettings(max_batch_size=args.batching, max_queue_delay_ms=args.max_queue_delay_ms) \
@@ -294,7 +297,7 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
         run_once(engine, text, stream=True, seed=0, voice=voice)  # warm-up: session arenas, page-in of weights
         if not getattr(args, "concurrency_only", False):
             # a bar on a terminal, one line per part otherwise: a full-size run takes many minutes
-            steps = 3 + sum(map(bool, (hops, voice, concurrency, compare, args.reference)))
+            steps = 3 + sum(map(bool, (hops, first_chunk, voice, concurrency, compare, args.reference)))
             progress = stack.enter_context(StageProgress("bench", steps))
             progress.advance("warm-up")
         if getattr(args, "concurrency_only", False):
@@ -371,6 +374,10 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
         if hops:
             report["first_hop"] = first_hop_sweep(engine, text, hops, args.repeats, voice)
             progress.advance("first hops")
+        if first_chunk:
+            report["first_chunk"] = first_chunk_sweep(engine, text, first_chunk, args.repeats, voice)
+            progress.advance("first-chunk settings")
+            save_partial(args.json, report)
         if voice is not None:
             report["voice_cache"] = voice_cache_report(engine, text, voice, args.repeats, run_once)
             if getattr(args, "voice_wav", None):

@@ -53,3 +53,18 @@ def test_streaming_settings_reach_the_engine(tiny_bundle: Path, tmp_path: Path) 
     finally:
         defaults.close()
         custom.close()
+
+
+def test_graph_batching_settings_reach_the_engine(tiny_bundle: Path) -> None:
+    from cosyedge_models.batching.llm_batcher import LlmBatcher
+    from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer
+
+    tts = TtsSettings(llm_max_batch_size=2, graph_batching=True, llm_prefills_between_steps=3)
+    engine = load_local_synthesizer(Settings(device_id="t", tts=tts), bundle=str(tiny_bundle))
+    try:
+        assert isinstance(engine, CosyVoiceSynthesizer)
+        assert (engine.settings.graph_batching, engine.settings.llm_prefills_between_steps) == (True, 3)
+        # this bundle has no fixed-size decode step: the dynamic-graph batcher serves the batch
+        assert isinstance(engine.batcher, LlmBatcher)
+    finally:
+        engine.close()
