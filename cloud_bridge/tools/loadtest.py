@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import paho.mqtt.client as mqtt
+from cosyedge_cloud.triton.batching_config import DynamicBatching
 from cosyedge_cloud.wire.mqtt import (
     MqttOptions,
     connect,
@@ -53,6 +54,7 @@ class _Pending:
     end: float | None = None
     ok: bool = False
     audio_s: float = 0.0
+    llm_batch_max: int = 0  # the engine's: the most requests in one LLM decode step with this one
     finished: threading.Event = field(default_factory=threading.Event)
 
 
@@ -68,6 +70,7 @@ class LevelResult:
     total_ms: dict[str, float]
     triton_requests: float
     triton_executions: float
+    llm_batch_max: int = 0  # the most requests that shared an LLM decode step at this level (engine statistics)
 
     @property
     def avg_batch(self) -> float:
@@ -107,6 +110,9 @@ class LoadClient:
             pending.audio_s += len(answer.pcm16) / 2 / answer.sample_rate
             return
         pending.ok, pending.end = isinstance(answer, DoneMessage), now
+        if isinstance(answer, DoneMessage):
+            times = answer.summary.get("times")
+            pending.llm_batch_max = int(times.get("llm_batch_max") or 0) if isinstance(times, dict) else 0
         pending.finished.set()
 
     def request(self, text: str, seed: int) -> _Pending:
@@ -200,21 +206,22 @@ def run_level(
         total_ms=percentiles([(r.end - r.sent) * 1000 for r in ok if r.end is not None]),
         triton_requests=req1 - req0,
         triton_executions=exec1 - exec0,
+        llm_batch_max=max((r.llm_batch_max for r in ok), default=0),
     )
 
 
 def table(results: Sequence[LevelResult]) -> str:
     head = (
         "| concurrency | requests | errors | req/s | audio s/s | first chunk p50 / p90 / p99 ms "
-        "| total p50 / p90 / p99 ms | Triton requests / executions | avg batch |"
+        "| total p50 / p90 / p99 ms | Triton requests / executions | avg batch | LLM batch max |"
     )
-    rows = [head, "|" + "---|" * 9]
+    rows = [head, "|" + "---|" * 10]
     for r in results:
         f, t = r.first_chunk_ms, r.total_ms
         rows.append(
             f"| {r.concurrency} | {r.requests} | {r.errors} | {r.throughput_rps:.2f} | {r.audio_s_per_s:.2f} "
             f"| {f['p50']:.0f} / {f['p90']:.0f} / {f['p99']:.0f} | {t['p50']:.0f} / {t['p90']:.0f} / {t['p99']:.0f} "
-            f"| {r.triton_requests:.0f} / {r.triton_executions:.0f} | {r.avg_batch:.2f} |"
+            f"| {r.triton_requests:.0f} / {r.triton_executions:.0f} | {r.avg_batch:.2f} | {r.llm_batch_max} |"
         )
     return "\n".join(rows)
 
@@ -252,9 +259,11 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def local_stack(bundle: Path, max_in_flight: int) -> Iterator[tuple[str, str]]:
-    """A private mosquitto, tritonserver on `bundle` and a bridge, all on
-    loopback; yields (broker URL, Triton metrics URL)."""
+def local_stack(bundle: Path, max_in_flight: int, batching: DynamicBatching | None = None,
+                parameters: dict[str, str] | None = None) -> Iterator[tuple[str, str]]:
+    """A private mosquitto, tritonserver on `bundle` (its dynamic batching and
+    model parameters set as given) and a bridge, all on loopback; yields
+    (broker URL, Triton metrics URL)."""
     from cosyedge_cloud.bridge.service import BridgeService
     from cosyedge_cloud.bridge.settings import build_settings
     from cosyedge_cloud.triton.launcher import LaunchSettings, TritonServer
@@ -266,6 +275,8 @@ def local_stack(bundle: Path, max_in_flight: int) -> Iterator[tuple[str, str]]:
         server = TritonServer(
             LaunchSettings(
                 bundle=bundle,
+                batching=batching or DynamicBatching(),
+                parameters=parameters or {},
                 grpc_port=_free_port(),
                 http_port=_free_port(),
                 metrics_port=_free_port(),
@@ -314,13 +325,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1, help="sampling seed of every request (the same work each)")
     p.add_argument("--max-in-flight", type=int, default=16, help="the started bridge's cap (with --bundle)")
     p.add_argument("--json", type=Path, help="also write the results here")
+    p.add_argument("--max-batch-size", type=int, help="the started Triton's max_batch_size (and LLM batch rows)")
+    p.add_argument("--queue-delay-us", type=int, help="the started Triton's max_queue_delay_microseconds")
+    p.add_argument("--gpu", action="store_true", help="the started Triton's instance on the GPU (KIND_GPU)")
+    p.add_argument("--engine-backend", help="the started model's ENGINE_BACKEND (ort, ort-cuda, trt)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     levels = [int(x) for x in args.levels.split(",") if x.strip()]
     opts = {"levels": levels, "rounds": args.rounds, "min_requests": args.min_requests, "text": args.text,
             "model": args.model, "seed": args.seed}
     if args.bundle is not None:
-        with local_stack(args.bundle, args.max_in_flight) as (broker, metrics):
+        batching = DynamicBatching(args.max_batch_size, args.queue_delay_us, "KIND_GPU" if args.gpu else None)
+        params = {"ENGINE_BACKEND": args.engine_backend} if args.engine_backend else {}
+        with local_stack(args.bundle, args.max_in_flight, batching, params) as (broker, metrics):
             results = run(broker, metrics, **opts)  # type: ignore[arg-type]
     else:
         results = run(args.broker, args.triton_metrics, **opts)  # type: ignore[arg-type]

@@ -39,6 +39,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
+from cosyedge_cloud.triton.batching_config import DynamicBatching, apply_batching
 from cosyedge_cloud.triton.proc_guard import die_with_parent
 from cosyedge_models.errors import BundleError, CosyEdgeError, MissingExtraError
 
@@ -136,6 +137,7 @@ class LaunchSettings:
     extra_models: tuple[str, ...] = ()  # more models of the repository to load (they name their own bundles)
     repository: Path = REPOSITORY
     parameters: dict[str, str] = field(default_factory=dict)  # override the model's config parameters
+    batching: DynamicBatching = DynamicBatching()  # Triton's dynamic batching (batching_config.py)
     address: str = "127.0.0.1"
     grpc_port: int = 8001
     http_port: int = 8000
@@ -180,8 +182,10 @@ def prepare_repository(settings: LaunchSettings, target: Path) -> Path:
             if link.is_symlink() or link.exists():
                 link.unlink()
             link.symlink_to(Path(bundle).resolve(), target_is_directory=True)
+    config = model_dir / "config.pbtxt"
+    if settings.batching != DynamicBatching():
+        config.write_text(apply_batching(config.read_text(), settings.batching))
     if settings.parameters:
-        config = model_dir / "config.pbtxt"
         config.write_text(set_parameters(config.read_text(), settings.parameters))
     return repo
 

@@ -21,6 +21,11 @@
 #   profile onnxruntime's profile of one streaming synthesis with the saved voice, the fixed-shape
 #          graphs run without capture: time per stage and operator type (models/tools/ort_profile.py)
 #   bench16 the same concurrency levels on the fp16 bundle (--concurrency-only)
+#   cloud  the cloud Triton model under load (python -m cosyedge_cloud.tools.loadtest): tritonserver (on PATH or
+#          nvidia-pytriton in $COSYEDGE_TRITON_VENV) and mosquitto on this machine, the full bundle on ort-cuda,
+#          KIND_GPU, Triton max_batch_size 16 (= the engine's LLM batch), at 1,4,8,16 concurrent requests:
+#          cloud_h200.json (per level: req/s, first chunk and total percentiles, Triton's average batch and
+#          the engine's llm_batch_max, the most requests that shared a decode step)
 #   fp16   the fp16 bundle's fp32 and fp16 variants measured on ort-cuda and recorded in it
 #          (python -m cosyedge_models.tools.precision_measure --write: with precision unset,
 #          ort-cuda then loads the faster one), and its NaN/Inf check (fp16_check.json)
@@ -131,6 +136,12 @@ for step in ${steps//,/ }; do
         --concurrency "${CONCURRENCY:-1,4,8,16}" --concurrency-only ${BENCH_ARGS:-} \
         --json "$out/bench_h200_fp16.json" 2>&1 | grep -v -i warn > "$out/bench16.log" || { tail -40 "$out/bench16.log"; exit 1; }
       stamp "bench16 done" ;;
+    cloud)
+      timeout "${CLOUD_TIMEOUT_S:-540}" python3 -m cosyedge_cloud.tools.loadtest --bundle "$full/bundle" --gpu \
+        --engine-backend ort-cuda --max-batch-size 16 --queue-delay-us "${QUEUE_DELAY_US:-2000}" --max-in-flight 16 \
+        --levels "${CONCURRENCY:-1,4,8,16}" --text "${CLOUD_TEXT:-Hello there, this is the cloud speaking.}" \
+        --json "$out/cloud_h200.json" 2>&1 | grep -v -i warn | tee "$out/cloud.log" | grep -v " INFO " | tail -20
+      stamp "cloud load test done" ;;
     fp16)
       cp "$full/fp16/fp16_check.json" "$out/" 2>/dev/null || echo "no fp16_check.json (bundle made before the check)"
       timeout "${BENCH_TIMEOUT_S:-480}" python3 -m cosyedge_models.tools.precision_measure --bundle "$full/fp16" \
