@@ -51,9 +51,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cosyedge_models.backends.fixed_shapes import BatchPlan, flow_request_bytes, plan_batches
 from cosyedge_models.backends.profiles import all_input_ranges
 from cosyedge_models.backends.shared_weights import find_index, graph_shared_bytes
-from cosyedge_models.bundle.loader import FIXED_SHAPE_PREFIXES
+from cosyedge_models.bundle.loader import FIXED_SHAPE_PREFIXES, STATIC_FLOW_PREFIX
 from cosyedge_models.errors import BundleError
 from cosyedge_models.synthesis.flow import CacheDims, cache_bytes_per_frame
 
@@ -300,6 +301,11 @@ def bundle_budget(root: Path, manifest: Mapping[str, Any], precision: str) -> Bu
     fixed, fixed_notes = fixed_shape_budget(root, stages_meta, built)
     out.extend(fixed)
     notes.extend(fixed_notes)
+    plans = flow_slot_plans(stages_meta, int(manifest.get("flow", {}).get("n_timesteps", 10)))
+    if plans:
+        notes.append(f"fixed-shape flow slots (auto, of {FLOW_SLOTS_ASKED} asked; plan_batches): " + ", ".join(
+            f"{key} {p.slots}" + (f" (batches {'/'.join(map(str, p.batch_sizes))})" if p.slots else " (off)")
+            for key, p in plans.items()))
     cache_bytes = 2 if precision == "fp16" else 4  # fp16 graphs take the K/V cache in fp16
     per_second = flow_stream_cache_bytes_per_second(manifest, cache_bytes)
     if per_second:
@@ -311,6 +317,26 @@ def bundle_budget(root: Path, manifest: Mapping[str, Any], precision: str) -> Bu
         notes.append(f"+{size * 1.3 / MIB:.0f} MiB on the CPU side while the speech tokenizer is loaded "
                      "(requests with prompt audio)")
     return BundleBudget(precision, out, cpu_side_bytes(root, manifest), notes)
+
+
+FLOW_SLOTS_ASKED = 8  # SynthesisSettings.graph_flow_slots' default
+ITEMSIZE = {"float32": 4, "float16": 2}
+
+
+def flow_slot_plans(stages_meta: Mapping[str, Any], n_timesteps: int,
+                    requested: int = FLOW_SLOTS_ASKED) -> dict[str, BatchPlan]:
+    """Per board, the fixed-shape estimator's request slots and batch sizes that the auto
+    setting gives it (`plan_batches` over the memory the board's GPU reports); {} without
+    fixed-shape estimator graphs."""
+    entry = next((v for k, v in sorted(stages_meta.items()) if k.startswith(STATIC_FLOW_PREFIX)), None)
+    if not isinstance(entry, Mapping):
+        return {}
+    shapes = {i["name"]: i for i in entry.get("inputs", []) if isinstance(i, Mapping)}
+    if "att_cache" not in shapes or "conv_cache" not in shapes:
+        return {}
+    per_slot = flow_request_bytes(shapes["att_cache"]["shape"], shapes["conv_cache"]["shape"], n_timesteps,
+                                  ITEMSIZE.get(shapes["att_cache"].get("dtype", "float32"), 4))
+    return {b.key: plan_batches(requested, per_slot, b.usable_bytes) for b in BOARDS.values()}
 
 
 def fixed_shape_budget(root: Path, stages_meta: Mapping[str, Any],
