@@ -7,11 +7,15 @@ version directory imports `TritonPythonModel` from here); the project must be
 importable there (`.venv-triton` puts this checkout on its path).
 
 Batching: Triton's dynamic batcher hands `execute` up to max_batch_size
-requests at once; they are synthesized concurrently on a thread pool of that
-size (the engine serves concurrent requests, each with its own streaming
-state), and `execute` returns when the batch is done, so Triton queues and
-batches what arrives meanwhile. More instances (instance_group count) run
-more batches at once.
+requests at once; they are all submitted to the engine concurrently (a thread
+each, each with its own streaming state) as one request group
+(models/batching/group.py): with the engine's continuous batching on
+(LLM_MAX_BATCH_SIZE > 0) none of them starts decoding until all have reached
+the LLM (or failed before it, BATCH_GATHER_TIMEOUT_MS at most), so the batch
+shares its decode steps from the first one. Every request streams its own
+responses and fails alone. `execute` returns when the batch is done, so Triton
+queues and batches what arrives meanwhile. More instances (instance_group
+count) run more batches at once.
 
 Where the bundle comes from, first match wins:
   1. `<model dir>/<version>/bundle` (a link that `cosyedge triton` creates),
@@ -31,14 +35,30 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 from cosyedge_cloud.triton.model_io import INPUTS, BadTensors, error_message, response_tensors, synthesis_request
+from cosyedge_models.batching.group import GroupedSynthesizer, RequestGroup
 from cosyedge_models.errors import BundleError, CosyEdgeError, RequestError
 from cosyedge_models.synthesis.api import Synthesizer
 
 DEFAULT_FACTORY = "cosyedge_models.synthesis.synthesizer:load_synthesizer"
+DEFAULT_GATHER_TIMEOUT_MS = 2000.0
+
+
+def gather_timeout_s(params: dict[str, str]) -> float:
+    """BATCH_GATHER_TIMEOUT_MS: how long the first requests of a batch wait at
+    the LLM for the batch's slower ones (their text front end, voice prompt)."""
+    raw = params.get("BATCH_GATHER_TIMEOUT_MS") or ""
+    try:
+        value = float(raw) if raw else DEFAULT_GATHER_TIMEOUT_MS
+    except ValueError:
+        raise CosyEdgeError(f"BATCH_GATHER_TIMEOUT_MS must be a number of milliseconds, got {raw!r}") from None
+    if not 0.0 <= value <= 60_000.0:
+        raise CosyEdgeError(f"BATCH_GATHER_TIMEOUT_MS must be between 0 and 60000 ms, got {value:g}")
+    return value / 1e3
 
 
 def resolve_bundle(
@@ -113,6 +133,7 @@ class TritonPythonModel:
         factory = load_factory(params.get("ENGINE_FACTORY") or DEFAULT_FACTORY)
         started = time.perf_counter()
         self.engine = factory(bundle, backend=backend, **engine_kwargs(params, backend))
+        self.gather_s = gather_timeout_s(params)
         self.log.log_info(
             f"cosyvoice2 v{self.version}: {self.engine.name} from {bundle} "
             f"({self.engine.sample_rate} Hz) in {time.perf_counter() - started:.1f} s"
@@ -123,8 +144,12 @@ class TritonPythonModel:
         )
 
     def execute(self, requests: list[Any]) -> None:
-        futures = [self.pool.submit(self._serve, request) for request in requests]
-        wait(futures)
+        engine = self.engine
+        group = (engine.request_group(len(requests), self.gather_s) if isinstance(engine, GroupedSynthesizer)
+                 else nullcontext(None))
+        with group as members:
+            futures = [self.pool.submit(self._serve, request, len(requests), members) for request in requests]
+            wait(futures)
         return None  # decoupled: every response went out through the senders
 
     def _inputs(self, request: Any) -> dict[str, Any]:
@@ -139,7 +164,14 @@ class TritonPythonModel:
         error = self.pb.TritonError(error_message(kind, code, text))
         sender.send(self.pb.InferenceResponse(error=error), flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
-    def _serve(self, request: Any) -> None:
+    def _serve(self, request: Any, batch: int = 1, group: RequestGroup | None = None) -> None:
+        try:
+            self._stream(request, batch)
+        finally:
+            if group is not None:
+                group.ended()  # a member that failed before the LLM no longer holds the others back
+
+    def _stream(self, request: Any, batch: int) -> None:
         pb = self.pb
         sender = request.get_response_sender()
         cancel = threading.Event()
@@ -149,7 +181,9 @@ class TritonPythonModel:
                 if request.is_cancelled():
                     cancel.set()  # the client went away: stop the engine, no more responses
                     break
-                tensors = response_tensors(chunk.pcm, chunk.sample_rate, chunk.index, chunk.last, chunk.times.as_dict())
+                # triton_batch: the size of the Triton batch this request came in (beside the engine's llm_batch_max)
+                times = {**chunk.times.as_dict(), "triton_batch": batch}
+                tensors = response_tensors(chunk.pcm, chunk.sample_rate, chunk.index, chunk.last, times)
                 sender.send(pb.InferenceResponse(output_tensors=[pb.Tensor(k, v) for k, v in tensors.items()]))
             sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         except BadTensors as exc:

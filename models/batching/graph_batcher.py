@@ -21,11 +21,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 
 import numpy as np
 from cosyedge_models.backends.graph_thread import GraphThread
 from cosyedge_models.backends.ort_graph_decode import GraphDecoder
 from cosyedge_models.batching.batched_step import BatchedDecodeStep
+from cosyedge_models.batching.group import GroupGate, RequestGroup
 from cosyedge_models.batching.iteration import IterationScheduler, IterationSettings
 from cosyedge_models.batching.llm_batcher import _END, BatchStats, TokenStream, _as_engine_error, _Request
 from cosyedge_models.batching.looped_step import LoopedGraphStep
@@ -56,6 +58,7 @@ class GraphBatcher(BatchWorker):
         self._keys = itertools.count()
         self._requests: dict[int, _Request] = {}  # admitted or waiting, by key (under _cond)
         self._lengths: dict[int, int] = {}  # running streams' cache lengths (worker-owned)
+        self.groups = GroupGate(self.clock, self.kick)  # open groups hold prefills back (models/batching/group.py)
 
     # --- consumer side -----------------------------------------------------------------
     def submit(self, inp: LlmInput, sampler: TokenSampler, stats: LlmStats | None = None, *,
@@ -82,6 +85,10 @@ class GraphBatcher(BatchWorker):
         """Like `SpeechTokenLM.generate`, with each step shared with the other running streams."""
         return iter(self.submit(inp, sampler, stats, priority=priority, cancel=cancel))
 
+    def group(self, size: int, timeout_s: float) -> AbstractContextManager[RequestGroup]:
+        """A request group: its members start their prefills in one round."""
+        return self.groups.group(size, timeout_s)
+
     @property
     def active(self) -> int:
         with self._cond:
@@ -98,7 +105,11 @@ class GraphBatcher(BatchWorker):
         with self._cond:
             for key in [k for k, r in self._requests.items() if r.cancelled()]:
                 self._leave(key)
-            plan = self.scheduler.prefills(self.clock(), self.delay_ms)
+            now = self.clock()
+            holding = self.groups.holding(self.scheduler.waiting, now)
+            if holding is not None:  # members of a group are still on their way: step the running ones only
+                return self._step(), holding
+            plan = self.scheduler.prefills(now, self.delay_ms)
         for p in plan.run:
             self._prefill(self._requests[p.key], p.row)
         stepped = self._step()
@@ -152,6 +163,7 @@ class GraphBatcher(BatchWorker):
             key = request.key
             self._lengths[key] += 1
             request.decode.stats.decode_ms += ms
+            request.decode.stats.batch_max = max(request.decode.stats.batch_max, len(requests))
             try:
                 _emit(request, request.decode.accept(logp))
             except Exception as exc:

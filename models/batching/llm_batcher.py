@@ -18,9 +18,11 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 from cosyedge_models.backends.profiles import stage_profiles
+from cosyedge_models.batching.group import GroupGate, RequestGroup
 from cosyedge_models.batching.kv import BatchDecoder
 from cosyedge_models.batching.policy import BatchSettings, Waiting, admit
 from cosyedge_models.batching.worker import BatchWorker
@@ -110,6 +112,7 @@ class LlmBatcher(BatchWorker):
         self._keys = itertools.count()
         self._waiting: list[_Request] = []
         self._active: dict[int, _Request] = {}  # worker-owned
+        self.groups = GroupGate(self.clock, self.kick)  # open groups hold admission back
 
     # --- lifecycle (start/stop: BatchWorker) -------------------------------------------
     def _stopped(self) -> None:
@@ -139,6 +142,10 @@ class LlmBatcher(BatchWorker):
         """Like `SpeechTokenLM.generate`, with the decode steps shared with the other active requests."""
         return iter(self.submit(inp, sampler, stats, priority=priority, cancel=cancel))
 
+    def group(self, size: int, timeout_s: float) -> AbstractContextManager[RequestGroup]:
+        """A request group (models/batching/group.py): its members join at one step boundary."""
+        return self.groups.group(size, timeout_s)
+
     @property
     def active(self) -> int:
         return len(self._active)
@@ -154,8 +161,12 @@ class LlmBatcher(BatchWorker):
         (whether anything ran, when waiting requests should be looked at again)."""
         self._drop_cancelled()
         with self._cond:
+            now = self.clock()
+            holding = self.groups.holding(len(self._waiting), now)
+            if holding is not None:  # members of a group are still on their way: step the active ones only
+                return self._step(), holding
             decision = admit(self.settings, [r.waiting() for r in self._waiting], len(self._active),
-                             self.clock(), self.delay_ms)
+                             now, self.delay_ms)
             chosen = {w.key for w in decision.join}
             joining = sorted((r for r in self._waiting if r.key in chosen), key=lambda r: (-r.priority, r.key))
             self._waiting = [r for r in self._waiting if r.key not in chosen]
@@ -211,6 +222,7 @@ class LlmBatcher(BatchWorker):
         for key, logp in logps.items():
             request = self._active[key]
             request.decode.stats.decode_ms += ms
+            request.decode.stats.batch_max = max(request.decode.stats.batch_max, len(logps))
             try:
                 self._emit(request, request.decode.accept(logp))
             except Exception as exc:

@@ -82,6 +82,7 @@ class StageTimes:
     llm_tokens: int = 0
     timeline: list[StageEvent] = field(default_factory=list)
     flow_frames: int = 0  # mel frames the CFM estimator evaluated, summed over Euler steps (a work count)
+    llm_batch_max: int = 0  # the most requests in one batched LLM decode step with this one (0: unbatched)
 
     def as_dict(self) -> dict[str, float | int | None]:
         return {
@@ -92,6 +93,7 @@ class StageTimes:
             "first_audio_ms": None if self.first_audio_ms is None else round(self.first_audio_ms, 2),
             "llm_tokens": self.llm_tokens,
             "flow_frames": self.flow_frames,
+            "llm_batch_max": self.llm_batch_max,
         }
 
     def timeline_dicts(self) -> list[dict[str, str | int | float]]:

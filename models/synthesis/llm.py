@@ -45,6 +45,7 @@ class LlmStats:
     steps: int = 0
     tokens: list[int] = field(default_factory=list)
     prefix_positions: int = 0  # prompt positions taken from a saved LLM prefix (not prefilled again)
+    batch_max: int = 0  # the most requests in one batched decode step this request took part in (0: unbatched)
 
 
 class SpeechTokenLM:

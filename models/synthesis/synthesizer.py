@@ -30,6 +30,7 @@ from cosyedge_models.backends.factory import create_backend
 from cosyedge_models.backends.graph_thread import GraphThread
 from cosyedge_models.backends.shape_pinned import ShapePinnedSession
 from cosyedge_models.batching.graph_batcher import GraphBatcher, start_graph_batcher
+from cosyedge_models.batching.group import RequestGroup
 from cosyedge_models.batching.llm_batcher import LlmBatcher, start_batcher
 from cosyedge_models.batching.stage_batcher import call_priority, start_stage_batching
 from cosyedge_models.bundle.loader import Bundle, load_bundle
@@ -262,6 +263,16 @@ class CosyVoiceSynthesizer(SynthesizerDefaults):
         for stage in self.stage_batchers:
             stage.delay_ms = delay
 
+    @contextlib.contextmanager
+    def request_group(self, size: int, timeout_s: float) -> Iterator[RequestGroup | None]:
+        """`size` requests about to be synthesized on other threads start their
+        LLM decode together (models/batching/group.py); None without batching."""
+        if self.batcher is None:
+            yield None
+            return
+        with self.batcher.group(size, timeout_s) as group:
+            yield group
+
     def close(self) -> None:
         if self.batcher is not None:
             self.batcher.stop()
@@ -281,6 +292,7 @@ class CosyVoiceSynthesizer(SynthesizerDefaults):
         times = state.times
         times.llm_ms = state.llm.prefill_ms + state.llm.decode_ms
         times.llm_tokens = state.tokens_before + len(state.llm.tokens)
+        times.llm_batch_max = state.llm.batch_max
         if times.first_audio_ms is None and pcm.size:
             times.first_audio_ms = (time.perf_counter() - state.started) * 1e3
         chunk = AudioChunk(pcm=pcm.astype(np.float32, copy=False), sample_rate=self.sample_rate,

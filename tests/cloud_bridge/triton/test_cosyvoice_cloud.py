@@ -13,6 +13,7 @@ from cosyedge_models.synthesis.api import PromptAudio, SynthesisRequest
 
 from tests.cloud_bridge.device import Device
 from tests.cloud_bridge.helpers import settled_metric
+from tests.support.waiting import wait_until
 
 PRODUCT = {"model": "cosyvoice2", "first_chunk_timeout_s": 120.0, "chunk_timeout_s": 120.0}
 
@@ -119,3 +120,39 @@ def test_dynamic_batching_on_the_real_model(broker, make_bridge, triton) -> None
     assert all(a.done is not None for a in answers), [a.error for a in answers]
     assert requests == 4
     assert executions < requests  # Triton handed the orchestrator batches of more than one request
+
+
+def test_a_triton_batch_decodes_as_one_engine_batch(broker, make_bridge, tiny_bundle) -> None:  # type: ignore[no-untyped-def]
+    """A long request holds the model instance (its `execute` runs until it is
+    done) while five more arrive: Triton hands those five to one `execute`. The four good ones start their LLM
+    decode together (the engine's statistics say so, not the clock), each
+    answer is the one the engine gives alone, and the bad one fails alone."""
+    make_bridge(triton=PRODUCT, limits={"max_in_flight": 8})
+    device = Device(broker.url, "kitchen")
+    texts = {f"g{i}": f"Batched request number {i} says hello." for i in range(4)}
+    try:
+        blocker = device.send(CloudRequest(id="blocker", text="A long text that keeps the model busy. " * 6,
+                                           seed=1, model_version="1"))
+        wait_until(lambda: len(blocker.audio) > 0, 120)  # its execute runs
+        answers = {rid: device.send(CloudRequest(id=rid, text=text, seed=40 + i, model_version="1"))
+                   for i, (rid, text) in enumerate(texts.items())}
+        bad = device.send(CloudRequest(id="bad", text="hi", voice="nobody", model_version="1"))
+        assert all(a.finished.wait(240) for a in (blocker, bad, *answers.values()))
+    finally:
+        device.close()
+    assert bad.error is not None and bad.error.code == "unknown_voice"
+    assert all(a.done is not None for a in answers.values()), [a.error for a in answers.values()]
+    times = {rid: a.done.summary["times"] for rid, a in answers.items()}  # type: ignore[union-attr]
+    assert {t.get("triton_batch") for t in times.values()} == {5}, times  # one execute: four good, one bad
+    assert {t["llm_batch_max"] for t in times.values()} == {4}, times  # four streams in one decode step
+    from cosyedge_models.synthesis.synthesizer import load_synthesizer
+
+    engine = load_synthesizer(tiny_bundle)
+    try:
+        for i, (rid, text) in enumerate(texts.items()):
+            local = [pcm16_bytes(c.pcm) for c in engine.synthesize(SynthesisRequest(text=text, seed=40 + i))]
+            got = answers[rid].audio
+            assert [len(c) for c in local] == [len(a.pcm16) for a in got]
+            assert max(_max_lsb(x, a.pcm16) for x, a in zip(local, got, strict=True)) <= 2
+    finally:
+        engine.close()

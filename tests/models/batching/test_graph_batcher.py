@@ -205,3 +205,25 @@ def test_engine_with_graph_batching_gives_the_same_audio(static_engine: CosyVoic
         batched.close()
     for seed in (3, 5):
         assert np.array_equal(results[seed], plain[seed])
+
+
+def test_a_request_group_prefills_together_on_the_graph_path(static_engine: CosyVoiceSynthesizer) -> None:
+    """A Triton batch (models/batching/group.py) on the fixed-shape path: no
+    prefill until every member submitted or ended; then all decode together."""
+    lm = static_engine.lm
+    alone = {seed: list(lm.generate(_input(static_engine, i), _sampler(lm, seed))) for i, seed in ((0, 41), (1, 42))}
+    b, rec = _batcher(static_engine, bound=2)
+    try:
+        with b.group(size=3, timeout_s=60.0) as group:
+            first = b.submit(_input(static_engine, 0), _sampler(lm, 41))
+            b.run_once()
+            assert rec.events == []  # held: the others are on their way
+            second = b.submit(_input(static_engine, 1), _sampler(lm, 42))
+            group.ended()  # the third failed before the LLM
+            while b.active or b.waiting:
+                b.run_once()
+    finally:
+        rec.inner.close()
+    assert [e[0] for e in rec.events[:2]] == ["prefill", "prefill"]  # both prefills before the first step
+    assert {41: list(first), 42: list(second)} == alone
+    assert first._request.decode.stats.batch_max == second._request.decode.stats.batch_max == 2
