@@ -163,6 +163,11 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                    help="batch the LLM across concurrent requests, up to this many (0: off, each decodes alone)")
     p.add_argument("--max-queue-delay-ms", type=float, default=0.0,
                    help="with --batching: how long a request may wait to join so that the batch fills up")
+    p.add_argument("--graph-batching", action="store_true",
+                   help="with --batching and the fixed-size decode: the LLM batch through the iteration-level "
+                        "scheduler over the fixed-shape step (its slots: --batching, at least 4)")
+    p.add_argument("--llm-prefills-between-steps", type=int, default=1,
+                   help="with --graph-batching: the most new requests' prefills a running stream waits for")
     p.add_argument("--flow-batching", type=int, default=0, metavar="MAX_BATCH_SIZE",
                    help="batch the flow estimator and vocoder calls of up to this many concurrent requests "
                         "(0: off, each runs alone)")

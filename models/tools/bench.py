@@ -271,12 +271,19 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
                               graph_encoder=getattr(args, "graph_encoder", None),
                               graph_threads=getattr(args, "graph_threads", "one"),
                               first_audio_first=getattr(args, "first_audio_first", True),
-                              graph_flow_slots=max(4, min(8, max(concurrency, default=1))))
+                              graph_flow_slots=max(4, min(8, max(concurrency, default=1))),
+                              # the iteration-level LLM batcher over the fixed-size decode, a slot per row
+                              graph_batching=getattr(args, "graph_batching", False),
+                              llm_prefills_between_steps=getattr(args, "llm_prefills_between_steps", 1),
+                              graph_decode_slots=max(4, args.batching) if getattr(args, "graph_batching", False) else 4)
     if cache_mb is not None:
         settings = dataclasses.replace(settings, voice_cache_mb=cache_mb)
     t_load = time.perf_counter()
     engine = load_synthesizer(args.bundle, settings=settings)
     load_ms = round((time.perf_counter() - t_load) * 1e3, 1)  # with every CUDA-graph capture
+    # the iteration-level LLM batcher: asked for, and which batcher the engine runs (GraphBatcher or not)
+    graph_batching = {"on": settings.graph_batching, "prefills_between_steps": settings.llm_prefills_between_steps,
+                      "engine_batcher": type(engine.batcher).__name__ if engine.batcher else None}
     stack = contextlib.ExitStack()
     try:
         if voice is not None:
@@ -309,7 +316,7 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
                         "overlap_stages": engine.overlap,
                         "fixed_size_decode": engine.lm.fixed_size_decode is not None, "text": text,
                         "load_ms": load_ms, "graph_load_s": engine.graphs.load_seconds, "voice": voice,
-                        "first_audio_first": settings.first_audio_first,
+                        "first_audio_first": settings.first_audio_first, "graph_batching": graph_batching,
                         **concurrency_report(engine, text, concurrency, mode, voice),
                         "graph_order": engine.graphs.order_stats()}
             print(json.dumps(report_c, indent=2))
@@ -390,6 +397,7 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
             progress.advance("concurrency")
         # what the graph thread's order did over the runs so far (first-audio holds, LLM steps held)
         report["first_audio_first"] = settings.first_audio_first
+        report["graph_batching"] = graph_batching
         report["graph_order"] = engine.graphs.order_stats()
         report["session_memory_bytes"] = engine.session_memory_bytes()
         report["peak_rss_mb"] = round(peak_rss_mb(), 1)  # before other bundles load and the reference loads torch

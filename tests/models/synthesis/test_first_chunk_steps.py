@@ -7,6 +7,7 @@ primed prompt chunks; the fixed-shape flow graphs give the dynamic graph's audio
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -114,3 +115,17 @@ def test_fixed_shape_flow_with_fewer_first_steps(static_flow_bundle: Path) -> No
             eng.close()
     assert outs[True].shape == outs[False].shape
     np.testing.assert_allclose(outs[True], outs[False], rtol=0, atol=1e-4)
+
+
+def test_the_engine_reads_the_setting(engine: CosyVoiceSynthesizer) -> None:
+    """Per request, as the first-hop setting: the first chunk's audio changes, the chunking does not."""
+    req = SynthesisRequest(text="The engine answers a little sooner.", seed=3, stream=True)
+    base = [c.pcm for c in engine.synthesize(req)]
+    original = engine.settings
+    engine.settings = dataclasses.replace(original, first_chunk_euler_steps=3)
+    try:
+        fast = [c.pcm for c in engine.synthesize(req)]
+    finally:
+        engine.settings = original
+    assert len(base) >= 2 and [p.size for p in fast] == [p.size for p in base]
+    assert float(np.abs(fast[0] - base[0]).max()) > 1e-3
