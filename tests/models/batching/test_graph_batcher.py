@@ -227,3 +227,38 @@ def test_a_request_group_prefills_together_on_the_graph_path(static_engine: Cosy
     assert [e[0] for e in rec.events[:2]] == ["prefill", "prefill"]  # both prefills before the first step
     assert {41: list(first), 42: list(second)} == alone
     assert first._request.decode.stats.batch_max == second._request.decode.stats.batch_max == 2
+
+
+@pytest.mark.gpu
+def test_captured_graph_batching_gives_the_tokens_alone(tiny_static_bundle: Path) -> None:
+    """On ort-cuda: the steps replay captured graphs on the engine's graph thread; four concurrent
+    seeded streams through the GraphBatcher give the tokens each gives alone through the captured loop."""
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("onnxruntime has no CUDAExecutionProvider here")
+    plain = load_synthesizer(tiny_static_bundle, settings=SynthesisSettings(backend="ort-cuda", threads=1))
+    try:
+        assert plain.lm.fixed_size_decode is not None
+        alone = {i: list(plain.lm.generate(_input(plain, i), _sampler(plain.lm, 50 + i))) for i in range(4)}
+    finally:
+        plain.close()
+    settings = SynthesisSettings(backend="ort-cuda", threads=1, graph_batching=True,
+                                 batching=BatchSettings(max_batch_size=4))
+    batched = load_synthesizer(tiny_static_bundle, settings=settings)
+    got: dict[int, list[int]] = {}
+    try:
+        assert isinstance(batched.batcher, GraphBatcher)
+        lm = batched.lm
+
+        def run(i: int) -> None:
+            got[i] = list(batched.batcher.generate(_input(batched, i), _sampler(lm, 50 + i)))  # type: ignore[union-attr]
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert batched.batcher.stats.shared_steps > 0
+    finally:
+        batched.close()
+    assert got == alone
