@@ -412,6 +412,8 @@ def triton_command(args: argparse.Namespace) -> int:
         metrics_port=getattr(args, "metrics_port", 8002),
         address=getattr(args, "address", None) or "127.0.0.1",
         workdir=Path(args.workdir) if getattr(args, "workdir", None) else None,
+        batching=DynamicBatching(getattr(args, "max_batch_size", None), getattr(args, "queue_delay_us", None),
+                                 "KIND_GPU" if getattr(args, "gpu", False) else None),
         die_with_parent=True,
     )
     stop = threading.Event()

@@ -237,6 +237,9 @@ def _add_triton(sub: argparse._SubParsersAction) -> None:
                    help="serve model version V from bundle DIR (repeatable; default: every version from --bundle)")
     p.add_argument("--address", default="127.0.0.1", help="address the server listens on")
     p.add_argument("--workdir", help="where the prepared model repository is written (default: a temp dir)")
+    p.add_argument("--max-batch-size", type=int, help="Triton's max_batch_size (and the engine's LLM batch rows)")
+    p.add_argument("--queue-delay-us", type=int, help="Triton's max_queue_delay_microseconds")
+    p.add_argument("--gpu", action="store_true", help="the model instance on the GPU (KIND_GPU)")
 
 
 def _add_doctor(sub: argparse._SubParsersAction) -> None:

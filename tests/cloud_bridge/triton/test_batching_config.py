@@ -46,3 +46,14 @@ def test_bad_settings_are_refused_with_the_allowed_values(kwargs: dict, words: s
         DynamicBatching(**kwargs)
     with pytest.raises(BatchingConfigError, match="no max_queue_delay_microseconds"):
         apply_batching("max_batch_size: 8\n", DynamicBatching(max_queue_delay_us=10))
+
+
+def test_the_served_copy_gets_the_batching(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from cosyedge_cloud.triton.launcher import LaunchSettings, prepare_repository
+
+    repo = prepare_repository(LaunchSettings(batching=DynamicBatching(max_batch_size=4, max_queue_delay_us=100)),
+                              tmp_path)
+    served = (repo / "cosyvoice2" / "config.pbtxt").read_text()
+    assert _field(served, r"^max_batch_size: (\d+)") == "4"
+    assert _field(served, r"max_queue_delay_microseconds: (\d+)") == "100"
+    assert (REPOSITORY / "cosyvoice2" / "config.pbtxt").read_text() == SHIPPED  # the checkout is untouched
