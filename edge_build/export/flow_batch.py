@@ -28,9 +28,10 @@ Inputs (N = 2B rows, B streams, C channels, W window frames):
   many of the window's first frames this call commits (0: the conv history
   is kept as it is).
 * key_cache_<i>, value_cache_<i> [N, H, F, D] for the L blocks (U-Net order).
-* conv_cache [K, N, Cmax, 2]: the causal convolutions' history.
+* conv_cache [N, K, Cmax, 2]: the K causal convolutions' history, rows first
+  (so that rows 0..N-1 of the runtime's buffer are one contiguous view).
 Outputs: dphi_dt [N, C, W]; key_cache_out_<i>, value_cache_out_<i> (the
-same buffers, bound in place); conv_cache_new [K, N, Cmax, 2] (where a
+same buffers, bound in place); conv_cache_new [N, K, Cmax, 2] (where a
 stream commits: the inputs just before its new commit point; elsewhere its
 history unchanged), which the runtime copies over conv_cache."""
 
@@ -105,7 +106,7 @@ def make_batch_graph(estimator: Any, chunk_frames: int) -> Any:
 
             def conv(module: Any, h: Any) -> Any:
                 i = len(conv_in)
-                ext = torch.cat((conv_cache[i, :, : h.shape[1], :], h), dim=2)
+                ext = torch.cat((conv_cache[:, i, : h.shape[1], :], h), dim=2)
                 conv_in.append(ext)
                 return module(ext)[:, :, hist:]
 
@@ -188,8 +189,8 @@ def make_batch_graph(estimator: Any, chunk_frames: int) -> Any:
             for i, ext in enumerate(conv_in):
                 picked = torch.gather(ext, 2, last.expand(-1, ext.shape[1], -1))
                 picked = torch.nn.functional.pad(picked, (0, 0, 0, cmax - ext.shape[1]))
-                conv_new.append(torch.where(keep, picked, conv_cache[i]))
-            return (out, *out_kv, _stack(torch, conv_new))
+                conv_new.append(torch.where(keep, picked, conv_cache[:, i]))
+            return (out, *out_kv, _stack(torch, conv_new).transpose(0, 1))
 
     return BatchEstimatorGraph().eval()
 
@@ -219,7 +220,7 @@ def export_batch_estimators(flow: Any, out: Path, batches: list[int], windows: l
     stages = []
     for b in sorted(set(batches)):
         n = CFG_ROWS * b
-        conv = (dims["convs"], n, dims["conv_channels"], dims["conv_history"])
+        conv = (n, dims["convs"], dims["conv_channels"], dims["conv_history"])
         kv_shape = (n, heads, frames, hd)
         for w in sorted(set(windows)):
             stage = StageGraph(
