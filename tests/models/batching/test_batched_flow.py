@@ -1,4 +1,4 @@
-"""The batched estimator runtime (models/backends/ort_batch_flow.py) over the bundle's
+"""The batched estimator runtime (models/batching/batched_flow.py) over the bundle's
 flow_estimator_batch_b<B>_w<W> graphs, against the single-stream fixed-shape runtime
 (ort_static_flow.py's StaticStepCache) running each stream alone: streams join and
 leave, a slot is reused, batch sizes and windows change from call to call, a slot of
@@ -14,9 +14,9 @@ import pytest
 from cosyedge_models.backends.factory import create_backend
 from cosyedge_models.backends.flow_cache import StepCacheSpec
 from cosyedge_models.backends.graph_thread import GraphThread
-from cosyedge_models.backends.ort_batch_flow import BatchFlowGraphs, SlotCall, batch_flow_sessions
 from cosyedge_models.backends.ort_cache import DeviceCopier
 from cosyedge_models.backends.ort_static_flow import StaticFlowGraphs, StaticStepCache
+from cosyedge_models.batching.batched_flow import BatchFlowGraphs, SlotCall, batch_flow_sessions
 from cosyedge_models.bundle.loader import STATIC_FLOW_PREFIX
 from cosyedge_models.errors import SynthesisError
 
