@@ -169,6 +169,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--graph-batching", action="store_true",
                    help="with --batching and the fixed-size decode: the LLM batch through the iteration-level "
                         "scheduler over the fixed-shape step (its slots: --batching, at least 4)")
+    p.add_argument("--graph-flow-batch", action="store_true",
+                   help="with the fixed-shape flow windows (--graph-flow) and a bundle exported with "
+                        "--batch-flow-sizes: concurrent streams' estimator windows as one batched replay")
     p.add_argument("--llm-prefills-between-steps", type=int, default=1,
                    help="with --graph-batching: the most new requests' prefills a running stream waits for")
     p.add_argument("--flow-batching", type=int, default=0, metavar="MAX_BATCH_SIZE",

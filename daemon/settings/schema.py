@@ -122,6 +122,13 @@ class TtsSettings:
         "fixed-size decode's 4 slots); off: the dynamic-graph batcher",
         reload=True,
     )
+    graph_flow_batch: bool = setting(
+        False, "with the fixed-shape flow windows on (ort-cuda, bundles exported with --static-flow-windows and "
+        "--batch-flow-sizes): concurrent streams' estimator windows of the same size at the same Euler step run "
+        "as one batched replay on the GPU graph thread (as many streams as the largest batch size; more run "
+        "alone as before); off: one replay per stream's window",
+        reload=True,
+    )
     llm_prefills_between_steps: int = setting(
         1, "with graph_batching: a running stream waits for at most this many new requests' prefills between "
         "two of its decode steps (more: new requests start sooner, running ones stall longer)",

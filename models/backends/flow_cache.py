@@ -38,6 +38,9 @@ class StepCacheSpec:
     dtype: np.dtype[Any]
     visible: int = -1
     initial_frames: int = 0  # capacity reserved up front (device buffers); grows by doubling
+    # the Euler step the cache serves (-1: unknown): batched flow graphs group a step's caches
+    # (models/batching/flow_batcher.py); other stores ignore it
+    euler_step: int = -1
 
     @property
     def row_bytes(self) -> int:

@@ -29,6 +29,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import onnxruntime as ort
@@ -36,12 +37,13 @@ from cosyedge_models.backends.fixed_shapes import bucket, pad_window
 from cosyedge_models.backends.graph_thread import CAPTURE_RUNS
 from cosyedge_models.backends.ort import OrtSession
 from cosyedge_models.backends.ort_cache import DeviceCopier
-from cosyedge_models.bundle.loader import Bundle
+from cosyedge_models.bundle.loader import BATCH_FLOW_PREFIX, Bundle
 from cosyedge_models.errors import BundleError, SynthesisError
 
 log = logging.getLogger(__name__)
 
-BATCH_FLOW_PREFIX = "flow_estimator_batch_b"  # as edge_build/export/flow_batch.py names them
+SessionT = TypeVar("SessionT")
+
 _NAME = re.compile(rf"^{BATCH_FLOW_PREFIX}(\d+)_w(\d+)$")
 CFG_ROWS = 2
 FLOAT_BYTES = 4
@@ -62,13 +64,13 @@ class SlotCall:
     first: int = 0
 
 
-class _Pair:
-    """The bound inputs and outputs of one (batch size, window) graph."""
+class _IO:
+    """The host-written inputs and the outputs of one (batch size, window) graph, shared by
+    its bindings at every base slot (the thread runs one call at a time)."""
 
-    def __init__(self, graphs: BatchFlowGraphs, session: OrtSession, batch: int, window: int, graph_id: int) -> None:
+    def __init__(self, graphs: BatchFlowGraphs, session: OrtSession, batch: int, window: int) -> None:
         kind, dev = graphs.device
         self.session, self.batch, self.window = session, batch, window
-        rows = CFG_ROWS * batch
         self.values = {
             name: ort.OrtValue.ortvalue_from_numpy(
                 np.zeros([int(d) for d in session.input_shapes[name]],
@@ -78,22 +80,33 @@ class _Pair:
         self.values["dphi_dt"] = ort.OrtValue.ortvalue_from_shape_and_type(
             [int(d) for d in session.output_shapes["dphi_dt"]], np.float32, kind, dev)
         self.values["conv_cache_new"] = ort.OrtValue.ortvalue_from_shape_and_type(
-            [rows, *graphs.conv_row], np.float32, kind, dev)
-        self.binding = session.io_binding()
-        for name, value in self.values.items():
+            [CFG_ROWS * batch, *graphs.conv_row], np.float32, kind, dev)
+
+
+class _Pair:
+    """One (batch size, window) graph bound at the rows of slots base..base+B-1."""
+
+    def __init__(self, graphs: BatchFlowGraphs, io: _IO, base: int, graph_id: int) -> None:
+        kind, dev = graphs.device
+        self.io, self.session, self.batch, self.window, self.base = io, io.session, io.batch, io.window, base
+        self.values = io.values
+        rows = CFG_ROWS * io.batch
+        self.binding = io.session.io_binding()
+        for name, value in io.values.items():
             if name in ("dphi_dt", "conv_cache_new"):
                 self.binding.bind_ortvalue_output(name, value)
             else:
                 self.binding.bind_ortvalue_input(name, value)
-        self.binding.bind_input("conv_cache", kind, dev, np.float32, [rows, *graphs.conv_row], graphs.conv_ptr(0))
+        self.binding.bind_input("conv_cache", kind, dev, np.float32, [rows, *graphs.conv_row],
+                                graphs.conv_ptr(CFG_ROWS * base))
         kv_shape = [rows, *graphs.kv_row]
         for i in range(graphs.blocks):
             for k, name in enumerate(("key", "value")):
-                ptr = graphs.kv_ptr(i, k, 0)  # rows 0..2B-1: contiguous
+                ptr = graphs.kv_ptr(i, k, CFG_ROWS * base)  # rows of slots base..base+B-1: contiguous
                 self.binding.bind_input(f"{name}_cache_{i}", kind, dev, np.float32, kv_shape, ptr)
                 self.binding.bind_output(f"{name}_cache_out_{i}", kind, dev, np.float32, kv_shape, ptr)
         self.options = ort.RunOptions()
-        if session.cuda_graph:
+        if io.session.cuda_graph:
             self.options.add_run_config_entry("gpu_graph_id", str(graph_id))
 
     def run(self) -> None:
@@ -101,11 +114,15 @@ class _Pair:
 
 
 class BatchFlowGraphs:
-    """The batched estimator graphs of one engine over `slots` stream slots (0: the largest
-    batch size). `warm_up()` (on the graph thread) before serving captures every pair."""
+    """The batched estimator graphs of one engine over `groups` groups of `lanes` stream
+    slots (0: the largest batch size); slot g * lanes + l is lane l of group g. A batched
+    call serves slots of one group (the engine: one group per Euler step), at rows of its
+    lanes 0..B-1; a call of one slot runs the B = 1 graph bound at that slot, so a stream
+    alone never pays for padding rows. `warm_up()` (on the graph thread) before serving
+    captures every binding."""
 
     def __init__(self, sessions: Mapping[tuple[int, int], OrtSession], device: tuple[str, int],
-                 copier: DeviceCopier, slots: int = 0) -> None:
+                 copier: DeviceCopier, lanes: int = 0, groups: int = 1) -> None:
         if not sessions:
             raise ValueError("no batched estimator graphs")
         self.device = device
@@ -115,9 +132,14 @@ class BatchFlowGraphs:
         missing = [(b, w) for b in self.batch_sizes for w in self.windows if (b, w) not in sessions]
         if missing:
             raise BundleError(f"batched estimator graphs missing for (batch, window) {missing}")
-        self.slots = slots or self.batch_sizes[-1]
-        if self.slots < self.batch_sizes[-1]:
-            raise ValueError(f"slots ({self.slots}) must be >= the largest batch size ({self.batch_sizes[-1]})")
+        if self.batch_sizes[0] != 1:
+            raise BundleError(f"batched estimator graphs need batch size 1 (a stream alone), got {self.batch_sizes}")
+        self.lanes = lanes or self.batch_sizes[-1]
+        if not 1 <= self.lanes <= self.batch_sizes[-1] or groups < 1:
+            raise ValueError(f"lanes ({self.lanes}) must be 1..{self.batch_sizes[-1]} (the largest batch size) "
+                             f"and groups ({groups}) >= 1")
+        self.groups = groups
+        self.slots = self.lanes * groups
         first = sessions[(self.batch_sizes[0], self.windows[0])]
         self.blocks = sum(1 for n in first.input_names if n.startswith("key_cache_"))
         _, heads, self.buffer_frames, head_dim = (int(d) for d in first.input_shapes["key_cache_0"])
@@ -132,11 +154,20 @@ class BatchFlowGraphs:
         self._conv = ort.OrtValue.ortvalue_from_numpy(np.zeros((rows, *self.conv_row), np.float32), kind, dev)
         self._zero_conv = ort.OrtValue.ortvalue_from_numpy(
             np.zeros((CFG_ROWS, *self.conv_row), np.float32), kind, dev)
+        self._staging: ort.OrtValue | None = None  # one slot's K/V [L, 2, 2, H, F, D] (read_slot, write_slot)
         self.lengths = [0] * self.slots
-        self._pairs = {
-            key: _Pair(self, sessions[key], key[0], key[1], 1 + n) for n, key in enumerate(sorted(sessions))
-        }
+        ios = {key: _IO(self, sessions[key], *key) for key in sorted(sessions)}
+        bases = {b: ([s for g in range(groups) for s in range(g * self.lanes, (g + 1) * self.lanes)] if b == 1
+                     else [g * self.lanes for g in range(groups)] if b <= self.lanes else [])
+                 for b in self.batch_sizes}
+        keys = [(b, w, base) for (b, w) in sorted(sessions) for base in bases[b]]
+        self._pairs = {key: _Pair(self, ios[key[:2]], key[2], 1 + n) for n, key in enumerate(keys)}
         self.replays = 0
+
+    @property
+    def slot_bytes(self) -> int:
+        """Device memory of one slot: its K/V rows and conv history."""
+        return CFG_ROWS * (2 * self.blocks * int(np.prod(self.kv_row)) + int(np.prod(self.conv_row))) * FLOAT_BYTES
 
     def kv_ptr(self, block: int, kind: int, row: int) -> int:
         row_floats = int(np.prod(self.kv_row))
@@ -146,7 +177,7 @@ class BatchFlowGraphs:
         return int(self._conv.data_ptr()) + row * int(np.prod(self.conv_row)) * FLOAT_BYTES
 
     def warm_up(self) -> None:
-        """Every pair with every slot idle (zero inputs, commit 0, lengths 0: nothing
+        """Every binding with every slot idle (zero inputs, commit 0, lengths 0: nothing
         committed), CAPTURE_RUNS times where captured; on the graph thread."""
         for pair in self._pairs.values():
             for _ in range(CAPTURE_RUNS if pair.session.cuda_graph else 1):
@@ -169,8 +200,24 @@ class BatchFlowGraphs:
         caller runs the stream on the dynamic graph)."""
         return bucket(self.windows, frames) is not None and self.lengths[slot] + commit <= self.cache_frames
 
+    def pair_for(self, slots: Sequence[int], frames: int) -> tuple[int, int, int]:
+        """(batch size, window, base slot) of the call serving `slots` (one group) over windows
+        of at most `frames` frames."""
+        groups = {s // self.lanes for s in slots}
+        if len(groups) != 1:
+            raise ValueError(f"a batched call serves slots of one group of {self.lanes}, got {sorted(slots)}")
+        w = bucket(self.windows, frames)
+        if w is None:
+            raise SynthesisError(f"a window of {frames} frames exceeds the batched windows {self.windows}")
+        if len(slots) == 1:
+            return 1, self.windows[w], slots[0]
+        base = groups.pop() * self.lanes
+        b = bucket(self.batch_sizes, max(slots) - base + 1)
+        assert b is not None  # lanes <= the largest batch size
+        return self.batch_sizes[b], self.windows[w], base
+
     def run(self, calls: Sequence[SlotCall]) -> list[np.ndarray]:
-        """One batched call for these slots; each call's dphi_dt [2, C, T], in order."""
+        """One batched call for these slots (of one group); each call's dphi_dt [2, C, T], in order."""
         slots = [c.slot for c in calls]
         if not calls or len(set(slots)) != len(slots):
             raise ValueError(f"a batched call needs distinct slots, got {slots}")
@@ -184,23 +231,23 @@ class BatchFlowGraphs:
                 raise SynthesisError(f"slot {c.slot}: a window of {frames} frames committing {c.commit} after "
                                      f"{self.lengths[c.slot]} does not fit windows {self.windows} over "
                                      f"{self.cache_frames} frames")
-        w = self.windows[bucket(self.windows, max(int(c.feeds["x"].shape[2]) for c in calls)) or 0]
-        b = self.batch_sizes[bucket(self.batch_sizes, max(slots) + 1) or 0]
-        pair = self._pairs[(b, w)]
+        b, w, base = self.pair_for(slots, max(int(c.feeds["x"].shape[2]) for c in calls))
+        pair = self._pairs[(b, w, base)]
         host = {name: np.zeros(pair.values[name].shape(), np.float32) for name in (*_WINDOW_INPUTS, *_ROW_INPUTS)}
         first = np.zeros(b, np.int64)
         commit = np.zeros(b, np.int64)
         for c in calls:
-            rows = slice(CFG_ROWS * c.slot, CFG_ROWS * c.slot + CFG_ROWS)
+            lane = c.slot - base
+            rows = slice(CFG_ROWS * lane, CFG_ROWS * lane + CFG_ROWS)
             for name in _WINDOW_INPUTS:
                 host[name][rows] = pad_window(c.feeds[name], w)
             for name in _ROW_INPUTS:
                 host[name][rows] = c.feeds[name]
-            first[c.slot], commit[c.slot] = c.first, c.commit
+            first[lane], commit[lane] = c.first, c.commit
         for name, value in host.items():
             pair.values[name].update_inplace(value)
         pair.values["cache_first"].update_inplace(first)
-        pair.values["cache_len"].update_inplace(np.array(self.lengths[:b], np.int64))
+        pair.values["cache_len"].update_inplace(np.array(self.lengths[base: base + b], np.int64))
         pair.values["commit"].update_inplace(commit)
         pair.run()
         self._restore_conv(pair)
@@ -208,23 +255,63 @@ class BatchFlowGraphs:
         for c in calls:
             self.lengths[c.slot] += c.commit
         dphi = pair.values["dphi_dt"].numpy()
-        return [np.array(dphi[CFG_ROWS * c.slot: CFG_ROWS * c.slot + CFG_ROWS, :, : c.feeds["x"].shape[2]])
-                for c in calls]
+        return [np.array(dphi[CFG_ROWS * (c.slot - base): CFG_ROWS * (c.slot - base) + CFG_ROWS, :,
+                              : c.feeds["x"].shape[2]]) for c in calls]
 
     def _restore_conv(self, pair: _Pair) -> None:
-        """conv_cache_new of rows 0..2B-1 over the history (unchanged where nothing was committed)."""
+        """conv_cache_new of the call's rows over the history (unchanged where nothing was committed)."""
         new = pair.values["conv_cache_new"]
-        self.copier.copy(self.conv_ptr(0), int(new.data_ptr()), int(np.prod(new.shape())) * FLOAT_BYTES)
+        self.copier.copy(self.conv_ptr(CFG_ROWS * pair.base), int(new.data_ptr()),
+                         int(np.prod(new.shape())) * FLOAT_BYTES)
+
+    def _block_bytes(self) -> int:
+        return CFG_ROWS * int(np.prod(self.kv_row)) * FLOAT_BYTES  # one slot's rows of one block's K or V
+
+    def _stage(self) -> ort.OrtValue:
+        if self._staging is None:
+            self._staging = ort.OrtValue.ortvalue_from_shape_and_type(
+                [self.blocks, 2, CFG_ROWS, *self.kv_row], np.float32, *self.device)
+        return self._staging
+
+    def read_slot(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        """Host copies of a slot's committed K/V [L, 2, 2, H, len, D] and conv history [2, K, Cmax, 2]
+        (2 L device copies: moving a stream to the dynamic graph, trimming, tests)."""
+        self._check_slot(slot)
+        stage, nbytes = self._stage(), self._block_bytes()
+        for i in range(self.blocks):
+            for k in range(2):
+                self.copier.copy(int(stage.data_ptr()) + (i * 2 + k) * nbytes, self.kv_ptr(i, k, CFG_ROWS * slot),
+                                 nbytes)
+        kv = np.array(stage.numpy()[:, :, :, :, : self.lengths[slot]])
+        rows = slice(CFG_ROWS * slot, CFG_ROWS * slot + CFG_ROWS)
+        return kv, np.array(self._conv.numpy()[rows])
+
+    def write_slot(self, slot: int, kv: np.ndarray, conv: np.ndarray) -> None:
+        """A slot's committed K/V [L, 2, 2, H, n, D] and conv history [2, K, Cmax, 2] from the host
+        (a saved voice's prefix, a trim): one upload and 2 L + 1 device copies."""
+        self._check_slot(slot)
+        frames = int(kv.shape[4])
+        if frames > self.cache_frames:
+            raise ValueError(f"{frames} frames exceed the batched cache's {self.cache_frames}")
+        host = np.zeros((self.blocks, 2, CFG_ROWS, *self.kv_row), np.float32)
+        host[:, :, :, :, :frames] = kv
+        stage, nbytes = self._stage(), self._block_bytes()
+        stage.update_inplace(host)
+        for i in range(self.blocks):
+            for k in range(2):
+                self.copier.copy(self.kv_ptr(i, k, CFG_ROWS * slot), int(stage.data_ptr()) + (i * 2 + k) * nbytes,
+                                 nbytes)
+        conv_value = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(conv, np.float32), *self.device)
+        self.copier.copy(self.conv_ptr(CFG_ROWS * slot), int(conv_value.data_ptr()),
+                         CFG_ROWS * int(np.prod(self.conv_row)) * FLOAT_BYTES)
+        self.lengths[slot] = frames
 
     def slot_cache(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
-        """Host copies of a slot's committed K/V [L, 2, 2, H, len, D] and conv history [2, K, Cmax, 2]
-        (tests, diagnostics)."""
-        rows = slice(CFG_ROWS * slot, CFG_ROWS * slot + CFG_ROWS)
-        kv = self._kv.numpy()[:, :, rows, :, : self.lengths[slot]]
-        return np.array(kv), np.array(self._conv.numpy()[rows])
+        """Host copies of a slot's committed K/V [L, 2, 2, H, len, D] and conv history (tests)."""
+        return self.read_slot(slot)
 
 
-def batch_flow_sessions(bundle: Bundle, load: Callable[[str, Path], OrtSession]) -> dict[tuple[int, int], OrtSession]:
+def batch_flow_sessions(bundle: Bundle, load: Callable[[str, Path], SessionT]) -> dict[tuple[int, int], SessionT]:
     """The bundle's batched estimator graphs (manifest stages `flow_estimator_batch_b<B>_w<W>`),
     keyed (B, W), each loaded with `load(stage, path)`; empty when the bundle has none."""
     found = {}

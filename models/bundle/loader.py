@@ -33,6 +33,8 @@ STATIC_VOCODER_PREFIX = "hift_static_f"
 STATIC_ENCODER_PREFIX = "flow_encoder_static_t"
 # what ort-cuda captures, by name
 FIXED_SHAPE_PREFIXES = (STATIC_FLOW_PREFIX, STATIC_VOCODER_PREFIX, STATIC_ENCODER_PREFIX)
+# the estimator windows batched across streams (edge_build/export/flow_batch.py; captured too)
+BATCH_FLOW_PREFIX = "flow_estimator_batch_b"
 
 
 def _covers_prefix(profile: Mapping[str, Any]) -> bool:
@@ -236,7 +238,7 @@ def load_bundle(root: Path | str, precision: str | None = None, *, backend: str 
             raise BundleError(f"{root}: stage file {entry['file']} is missing")
         stages[name] = StageInfo(name, path, entry.get("precision", chosen), entry.get("sha256"), entry)
 
-    fixed_shape = [n for n in manifest.get("stages", {}) if n.startswith(FIXED_SHAPE_PREFIXES)]
+    fixed_shape = [n for n in manifest.get("stages", {}) if n.startswith((*FIXED_SHAPE_PREFIXES, BATCH_FLOW_PREFIX))]
     for name in (*OPTIONAL_STAGES, *fixed_shape) if backend != "trt" else ():
         entry = manifest.get("stages", {}).get(name)
         if isinstance(entry, dict) and chosen in entry.get("variants", {}):

@@ -11,6 +11,7 @@ prefix as upstream's streaming does."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -349,7 +350,8 @@ class FlowStream:
         spec = decoder.cache_spec(visible, self.prompt_frames + 2 * self.chunk_frames)
         self.caches: list[StepCache] = []
         if self.cached:
-            self.caches = [decoder.cache_factory(decoder.estimator, spec) for _ in range(cfg.n_timesteps)]
+            self.caches = [decoder.cache_factory(decoder.estimator, dataclasses.replace(spec, euler_step=k))
+                           for k in range(cfg.n_timesteps)]
         self.encoder_cache = decoder.new_encoder_cache() if self.cached else None
         if prefix is not None:
             if not self.cached or left_chunks >= 0:

@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # onnxruntime is imported only where a stage is on (the trt b
     from cosyedge_models.backends.tensorrt.static_encoder import TrtStaticEncoder
     from cosyedge_models.backends.tensorrt.static_flow import TrtStaticFlow
     from cosyedge_models.backends.tensorrt.static_vocoder import TrtStaticVocoder
+    from cosyedge_models.batching.flow_batcher import BatchedFlowCaches, FlowBatcher
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class GraphStages:
         self.flow: StaticFlowGraphs | TrtStaticFlow | None = None
         self.encoder: StaticEncoderGraphs | TrtStaticEncoder | None = None
         self.vocoder: StaticVocoder | TrtStaticVocoder | None = None
+        self.flow_batch: FlowBatcher | None = None  # the batched estimator windows (graph_flow_batch)
         # seconds each stage took to load, make its slots and capture its graphs (bench, logs):
         # at full size on an H200 most of an engine's load (docs/gpu.md, fifth run)
         self.load_seconds: dict[str, float] = {}
@@ -98,6 +100,10 @@ class GraphStages:
             by_thread.setdefault(id(thread), []).append(stage)
         threads = {id(t): t for t in self.threads.values()}
         return {"+".join(stages): threads[key].order_stats() for key, stages in by_thread.items()}
+
+    def flow_batch_stats(self) -> dict[str, object] | None:
+        """What the batched estimator windows did (FlowBatchStats: replays, rows shared), or None (off)."""
+        return None if self.flow_batch is None else self.flow_batch.report()
 
     def fixed_size_decode(self, prefill: Session, decode: Session | None = None) -> FixedSizeDecode | None:
         """The LLM's fixed-size step over `prefill`, captured now, or None (the ordinary loop);
@@ -148,6 +154,40 @@ class GraphStages:
         self.flow = load_static_flow(self.bundle, self.backend_name, self._load, self.settings.graph_flow,
                                      self.settings.graph_flow_slots, functools.partial(self._thread, "flow"))
         return self._loaded("flow", t0, self.flow)
+
+    def batched_flow(self) -> BatchedFlowCaches | None:
+        """With graph_flow_batch and the fixed-shape estimator graphs on onnxruntime (call static_flow
+        first): the batched estimator windows, captured now, as the flow's cache factory (streams
+        beyond their lanes take static_flow's slots), or None."""
+        t0 = time.perf_counter()
+        from cosyedge_models.backends.ort_static_flow import StaticFlowGraphs
+
+        if not self.settings.graph_flow_batch:
+            return None
+        if not isinstance(self.flow, StaticFlowGraphs) or self.flow.disabled is not None:
+            log.info("graph_flow_batch: off, it needs graph_flow's fixed-shape estimator graphs on onnxruntime")
+            return None
+        from cosyedge_models.backends.ort import OrtSession
+        from cosyedge_models.batching.batched_flow import BatchFlowGraphs, batch_flow_sessions
+        from cosyedge_models.batching.flow_batcher import BatchedFlowCaches, FlowBatcher, dynamic_cache_factory
+
+        loaded = batch_flow_sessions(self.bundle, lambda name, _path: self._load(name))
+        sessions = {key: s for key, s in loaded.items() if isinstance(s, OrtSession)}
+        if not loaded or len(sessions) != len(loaded):
+            if not loaded:
+                raise BundleError(f"{self.bundle.root}: graph_flow_batch needs a bundle exported with "
+                                  "'cosyedge build export --static-flow-windows W,... --batch-flow-sizes 1,2,...'")
+            return None  # a wrapped backend (tests)
+        flow = self.flow
+        thread = self._thread("flow")
+        graphs = thread.call(lambda: BatchFlowGraphs(sessions, flow.device, flow.copier,
+                                                     groups=self.bundle.flow.n_timesteps))
+        thread.call(graphs.warm_up)  # captures now, before any request runs
+        self.flow_batch = FlowBatcher(graphs, thread)
+        log.info("flow estimator: batched windows %s for batch sizes %s, %d streams, %d cached frames",
+                 graphs.windows, graphs.batch_sizes, graphs.lanes, graphs.cache_frames)
+        self._loaded("flow_batch", t0, graphs)
+        return BatchedFlowCaches(self.flow_batch, flow, dynamic_cache_factory(flow.copier))
 
     def static_encoder(self, spec: EncoderCacheSpec) -> StaticEncoderGraphs | TrtStaticEncoder | None:
         """The fixed-shape streaming encoder graphs (onnxruntime) or engines (trt), captured now,

@@ -76,6 +76,11 @@ class SynthesisSettings:
     # n_timesteps x cache_frames x K/V row bytes of device memory from load on (470 MB per
     # Euler step at full size with 1024 frames: 4.7 GB a request), and one encoder slot (29 MB).
     graph_flow_slots: int = 8
+    # With graph_flow on onnxruntime and a bundle exported with --batch-flow-sizes: concurrent
+    # streams' estimator windows of the same size at the same Euler step run as one batched
+    # replay on the graph thread (models/batching/flow_batcher.py; as many streams as the largest
+    # batch size, more take graph_flow's slots). Off by default until measured on the GPU.
+    graph_flow_batch: bool = False
     # The streaming flow encoder's fixed-shape graphs (exported with the estimator's), one slot a
     # request, replayed on the same graph thread: None auto (with graph_flow's estimator graphs),
     # False keeps the encoder on its dynamic graph on each request's own thread (it then does not

@@ -128,8 +128,9 @@ class CosyVoiceSynthesizer(SynthesizerDefaults):
         stages.update(batchers)
         self.static_flow = self.graphs.static_flow()
         self.static_encoder = self.graphs.static_encoder(encoder_spec(bundle))
+        batched = self.graphs.batched_flow()
         self.flow = FlowDecoder(bundle, load("flow_encoder"), stages["flow_estimator"],
-                                self.static_flow if self.static_flow is not None else backend.flow_cache,
+                                batched or (self.static_flow if self.static_flow is not None else backend.flow_cache),
                                 self.static_encoder if self.static_encoder is not None else host_encoder_cache)
         self.static_vocoder = self.graphs.static_vocoder()
         self.vocoder = HiftVocoder(bundle, stages["hift_source"], stages["hift_decoder"], self.static_vocoder)

@@ -274,6 +274,7 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
                               graph_flow_slots=max(4, min(8, max(concurrency, default=1))),
                               # the iteration-level LLM batcher over the fixed-size decode, a slot per row
                               graph_batching=getattr(args, "graph_batching", False),
+                              graph_flow_batch=getattr(args, "graph_flow_batch", False),
                               llm_prefills_between_steps=getattr(args, "llm_prefills_between_steps", 1),
                               graph_decode_slots=max(4, args.batching) if getattr(args, "graph_batching", False) else 4)
     if cache_mb is not None:
@@ -318,7 +319,8 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
                         "load_ms": load_ms, "graph_load_s": engine.graphs.load_seconds, "voice": voice,
                         "first_audio_first": settings.first_audio_first, "graph_batching": graph_batching,
                         **concurrency_report(engine, text, concurrency, mode, voice),
-                        "graph_order": engine.graphs.order_stats()}
+                        "graph_order": engine.graphs.order_stats(),
+                        "graph_flow_batch": engine.graphs.flow_batch_stats()}
             print(json.dumps(report_c, indent=2))
             if args.json:
                 Path(args.json).write_text(json.dumps(report_c, indent=2) + "\n")
@@ -399,6 +401,7 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
         report["first_audio_first"] = settings.first_audio_first
         report["graph_batching"] = graph_batching
         report["graph_order"] = engine.graphs.order_stats()
+        report["graph_flow_batch"] = engine.graphs.flow_batch_stats()  # None: off
         report["session_memory_bytes"] = engine.session_memory_bytes()
         report["peak_rss_mb"] = round(peak_rss_mb(), 1)  # before other bundles load and the reference loads torch
         save_partial(args.json, report)

@@ -1,0 +1,295 @@
+"""Concurrent streams' estimator windows as one batched replay on the engine's
+GPU graph thread, over the batched fixed-shape graphs (batched_flow.py's
+BatchFlowGraphs), with the fixed-shape flow path on (`graph_flow`) and
+`graph_flow_batch`.
+
+A stream's Euler step k keeps its estimator cache in a lane of group k (one
+group per Euler step of the bundle), so streams at the same Euler step of a
+window of the same size can share a replay. Every call is one piece of work on
+the graph thread, submitted with its caller's priority (a first chunk's flow,
+inside `first_audio()`, stays FIRST_AUDIO: graph_thread.py's GraphWorkOrder);
+when a piece runs, it takes its own call and every other call waiting then for
+the same (Euler step, window bucket), runs them as one replay (padded to the
+next exported batch size; a call alone runs the batch-1 graph at its own lane,
+as a stream alone ran before), and hands each caller its rows. A call already
+served by an earlier piece makes its own piece a no-op. Streams join when they
+take lanes and leave when they give them back, between windows; nothing waits
+for partners (no timer): the calls that meet on the queue while the graph
+thread is busy are the ones batched.
+
+Where a stream's step does not fit (no free lane in its group, a window beyond
+the largest, a cache past the batched frames, an fp16 cache), it runs as
+before: today's single-stream fixed-shape slot (the fallback factory), or the
+dynamic graph once its cache has outgrown the fixed shapes (moved by a host
+round trip: rare)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import numpy as np
+from cosyedge_models.backends.base import Session
+from cosyedge_models.backends.fixed_shapes import bucket, prefix_fits, trim_copy, visible_first
+from cosyedge_models.backends.flow_cache import PrefixRows, StepCache, StepCacheSpec
+from cosyedge_models.backends.graph_thread import GraphThread
+from cosyedge_models.backends.ort import OrtSession
+from cosyedge_models.backends.ort_cache import BoundStepCache, DeviceCopier
+from cosyedge_models.batching.batched_flow import CFG_ROWS, BatchFlowGraphs, SlotCall
+from cosyedge_models.errors import SynthesisError
+
+log = logging.getLogger(__name__)
+
+CacheFactory = Callable[[Session, StepCacheSpec], StepCache]  # as models/synthesis/flow.py's
+
+
+@dataclass
+class FlowBatchStats:
+    """What the batching did (bench output, tests)."""
+
+    replays: int = 0  # batched-graph replays
+    rows: int = 0  # stream windows they served
+    shared_replays: int = 0  # replays that served more than one stream
+    peak_batch: int = 0  # most streams in one replay
+    fallbacks: int = 0  # step caches that took the single-stream path (no lane, other shapes)
+    moves: int = 0  # step caches moved to the dynamic graph (outgrew the fixed shapes)
+    batch_sizes: dict[int, int] = field(default_factory=dict)  # streams per replay -> replays
+
+    def as_dict(self) -> dict[str, object]:
+        return {"replays": self.replays, "rows": self.rows, "shared_replays": self.shared_replays,
+                "peak_batch": self.peak_batch, "fallbacks": self.fallbacks, "moves": self.moves,
+                "batch_sizes": dict(sorted(self.batch_sizes.items()))}
+
+
+@dataclass
+class _Pending:
+    call: SlotCall
+    key: tuple[int, int]  # (group, window bucket): what may share a replay
+    future: Future[np.ndarray] = field(default_factory=Future)
+
+
+class FlowBatcher:
+    """The lanes of a BatchFlowGraphs and the calls waiting for a replay."""
+
+    def __init__(self, graphs: BatchFlowGraphs, thread: GraphThread) -> None:
+        self.graphs = graphs
+        self.thread = thread
+        self.stats = FlowBatchStats()
+        self._lock = threading.Lock()
+        self._free = [list(range(graphs.lanes)) for _ in range(graphs.groups)]  # lowest lane first
+        self._pending: list[_Pending] = []
+
+    def acquire(self, group: int) -> int | None:
+        """A free slot of `group` (its lowest lane: batches stay small), reset; None when all are taken."""
+        with self._lock:
+            if not 0 <= group < self.graphs.groups or not self._free[group]:
+                return None
+            lane = self._free[group].pop(0)
+        slot = group * self.graphs.lanes + lane
+        self.graphs.reset(slot)  # its own rows only (a device copy, as a single-stream slot's give-back)
+        return slot
+
+    def release(self, slot: int) -> None:
+        group, lane = divmod(slot, self.graphs.lanes)
+        with self._lock:
+            self._free[group].append(lane)
+            self._free[group].sort()
+
+    def report(self) -> dict[str, object]:
+        """FlowBatchStats as a dict, consistent (bench output)."""
+        with self._lock:
+            return self.stats.as_dict()
+
+    @property
+    def waiting(self) -> int:
+        """Calls waiting for a replay (tests, logs)."""
+        with self._lock:
+            return len(self._pending)
+
+    @property
+    def lanes_in_use(self) -> int:
+        with self._lock:
+            return self.graphs.slots - sum(len(f) for f in self._free)
+
+    def run(self, call: SlotCall) -> np.ndarray:
+        """The call's dphi_dt [2, C, T], from a replay it may share with other streams' calls."""
+        w = bucket(self.graphs.windows, int(call.feeds["x"].shape[2]))
+        if w is None:
+            raise SynthesisError(f"a window of {call.feeds['x'].shape[2]} frames exceeds the batched windows")
+        pending = _Pending(call, (call.slot // self.graphs.lanes, w))
+        with self._lock:
+            self._pending.append(pending)
+        try:
+            self.thread.submit(lambda: self._serve(pending))  # the caller's priority (first audio first)
+        except BaseException:
+            with self._lock:
+                if pending in self._pending:
+                    self._pending.remove(pending)
+            raise
+        return pending.future.result()
+
+    def _serve(self, pending: _Pending) -> None:
+        """On the graph thread: `pending` and every call waiting with its key, as one replay."""
+        with self._lock:
+            if pending not in self._pending:
+                return  # served by an earlier replay
+            batch = [p for p in self._pending if p.key == pending.key][: self.graphs.lanes]
+            for p in batch:
+                self._pending.remove(p)
+        try:
+            outs = self.graphs.run([p.call for p in batch])
+        except BaseException as exc:
+            for p in batch:
+                p.future.set_exception(exc)
+            return
+        n = len(batch)
+        with self._lock:
+            s = self.stats
+            s.replays += 1
+            s.rows += n
+            s.shared_replays += n > 1
+            s.peak_batch = max(s.peak_batch, n)
+            s.batch_sizes[n] = s.batch_sizes.get(n, 0) + 1
+        for p, out in zip(batch, outs, strict=True):
+            p.future.set_result(out)
+
+
+class BatchedStepCache:
+    """StepCache on a lane of the batched graphs; moves to a BoundStepCache over the dynamic
+    graph (host round trip) when a call does not fit the fixed shapes."""
+
+    def __init__(self, batcher: FlowBatcher, slot: int, dynamic: OrtSession, spec: StepCacheSpec,
+                 copier_cache: CacheFactory) -> None:
+        self.spec = spec
+        self._batcher = batcher
+        self._graphs = batcher.graphs
+        self._slot: int | None = slot
+        self._dynamic = dynamic
+        self._moved: StepCache | None = None
+        self._bound = copier_cache  # makes the dynamic-graph cache (BoundStepCache)
+        self._closed = False
+
+    @property
+    def length(self) -> int:
+        if self._moved is not None:
+            return self._moved.length
+        return self._graphs.lengths[self._slot] if self._slot is not None else 0
+
+    @property
+    def on_graph(self) -> bool:
+        return self._slot is not None
+
+    def _move(self) -> StepCache:
+        """To the dynamic graph: the committed rows and the conv history through the host."""
+        slot = self._slot
+        assert slot is not None
+        kv, conv = self._batcher.thread.call(lambda: self._graphs.read_slot(slot))
+        moved = self._bound(self._dynamic, self.spec)
+        first = visible_first(kv.shape[4], self.spec.visible)
+        rows = PrefixRows(np.ascontiguousarray(kv[:, :, :, :, first:].transpose(4, 0, 1, 2, 3, 5)))
+        moved.preload(rows, np.ascontiguousarray(conv.transpose(1, 0, 2, 3)))
+        self._give_back()
+        self._moved = moved
+        with self._batcher._lock:
+            self._batcher.stats.moves += 1
+        log.debug("batched flow cache: %d frames moved to the dynamic estimator", rows.frames)
+        return moved
+
+    def preload(self, rows: PrefixRows, conv: np.ndarray) -> None:
+        """A saved voice's prefix into the lane (one upload, 2 L + 1 device copies on the graph
+        thread); one that leaves no room for a window goes to the dynamic graph."""
+        if self.length or self._moved is not None:
+            raise RuntimeError("preload() on a cache that holds frames")
+        slot = self._slot
+        if slot is None or not prefix_fits(rows.frames, self._graphs.windows, self._graphs.cache_frames):
+            self._move().preload(rows, conv)
+            return
+        kv = np.asarray(rows.host, np.float32).transpose(1, 2, 3, 4, 0, 5)
+        history = np.asarray(conv, np.float32).transpose(1, 0, 2, 3)
+        self._batcher.thread.call(lambda: self._graphs.write_slot(slot, kv, history))
+
+    def run(self, feeds: Mapping[str, np.ndarray], commit: int) -> np.ndarray:
+        if self._closed:
+            raise RuntimeError("flow cache used after close()")
+        frames = int(feeds["x"].shape[2])
+        if self._moved is None and self._slot is not None and not self._graphs.fits(self._slot, frames, commit):
+            self._move()
+        if self._moved is not None:
+            return self._moved.run(feeds, commit)
+        assert self._slot is not None
+        first = visible_first(self.length, self.spec.visible)
+        return self._batcher.run(SlotCall(self._slot, feeds, commit, first))
+
+    def trim(self) -> None:
+        if self._moved is not None:
+            self._moved.trim()
+            return
+        slot = self._slot
+        if slot is None:
+            return
+        move = trim_copy(self.length, self.spec.visible, self._graphs.cache_frames)
+        if move is None:
+            return
+
+        def shift() -> None:  # the last `keep` rows to the front (rare: bounded left context only)
+            kv, conv = self._graphs.read_slot(slot)
+            self._graphs.write_slot(slot, np.ascontiguousarray(kv[:, :, :, :, move.src: move.src + move.frames]),
+                                    conv)
+        self._batcher.thread.call(shift)
+
+    def nbytes(self) -> int:
+        if self._moved is not None:
+            return self._moved.nbytes()
+        return 0 if self._slot is None else self._graphs.slot_bytes
+
+    def _give_back(self) -> None:
+        if self._slot is not None:
+            self._batcher.release(self._slot)
+            self._slot = None
+
+    def close(self) -> None:
+        self._give_back()
+        if self._moved is not None:
+            self._moved.close()
+            self._moved = None
+        self._closed = True
+
+
+class BatchedFlowCaches:
+    """A Backend.flow_cache: a BatchedStepCache for a stream's Euler step (StepCacheSpec.euler_step)
+    while its group has a free lane and the shapes are the batched graphs', else `fallback`
+    (the single-stream fixed-shape slots, or the dynamic graph)."""
+
+    def __init__(self, batcher: FlowBatcher, fallback: CacheFactory, dynamic: CacheFactory) -> None:
+        self.batcher = batcher
+        self._fallback = fallback
+        self._dynamic = dynamic
+        g = batcher.graphs
+        self._shapes = (g.blocks, g.kv_row[0], g.kv_row[2], g.conv_row)
+
+    def matches(self, spec: StepCacheSpec) -> bool:
+        blocks, _, cfg, heads, head_dim = spec.row
+        convs, _, channels, history = spec.conv
+        return (spec.dtype == np.float32 and cfg == CFG_ROWS
+                and (blocks, heads, head_dim, (convs, channels, history)) == self._shapes)
+
+    def __call__(self, session: Session, spec: StepCacheSpec) -> StepCache:
+        if isinstance(session, OrtSession) and self.matches(spec) and spec.euler_step >= 0:
+            slot = self.batcher.acquire(spec.euler_step)
+            if slot is not None:
+                return BatchedStepCache(self.batcher, slot, session, spec, self._dynamic)
+        with self.batcher._lock:
+            self.batcher.stats.fallbacks += 1
+        return self._fallback(session, spec)
+
+
+def dynamic_cache_factory(copier: DeviceCopier) -> CacheFactory:
+    """The dynamic graph's device cache (a moved stream's), over `copier`."""
+    def make(session: Session, spec: StepCacheSpec) -> StepCache:
+        if not isinstance(session, OrtSession):
+            raise SynthesisError(f"batched flow graphs need an onnxruntime estimator session, got {session!r}")
+        return BoundStepCache(session, spec, copier)
+    return make

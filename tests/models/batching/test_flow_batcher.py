@@ -1,0 +1,144 @@
+"""Concurrent streams' estimator windows as one batched replay (models/batching/flow_batcher.py)
+through the engine (graph_flow + graph_flow_batch), on the CPU without capture: the streams
+that meet on the graph thread share a replay, keep their first-chunk priority, and give the
+audio each gives alone; a saved voice's prefix seeded into a lane gives the single-stream
+slot's windows."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from cosyedge_models.backends.factory import create_backend
+from cosyedge_models.backends.flow_cache import PrefixRows, StepCacheSpec
+from cosyedge_models.backends.graph_thread import GraphPriority, GraphThread
+from cosyedge_models.backends.ort_cache import DeviceCopier
+from cosyedge_models.backends.ort_static_flow import StaticFlowGraphs, StaticStepCache
+from cosyedge_models.batching.batched_flow import BatchFlowGraphs, batch_flow_sessions
+from cosyedge_models.batching.flow_batcher import BatchedFlowCaches, BatchedStepCache, FlowBatcher
+from cosyedge_models.bundle.loader import STATIC_FLOW_PREFIX
+from cosyedge_models.synthesis.api import SynthesisRequest
+from cosyedge_models.synthesis.settings import SynthesisSettings
+from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, load_synthesizer
+
+from tests.conftest import STATIC_FLOW_WINDOWS
+from tests.models.batching.test_batched_flow import _feeds
+from tests.models.flow_streams import flow_sessions
+
+TEXTS = ("Hello there, this is the first batched flow stream.", "And here is a second stream, a bit different.")
+
+
+def _audio(eng: CosyVoiceSynthesizer, i: int) -> np.ndarray:
+    return np.concatenate([c.pcm for c in eng.synthesize(SynthesisRequest(text=TEXTS[i], seed=3 + i, stream=True))])
+
+
+def _settings(batch: bool) -> SynthesisSettings:
+    # the encoder on the request threads: the graph thread runs only estimator windows here
+    return SynthesisSettings(backend="ort", threads=1, overlap_stages=False, graph_flow=True, graph_encoder=False,
+                             graph_flow_batch=batch)
+
+
+def test_concurrent_streams_share_replays_and_sound_as_alone(static_flow_bundle: Path) -> None:
+    plain = load_synthesizer(static_flow_bundle, "ort", _settings(False))
+    try:
+        assert plain.graphs.flow_batch is None
+        single = {i: _audio(plain, i) for i in range(2)}  # today's single-stream fixed-shape path
+    finally:
+        plain.close()
+    eng = load_synthesizer(static_flow_bundle, "ort", _settings(True))
+    try:
+        batcher = eng.graphs.flow_batch
+        assert isinstance(batcher, FlowBatcher) and isinstance(eng.flow.cache_factory, BatchedFlowCaches)
+        alone = {i: _audio(eng, i) for i in range(2)}
+        assert batcher.stats.shared_replays == 0 and batcher.stats.replays > 0
+        assert batcher.lanes_in_use == 0  # every lane given back
+        # hold the graph thread until both streams' first windows wait: they meet as one replay
+        seen: dict[str, int] = {}
+
+        def hold() -> None:
+            deadline = time.monotonic() + 120
+            while batcher.waiting < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            seen["waiting"] = batcher.waiting
+            seen["first_audio"] = batcher.thread.pending(GraphPriority.FIRST_AUDIO)
+
+        held = batcher.thread.submit(hold)
+        got: dict[int, np.ndarray] = {}
+        errors: list[BaseException] = []
+
+        def one(i: int) -> None:
+            try:
+                got[i] = _audio(eng, i)
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        held.result(180)
+        for t in threads:
+            t.join(300)
+        assert not errors, errors
+        # both first-chunk windows kept their priority while they waited
+        assert seen == {"waiting": 2, "first_audio": 2}
+        stats = batcher.stats.as_dict()
+        assert stats["shared_replays"] >= 1 and stats["peak_batch"] == 2 and stats["fallbacks"] == 0
+        assert batcher.lanes_in_use == 0
+    finally:
+        eng.close()
+    for i in range(2):
+        assert got[i].shape == alone[i].shape == single[i].shape
+        np.testing.assert_allclose(got[i], alone[i], rtol=0, atol=1e-4)
+        np.testing.assert_allclose(alone[i], single[i], rtol=0, atol=1e-4)
+
+
+def test_a_saved_prefix_in_a_lane_gives_the_single_stream_windows(static_flow_bundle: Path) -> None:
+    """preload() seeds a lane (attention layout) as a StaticSlot (frame-major); the windows after
+    it, a bounded left context's trim and a move to the dynamic graph keep the single-stream results."""
+    sessions, bundle = flow_sessions(static_flow_bundle, "cpu", STATIC_FLOW_PREFIX)
+    backend = create_backend("ort")
+    batched = batch_flow_sessions(bundle, lambda name, path: backend.load(name, path, threads=1))
+    statics = [s for n, s in sessions.items() if n.startswith(STATIC_FLOW_PREFIX)]
+    copier = DeviceCopier("cpu")
+    thread = GraphThread().start()
+    try:
+        single = StaticFlowGraphs(statics, ("cpu", 0), copier, max_slots=1, thread=thread)
+        single.warm_up()
+        graphs = BatchFlowGraphs(batched, ("cpu", 0), copier, groups=2)
+        thread.call(graphs.warm_up)
+        batcher = FlowBatcher(graphs, thread)
+        caches = BatchedFlowCaches(batcher, single, single)
+        spec = StepCacheSpec(single.row, single.conv, np.dtype(np.float32), euler_step=1)
+        chunk = int(bundle.manifest["stages"][f"{STATIC_FLOW_PREFIX}{STATIC_FLOW_WINDOWS[0]}"]["chunk_frames"])
+        channels = int(statics[0].input_shapes["x"][1])
+        rng = np.random.default_rng(4)
+        rows = PrefixRows(rng.standard_normal((2 * chunk, *single.row)).astype(np.float32))
+        conv = rng.standard_normal(single.conv).astype(np.float32)
+        ref = single(sessions["flow_estimator"], spec)
+        got = caches(sessions["flow_estimator"], spec)
+        assert isinstance(ref, StaticStepCache) and isinstance(got, BatchedStepCache)
+        assert got.on_graph and batcher.lanes_in_use == 1
+        for cache in (ref, got):
+            cache.preload(rows, conv)
+        for frames, commit in ((STATIC_FLOW_WINDOWS[0], chunk), (STATIC_FLOW_WINDOWS[1], 2 * chunk)):
+            feeds = _feeds(rng, channels, frames)
+            want = ref.run(feeds, commit)
+            np.testing.assert_allclose(got.run(feeds, commit), want, rtol=0, atol=1e-5 * float(np.abs(want).max()))
+            assert got.length == ref.length
+        # a window beyond the largest moves the stream to the dynamic graph, with its rows
+        feeds = {**_feeds(rng, channels, STATIC_FLOW_WINDOWS[-1] + 8),  # the dynamic graph's inputs too
+                 "chunk_frames": np.full(2, chunk, np.int64), "commit": np.zeros(chunk, np.float32)}
+        want = ref.run(feeds, chunk)
+        np.testing.assert_allclose(got.run(feeds, chunk), want, rtol=0, atol=1e-5 * float(np.abs(want).max()))
+        assert not got.on_graph and batcher.stats.moves == 1 and batcher.lanes_in_use == 0
+        ref.close()
+        got.close()
+        with pytest.raises(RuntimeError, match="after close"):
+            got.run(feeds, 0)
+    finally:
+        thread.close()
+        for s in [*sessions.values(), *batched.values()]:
+            s.close()
