@@ -6,15 +6,18 @@ plainly on the CPU, where it is tested).
 A slot is one stream's estimator cache of one Euler step (as a StaticSlot of
 ort_static_flow.py): rows 2s and 2s + 1 (its guidance pair) of one K/V buffer
 `[L, 2, R, H, F, D]` and of one conv-history buffer `[R, K, Cmax, 2]`, with its
-committed length and first visible frame kept here. A call of batch size B
-serves the slots 0..B-1: every block's `key_cache_<i>` and `key_cache_out_<i>`
-(and the values) are bound to the SAME view `[i, 0|1, 0:2B]`, so the graph
-writes the window's K/V in place; slots of the batch that have no window this
-time are idle (zero inputs, commit 0: their cache and history are untouched,
-their K/V land past their length, where frames are free). The bindings of
-every (B, W) are made once (fixed addresses, so ort-cuda captures each once,
-`gpu_graph_id` per pair). After the call the conv history of rows 0..2B-1 is
-copied back from conv_cache_new by one device copy.
+committed length and first visible frame kept here. The slots come in groups
+of `lanes` (the engine: one group per Euler step, flow_batcher.py); a call of
+batch size B > 1 serves slots of one group at its lanes 0..B-1, and a call of
+one slot runs the B = 1 graph bound at that slot: every block's
+`key_cache_<i>` and `key_cache_out_<i>` (and the values) are bound to the SAME
+view `[i, 0|1, rows]`, so the graph writes the window's K/V in place; lanes of
+the batch that have no window this time are idle (zero inputs, commit 0: their
+cache and history are untouched, their K/V land past their length, where
+frames are free). The bindings of every (B, W, base slot) are made once (fixed
+addresses, so ort-cuda captures each once, its own `gpu_graph_id`). After the
+call the conv history of the call's rows is copied back from conv_cache_new by
+one device copy.
 
 The buffers start zeroed and are only written with K/V of finite inputs, so a
 masked frame is never NaN (an additive mask does not hide a NaN). Like
