@@ -33,7 +33,7 @@ from cosyedge_models.errors import SynthesisError
 log = logging.getLogger(__name__)
 
 # onnxruntime's declared type of the cache I/O -> the buffer's numpy dtype
-KV_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+KV_TYPES: dict[str, type[np.floating]] = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 
 
 class FusedDecodeStep:
@@ -172,7 +172,7 @@ class FusedDecodeStep:
         self._io.clear()
 
 
-def kv_dtype(steps: Mapping[int, OrtSession], insert: OrtSession) -> type[np.generic]:
+def kv_dtype(steps: Mapping[int, OrtSession], insert: OrtSession) -> type[np.floating]:
     """The KV buffer's dtype: the step graphs' declared `past_key_0` type, which
     every step graph and the insert graph's rows must share."""
     found = {f"llm_decode_fused_b{b}": s.input_types["past_key_0"] for b, s in steps.items()}
