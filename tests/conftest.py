@@ -91,17 +91,20 @@ def tiny_static_bundle(tiny_model_dir: Path) -> Path:
 
 STATIC_FLOW_WINDOWS = (64, 160)  # the tiny bundle's fixed-shape flow estimator windows
 STATIC_FLOW_CACHE = 320  # and their cache frames
+BATCH_FLOW_SIZES = (1, 2)  # and the batch sizes of their batched graphs (flow_batch.py)
 
 
 @pytest.fixture(scope="session")
 def static_flow_bundle(tiny_model_dir: Path) -> Path:
-    """The tiny bundle with the fixed-shape flow estimator graphs (build export --static-flow-windows)."""
+    """The tiny bundle with the fixed-shape flow estimator graphs (build export --static-flow-windows),
+    single-stream and batched (--batch-flow-sizes)."""
     from cosyedge_build.export import export_bundle
 
     key = _code_hash("edge_build", "models")
     return _cached_dir("tiny-static-flow-bundle", key,
                        lambda out: export_bundle(tiny_model_dir, out, static_flow_windows=STATIC_FLOW_WINDOWS,
-                                                 static_flow_cache=STATIC_FLOW_CACHE))
+                                                 static_flow_cache=STATIC_FLOW_CACHE,
+                                                 batch_flow_sizes=BATCH_FLOW_SIZES))
 
 
 @pytest.fixture(scope="session")

@@ -18,17 +18,21 @@ log = logging.getLogger(__name__)
 def export_bundle(model_dir: Path, out: Path, static_decode_len: int = 0,
                   static_flow_windows: tuple[int, ...] = (), static_flow_cache: int = 1024,
                   static_vocoder: bool = False, fused_decode_batches: tuple[int, ...] = (),
-                  fused_decode_len: int = 0, fused_decode_precision: str = "fp32") -> Path:
+                  fused_decode_len: int = 0, batch_flow_sizes: tuple[int, ...] = (),
+                  fused_decode_precision: str = "fp32") -> Path:
     """`static_decode_len` > 0 adds the fixed-size decode step (CUDA graphs on ort-cuda) for that many
     positions; `static_flow_windows` the fixed-shape estimator graphs (flow_static.py) over a cache
     of `static_flow_cache` frames, and the streaming encoder's over the same windows
     (flow_encoder_static.py); `static_vocoder` the fixed-length vocoder graphs (hift_static.py);
     `fused_decode_batches` the onnxruntime-fused batched decode step (llm_fused.py) for those batch
     sizes over `fused_decode_len` positions (0: `static_decode_len`, else FUSED_DECODE_LEN), in
-    `fused_decode_precision` (fp16: what onnxruntime's CUDA GroupQueryAttention runs)."""
+    `fused_decode_precision` (fp16: what onnxruntime's CUDA GroupQueryAttention runs);
+    `batch_flow_sizes` (with `static_flow_windows`) the estimator windows batched across that many
+    streams, K/V cache in place (flow_batch.py)."""
     import cosyedge_build.reference.modules as reference
     from cosyedge_build.export import (
         bundle,
+        flow_batch,
         flow_encoder,
         flow_encoder_static,
         flow_estimator,
@@ -69,12 +73,18 @@ def export_bundle(model_dir: Path, out: Path, static_decode_len: int = 0,
                 chunk = int(hyper["flow"]["chunk_tokens"]) * int(hyper["token_mel_ratio"])  # as FlowStream
                 stages.extend(flow_static.export_static_estimators(refs.flow, scratch, list(static_flow_windows),
                                                                    static_flow_cache, chunk))
+                if batch_flow_sizes:
+                    stages.extend(flow_batch.export_batch_estimators(
+                        refs.flow, scratch, list(batch_flow_sizes), list(static_flow_windows), static_flow_cache,
+                        chunk))
                 # and the streaming encoder over the same windows (tokens, look-ahead included)
                 ratio, flow_hyper = int(hyper["token_mel_ratio"]), hyper["flow"]
                 enc_windows = flow_encoder_static.encoder_windows(list(static_flow_windows), ratio,
                                                                   int(flow_hyper["pre_lookahead_len"]))
                 stages.extend(flow_encoder_static.export_static_encoders(
                     refs.flow, scratch, enc_windows, static_flow_cache // ratio, int(flow_hyper["chunk_tokens"])))
+            elif batch_flow_sizes:
+                raise ValueError("batched flow graphs (--batch-flow-sizes) need --static-flow-windows")
             progress.advance("flow estimator")
             stages.extend(hift.export_hift(refs.hift, scratch))
             if static_vocoder:

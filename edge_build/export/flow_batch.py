@@ -1,0 +1,258 @@
+"""Fixed-shape flow estimator windows batched across streams
+(`flow_estimator_batch_b<B>_w<W>`, one graph per batch size B and window W;
+`build export --batch-flow-sizes`), beside the single-stream graphs of
+flow_static.py, which stay as they are.
+
+A call serves B streams: its N = 2B rows are the streams' guidance pairs
+(row 2b conditional, 2b + 1 unconditional, as the single-stream graph's two
+rows), each stream with its own cache length. The K/V cache is kept in
+attention layout, one tensor per transformer block and K|V, `[N, H, F, D]`
+(F = cache_frames + the largest window, see below), and is written in
+place: the graph scatters the window's K/V (every window frame) into each
+row at the row's length (ScatterND) and attends over the whole buffer with a
+per-row additive mask; the runtime binds `key_cache_<i>` and
+`key_cache_out_<i>` (and the values) to the SAME memory, a view of one
+buffer `[L, 2, R, H, F, D]` (rows 0..N-1), so nothing of the cache is
+masked, permuted, split or concatenated per call (the single-stream graph
+does all four). Frames at or past a row's length are free: the window's
+uncommitted frames written there are simply overwritten by the next call,
+and an idle row of a padded batch (length: its own) writes only there too.
+That is why F has the largest window's frames beyond `cache_frames`: a row
+holds at most `cache_frames` committed frames and any window still fits.
+
+Inputs (N = 2B rows, B streams, C channels, W window frames):
+* x, mu, cond [N, C, W], mask [N, 1, W], t [N], spks [N, C]: as the
+  single-stream graph (shorter windows right-padded with mask 0).
+* cache_first, cache_len, commit [B] int64: per stream, the first visible
+  cached frame (bounded left context), the committed frames held, and how
+  many of the window's first frames this call commits (0: the conv history
+  is kept as it is).
+* key_cache_<i>, value_cache_<i> [N, H, F, D] for the L blocks (U-Net order).
+* conv_cache [N, K, Cmax, 2]: the K causal convolutions' history, rows first
+  (so that rows 0..N-1 of the runtime's buffer are one contiguous view).
+Outputs: dphi_dt [N, C, W]; key_cache_out_<i>, value_cache_out_<i> (the
+same buffers, bound in place); conv_cache_new [N, K, Cmax, 2] (where a
+stream commits: the inputs just before its new commit point; elsewhere its
+history unchanged), which the runtime copies over conv_cache."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from cosyedge_build.export.flow_encoder import chunk_allowed
+from cosyedge_build.export.flow_estimator import (
+    _MASK_BIAS,
+    _check_block,
+    _is_causal_conv,
+    _stack,
+    _torch,
+    cache_dims,
+    transformer_blocks,
+)
+from cosyedge_build.export.graphs import StageGraph, TensorSpec, export_stage, module_base
+from cosyedge_models.errors import CheckpointError
+
+BATCH_FLOW_PREFIX = "flow_estimator_batch_b"
+CFG_ROWS = 2  # guidance pair per stream
+
+
+def batch_stage_name(batch: int, window: int) -> str:
+    return f"{BATCH_FLOW_PREFIX}{batch}_w{window}"
+
+
+def buffer_frames(cache_frames: int, windows: list[int]) -> int:
+    """F: committed frames plus room for the largest window past them."""
+    return cache_frames + max(windows)
+
+
+def make_batch_graph(estimator: Any, chunk_frames: int) -> Any:
+    torch = _torch()
+    if type(estimator).__name__ != "CausalConditionalDecoder":
+        raise CheckpointError(f"flow estimator is a {type(estimator).__name__}; expected CausalConditionalDecoder")
+    blocks_all = transformer_blocks(estimator)
+    for block in blocks_all:
+        _check_block(block)
+    dims = cache_dims(estimator)
+    if not dims["stream_cache"]:
+        raise ValueError("batched estimator graphs need a chunk-causal estimator (single-level U-Net)")
+    half = estimator.time_embeddings.dim // 2
+    freqs = torch.exp(torch.arange(half).float() * -(math.log(10000) / (half - 1)))
+    hist, cmax = dims["conv_history"], dims["conv_channels"]
+
+    class BatchEstimatorGraph(module_base()):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.est = estimator
+            self.register_buffer("freqs", freqs, persistent=False)
+
+        def forward(self, x: Any, mask: Any, mu: Any, t: Any, spks: Any, cond: Any, cache_first: Any,
+                    cache_len: Any, commit: Any, conv_cache: Any, *kv: Any) -> tuple[Any, ...]:
+            est = self.est
+            n, w = x.shape[0], x.shape[2]
+            frames = kv[0].shape[2]
+            # per stream -> per row (the guidance pair shares the stream's cache length)
+            first = cache_first.repeat_interleave(CFG_ROWS)
+            length = cache_len.repeat_interleave(CFG_ROWS)
+            commits = commit.repeat_interleave(CFG_ROWS)
+            pos = torch.arange(frames)
+            rel = pos.view(1, -1) - length.view(-1, 1)  # [N, F]: buffer frame - row length
+            # window positions of the buffer frames (clamped where not a window frame)
+            rel_w = torch.clamp(rel, 0, w - 1)
+            write_at = length.view(-1, 1, 1) + torch.arange(w).view(1, 1, -1)  # [N, 1, W]
+            rows_idx = torch.arange(n).view(-1, 1, 1)
+            conv_in: list[Any] = []
+
+            def conv(module: Any, h: Any) -> Any:
+                i = len(conv_in)
+                ext = torch.cat((conv_cache[:, i, : h.shape[1], :], h), dim=2)
+                conv_in.append(ext)
+                return module(ext)[:, :, hist:]
+
+            def causal_block(block: Any, h: Any, m: Any) -> Any:
+                layers = list(block.block)
+                y = conv(layers[0], h * m)
+                for layer in layers[1:]:
+                    y = layer(y)
+                return y * m
+
+            def resnet(r: Any, h: Any, m: Any, temb: Any) -> Any:
+                y = causal_block(r.block1, h, m) + r.mlp(temb).unsqueeze(-1)
+                y = causal_block(r.block2, y, m)
+                return y + r.res_conv(h * m)
+
+            def attn_bias(m: Any) -> Any:
+                """[N, 1, W, F]: the row's visible cached frames, then its window's frames as the
+                single-stream graph sees them (chunk mask over the window, padded keys hidden)."""
+                chunk = torch.full((n,), chunk_frames, dtype=torch.int64)
+                allowed = (m > 0) & chunk_allowed(torch, w, chunk)  # [N, W(query), W(key)]
+                idx = rel_w.view(n, 1, frames).expand(n, w, frames)
+                in_window = torch.gather(allowed, 2, idx) & ((rel >= 0) & (rel < w)).view(n, 1, frames)
+                cached = ((pos.view(1, -1) >= first.view(-1, 1)) & (rel < 0)).view(n, 1, frames)
+                visible = in_window | cached
+                return ((1.0 - visible.float()) * _MASK_BIAS).unsqueeze(1)
+
+            out_kv: list[Any] = []
+
+            def transformer(block: Any, x_: Any, bias: Any, k_cache: Any, v_cache: Any) -> Any:
+                attn = block.attn1
+                b, tw = x_.shape[0], x_.shape[1]
+                nrm = block.norm1(x_)
+                q, k, v = attn.to_q(nrm), attn.to_k(nrm), attn.to_v(nrm)
+                heads = attn.heads
+                hd = q.shape[-1] // heads
+                q = q.view(b, tw, heads, hd).transpose(1, 2)
+                k = k.view(b, tw, heads, hd).transpose(1, 2)  # [N, H, W, D]
+                v = v.view(b, tw, heads, hd).transpose(1, 2)
+                heads_idx = torch.arange(heads).view(1, -1, 1)
+                # the window's K/V into the buffer at the row's length (ScatterND, in place)
+                keys = k_cache.index_put((rows_idx, heads_idx, write_at), k)
+                values = v_cache.index_put((rows_idx, heads_idx, write_at), v)
+                out_kv.extend((keys, values))
+                scores = torch.matmul(q, keys.transpose(-1, -2)) * (1.0 / math.sqrt(hd)) + bias
+                ctx = torch.matmul(torch.softmax(scores, dim=-1), values).transpose(1, 2).reshape(b, tw, heads * hd)
+                x_ = attn.to_out[0](ctx) + x_
+                return block.ff(block.norm3(x_)) + x_
+
+            def level(r: Any, blocks: Any, h: Any, m: Any, temb: Any) -> Any:
+                h = resnet(r, h, m, temb).transpose(1, 2)
+                bias = attn_bias(m)
+                for block in blocks:
+                    j = len(out_kv) // 2
+                    h = transformer(block, h, bias, kv[2 * j], kv[2 * j + 1])
+                return h.transpose(1, 2)
+
+            def sample(module: Any, h: Any) -> Any:
+                return conv(module, h) if _is_causal_conv(module) else module(h)
+
+            temb = 1000.0 * t.unsqueeze(1) * self.freqs.unsqueeze(0)
+            temb = est.time_mlp(torch.cat((temb.sin(), temb.cos()), dim=-1))
+            h = torch.cat((x, mu, spks.unsqueeze(-1).expand(-1, -1, w), cond), dim=1)
+            m = mask
+            for r, blocks, downsample in est.down_blocks:  # one level (stream_cache)
+                h = level(r, blocks, h, m, temb)
+                skip = h
+                h = sample(downsample, h * m)
+            for r, blocks in est.mid_blocks:
+                h = level(r, blocks, h, m, temb)
+            for r, blocks, upsample in est.up_blocks:
+                h = torch.cat((h[:, :, : skip.shape[-1]], skip), dim=1)
+                h = level(r, blocks, h, m, temb)
+                h = sample(upsample, h * m)
+            h = causal_block(est.final_block, h, m)
+            out = est.final_proj(h * m) * mask
+            # per row: the conv inputs just before its new commit point, ext[commit : commit + 2]
+            last = (commits.view(-1, 1, 1) + torch.arange(hist).view(1, 1, -1))  # [N, 1, 2]
+            keep = (commits > 0).view(-1, 1, 1)
+            conv_new = []
+            for i, ext in enumerate(conv_in):
+                picked = torch.gather(ext, 2, last.expand(-1, ext.shape[1], -1))
+                picked = torch.nn.functional.pad(picked, (0, 0, 0, cmax - ext.shape[1]))
+                conv_new.append(torch.where(keep, picked, conv_cache[:, i]))
+            return (out, *out_kv, _stack(torch, conv_new).transpose(0, 1))
+
+    return BatchEstimatorGraph().eval()
+
+
+def kv_names(blocks: int) -> tuple[list[str], list[str]]:
+    """Input and output names of the per-block K/V buffers, in graph order."""
+    ins = [f"{kind}_cache_{i}" for i in range(blocks) for kind in ("key", "value")]
+    return ins, [f"{kind}_cache_out_{i}" for i in range(blocks) for kind in ("key", "value")]
+
+
+def export_batch_estimators(flow: Any, out: Path, batches: list[int], windows: list[int], cache_frames: int,
+                            chunk_frames: int) -> list[StageGraph]:
+    """One graph per (batch size, window) over buffers of buffer_frames() frames."""
+    torch = _torch()
+    estimator = flow.decoder.estimator
+    c = int(estimator.out_channels)
+    dims = cache_dims(estimator)
+    if not dims["stream_cache"]:
+        raise ValueError("batched estimator graphs need a chunk-causal estimator (single-level U-Net)")
+    if cache_frames < 1 or any(w < 1 for w in windows) or any(b < 1 for b in batches) or not windows:
+        raise ValueError(f"batched flow graphs: batch sizes {batches}, windows {windows} and cache "
+                         f"{cache_frames} must be >= 1")
+    frames = buffer_frames(cache_frames, windows)
+    heads, hd, blocks = dims["heads"], dims["head_dim"], dims["blocks"]
+    graph = make_batch_graph(estimator, chunk_frames)
+    kv_in, kv_out = kv_names(blocks)
+    stages = []
+    for b in sorted(set(batches)):
+        n = CFG_ROWS * b
+        conv = (n, dims["convs"], dims["conv_channels"], dims["conv_history"])
+        kv_shape = (n, heads, frames, hd)
+        for w in sorted(set(windows)):
+            stage = StageGraph(
+                batch_stage_name(b, w), f"{batch_stage_name(b, w)}.onnx",
+                [
+                    TensorSpec("x", "float32", (n, c, w)),
+                    TensorSpec("mask", "float32", (n, 1, w)),
+                    TensorSpec("mu", "float32", (n, c, w)),
+                    TensorSpec("t", "float32", (n,)),
+                    TensorSpec("spks", "float32", (n, c)),
+                    TensorSpec("cond", "float32", (n, c, w)),
+                    TensorSpec("cache_first", "int64", (b,)),
+                    TensorSpec("cache_len", "int64", (b,)),
+                    TensorSpec("commit", "int64", (b,)),
+                    TensorSpec("conv_cache", "float32", conv),
+                    *(TensorSpec(name, "float32", kv_shape) for name in kv_in),
+                ],
+                [
+                    TensorSpec("dphi_dt", "float32", (n, c, w)),
+                    *(TensorSpec(name, "float32", kv_shape) for name in kv_out),
+                    TensorSpec("conv_cache_new", "float32", conv),
+                ],
+                {},
+                extra={"batch": b, "window": w, "cache_frames": cache_frames, "buffer_frames": frames,
+                       "chunk_frames": chunk_frames, "cache": dims, "kv_layout": "[L, 2, rows, H, F, D]"},
+            )
+            mask = torch.ones(n, 1, w)
+            mask[:, :, w - w // 4:] = 0  # traced with padding, so nothing folds to "all valid"
+            lens = torch.arange(b, dtype=torch.int64) % max(1, cache_frames // 2) + 1
+            example = (torch.randn(n, c, w), mask, torch.randn(n, c, w), torch.rand(n), torch.randn(n, c),
+                       torch.randn(n, c, w), torch.zeros(b, dtype=torch.int64), lens,
+                       torch.full((b,), max(1, w // 2), dtype=torch.int64), torch.randn(*conv),
+                       *(torch.randn(*kv_shape) for _ in kv_in))
+            stages.append(export_stage(graph, example, out, stage))
+    return stages

@@ -1,0 +1,241 @@
+"""One estimator window for several streams in one call, over the batched
+fixed-shape graphs of edge_build/export/flow_batch.py
+(`flow_estimator_batch_b<B>_w<W>`), on onnxruntime (CUDA graphs on ort-cuda,
+plainly on the CPU, where it is tested).
+
+A slot is one stream's estimator cache of one Euler step (as a StaticSlot of
+ort_static_flow.py): rows 2s and 2s + 1 (its guidance pair) of one K/V buffer
+`[L, 2, R, H, F, D]` and of one conv-history buffer `[R, K, Cmax, 2]`, with its
+committed length and first visible frame kept here. A call of batch size B
+serves the slots 0..B-1: every block's `key_cache_<i>` and `key_cache_out_<i>`
+(and the values) are bound to the SAME view `[i, 0|1, 0:2B]`, so the graph
+writes the window's K/V in place; slots of the batch that have no window this
+time are idle (zero inputs, commit 0: their cache and history are untouched,
+their K/V land past their length, where frames are free). The bindings of
+every (B, W) are made once (fixed addresses, so ort-cuda captures each once,
+`gpu_graph_id` per pair). After the call the conv history of rows 0..2B-1 is
+copied back from conv_cache_new by one device copy.
+
+The buffers start zeroed and are only written with K/V of finite inputs, so a
+masked frame is never NaN (an additive mask does not hide a NaN). Like
+every onnxruntime CUDA-graph replay, run() belongs on the engine's one graph
+thread (models/backends/graph_thread.py); the scheduler that forms the
+batches (which slots, which window) is the caller."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+from cosyedge_models.backends.fixed_shapes import bucket, pad_window
+from cosyedge_models.backends.graph_thread import CAPTURE_RUNS
+from cosyedge_models.backends.ort import OrtSession
+from cosyedge_models.backends.ort_cache import DeviceCopier
+from cosyedge_models.bundle.loader import Bundle
+from cosyedge_models.errors import BundleError, SynthesisError
+
+log = logging.getLogger(__name__)
+
+BATCH_FLOW_PREFIX = "flow_estimator_batch_b"  # as edge_build/export/flow_batch.py names them
+_NAME = re.compile(rf"^{BATCH_FLOW_PREFIX}(\d+)_w(\d+)$")
+CFG_ROWS = 2
+FLOAT_BYTES = 4
+_WINDOW_INPUTS = ("x", "mask", "mu", "cond")  # [2, C|1, T] per stream, padded to the window
+_ROW_INPUTS = ("t", "spks")  # [2] and [2, C] per stream
+_STREAM_INPUTS = ("cache_first", "cache_len", "commit")  # one int64 per stream
+
+
+@dataclass(frozen=True)
+class SlotCall:
+    """One stream's window in a batched call: `feeds` x, mask, mu, cond [2, C|1, T], t [2],
+    spks [2, C] (the guidance pair); its first `commit` frames are committed; `first`: the
+    first cached frame it attends to (bounded left context; 0: all)."""
+
+    slot: int
+    feeds: Mapping[str, np.ndarray]
+    commit: int
+    first: int = 0
+
+
+class _Pair:
+    """The bound inputs and outputs of one (batch size, window) graph."""
+
+    def __init__(self, graphs: BatchFlowGraphs, session: OrtSession, batch: int, window: int, graph_id: int) -> None:
+        kind, dev = graphs.device
+        self.session, self.batch, self.window = session, batch, window
+        rows = CFG_ROWS * batch
+        self.values = {
+            name: ort.OrtValue.ortvalue_from_numpy(
+                np.zeros([int(d) for d in session.input_shapes[name]],
+                         np.int64 if name in _STREAM_INPUTS else np.float32), kind, dev)
+            for name in (*_WINDOW_INPUTS, *_ROW_INPUTS, *_STREAM_INPUTS)
+        }
+        self.values["dphi_dt"] = ort.OrtValue.ortvalue_from_shape_and_type(
+            [int(d) for d in session.output_shapes["dphi_dt"]], np.float32, kind, dev)
+        self.values["conv_cache_new"] = ort.OrtValue.ortvalue_from_shape_and_type(
+            [rows, *graphs.conv_row], np.float32, kind, dev)
+        self.binding = session.io_binding()
+        for name, value in self.values.items():
+            if name in ("dphi_dt", "conv_cache_new"):
+                self.binding.bind_ortvalue_output(name, value)
+            else:
+                self.binding.bind_ortvalue_input(name, value)
+        self.binding.bind_input("conv_cache", kind, dev, np.float32, [rows, *graphs.conv_row], graphs.conv_ptr(0))
+        kv_shape = [rows, *graphs.kv_row]
+        for i in range(graphs.blocks):
+            for k, name in enumerate(("key", "value")):
+                ptr = graphs.kv_ptr(i, k, 0)  # rows 0..2B-1: contiguous
+                self.binding.bind_input(f"{name}_cache_{i}", kind, dev, np.float32, kv_shape, ptr)
+                self.binding.bind_output(f"{name}_cache_out_{i}", kind, dev, np.float32, kv_shape, ptr)
+        self.options = ort.RunOptions()
+        if session.cuda_graph:
+            self.options.add_run_config_entry("gpu_graph_id", str(graph_id))
+
+    def run(self) -> None:
+        self.session.run_bound(self.binding, self.options)
+
+
+class BatchFlowGraphs:
+    """The batched estimator graphs of one engine over `slots` stream slots (0: the largest
+    batch size). `warm_up()` (on the graph thread) before serving captures every pair."""
+
+    def __init__(self, sessions: Mapping[tuple[int, int], OrtSession], device: tuple[str, int],
+                 copier: DeviceCopier, slots: int = 0) -> None:
+        if not sessions:
+            raise ValueError("no batched estimator graphs")
+        self.device = device
+        self.copier = copier
+        self.batch_sizes = sorted({b for b, _ in sessions})
+        self.windows = sorted({w for _, w in sessions})
+        missing = [(b, w) for b in self.batch_sizes for w in self.windows if (b, w) not in sessions]
+        if missing:
+            raise BundleError(f"batched estimator graphs missing for (batch, window) {missing}")
+        self.slots = slots or self.batch_sizes[-1]
+        if self.slots < self.batch_sizes[-1]:
+            raise ValueError(f"slots ({self.slots}) must be >= the largest batch size ({self.batch_sizes[-1]})")
+        first = sessions[(self.batch_sizes[0], self.windows[0])]
+        self.blocks = sum(1 for n in first.input_names if n.startswith("key_cache_"))
+        _, heads, self.buffer_frames, head_dim = (int(d) for d in first.input_shapes["key_cache_0"])
+        self.kv_row = (heads, self.buffer_frames, head_dim)
+        self.conv_row = tuple(int(d) for d in first.input_shapes["conv_cache"][1:])
+        # a row holds at most cache_frames committed frames: the largest window always fits past them
+        self.cache_frames = self.buffer_frames - self.windows[-1]
+        rows = CFG_ROWS * self.slots
+        kind, dev = device
+        self._kv = ort.OrtValue.ortvalue_from_numpy(
+            np.zeros((self.blocks, 2, rows, *self.kv_row), np.float32), kind, dev)
+        self._conv = ort.OrtValue.ortvalue_from_numpy(np.zeros((rows, *self.conv_row), np.float32), kind, dev)
+        self._zero_conv = ort.OrtValue.ortvalue_from_numpy(
+            np.zeros((CFG_ROWS, *self.conv_row), np.float32), kind, dev)
+        self.lengths = [0] * self.slots
+        self._pairs = {
+            key: _Pair(self, sessions[key], key[0], key[1], 1 + n) for n, key in enumerate(sorted(sessions))
+        }
+        self.replays = 0
+
+    def kv_ptr(self, block: int, kind: int, row: int) -> int:
+        row_floats = int(np.prod(self.kv_row))
+        return int(self._kv.data_ptr()) + ((block * 2 + kind) * CFG_ROWS * self.slots + row) * row_floats * FLOAT_BYTES
+
+    def conv_ptr(self, row: int) -> int:
+        return int(self._conv.data_ptr()) + row * int(np.prod(self.conv_row)) * FLOAT_BYTES
+
+    def warm_up(self) -> None:
+        """Every pair with every slot idle (zero inputs, commit 0, lengths 0: nothing
+        committed), CAPTURE_RUNS times where captured; on the graph thread."""
+        for pair in self._pairs.values():
+            for _ in range(CAPTURE_RUNS if pair.session.cuda_graph else 1):
+                pair.run()
+            self._restore_conv(pair)
+
+    def reset(self, slot: int) -> None:
+        """A slot for a new stream: nothing committed, a zero conv history (stale K/V are masked)."""
+        self._check_slot(slot)
+        self.lengths[slot] = 0
+        self.copier.copy(self.conv_ptr(CFG_ROWS * slot), int(self._zero_conv.data_ptr()),
+                         CFG_ROWS * int(np.prod(self.conv_row)) * FLOAT_BYTES)
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.slots:
+            raise ValueError(f"slot {slot} outside 0..{self.slots - 1}")
+
+    def fits(self, slot: int, frames: int, commit: int) -> bool:
+        """Whether a window of `frames` committing `commit` fits the fixed shapes (else the
+        caller runs the stream on the dynamic graph)."""
+        return bucket(self.windows, frames) is not None and self.lengths[slot] + commit <= self.cache_frames
+
+    def run(self, calls: Sequence[SlotCall]) -> list[np.ndarray]:
+        """One batched call for these slots; each call's dphi_dt [2, C, T], in order."""
+        slots = [c.slot for c in calls]
+        if not calls or len(set(slots)) != len(slots):
+            raise ValueError(f"a batched call needs distinct slots, got {slots}")
+        for c in calls:
+            self._check_slot(c.slot)
+            frames = int(c.feeds["x"].shape[2])
+            if not 0 <= c.commit <= frames or not 0 <= c.first <= self.lengths[c.slot]:
+                raise ValueError(f"slot {c.slot}: commit {c.commit} of {frames} frames, first {c.first} of "
+                                 f"{self.lengths[c.slot]} committed")
+            if not self.fits(c.slot, frames, c.commit):
+                raise SynthesisError(f"slot {c.slot}: a window of {frames} frames committing {c.commit} after "
+                                     f"{self.lengths[c.slot]} does not fit windows {self.windows} over "
+                                     f"{self.cache_frames} frames")
+        w = self.windows[bucket(self.windows, max(int(c.feeds["x"].shape[2]) for c in calls)) or 0]
+        b = self.batch_sizes[bucket(self.batch_sizes, max(slots) + 1) or 0]
+        pair = self._pairs[(b, w)]
+        host = {name: np.zeros(pair.values[name].shape(), np.float32) for name in (*_WINDOW_INPUTS, *_ROW_INPUTS)}
+        first = np.zeros(b, np.int64)
+        commit = np.zeros(b, np.int64)
+        for c in calls:
+            rows = slice(CFG_ROWS * c.slot, CFG_ROWS * c.slot + CFG_ROWS)
+            for name in _WINDOW_INPUTS:
+                host[name][rows] = pad_window(c.feeds[name], w)
+            for name in _ROW_INPUTS:
+                host[name][rows] = c.feeds[name]
+            first[c.slot], commit[c.slot] = c.first, c.commit
+        for name, value in host.items():
+            pair.values[name].update_inplace(value)
+        pair.values["cache_first"].update_inplace(first)
+        pair.values["cache_len"].update_inplace(np.array(self.lengths[:b], np.int64))
+        pair.values["commit"].update_inplace(commit)
+        pair.run()
+        self._restore_conv(pair)
+        self.replays += 1
+        for c in calls:
+            self.lengths[c.slot] += c.commit
+        dphi = pair.values["dphi_dt"].numpy()
+        return [np.array(dphi[CFG_ROWS * c.slot: CFG_ROWS * c.slot + CFG_ROWS, :, : c.feeds["x"].shape[2]])
+                for c in calls]
+
+    def _restore_conv(self, pair: _Pair) -> None:
+        """conv_cache_new of rows 0..2B-1 over the history (unchanged where nothing was committed)."""
+        new = pair.values["conv_cache_new"]
+        self.copier.copy(self.conv_ptr(0), int(new.data_ptr()), int(np.prod(new.shape())) * FLOAT_BYTES)
+
+    def slot_cache(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        """Host copies of a slot's committed K/V [L, 2, 2, H, len, D] and conv history [2, K, Cmax, 2]
+        (tests, diagnostics)."""
+        rows = slice(CFG_ROWS * slot, CFG_ROWS * slot + CFG_ROWS)
+        kv = self._kv.numpy()[:, :, rows, :, : self.lengths[slot]]
+        return np.array(kv), np.array(self._conv.numpy()[rows])
+
+
+def batch_flow_sessions(bundle: Bundle, load: Callable[[str, Path], OrtSession]) -> dict[tuple[int, int], OrtSession]:
+    """The bundle's batched estimator graphs (manifest stages `flow_estimator_batch_b<B>_w<W>`),
+    keyed (B, W), each loaded with `load(stage, path)`; empty when the bundle has none."""
+    found = {}
+    for name, entry in bundle.manifest.get("stages", {}).items():
+        m = _NAME.match(str(name))
+        if m:
+            path = bundle.root / str(entry["file"])
+            if not path.is_file():
+                raise BundleError(f"{bundle.root}: stage file {entry['file']} is missing")
+            found[(int(m.group(1)), int(m.group(2)))] = load(str(name), path)
+    if found:
+        log.info("flow estimator: batched graphs for batch sizes %s, windows %s",
+                 sorted({b for b, _ in found}), sorted({w for _, w in found}))
+    return found
