@@ -4,7 +4,10 @@ alone, with rows of different lengths, a stream joining, one leaving, a
 prefill from a saved prefix, and a row above the scheduler's batch size. The
 fp16 graphs (what ort-cuda runs: its GroupQueryAttention is fp16-only) over an
 fp16 buffer: each row's greedy tokens and log-probabilities follow the fp32
-plain loop's alone within fp16's error. With `-m gpu`: both captured on ort-cuda."""
+plain loop's alone within fp16's error. With `-m gpu`: the fp16 graphs captured
+on ort-cuda (the fp32 ones are not run there: onnxruntime's CUDA provider has no
+fp32 GroupQueryAttention, so their attention would fall to the CPU provider and
+the capture be refused; docs/gpu.md)."""
 
 from __future__ import annotations
 
@@ -49,16 +52,6 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
 
 def test_rows_equal_the_plain_loop_alone(fused_dir: Path, tiny_bundle: Path) -> None:
     _compare(fused_dir, tiny_bundle, "cpu", TOLERANCE)
-
-
-@pytest.mark.gpu
-def test_captured_rows_equal_the_plain_loop_alone_on_cuda(fused_dir: Path, tiny_bundle: Path) -> None:
-    """ort-cuda: every batch size captured once (gpu_graph_id), the steps replayed."""
-    import onnxruntime as ort
-
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        pytest.skip("onnxruntime has no CUDAExecutionProvider here")
-    _compare(fused_dir, tiny_bundle, "cuda", 1e-3)
 
 
 def _compare(fused_dir: Path, tiny_bundle: Path, device: str, tolerance: float) -> None:
@@ -129,7 +122,7 @@ def _fused(fused_dir: Path, tiny_bundle: Path, device: str) -> FusedDecodeStep:
 
 
 def test_fp16_rows_follow_the_fp32_plain_loop_alone(fused_dir: Path, tiny_bundle: Path) -> None:
-    _compare_fp16(fused_dir, tiny_bundle, "cpu", FP16_LOGP_TOLERANCE)
+    _compare_fp16(fused_dir, tiny_bundle, "cpu", FP16_LOGP_TOLERANCE, FP16_LOGP_TOLERANCE / 10)
 
 
 @pytest.mark.gpu
@@ -141,7 +134,9 @@ def test_captured_fp16_rows_follow_the_fp32_plain_loop_alone_on_cuda(fused_dir: 
 
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         pytest.skip("onnxruntime has no CUDAExecutionProvider here")
-    _compare_fp16(fused_dir, tiny_bundle, "cuda", 2 * FP16_LOGP_TOLERANCE)  # the fp32 side may use TF32 there
+    # the fp32 side may use TF32 there; and the kernels cuBLAS picks per batch size may sum in
+    # another order, so a row alone and batched may differ by two fp16 steps of the logits
+    _compare_fp16(fused_dir, tiny_bundle, "cuda", 2 * FP16_LOGP_TOLERANCE, FP16_LOGP_TOLERANCE)
 
 
 def test_kv_dtypes_must_agree(fused_dir: Path, tiny_bundle: Path) -> None:
@@ -151,7 +146,7 @@ def test_kv_dtypes_must_agree(fused_dir: Path, tiny_bundle: Path) -> None:
                         _session("llm_prefill", tiny_bundle / "llm_prefill.onnx"), ("cpu", 0))
 
 
-def _compare_fp16(fused_dir: Path, tiny_bundle: Path, device: str, tolerance: float) -> None:
+def _compare_fp16(fused_dir: Path, tiny_bundle: Path, device: str, tolerance: float, alone_tolerance: float) -> None:
     """Three streams (two from the start, one joining into batch size 4) step through
     the fp16 fused graphs, each fed the fp32 plain loop's greedy token (so that one
     near-tie cannot send the two sides down different paths): the fused argmax equals
@@ -214,4 +209,4 @@ def _compare_fp16(fused_dir: Path, tiny_bundle: Path, device: str, tolerance: fl
         n = prompts[row].shape[1]
         for k, batched_logp in enumerate(got[row]):
             logp = alone.step([0], speech[[fed[row][k]]], [n + k], 1)[0]
-            assert float(np.abs(logp - batched_logp).max()) < tolerance / 10, (row, k)
+            assert float(np.abs(logp - batched_logp).max()) < alone_tolerance, (row, k)
