@@ -30,7 +30,7 @@ def build_command(args: argparse.Namespace) -> int:
         flow_batches = tuple(int(b) for b in args.batch_flow_sizes.split(",") if b.strip())
         out = export_bundle(Path(args.model_dir), Path(args.out), args.static_decode_len, windows,
                             args.static_flow_cache, args.static_vocoder, batches, args.fused_decode_len,
-                            flow_batches)
+                            flow_batches, args.fused_decode_precision)
         print(f"exported {args.model_dir} to the bundle {out} in {time.monotonic() - started:.1f} s")
         return 0
     if cmd == "engines":

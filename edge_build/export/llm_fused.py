@@ -16,11 +16,32 @@ GroupQueryAttention updates it in place (past/present share one buffer).
 
 Inputs: `inputs_embeds` [B, 1, D] float32; `seqlens_k` [B] int32, the new
 token's position in its row (= the row's cached length before the step);
-`query_seqlens` [B] int32, 1 for a row that steps and 0 for an idle row
-(its cache is left untouched, its logp is undefined); `past_key_<i>`,
-`past_value_<i>` [B, Hkv, C, hd]. Outputs: `logp` [B, V]; `present_key_<i>`,
-`present_value_<i>` (the same buffers). The plain graphs (llm.py) stay for
-TensorRT, which cannot parse onnxruntime's contrib operators."""
+`past_key_<i>`, `past_value_<i>` [B, Hkv, C, hd]. Outputs: `logp` [B, V]
+float32; `present_key_<i>`, `present_value_<i>` (the same buffers). An idle
+row (in the step's batch, not stepping) gets `seqlens_k` = C - 1: it writes
+its K/V at the last position, which no stream uses (a stream holds at most
+C - 1 positions), and its logp is dropped. (GroupQueryAttention's
+`query_seqlens` input, which would skip such rows, is new in onnxruntime 1.32;
+the device's onnxruntime-gpu 1.31 refuses a graph that uses it.)
+
+Precision (`export_fused_decode(precision=)`, `build export
+--fused-decode-precision`): "fp32", or "fp16", which onnxruntime's CUDA
+provider needs: its GroupQueryAttention kernel is registered for float16 and
+bfloat16 only (onnxruntime/contrib_ops/cuda/bert/group_query_attention.cc,
+REGISTER_KERNEL_TYPED(MLFloat16, ...) / (BFloat16, ...); onnxruntime-genai's
+model builder uses GQA on CUDA only with float16 I/O, "GQA is not currently
+supported for FP32 CUDA", microsoft/onnxruntime-genai#420), so an fp32 graph
+would run every attention on the CPU provider. The fp16 graph is the fp32 one
+through the project's fp16 policy (edge_build/quantize/fp16.py): weights,
+rotary caches, norms, MatMuls, attention and the KV cache in fp16; the final
+LogSoftmax (exp and a sum over the vocabulary) in fp32; `inputs_embeds` stays
+a float32 input and `logp` a float32 output, so the sampler is unchanged. The
+rotary caches are computed in float32 and rounded once (values in [-1, 1]).
+`llm_fused_kv_insert` then casts a prefill's float32 cache into the fp16 rows.
+The stage entry's `kv_cache.dtype` is the buffer's dtype.
+
+The plain graphs (llm.py) stay for TensorRT, which cannot parse onnxruntime's
+contrib operators."""
 
 from __future__ import annotations
 
@@ -38,8 +59,13 @@ log = logging.getLogger(__name__)
 
 FUSED_PREFIX = "llm_decode_fused_b"
 KV_INSERT = "llm_fused_kv_insert"  # a prefill's cache into one slot row of the buffer
+LOGP_NODE = "logp"
 MS_DOMAIN = "com.microsoft"
 FUSED_DECODE_LEN = 1536  # default cache positions: a 512-position prompt and 1,024 speech tokens
+# opset 17's IR version: onnx 1.23's helper writes 14, which the device's onnxruntime-gpu 1.31 refuses
+IR_VERSION = 8
+PRECISIONS = ("fp32", "fp16")
+KV_DTYPES = {"fp32": "float32", "fp16": "float16"}
 
 
 def fused_stage_name(batch: int) -> str:
@@ -64,7 +90,7 @@ def rope_caches(llm: Any, positions: int) -> tuple[np.ndarray, np.ndarray]:
 
 def build_fused_decode(llm: Any, batch: int, positions: int) -> tuple[Any, StageGraph]:
     """The ONNX model of one B-row step over a C-position cache, and its stage spec."""
-    onnx = require("onnx", "onnx", "exporting the LLM")
+    require("onnx", "onnx", "exporting the LLM")
     from onnx import TensorProto, helper, numpy_helper
 
     config = llm.llm.model.config
@@ -86,7 +112,7 @@ def build_fused_decode(llm: Any, batch: int, positions: int) -> tuple[Any, Stage
     cos, sin = rope_caches(llm, positions)
     init("cos_cache", cos)
     init("sin_cache", sin)
-    init("total_sequence_length", np.array(positions, np.int32))  # an upper bound with query_seqlens
+    init("total_sequence_length", np.array(positions, np.int32))  # the longest row: C (an idle row's C - 1 + 1)
     init("logp_shape", np.array([batch, v], np.int64))
 
     def norm_eps(norm: Any) -> float:
@@ -98,8 +124,7 @@ def build_fused_decode(llm: Any, batch: int, positions: int) -> tuple[Any, Stage
                                   ["x_0"], name="ln_in_0", axis=-1, epsilon=norm_eps(first), stash_type=1))
     h = "inputs_embeds"
     inputs = [helper.make_tensor_value_info("inputs_embeds", TensorProto.FLOAT, [batch, 1, d]),
-              helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [batch]),
-              helper.make_tensor_value_info("query_seqlens", TensorProto.INT32, [batch])]
+              helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [batch])]
     outputs = [helper.make_tensor_value_info("logp", TensorProto.FLOAT, [batch, v])]
     cache = [batch, n_kv, positions, hd]
     for i, layer in enumerate(layers):
@@ -115,7 +140,7 @@ def build_fused_decode(llm: Any, batch: int, positions: int) -> tuple[Any, Stage
         nodes.append(helper.make_node(
             "GroupQueryAttention",
             [f"qkv_{i}", "", "", f"past_key_{i}", f"past_value_{i}", "seqlens_k", "total_sequence_length",
-             "cos_cache", "sin_cache", "", "", "", "", "", "", "", "query_seqlens"],
+             "cos_cache", "sin_cache"],
             [f"attn_{i}", f"present_key_{i}", f"present_value_{i}"], name=f"gqa_{i}", domain=MS_DOMAIN,
             num_heads=n_h, kv_num_heads=n_kv, do_rotary=1, rotary_interleaved=0, scale=float(attn.scaling)))
         nodes.append(helper.make_node("MatMul", [f"attn_{i}", init(f"w_o_{i}", _np(attn.o_proj.weight).T)],
@@ -146,11 +171,15 @@ def build_fused_decode(llm: Any, batch: int, positions: int) -> tuple[Any, Stage
         nodes.append(helper.make_node("Add", ["head_mm", init("b_head", _np(head.bias))], ["head_b"]))
     nodes.append(helper.make_node("Reshape", ["head_b" if head.bias is not None else "head_mm", "logp_shape"],
                                   ["logits"]))
-    nodes.append(helper.make_node("LogSoftmax", ["logits"], ["logp"], axis=-1))
-    graph = helper.make_graph(nodes, f"{FUSED_PREFIX}{batch}", inputs, outputs, inits)
+    # named: the fp16 variant keeps it in fp32 (exp and a sum over the vocabulary)
+    nodes.append(helper.make_node("LogSoftmax", ["logits"], ["logp"], name=LOGP_NODE, axis=-1))
+    # the logits' type declared: onnx's shape inference stops at the contrib operators, and the
+    # fp16 converter casts a kept-fp32 node's input only where it knows the input is float
+    graph = helper.make_graph(nodes, f"{FUSED_PREFIX}{batch}", inputs, outputs, inits,
+                              value_info=[helper.make_tensor_value_info("logits", TensorProto.FLOAT, [batch, v])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MS_DOMAIN, 1)],
                               producer_name="cosyedge")
-    model.ir_version = min(model.ir_version, onnx.IR_VERSION)
+    model.ir_version = IR_VERSION
 
     kv = [(i, k) for i in range(n_l) for k in ("key", "value")]
     past_spec = [TensorSpec(f"past_{k}_{i}", "float32", tuple(cache)) for i, k in kv]
@@ -158,10 +187,10 @@ def build_fused_decode(llm: Any, batch: int, positions: int) -> tuple[Any, Stage
     stage = StageGraph(
         fused_stage_name(batch), f"{fused_stage_name(batch)}.onnx",
         [TensorSpec("inputs_embeds", "float32", (batch, 1, d)), TensorSpec("seqlens_k", "int32", (batch,)),
-         TensorSpec("query_seqlens", "int32", (batch,)), *past_spec],
+         *past_spec],
         [TensorSpec("logp", "float32", (batch, v)), *present_spec],
         {}, extra={"batch": batch, "positions": positions, "fused": "onnxruntime",
-                   "kv_cache": {"layout": "[L, 2, R, Hkv, C, hd]", "in_place": True}},
+                   "kv_cache": {"layout": "[L, 2, R, Hkv, C, hd]", "in_place": True, "dtype": "float32"}},
     )
     return model, stage
 
@@ -200,25 +229,78 @@ def build_kv_insert(dims: dict[str, int], positions: int) -> tuple[Any, StageGra
         [helper.make_tensor_value_info("present_kv", TensorProto.FLOAT, [n_l, 2, 1, n_kv, "T", hd])],
         outputs, inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="cosyedge")
+    model.ir_version = IR_VERSION
     stage = StageGraph(KV_INSERT, f"{KV_INSERT}.onnx",
                        [TensorSpec("present_kv", "float32", (n_l, 2, 1, n_kv, "T", hd))], out_specs,
-                       {"T": [1, 128, positions - 1]}, extra={"positions": positions})
+                       {"T": [1, 128, positions - 1]}, extra={"positions": positions, "kv_cache": {"dtype": "float32"}})
     return model, stage
 
 
-def export_fused_decode(llm: Any, out: Path, batches: list[int] | tuple[int, ...], positions: int) -> list[StageGraph]:
+def is_fused_stage(name: str) -> bool:
+    """A stage of the fused decode path (a step graph or the insert graph)."""
+    return name.startswith(FUSED_PREFIX) or name == KV_INSERT
+
+
+def _cache_io(name: str) -> bool:
+    return name.startswith(("past_key_", "past_value_", "present_key_", "present_value_", "row_"))
+
+
+def convert_fused_fp16(src: Path, dst: Path) -> None:
+    """The fp32 fused graph `src` (a step or the insert graph) in fp16 to `dst`:
+    edge_build/quantize/fp16.py's policy with the KV cache I/O in fp16 and the
+    final LogSoftmax kept fp32 (module docstring). The one conversion both
+    `build export --fused-decode-precision fp16` and device_fp16.py use."""
+    onnx = require("onnx", "onnx", "converting the fused LLM step")
+    from cosyedge_build.quantize.fp16 import convert_fp16
+
+    graph = onnx.load(str(src), load_external_data=False).graph
+    cache = [v.name for v in (*graph.input, *graph.output) if _cache_io(v.name)]
+    convert_fp16(src, dst, [n.name for n in graph.node if n.name == LOGP_NODE], cache)
+
+
+def fp16_fields(entry: dict[str, Any]) -> dict[str, Any]:
+    """A fused stage's manifest fields for its fp16 graph: the cache I/O's
+    dtype, `kv_cache.dtype`, `precision` (the rest of the entry is unchanged)."""
+    def io(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{**s, "dtype": "float16"} if _cache_io(s["name"]) else s for s in specs]
+
+    return {"precision": "fp16", "inputs": io(entry["inputs"]), "outputs": io(entry["outputs"]),
+            "kv_cache": {**entry.get("kv_cache", {}), "dtype": KV_DTYPES["fp16"]}}
+
+
+def _as_fp16(stage: StageGraph) -> StageGraph:
+    def specs(items: list[TensorSpec]) -> list[TensorSpec]:
+        return [TensorSpec(t.name, "float16", t.shape) if _cache_io(t.name) else t for t in items]
+
+    extra = {**stage.extra, "precision": "fp16", "kv_cache": {**stage.extra["kv_cache"], "dtype": KV_DTYPES["fp16"]}}
+    return StageGraph(stage.name, stage.file, specs(stage.inputs), specs(stage.outputs), stage.profile,
+                      stage.external_data, extra)
+
+
+def export_fused_decode(llm: Any, out: Path, batches: list[int] | tuple[int, ...], positions: int,
+                        precision: str = "fp32") -> list[StageGraph]:
     """llm_decode_fused_b<B>.onnx for each B (weights inline, one copy per file)
-    and llm_fused_kv_insert.onnx."""
+    and llm_fused_kv_insert.onnx, in `precision` (PRECISIONS)."""
     onnx = require("onnx", "onnx", "exporting the LLM")
+    if precision not in PRECISIONS:
+        raise CheckpointError(f"fused LLM step: precision {precision!r} is not one of {', '.join(PRECISIONS)}")
     stages = []
     for batch in sorted(set(batches)):
         model, stage = build_fused_decode(llm, batch, positions)
         path = Path(out) / stage.file
         onnx.save_model(model, str(path))  # contrib operators: onnx.checker does not know them
-        log.info("exported %s (%.1f MB)", stage.file, path.stat().st_size / 1e6)
         stages.append(stage)
     model, stage = build_kv_insert(llm_dims(llm), positions)
     onnx.save_model(model, str(Path(out) / stage.file))
     onnx.checker.check_model(str(Path(out) / stage.file))
     stages.append(stage)
+    if precision == "fp16":
+        for s in stages:
+            path = Path(out) / s.file
+            tmp = path.with_suffix(".fp16.onnx")
+            convert_fused_fp16(path, tmp)
+            tmp.replace(path)
+        stages = [_as_fp16(s) for s in stages]
+    for s in stages:
+        log.info("exported %s (%s, %.1f MB)", s.file, precision, (Path(out) / s.file).stat().st_size / 1e6)
     return stages

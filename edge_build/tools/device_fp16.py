@@ -7,7 +7,11 @@ tails and arguments; LayerNorm and Softmax in fp16; the flow's time embedding,
 hift_source and the flow encoder kept fp32). The companions (the
 fixed-size decode step, the fixed-shape estimator graphs) are converted as
 `build quantize` converts them (edge_build/quantize/companions.py), and the
-three LLM graphs share one fp16 weight file. The overflow check
+three LLM graphs share one fp16 weight file. The fused batched LLM step
+(`llm_decode_fused_b<B>`, `llm_fused_kv_insert`), where the source has it in
+fp32, gets fp16 variants (edge_build/export/llm_fused.py's conversion: its KV
+cache in fp16, what ort-cuda's GroupQueryAttention runs); fp16 ones are kept as
+they are. The overflow check
 (edge_build/quantize/finite.py) runs the fp16 stage graphs on calibration
 feeds captured from the fp32 bundle (`--check-texts`, 0 skips it) with the
 CUDA provider where there is one, writes the result to DST/fp16_check.json
@@ -27,6 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from cosyedge_build.export.llm_fused import convert_fused_fp16, fp16_fields, is_fused_stage
 from cosyedge_build.export.shared_weights import share_llm_files
 from cosyedge_build.quantize.capture import capture_feeds
 from cosyedge_build.quantize.companions import (
@@ -40,6 +45,7 @@ from cosyedge_build.quantize.fp16 import convert_fp16
 from cosyedge_build.quantize.policy import UNITS
 from cosyedge_build.quantize.texts import calibration_texts
 from cosyedge_build.quantize.writer import add_variants, link_bundle
+from cosyedge_models.bundle.loader import sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +65,29 @@ def fp16_bundle(src: Path, dst: Path) -> Path:
     share_llm_files(dst, {**files, **extra}, "llm_weights.fp16.bin")
     add_variants(dst, "fp16", files, {}, "none (edge_build/tools/device_fp16.py)")
     add_companion_variants(dst, "fp16", extra)
+    add_fused_variants(dst, fused_fp16_variants(src, dst, manifest))
     return dst
+
+
+def fused_fp16_variants(src: Path, dst: Path, manifest: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The fp16 variant entries of the source's fp32 fused decode stages, their
+    graphs written to dst/<stage>.fp16.onnx (fp16 stages need none)."""
+    variants: dict[str, dict[str, Any]] = {}
+    for name, entry in manifest.get("stages", {}).items():
+        if not is_fused_stage(name) or entry.get("kv_cache", {}).get("dtype", "float32") != "float32":
+            continue
+        path = dst / f"{name}.fp16.onnx"
+        convert_fused_fp16(src / entry["file"], path)
+        variants[name] = {"file": path.name, "sha256": sha256_file(path), **fp16_fields(entry)}
+        log.info("converted %s", name)
+    return variants
+
+
+def add_fused_variants(dst: Path, variants: dict[str, dict[str, Any]]) -> None:
+    manifest = json.loads((dst / "manifest.json").read_text())
+    for name, variant in variants.items():
+        manifest["stages"][name].setdefault("variants", {})["fp16"] = variant
+    (dst / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
 
 
 def check_bundle(src: Path, dst: Path, texts: int, backend: str | None = None) -> dict[str, Any]:

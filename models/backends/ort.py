@@ -128,6 +128,9 @@ class OrtSession:
         self.providers = tuple(self._sess.get_providers())
         self.input_shapes = {i.name: tuple(i.shape) for i in self._sess.get_inputs()}
         self.output_shapes = {o.name: tuple(o.shape) for o in self._sess.get_outputs()}
+        # the declared element types, onnxruntime's spelling: "tensor(float)", "tensor(float16)"
+        self.input_types = {i.name: str(i.type) for i in self._sess.get_inputs()}
+        self.output_types = {o.name: str(o.type) for o in self._sess.get_outputs()}
         self.cuda_graph = cuda_graph and self.providers[0] == "CUDAExecutionProvider"
 
     def run(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:

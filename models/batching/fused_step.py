@@ -7,12 +7,16 @@ step binds each layer's `past_key_<i>` and `present_key_<i>` (and the values)
 to the SAME view, `[i, 0|1, 0:B]`, so GroupQueryAttention writes the new K/V
 in place; the bindings of every size are made once (fixed addresses, so
 ort-cuda can capture each size once, `gpu_graph_id` = B). A step therefore
-serves the rows 0..B-1: the rows that step get `query_seqlens` 1, the others
-0 (GroupQueryAttention leaves an idle row's cache untouched). When a
+serves the rows 0..B-1: the idle ones among them get `seqlens_k` C - 1, the
+scratch position no stream holds (a row serves C - 1 positions), so their
+caches below it are untouched. The buffer's dtype is the step graphs'
+declared cache type (float32, or float16 for the fp16 graphs that onnxruntime's
+CUDA GroupQueryAttention needs; edge_build/export/llm_fused.py). When a
 requested row is >= the scheduler's `batch_size`, the step runs the smallest
 captured size that covers it (the scheduler should hand out the lowest free
 rows). A prefill runs the plain dynamic graphs on the caller's thread and
-`llm_fused_kv_insert` copies its cache into the row's views."""
+`llm_fused_kv_insert` copies its float32 cache into the row's views (cast to
+the buffer's dtype there)."""
 
 from __future__ import annotations
 
@@ -28,7 +32,8 @@ from cosyedge_models.errors import SynthesisError
 
 log = logging.getLogger(__name__)
 
-FLOAT_BYTES = 4
+# onnxruntime's declared type of the cache I/O -> the buffer's numpy dtype
+KV_TYPES: dict[str, type[np.floating]] = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 
 
 class FusedDecodeStep:
@@ -46,13 +51,16 @@ class FusedDecodeStep:
         self._device = device
         first = self._steps[self._sizes[0]]
         self._layers = sum(1 for n in first.input_names if n.startswith("past_key_"))
-        _, n_kv, self._positions, hd = (int(d) for d in first.input_shapes["past_key_0"])
+        self._dtype = kv_dtype(self._steps, insert)
+        _, n_kv, cache_len, hd = (int(d) for d in first.input_shapes["past_key_0"])
+        self._scratch = cache_len - 1  # idle rows write here: a row serves positions 0..C-2
+        self._positions = cache_len - 1
         self._hidden = int(first.input_shapes["inputs_embeds"][2])
         self._vocab = int(first.output_shapes["logp"][1])
-        self._row_shape = (n_kv, self._positions, hd)
+        self._row_shape = (n_kv, cache_len, hd)
         shape = (self._layers, 2, self._rows, *self._row_shape)
         kind, dev = device
-        self._buffer = ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float32), kind, dev)
+        self._buffer = ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, self._dtype), kind, dev)
         self._base = int(self._buffer.data_ptr())
         self._capture = {b: s.cuda_graph for b, s in self._steps.items()}
         self._io = {b: self._bind(b) for b in self._sizes}
@@ -73,15 +81,20 @@ class FusedDecodeStep:
     def takes_past(self) -> bool:
         return self._decode is not None
 
+    @property
+    def kv_dtype(self) -> np.dtype:
+        """The KV buffer's element type (the step graphs' declared cache type)."""
+        return np.dtype(self._dtype)
+
     def _ptr(self, layer: int, kind: int, row: int) -> int:
-        row_floats = int(np.prod(self._row_shape))
-        return self._base + ((layer * 2 + kind) * self._rows + row) * row_floats * FLOAT_BYTES
+        row_items = int(np.prod(self._row_shape))
+        return self._base + ((layer * 2 + kind) * self._rows + row) * row_items * np.dtype(self._dtype).itemsize
 
     def _bind(self, b: int) -> tuple[ort.IOBinding, ort.RunOptions, dict[str, ort.OrtValue]]:
         kind, dev = self._device
         session = self._steps[b]
         values = {"inputs_embeds": np.zeros((b, 1, self._hidden), np.float32),
-                  "seqlens_k": np.zeros(b, np.int32), "query_seqlens": np.zeros(b, np.int32)}
+                  "seqlens_k": np.full(b, self._scratch, np.int32)}
         bound = {n: ort.OrtValue.ortvalue_from_numpy(a, kind, dev) for n, a in values.items()}
         bound["logp"] = ort.OrtValue.ortvalue_from_shape_and_type((b, self._vocab), np.float32, kind, dev)
         binding = session.io_binding()
@@ -91,19 +104,19 @@ class FusedDecodeStep:
         for i in range(self._layers):
             for k, name in enumerate(("key", "value")):
                 ptr = self._ptr(i, k, 0)  # rows 0..b-1: contiguous
-                binding.bind_input(f"past_{name}_{i}", kind, dev, np.float32, [b, *self._row_shape], ptr)
-                binding.bind_output(f"present_{name}_{i}", kind, dev, np.float32, [b, *self._row_shape], ptr)
+                binding.bind_input(f"past_{name}_{i}", kind, dev, self._dtype, [b, *self._row_shape], ptr)
+                binding.bind_output(f"present_{name}_{i}", kind, dev, self._dtype, [b, *self._row_shape], ptr)
         options = ort.RunOptions()
         if self._capture[b]:
             options.add_run_config_entry("gpu_graph_id", str(b))
         return binding, options, bound
 
     def warm_up(self) -> None:
-        """Every size with every row idle (caches untouched), CAPTURE_RUNS times where captured."""
+        """Every size with every row idle (caches below the scratch position untouched), CAPTURE_RUNS
+        times where captured."""
         for b in self._sizes:
             binding, options, bound = self._io[b]
-            bound["query_seqlens"].update_inplace(np.zeros(b, np.int32))
-            bound["seqlens_k"].update_inplace(np.zeros(b, np.int32))
+            bound["seqlens_k"].update_inplace(np.full(b, self._scratch, np.int32))
             for _ in range(CAPTURE_RUNS if self._capture[b] else 1):
                 self._steps[b].run_bound(binding, options)
 
@@ -125,7 +138,7 @@ class FusedDecodeStep:
         binding.bind_ortvalue_input("present_kv", present)
         for i in range(self._layers):
             for k, name in enumerate(("key", "value")):
-                binding.bind_output(f"row_{name}_{i}", kind, dev, np.float32, [1, *self._row_shape],
+                binding.bind_output(f"row_{name}_{i}", kind, dev, self._dtype, [1, *self._row_shape],
                                     self._ptr(i, k, row))
         self._insert.run_bound(binding)
         return logp
@@ -141,15 +154,13 @@ class FusedDecodeStep:
             raise SynthesisError(f"fused decode: lengths {list(lengths)} outside 1..{self._positions - 1}")
         b = padded_size(max(batch_size, max(rows) + 1), self._sizes)
         embeds = np.zeros((b, 1, self._hidden), np.float32)
-        seqlens = np.zeros(b, np.int32)
-        active = np.zeros(b, np.int32)
+        seqlens = np.full(b, self._scratch, np.int32)
         x = np.asarray(inputs_embeds, np.float32).reshape(len(rows), self._hidden)
         for j, row in enumerate(rows):
-            embeds[row, 0], seqlens[row], active[row] = x[j], lengths[j], 1
+            embeds[row, 0], seqlens[row] = x[j], lengths[j]
         binding, options, bound = self._io[b]
         bound["inputs_embeds"].update_inplace(embeds)
         bound["seqlens_k"].update_inplace(seqlens)
-        bound["query_seqlens"].update_inplace(active)
         self._steps[b].run_bound(binding, options)
         return np.asarray(bound["logp"].numpy())[rows]
 
@@ -159,3 +170,15 @@ class FusedDecodeStep:
 
     def close(self) -> None:
         self._io.clear()
+
+
+def kv_dtype(steps: Mapping[int, OrtSession], insert: OrtSession) -> type[np.floating]:
+    """The KV buffer's dtype: the step graphs' declared `past_key_0` type, which
+    every step graph and the insert graph's rows must share."""
+    found = {f"llm_decode_fused_b{b}": s.input_types["past_key_0"] for b, s in steps.items()}
+    found["llm_fused_kv_insert"] = insert.output_types["row_key_0"]
+    kinds = set(found.values())
+    if len(kinds) != 1 or (kind := kinds.pop()) not in KV_TYPES:
+        raise SynthesisError(f"fused decode: the graphs' KV cache types differ or are not float32/float16: {found}; "
+                             "export them together (build export --fused-decode-precision)")
+    return KV_TYPES[kind]
