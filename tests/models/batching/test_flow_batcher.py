@@ -138,6 +138,23 @@ def test_a_saved_prefix_in_a_lane_gives_the_single_stream_windows(static_flow_bu
         got.close()
         with pytest.raises(RuntimeError, match="after close"):
             got.run(feeds, 0)
+        # bounded left context: the lane is trimmed (its last `visible` frames to the front) as the slot is
+        bounded = StepCacheSpec(single.row, single.conv, np.dtype(np.float32), visible=chunk, euler_step=0)
+        ref, got = single(sessions["flow_estimator"], bounded), caches(sessions["flow_estimator"], bounded)
+        assert isinstance(ref, StaticStepCache) and isinstance(got, BatchedStepCache) and got.on_graph
+        trimmed = 0
+        for _ in range(8):
+            feeds = _feeds(rng, channels, STATIC_FLOW_WINDOWS[0])
+            want = ref.run(feeds, chunk)
+            np.testing.assert_allclose(got.run(feeds, chunk), want, rtol=0, atol=1e-5 * float(np.abs(want).max()))
+            before = ref.length
+            ref.trim()
+            got.trim()
+            trimmed += ref.length < before
+            assert got.length == ref.length and got.on_graph
+        assert trimmed >= 1
+        ref.close()
+        got.close()
     finally:
         thread.close()
         for s in [*sessions.values(), *batched.values()]:
