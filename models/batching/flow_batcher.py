@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -64,10 +65,18 @@ class FlowBatchStats:
                 "batch_sizes": dict(sorted(self.batch_sizes.items()))}
 
 
+# How long a replay waits for the partners of the stream's last shared replay to submit their
+# next Euler step (they only update x in between, ~0.1 ms): without it the first to come back
+# runs alone on the idle graph thread and the group falls apart step by step. A bound, not a
+# schedule: a partner that does not come (its window ended, it failed) costs at most this.
+PARTNER_WAIT_S = 0.005
+
+
 @dataclass
 class _Pending:
     call: SlotCall
     key: tuple[int, int]  # (group, window bucket): what may share a replay
+    stream: int  # the submitting thread (a stream's Euler steps come from one thread)
     future: Future[np.ndarray] = field(default_factory=Future)
 
 
@@ -81,6 +90,10 @@ class FlowBatcher:
         self._lock = threading.Lock()
         self._free = [list(range(graphs.lanes)) for _ in range(graphs.groups)]  # lowest lane first
         self._pending: list[_Pending] = []
+        self._arrived = threading.Condition(self._lock)  # a call was queued
+        # the streams of the last shared replay that will come back for their next Euler step
+        self._partners: set[int] = set()
+        self.partner_wait_s = PARTNER_WAIT_S
 
     def acquire(self, group: int) -> int | None:
         """A free slot of `group` (its lowest lane: batches stay small), reset; None when all are taken."""
@@ -119,9 +132,10 @@ class FlowBatcher:
         w = bucket(self.graphs.windows, int(call.feeds["x"].shape[2]))
         if w is None:
             raise SynthesisError(f"a window of {call.feeds['x'].shape[2]} frames exceeds the batched windows")
-        pending = _Pending(call, (call.slot // self.graphs.lanes, w))
+        pending = _Pending(call, (call.slot // self.graphs.lanes, w), threading.get_ident())
         with self._lock:
             self._pending.append(pending)
+            self._arrived.notify_all()
         try:
             self.thread.submit(lambda: self._serve(pending))  # the caller's priority (first audio first)
         except BaseException:
@@ -136,9 +150,17 @@ class FlowBatcher:
         with self._lock:
             if pending not in self._pending:
                 return  # served by an earlier replay
+            if pending.stream in self._partners:  # its group's other streams are on their way back
+                deadline = time.monotonic() + self.partner_wait_s
+                while (self._partners - {p.stream for p in self._pending}
+                       and (left := deadline - time.monotonic()) > 0):
+                    self._arrived.wait(left)
             batch = [p for p in self._pending if p.key == pending.key][: self.graphs.lanes]
             for p in batch:
                 self._pending.remove(p)
+            # the members that have a next Euler step come back for it: wait for them then
+            last = pending.key[0] == self.graphs.groups - 1
+            self._partners = {p.stream for p in batch} if len(batch) > 1 and not last else set()
         try:
             outs = self.graphs.run([p.call for p in batch])
         except BaseException as exc:
