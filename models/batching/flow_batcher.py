@@ -36,7 +36,7 @@ import numpy as np
 from cosyedge_models.backends.base import Session
 from cosyedge_models.backends.fixed_shapes import bucket, prefix_fits, trim_copy, visible_first
 from cosyedge_models.backends.flow_cache import PrefixRows, StepCache, StepCacheSpec
-from cosyedge_models.backends.graph_thread import GraphThread
+from cosyedge_models.backends.graph_thread import GraphPriority, GraphThread
 from cosyedge_models.backends.ort import OrtSession
 from cosyedge_models.backends.ort_cache import BoundStepCache, DeviceCopier
 from cosyedge_models.batching.batched_flow import CFG_ROWS, BatchFlowGraphs, SlotCall
@@ -77,6 +77,7 @@ class _Pending:
     call: SlotCall
     key: tuple[int, int]  # (group, window bucket): what may share a replay
     stream: int  # the submitting thread (a stream's Euler steps come from one thread)
+    priority: GraphPriority  # its piece's on the graph thread
     future: Future[np.ndarray] = field(default_factory=Future)
 
 
@@ -132,7 +133,8 @@ class FlowBatcher:
         w = bucket(self.graphs.windows, int(call.feeds["x"].shape[2]))
         if w is None:
             raise SynthesisError(f"a window of {call.feeds['x'].shape[2]} frames exceeds the batched windows")
-        pending = _Pending(call, (call.slot // self.graphs.lanes, w), threading.get_ident())
+        pending = _Pending(call, (call.slot // self.graphs.lanes, w), threading.get_ident(),
+                           self.thread.current_priority())
         with self._lock:
             self._pending.append(pending)
             self._arrived.notify_all()
@@ -150,7 +152,10 @@ class FlowBatcher:
         with self._lock:
             if pending not in self._pending:
                 return  # served by an earlier replay
-            if pending.stream in self._partners:  # its group's other streams are on their way back
+            # its group's other streams are on their way back; not while another stream's first
+            # audio waits behind a later chunk's window
+            if pending.stream in self._partners and (pending.priority is GraphPriority.FIRST_AUDIO
+                                                     or not self.thread.pending(GraphPriority.FIRST_AUDIO)):
                 deadline = time.monotonic() + self.partner_wait_s
                 while (self._partners - {p.stream for p in self._pending}
                        and (left := deadline - time.monotonic()) > 0):
