@@ -155,6 +155,13 @@ def test_a_saved_prefix_in_a_lane_gives_the_single_stream_windows(static_flow_bu
         assert trimmed >= 1
         ref.close()
         got.close()
+        # more streams than lanes: the rest take the single-stream path, as without batching
+        made = [caches(sessions["flow_estimator"], bounded) for _ in range(graphs.lanes + 1)]
+        assert [isinstance(c, BatchedStepCache) for c in made] == [True] * graphs.lanes + [False]
+        assert batcher.stats.fallbacks == 1 and batcher.lanes_in_use == graphs.lanes
+        for cache in made:
+            cache.close()
+        assert batcher.lanes_in_use == 0
     finally:
         thread.close()
         for s in [*sessions.values(), *batched.values()]:
