@@ -314,6 +314,16 @@ class BatchFlowGraphs:
         return self.read_slot(slot)
 
 
+def lane_bytes(sessions: Mapping[tuple[int, int], OrtSession], groups: int) -> int:
+    """Device memory of one lane in every group (one stream's caches): its K/V rows of every block
+    and its conv history, fp32."""
+    first = sessions[min(sessions)]
+    blocks = sum(1 for n in first.input_names if n.startswith("key_cache_"))
+    kv = int(np.prod([int(d) for d in first.input_shapes["key_cache_0"][1:]]))
+    conv = int(np.prod([int(d) for d in first.input_shapes["conv_cache"][1:]]))
+    return groups * CFG_ROWS * (2 * blocks * kv + conv) * FLOAT_BYTES
+
+
 def batch_flow_sessions(bundle: Bundle, load: Callable[[str, Path], SessionT]) -> dict[tuple[int, int], SessionT]:
     """The bundle's batched estimator graphs (manifest stages `flow_estimator_batch_b<B>_w<W>`),
     keyed (B, W), each loaded with `load(stage, path)`; empty when the bundle has none."""

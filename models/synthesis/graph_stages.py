@@ -168,7 +168,7 @@ class GraphStages:
             log.info("graph_flow_batch: off, it needs graph_flow's fixed-shape estimator graphs on onnxruntime")
             return None
         from cosyedge_models.backends.ort import OrtSession
-        from cosyedge_models.batching.batched_flow import BatchFlowGraphs, batch_flow_sessions
+        from cosyedge_models.batching.batched_flow import BatchFlowGraphs, batch_flow_sessions, lane_bytes
         from cosyedge_models.batching.flow_batcher import BatchedFlowCaches, FlowBatcher, dynamic_cache_factory
 
         loaded = batch_flow_sessions(self.bundle, lambda name, _path: self._load(name))
@@ -179,9 +179,20 @@ class GraphStages:
                                   "'cosyedge build export --static-flow-windows W,... --batch-flow-sizes 1,2,...'")
             return None  # a wrapped backend (tests)
         flow = self.flow
+        groups = self.bundle.flow.n_timesteps
+        lanes = max(b for b, _ in sessions)
+        if flow.device[0] == "cuda":  # the lanes that fit in a quarter of the GPU's memory, as graph_flow's auto
+            from cosyedge_models.backends.fixed_shapes import AUTO_DEVICE_FRACTION, device_total_bytes
+
+            per_lane, total = lane_bytes(sessions, groups), device_total_bytes(flow.device[1])
+            lanes = min(lanes, int(total * AUTO_DEVICE_FRACTION) // per_lane) if total else lanes
+            if lanes < 2:
+                log.warning("graph_flow_batch: off, a stream's batched caches take %.1f GB and two do not fit in "
+                            "%.0f%% of the GPU's %.1f GB (export a smaller --static-flow-cache)", per_lane / 1e9,
+                            AUTO_DEVICE_FRACTION * 100, total / 1e9)
+                return None
         thread = self._thread("flow")
-        graphs = thread.call(lambda: BatchFlowGraphs(sessions, flow.device, flow.copier,
-                                                     groups=self.bundle.flow.n_timesteps))
+        graphs = thread.call(lambda: BatchFlowGraphs(sessions, flow.device, flow.copier, lanes, groups))
         thread.call(graphs.warm_up)  # captures now, before any request runs
         self.flow_batch = FlowBatcher(graphs, thread)
         log.info("flow estimator: batched windows %s for batch sizes %s, %d streams, %d cached frames",

@@ -17,7 +17,7 @@ from cosyedge_models.backends.flow_cache import PrefixRows, StepCacheSpec
 from cosyedge_models.backends.graph_thread import GraphPriority, GraphThread
 from cosyedge_models.backends.ort_cache import DeviceCopier
 from cosyedge_models.backends.ort_static_flow import StaticFlowGraphs, StaticStepCache
-from cosyedge_models.batching.batched_flow import BatchFlowGraphs, batch_flow_sessions
+from cosyedge_models.batching.batched_flow import BatchFlowGraphs, batch_flow_sessions, lane_bytes
 from cosyedge_models.batching.flow_batcher import BatchedFlowCaches, BatchedStepCache, FlowBatcher
 from cosyedge_models.bundle.loader import STATIC_FLOW_PREFIX
 from cosyedge_models.synthesis.api import SynthesisRequest
@@ -108,6 +108,7 @@ def test_a_saved_prefix_in_a_lane_gives_the_single_stream_windows(static_flow_bu
         single = StaticFlowGraphs(statics, ("cpu", 0), copier, max_slots=1, thread=thread)
         single.warm_up()
         graphs = BatchFlowGraphs(batched, ("cpu", 0), copier, groups=2)
+        assert lane_bytes(batched, 2) == 2 * graphs.slot_bytes  # what the engine budgets a stream on a GPU
         thread.call(graphs.warm_up)
         batcher = FlowBatcher(graphs, thread)
         caches = BatchedFlowCaches(batcher, single, single)
