@@ -20,6 +20,9 @@
 #          first audio, each first chunk's stage times and the graph thread's counters
 #   profile onnxruntime's profile of one streaming synthesis with the saved voice, the fixed-shape
 #          graphs run without capture: time per stage and operator type (models/tools/ort_profile.py)
+#   batch  continuous batching: cosyedge bench with --graph-batching (the LLM steps of every running stream
+#          in one replay, the fused fp16 graphs where the bundle has them) and --graph-flow-batch (the
+#          streams' estimator windows in one replay), concurrency $CONCURRENCY (default 1,8,16): bench_h200_batch.json
 #   bench16 the same concurrency levels on the fp16 bundle (--concurrency-only)
 #   cloud  the cloud Triton model under load (python -m cosyedge_cloud.tools.loadtest): tritonserver (on PATH or
 #          nvidia-pytriton in $COSYEDGE_TRITON_VENV) and mosquitto on this machine, the full bundle on ort-cuda,
@@ -40,7 +43,8 @@
 # Environment: WHEELS (default .whl), ORT_PARTS (/tmp/ort), PYCUDA_SDIST_DIR
 # (.device/pycuda), FULL_DIR (/tmp/full), BENCH_ARGS (extra bench flags, e.g.
 # --voice NAME), VOICE_WAV / VOICE_TEXT / VOICE_NAME (a recording, its transcript and the
-# name it is saved under in both bundles, default en8), STATIC_FLOW_WINDOWS (64,128,640), STATIC_FLOW_CACHE (1024), GPU_TESTS (a subset
+# name it is saved under in both bundles, default en8), STATIC_FLOW_WINDOWS (64,128,640), STATIC_FLOW_CACHE (1024), FUSED_BATCHES (1,2,4,8,16: the fused fp16 LLM step), BATCH_FLOW_SIZES
+# (1,8: the batched estimator windows), GPU_TESTS (a subset
 # of the -m gpu test files, to repeat one), CONCURRENCY, FP16=0 (no fp16 bundle: for steps
 # that do not use it, when device time is short).
 set -euo pipefail
@@ -84,6 +88,8 @@ fi
 if [ ! -f "$full/bundle/manifest.json" ]; then
   python3 -m cosyedge_daemon build export --model-dir "$full/ckpt" --out "$full/bundle" --static-decode-len 1536 \
     --static-flow-windows "${STATIC_FLOW_WINDOWS:-64,128,640}" --static-flow-cache "${STATIC_FLOW_CACHE:-1024}" --static-vocoder \
+    --fused-decode-batches "${FUSED_BATCHES:-1,2,4,8,16}" --fused-decode-precision fp16 \
+    --batch-flow-sizes "${BATCH_FLOW_SIZES:-1,8}" \
     >>"$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
 fi
 if [ "${FP16:-1}" = 1 ] && [ ! -f "$full/fp16/manifest.json" ]; then
@@ -130,6 +136,12 @@ for step in ${steps//,/ }; do
         --json "$out/bench_h200.json" 2>&1 | grep -v -i warn > "$out/bench.log" || { tail -40 "$out/bench.log"; exit 1; }
       python3 -m cosyedge_build.tools.device_summary "$out/bench_h200.json"
       stamp "bench done" ;;
+    batch)
+      timeout "${BENCH_TIMEOUT_S:-480}" python3 -m cosyedge_daemon -v bench --bundle "$full/bundle" --backend ort-cuda \
+        --graph-batching --batching 16 --graph-flow-batch --concurrency "${CONCURRENCY:-1,8,16}" --concurrency-only \
+        ${BENCH_ARGS:-} --json "$out/bench_h200_batch.json" 2>&1 | grep -v -i warn > "$out/batch.log" \
+        || { tail -40 "$out/batch.log"; exit 1; }
+      stamp "batch done" ;;
     bench16)
       # the fp16 bundle's streams at each concurrency (the bench step compares it at concurrency 1)
       timeout "${BENCH_TIMEOUT_S:-480}" python3 -m cosyedge_daemon -v bench --bundle "$full/fp16" --backend ort-cuda \
@@ -187,6 +199,6 @@ for step in ${steps//,/ }; do
       python3 -m cosyedge_models.tools.ort_profile /tmp/prof --top 14 --json "$out/profile.json" | tee "$out/profile.txt"
       stamp "profile done" ;;
     setup) ;;  # the setup above only (bundles and the voice ready for other commands)
-    *) echo "unknown step $step (setup, tests, probe, first, profile, bench, bench16, fp16, threads, memory, load)"; exit 2 ;;
+    *) echo "unknown step $step (setup, tests, probe, first, profile, bench, batch, bench16, fp16, threads, memory, load)"; exit 2 ;;
   esac
 done
