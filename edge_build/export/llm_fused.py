@@ -53,12 +53,11 @@ import numpy as np
 from cosyedge_build.export.graphs import StageGraph, TensorSpec
 from cosyedge_build.export.llm import llm_dims
 from cosyedge_build.reference.modules import require
+from cosyedge_models.batching.fused_step import FUSED_PREFIX, KV_INSERT  # the names the runtime looks for
 from cosyedge_models.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
-FUSED_PREFIX = "llm_decode_fused_b"
-KV_INSERT = "llm_fused_kv_insert"  # a prefill's cache into one slot row of the buffer
 LOGP_NODE = "logp"
 MS_DOMAIN = "com.microsoft"
 FUSED_DECODE_LEN = 1536  # default cache positions: a 512-position prompt and 1,024 speech tokens

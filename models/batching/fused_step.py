@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
@@ -32,6 +34,8 @@ from cosyedge_models.errors import SynthesisError
 
 log = logging.getLogger(__name__)
 
+FUSED_PREFIX = "llm_decode_fused_b"  # the stage names (edge_build/export/llm_fused.py writes them)
+KV_INSERT = "llm_fused_kv_insert"  # a prefill's cache into one slot row of the buffer
 # onnxruntime's declared type of the cache I/O -> the buffer's numpy dtype
 KV_TYPES: dict[str, type[np.floating]] = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 
@@ -182,3 +186,52 @@ def kv_dtype(steps: Mapping[int, OrtSession], insert: OrtSession) -> type[np.flo
         raise SynthesisError(f"fused decode: the graphs' KV cache types differ or are not float32/float16: {found}; "
                              "export them together (build export --fused-decode-precision)")
     return KV_TYPES[kind]
+
+
+def fused_kv_dtypes(cuda: bool) -> tuple[str, ...]:
+    """The fused graphs' KV dtypes a provider runs, preferred first. ort-cuda: float16
+    only (onnxruntime's CUDA GroupQueryAttention has float16/bfloat16 kernels only, so
+    an fp32 graph's attention would run on the CPU provider and its capture be
+    refused; docs/gpu.md). The CPU: float32, else float16 (it has both kernels)."""
+    return ("float16",) if cuda else ("float32", "float16")
+
+
+def fused_entries(manifest: Mapping[str, Any], dtype: str) -> dict[str, dict[str, Any]]:
+    """The bundle's fused stages (`llm_decode_fused_b<B>` and `llm_fused_kv_insert`) whose
+    KV cache is `dtype` ("float32" / "float16", the entry's `kv_cache.dtype`): each stage's
+    own entry or one of its variants (the variant's fields over the entry's, as the loader
+    merges them). {} unless step graphs and the insert graph are all there in that dtype."""
+    found: dict[str, dict[str, Any]] = {}
+    for name, entry in manifest.get("stages", {}).items():
+        if not (str(name).startswith(FUSED_PREFIX) or name == KV_INSERT) or not isinstance(entry, dict):
+            continue
+        for candidate in (entry, *({**entry, **v} for v in entry.get("variants", {}).values())):
+            if candidate.get("kv_cache", {}).get("dtype", "float32") == dtype:
+                found[name] = candidate
+                break
+    has_steps = any(n.startswith(FUSED_PREFIX) for n in found)
+    return found if has_steps and KV_INSERT in found else {}
+
+
+def load_fused_step(root: Path, manifest: Mapping[str, Any], prefill: OrtSession, providers: Sequence[str],
+                    device: tuple[str, int], threads: int | None = None, rows: int = 0,
+                    decode: OrtSession | None = None) -> FusedDecodeStep | None:
+    """The bundle's fused batched step for `providers` (fused_kv_dtypes: fp16 graphs on
+    ort-cuda, each batch size captured; fp32 preferred on the CPU), or None when the
+    bundle has none that the provider runs (the reason is logged). `prefill` (and
+    `decode`, for a saved prefix) are the engine's plain LLM sessions."""
+    cuda = bool(providers) and providers[0] == "CUDAExecutionProvider"
+    wanted = fused_kv_dtypes(cuda)
+    entries: dict[str, dict[str, Any]] = {}
+    for dtype in wanted:
+        entries = fused_entries(manifest, dtype)
+        if entries:
+            break
+    if not entries:
+        log.info("fused decode: the bundle has no fused step graphs in %s (build export --fused-decode-batches "
+                 "with --fused-decode-precision %s)", " or ".join(wanted), "fp16" if cuda else "fp32")
+        return None
+    steps = {int(e["batch"]): OrtSession(name, root / e["file"], providers, device[1], threads, cuda_graph=cuda)
+             for name, e in entries.items() if name.startswith(FUSED_PREFIX)}
+    insert = OrtSession(KV_INSERT, root / entries[KV_INSERT]["file"], providers, device[1], threads)
+    return FusedDecodeStep(steps, insert, prefill, device, rows, decode)

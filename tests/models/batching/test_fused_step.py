@@ -12,12 +12,13 @@ the capture be refused; docs/gpu.md)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from cosyedge_models.backends.ort import BoundDecodeLoop, OrtSession
 from cosyedge_models.batching.batched_step import BatchedDecodeStep
-from cosyedge_models.batching.fused_step import FusedDecodeStep
+from cosyedge_models.batching.fused_step import FusedDecodeStep, fused_entries, fused_kv_dtypes, load_fused_step
 from cosyedge_models.errors import SynthesisError
 
 POSITIONS = 40
@@ -210,3 +211,43 @@ def _compare_fp16(fused_dir: Path, tiny_bundle: Path, device: str, tolerance: fl
         for k, batched_logp in enumerate(got[row]):
             logp = alone.step([0], speech[[fed[row][k]]], [n + k], 1)[0]
             assert float(np.abs(logp - batched_logp).max()) < alone_tolerance, (row, k)
+
+
+def _manifest(fp32: bool, fp16: bool) -> dict[str, Any]:
+    """Fused stage entries over fused_dir's files: fp32 as the stage, fp16 as its variant
+    (or the stage, when there is no fp32), the fields the export writes."""
+    stages: dict[str, Any] = {}
+    for name, batch in [(f"llm_decode_fused_b{b}", b) for b in (1, 2, 4)] + [("llm_fused_kv_insert", None)]:
+        extra = {"batch": batch} if batch else {}
+        f32 = {"file": f"{name}.onnx", "precision": "fp32", "kv_cache": {"dtype": "float32"}, **extra}
+        f16 = {"file": f"fp16/{name}.onnx", "precision": "fp16", "kv_cache": {"dtype": "float16"}, **extra}
+        if fp32:
+            stages[name] = {**f32, "variants": {"fp16": f16}} if fp16 else f32
+        elif fp16:
+            stages[name] = f16
+    return {"stages": {"llm_decode": {"file": "llm_decode.onnx"}, **stages}}
+
+
+def test_fused_entries_follow_the_provider() -> None:
+    both = _manifest(fp32=True, fp16=True)
+    assert fused_kv_dtypes(cuda=True) == ("float16",)
+    assert {n: e["file"] for n, e in fused_entries(both, "float16").items()} == {
+        **{f"llm_decode_fused_b{b}": f"fp16/llm_decode_fused_b{b}.onnx" for b in (1, 2, 4)},
+        "llm_fused_kv_insert": "fp16/llm_fused_kv_insert.onnx"}
+    assert fused_entries(both, "float32")["llm_decode_fused_b2"]["file"] == "llm_decode_fused_b2.onnx"
+    assert fused_entries(_manifest(fp32=True, fp16=False), "float16") == {}
+    no_insert = _manifest(fp32=False, fp16=True)
+    del no_insert["stages"]["llm_fused_kv_insert"]
+    assert fused_entries(no_insert, "float16") == {}
+
+
+def test_load_fused_step_picks_the_graphs_the_provider_runs(fused_dir: Path, tiny_bundle: Path) -> None:
+    prefill = _session("llm_prefill", tiny_bundle / "llm_prefill.onnx")
+    cpu = ["CPUExecutionProvider"]
+    step = load_fused_step(fused_dir, _manifest(fp32=True, fp16=True), prefill, cpu, ("cpu", 0))
+    assert step is not None and step.kv_dtype == np.float32 and step.batch_sizes == (1, 2, 4)
+    step = load_fused_step(fused_dir, _manifest(fp32=False, fp16=True), prefill, cpu, ("cpu", 0))
+    assert step is not None and step.kv_dtype == np.float16
+    # ort-cuda with fp32 fused graphs only: none (no session is made, so this runs without a GPU)
+    cuda = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    assert load_fused_step(fused_dir, _manifest(fp32=True, fp16=False), prefill, cuda, ("cuda", 0)) is None
