@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One H200 lease as a detached plan: device_run.sh's steps one after another
+# under setsid, so that the device tool's 10-minute limit per call does not cut
+# the setup or a bench; later calls only wait and collect (docs/gpu.md, "How to
+# repeat"). Run from the repository root on the GPU machine, with onnxruntime-gpu's
+# parts in /tmp/ort and the voice recording at $VOICE_WAV:
+#   edge_build/tools/device_plan.sh start     copies the tree to /tmp/repo, starts the plan
+#   edge_build/tools/device_plan.sh wait N    waits up to N s, prints progress; copies results to $OUT
+# PLAN (default below): "outdir steps [VAR=value ...]" entries separated by ";", "+" for a space in a value.
+set -uo pipefail
+res=/tmp/r
+case ${1:?start or wait} in
+  start)
+    rm -rf /tmp/repo "$res" && mkdir -p /tmp/repo "$res" && cp -a . /tmp/repo/
+    plan=${PLAN:-"d setup,first;e bench BENCH_ARGS=--voice+en8+--first-chunk+15:6 CONCURRENCY=1,8,16 BENCH_TIMEOUT_S=600;f batch BENCH_ARGS=--voice+en8 CONCURRENCY=1,8,16;g tests GPU_TESTS=tests/models/batching/test_fused_step.py+tests/models/batching/test_flow_batcher_gpu.py+tests/models/batching/test_graph_batcher.py+tests/edge_build/tools/test_fp16_gpu.py+tests/models/backends/test_graph_thread.py;h fp16"}
+    echo "$plan" >"$res/plan"
+    setsid nohup bash -c '
+      cd /tmp/repo
+      IFS=";" read -ra entries <"'"$res"'/plan"
+      for e in "${entries[@]}"; do
+        read -ra w <<<"$e"; d=${w[0]}; s=${w[1]}
+        vars=(); for kv in "${w[@]:2}"; do vars+=("${kv//+/ }"); done
+        echo "$(date +%T) start $d $s" >>'"$res"'/status
+        env "${vars[@]}" edge_build/tools/device_run.sh '"$res"'/$d "$s" >'"$res"'/$d.log 2>&1
+        echo "$(date +%T) end $d rc=$?" >>'"$res"'/status
+      done
+      echo done >>'"$res"'/status' >/dev/null 2>&1 </dev/null &
+    echo started ;;
+  wait)
+    end=$(( $(date +%s) + ${2:-500} ))
+    while [ "$(date +%s)" -lt "$end" ] && ! grep -q '^done' "$res/status" 2>/dev/null; do sleep 5; done
+    cat "$res/status"; for f in "$res"/*.log; do echo "== $f"; grep -v " INFO " "$f" | tail -8; done
+    if [ -n "${OUT:-}" ]; then
+      find "$res" -name "*.json" -newer "$res/plan" -size -15M | head -7 | xargs -r cp -t "$OUT"
+      tar czf "$OUT/logs.tgz" -C "$res" --exclude="*.wav" --exclude="*.json" . 2>/dev/null
+    fi ;;
+esac
