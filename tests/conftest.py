@@ -89,6 +89,20 @@ def tiny_static_bundle(tiny_model_dir: Path) -> Path:
                        lambda out: export_bundle(tiny_model_dir, out, static_decode_len=STATIC_DECODE_LEN))
 
 
+FUSED_DECODE_BATCHES = (1, 2)  # the fused batched LLM step's batch sizes in fused_bundle
+
+
+@pytest.fixture(scope="session")
+def fused_bundle(tiny_model_dir: Path) -> Path:
+    """The tiny bundle with the fused batched LLM step (build export --fused-decode-batches), fp32."""
+    from cosyedge_build.export import export_bundle
+
+    key = _code_hash("edge_build", "models")
+    return _cached_dir("tiny-fused-bundle", key,
+                       lambda out: export_bundle(tiny_model_dir, out, fused_decode_batches=FUSED_DECODE_BATCHES,
+                                                 fused_decode_len=STATIC_DECODE_LEN))
+
+
 STATIC_FLOW_WINDOWS = (64, 160)  # the tiny bundle's fixed-shape flow estimator windows
 STATIC_FLOW_CACHE = 320  # and their cache frames
 BATCH_FLOW_SIZES = (1, 2)  # and the batch sizes of their batched graphs (flow_batch.py)

@@ -165,6 +165,24 @@ def slots_that_fit(requested: int, per_request_bytes: int, device_bytes: int,
     return plan_batches(requested, per_request_bytes, device_bytes, fraction=fraction).slots
 
 
+# The batched estimator lanes (graph_flow_batch) may take up to half the GPU, and no more than
+# FREE_FRACTION of what is free when they are allocated: on a shared GPU another process's
+# memory is not ours (a quarter of the total failed there with 70 GB held elsewhere).
+BATCH_LANE_FRACTION = 0.5
+FREE_FRACTION = 0.8
+
+
+def batch_lanes(batch_sizes: Sequence[int], per_lane_bytes: int, total_bytes: int, free_bytes: int,
+                fraction: float = BATCH_LANE_FRACTION) -> int:
+    """The lanes (streams) of the batched estimator graphs on a GPU: the largest exported batch
+    size whose lanes (`per_lane_bytes` each) fit in `fraction` of `total_bytes` and in
+    FREE_FRACTION of `free_bytes` (a batch of 2..lanes streams pads to an exported size, so the
+    lanes are one); 1 where only one fits, 0 where none does."""
+    budget = min(int(total_bytes * fraction), int(max(free_bytes, 0) * FREE_FRACTION))
+    plan = plan_batches(max(batch_sizes), per_lane_bytes, budget, sizes=batch_sizes, fraction=1.0)
+    return max(plan.batch_sizes, default=0)
+
+
 def device_total_bytes(device_id: int) -> int:
     """The GPU's memory as the driver reports it (0: not found)."""
     from cosyedge_models.backends.gpu_probe import probe_gpu

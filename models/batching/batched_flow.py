@@ -138,8 +138,9 @@ class BatchFlowGraphs:
         if self.batch_sizes[0] != 1:
             raise BundleError(f"batched estimator graphs need batch size 1 (a stream alone), got {self.batch_sizes}")
         self.lanes = lanes or self.batch_sizes[-1]
-        if not 1 <= self.lanes <= self.batch_sizes[-1] or groups < 1:
-            raise ValueError(f"lanes ({self.lanes}) must be 1..{self.batch_sizes[-1]} (the largest batch size) "
+        # lanes is an exported batch size: a call of 2..lanes streams pads to a size that stays in its group
+        if self.lanes not in self.batch_sizes or groups < 1:
+            raise ValueError(f"lanes ({self.lanes}) must be one of the batch sizes {self.batch_sizes} "
                              f"and groups ({groups}) >= 1")
         self.groups = groups
         self.slots = self.lanes * groups

@@ -173,7 +173,12 @@ class FusedDecodeStep:
         return np.array(self._buffer.numpy()[:, :, row, :, :length])
 
     def close(self) -> None:
+        """Its bindings and the step and insert sessions it was given (the prefill and decode
+        sessions are the engine's)."""
         self._io.clear()
+        for session in (*self._steps.values(), self._insert):
+            session.close()
+        self._steps.clear()
 
 
 def kv_dtype(steps: Mapping[int, OrtSession], insert: OrtSession) -> type[np.floating]:

@@ -27,6 +27,7 @@ import numpy as np
 from cosyedge_models.backends.graph_thread import GraphThread
 from cosyedge_models.backends.ort_graph_decode import GraphDecoder
 from cosyedge_models.batching.batched_step import BatchedDecodeStep
+from cosyedge_models.batching.fused_step import FusedDecodeStep
 from cosyedge_models.batching.group import GroupGate, RequestGroup
 from cosyedge_models.batching.iteration import IterationScheduler, IterationSettings
 from cosyedge_models.batching.llm_batcher import _END, BatchStats, TokenStream, _as_engine_error, _Request
@@ -199,26 +200,37 @@ class GraphBatcher(BatchWorker):
                 self._leave(key, error)
 
 
-def start_graph_batcher(lm: SpeechTokenLM, batching: BatchSettings | None,
-                        prefills_between_steps: int) -> GraphBatcher | None:
-    """The engine's iteration-level batcher over its fixed-size decode slots (LoopedGraphStep), or
-    None: batching off or no fixed-size decode (the dynamic-graph batcher serves then). A
-    max_batch_size beyond the slots is lowered to them (every stream needs its own cache row)."""
-    decoder = lm.fixed_size_decode
+def start_graph_batcher(lm: SpeechTokenLM, batching: BatchSettings | None, prefills_between_steps: int,
+                        fused: FusedDecodeStep | None = None,
+                        fused_thread: GraphThread | None = None) -> GraphBatcher | None:
+    """The engine's iteration-level batcher over `fused` (the bundle's fused batched step, run on
+    `fused_thread`) where given, else over its fixed-size decode slots (LoopedGraphStep), or
+    None: batching off or neither (the dynamic-graph batcher serves then). A max_batch_size
+    beyond the step's rows is lowered to them (every stream needs its own cache row)."""
     if batching is None:
         return None
-    if not isinstance(decoder, GraphDecoder) or decoder.disabled is not None:
-        log.info("LLM graph batching: no fixed-size decode (%s); the dynamic-graph batcher serves the batch",
-                 "disabled at load" if isinstance(decoder, GraphDecoder) else "graph_decode off or not in the bundle")
-        return None
-    step = LoopedGraphStep(decoder, min(batching.max_batch_size, decoder.slots))
+    step: BatchedDecodeStep
+    if fused is not None:
+        if fused_thread is None:
+            raise ValueError("a fused step runs on the graph thread that captured it: give fused_thread")
+        step, thread, close = fused, fused_thread, fused.close
+    else:
+        decoder = lm.fixed_size_decode
+        if not isinstance(decoder, GraphDecoder) or decoder.disabled is not None:
+            log.info("LLM graph batching: no fused step and no fixed-size decode (%s); the dynamic-graph "
+                     "batcher serves the batch", "disabled at load" if isinstance(decoder, GraphDecoder) else
+                     "graph_decode off or not in the bundle")
+            return None
+        looped = LoopedGraphStep(decoder, min(batching.max_batch_size, decoder.slots))
+        step, thread, close = looped, decoder.thread, looped.close
     if step.rows < batching.max_batch_size:
-        log.warning("LLM graph batching: max_batch_size %d lowered to the %d fixed-size decode slots "
-                    "(graph_decode_slots)", batching.max_batch_size, step.rows)
+        log.warning("LLM graph batching: max_batch_size %d lowered to the step's %d rows (%s)",
+                    batching.max_batch_size, step.rows,
+                    "the fused graphs' largest batch size" if fused is not None else "graph_decode_slots")
         batching = dataclasses.replace(batching, max_batch_size=step.rows, preferred_batch_sizes=tuple(
             s for s in batching.preferred_batch_sizes if s <= step.rows))
     settings = IterationSettings(batching, step.batch_sizes, step.rows, prefills_between_steps)
-    return GraphBatcher(lm, step, decoder.thread, settings, on_stop=step.close).start()
+    return GraphBatcher(lm, step, thread, settings, on_stop=close).start()
 
 
 def _emit(request: _Request, token: int | None) -> None:

@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # onnxruntime is imported only where a stage is on (the trt b
     from cosyedge_models.backends.tensorrt.static_flow import TrtStaticFlow
     from cosyedge_models.backends.tensorrt.static_vocoder import TrtStaticVocoder
     from cosyedge_models.batching.flow_batcher import BatchedFlowCaches, FlowBatcher
+    from cosyedge_models.batching.fused_step import FusedDecodeStep
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +132,34 @@ class GraphStages:
         self.decode.warm_up()  # captures now, before any request runs
         return self._loaded("decode", t0, self.decode)
 
+    def fused_step(self, prefill: Session, decode: Session | None = None) -> FusedDecodeStep | None:
+        """With graph_batching on onnxruntime: the bundle's fused batched LLM step (the fp16 graphs
+        on ort-cuda, fused_step.load_fused_step), captured now on the decode graph thread, for the
+        engine's iteration-level batcher; None where the bundle has none the provider runs."""
+        t0 = time.perf_counter()
+        if not self.settings.graph_batching or not self.backend_name.startswith("ort"):
+            return None
+        from cosyedge_models.backends.ort import OrtSession
+        from cosyedge_models.batching.fused_step import load_fused_step
+
+        if not isinstance(prefill, OrtSession):
+            return None  # a wrapped backend (tests): the looped step
+        device = ("cuda", prefill.device_id) if prefill.on_device else ("cpu", 0)
+        step = load_fused_step(self.bundle.root, self.bundle.manifest, prefill, prefill.providers, device,
+                               self.settings.threads, decode=decode if isinstance(decode, OrtSession) else None)
+        if step is None:
+            return None
+        try:
+            self._thread("decode").call(step.warm_up)  # captures each batch size now, before any request runs
+        except Exception as exc:  # as a refused capture of another stage: off, the looped step serves
+            step.close()
+            log.warning("LLM decode: the fused batched step failed its warm-up/capture, off (%s: %s)",
+                        type(exc).__name__, exc)
+            return None
+        log.info("LLM decode: fused batched step for batch sizes %s, %d rows of %d positions, KV %s",
+                 list(step.batch_sizes), step.rows, step.positions, step.kv_dtype)
+        return self._loaded("fused_decode", t0, step)
+
     def static_flow(self) -> StaticFlowGraphs | TrtStaticFlow | None:
         """The fixed-shape estimator graphs (onnxruntime) or engines (trt), captured now, or
         None (not with flow batching)."""
@@ -181,15 +210,20 @@ class GraphStages:
         flow = self.flow
         groups = self.bundle.flow.n_timesteps
         lanes = max(b for b, _ in sessions)
-        if flow.device[0] == "cuda":  # the lanes that fit in a quarter of the GPU's memory, as graph_flow's auto
-            from cosyedge_models.backends.fixed_shapes import AUTO_DEVICE_FRACTION, device_total_bytes
+        if flow.device[0] == "cuda":  # the lanes that fit the GPU's memory now (batch_lanes)
+            from cosyedge_models.backends.fixed_shapes import BATCH_LANE_FRACTION, batch_lanes, device_total_bytes
+            from cosyedge_models.backends.gpu_probe import device_memory_used
 
             per_lane, total = lane_bytes(sessions, groups), device_total_bytes(flow.device[1])
-            lanes = min(lanes, int(total * AUTO_DEVICE_FRACTION) // per_lane) if total else lanes
+            used = device_memory_used(flow.device[1])
+            if total:
+                free = total - used if used is not None else total
+                lanes = batch_lanes(sorted({b for b, _ in sessions}), per_lane, total, free)
             if lanes < 2:
                 log.warning("graph_flow_batch: off, a stream's batched caches take %.1f GB and two do not fit in "
-                            "%.0f%% of the GPU's %.1f GB (export a smaller --static-flow-cache)", per_lane / 1e9,
-                            AUTO_DEVICE_FRACTION * 100, total / 1e9)
+                            "%.0f%% of the GPU's %.1f GB nor in the %.1f GB free (export a smaller "
+                            "--static-flow-cache)", per_lane / 1e9, BATCH_LANE_FRACTION * 100, total / 1e9,
+                            (total - (used or 0)) / 1e9)
                 return None
         thread = self._thread("flow")
         graphs = thread.call(lambda: BatchFlowGraphs(sessions, flow.device, flow.copier, lanes, groups))

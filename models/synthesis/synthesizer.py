@@ -151,7 +151,9 @@ class CosyVoiceSynthesizer(SynthesizerDefaults):
         # The LLM batch on the fixed-shape step (iteration-level scheduler), else on the dynamic graphs.
         self.batcher: LlmBatcher | GraphBatcher | None = None
         if settings.graph_batching:
-            self.batcher = start_graph_batcher(self.lm, settings.batching, settings.llm_prefills_between_steps)
+            fused = self.graphs.fused_step(self.lm.prefill_session, decode) if settings.batching else None
+            self.batcher = start_graph_batcher(self.lm, settings.batching, settings.llm_prefills_between_steps,
+                                               fused, self.graphs.threads.get("decode"))
         if self.batcher is None:
             self.batcher = start_batcher(bundle, backend.name, self.lm, settings.batching)
         self._producers: ProducerPool | None = None

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from cosyedge_models.batching.graph_batcher import GraphBatcher
 from cosyedge_models.batching.policy import BatchSettings
 from cosyedge_models.bundle.loader import Bundle, load_bundle
 from cosyedge_models.bundle.memory_budget import BOARDS, MIB, bundle_budget
@@ -284,7 +285,9 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
     load_ms = round((time.perf_counter() - t_load) * 1e3, 1)  # with every CUDA-graph capture
     # the iteration-level LLM batcher: asked for, and which batcher the engine runs (GraphBatcher or not)
     graph_batching = {"on": settings.graph_batching, "prefills_between_steps": settings.llm_prefills_between_steps,
-                      "engine_batcher": type(engine.batcher).__name__ if engine.batcher else None}
+                      "engine_batcher": type(engine.batcher).__name__ if engine.batcher else None,
+                      # the step it drives: FusedDecodeStep (the bundle's fused graphs) or LoopedGraphStep
+                      "step": type(engine.batcher.step).__name__ if isinstance(engine.batcher, GraphBatcher) else None}
     stack = contextlib.ExitStack()
     try:
         if voice is not None:

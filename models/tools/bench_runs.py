@@ -5,6 +5,7 @@ percentiles, the slowest stream's RTF; the LLM alone with --llm-only). Used by
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -15,6 +16,8 @@ from cosyedge_models.synthesis.api import StageEvent, SynthesisRequest
 from cosyedge_models.synthesis.llm import LlmInput
 from cosyedge_models.synthesis.sampling import TokenSampler
 from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer
+
+log = logging.getLogger(__name__)
 
 
 def bench_request(text: str, stream: bool, seed: int, voice: str | None = None) -> SynthesisRequest:
@@ -71,31 +74,47 @@ def order_delta(before: dict[str, dict[str, Any]], after: dict[str, dict[str, An
 
 
 def run_concurrent(engine: CosyVoiceSynthesizer, text: str, n: int, stream: bool = True,
-                   voice: str | None = None) -> dict[str, float]:
-    results: list[dict[str, Any]] = [{} for _ in range(n)]
+                   voice: str | None = None) -> dict[str, Any]:
+    """n requests at once: completed requests/s, first-audio percentiles, the slowest stream's RTF,
+    the batchers' mean batch, the graph threads' order counters; `failed` (and the first `errors`):
+    requests that raised, left out of the figures."""
+    runs: list[dict[str, Any]] = [{} for _ in range(n)]
+    errors: list[str] = []
     before = {b.name: (b.stats.runs, b.stats.calls) for b in engine.stage_batchers}
+    llm_before = (engine.batcher.stats.steps, engine.batcher.stats.shared_steps) if engine.batcher else (0, 0)
     order_before = engine.graphs.order_stats()
 
     def worker(i: int) -> None:
-        results[i] = run_once(engine, text, stream=stream, seed=1000 + i, voice=voice)
+        try:
+            runs[i] = run_once(engine, text, stream=stream, seed=1000 + i, voice=voice)
+        except Exception as exc:  # a failed request is a figure of the level, not the end of the bench
+            log.error("bench request %d of %d failed: %s", i + 1, n, exc, exc_info=True)
+            errors.append(f"{type(exc).__name__}: {exc}")
 
     wall = run_parallel(n, worker)
+    results = [r for r in runs if r]  # the requests that completed
     firsts = [r["first_audio_ms"] for r in results if r.get("first_audio_ms") is not None]
     tokens = sum(int(r["stages_ms"].get("llm_tokens", 0)) for r in results)
     audio = sum(r["audio_s"] for r in results)
-    out = {
-        "requests_per_s": round(n / wall, 4),
+    out: dict[str, Any] = {
+        "requests_per_s": round(len(results) / wall, 4),  # completed requests
         "tokens_per_s": round(tokens / wall, 2),
         "first_audio_ms_p50": round(float(np.percentile(firsts, 50)), 1) if firsts else float("nan"),
         "first_audio_ms_p95": round(float(np.percentile(firsts, 95)), 1) if firsts else float("nan"),
         "rtf": round(wall / audio, 4) if audio else float("nan"),  # all streams' wall over all their audio
         # the slowest stream's own RTF: above 1, some listener heard gaps
         "stream_rtf_max": round(max(float(r["rtf"]) for r in results), 4) if results else float("nan"),
+        "failed": len(errors),
     }
+    if errors:
+        out["errors"] = sorted(set(errors))[:5]
     for b in engine.stage_batchers:
         # requests per graph run at this level (1.0: nothing merged)
-        runs, calls = b.stats.runs - before[b.name][0], b.stats.calls - before[b.name][1]
-        out[f"{b.name}_mean_batch"] = round(calls / runs, 3) if runs else 0.0
+        graph_runs, calls = b.stats.runs - before[b.name][0], b.stats.calls - before[b.name][1]
+        out[f"{b.name}_mean_batch"] = round(calls / graph_runs, 3) if graph_runs else 0.0
+    if engine.batcher is not None:  # LLM decode steps at this level and those that served several streams
+        out["llm_steps"] = engine.batcher.stats.steps - llm_before[0]
+        out["llm_shared_steps"] = engine.batcher.stats.shared_steps - llm_before[1]
     out.update(order_delta(order_before, engine.graphs.order_stats()))  # (no graph thread: nothing)
     return out
 

@@ -16,6 +16,7 @@ from cosyedge_models.backends.fixed_shapes import (
     AUTO_DEVICE_FRACTION,
     BatchPlan,
     RowCopy,
+    batch_lanes,
     bucket,
     commit_copy,
     commit_index,
@@ -90,6 +91,19 @@ def test_slots_that_fit_and_request_bytes() -> None:
     assert slots_that_fit(8, int(4.7 * gb), 8 * gb) == 0
     assert slots_that_fit(3, 0, 0) == 3
     assert flow_request_bytes((320, 2, 2, 2, 4, 8), (3, 2, 16, 2), 10) == 10 * 4 * (320 * 256 + 192)
+
+
+def test_batch_lanes_are_an_exported_size_that_fits_total_and_free_memory() -> None:
+    gb = 10**9
+    lane = int(7.6 * gb)  # the full-size estimator's lane over 10 Euler steps (H200 run, 2026-12-03)
+    # half of an idle H200: eight lanes
+    assert batch_lanes([1, 8], lane, 143 * gb, 140 * gb) == 8
+    # 70 GB held by another process: the free memory bounds it, and without a size between 1 and 8, off
+    assert batch_lanes([1, 8], lane, 143 * gb, 73 * gb) == 1
+    assert batch_lanes([1, 2, 4, 8], lane, 143 * gb, 73 * gb) == 4
+    assert batch_lanes([1, 2, 4, 8], lane, 8 * gb, 8 * gb) == 0  # an 8 GB board: not one lane
+    assert batch_lanes([1, 2, 4, 8, 16], 1 << 20, 8 * gb, 4 * gb) == 16  # the tiny model's lanes fit anywhere
+    assert batch_lanes([1, 2], lane, 143 * gb, -1) == 0  # a driver that reports more used than total
 
 
 def test_plan_batches_fits_slots_and_captured_sizes() -> None:

@@ -44,6 +44,8 @@ def test_batched_slots_equal_each_stream_alone(static_flow_bundle: Path) -> None
     thread = GraphThread().start()
     single = StaticFlowGraphs(statics, ("cpu", 0), copier, max_slots=4, thread=thread)
     single.warm_up()
+    with pytest.raises(ValueError, match=r"lanes \(3\) must be one of the batch sizes \[1, 2\]"):
+        BatchFlowGraphs(batched, ("cpu", 0), copier, lanes=3)  # a batch of 3 would pad past its group
     graphs = BatchFlowGraphs(batched, ("cpu", 0), copier)
     graphs.warm_up()
     assert graphs.slots == 2 and graphs.cache_frames == STATIC_FLOW_CACHE

@@ -5,8 +5,10 @@ stream through the same batcher alone, and the steps really share graphs."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 from cosyedge_models.backends.graph_thread import GraphThread
 from cosyedge_models.backends.ort import OrtSession
@@ -14,9 +16,13 @@ from cosyedge_models.batching.fused_step import FusedDecodeStep
 from cosyedge_models.batching.graph_batcher import GraphBatcher
 from cosyedge_models.batching.iteration import IterationSettings
 from cosyedge_models.batching.policy import BatchSettings
+from cosyedge_models.synthesis.api import SynthesisRequest
 from cosyedge_models.synthesis.llm import LlmInput
 from cosyedge_models.synthesis.sampling import TokenSampler
-from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer
+from cosyedge_models.synthesis.settings import SynthesisSettings
+from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, load_synthesizer
+
+from tests.conftest import FUSED_DECODE_BATCHES
 
 POSITIONS = 256
 TEXTS = ["Hello world one two.", "A quick fox", "A", "Numbers today"]
@@ -64,3 +70,37 @@ def test_fused_batches_give_each_stream_its_tokens_alone(engine: CosyVoiceSynthe
     assert all(alone.values()) and together == alone
     assert batcher.stats.shared_steps > 0 and batcher.stats.steps - alone_steps < alone_steps
     assert batcher.stats.peak_batch >= 3
+
+
+def test_the_engine_batches_on_the_bundles_fused_step(fused_bundle: Path) -> None:
+    """graph_batching with a bundle that has the fused step graphs: the engine's batcher runs on
+    FusedDecodeStep (no fixed-size decode needed), captured at load on the decode graph thread;
+    two concurrent seeded requests give the audio each gives alone, sharing steps."""
+    settings = SynthesisSettings(threads=1, graph_batching=True, batching=BatchSettings(max_batch_size=8))
+    engine = load_synthesizer(fused_bundle, settings=settings)
+    try:
+        batcher = engine.batcher
+        assert isinstance(batcher, GraphBatcher) and isinstance(batcher.step, FusedDecodeStep)
+        assert engine.lm.fixed_size_decode is None and "fused_decode" in engine.graphs.load_seconds
+        assert batcher.step.batch_sizes == FUSED_DECODE_BATCHES and batcher.step.kv_dtype == np.float32
+        # lowered to the largest fused batch size: every stream needs a row
+        assert batcher.scheduler.settings.batch.max_batch_size == FUSED_DECODE_BATCHES[-1]
+
+        def audio(seed: int) -> np.ndarray:
+            return np.concatenate([c.pcm for c in engine.synthesize(SynthesisRequest(text=TEXTS[0], seed=seed))])
+
+        alone = {seed: audio(seed) for seed in (3, 5)}
+        assert batcher.stats.shared_steps == 0
+        together: dict[int, np.ndarray] = {}
+        threads = [threading.Thread(target=lambda s=seed: together.__setitem__(s, audio(s))) for seed in (3, 5)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert batcher.stats.shared_steps > 0
+        for seed in (3, 5):
+            assert together[seed].shape == alone[seed].shape
+            np.testing.assert_allclose(together[seed], alone[seed], atol=1e-4)
+    finally:
+        engine.close()
+    assert not batcher.step._steps  # its sessions closed with the engine

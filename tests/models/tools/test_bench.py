@@ -52,7 +52,8 @@ def test_bench_json_with_first_hop_and_compare(tiny_bundle: Path, fp16_variant: 
     assert r["overlap_stages"] is resolve_overlap(None, "ort", os.cpu_count())
     assert r["fixed_size_decode"] is False  # the tiny bundle has no fixed-size step
     assert set(r["concurrency"]["1"]) == {"requests_per_s", "tokens_per_s", "first_audio_ms_p50",
-                                          "first_audio_ms_p95", "rtf", "stream_rtf_max"}
+                                          "first_audio_ms_p95", "rtf", "stream_rtf_max", "failed"}
+    assert r["concurrency"]["1"]["failed"] == 0
     assert r["concurrency"]["1"]["stream_rtf_max"] > 0
     cost = r["streaming_cost_vs_offline"]
     assert cost["target_s"] == 2 and cost["audio_s"] > 0 and cost["ratio"] > 0 and cost["max_length_s"] > 0
@@ -88,7 +89,7 @@ def test_bench_concurrency_only_offline_and_streaming_with_flow_batching(tiny_bu
     r: dict[str, Any] = json.loads(out.read_text())
     assert r["graph_flow_batch"] is None  # asked for, but no fixed-shape flow windows here (flow batching)
     # asked for, but without --batching (and a fixed-size decode step in the bundle) no LLM batcher runs
-    assert r["graph_batching"] == {"on": True, "prefills_between_steps": 2, "engine_batcher": None}
+    assert r["graph_batching"] == {"on": True, "prefills_between_steps": 2, "engine_batcher": None, "step": None}
     assert r["flow_batching"]["max_batch_size"] == 2 and r["flow_batching"]["max_queue_delay_ms"] == 1.0
     assert "rtf" not in r and "timeline" not in r  # only the concurrency runs
     for key in ("concurrency", "concurrency_offline"):
@@ -135,6 +136,28 @@ def test_a_bench_stopped_part_way_keeps_what_it_measured(tiny_bundle: Path, tmp_
     assert r["complete"] is False and r["rtf"] > 0
     assert r["concurrency"]["1"]["requests_per_s"] > 0 and r["streaming_cost_vs_offline"]["ratio"] > 0
     assert "reference" not in r
+
+
+def test_a_failed_request_is_counted_and_the_level_measured_without_it(
+        tiny_bundle: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One of three concurrent requests raises (the engine's error path on a GPU, injected here):
+    the level reports it as failed with its message and measures the two that completed."""
+    from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer
+
+    real = CosyVoiceSynthesizer.synthesize
+
+    def flaky(self: CosyVoiceSynthesizer, request: Any) -> Any:
+        if request.seed == 1001:  # run_concurrent's second request
+            raise KeyError((8, 64, 8))
+        return real(self, request)
+
+    monkeypatch.setattr(CosyVoiceSynthesizer, "synthesize", flaky)
+    out = tmp_path / "failed.json"
+    assert main(["bench", "--bundle", str(tiny_bundle), "--concurrency", "3", "--concurrency-only",
+                 "--json", str(out)]) == 0
+    level = json.loads(out.read_text())["concurrency"]["3"]
+    assert level["failed"] == 1 and level["errors"] == ["KeyError: (8, 64, 8)"]
+    assert level["requests_per_s"] > 0 and level["stream_rtf_max"] > 0
 
 
 def test_order_delta_sums_each_graph_threads_counters_over_a_level() -> None:
