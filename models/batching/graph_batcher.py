@@ -35,7 +35,7 @@ from cosyedge_models.batching.looped_step import LoopedGraphStep
 from cosyedge_models.batching.policy import BatchSettings
 from cosyedge_models.batching.worker import BatchWorker
 from cosyedge_models.errors import SynthesisError
-from cosyedge_models.synthesis.llm import LlmInput, LlmStats, SpeechTokenLM
+from cosyedge_models.synthesis.llm import LlmInput, LlmStats, RequestDecode, SpeechTokenLM
 from cosyedge_models.synthesis.sampling import TokenSampler
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,9 @@ class GraphBatcher(BatchWorker):
     # --- consumer side -----------------------------------------------------------------
     def submit(self, inp: LlmInput, sampler: TokenSampler, stats: LlmStats | None = None, *,
                priority: int = 0, cancel: threading.Event | None = None) -> TokenStream:
-        decode = self.lm.start(inp, sampler, stats)
+        return self._submit(self.lm.start(inp, sampler, stats), priority, cancel)
+
+    def _submit(self, decode: RequestDecode, priority: int, cancel: threading.Event | None) -> TokenStream:
         need = decode.prompt.shape[1] + decode.max_len
         if need > self.step.positions:
             raise SynthesisError(f"a request of {need} positions (prompt + most speech tokens) does not fit the "
@@ -83,8 +85,16 @@ class GraphBatcher(BatchWorker):
 
     def generate(self, inp: LlmInput, sampler: TokenSampler, stats: LlmStats | None = None, *,
                  priority: int = 0, cancel: threading.Event | None = None) -> Iterator[int]:
-        """Like `SpeechTokenLM.generate`, with each step shared with the other running streams."""
-        return iter(self.submit(inp, sampler, stats, priority=priority, cancel=cancel))
+        """Like `SpeechTokenLM.generate`, with each step shared with the other running streams; a
+        request longer than the step's positions (prompt + most speech tokens: a long text) runs
+        alone on the ordinary loop instead of failing."""
+        decode = self.lm.start(inp, sampler, stats)
+        if decode.prompt.shape[1] + decode.max_len > self.step.positions:
+            self.stats.unbatched += 1
+            log.info("LLM graph batching: a request of %d positions exceeds the step's %d: the ordinary loop",
+                     decode.prompt.shape[1] + decode.max_len, self.step.positions)
+            return self.lm.generate(inp, sampler, stats)
+        return iter(self._submit(decode, priority, cancel))
 
     def group(self, size: int, timeout_s: float) -> AbstractContextManager[RequestGroup]:
         """A request group: its members start their prefills in one round."""

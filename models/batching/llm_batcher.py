@@ -71,6 +71,7 @@ class BatchStats:
     steps: int = 0  # decode steps run
     shared_steps: int = 0  # of them, steps with more than one request in the batch
     peak_batch: int = 0  # the most requests in one step
+    unbatched: int = 0  # requests too long for the batched step, run on the ordinary loop (GraphBatcher)
 
 
 class TokenStream:

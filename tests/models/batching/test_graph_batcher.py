@@ -170,11 +170,16 @@ def test_worker_thread_serves_concurrent_streams(static_engine: CosyVoiceSynthes
     assert got == alone
 
 
-def test_a_request_that_does_not_fit_is_refused(static_engine: CosyVoiceSynthesizer) -> None:
+def test_a_request_that_does_not_fit_runs_alone_on_the_ordinary_loop(static_engine: CosyVoiceSynthesizer) -> None:
+    lm = static_engine.lm
+    long = LlmInput(text=[5] * 200)  # prompt + most speech tokens beyond the step's positions
+    alone = list(lm.generate(long, _sampler(lm, 1)))
     b, rec = _batcher(static_engine, bound=1, rows=1)
     try:
         with pytest.raises(SynthesisError, match="does not fit"):
-            b.submit(LlmInput(text=[5] * 200), _sampler(static_engine.lm, 1))
+            b.submit(long, _sampler(lm, 1))  # the batched step itself refuses it
+        assert list(b.generate(long, _sampler(lm, 1))) == alone  # generate() routes it around the batch
+        assert b.stats.unbatched == 1 and rec.events == []  # nothing ran on the batched step
         with pytest.raises(SynthesisError, match="free slots"):
             LoopedGraphStep(_decoder(static_engine.lm), 4)  # one of the four is borrowed
     finally:
