@@ -36,7 +36,7 @@
 #   load   engine load time and device memory with the CUDA-graph stages off and on (their captures)
 #   memory engine memory on ort-cuda (device and process): fp32 with the LLM weights
 #          shared on the device and not, fp16 (python -m cosyedge_models.tools.engine_memory)
-#   bench  cosyedge bench: fp32 with the fp16 bundle compared, concurrency
+#   bench  cosyedge bench: fp32 with the fp16 bundle compared (where FP16=1 made it), concurrency
 #          $CONCURRENCY (default 1,4,8,16), the official pipeline on the same GPU;
 #          BENCH_ARGS=--graph-flow for the fixed-shape flow graphs (captured at load
 #          on the engine's GPU graph thread, docs/gpu.md)
@@ -131,8 +131,10 @@ for step in ${steps//,/ }; do
         | grep -v -i warn | tee "$out/first_audio.log" | grep -v " INFO " | tail -60
       stamp "first-audio-first done" ;;
     bench)
+      compare=()  # the fp16 bundle where the setup made it (FP16=0: none)
+      [ -f "$full/fp16/manifest.json" ] && compare=(--compare "$full/fp16")
       timeout "${BENCH_TIMEOUT_S:-480}" python3 -m cosyedge_daemon -v bench --bundle "$full/bundle" --backend ort-cuda \
-        --repeats 1 --concurrency "${CONCURRENCY:-1,4,8,16}" --compare "$full/fp16" --reference ${BENCH_ARGS:-} \
+        --repeats 1 --concurrency "${CONCURRENCY:-1,4,8,16}" ${compare[@]+"${compare[@]}"} --reference ${BENCH_ARGS:-} \
         --json "$out/bench_h200.json" 2>&1 | grep -v -i warn > "$out/bench.log" || { tail -40 "$out/bench.log"; exit 1; }
       python3 -m cosyedge_build.tools.device_summary "$out/bench_h200.json"
       stamp "bench done" ;;
