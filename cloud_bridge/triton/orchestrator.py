@@ -89,11 +89,19 @@ def load_factory(spec: str) -> Callable[..., Synthesizer]:
     return factory
 
 
-def engine_kwargs(params: dict[str, str], backend: str) -> dict[str, Any]:
+GRAPH_BATCHING_VALUES = ("auto", "true", "false")
+
+
+def engine_kwargs(params: dict[str, str], backend: str, bundle: Path | None = None) -> dict[str, Any]:
     """Extra factory arguments from the model parameters: LLM_MAX_BATCH_SIZE > 0
     turns on the engine's continuous batching, so the requests of a Triton
     batch (served on parallel threads) share the LLM's decode steps;
-    FLOW_MAX_BATCH_SIZE > 0 batches their flow estimator and vocoder calls."""
+    FLOW_MAX_BATCH_SIZE > 0 batches their flow estimator and vocoder calls on the
+    dynamic graphs. GRAPH_BATCHING (auto: on with ENGINE_BACKEND ort-cuda) puts the
+    batch on the captured fixed-shape graphs instead: the LLM steps on the bundle's
+    fused batched step (graph_batching) and, where `bundle` has the batched estimator
+    graphs, the streams' estimator windows in one replay (graph_flow_batch); the
+    dynamic flow batching is then off (it would turn the fixed-shape flow off)."""
     from cosyedge_models.batching.policy import BatchSettings
 
     def batching(prefix: str) -> BatchSettings | None:
@@ -105,12 +113,30 @@ def engine_kwargs(params: dict[str, str], backend: str) -> dict[str, Any]:
                                 f"number: {exc}") from exc
         return BatchSettings(max_batch_size=size, max_queue_delay_ms=delay_ms) if size > 0 else None
 
+    graph = (params.get("GRAPH_BATCHING") or "auto").strip().lower()
+    if graph not in GRAPH_BATCHING_VALUES:
+        raise CosyEdgeError(f"GRAPH_BATCHING must be one of {', '.join(GRAPH_BATCHING_VALUES)}, got {graph!r}")
     llm, flow = batching("LLM"), batching("FLOW")
     if llm is None and flow is None:
         return {}
     from cosyedge_models.synthesis.settings import SynthesisSettings
 
-    return {"settings": SynthesisSettings(backend=backend, batching=llm, flow_batching=flow)}
+    if not (graph == "true" or (graph == "auto" and backend == "ort-cuda")):
+        return {"settings": SynthesisSettings(backend=backend, batching=llm, flow_batching=flow)}
+    graph_flow = graph == "true" or (bundle is not None and _has_batched_flow(bundle))
+    return {"settings": SynthesisSettings(backend=backend, batching=llm, graph_batching=llm is not None,
+                                          graph_flow_batch=graph_flow)}
+
+
+def _has_batched_flow(bundle: Path) -> bool:
+    """Whether the bundle was exported with --batch-flow-sizes (its manifest has the batched estimator graphs)."""
+    from cosyedge_models.bundle.loader import BATCH_FLOW_PREFIX
+
+    try:
+        stages = json.loads((bundle / "manifest.json").read_text()).get("stages", {})
+    except (OSError, ValueError):
+        return False  # the engine's own load reports a broken bundle
+    return any(str(name).startswith(BATCH_FLOW_PREFIX) for name in stages)
 
 
 class TritonPythonModel:
@@ -132,7 +158,7 @@ class TritonPythonModel:
         backend = params.get("ENGINE_BACKEND") or "ort"
         factory = load_factory(params.get("ENGINE_FACTORY") or DEFAULT_FACTORY)
         started = time.perf_counter()
-        self.engine = factory(bundle, backend=backend, **engine_kwargs(params, backend))
+        self.engine = factory(bundle, backend=backend, **engine_kwargs(params, backend, bundle))
         self.gather_s = gather_timeout_s(params)
         self.log.log_info(
             f"cosyvoice2 v{self.version}: {self.engine.name} from {bundle} "

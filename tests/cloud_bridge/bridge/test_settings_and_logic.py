@@ -114,6 +114,15 @@ def test_admission_cap_duplicates_and_drain() -> None:
     assert adm.wait_idle(2.0)
 
 
+def test_triton_model_graph_batching_follows_the_bundles_batched_graphs(static_flow_bundle: Path,
+                                                                        tiny_bundle: Path) -> None:
+    from cosyedge_cloud.triton.orchestrator import engine_kwargs
+
+    params = {"LLM_MAX_BATCH_SIZE": "8"}
+    assert engine_kwargs(params, "ort-cuda", static_flow_bundle)["settings"].graph_flow_batch is True
+    assert engine_kwargs(params, "ort-cuda", tiny_bundle)["settings"].graph_flow_batch is False
+
+
 def test_triton_model_llm_batching_parameters() -> None:
     from cosyedge_cloud.triton.orchestrator import engine_kwargs
     from cosyedge_models.batching.policy import BatchSettings
@@ -123,6 +132,17 @@ def test_triton_model_llm_batching_parameters() -> None:
     settings = engine_kwargs({"LLM_MAX_BATCH_SIZE": "8", "LLM_MAX_QUEUE_DELAY_MS": "2.5"}, "ort-cuda")["settings"]
     assert settings.backend == "ort-cuda"
     assert settings.batching == BatchSettings(max_batch_size=8, max_queue_delay_ms=2.5)
+    # GRAPH_BATCHING auto: the batch on the captured graphs on ort-cuda (the estimator windows
+    # only where the bundle has their batched graphs), the dynamic batchers elsewhere
+    assert (settings.graph_batching, settings.graph_flow_batch) == (True, False)
+    assert engine_kwargs({"LLM_MAX_BATCH_SIZE": "8"}, "ort")["settings"].graph_batching is False
+    forced = engine_kwargs({"LLM_MAX_BATCH_SIZE": "4", "FLOW_MAX_BATCH_SIZE": "4", "GRAPH_BATCHING": "true"},
+                           "ort")["settings"]
+    assert (forced.graph_batching, forced.graph_flow_batch, forced.flow_batching) == (True, True, None)
+    off = engine_kwargs({"LLM_MAX_BATCH_SIZE": "4", "GRAPH_BATCHING": "false"}, "ort-cuda")["settings"]
+    assert off.graph_batching is False
+    with pytest.raises(CosyEdgeError, match="GRAPH_BATCHING must be one of auto, true, false, got 'yes please'"):
+        engine_kwargs({"LLM_MAX_BATCH_SIZE": "4", "GRAPH_BATCHING": "yes please"}, "ort")
     with pytest.raises(CosyEdgeError, match="LLM_MAX_BATCH_SIZE must be an integer"):
         engine_kwargs({"LLM_MAX_BATCH_SIZE": "many"}, "ort")
     assert settings.flow_batching is None
