@@ -23,6 +23,7 @@
 #   batch  continuous batching: cosyedge bench with --graph-batching (the LLM steps of every running stream
 #          in one replay, the fused fp16 graphs where the bundle has them) and --graph-flow-batch (the
 #          streams' estimator windows in one replay), concurrency $CONCURRENCY (default 1,8,16): bench_h200_batch.json
+#   conc   the batch step's concurrency levels without the batching flags: bench_h200_conc.json
 #   bench16 the same concurrency levels on the fp16 bundle (--concurrency-only)
 #   cloud  the cloud Triton model under load (python -m cosyedge_cloud.tools.loadtest): tritonserver (on PATH or
 #          nvidia-pytriton in $COSYEDGE_TRITON_VENV) and mosquitto on this machine, the full bundle on ort-cuda,
@@ -144,6 +145,12 @@ for step in ${steps//,/ }; do
         ${BENCH_ARGS:-} --json "$out/bench_h200_batch.json" 2>&1 | grep -v -i warn > "$out/batch.log" \
         || { tail -40 "$out/batch.log"; exit 1; }
       stamp "batch done" ;;
+    conc)
+      # the same concurrency-only run without the batching (one replay a stream), beside the batch step
+      timeout "${BENCH_TIMEOUT_S:-480}" python3 -m cosyedge_daemon -v bench --bundle "$full/bundle" --backend ort-cuda \
+        --concurrency "${CONCURRENCY:-1,8,16}" --concurrency-only ${BENCH_ARGS:-} \
+        --json "$out/bench_h200_conc.json" 2>&1 | grep -v -i warn > "$out/conc.log" || { tail -40 "$out/conc.log"; exit 1; }
+      stamp "conc done" ;;
     bench16)
       # the fp16 bundle's streams at each concurrency (the bench step compares it at concurrency 1)
       timeout "${BENCH_TIMEOUT_S:-480}" python3 -m cosyedge_daemon -v bench --bundle "$full/fp16" --backend ort-cuda \
@@ -201,6 +208,6 @@ for step in ${steps//,/ }; do
       python3 -m cosyedge_models.tools.ort_profile /tmp/prof --top 14 --json "$out/profile.json" | tee "$out/profile.txt"
       stamp "profile done" ;;
     setup) ;;  # the setup above only (bundles and the voice ready for other commands)
-    *) echo "unknown step $step (setup, tests, probe, first, profile, bench, batch, bench16, fp16, threads, memory, load)"; exit 2 ;;
+    *) echo "unknown step $step (setup, tests, probe, first, profile, bench, batch, conc, bench16, fp16, threads, memory, load)"; exit 2 ;;
   esac
 done
