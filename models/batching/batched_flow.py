@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import re
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,6 +161,11 @@ class BatchFlowGraphs:
             np.zeros((CFG_ROWS, *self.conv_row), np.float32), kind, dev)
         self._staging: ort.OrtValue | None = None  # one slot's K/V [L, 2, 2, H, F, D] (read_slot, write_slot)
         self.lengths = [0] * self.slots
+        # the saved prefix each slot still holds at frames [0, n) (seed()), kept across streams:
+        # seeding 10 Euler steps' lanes from the host costs seconds at full size (H200, 2026-12-04)
+        self._seeded: list[tuple[weakref.ref[object], int] | None] = [None] * self.slots
+        self.seeds = 0  # prefixes written into a slot
+        self.reuses = 0  # prefixes found still in their slot
         ios = {key: _IO(self, sessions[key], *key) for key in sorted(sessions)}
         bases = {b: ([s for g in range(groups) for s in range(g * self.lanes, (g + 1) * self.lanes)] if b == 1
                      else [g * self.lanes for g in range(groups)] if b <= self.lanes else [])
@@ -248,10 +254,17 @@ class BatchFlowGraphs:
             for name in _ROW_INPUTS:
                 host[name][rows] = c.feeds[name]
             first[lane], commit[lane] = c.first, c.commit
+        for c in calls:
+            if self.lengths[c.slot] < self._floor(c.slot):  # its window lands inside the kept prefix
+                self._seeded[c.slot] = None
+        called = {c.slot for c in calls}
+        # an idle lane's window lands at its length, or past the prefix it keeps
+        lengths = [self.lengths[s] if s in called else max(self.lengths[s], self._floor(s))
+                   for s in range(base, base + b)]
         for name, value in host.items():
             pair.values[name].update_inplace(value)
         pair.values["cache_first"].update_inplace(first)
-        pair.values["cache_len"].update_inplace(np.array(self.lengths[base: base + b], np.int64))
+        pair.values["cache_len"].update_inplace(np.array(lengths, np.int64))
         pair.values["commit"].update_inplace(commit)
         pair.run()
         self._restore_conv(pair)
@@ -290,10 +303,36 @@ class BatchFlowGraphs:
         rows = slice(CFG_ROWS * slot, CFG_ROWS * slot + CFG_ROWS)
         return kv, np.array(self._conv.numpy()[rows])
 
+    def _floor(self, slot: int) -> int:
+        """Frames at the front of the slot that hold a kept prefix (0: none)."""
+        seeded = self._seeded[slot]
+        return 0 if seeded is None or seeded[0]() is None else seeded[1]
+
+    def seed(self, slot: int, prefix: object, kv: Callable[[], np.ndarray], frames: int, conv: np.ndarray) -> None:
+        """A saved voice's prefix (`prefix`: its rows object, the voice cache's, of `frames` frames)
+        as the slot's committed frames: where the slot still holds that prefix from an earlier
+        stream (streams only write past it, idle lanes too) only the conv history is written,
+        else write_slot(kv()) and the slot keeps it."""
+        self._check_slot(slot)
+        if self._floor(slot) == frames and self._seeded[slot] is not None and self._seeded[slot][0]() is prefix:
+            self._write_conv(slot, conv)
+            self.lengths[slot] = frames
+            self.reuses += 1
+            return
+        self.write_slot(slot, kv(), conv)
+        self._seeded[slot] = (weakref.ref(prefix), frames)
+        self.seeds += 1
+
+    def _write_conv(self, slot: int, conv: np.ndarray) -> None:
+        conv_value = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(conv, np.float32), *self.device)
+        self.copier.copy(self.conv_ptr(CFG_ROWS * slot), int(conv_value.data_ptr()),
+                         CFG_ROWS * int(np.prod(self.conv_row)) * FLOAT_BYTES)
+
     def write_slot(self, slot: int, kv: np.ndarray, conv: np.ndarray) -> None:
         """A slot's committed K/V [L, 2, 2, H, n, D] and conv history [2, K, Cmax, 2] from the host
         (a saved voice's prefix, a trim): one upload and 2 L + 1 device copies."""
         self._check_slot(slot)
+        self._seeded[slot] = None
         frames = int(kv.shape[4])
         if frames > self.cache_frames:
             raise ValueError(f"{frames} frames exceed the batched cache's {self.cache_frames}")
@@ -305,9 +344,7 @@ class BatchFlowGraphs:
             for k in range(2):
                 self.copier.copy(self.kv_ptr(i, k, CFG_ROWS * slot), int(stage.data_ptr()) + (i * 2 + k) * nbytes,
                                  nbytes)
-        conv_value = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(conv, np.float32), *self.device)
-        self.copier.copy(self.conv_ptr(CFG_ROWS * slot), int(conv_value.data_ptr()),
-                         CFG_ROWS * int(np.prod(self.conv_row)) * FLOAT_BYTES)
+        self._write_conv(slot, conv)
         self.lengths[slot] = frames
 
     def slot_cache(self, slot: int) -> tuple[np.ndarray, np.ndarray]:

@@ -234,9 +234,11 @@ class BatchedStepCache:
         if slot is None or not prefix_fits(rows.frames, self._graphs.windows, self._graphs.cache_frames):
             self._move().preload(rows, conv)
             return
-        kv = np.asarray(rows.host, np.float32).transpose(1, 2, 3, 4, 0, 5)
         history = np.asarray(conv, np.float32).transpose(1, 0, 2, 3)
-        self._batcher.thread.call(lambda: self._graphs.write_slot(slot, kv, history))
+
+        def kv() -> np.ndarray:  # only where the lane does not hold this prefix already
+            return np.asarray(rows.host, np.float32).transpose(1, 2, 3, 4, 0, 5)
+        self._batcher.thread.call(lambda: self._graphs.seed(slot, rows, kv, rows.frames, history))
 
     def run(self, feeds: Mapping[str, np.ndarray], commit: int) -> np.ndarray:
         if self._closed:

@@ -167,3 +167,54 @@ def test_a_saved_prefix_in_a_lane_gives_the_single_stream_windows(static_flow_bu
         thread.close()
         for s in [*sessions.values(), *batched.values()]:
             s.close()
+
+
+def test_a_lane_keeps_its_saved_prefix_for_the_next_stream_of_that_voice(static_flow_bundle: Path) -> None:
+    """Seeding a lane from the host took seconds a request at full size (10 Euler steps' lanes); a
+    lane whose last stream had the same saved prefix still holds it (streams write past it), so
+    the next stream of that voice writes only its conv history, and hears the same."""
+    sessions, bundle = flow_sessions(static_flow_bundle, "cpu", STATIC_FLOW_PREFIX)
+    backend = create_backend("ort")
+    batched = batch_flow_sessions(bundle, lambda name, path: backend.load(name, path, threads=1))
+    statics = [s for n, s in sessions.items() if n.startswith(STATIC_FLOW_PREFIX)]
+    copier = DeviceCopier("cpu")
+    thread = GraphThread().start()
+    try:
+        single = StaticFlowGraphs(statics, ("cpu", 0), copier, max_slots=1, thread=thread)
+        single.warm_up()
+        graphs = BatchFlowGraphs(batched, ("cpu", 0), copier)
+        thread.call(graphs.warm_up)
+        caches = BatchedFlowCaches(FlowBatcher(graphs, thread), single, single)
+        spec = StepCacheSpec(single.row, single.conv, np.dtype(np.float32), euler_step=0)
+        chunk = int(bundle.manifest["stages"][f"{STATIC_FLOW_PREFIX}{STATIC_FLOW_WINDOWS[0]}"]["chunk_frames"])
+        channels = int(statics[0].input_shapes["x"][1])
+        rng = np.random.default_rng(11)
+        rows = PrefixRows(rng.standard_normal((2 * chunk, *single.row)).astype(np.float32))
+        conv = rng.standard_normal(single.conv).astype(np.float32)
+        feeds = [_feeds(rng, channels, STATIC_FLOW_WINDOWS[0]) for _ in range(3)]
+
+        def stream(prefix: PrefixRows | None) -> list[np.ndarray]:
+            cache = caches(sessions["flow_estimator"], spec)
+            assert isinstance(cache, BatchedStepCache) and cache.on_graph
+            if prefix is not None:
+                cache.preload(prefix, conv)
+            out = [cache.run(f, chunk) for f in feeds]
+            cache.close()
+            return out
+
+        first = stream(rows)
+        assert (graphs.seeds, graphs.reuses) == (1, 0)
+        again = stream(rows)  # the same lane (the lowest free one), the prefix still there
+        assert (graphs.seeds, graphs.reuses) == (1, 1)
+        stream(None)  # a stream without a saved voice writes from frame 0, over the prefix
+        third = stream(rows)
+        assert (graphs.seeds, graphs.reuses) == (2, 1)
+        stream(PrefixRows(rows.host.copy()))  # another voice's rows (equal values, another prefix)
+        assert (graphs.seeds, graphs.reuses) == (3, 1)
+        for got in (again, third):
+            for a, b in zip(got, first, strict=True):
+                np.testing.assert_array_equal(a, b)
+    finally:
+        thread.close()
+        for s in [*sessions.values(), *batched.values()]:
+            s.close()
