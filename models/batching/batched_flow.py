@@ -314,7 +314,8 @@ class BatchFlowGraphs:
         stream (streams only write past it, idle lanes too) only the conv history is written,
         else write_slot(kv()) and the slot keeps it."""
         self._check_slot(slot)
-        if self._floor(slot) == frames and self._seeded[slot] is not None and self._seeded[slot][0]() is prefix:
+        kept = self._seeded[slot]
+        if kept is not None and kept[0]() is prefix and kept[1] == frames:
             self._write_conv(slot, conv)
             self.lengths[slot] = frames
             self.reuses += 1
