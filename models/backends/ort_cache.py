@@ -72,6 +72,38 @@ def _byte_vector(name: str) -> bytes:
     return _field(1, name) + _field(2, _field(1, tensor))  # ValueInfoProto { name, type { tensor_type } }
 
 
+_FLOAT, _INT64 = 1, 7  # TensorProto.FLOAT, INT64
+_ATTR_INTS = 7  # AttributeProto.INTS
+
+
+def _tensor_info(name: str, elem_type: int, dims: list[int | str]) -> bytes:
+    """ValueInfoProto of a tensor: an int dim is a dim_value, a str a dim_param."""
+    shape = b"".join(_field(1, _field(1, d) if isinstance(d, int) else _field(2, d)) for d in dims)
+    return _field(1, name) + _field(2, _field(1, _field(1, elem_type) + _field(2, shape)))
+
+
+def _node(op_type: str, inputs: list[str], outputs: list[str], name: str, attributes: bytes = b"") -> bytes:
+    return (b"".join(_field(1, i) for i in inputs) + b"".join(_field(2, o) for o in outputs) + _field(3, name)
+            + _field(4, op_type) + attributes)
+
+
+def lane_layout_model(perm: list[int]) -> bytes:
+    """ModelProto of `dst = Pad(Transpose(src, perm), pads)` over float tensors of rank len(perm)
+    (every dim symbolic; `pads` int64 [2 * rank]): a saved prefix's device copy, frame-major,
+    into the attention layout of the batched estimator lanes, on the device."""
+    rank = len(perm)
+    ints = b"".join(_field(8, p) for p in perm)
+    transpose = _node("Transpose", ["src"], ["t"], "to_attention_layout",
+                      _field(5, _field(1, "perm") + ints + _field(20, _ATTR_INTS)))
+    pad = _node("Pad", ["t", "pads"], ["dst"], "to_buffer_frames")
+    graph = (_field(1, transpose) + _field(1, pad) + _field(2, "lane_layout")
+             + _field(11, _tensor_info("src", _FLOAT, [f"s{i}" for i in range(rank)]))
+             + _field(11, _tensor_info("pads", _INT64, [2 * rank]))
+             + _field(12, _tensor_info("dst", _FLOAT, [f"d{i}" for i in range(rank)])))
+    opset = _field(1, "") + _field(2, _OPSET)
+    return _field(1, _IR_VERSION) + _field(2, "cosyedge") + _field(7, graph) + _field(8, opset)
+
+
 def identity_model() -> bytes:
     """ModelProto of `dst = Identity(src)` over uint8 vectors."""
     node = _field(1, "src") + _field(2, "dst") + _field(3, "copy") + _field(4, "Identity")

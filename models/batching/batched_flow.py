@@ -38,9 +38,10 @@ from typing import TypeVar
 import numpy as np
 import onnxruntime as ort
 from cosyedge_models.backends.fixed_shapes import bucket, pad_window
+from cosyedge_models.backends.flow_cache import PrefixRows
 from cosyedge_models.backends.graph_thread import CAPTURE_RUNS
 from cosyedge_models.backends.ort import OrtSession
-from cosyedge_models.backends.ort_cache import DeviceCopier
+from cosyedge_models.backends.ort_cache import DeviceCopier, lane_layout_model
 from cosyedge_models.bundle.loader import BATCH_FLOW_PREFIX, Bundle
 from cosyedge_models.errors import BundleError, SynthesisError
 
@@ -160,6 +161,7 @@ class BatchFlowGraphs:
         self._zero_conv = ort.OrtValue.ortvalue_from_numpy(
             np.zeros((CFG_ROWS, *self.conv_row), np.float32), kind, dev)
         self._staging: ort.OrtValue | None = None  # one slot's K/V [L, 2, 2, H, F, D] (read_slot, write_slot)
+        self._layout: ort.InferenceSession | None = None  # seed(): a prefix into the lane layout
         self.lengths = [0] * self.slots
         # the saved prefix each slot still holds at frames [0, n) (seed()), kept across streams:
         # seeding 10 Euler steps' lanes from the host costs seconds at full size (H200, 2026-12-04)
@@ -308,19 +310,48 @@ class BatchFlowGraphs:
         seeded = self._seeded[slot]
         return 0 if seeded is None or seeded[0]() is None else seeded[1]
 
-    def seed(self, slot: int, prefix: object, kv: Callable[[], np.ndarray], frames: int, conv: np.ndarray) -> None:
-        """A saved voice's prefix (`prefix`: its rows object, the voice cache's, of `frames` frames)
-        as the slot's committed frames: where the slot still holds that prefix from an earlier
-        stream (streams only write past it, idle lanes too) only the conv history is written,
-        else write_slot(kv()) and the slot keeps it."""
+    def seed(self, slot: int, prefix: PrefixRows, conv: np.ndarray) -> None:
+        """A saved voice's prefix (`prefix`: its rows [n, L, 2, 2, H, D], the voice cache's) as the
+        slot's committed frames, and its conv history [2, K, Cmax, 2]. Where the slot still holds
+        that prefix from an earlier stream (streams only write past it, idle lanes too) only the
+        conv history is written; else the prefix goes from the voice's copy on this device
+        (uploaded once per voice and device, shared with the single-stream slots) through one
+        Transpose/Pad run into the staging buffer, then 2 L device copies into the lane."""
         self._check_slot(slot)
+        frames = prefix.frames
+        if frames > self.cache_frames:
+            raise ValueError(f"{frames} frames exceed the batched cache's {self.cache_frames}")
         kept = self._seeded[slot]
         if kept is not None and kept[0]() is prefix and kept[1] == frames:
             self._write_conv(slot, conv)
             self.lengths[slot] = frames
             self.reuses += 1
             return
-        self.write_slot(slot, kv(), conv)
+        self._seeded[slot] = None
+        kind, dev = self.device
+        stage, nbytes = self._stage(), self._block_bytes()
+
+        def upload(host: np.ndarray) -> ort.OrtValue:  # as the single-stream slots' copy_prefix
+            return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(host, dtype=np.float32), kind, dev)
+
+        with prefix.lease(self.device, upload) as src:
+            if self._layout is None:
+                self._layout = ort.InferenceSession(lane_layout_model(list(_LANE_PERM)),
+                                                    sess_options=_layout_options(), providers=_providers(kind, dev))
+            binding = self._layout.io_binding()
+            binding.bind_ortvalue_input("src", src)
+            pads = np.zeros(2 * len(_LANE_PERM), np.int64)
+            pads[len(_LANE_PERM) + _LANE_PERM.index(0)] = self.buffer_frames - frames  # frames padded at the end
+            binding.bind_cpu_input("pads", pads)
+            binding.bind_output("dst", kind, dev, np.float32, [self.blocks, 2, CFG_ROWS, *self.kv_row],
+                                int(stage.data_ptr()))
+            self._layout.run_with_iobinding(binding)
+        for i in range(self.blocks):
+            for k in range(2):
+                self.copier.copy(self.kv_ptr(i, k, CFG_ROWS * slot), int(stage.data_ptr()) + (i * 2 + k) * nbytes,
+                                 nbytes)
+        self._write_conv(slot, conv)
+        self.lengths[slot] = frames
         self._seeded[slot] = (weakref.ref(prefix), frames)
         self.seeds += 1
 
@@ -351,6 +382,22 @@ class BatchFlowGraphs:
     def slot_cache(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
         """Host copies of a slot's committed K/V [L, 2, 2, H, len, D] and conv history (tests)."""
         return self.read_slot(slot)
+
+
+# a prefix's rows [n, L, 2, 2, H, D] (frame-major, flow_cache.PrefixRows) -> a lane's [L, 2, 2, H, n, D]
+_LANE_PERM = (1, 2, 3, 4, 0, 5)
+
+
+def _layout_options() -> ort.SessionOptions:
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    return opts
+
+
+def _providers(kind: str, dev: int) -> list[str | tuple[str, dict[str, str]]]:
+    if kind == "cuda":
+        return [("CUDAExecutionProvider", {"device_id": str(dev)}), "CPUExecutionProvider"]
+    return ["CPUExecutionProvider"]
 
 
 def lane_bytes(sessions: Mapping[tuple[int, int], OrtSession], groups: int) -> int:

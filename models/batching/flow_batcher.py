@@ -235,10 +235,7 @@ class BatchedStepCache:
             self._move().preload(rows, conv)
             return
         history = np.asarray(conv, np.float32).transpose(1, 0, 2, 3)
-
-        def kv() -> np.ndarray:  # only where the lane does not hold this prefix already
-            return np.asarray(rows.host, np.float32).transpose(1, 2, 3, 4, 0, 5)
-        self._batcher.thread.call(lambda: self._graphs.seed(slot, rows, kv, rows.frames, history))
+        self._batcher.thread.call(lambda: self._graphs.seed(slot, rows, history))
 
     def run(self, feeds: Mapping[str, np.ndarray], commit: int) -> np.ndarray:
         if self._closed:

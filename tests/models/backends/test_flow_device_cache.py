@@ -17,7 +17,13 @@ from cosyedge_models.backends.base import Session
 from cosyedge_models.backends.factory import create_backend
 from cosyedge_models.backends.flow_cache import HostStepCache, StepCache, StepCacheSpec
 from cosyedge_models.backends.ort import OrtBackend
-from cosyedge_models.backends.ort_cache import BoundCacheFactory, BoundStepCache, DeviceCopier, identity_model
+from cosyedge_models.backends.ort_cache import (
+    BoundCacheFactory,
+    BoundStepCache,
+    DeviceCopier,
+    identity_model,
+    lane_layout_model,
+)
 from cosyedge_models.bundle.loader import load_bundle
 from cosyedge_models.synthesis.api import SynthesisRequest
 from cosyedge_models.synthesis.flow import CacheFactory, FlowDecoder, FlowPrompt
@@ -81,6 +87,21 @@ def test_identity_model_copies_byte_ranges() -> None:
     copier.copy(dst.data_ptr() + 2 * 4, src.data_ptr() + 5 * 4, 4 * 4)
     copier.copy(dst.data_ptr(), src.data_ptr(), 0)  # nothing
     np.testing.assert_array_equal(dst.numpy(), [-1, -1, 5, 6, 7, 8, -1, -1, -1, -1, -1, -1])
+
+
+def test_lane_layout_model_transposes_and_pads_a_prefix() -> None:
+    import onnx
+
+    model = lane_layout_model([1, 2, 3, 4, 0, 5])
+    onnx.checker.check_model(onnx.load_from_string(model))  # the hand-written protobuf is a valid model
+    sess = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    src = np.random.default_rng(2).standard_normal((5, 3, 2, 2, 4, 6)).astype(np.float32)  # [n, L, 2, 2, H, D]
+    pads = np.zeros(12, np.int64)
+    pads[6 + 4] = 7  # the frames axis padded at its end, to 12 frames
+    (dst,) = sess.run(None, {"src": src, "pads": pads})
+    assert dst.shape == (3, 2, 2, 4, 12, 6)
+    np.testing.assert_array_equal(dst[:, :, :, :, :5], src.transpose(1, 2, 3, 4, 0, 5))
+    assert not dst[:, :, :, :, 5:].any()
 
 
 def test_cpu_backend_keeps_host_caches(engine: CosyVoiceSynthesizer) -> None:
