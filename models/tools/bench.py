@@ -272,9 +272,8 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
                               graph_encoder=getattr(args, "graph_encoder", None),
                               graph_threads=getattr(args, "graph_threads", "one"),
                               first_audio_first=getattr(args, "first_audio_first", True),
-                              # (with the batched windows, two: they are only the streams beyond the lanes)
-                              graph_flow_slots=2 if getattr(args, "graph_flow_batch", False) else
-                              max(4, min(8, max(concurrency, default=1))),
+                              # (with the batched windows the engine keeps two: the streams beyond the lanes)
+                              graph_flow_slots=max(4, min(8, max(concurrency, default=1))),
                               # the iteration-level LLM batcher over the fixed-size decode, a slot per row
                               graph_batching=getattr(args, "graph_batching", False),
                               graph_flow_batch=getattr(args, "graph_flow_batch", False),

@@ -21,6 +21,7 @@ from cosyedge_models.batching.batched_flow import BatchFlowGraphs, batch_flow_se
 from cosyedge_models.batching.flow_batcher import BatchedFlowCaches, BatchedStepCache, FlowBatcher
 from cosyedge_models.bundle.loader import STATIC_FLOW_PREFIX
 from cosyedge_models.synthesis.api import SynthesisRequest
+from cosyedge_models.synthesis.graph_stages import OVERFLOW_FLOW_SLOTS
 from cosyedge_models.synthesis.settings import SynthesisSettings
 from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, load_synthesizer
 
@@ -52,6 +53,9 @@ def test_concurrent_streams_share_replays_and_sound_as_alone(static_flow_bundle:
     try:
         batcher = eng.graphs.flow_batch
         assert isinstance(batcher, FlowBatcher) and isinstance(eng.flow.cache_factory, BatchedFlowCaches)
+        # the single-stream slots only for streams beyond the lanes (8 asked by default)
+        assert eng.static_flow is not None
+        assert eng.static_flow.max_slots == OVERFLOW_FLOW_SLOTS * eng.bundle.flow.n_timesteps  # a step cache each
         alone = {i: _audio(eng, i) for i in range(2)}
         assert batcher.stats.shared_replays == 0 and batcher.stats.replays > 0
         assert batcher.lanes_in_use == 0  # every lane given back
