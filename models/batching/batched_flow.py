@@ -329,7 +329,7 @@ class BatchFlowGraphs:
             return
         self._seeded[slot] = None
         kind, dev = self.device
-        stage, nbytes = self._stage(), self._block_bytes()
+        stage = self._stage()
 
         def upload(host: np.ndarray) -> ort.OrtValue:  # as the single-stream slots' copy_prefix
             return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(host, dtype=np.float32), kind, dev)
@@ -346,12 +346,7 @@ class BatchFlowGraphs:
             binding.bind_output("dst", kind, dev, np.float32, [self.blocks, 2, CFG_ROWS, *self.kv_row],
                                 int(stage.data_ptr()))
             self._layout.run_with_iobinding(binding)
-        for i in range(self.blocks):
-            for k in range(2):
-                self.copier.copy(self.kv_ptr(i, k, CFG_ROWS * slot), int(stage.data_ptr()) + (i * 2 + k) * nbytes,
-                                 nbytes)
-        self._write_conv(slot, conv)
-        self.lengths[slot] = frames
+        self._from_stage(slot, frames, conv)
         self._seeded[slot] = (weakref.ref(prefix), frames)
         self.seeds += 1
 
@@ -370,8 +365,12 @@ class BatchFlowGraphs:
             raise ValueError(f"{frames} frames exceed the batched cache's {self.cache_frames}")
         host = np.zeros((self.blocks, 2, CFG_ROWS, *self.kv_row), np.float32)
         host[:, :, :, :, :frames] = kv
+        self._stage().update_inplace(host)
+        self._from_stage(slot, frames, conv)
+
+    def _from_stage(self, slot: int, frames: int, conv: np.ndarray) -> None:
+        """The staging buffer's K/V into the slot's rows (2 L device copies), its conv history, its length."""
         stage, nbytes = self._stage(), self._block_bytes()
-        stage.update_inplace(host)
         for i in range(self.blocks):
             for k in range(2):
                 self.copier.copy(self.kv_ptr(i, k, CFG_ROWS * slot), int(stage.data_ptr()) + (i * 2 + k) * nbytes,

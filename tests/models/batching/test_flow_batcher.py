@@ -6,8 +6,10 @@ slot's windows."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -15,11 +17,12 @@ import pytest
 from cosyedge_models.backends.factory import create_backend
 from cosyedge_models.backends.flow_cache import PrefixRows, StepCacheSpec
 from cosyedge_models.backends.graph_thread import GraphPriority, GraphThread
+from cosyedge_models.backends.ort import OrtSession
 from cosyedge_models.backends.ort_cache import DeviceCopier
 from cosyedge_models.backends.ort_static_flow import StaticFlowGraphs, StaticStepCache
 from cosyedge_models.batching.batched_flow import BatchFlowGraphs, batch_flow_sessions, lane_bytes
 from cosyedge_models.batching.flow_batcher import BatchedFlowCaches, BatchedStepCache, FlowBatcher
-from cosyedge_models.bundle.loader import STATIC_FLOW_PREFIX
+from cosyedge_models.bundle.loader import STATIC_FLOW_PREFIX, Bundle
 from cosyedge_models.synthesis.api import SynthesisRequest
 from cosyedge_models.synthesis.graph_stages import OVERFLOW_FLOW_SLOTS
 from cosyedge_models.synthesis.settings import SynthesisSettings
@@ -40,6 +43,35 @@ def _settings(batch: bool) -> SynthesisSettings:
     # the encoder on the request threads: the graph thread runs only estimator windows here
     return SynthesisSettings(backend="ort", threads=1, overlap_stages=False, graph_flow=True, graph_encoder=False,
                              graph_flow_batch=batch)
+
+
+@contextlib.contextmanager
+def _lanes(static_flow_bundle: Path, groups: int) -> Iterator[
+        tuple[dict[str, OrtSession], Bundle, dict[tuple[int, int], OrtSession], StaticFlowGraphs, BatchFlowGraphs,
+              GraphThread]]:
+    """The bundle's flow sessions, single-stream slots (one request) and batched lanes (`groups`
+    groups), warmed up on one graph thread; all closed after."""
+    sessions, bundle = flow_sessions(static_flow_bundle, "cpu", STATIC_FLOW_PREFIX)
+    batched = _batched_sessions(bundle)
+    statics = [s for n, s in sessions.items() if n.startswith(STATIC_FLOW_PREFIX)]
+    copier = DeviceCopier("cpu")
+    thread = GraphThread().start()
+    try:
+        single = StaticFlowGraphs(statics, ("cpu", 0), copier, max_slots=1, thread=thread)
+        single.warm_up()
+        graphs = BatchFlowGraphs(batched, ("cpu", 0), copier, groups=groups)
+        thread.call(graphs.warm_up)
+        yield sessions, bundle, batched, single, graphs, thread
+    finally:
+        thread.close()
+        for s in [*sessions.values(), *batched.values()]:
+            s.close()
+
+
+def _batched_sessions(bundle: Bundle) -> dict[tuple[int, int], OrtSession]:
+    backend = create_backend("ort")
+    found = batch_flow_sessions(bundle, lambda name, path: backend.load(name, path, threads=1))
+    return {k: v for k, v in found.items() if isinstance(v, OrtSession)}
 
 
 def test_concurrent_streams_share_replays_and_sound_as_alone(static_flow_bundle: Path) -> None:
@@ -102,23 +134,13 @@ def test_concurrent_streams_share_replays_and_sound_as_alone(static_flow_bundle:
 def test_a_saved_prefix_in_a_lane_gives_the_single_stream_windows(static_flow_bundle: Path) -> None:
     """preload() seeds a lane (attention layout) as a StaticSlot (frame-major); the windows after
     it, a bounded left context's trim and a move to the dynamic graph keep the single-stream results."""
-    sessions, bundle = flow_sessions(static_flow_bundle, "cpu", STATIC_FLOW_PREFIX)
-    backend = create_backend("ort")
-    batched = batch_flow_sessions(bundle, lambda name, path: backend.load(name, path, threads=1))
-    statics = [s for n, s in sessions.items() if n.startswith(STATIC_FLOW_PREFIX)]
-    copier = DeviceCopier("cpu")
-    thread = GraphThread().start()
-    try:
-        single = StaticFlowGraphs(statics, ("cpu", 0), copier, max_slots=1, thread=thread)
-        single.warm_up()
-        graphs = BatchFlowGraphs(batched, ("cpu", 0), copier, groups=2)
+    with _lanes(static_flow_bundle, groups=2) as (sessions, bundle, batched, single, graphs, thread):
         assert lane_bytes(batched, 2) == 2 * graphs.slot_bytes  # what the engine budgets a stream on a GPU
-        thread.call(graphs.warm_up)
         batcher = FlowBatcher(graphs, thread)
         caches = BatchedFlowCaches(batcher, single, single)
         spec = StepCacheSpec(single.row, single.conv, np.dtype(np.float32), euler_step=1)
         chunk = int(bundle.manifest["stages"][f"{STATIC_FLOW_PREFIX}{STATIC_FLOW_WINDOWS[0]}"]["chunk_frames"])
-        channels = int(statics[0].input_shapes["x"][1])
+        channels = int(sessions["flow_estimator"].input_shapes["x"][1])
         rng = np.random.default_rng(4)
         rows = PrefixRows(rng.standard_normal((2 * chunk, *single.row)).astype(np.float32))
         conv = rng.standard_normal(single.conv).astype(np.float32)
@@ -167,31 +189,17 @@ def test_a_saved_prefix_in_a_lane_gives_the_single_stream_windows(static_flow_bu
         for cache in made:
             cache.close()
         assert batcher.lanes_in_use == 0
-    finally:
-        thread.close()
-        for s in [*sessions.values(), *batched.values()]:
-            s.close()
 
 
 def test_a_lane_keeps_its_saved_prefix_for_the_next_stream_of_that_voice(static_flow_bundle: Path) -> None:
     """Seeding a lane from the host took seconds a request at full size (10 Euler steps' lanes); a
     lane whose last stream had the same saved prefix still holds it (streams write past it), so
     the next stream of that voice writes only its conv history, and hears the same."""
-    sessions, bundle = flow_sessions(static_flow_bundle, "cpu", STATIC_FLOW_PREFIX)
-    backend = create_backend("ort")
-    batched = batch_flow_sessions(bundle, lambda name, path: backend.load(name, path, threads=1))
-    statics = [s for n, s in sessions.items() if n.startswith(STATIC_FLOW_PREFIX)]
-    copier = DeviceCopier("cpu")
-    thread = GraphThread().start()
-    try:
-        single = StaticFlowGraphs(statics, ("cpu", 0), copier, max_slots=1, thread=thread)
-        single.warm_up()
-        graphs = BatchFlowGraphs(batched, ("cpu", 0), copier)
-        thread.call(graphs.warm_up)
+    with _lanes(static_flow_bundle, groups=1) as (sessions, bundle, _, single, graphs, thread):
         caches = BatchedFlowCaches(FlowBatcher(graphs, thread), single, single)
         spec = StepCacheSpec(single.row, single.conv, np.dtype(np.float32), euler_step=0)
         chunk = int(bundle.manifest["stages"][f"{STATIC_FLOW_PREFIX}{STATIC_FLOW_WINDOWS[0]}"]["chunk_frames"])
-        channels = int(statics[0].input_shapes["x"][1])
+        channels = int(sessions["flow_estimator"].input_shapes["x"][1])
         rng = np.random.default_rng(11)
         rows = PrefixRows(rng.standard_normal((2 * chunk, *single.row)).astype(np.float32))
         conv = rng.standard_normal(single.conv).astype(np.float32)
@@ -218,7 +226,3 @@ def test_a_lane_keeps_its_saved_prefix_for_the_next_stream_of_that_voice(static_
         for got in (again, third):
             for a, b in zip(got, first, strict=True):
                 np.testing.assert_array_equal(a, b)
-    finally:
-        thread.close()
-        for s in [*sessions.values(), *batched.values()]:
-            s.close()
