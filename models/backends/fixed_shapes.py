@@ -170,6 +170,9 @@ def slots_that_fit(requested: int, per_request_bytes: int, device_bytes: int,
 # memory is not ours (a quarter of the total failed there with 70 GB held elsewhere).
 BATCH_LANE_FRACTION = 0.5
 FREE_FRACTION = 0.8
+# single-stream estimator slots beside the batched lanes: the streams beyond the lanes (H200 run 7:
+# seven of them beside eight lanes ran the GPU out of memory)
+OVERFLOW_FLOW_SLOTS = 2
 
 
 def batch_lanes(batch_sizes: Sequence[int], per_lane_bytes: int, total_bytes: int, free_bytes: int,

@@ -28,7 +28,6 @@ batches (which slots, which window) is the caller."""
 from __future__ import annotations
 
 import logging
-import re
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -42,14 +41,13 @@ from cosyedge_models.backends.flow_cache import PrefixRows
 from cosyedge_models.backends.graph_thread import CAPTURE_RUNS
 from cosyedge_models.backends.ort import OrtSession
 from cosyedge_models.backends.ort_cache import DeviceCopier, lane_layout_model
-from cosyedge_models.bundle.loader import BATCH_FLOW_PREFIX, Bundle
+from cosyedge_models.bundle.loader import BATCH_FLOW_NAME, Bundle
 from cosyedge_models.errors import BundleError, SynthesisError
 
 log = logging.getLogger(__name__)
 
 SessionT = TypeVar("SessionT")
 
-_NAME = re.compile(rf"^{BATCH_FLOW_PREFIX}(\d+)_w(\d+)$")
 CFG_ROWS = 2
 FLOAT_BYTES = 4
 _WINDOW_INPUTS = ("x", "mask", "mu", "cond")  # [2, C|1, T] per stream, padded to the window
@@ -414,7 +412,7 @@ def batch_flow_sessions(bundle: Bundle, load: Callable[[str, Path], SessionT]) -
     keyed (B, W), each loaded with `load(stage, path)`; empty when the bundle has none."""
     found = {}
     for name, entry in bundle.manifest.get("stages", {}).items():
-        m = _NAME.match(str(name))
+        m = BATCH_FLOW_NAME.match(str(name))
         if m:
             path = bundle.root / str(entry["file"])
             if not path.is_file():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,7 @@ STATIC_ENCODER_PREFIX = "flow_encoder_static_t"
 FIXED_SHAPE_PREFIXES = (STATIC_FLOW_PREFIX, STATIC_VOCODER_PREFIX, STATIC_ENCODER_PREFIX)
 # the estimator windows batched across streams (edge_build/export/flow_batch.py; captured too)
 BATCH_FLOW_PREFIX = "flow_estimator_batch_b"
+BATCH_FLOW_NAME = re.compile(rf"^{BATCH_FLOW_PREFIX}(\d+)_w(\d+)$")  # groups: batch size, window frames
 
 
 def _covers_prefix(profile: Mapping[str, Any]) -> bool:

@@ -51,10 +51,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cosyedge_models.backends.fixed_shapes import BatchPlan, flow_request_bytes, plan_batches
+from cosyedge_models.backends.fixed_shapes import (
+    OVERFLOW_FLOW_SLOTS,
+    BatchPlan,
+    batch_lanes,
+    flow_request_bytes,
+    plan_batches,
+)
 from cosyedge_models.backends.profiles import all_input_ranges
 from cosyedge_models.backends.shared_weights import find_index, graph_shared_bytes
-from cosyedge_models.bundle.loader import FIXED_SHAPE_PREFIXES, STATIC_FLOW_PREFIX
+from cosyedge_models.bundle.loader import BATCH_FLOW_NAME, FIXED_SHAPE_PREFIXES, STATIC_FLOW_PREFIX
 from cosyedge_models.errors import BundleError
 from cosyedge_models.synthesis.flow import CacheDims, cache_bytes_per_frame
 
@@ -306,6 +312,11 @@ def bundle_budget(root: Path, manifest: Mapping[str, Any], precision: str) -> Bu
         notes.append(f"fixed-shape flow slots (auto, of {FLOW_SLOTS_ASKED} asked; plan_batches): " + ", ".join(
             f"{key} {p.slots}" + (f" (batches {'/'.join(map(str, p.batch_sizes))})" if p.slots else " (off)")
             for key, p in plans.items()))
+    lanes = flow_lane_plans(stages_meta, int(manifest.get("flow", {}).get("n_timesteps", 10)))
+    if lanes:
+        notes.append(f"batched flow lanes with graph_flow_batch (batch_lanes, beside {OVERFLOW_FLOW_SLOTS} "
+                     "single-stream slots): " + ", ".join(f"{key} {n}" + (" (off)" if n < 2 else "")
+                                                          for key, n in lanes.items()))
     cache_bytes = 2 if precision == "fp16" else 4  # fp16 graphs take the K/V cache in fp16
     per_second = flow_stream_cache_bytes_per_second(manifest, cache_bytes)
     if per_second:
@@ -337,6 +348,32 @@ def flow_slot_plans(stages_meta: Mapping[str, Any], n_timesteps: int,
     per_slot = flow_request_bytes(shapes["att_cache"]["shape"], shapes["conv_cache"]["shape"], n_timesteps,
                                   ITEMSIZE.get(shapes["att_cache"].get("dtype", "float32"), 4))
     return {b.key: plan_batches(requested, per_slot, b.usable_bytes) for b in BOARDS.values()}
+
+
+def flow_lane_plans(stages_meta: Mapping[str, Any], n_timesteps: int) -> dict[str, int]:
+    """Per board, the batched estimator lanes (graph_flow_batch) that `batch_lanes` gives it with
+    the GPU idle but for the single-stream slots beside them (OVERFLOW_FLOW_SLOTS, as many as fit
+    the auto rule); {} without batched estimator graphs. A lane: one stream's fp32 K/V and conv
+    history for every Euler step (batched_flow.lane_bytes)."""
+    found = {}
+    for name, entry in stages_meta.items():
+        m = BATCH_FLOW_NAME.match(str(name))
+        if m and isinstance(entry, Mapping):
+            found[int(m.group(1))] = entry
+    if not found:
+        return {}
+    shapes = {i["name"]: i["shape"] for i in found[min(found)].get("inputs", []) if isinstance(i, Mapping)}
+    keys = [n for n in shapes if n.startswith("key_cache_")]
+    if not keys or "conv_cache" not in shapes:
+        return {}
+    per_lane = n_timesteps * 2 * (2 * len(keys) * math.prod(shapes[keys[0]][1:])
+                                  + math.prod(shapes["conv_cache"][1:])) * 4
+    static = flow_slot_plans(stages_meta, n_timesteps, OVERFLOW_FLOW_SLOTS)
+    out = {}
+    for b in BOARDS.values():
+        taken = static[b.key].bytes if b.key in static else 0
+        out[b.key] = batch_lanes(sorted(found), per_lane, b.usable_bytes, b.usable_bytes - taken)
+    return out
 
 
 def fixed_shape_budget(root: Path, stages_meta: Mapping[str, Any],

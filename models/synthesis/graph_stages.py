@@ -36,9 +36,6 @@ log = logging.getLogger(__name__)
 
 StageT = TypeVar("StageT")
 
-# single-stream estimator slots beside the batched lanes (graph_flow_batch): streams beyond the lanes
-OVERFLOW_FLOW_SLOTS = 2
-
 
 class GraphStages:
     """Loads the graph stages an engine's settings and bundle ask for; the
@@ -181,14 +178,13 @@ class GraphStages:
             self.flow = load_trt_static_flow(self.bundle, self.backend_name, self._load, self.settings.graph_flow,
                                              self.settings.graph_flow_slots, functools.partial(self._thread, "flow"))
             return self._loaded("flow", t0, self.flow)
+        from cosyedge_models.backends.fixed_shapes import OVERFLOW_FLOW_SLOTS
         from cosyedge_models.backends.ort_static_flow import load_static_flow
         from cosyedge_models.bundle.loader import BATCH_FLOW_PREFIX
 
         slots = self.settings.graph_flow_slots
         if self.settings.graph_flow_batch and any(name.startswith(BATCH_FLOW_PREFIX) for name in self.bundle.stages):
-            # the batched lanes hold the streams; these slots only the ones beyond them (H200 run 7:
-            # seven of them beside eight lanes ran the GPU out of memory)
-            slots = min(slots, OVERFLOW_FLOW_SLOTS)
+            slots = min(slots, OVERFLOW_FLOW_SLOTS)  # the batched lanes hold the streams
         self.flow = load_static_flow(self.bundle, self.backend_name, self._load, self.settings.graph_flow,
                                      slots, functools.partial(self._thread, "flow"))
         return self._loaded("flow", t0, self.flow)

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from cosyedge_models.backends.factory import create_backend
+from cosyedge_models.backends.fixed_shapes import OVERFLOW_FLOW_SLOTS
 from cosyedge_models.backends.flow_cache import PrefixRows, StepCacheSpec
 from cosyedge_models.backends.graph_thread import GraphPriority, GraphThread
 from cosyedge_models.backends.ort import OrtSession
@@ -24,7 +25,6 @@ from cosyedge_models.batching.batched_flow import BatchFlowGraphs, batch_flow_se
 from cosyedge_models.batching.flow_batcher import BatchedFlowCaches, BatchedStepCache, FlowBatcher
 from cosyedge_models.bundle.loader import STATIC_FLOW_PREFIX, Bundle
 from cosyedge_models.synthesis.api import SynthesisRequest
-from cosyedge_models.synthesis.graph_stages import OVERFLOW_FLOW_SLOTS
 from cosyedge_models.synthesis.settings import SynthesisSettings
 from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, load_synthesizer
 

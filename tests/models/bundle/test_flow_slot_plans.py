@@ -29,3 +29,20 @@ def test_slots_per_board_follow_their_memory() -> None:
 
 def test_no_fixed_shape_graphs_no_plans() -> None:
     assert flow_slot_plans({"flow_estimator": {"file": "e.onnx"}}, 10) == {}
+
+
+def test_batched_lanes_per_board_beside_the_single_stream_slots() -> None:
+    # a full-size lane: 10 steps x 2 rows x (2 x 56 blocks x 8 x 1,664 x 64 + 11 x 320 x 2) x 4 B = 7.63e9 B;
+    # the two single-stream slots (4.0e9 B each, _meta) fit the quarter on all but the Nano (none) and
+    # the NX (one); the lanes then fit min(half the GPU, 80% of the rest): Nano 3.97e9 -> 0,
+    # NX min(8.2e9, 9.9e9) -> 1 (no size 2 fits), AGX 32 GB 16.1e9 -> 2, AGX 64 GB 32.9e9 -> 4
+    from cosyedge_models.bundle.memory_budget import flow_lane_plans
+
+    inputs = [{"name": f"{kv}_cache_{i}", "dtype": "float32", "shape": [2, 8, 1664, 64]}
+              for i in range(56) for kv in ("key", "value")]
+    inputs.append({"name": "conv_cache", "dtype": "float32", "shape": [2, 11, 320, 2]})
+    meta = {**_meta("float32"), **{f"flow_estimator_batch_b{b}_w64": {"file": f"b{b}.onnx", "inputs": inputs}
+                                   for b in (1, 2, 4, 8)}}
+    assert flow_lane_plans(meta, 10) == {"orin-nano-8gb": 0, "orin-nx-16gb": 1, "agx-orin-32gb": 2,
+                                         "agx-orin-64gb": 4}
+    assert flow_lane_plans(_meta("float32"), 10) == {}  # no batched graphs
