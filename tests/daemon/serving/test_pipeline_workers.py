@@ -173,7 +173,9 @@ def test_published_requests_never_wait_for_the_speaker() -> None:
         rec.wait(2)  # both published while "A" is still on the speaker
         # two workers: the one that handed "A" to the speaker may take P2 while the other makes P1
         assert sorted(rec.order) == ["P1", "P2"] and rec.audio_chunks == {"P1": 6, "P2": 6}
-        assert p.playing_job is not None and p.playing_job.id == "A"
+        # "A" reaches the speaker and stays there (the sink is not started); on a loaded machine its
+        # hand-over can come after the published answers
+        wait_until(lambda: p.playing_job is not None and p.playing_job.id == "A", 5.0)
         sink.start()
         rec.wait(3)
     finally:
