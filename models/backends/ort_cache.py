@@ -113,6 +113,20 @@ def identity_model() -> bytes:
     return _field(1, _IR_VERSION) + _field(2, "cosyedge") + _field(7, graph) + _field(8, opset)
 
 
+def helper_session(model: bytes, device: tuple[str, int]) -> ort.InferenceSession:
+    """A session of one of these hand-written helper graphs on `device` ("cuda", with the CPU
+    beside it, or "cpu"), one thread, unoptimized: nothing to optimize, and an optimizer must not
+    drop their nodes."""
+    kind, device_id = device
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    opts.intra_op_num_threads = 1
+    providers: list[str | tuple[str, dict[str, str]]] = ["CPUExecutionProvider"]
+    if kind == "cuda":
+        providers.insert(0, ("CUDAExecutionProvider", {"device_id": str(device_id)}))
+    return ort.InferenceSession(model, sess_options=opts, providers=providers)
+
+
 class DeviceCopier:
     """Byte copies between device addresses through the Identity graph (its
     kernel copies input to output with the device's own memcpy). One per
@@ -120,14 +134,7 @@ class DeviceCopier:
 
     def __init__(self, device_type: str, device_id: int = 0) -> None:
         self.device = (device_type, device_id)
-        opts = ort.SessionOptions()
-        # Nothing to optimize, and an optimizer must not drop the one node.
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        opts.intra_op_num_threads = 1
-        providers: list[str | tuple[str, dict[str, str]]] = ["CPUExecutionProvider"]
-        if device_type == "cuda":
-            providers.insert(0, ("CUDAExecutionProvider", {"device_id": str(device_id)}))
-        self._sess = ort.InferenceSession(identity_model(), sess_options=opts, providers=providers)
+        self._sess = helper_session(identity_model(), self.device)
 
     def copy(self, dst_ptr: int, src_ptr: int, nbytes: int) -> None:
         """Copy `nbytes` from src to dst (the ranges must not overlap)."""

@@ -40,7 +40,7 @@ from cosyedge_models.backends.fixed_shapes import bucket, pad_window
 from cosyedge_models.backends.flow_cache import PrefixRows
 from cosyedge_models.backends.graph_thread import CAPTURE_RUNS
 from cosyedge_models.backends.ort import OrtSession
-from cosyedge_models.backends.ort_cache import DeviceCopier, lane_layout_model
+from cosyedge_models.backends.ort_cache import DeviceCopier, helper_session, lane_layout_model
 from cosyedge_models.bundle.loader import BATCH_FLOW_NAME, Bundle
 from cosyedge_models.errors import BundleError, SynthesisError
 
@@ -334,8 +334,7 @@ class BatchFlowGraphs:
 
         with prefix.lease(self.device, upload) as src:
             if self._layout is None:
-                self._layout = ort.InferenceSession(lane_layout_model(list(_LANE_PERM)),
-                                                    sess_options=_layout_options(), providers=_providers(kind, dev))
+                self._layout = helper_session(lane_layout_model(list(_LANE_PERM)), self.device)
             binding = self._layout.io_binding()
             binding.bind_ortvalue_input("src", src)
             pads = np.zeros(2 * len(_LANE_PERM), np.int64)
@@ -383,18 +382,6 @@ class BatchFlowGraphs:
 
 # a prefix's rows [n, L, 2, 2, H, D] (frame-major, flow_cache.PrefixRows) -> a lane's [L, 2, 2, H, n, D]
 _LANE_PERM = (1, 2, 3, 4, 0, 5)
-
-
-def _layout_options() -> ort.SessionOptions:
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = 1
-    return opts
-
-
-def _providers(kind: str, dev: int) -> list[str | tuple[str, dict[str, str]]]:
-    if kind == "cuda":
-        return [("CUDAExecutionProvider", {"device_id": str(dev)}), "CPUExecutionProvider"]
-    return ["CPUExecutionProvider"]
 
 
 def lane_bytes(sessions: Mapping[tuple[int, int], OrtSession], groups: int) -> int:
