@@ -8,14 +8,15 @@ group per Euler step of the bundle), so streams at the same Euler step of a
 window of the same size can share a replay. Every call is one piece of work on
 the graph thread, submitted with its caller's priority (a first chunk's flow,
 inside `first_audio()`, stays FIRST_AUDIO: graph_thread.py's GraphWorkOrder);
-when a piece runs, it takes its own call and every other call waiting then for
-the same (Euler step, window bucket), runs them as one replay (padded to the
-next exported batch size; a call alone runs the batch-1 graph at its own lane,
-as a stream alone ran before), and hands each caller its rows. A call already
-served by an earlier piece makes its own piece a no-op. Streams join when they
-take lanes and leave when they give them back, between windows; nothing waits
-for partners (no timer): the calls that meet on the queue while the graph
-thread is busy are the ones batched.
+a piece that runs is one replay: flow_order.py picks its calls among those
+waiting then (the highest priority waiting, then the lowest Euler step, so that
+streams out of phase catch up and then share each step; a stream passed over
+too often goes next), pads them to the next exported batch size (a call alone
+runs the batch-1 graph at its own lane, as a stream alone ran before), and
+hands each caller its rows. A piece whose call an earlier piece served is a
+no-op; every call has a piece, and every piece that runs serves a call, so
+none is left behind. Streams join when they take lanes and leave when they give
+them back, between windows.
 
 Where a stream's step does not fit (no free lane in its group, a window beyond
 the largest, a cache past the batched frames, an fp16 cache), it runs as
@@ -36,10 +37,11 @@ import numpy as np
 from cosyedge_models.backends.base import Session
 from cosyedge_models.backends.fixed_shapes import bucket, prefix_fits, trim_copy, visible_first
 from cosyedge_models.backends.flow_cache import PrefixRows, StepCache, StepCacheSpec
-from cosyedge_models.backends.graph_thread import GraphPriority, GraphThread
+from cosyedge_models.backends.graph_thread import GraphThread
 from cosyedge_models.backends.ort import OrtSession
 from cosyedge_models.backends.ort_cache import BoundStepCache, DeviceCopier
 from cosyedge_models.batching.batched_flow import CFG_ROWS, BatchFlowGraphs, SlotCall
+from cosyedge_models.batching.flow_order import Served, WaitingCall, coming_back, next_key, take, worth_waiting
 from cosyedge_models.errors import SynthesisError
 
 log = logging.getLogger(__name__)
@@ -65,19 +67,18 @@ class FlowBatchStats:
                 "batch_sizes": dict(sorted(self.batch_sizes.items()))}
 
 
-# How long a replay waits for the partners of the stream's last shared replay to submit their
-# next Euler step (they only update x in between, ~0.1 ms): without it the first to come back
-# runs alone on the idle graph thread and the group falls apart step by step. A bound, not a
-# schedule: a partner that does not come (its window ended, it failed) costs at most this.
+# How long a replay waits for a stream of the last replay to submit its next Euler step
+# (it only updates x in between, ~0.1 ms) where that call would run next or join
+# (flow_order.worth_waiting): without it the stream ahead runs alone in that gap on the idle
+# graph thread and the streams drift apart step by step. A bound, not a schedule: a stream
+# that does not come (its window ended early, it failed) costs at most this.
 PARTNER_WAIT_S = 0.005
 
 
 @dataclass
 class _Pending:
     call: SlotCall
-    key: tuple[int, int]  # (group, window bucket): what may share a replay
-    stream: int  # the submitting thread (a stream's Euler steps come from one thread)
-    priority: GraphPriority  # its piece's on the graph thread
+    wait: WaitingCall  # its key, stream, priority and passes: what flow_order decides on
     future: Future[np.ndarray] = field(default_factory=Future)
 
 
@@ -92,9 +93,10 @@ class FlowBatcher:
         self._free = [list(range(graphs.lanes)) for _ in range(graphs.groups)]  # lowest lane first
         self._pending: list[_Pending] = []
         self._arrived = threading.Condition(self._lock)  # a call was queued
-        # the streams of the last shared replay that will come back for their next Euler step
-        self._partners: set[int] = set()
+        # the streams of the last replay that will come back for their next Euler step
+        self._served: list[Served] = []
         self.partner_wait_s = PARTNER_WAIT_S
+        self.max_passed = graphs.groups  # a stream ahead waits at most about one Euler loop
 
     def acquire(self, group: int) -> int | None:
         """A free slot of `group` (its lowest lane: batches stay small), reset; None when all are taken."""
@@ -133,13 +135,13 @@ class FlowBatcher:
         w = bucket(self.graphs.windows, int(call.feeds["x"].shape[2]))
         if w is None:
             raise SynthesisError(f"a window of {call.feeds['x'].shape[2]} frames exceeds the batched windows")
-        pending = _Pending(call, (call.slot // self.graphs.lanes, w), threading.get_ident(),
-                           self.thread.current_priority())
+        key = (call.slot // self.graphs.lanes, w)
+        pending = _Pending(call, WaitingCall(key, threading.get_ident(), self.thread.current_priority()))
         with self._lock:
             self._pending.append(pending)
             self._arrived.notify_all()
         try:
-            self.thread.submit(lambda: self._serve(pending))  # the caller's priority (first audio first)
+            self.thread.submit(self._serve)  # a turn at the caller's priority (first audio first)
         except BaseException:
             with self._lock:
                 if pending in self._pending:
@@ -147,25 +149,22 @@ class FlowBatcher:
             raise
         return pending.future.result()
 
-    def _serve(self, pending: _Pending) -> None:
-        """On the graph thread: `pending` and every call waiting with its key, as one replay."""
+    def _serve(self) -> None:
+        """On the graph thread: one replay of the calls flow_order picks among those waiting."""
         with self._lock:
-            if pending not in self._pending:
-                return  # served by an earlier replay
-            # its group's other streams are on their way back; not while another stream's first
-            # audio waits behind a later chunk's window
-            if pending.stream in self._partners and (pending.priority is GraphPriority.FIRST_AUDIO
-                                                     or not self.thread.pending(GraphPriority.FIRST_AUDIO)):
-                deadline = time.monotonic() + self.partner_wait_s
-                while (self._partners - {p.stream for p in self._pending}
-                       and (left := deadline - time.monotonic()) > 0):
-                    self._arrived.wait(left)
-            batch = [p for p in self._pending if p.key == pending.key][: self.graphs.lanes]
+            if not self._pending:
+                return  # this turn's call was served by an earlier one
+            deadline = time.monotonic() + self.partner_wait_s
+            while (worth_waiting([p.wait for p in self._pending], self._served, self.max_passed)
+                   and (left := deadline - time.monotonic()) > 0):
+                self._arrived.wait(left)
+            waiting = [p.wait for p in self._pending]
+            key = next_key(waiting, self.max_passed)
+            assert key is not None
+            batch = [self._pending[i] for i in take(waiting, key, self.graphs.lanes)]
             for p in batch:
                 self._pending.remove(p)
-            # the members that have a next Euler step come back for it: wait for them then
-            last = pending.key[0] == self.graphs.groups - 1
-            self._partners = {p.stream for p in batch} if len(batch) > 1 and not last else set()
+            self._served = coming_back([p.wait for p in batch], self.graphs.groups)
         try:
             outs = self.graphs.run([p.call for p in batch])
         except BaseException as exc:

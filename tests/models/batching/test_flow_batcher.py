@@ -226,3 +226,75 @@ def test_a_lane_keeps_its_saved_prefix_for_the_next_stream_of_that_voice(static_
         for got in (again, third):
             for a, b in zip(got, first, strict=True):
                 np.testing.assert_array_equal(a, b)
+
+
+def test_a_stream_behind_catches_up_and_then_shares_each_euler_step(static_flow_bundle: Path) -> None:
+    """Stream A waits at Euler step 2 of 4 when B starts at step 0: B's steps run first (A waits,
+    lowest step first) and steps 2 and 3 serve both in one replay each (served oldest first, the
+    two never met: each replay served one); each stream's rows equal the same stream alone."""
+    groups = 4
+    with _lanes(static_flow_bundle, groups=groups) as (sessions, bundle, _, single, graphs, thread):
+        batcher = FlowBatcher(graphs, thread)
+        batcher.partner_wait_s = 60.0  # a loaded CI machine must not split the pair by timing
+        caches = BatchedFlowCaches(batcher, single, single)
+        chunk = int(bundle.manifest["stages"][f"{STATIC_FLOW_PREFIX}{STATIC_FLOW_WINDOWS[0]}"]["chunk_frames"])
+        channels = int(sessions["flow_estimator"].input_shapes["x"][1])
+        rng = np.random.default_rng(5)
+        feeds = {s: [_feeds(rng, channels, STATIC_FLOW_WINDOWS[0]) for _ in range(groups)] for s in "AB"}
+
+        def steps(stream: str) -> list[BatchedStepCache]:
+            made = [caches(sessions["flow_estimator"],
+                           StepCacheSpec(single.row, single.conv, np.dtype(np.float32), euler_step=k))
+                    for k in range(groups)]
+            assert all(isinstance(c, BatchedStepCache) and c.on_graph for c in made)
+            return [c for c in made if isinstance(c, BatchedStepCache)]
+
+        def alone(stream: str) -> list[np.ndarray]:
+            made = steps(stream)
+            out = [c.run(f, chunk) for c, f in zip(made, feeds[stream], strict=True)]
+            for c in made:
+                c.close()
+            return out
+
+        want = {s: alone(s) for s in "AB"}
+        before = batcher.report()
+        got: dict[str, list[np.ndarray]] = {"A": [], "B": []}
+        made = {s: steps(s) for s in "AB"}
+        go = threading.Event()
+        errors: list[BaseException] = []
+
+        def run(stream: str, pause_at: int | None) -> None:
+            try:
+                for k, (c, f) in enumerate(zip(made[stream], feeds[stream], strict=True)):
+                    if k == pause_at:
+                        go.wait(60)
+                    got[stream].append(c.run(f, chunk))
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        a = threading.Thread(target=run, args=("A", 2))
+        a.start()
+        deadline = time.monotonic() + 60
+        while len(got["A"]) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+        def hold() -> None:  # until A's step 2 and B's step 0 both wait
+            while batcher.waiting < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+        held = thread.submit(hold)
+        go.set()
+        b = threading.Thread(target=run, args=("B", None))
+        b.start()
+        held.result(60)
+        for t in (a, b):
+            t.join(120)
+        assert not errors, errors
+        after = batcher.report()
+        assert after["replays"] == int(before["replays"]) + 6  # A 0, 1; B 0, 1; both 2, 3
+        assert after["shared_replays"] == int(before["shared_replays"]) + 2
+        for s in "AB":
+            for c in made[s]:
+                c.close()
+            for g, w in zip(got[s], want[s], strict=True):
+                np.testing.assert_allclose(g, w, rtol=0, atol=1e-5 * float(np.abs(w).max()))
