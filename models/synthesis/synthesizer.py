@@ -134,9 +134,8 @@ class CosyVoiceSynthesizer(SynthesizerDefaults):
                                 self.static_encoder if self.static_encoder is not None else host_encoder_cache)
         self.static_vocoder = self.graphs.static_vocoder()
         self.vocoder = HiftVocoder(bundle, stages["hift_source"], stages["hift_decoder"], self.static_vocoder)
-        if pinned > 1 and self.static_vocoder is None:  # the recurring chunk lengths, set up now
-            self.vocoder.warm_up(recurring_mel_frames(bundle.streaming.token_hop_len, bundle.token_mel_ratio,
-                                                      bundle.streaming.mel_cache_len, settings.first_hop_tokens))
+        self._pinned_vocoder = pinned > 1
+        self.warm_vocoder()
         self.tokenizer = TextTokenizer.from_file(bundle.file("tokenizer"))
         self.frontend = TextFrontend(self.tokenizer, max_text_chars=settings.max_text_chars)
         self.conditioning = ConditioningBuilder(bundle, self.tokenizer, self.frontend)
@@ -253,6 +252,22 @@ class CosyVoiceSynthesizer(SynthesizerDefaults):
         cond = self.conditioning.build(request)
         self.llm_prefix(cond, request.mode)
         return self.voice_prefix(cond)
+
+    def warm_vocoder(self) -> list[int]:
+        """Set up the dynamic vocoder at the settings' recurring chunk lengths that no fixed-length
+        graph serves (all of them without the graphs; with them, e.g. a first hop other than the
+        bundle's): on the CUDA provider a convolution's first call at a new shape costs 150-200 ms,
+        which the first request would pay (the H200's first 15-token first hop did). At load, and
+        by bench after it changes the first hop. Returns the lengths set up."""
+        if not self._pinned_vocoder:
+            return []
+        b = self.bundle
+        fixed = set(self.static_vocoder.frames) if self.static_vocoder is not None else set()
+        lengths = [n for n in recurring_mel_frames(b.streaming.token_hop_len, b.token_mel_ratio,
+                                                   b.streaming.mel_cache_len, self.settings.first_hop_tokens)
+                   if n not in fixed]
+        self.vocoder.warm_up(lengths)
+        return lengths
 
     def session_memory_bytes(self) -> int:
         """What the stage sessions hold (Session.memory_bytes, best effort), for benchmarks."""

@@ -152,6 +152,7 @@ def first_hop_sweep(engine: CosyVoiceSynthesizer, text: str, hops: list[int], re
     try:
         for hop in hops:
             engine.settings = dataclasses.replace(original, first_hop_tokens=hop)
+            engine.warm_vocoder()  # as an engine loaded with that first hop (its first chunk's length)
             out[str(hop)] = median_first_audio([run_once(engine, text, stream=True, seed=r, voice=voice)
                                                 for r in range(repeats)])
     finally:

@@ -79,6 +79,7 @@ def first_chunk_sweep(engine: CosyVoiceSynthesizer, text: str, combos: list[tupl
             settings = dataclasses.replace(original, first_hop_tokens=hop or original.first_hop_tokens,
                                            first_chunk_euler_steps=steps or original.first_chunk_euler_steps)
             engine.settings = settings
+            engine.warm_vocoder()  # as an engine loaded with these settings (the first chunk's length)
             runs = [run_once(engine, text, stream=True, seed=r, voice=voice) for r in range(repeats)]
             firsts = sorted(r["first_audio_ms"] for r in runs if r["first_audio_ms"] is not None)
             mels, first_work = stream_chunks(engine, prompt, tokens, settings.first_hop_tokens,

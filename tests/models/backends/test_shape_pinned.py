@@ -5,6 +5,7 @@ reused beyond the cap, and the engine's audio does not change with it."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -106,5 +107,33 @@ def test_the_recurring_chunk_shapes_are_set_up_at_load(tiny_bundle: Path) -> Non
         chunks = list(eng.synthesize(SynthesisRequest(text=text, seed=3, stream=True)))
         assert len(chunks) >= 3 and len(seen) == len(chunks)
         assert set(seen[:-1]) <= warmed  # every chunk but the last (any length) had its session ready
+    finally:
+        eng.close()
+
+
+def test_a_first_hop_the_fixed_length_graphs_lack_is_set_up_on_the_dynamic_vocoder(graph_bundle: Path) -> None:
+    """The fixed-length vocoder graphs serve the bundle's default chunk lengths, so nothing is set
+    up at load; a first hop of 15 tokens makes a first chunk none of them has, and warm_vocoder()
+    (at load with that setting, or bench after changing it) sets up that length alone (the H200's
+    first 15-token first chunk paid its convolutions' first call)."""
+    eng = load_synthesizer(graph_bundle, "ort", SynthesisSettings(backend="ort", vocoder_sessions=3,
+                                                                  graph_vocoder=True, overlap_stages=False))
+    try:
+        decoder = eng.vocoder.decoder_session
+        assert isinstance(decoder, ShapePinnedSession) and eng.static_vocoder is not None
+        ratio = eng.bundle.token_mel_ratio
+        assert decoder.pinned_shapes() == [] and eng.warm_vocoder() == []
+        eng.settings = dataclasses.replace(eng.settings, first_hop_tokens=15)
+        assert 15 * ratio not in eng.static_vocoder.frames
+        assert eng.warm_vocoder() == [15 * ratio]
+        assert {key[0][2] for key in decoder.pinned_shapes()} == {15 * ratio}
+    finally:
+        eng.close()
+    eng = load_synthesizer(graph_bundle, "ort", SynthesisSettings(backend="ort", vocoder_sessions=3, graph_vocoder=True,
+                                                                  overlap_stages=False, first_hop_tokens=15))
+    try:  # the same at load
+        decoder = eng.vocoder.decoder_session
+        assert isinstance(decoder, ShapePinnedSession)
+        assert {key[0][2] for key in decoder.pinned_shapes()} == {15 * eng.bundle.token_mel_ratio}
     finally:
         eng.close()
