@@ -87,27 +87,19 @@ def _node(op_type: str, inputs: list[str], outputs: list[str], name: str, attrib
             + _field(4, op_type) + attributes)
 
 
-def lane_seed_model(perm: list[int]) -> bytes:
-    """ModelProto of `out = ScatterND(buffer, rows, Pad(Transpose(src, perm), pads))` over float
-    tensors of rank len(perm) (every dim symbolic; `pads` int64 [2 * rank], `rows` int64
-    [..., k] of the buffer's leading indices): a saved prefix's device copy, frame-major, into
-    the attention layout of a batched estimator lane, written into the lanes' buffer in one
-    run. Bound with `out` on `buffer`'s memory it writes in place (onnxruntime's ScatterND
-    copies data to output only where they differ), instead of a staging buffer and 2 L device
-    copies (each one a session run: seconds for ten Euler steps' lanes of eight streams on the
-    H200, 2026-12-04)."""
+def lane_layout_model(perm: list[int]) -> bytes:
+    """ModelProto of `dst = Pad(Transpose(src, perm), pads)` over float tensors of rank len(perm)
+    (every dim symbolic; `pads` int64 [2 * rank]): a saved prefix's device copy, frame-major,
+    into the attention layout of the batched estimator lanes, on the device."""
     rank = len(perm)
     ints = b"".join(_field(8, p) for p in perm)
     transpose = _node("Transpose", ["src"], ["t"], "to_attention_layout",
                       _field(5, _field(1, "perm") + ints + _field(20, _ATTR_INTS)))
-    pad = _node("Pad", ["t", "pads"], ["lane"], "to_buffer_frames")
-    scatter = _node("ScatterND", ["buffer", "rows", "lane"], ["out"], "into_the_lane")
-    graph = (_field(1, transpose) + _field(1, pad) + _field(1, scatter) + _field(2, "lane_seed")
-             + _field(11, _tensor_info("buffer", _FLOAT, [f"b{i}" for i in range(rank)]))
-             + _field(11, _tensor_info("rows", _INT64, ["r0", "r1", "r2", "k"]))
+    pad = _node("Pad", ["t", "pads"], ["dst"], "to_buffer_frames")
+    graph = (_field(1, transpose) + _field(1, pad) + _field(2, "lane_layout")
              + _field(11, _tensor_info("src", _FLOAT, [f"s{i}" for i in range(rank)]))
              + _field(11, _tensor_info("pads", _INT64, [2 * rank]))
-             + _field(12, _tensor_info("out", _FLOAT, [f"b{i}" for i in range(rank)])))
+             + _field(12, _tensor_info("dst", _FLOAT, [f"d{i}" for i in range(rank)])))
     opset = _field(1, "") + _field(2, _OPSET)
     return _field(1, _IR_VERSION) + _field(2, "cosyedge") + _field(7, graph) + _field(8, opset)
 

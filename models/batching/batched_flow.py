@@ -40,7 +40,7 @@ from cosyedge_models.backends.fixed_shapes import bucket, pad_window
 from cosyedge_models.backends.flow_cache import PrefixRows
 from cosyedge_models.backends.graph_thread import CAPTURE_RUNS
 from cosyedge_models.backends.ort import OrtSession
-from cosyedge_models.backends.ort_cache import DeviceCopier, helper_session, lane_seed_model
+from cosyedge_models.backends.ort_cache import DeviceCopier, helper_session, lane_layout_model
 from cosyedge_models.bundle.loader import BATCH_FLOW_NAME, Bundle
 from cosyedge_models.errors import BundleError, SynthesisError
 
@@ -313,8 +313,8 @@ class BatchFlowGraphs:
         slot's committed frames, and its conv history [2, K, Cmax, 2]. Where the slot still holds
         that prefix from an earlier stream (streams only write past it, idle lanes too) only the
         conv history is written; else the prefix goes from the voice's copy on this device
-        (uploaded once per voice and device, shared with the single-stream slots) into the lane
-        in one run of the Transpose/Pad/ScatterND graph (ort_cache.lane_seed_model)."""
+        (uploaded once per voice and device, shared with the single-stream slots) through one
+        Transpose/Pad run into the staging buffer, then 2 L device copies into the lane."""
         self._check_slot(slot)
         frames = prefix.frames
         if frames > self.cache_frames:
@@ -327,27 +327,23 @@ class BatchFlowGraphs:
             return
         self._seeded[slot] = None
         kind, dev = self.device
+        stage = self._stage()
 
         def upload(host: np.ndarray) -> ort.OrtValue:  # as the single-stream slots' copy_prefix
             return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(host, dtype=np.float32), kind, dev)
 
-        # the slot's rows of every block's K and V: [L, 2, CFG_ROWS, 3] indices into the buffer
-        rows = np.stack(np.meshgrid(np.arange(self.blocks), np.arange(2),
-                                    CFG_ROWS * slot + np.arange(CFG_ROWS), indexing="ij"), axis=-1).astype(np.int64)
-        pads = np.zeros(2 * len(_LANE_PERM), np.int64)
-        pads[len(_LANE_PERM) + _LANE_PERM.index(0)] = self.buffer_frames - frames  # frames padded at the end
         with prefix.lease(self.device, upload) as src:
             if self._layout is None:
-                self._layout = helper_session(lane_seed_model(list(_LANE_PERM)), self.device)
+                self._layout = helper_session(lane_layout_model(list(_LANE_PERM)), self.device)
             binding = self._layout.io_binding()
-            binding.bind_ortvalue_input("buffer", self._kv)
-            binding.bind_cpu_input("rows", rows)
             binding.bind_ortvalue_input("src", src)
+            pads = np.zeros(2 * len(_LANE_PERM), np.int64)
+            pads[len(_LANE_PERM) + _LANE_PERM.index(0)] = self.buffer_frames - frames  # frames padded at the end
             binding.bind_cpu_input("pads", pads)
-            binding.bind_ortvalue_output("out", self._kv)  # in place
+            binding.bind_output("dst", kind, dev, np.float32, [self.blocks, 2, CFG_ROWS, *self.kv_row],
+                                int(stage.data_ptr()))
             self._layout.run_with_iobinding(binding)
-        self._write_conv(slot, conv)
-        self.lengths[slot] = frames
+        self._from_stage(slot, frames, conv)
         self._seeded[slot] = (weakref.ref(prefix), frames)
         self.seeds += 1
 

@@ -225,9 +225,8 @@ class BatchedStepCache:
         return moved
 
     def preload(self, rows: PrefixRows, conv: np.ndarray) -> None:
-        """A saved voice's prefix into the lane (BatchFlowGraphs.seed: one graph run on the graph
-        thread, nothing where the lane still holds it); one that leaves no room for a window goes
-        to the dynamic graph."""
+        """A saved voice's prefix into the lane (one upload, 2 L + 1 device copies on the graph
+        thread); one that leaves no room for a window goes to the dynamic graph."""
         if self.length or self._moved is not None:
             raise RuntimeError("preload() on a cache that holds frames")
         slot = self._slot
