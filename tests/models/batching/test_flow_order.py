@@ -7,8 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from cosyedge_models.backends.graph_thread import GraphPriority
-from cosyedge_models.batching.flow_order import (FlowKey, Served, WaitingCall, coming_back, next_key, take,
-                                                 worth_waiting)
+from cosyedge_models.batching.flow_order import FlowKey, Served, WaitingCall, coming_back, next_key, take, worth_waiting
 
 N, F = GraphPriority.NORMAL, GraphPriority.FIRST_AUDIO
 W = 64  # one window bucket
