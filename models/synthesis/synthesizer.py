@@ -257,8 +257,9 @@ class CosyVoiceSynthesizer(SynthesizerDefaults):
         """Set up the dynamic vocoder at the settings' recurring chunk lengths that no fixed-length
         graph serves (all of them without the graphs; with them, e.g. a first hop other than the
         bundle's): on the CUDA provider a convolution's first call at a new shape costs 150-200 ms,
-        which the first request would pay (likely what slowed the H200's 15-token first hop, docs/gpu.md). At load, and
-        by bench after it changes the first hop. Returns the lengths set up."""
+        which the first request would pay (likely what slowed the H200's 15-token first hop,
+        docs/gpu.md). At load, and by bench after it changes the first hop. Returns the lengths
+        set up."""
         if not self._pinned_vocoder:
             return []
         b = self.bundle
