@@ -28,6 +28,10 @@ from tests.support.mqtt_recorder import Recorder
 
 RESTARTS = 10
 TEXT = "Hello from the tiny model, one two three four five six."
+# Seeded: unseeded, the random-weight tiny model's sampling degenerates now and then (EOS drawn 100
+# times before the minimum length), the request fails over to the fallback engine and its answer is
+# no longer the local one this test counts (seen once in a full CI-size run).
+SEED = 3
 
 
 @pytest.fixture()
@@ -50,7 +54,7 @@ def test_broker_restarted_10_times_mid_request(daemons: DaemonFactory) -> None:
         for n in range(RESTARTS):
             rid = f"br{n}"
             assert sub.wait(sub.client.is_connected, 15)
-            sub.publish(f"{pre}/tts/say", {"id": rid, "text": TEXT, "output": "publish"})
+            sub.publish(f"{pre}/tts/say", {"id": rid, "text": TEXT, "output": "publish", "seed": SEED})
             assert sub.wait(lambda rid=rid: sub.on(f"{pre}/tts/audio/{rid}"), 60), f"{rid}: no audio"
             count = svc.conn.connect_count
             t0 = time.monotonic()
@@ -61,7 +65,7 @@ def test_broker_restarted_10_times_mid_request(daemons: DaemonFactory) -> None:
                             90), (f"{rid}: no answer; daemon side: {svc.scheduler.check_duplicate(rid)}; "
                                   f"received: {[m.topic for m in sub.messages][-8:]}")
         # a last request answered: a late or doubled answer of the restarts would have come before it
-        sub.publish(f"{pre}/tts/say", {"id": "last", "text": TEXT, "output": "publish"})
+        sub.publish(f"{pre}/tts/say", {"id": "last", "text": TEXT, "output": "publish", "seed": SEED})
         assert sub.wait(lambda: bool(sub.on(f"{pre}/tts/done/last")), 90)
         for n in range(RESTARTS):
             done, errors = sub.on(f"{pre}/tts/done/br{n}"), sub.on(f"{pre}/tts/error/br{n}")
@@ -94,7 +98,7 @@ def test_sigterm_under_load_on_cosyvoice(tmp_path: Path, broker: Broker, tiny_bu
         sub = session_client(broker, [f"{d.prefix}/tts/#", f"{d.prefix}/status"])
         ids = [f"load{n}" for n in range(8)]
         for rid in ids:
-            sub.publish(f"{d.prefix}/tts/say", {"id": rid, "text": TEXT, "output": "publish"})
+            sub.publish(f"{d.prefix}/tts/say", {"id": rid, "text": TEXT, "output": "publish", "seed": SEED})
         assert sub.wait(lambda: sub.on(f"{d.prefix}/tts/done/load0"), 120)
         t0 = time.monotonic()
         d.proc.send_signal(signal.SIGTERM)
