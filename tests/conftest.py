@@ -121,17 +121,22 @@ def static_flow_bundle(tiny_model_dir: Path) -> Path:
                                                  batch_flow_sizes=BATCH_FLOW_SIZES))
 
 
+STATIC_VOCODER_FIRST_HOP = 15  # graph_bundle's fixed-length vocoder graphs also hold this first hop's first chunk
+
+
 @pytest.fixture(scope="session")
 def graph_bundle(tiny_model_dir: Path) -> Path:
     """The tiny bundle with every CUDA-graph stage: the fixed-size decode step, the fixed-shape flow
-    graphs and the fixed-length vocoder graphs."""
+    graphs and the fixed-length vocoder graphs (the default chunks and a first hop of
+    STATIC_VOCODER_FIRST_HOP tokens)."""
     from cosyedge_build.export import export_bundle
 
     key = _code_hash("edge_build", "models")
     return _cached_dir("tiny-graph-bundle", key,
                        lambda out: export_bundle(tiny_model_dir, out, static_decode_len=STATIC_DECODE_LEN,
                                                  static_flow_windows=STATIC_FLOW_WINDOWS,
-                                                 static_flow_cache=STATIC_FLOW_CACHE, static_vocoder=True))
+                                                 static_flow_cache=STATIC_FLOW_CACHE, static_vocoder=True,
+                                                 static_vocoder_first_hops=(STATIC_VOCODER_FIRST_HOP,)))
 
 
 @pytest.fixture()

@@ -28,9 +28,10 @@ def build_command(args: argparse.Namespace) -> int:
         windows = tuple(int(w) for w in args.static_flow_windows.split(",") if w.strip())
         batches = tuple(int(b) for b in args.fused_decode_batches.split(",") if b.strip())
         flow_batches = tuple(int(b) for b in args.batch_flow_sizes.split(",") if b.strip())
+        first_hops = tuple(int(h) for h in args.static_vocoder_first_hops.split(",") if h.strip())
         out = export_bundle(Path(args.model_dir), Path(args.out), args.static_decode_len, windows,
                             args.static_flow_cache, args.static_vocoder, batches, args.fused_decode_len,
-                            flow_batches, args.fused_decode_precision)
+                            flow_batches, args.fused_decode_precision, first_hops)
         print(f"exported {args.model_dir} to the bundle {out} in {time.monotonic() - started:.1f} s")
         return 0
     if cmd == "engines":

@@ -95,6 +95,9 @@ def _add_build(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--static-vocoder", action="store_true",
                    help="also export fixed-length vocoder ONNX graphs for the first and the steady streaming chunk: "
                         "ort-cuda replays them as CUDA graphs (other lengths use the dynamic ONNX graphs)")
+    e.add_argument("--static-vocoder-first-hops", default="", metavar="TOKENS,...",
+                   help="with --static-vocoder: also a fixed-length vocoder graph for the first chunk of these "
+                        "first hops in speech tokens ([tts] first_hop_tokens), e.g. 15")
     e.add_argument("--fused-decode-batches", default="", metavar="B,...",
                    help="also export the onnxruntime-fused batched LLM decode step (GroupQueryAttention over an "
                         "in-place KV cache) for these batch sizes, e.g. 1,2,4,8,16 (TensorRT keeps the plain graphs)")

@@ -19,7 +19,7 @@ def export_bundle(model_dir: Path, out: Path, static_decode_len: int = 0,
                   static_flow_windows: tuple[int, ...] = (), static_flow_cache: int = 1024,
                   static_vocoder: bool = False, fused_decode_batches: tuple[int, ...] = (),
                   fused_decode_len: int = 0, batch_flow_sizes: tuple[int, ...] = (),
-                  fused_decode_precision: str = "fp32") -> Path:
+                  fused_decode_precision: str = "fp32", static_vocoder_first_hops: tuple[int, ...] = ()) -> Path:
     """`static_decode_len` > 0 adds the fixed-size decode step (CUDA graphs on ort-cuda) for that many
     positions; `static_flow_windows` the fixed-shape estimator graphs (flow_static.py) over a cache
     of `static_flow_cache` frames, and the streaming encoder's over the same windows
@@ -27,8 +27,13 @@ def export_bundle(model_dir: Path, out: Path, static_decode_len: int = 0,
     `fused_decode_batches` the onnxruntime-fused batched decode step (llm_fused.py) for those batch
     sizes over `fused_decode_len` positions (0: `static_decode_len`, else FUSED_DECODE_LEN), in
     `fused_decode_precision` (fp16: what onnxruntime's CUDA GroupQueryAttention runs);
+    `static_vocoder_first_hops` (with `static_vocoder`) a fixed-length vocoder graph for the first
+    chunk of each of these first hops too;
     `batch_flow_sizes` (with `static_flow_windows`) the estimator windows batched across that many
     streams, K/V cache in place (flow_batch.py)."""
+    if static_vocoder_first_hops and (not static_vocoder or min(static_vocoder_first_hops) < 1):
+        raise ValueError("fixed-length vocoder graphs for first hops (--static-vocoder-first-hops) need "
+                         f"--static-vocoder and hops >= 1 speech token, got {list(static_vocoder_first_hops)}")
     import cosyedge_build.reference.modules as reference
     from cosyedge_build.export import (
         bundle,
@@ -88,7 +93,8 @@ def export_bundle(model_dir: Path, out: Path, static_decode_len: int = 0,
             progress.advance("flow estimator")
             stages.extend(hift.export_hift(refs.hift, scratch))
             if static_vocoder:
-                frames = hift_static.static_vocoder_frames(hyper["streaming"], int(hyper["token_mel_ratio"]))
+                frames = hift_static.static_vocoder_frames(hyper["streaming"], int(hyper["token_mel_ratio"]),
+                                                           static_vocoder_first_hops)
                 stages.extend(hift_static.export_static_vocoder(refs.hift, scratch, frames,
                                                                 int(hyper["streaming"]["source_cache_len"])))
             progress.advance("vocoder")

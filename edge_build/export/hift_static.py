@@ -19,6 +19,7 @@ models/backends/ort_static_vocoder.py replays them."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,11 +53,16 @@ def make_static_vocoder(hift: Any, cache_len: int) -> Any:
     return StaticVocoderGraph().eval()
 
 
-def static_vocoder_frames(streaming: dict[str, Any], token_mel_ratio: int) -> list[int]:
-    """The mel lengths to export: the recurring ones of the engine's default schedule."""
-    first, steady = recurring_mel_frames(int(streaming["token_hop_len"]), token_mel_ratio,
-                                         int(streaming["mel_cache_len"]))
-    return sorted({first, steady})
+def static_vocoder_frames(streaming: dict[str, Any], token_mel_ratio: int,
+                          first_hops: Sequence[int] = ()) -> list[int]:
+    """The mel lengths to export: the recurring ones of the engine's default schedule, and the
+    first chunk of each of `first_hops` (speech tokens: the engine's `first_hop_tokens`), which a
+    device that answers sooner repeats in every stream."""
+    hop, mel_cache = int(streaming["token_hop_len"]), int(streaming["mel_cache_len"])
+    lengths = set(recurring_mel_frames(hop, token_mel_ratio, mel_cache))
+    for first_hop in first_hops:
+        lengths.add(recurring_mel_frames(hop, token_mel_ratio, mel_cache, first_hop)[0])
+    return sorted(lengths)
 
 
 def export_static_vocoder(hift: Any, out: Path, frames: list[int], cache_len: int) -> list[StageGraph]:

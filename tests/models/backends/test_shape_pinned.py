@@ -17,6 +17,8 @@ from cosyedge_models.synthesis.api import SynthesisRequest
 from cosyedge_models.synthesis.settings import SynthesisSettings
 from cosyedge_models.synthesis.synthesizer import load_synthesizer
 
+from tests.conftest import STATIC_VOCODER_FIRST_HOP
+
 
 class ShapeLog:
     """Wraps a real session and records the input shapes it ran."""
@@ -112,10 +114,11 @@ def test_the_recurring_chunk_shapes_are_set_up_at_load(tiny_bundle: Path) -> Non
 
 
 def test_a_first_hop_the_fixed_length_graphs_lack_is_set_up_on_the_dynamic_vocoder(graph_bundle: Path) -> None:
-    """The fixed-length vocoder graphs serve the bundle's default chunk lengths, so nothing is set
-    up at load; a first hop of 15 tokens makes a first chunk none of them has, and warm_vocoder()
-    (at load with that setting, or bench after changing it) sets up that length alone (the H200's
-    first 15-token first chunk paid its convolutions' first call)."""
+    """The fixed-length vocoder graphs serve the bundle's default chunk lengths (and graph_bundle's
+    exported first hop), so nothing is set up at load; a first hop of 10 tokens makes a first
+    chunk none of them has, and warm_vocoder() (at load with that setting, or bench after changing
+    it) sets up that length alone (likely what the H200's 15-token first chunk paid on its first
+    request, docs/gpu.md)."""
     eng = load_synthesizer(graph_bundle, "ort", SynthesisSettings(backend="ort", vocoder_sessions=3,
                                                                   graph_vocoder=True, overlap_stages=False))
     try:
@@ -123,17 +126,19 @@ def test_a_first_hop_the_fixed_length_graphs_lack_is_set_up_on_the_dynamic_vocod
         assert isinstance(decoder, ShapePinnedSession) and eng.static_vocoder is not None
         ratio = eng.bundle.token_mel_ratio
         assert decoder.pinned_shapes() == [] and eng.warm_vocoder() == []
-        eng.settings = dataclasses.replace(eng.settings, first_hop_tokens=15)
-        assert 15 * ratio not in eng.static_vocoder.frames
-        assert eng.warm_vocoder() == [15 * ratio]
-        assert {key[0][2] for key in decoder.pinned_shapes()} == {15 * ratio}
+        eng.settings = dataclasses.replace(eng.settings, first_hop_tokens=STATIC_VOCODER_FIRST_HOP)
+        assert eng.warm_vocoder() == []  # exported with the bundle: its fixed-length graph serves it
+        eng.settings = dataclasses.replace(eng.settings, first_hop_tokens=10)
+        assert 10 * ratio not in eng.static_vocoder.frames
+        assert eng.warm_vocoder() == [10 * ratio]
+        assert {key[0][2] for key in decoder.pinned_shapes()} == {10 * ratio}
     finally:
         eng.close()
     eng = load_synthesizer(graph_bundle, "ort", SynthesisSettings(backend="ort", vocoder_sessions=3, graph_vocoder=True,
-                                                                  overlap_stages=False, first_hop_tokens=15))
+                                                                  overlap_stages=False, first_hop_tokens=10))
     try:  # the same at load
         decoder = eng.vocoder.decoder_session
         assert isinstance(decoder, ShapePinnedSession)
-        assert {key[0][2] for key in decoder.pinned_shapes()} == {15 * eng.bundle.token_mel_ratio}
+        assert {key[0][2] for key in decoder.pinned_shapes()} == {10 * eng.bundle.token_mel_ratio}
     finally:
         eng.close()
