@@ -157,7 +157,9 @@ class TtsSettings:
         choices=("auto", "on", "off"), reload=True,
     )
     first_hop_tokens: int = setting(
-        0, "speech tokens before the first audio chunk (smaller: sooner first audio); 0: upstream's aligned hop",
+        0, "speech tokens before the first audio chunk (smaller: sooner first audio); 0: upstream's aligned hop; "
+        "a bundle exported with --static-vocoder-first-hops N replays that first chunk's vocoder as a fixed-length "
+        "graph (else the dynamic vocoder, set up at that length at load)",
         min=0, max=200, reload=True,
     )
     first_chunk_euler_steps: int = setting(
