@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -104,11 +104,15 @@ def lane_layout_model(perm: list[int]) -> bytes:
     return _field(1, _IR_VERSION) + _field(2, "cosyedge") + _field(7, graph) + _field(8, opset)
 
 
-def identity_model() -> bytes:
-    """ModelProto of `dst = Identity(src)` over uint8 vectors."""
-    node = _field(1, "src") + _field(2, "dst") + _field(3, "copy") + _field(4, "Identity")
-    graph = _field(1, node) + _field(2, "device_copy") + _field(11, _byte_vector("src")) + \
-        _field(12, _byte_vector("dst"))
+def identity_model(copies: int = 1) -> bytes:
+    """ModelProto of `dst = Identity(src)` over uint8 vectors; with copies > 1, `dst<i> =
+    Identity(src<i>)` for i < copies (independent copies, one session run)."""
+    names = [("src", "dst")] if copies == 1 else [(f"src{i}", f"dst{i}") for i in range(copies)]
+    graph = b"".join(_field(1, _field(1, s) + _field(2, d) + _field(3, f"copy_{d}") + _field(4, "Identity"))
+                     for s, d in names)
+    graph += _field(2, "device_copy")
+    graph += b"".join(_field(11, _byte_vector(s)) for s, _ in names)
+    graph += b"".join(_field(12, _byte_vector(d)) for _, d in names)
     opset = _field(1, "") + _field(2, _OPSET)
     return _field(1, _IR_VERSION) + _field(2, "cosyedge") + _field(7, graph) + _field(8, opset)
 
@@ -130,11 +134,16 @@ def helper_session(model: bytes, device: tuple[str, int]) -> ort.InferenceSessio
 class DeviceCopier:
     """Byte copies between device addresses through the Identity graph (its
     kernel copies input to output with the device's own memcpy). One per
-    backend and device; onnxruntime sessions are safe to run from several threads."""
+    backend and device; onnxruntime sessions are safe to run from several threads.
+    `copy_many` runs a batch of copies as one session run (a graph of that many
+    Identity nodes, made once per count): a lane's 2 L block copies cost one run's
+    overhead instead of 2 L."""
 
     def __init__(self, device_type: str, device_id: int = 0) -> None:
         self.device = (device_type, device_id)
         self._sess = helper_session(identity_model(), self.device)
+        self._many: dict[int, ort.InferenceSession] = {}  # copies per run -> its graph's session
+        self._lock = threading.Lock()
 
     def copy(self, dst_ptr: int, src_ptr: int, nbytes: int) -> None:
         """Copy `nbytes` from src to dst (the ranges must not overlap)."""
@@ -144,10 +153,32 @@ class DeviceCopier:
         binding = self._sess.io_binding()
         binding.bind_input("src", kind, dev, np.uint8, [nbytes], src_ptr)
         binding.bind_output("dst", kind, dev, np.uint8, [nbytes], dst_ptr)
+        self._run(self._sess, binding, f"device copy of {nbytes} bytes")
+
+    def copy_many(self, copies: Sequence[tuple[int, int, int]]) -> None:
+        """Every (dst_ptr, src_ptr, nbytes) copy in one session run (no range may overlap another)."""
+        copies = [c for c in copies if c[2] > 0]
+        if len(copies) <= 1:
+            for dst, src, nbytes in copies:
+                self.copy(dst, src, nbytes)
+            return
+        with self._lock:
+            sess = self._many.get(len(copies))
+            if sess is None:
+                sess = self._many[len(copies)] = helper_session(identity_model(len(copies)), self.device)
+        kind, dev = self.device
+        binding = sess.io_binding()
+        for i, (dst, src, nbytes) in enumerate(copies):
+            binding.bind_input(f"src{i}", kind, dev, np.uint8, [nbytes], src)
+            binding.bind_output(f"dst{i}", kind, dev, np.uint8, [nbytes], dst)
+        self._run(sess, binding, f"{len(copies)} device copies of {sum(c[2] for c in copies)} bytes")
+
+    @staticmethod
+    def _run(sess: ort.InferenceSession, binding: ort.IOBinding, what: str) -> None:
         try:
-            self._sess.run_with_iobinding(binding)
+            sess.run_with_iobinding(binding)
         except Exception as exc:  # onnxruntime raises its own exception types
-            raise SynthesisError(f"device copy of {nbytes} bytes failed: {exc}") from exc
+            raise SynthesisError(f"{what} failed: {exc}") from exc
 
 
 class BoundRunner(Protocol):

@@ -292,13 +292,11 @@ class BatchFlowGraphs:
 
     def read_slot(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
         """Host copies of a slot's committed K/V [L, 2, 2, H, len, D] and conv history [2, K, Cmax, 2]
-        (2 L device copies: moving a stream to the dynamic graph, trimming, tests)."""
+        (2 L device copies in one run: moving a stream to the dynamic graph, trimming, tests)."""
         self._check_slot(slot)
         stage, nbytes = self._stage(), self._block_bytes()
-        for i in range(self.blocks):
-            for k in range(2):
-                self.copier.copy(int(stage.data_ptr()) + (i * 2 + k) * nbytes, self.kv_ptr(i, k, CFG_ROWS * slot),
-                                 nbytes)
+        self.copier.copy_many([(int(stage.data_ptr()) + (i * 2 + k) * nbytes, self.kv_ptr(i, k, CFG_ROWS * slot),
+                                nbytes) for i in range(self.blocks) for k in range(2)])
         kv = np.array(stage.numpy()[:, :, :, :, : self.lengths[slot]])
         rows = slice(CFG_ROWS * slot, CFG_ROWS * slot + CFG_ROWS)
         return kv, np.array(self._conv.numpy()[rows])
@@ -314,7 +312,7 @@ class BatchFlowGraphs:
         that prefix from an earlier stream (streams only write past it, idle lanes too) only the
         conv history is written; else the prefix goes from the voice's copy on this device
         (uploaded once per voice and device, shared with the single-stream slots) through one
-        Transpose/Pad run into the staging buffer, then 2 L device copies into the lane."""
+        Transpose/Pad run into the staging buffer, then 2 L device copies into the lane (one run)."""
         self._check_slot(slot)
         frames = prefix.frames
         if frames > self.cache_frames:
@@ -366,12 +364,11 @@ class BatchFlowGraphs:
         self._from_stage(slot, frames, conv)
 
     def _from_stage(self, slot: int, frames: int, conv: np.ndarray) -> None:
-        """The staging buffer's K/V into the slot's rows (2 L device copies), its conv history, its length."""
+        """The staging buffer's K/V into the slot's rows (2 L device copies in one run), its conv history,
+        its length."""
         stage, nbytes = self._stage(), self._block_bytes()
-        for i in range(self.blocks):
-            for k in range(2):
-                self.copier.copy(self.kv_ptr(i, k, CFG_ROWS * slot), int(stage.data_ptr()) + (i * 2 + k) * nbytes,
-                                 nbytes)
+        self.copier.copy_many([(self.kv_ptr(i, k, CFG_ROWS * slot), int(stage.data_ptr()) + (i * 2 + k) * nbytes,
+                                nbytes) for i in range(self.blocks) for k in range(2)])
         self._write_conv(slot, conv)
         self.lengths[slot] = frames
 

@@ -89,6 +89,29 @@ def test_identity_model_copies_byte_ranges() -> None:
     np.testing.assert_array_equal(dst.numpy(), [-1, -1, 5, 6, 7, 8, -1, -1, -1, -1, -1, -1])
 
 
+def test_copy_many_runs_every_copy_of_a_batch_in_one_graph() -> None:
+    """A lane's 2 L block copies in one session run (one Identity node each), as separate copies."""
+    try:
+        import onnx
+
+        onnx.checker.check_model(onnx.load_from_string(identity_model(3)))
+    except ImportError:
+        pass  # the runtime below is the check that matters
+    copier = DeviceCopier("cpu")
+    src = ort.OrtValue.ortvalue_from_numpy(np.arange(20, dtype=np.float32))
+    many = ort.OrtValue.ortvalue_from_numpy(np.full(20, -1.0, dtype=np.float32))
+    one_by_one = ort.OrtValue.ortvalue_from_numpy(np.full(20, -1.0, dtype=np.float32))
+    ranges = [(0, 10, 3), (5, 2, 4), (12, 0, 2), (18, 18, 0)]  # (dst, src, floats): strided, one empty
+    copier.copy_many([(many.data_ptr() + 4 * d, src.data_ptr() + 4 * s, 4 * n) for d, s, n in ranges])
+    for d, s, n in ranges:
+        copier.copy(one_by_one.data_ptr() + 4 * d, src.data_ptr() + 4 * s, 4 * n)
+    np.testing.assert_array_equal(many.numpy(), one_by_one.numpy())
+    np.testing.assert_array_equal(many.numpy()[:9], [10, 11, 12, -1, -1, 2, 3, 4, 5])
+    assert sorted(copier._many) == [3]  # one graph of three copies, made once
+    copier.copy_many([(many.data_ptr(), src.data_ptr() + 4, 4)] * 1)  # one copy: the plain graph
+    assert many.numpy()[0] == 1 and sorted(copier._many) == [3]
+
+
 def test_lane_layout_model_transposes_and_pads_a_prefix() -> None:
     import onnx
 
