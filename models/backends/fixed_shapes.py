@@ -173,6 +173,15 @@ FREE_FRACTION = 0.8
 # single-stream estimator slots beside the batched lanes: the streams beyond the lanes (H200 run 7:
 # seven of them beside eight lanes ran the GPU out of memory)
 OVERFLOW_FLOW_SLOTS = 2
+# rows a stream takes in the batched estimator graphs: its guidance pair (conditional, unconditional)
+CFG_ROWS = 2
+
+
+def lane_step_bytes(blocks: int, kv_row_floats: int, conv_row_floats: int) -> int:
+    """Device memory of one stream's batched estimator cache at one Euler step (a lane of a group):
+    its guidance pair's fp32 K and V rows of every block and conv history (the engine's lanes,
+    models/batching/batched_flow.py; the boards' budget, models/bundle/memory_budget.py)."""
+    return CFG_ROWS * (2 * blocks * kv_row_floats + conv_row_floats) * 4
 
 
 def batch_lanes(batch_sizes: Sequence[int], per_lane_bytes: int, total_bytes: int, free_bytes: int,

@@ -36,7 +36,7 @@ from typing import TypeVar
 
 import numpy as np
 import onnxruntime as ort
-from cosyedge_models.backends.fixed_shapes import bucket, pad_window
+from cosyedge_models.backends.fixed_shapes import CFG_ROWS, bucket, lane_step_bytes, pad_window
 from cosyedge_models.backends.flow_cache import PrefixRows
 from cosyedge_models.backends.graph_thread import CAPTURE_RUNS
 from cosyedge_models.backends.ort import OrtSession
@@ -48,7 +48,6 @@ log = logging.getLogger(__name__)
 
 SessionT = TypeVar("SessionT")
 
-CFG_ROWS = 2
 FLOAT_BYTES = 4
 _WINDOW_INPUTS = ("x", "mask", "mu", "cond")  # [2, C|1, T] per stream, padded to the window
 _ROW_INPUTS = ("t", "spks")  # [2] and [2, C] per stream
@@ -177,7 +176,7 @@ class BatchFlowGraphs:
     @property
     def slot_bytes(self) -> int:
         """Device memory of one slot: its K/V rows and conv history."""
-        return CFG_ROWS * (2 * self.blocks * int(np.prod(self.kv_row)) + int(np.prod(self.conv_row))) * FLOAT_BYTES
+        return lane_step_bytes(self.blocks, int(np.prod(self.kv_row)), int(np.prod(self.conv_row)))
 
     def kv_ptr(self, block: int, kind: int, row: int) -> int:
         row_floats = int(np.prod(self.kv_row))
@@ -388,7 +387,7 @@ def lane_bytes(sessions: Mapping[tuple[int, int], OrtSession], groups: int) -> i
     blocks = sum(1 for n in first.input_names if n.startswith("key_cache_"))
     kv = int(np.prod([int(d) for d in first.input_shapes["key_cache_0"][1:]]))
     conv = int(np.prod([int(d) for d in first.input_shapes["conv_cache"][1:]]))
-    return groups * CFG_ROWS * (2 * blocks * kv + conv) * FLOAT_BYTES
+    return groups * lane_step_bytes(blocks, kv, conv)
 
 
 def batch_flow_sessions(bundle: Bundle, load: Callable[[str, Path], SessionT]) -> dict[tuple[int, int], SessionT]:

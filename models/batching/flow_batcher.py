@@ -35,12 +35,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from cosyedge_models.backends.base import Session
-from cosyedge_models.backends.fixed_shapes import bucket, prefix_fits, trim_copy, visible_first
+from cosyedge_models.backends.fixed_shapes import CFG_ROWS, bucket, prefix_fits, trim_copy, visible_first
 from cosyedge_models.backends.flow_cache import PrefixRows, StepCache, StepCacheSpec
 from cosyedge_models.backends.graph_thread import GraphThread
 from cosyedge_models.backends.ort import OrtSession
 from cosyedge_models.backends.ort_cache import BoundStepCache, DeviceCopier
-from cosyedge_models.batching.batched_flow import CFG_ROWS, BatchFlowGraphs, SlotCall
+from cosyedge_models.batching.batched_flow import BatchFlowGraphs, SlotCall
 from cosyedge_models.batching.flow_order import Served, WaitingCall, coming_back, next_key, take, worth_waiting
 from cosyedge_models.errors import SynthesisError
 

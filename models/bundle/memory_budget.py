@@ -56,6 +56,7 @@ from cosyedge_models.backends.fixed_shapes import (
     BatchPlan,
     batch_lanes,
     flow_request_bytes,
+    lane_step_bytes,
     plan_batches,
 )
 from cosyedge_models.backends.profiles import all_input_ranges
@@ -354,7 +355,7 @@ def flow_lane_plans(stages_meta: Mapping[str, Any], n_timesteps: int) -> dict[st
     """Per board, the batched estimator lanes (graph_flow_batch) that `batch_lanes` gives it with
     the GPU idle but for the single-stream slots beside them (OVERFLOW_FLOW_SLOTS, as many as fit
     the auto rule); {} without batched estimator graphs. A lane: one stream's fp32 K/V and conv
-    history for every Euler step (batched_flow.lane_bytes)."""
+    history for every Euler step (fixed_shapes.lane_step_bytes per step)."""
     found = {}
     for name, entry in stages_meta.items():
         m = BATCH_FLOW_NAME.match(str(name))
@@ -366,8 +367,8 @@ def flow_lane_plans(stages_meta: Mapping[str, Any], n_timesteps: int) -> dict[st
     keys = [n for n in shapes if n.startswith("key_cache_")]
     if not keys or "conv_cache" not in shapes:
         return {}
-    per_lane = n_timesteps * 2 * (2 * len(keys) * math.prod(shapes[keys[0]][1:])
-                                  + math.prod(shapes["conv_cache"][1:])) * 4
+    per_lane = n_timesteps * lane_step_bytes(len(keys), math.prod(shapes[keys[0]][1:]),
+                                             math.prod(shapes["conv_cache"][1:]))
     static = flow_slot_plans(stages_meta, n_timesteps, OVERFLOW_FLOW_SLOTS)
     out = {}
     for b in BOARDS.values():
