@@ -279,7 +279,7 @@ class SlotPool(Generic[SlotT]):
         (e.g. a capture the runtime refuses): the pool is then disabled, once and logged, and
         the caller goes on on the dynamic path (nothing was committed)."""
         try:
-            return self.thread.call(work)
+            return self.thread.call(work, label=what)
         except GraphThreadClosed:
             raise
         except SynthesisError as exc:

@@ -115,11 +115,15 @@ class OrderStats:
     forced: int = 0  # LLM items let go by the overtake bound (ahead of FIRST_AUDIO work or a hold)
     expired: int = 0  # holds that outlived hold_max_s
     held_s: float = 0.0  # time with at least one hold open (summed over closed spans)
+    # seconds the worker spent running work, by the label it was submitted with (the profile of
+    # where a concurrency level's GPU thread time goes: bench's graph_busy_ms)
+    busy_s: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, object]:
         return {"runs": dict(self.runs), "holds": self.holds, "deferred": self.deferred,
                 "overtaken": self.overtaken, "forced": self.forced, "expired": self.expired,
-                "held_ms": round(self.held_s * 1e3, 1)}
+                "held_ms": round(self.held_s * 1e3, 1),
+                "busy_ms": {k: round(v * 1e3, 1) for k, v in sorted(self.busy_s.items())}}
 
 
 @dataclass
@@ -247,7 +251,7 @@ class GraphThreadClosed(SynthesisError):
     """Work was submitted to a GraphThread that is closed (or never started)."""
 
 
-_Item = tuple[Callable[[], object], Future[object]]
+_Item = tuple[Callable[[], object], Future[object], str]  # work, its result, its label
 
 
 class GraphThread:
@@ -320,11 +324,12 @@ class GraphThread:
         with self._lock:
             return self.order.stats.as_dict()
 
-    def submit(self, work: Callable[[], T], priority: GraphPriority | None = None) -> Future[T]:
+    def submit(self, work: Callable[[], T], priority: GraphPriority | None = None, label: str = "") -> Future[T]:
         """Queue `work` (blocks while the queue is full, except FIRST_AUDIO work); its Future
         carries the result or the exception. `priority`: None takes the calling thread's
         (FIRST_AUDIO inside first_audio(), else NORMAL); LLM steps pass LLM, which a hold does
-        not raise (the holder's own LLM work is what must wait)."""
+        not raise (the holder's own LLM work is what must wait). `label`: what kind of work it is,
+        for the busy time in order_stats() (empty: the priority's name)."""
         future: Future[T] = Future()
         prio = self.current_priority() if priority is None else GraphPriority(priority)
         with self._changed:
@@ -337,15 +342,16 @@ class GraphThread:
                     break
                 self._changed.wait()  # full: close() and the worker's pops notify
             # Future[T] is stored as Future[object]: the worker only sets what work() returned
-            self.order.push((work, future), prio)  # type: ignore[arg-type]
+            self.order.push((work, future, label or prio.name.lower()), prio)  # type: ignore[arg-type]
             self._changed.notify_all()
         return future
 
-    def call(self, work: Callable[[], T], priority: GraphPriority | None = None) -> T:
-        """Run `work` on the worker and wait for it; on the worker itself it runs inline."""
+    def call(self, work: Callable[[], T], priority: GraphPriority | None = None, label: str = "") -> T:
+        """Run `work` on the worker and wait for it; on the worker itself it runs inline (its time
+        then counts in the label of the work that called it)."""
         if self.on_thread():
             return work()
-        return self.submit(work, priority).result()
+        return self.submit(work, priority, label).result()
 
     def _next(self) -> _Item | None:
         """The next item to run, waiting for one; None: closed and nothing left."""
@@ -363,17 +369,24 @@ class GraphThread:
         self.ident = threading.get_ident()
         ready.set()
         while (item := self._next()) is not None:
-            work, future = item
+            work, future, label = item
             if not future.set_running_or_notify_cancel():
                 continue
+            t0 = time.perf_counter()
+            error: BaseException | None = None
+            result: object = None
             try:
                 result = work()
             except BaseException as exc:  # delivered to the caller, the worker goes on
-                future.set_exception(exc)
+                error = exc
+            busy = time.perf_counter() - t0
+            with self._lock:  # counted before the caller sees its result
+                self.order.stats.busy_s[label] = self.order.stats.busy_s.get(label, 0.0) + busy
+            self.calls += 1
+            if error is not None:
+                future.set_exception(error)
             else:
                 future.set_result(result)
-            finally:
-                self.calls += 1
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Run what is queued, stop the worker and wait for it; later calls raise GraphThreadClosed."""

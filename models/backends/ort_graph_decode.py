@@ -196,7 +196,7 @@ class GraphDecodeLoop:
         dec = self._decoder
         # LLM work: it waits while a stream's first chunk is on its way to audio (graph_thread.py)
         logp = dec.thread.call(functools.partial(_replay, dec.step_session, slot, self._src, embeds, self._len),
-                               GraphPriority.LLM)
+                               GraphPriority.LLM, "llm_step")
         self._src = 1 - self._src
         self._len += 1
         return logp

@@ -104,7 +104,7 @@ class StaticVocoder:
             self.replays += 1
             return out
 
-        return self.thread.call(work)
+        return self.thread.call(work, label="vocoder_graph")
 
     def close(self) -> None:
         self._io.clear()

@@ -60,11 +60,16 @@ class FlowBatchStats:
     fallbacks: int = 0  # step caches that took the single-stream path (no lane, other shapes)
     moves: int = 0  # step caches moved to the dynamic graph (outgrew the fixed shapes)
     batch_sizes: dict[int, int] = field(default_factory=dict)  # streams per replay -> replays
+    replay_s: dict[int, float] = field(default_factory=dict)  # streams per replay -> seconds in those replays
+    partner_wait_s: float = 0.0  # the graph thread's waits for a stream of the last replay (PARTNER_WAIT_S)
 
     def as_dict(self) -> dict[str, object]:
         return {"replays": self.replays, "rows": self.rows, "shared_replays": self.shared_replays,
                 "peak_batch": self.peak_batch, "fallbacks": self.fallbacks, "moves": self.moves,
-                "batch_sizes": dict(sorted(self.batch_sizes.items()))}
+                "batch_sizes": dict(sorted(self.batch_sizes.items())),
+                # the wall time of the replays serving that many streams (inputs in, replay, outputs out)
+                "replay_ms": {n: round(self.replay_s[n] * 1e3, 1) for n in sorted(self.replay_s)},
+                "partner_wait_ms": round(self.partner_wait_s * 1e3, 1)}
 
 
 # How long a replay waits for a stream of the last replay to submit its next Euler step
@@ -141,7 +146,8 @@ class FlowBatcher:
             self._pending.append(pending)
             self._arrived.notify_all()
         try:
-            self.thread.submit(self._serve)  # a turn at the caller's priority (first audio first)
+            # a turn at the caller's priority (first audio first)
+            self.thread.submit(self._serve, label="flow_batched_replay")
         except BaseException:
             with self._lock:
                 if pending in self._pending:
@@ -154,10 +160,12 @@ class FlowBatcher:
         with self._lock:
             if not self._pending:
                 return  # this turn's call was served by an earlier one
-            deadline = time.monotonic() + self.partner_wait_s
+            start = time.monotonic()
+            deadline = start + self.partner_wait_s
             while (worth_waiting([p.wait for p in self._pending], self._served, self.max_passed)
                    and (left := deadline - time.monotonic()) > 0):
                 self._arrived.wait(left)
+            self.stats.partner_wait_s += time.monotonic() - start
             waiting = [p.wait for p in self._pending]
             key = next_key(waiting, self.max_passed)
             assert key is not None
@@ -165,15 +173,18 @@ class FlowBatcher:
             for p in batch:
                 self._pending.remove(p)
             self._served = coming_back([p.wait for p in batch], self.graphs.groups)
+        t0 = time.perf_counter()
         try:
             outs = self.graphs.run([p.call for p in batch])
         except BaseException as exc:
             for p in batch:
                 p.future.set_exception(exc)
             return
+        took = time.perf_counter() - t0
         n = len(batch)
         with self._lock:
             s = self.stats
+            s.replay_s[n] = s.replay_s.get(n, 0.0) + took
             s.replays += 1
             s.rows += n
             s.shared_replays += n > 1
@@ -212,7 +223,7 @@ class BatchedStepCache:
         """To the dynamic graph: the committed rows and the conv history through the host."""
         slot = self._slot
         assert slot is not None
-        kv, conv = self._batcher.thread.call(lambda: self._graphs.read_slot(slot))
+        kv, conv = self._batcher.thread.call(lambda: self._graphs.read_slot(slot), label="flow_lane_read")
         moved = self._bound(self._dynamic, self.spec)
         first = visible_first(kv.shape[4], self.spec.visible)
         rows = PrefixRows(np.ascontiguousarray(kv[:, :, :, :, first:].transpose(4, 0, 1, 2, 3, 5)))
@@ -234,7 +245,7 @@ class BatchedStepCache:
             self._move().preload(rows, conv)
             return
         history = np.asarray(conv, np.float32).transpose(1, 0, 2, 3)
-        self._batcher.thread.call(lambda: self._graphs.seed(slot, rows, history))
+        self._batcher.thread.call(lambda: self._graphs.seed(slot, rows, history), label="flow_lane_seed")
 
     def run(self, feeds: Mapping[str, np.ndarray], commit: int) -> np.ndarray:
         if self._closed:
@@ -263,7 +274,7 @@ class BatchedStepCache:
             kv, conv = self._graphs.read_slot(slot)
             self._graphs.write_slot(slot, np.ascontiguousarray(kv[:, :, :, :, move.src: move.src + move.frames]),
                                     conv)
-        self._batcher.thread.call(shift)
+        self._batcher.thread.call(shift, label="flow_lane_trim")
 
     def nbytes(self) -> int:
         if self._moved is not None:

@@ -157,7 +157,8 @@ class GraphBatcher(BatchWorker):
         lengths = [self._lengths[k] for k in batch.keys]
         t0 = time.perf_counter()
         try:
-            logps = self.thread.call(functools.partial(self.step.step, batch.rows, embeds, lengths, batch.batch_size))
+            logps = self.thread.call(functools.partial(self.step.step, batch.rows, embeds, lengths, batch.batch_size),
+                                     label="llm_batched_step")
         except Exception as exc:
             # The rows' caches are not trusted after a failed step: every stream in it fails.
             err = _as_engine_error(exc, f"LLM batched step failed ({len(requests)} streams, batch {batch.batch_size})")

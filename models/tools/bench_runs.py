@@ -62,14 +62,57 @@ ORDER_KEYS = {"holds": "graph_holds", "deferred": "graph_llm_held", "held_ms": "
               "forced": "graph_forced", "expired": "graph_expired"}
 
 
-def order_delta(before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]]) -> dict[str, float]:
+def order_delta(before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """What the graph threads' order did between two GraphStages.order_stats(), summed over the
-    threads: first-audio holds opened, LLM steps they held, ms with a hold open, bound hits."""
-    out: dict[str, float] = {}
+    threads: first-audio holds opened, LLM steps they held, ms with a hold open, bound hits; and
+    `graph_busy_ms`, the ms the threads ran work, by the work's label (where the GPU time went)."""
+    out: dict[str, Any] = {}
+    busy: dict[str, float] = {}
     for thread, stats in after.items():
         old = before.get(thread, {})
         for key, name in ORDER_KEYS.items():
             out[name] = round(out.get(name, 0.0) + float(stats[key]) - float(old.get(key, 0)), 1)
+        old_busy = old.get("busy_ms", {})
+        for label, ms in stats.get("busy_ms", {}).items():
+            busy[label] = busy.get(label, 0.0) + float(ms) - float(old_busy.get(label, 0.0))
+    if busy:
+        out["graph_busy_ms"] = {label: round(ms, 1) for label, ms in sorted(busy.items()) if ms > 0}
+    return out
+
+
+def flow_batch_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What the batched estimator windows did between two FlowBatchStats.as_dict() (None: off):
+    replays, rows, shared replays, replays by streams served and their mean ms, partner waits."""
+    if after is None:
+        return None
+    old = before or {}
+    out: dict[str, Any] = {key: round(float(after[key]) - float(old.get(key, 0)), 1)
+                           for key in ("replays", "rows", "shared_replays", "fallbacks", "moves", "partner_wait_ms")}
+    sizes = {n: int(c) - int(old.get("batch_sizes", {}).get(n, 0)) for n, c in after["batch_sizes"].items()}
+    spent = {n: float(ms) - float(old.get("replay_ms", {}).get(n, 0.0)) for n, ms in after["replay_ms"].items()}
+    out["batch_sizes"] = {n: c for n, c in sorted(sizes.items()) if c > 0}
+    out["replay_ms_mean"] = {n: round(spent[n] / c, 2) for n, c in sorted(sizes.items()) if c > 0 and n in spent}
+    return out
+
+
+# the first chunk's milestones of a stream, ms after its request started (StageEvent of chunk 0)
+# (stage, its end (True) or start, name)
+FIRST_CHUNK_MARKS = (("llm", True, "llm_end_ms"), ("flow", False, "flow_start_ms"),
+                     ("flow", True, "flow_end_ms"), ("vocoder", True, "vocoder_end_ms"))
+
+
+def first_chunk_profile(timelines: list[list[StageEvent]]) -> dict[str, dict[str, float]]:
+    """Per milestone of the first chunk (its tokens sampled, its flow started and done, its vocoder
+    done), the p50 and max over the streams of a level: where their first audio waited."""
+    out: dict[str, dict[str, float]] = {}
+    for stage, end, name in FIRST_CHUNK_MARKS:
+        values = []
+        for events in timelines:
+            mine = [e for e in events if e.chunk == 0 and e.stage == stage]
+            if mine:
+                values.append(max(e.end_ms for e in mine) if end else min(e.start_ms for e in mine))
+        if values:
+            out[name] = {"p50": round(float(np.percentile(values, 50)), 1), "max": round(max(values), 1)}
     return out
 
 
@@ -83,6 +126,7 @@ def run_concurrent(engine: CosyVoiceSynthesizer, text: str, n: int, stream: bool
     before = {b.name: (b.stats.runs, b.stats.calls) for b in engine.stage_batchers}
     llm_before = (engine.batcher.stats.steps, engine.batcher.stats.shared_steps) if engine.batcher else (0, 0)
     order_before = engine.graphs.order_stats()
+    flow_before = engine.graphs.flow_batch_stats()
 
     def worker(i: int) -> None:
         try:
@@ -116,6 +160,11 @@ def run_concurrent(engine: CosyVoiceSynthesizer, text: str, n: int, stream: bool
         out["llm_steps"] = engine.batcher.stats.steps - llm_before[0]
         out["llm_shared_steps"] = engine.batcher.stats.shared_steps - llm_before[1]
     out.update(order_delta(order_before, engine.graphs.order_stats()))  # (no graph thread: nothing)
+    flow = flow_batch_delta(flow_before, engine.graphs.flow_batch_stats())
+    if flow is not None:
+        out["graph_flow_batch"] = flow
+    if stream:
+        out["first_chunk_ms"] = first_chunk_profile([r["timeline"] for r in results])
     return out
 
 

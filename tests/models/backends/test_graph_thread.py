@@ -64,6 +64,17 @@ def test_an_exception_in_the_work_reaches_the_caller_and_the_worker_goes_on() ->
         assert worker.call(lambda: worker.call(lambda: threading.get_ident())) == worker.ident
 
 
+def test_the_worker_counts_its_busy_time_by_the_label_of_the_work() -> None:
+    with GraphThread() as worker:
+        worker.call(lambda: time.sleep(0.05), label="replay")
+        worker.call(lambda: time.sleep(0.02))  # unlabelled: its priority's name
+        with pytest.raises(ZeroDivisionError):
+            worker.call(lambda: (time.sleep(0.01), 1 / 0), label="replay")  # failed work counts too
+        busy = worker.order_stats()["busy_ms"]
+    assert isinstance(busy, dict) and set(busy) == {"replay", "normal"}
+    assert 60 <= busy["replay"] < 1000 and 20 <= busy["normal"] < 1000
+
+
 def test_close_runs_what_is_queued_then_refuses_with_a_clear_error() -> None:
     worker = GraphThread(max_pending=2)
     with pytest.raises(GraphThreadClosed, match="not started"):

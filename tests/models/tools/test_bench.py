@@ -52,7 +52,11 @@ def test_bench_json_with_first_hop_and_compare(tiny_bundle: Path, fp16_variant: 
     assert r["overlap_stages"] is resolve_overlap(None, "ort", os.cpu_count())
     assert r["fixed_size_decode"] is False  # the tiny bundle has no fixed-size step
     assert set(r["concurrency"]["1"]) == {"requests_per_s", "tokens_per_s", "first_audio_ms_p50",
-                                          "first_audio_ms_p95", "rtf", "stream_rtf_max", "failed"}
+                                          "first_audio_ms_p95", "rtf", "stream_rtf_max", "failed", "first_chunk_ms"}
+    # the one stream's first chunk: its tokens, then its flow, then its vocoder
+    marks = r["concurrency"]["1"]["first_chunk_ms"]
+    assert 0 < marks["llm_end_ms"]["p50"] <= marks["flow_start_ms"]["p50"] < marks["flow_end_ms"]["p50"]
+    assert marks["flow_end_ms"]["p50"] <= marks["vocoder_end_ms"]["p50"] == marks["vocoder_end_ms"]["max"]
     assert r["concurrency"]["1"]["failed"] == 0
     assert r["concurrency"]["1"]["stream_rtf_max"] > 0
     cost = r["streaming_cost_vs_offline"]
@@ -174,3 +178,40 @@ def test_order_delta_sums_each_graph_threads_counters_over_a_level() -> None:
     # per-stage threads: summed; a thread that had no counters before counts from zero
     assert order_delta({}, {"decode": stats(2, 1, 1.0), "flow": stats(2, 0, 1.5)})["graph_holds"] == 4
     assert order_delta({}, {}) == {}
+    # the busy time by label, summed over the threads; labels idle over the level are left out
+    before = {"decode": {**stats(0, 0, 0.0), "busy_ms": {"llm_step": 100.0, "vocoder_graph": 5.0}}}
+    after = {"decode": {**stats(0, 0, 0.0), "busy_ms": {"llm_step": 340.5, "vocoder_graph": 5.0}},
+             "flow": {**stats(0, 0, 0.0), "busy_ms": {"flow_batched_replay": 80.0}}}
+    assert order_delta(before, after)["graph_busy_ms"] == {"flow_batched_replay": 80.0, "llm_step": 240.5}
+
+
+def test_flow_batch_delta_gives_a_levels_replays_and_their_mean_time_by_streams_served() -> None:
+    from cosyedge_models.tools.bench_runs import flow_batch_delta
+
+    def stats(sizes: dict[int, int], ms: dict[int, float], wait: float) -> dict[str, object]:
+        return {"replays": sum(sizes.values()), "rows": sum(n * c for n, c in sizes.items()),
+                "shared_replays": sum(c for n, c in sizes.items() if n > 1), "peak_batch": max(sizes, default=0),
+                "fallbacks": 0, "moves": 1, "batch_sizes": sizes, "replay_ms": ms, "partner_wait_ms": wait}
+
+    before = stats({1: 10}, {1: 130.0}, 2.0)
+    after = stats({1: 14, 8: 5}, {1: 182.0, 8: 150.0}, 7.5)
+    delta = flow_batch_delta(before, after)
+    assert delta == {"replays": 9, "rows": 44, "shared_replays": 5, "fallbacks": 0, "moves": 0,
+                     "partner_wait_ms": 5.5, "batch_sizes": {1: 4, 8: 5}, "replay_ms_mean": {1: 13.0, 8: 30.0}}
+    assert flow_batch_delta(None, None) is None
+    assert flow_batch_delta(None, after)["replay_ms_mean"] == {1: 13.0, 8: 30.0}  # type: ignore[index]
+
+
+def test_first_chunk_profile_gives_each_milestone_over_the_streams() -> None:
+    from cosyedge_models.synthesis.api import StageEvent
+    from cosyedge_models.tools.bench_runs import first_chunk_profile
+
+    def stream(llm_end: float, flow_start: float, flow_end: float, voc_end: float) -> list[StageEvent]:
+        return [StageEvent("llm", 0, 1.0, llm_end), StageEvent("llm", 1, llm_end, llm_end + 90),
+                StageEvent("flow", 0, flow_start, flow_start + 10), StageEvent("flow", 0, flow_start + 12, flow_end),
+                StageEvent("vocoder", 0, flow_end, voc_end), StageEvent("flow", 1, flow_end + 50, flow_end + 80)]
+
+    out = first_chunk_profile([stream(60, 70, 200, 210), stream(80, 90, 400, 420), stream(100, 110, 300, 305)])
+    assert out == {"llm_end_ms": {"p50": 80.0, "max": 100.0}, "flow_start_ms": {"p50": 90.0, "max": 110.0},
+                   "flow_end_ms": {"p50": 300.0, "max": 400.0}, "vocoder_end_ms": {"p50": 305.0, "max": 420.0}}
+    assert first_chunk_profile([]) == {}
