@@ -121,6 +121,19 @@ def static_flow_bundle(tiny_model_dir: Path) -> Path:
                                                  batch_flow_sizes=BATCH_FLOW_SIZES))
 
 
+@pytest.fixture(scope="session")
+def static_flow_fp16_bundle(tiny_model_dir: Path) -> Path:
+    """static_flow_bundle with its batched graphs in fp16 (build export --batch-flow-precision fp16:
+    the fp16 K/V lanes)."""
+    from cosyedge_build.export import export_bundle
+
+    key = _code_hash("edge_build", "models")
+    return _cached_dir("tiny-static-flow-fp16-bundle", key,
+                       lambda out: export_bundle(tiny_model_dir, out, static_flow_windows=STATIC_FLOW_WINDOWS,
+                                                 static_flow_cache=STATIC_FLOW_CACHE,
+                                                 batch_flow_sizes=BATCH_FLOW_SIZES, batch_flow_precision="fp16"))
+
+
 STATIC_VOCODER_FIRST_HOP = 15  # graph_bundle's fixed-length vocoder graphs also hold this first hop's first chunk
 
 

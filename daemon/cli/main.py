@@ -106,6 +106,9 @@ def _add_build(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--batch-flow-sizes", default="", metavar="B,...",
                    help="with --static-flow-windows: also export the estimator windows batched across B streams "
                         "(K/V cache written in place), for these batch sizes, e.g. 1,2,4,8")
+    e.add_argument("--batch-flow-precision", choices=["fp32", "fp16"], default="fp32",
+                   help="precision of the batched estimator windows and their K/V lanes: fp16 halves the lanes' "
+                        "device memory (the time embedding stays fp32)")
     e.add_argument("--fused-decode-precision", choices=["fp32", "fp16"], default="fp32",
                    help="precision of the fused decode step and its KV cache: fp16 for ort-cuda, whose "
                         "GroupQueryAttention kernel is fp16/bf16 only (fp32 would run attention on the CPU provider)")

@@ -43,7 +43,6 @@ from typing import Any
 
 from cosyedge_build.export.flow_encoder import chunk_allowed
 from cosyedge_build.export.flow_estimator import (
-    _MASK_BIAS,
     _check_block,
     _is_causal_conv,
     _stack,
@@ -52,10 +51,19 @@ from cosyedge_build.export.flow_estimator import (
     transformer_blocks,
 )
 from cosyedge_build.export.graphs import StageGraph, TensorSpec, export_stage, module_base
+from cosyedge_build.reference.modules import require
 from cosyedge_models.errors import CheckpointError
 
 BATCH_FLOW_PREFIX = "flow_estimator_batch_b"
 CFG_ROWS = 2  # guidance pair per stream
+PRECISIONS = ("fp32", "fp16")
+# The additive bias of a hidden frame. Not the single-stream graph's -1e10: in the fp16 variant
+# that constant is clipped to -65504, a negative score plus it overflows to -inf, and an idle lane
+# (every frame hidden) can then get softmax(-inf, ...) = NaN, which it writes as K/V into its free
+# frames (where an additive mask cannot hide it from the lane's next stream). -3e4 stays finite in
+# fp16 with any score below 3.5e4 in magnitude, and exp(-3e4) is 0 in fp32 as in fp16: the same
+# softmax wherever a frame is visible.
+MASK_BIAS = -3.0e4
 
 
 def batch_stage_name(batch: int, window: int) -> str:
@@ -131,7 +139,7 @@ def make_batch_graph(estimator: Any, chunk_frames: int) -> Any:
                 in_window = torch.gather(allowed, 2, idx) & ((rel >= 0) & (rel < w)).view(n, 1, frames)
                 cached = ((pos.view(1, -1) >= first.view(-1, 1)) & (rel < 0)).view(n, 1, frames)
                 visible = in_window | cached
-                return ((1.0 - visible.float()) * _MASK_BIAS).unsqueeze(1)
+                return ((1.0 - visible.float()) * MASK_BIAS).unsqueeze(1)
 
             out_kv: list[Any] = []
 
@@ -201,9 +209,44 @@ def kv_names(blocks: int) -> tuple[list[str], list[str]]:
     return ins, [f"{kind}_cache_out_{i}" for i in range(blocks) for kind in ("key", "value")]
 
 
+def convert_batch_fp16(src: Path, dst: Path) -> None:
+    """The fp32 batched estimator graph `src` in fp16 to `dst`: edge_build/quantize/fp16.py's
+    policy (the flow unit's time embedding kept fp32, as the single-stream graphs' conversion keeps
+    it) with the K/V buffers' I/O in fp16 (the lanes: half the device memory and bytes read per
+    replay); the other inputs and outputs stay fp32, so the runtime feeds them as before."""
+    onnx = require("onnx", "onnx", "converting the batched estimator graphs")
+    from cosyedge_build.quantize.companions import always_fp32_nodes, unit_of
+    from cosyedge_build.quantize.fp16 import convert_fp16
+
+    graph = onnx.load(str(src), load_external_data=False).graph
+    kv = [v.name for v in (*graph.input, *graph.output) if v.name.startswith(("key_cache_", "value_cache_"))]
+    convert_fp16(src, dst, always_fp32_nodes(unit_of("flow_estimator"), src), kv)
+
+
+def _to_fp16(out: Path, stage: StageGraph) -> StageGraph:
+    """The exported fp32 graph of `stage` replaced by its fp16 conversion, and its entry."""
+    path = Path(out) / stage.file
+    tmp = path.with_suffix(".fp16.onnx")
+    convert_batch_fp16(path, tmp)
+    tmp.replace(path)  # its external data, where it has some, keeps the name the graph refers to
+    if stage.external_data:
+        (Path(out) / stage.external_data).unlink()
+    data = tmp.name + ".data"
+
+    def specs(items: list[TensorSpec]) -> list[TensorSpec]:
+        return [TensorSpec(t.name, "float16", t.shape) if t.name.startswith(("key_cache_", "value_cache_")) else t
+                for t in items]
+
+    return StageGraph(stage.name, stage.file, specs(stage.inputs), specs(stage.outputs), stage.profile,
+                      data if (Path(out) / data).is_file() else None, {**stage.extra, "precision": "fp16"})
+
+
 def export_batch_estimators(flow: Any, out: Path, batches: list[int], windows: list[int], cache_frames: int,
-                            chunk_frames: int) -> list[StageGraph]:
-    """One graph per (batch size, window) over buffers of buffer_frames() frames."""
+                            chunk_frames: int, precision: str = "fp32") -> list[StageGraph]:
+    """One graph per (batch size, window) over buffers of buffer_frames() frames, in `precision`
+    (PRECISIONS; fp16: convert_batch_fp16)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"batched flow graphs: precision {precision!r} is not one of {', '.join(PRECISIONS)}")
     torch = _torch()
     estimator = flow.decoder.estimator
     c = int(estimator.out_channels)
@@ -255,4 +298,6 @@ def export_batch_estimators(flow: Any, out: Path, batches: list[int], windows: l
                        torch.full((b,), max(1, w // 2), dtype=torch.int64), torch.randn(*conv),
                        *(torch.randn(*kv_shape) for _ in kv_in))
             stages.append(export_stage(graph, example, out, stage))
+    if precision == "fp16":
+        stages = [_to_fp16(out, s) for s in stages]
     return stages

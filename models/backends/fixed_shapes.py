@@ -177,11 +177,12 @@ OVERFLOW_FLOW_SLOTS = 2
 CFG_ROWS = 2
 
 
-def lane_step_bytes(blocks: int, kv_row_floats: int, conv_row_floats: int) -> int:
+def lane_step_bytes(blocks: int, kv_row_values: int, conv_row_floats: int, kv_itemsize: int = 4) -> int:
     """Device memory of one stream's batched estimator cache at one Euler step (a lane of a group):
-    its guidance pair's fp32 K and V rows of every block and conv history (the engine's lanes,
-    models/batching/batched_flow.py; the boards' budget, models/bundle/memory_budget.py)."""
-    return CFG_ROWS * (2 * blocks * kv_row_floats + conv_row_floats) * 4
+    its guidance pair's K and V rows of every block (`kv_itemsize` bytes a value: 4 fp32, 2 fp16)
+    and fp32 conv history (the engine's lanes, models/batching/batched_flow.py; the boards' budget,
+    models/bundle/memory_budget.py)."""
+    return CFG_ROWS * (2 * blocks * kv_row_values * kv_itemsize + conv_row_floats * 4)
 
 
 def batch_lanes(batch_sizes: Sequence[int], per_lane_bytes: int, total_bytes: int, free_bytes: int,

@@ -72,8 +72,8 @@ def _byte_vector(name: str) -> bytes:
     return _field(1, name) + _field(2, _field(1, tensor))  # ValueInfoProto { name, type { tensor_type } }
 
 
-_FLOAT, _INT64 = 1, 7  # TensorProto.FLOAT, INT64
-_ATTR_INTS = 7  # AttributeProto.INTS
+_FLOAT, _INT64, _FLOAT16 = 1, 7, 10  # TensorProto.FLOAT, INT64, FLOAT16
+_ATTR_INT, _ATTR_INTS = 2, 7  # AttributeProto.INT, INTS
 
 
 def _tensor_info(name: str, elem_type: int, dims: list[int | str]) -> bytes:
@@ -87,19 +87,24 @@ def _node(op_type: str, inputs: list[str], outputs: list[str], name: str, attrib
             + _field(4, op_type) + attributes)
 
 
-def lane_layout_model(perm: list[int]) -> bytes:
+def lane_layout_model(perm: list[int], half: bool = False) -> bytes:
     """ModelProto of `dst = Pad(Transpose(src, perm), pads)` over float tensors of rank len(perm)
     (every dim symbolic; `pads` int64 [2 * rank]): a saved prefix's device copy, frame-major,
-    into the attention layout of the batched estimator lanes, on the device."""
+    into the attention layout of the batched estimator lanes, on the device. `half`: `dst` is
+    float16 (a Cast after the Transpose: the fp16 lanes; the prefix's copy stays fp32)."""
     rank = len(perm)
     ints = b"".join(_field(8, p) for p in perm)
     transpose = _node("Transpose", ["src"], ["t"], "to_attention_layout",
                       _field(5, _field(1, "perm") + ints + _field(20, _ATTR_INTS)))
-    pad = _node("Pad", ["t", "pads"], ["dst"], "to_buffer_frames")
-    graph = (_field(1, transpose) + _field(1, pad) + _field(2, "lane_layout")
+    nodes = _field(1, transpose)
+    if half:
+        nodes += _field(1, _node("Cast", ["t"], ["h"], "to_lane_precision",
+                                 _field(5, _field(1, "to") + _field(3, _FLOAT16) + _field(20, _ATTR_INT))))
+    pad = _node("Pad", ["h" if half else "t", "pads"], ["dst"], "to_buffer_frames")
+    graph = (nodes + _field(1, pad) + _field(2, "lane_layout")
              + _field(11, _tensor_info("src", _FLOAT, [f"s{i}" for i in range(rank)]))
              + _field(11, _tensor_info("pads", _INT64, [2 * rank]))
-             + _field(12, _tensor_info("dst", _FLOAT, [f"d{i}" for i in range(rank)])))
+             + _field(12, _tensor_info("dst", _FLOAT16 if half else _FLOAT, [f"d{i}" for i in range(rank)])))
     opset = _field(1, "") + _field(2, _OPSET)
     return _field(1, _IR_VERSION) + _field(2, "cosyedge") + _field(7, graph) + _field(8, opset)
 

@@ -32,7 +32,7 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import onnxruntime as ort
@@ -48,7 +48,17 @@ log = logging.getLogger(__name__)
 
 SessionT = TypeVar("SessionT")
 
-FLOAT_BYTES = 4
+FLOAT_BYTES = 4  # the inputs, outputs and conv history (fp32 in every variant)
+# the K/V lanes' element type, as the graphs declare their key_cache inputs (fp16 variant: half the bytes)
+KV_DTYPES: dict[str, type[np.floating[Any]]] = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+
+
+def kv_dtype(session: OrtSession) -> type[np.floating[Any]]:
+    """The element type of the batched graph's K/V buffers."""
+    declared = session.input_types["key_cache_0"]
+    if declared not in KV_DTYPES:
+        raise BundleError(f"batched estimator graph: K/V cache of {declared}; expected one of {sorted(KV_DTYPES)}")
+    return KV_DTYPES[declared]
 _WINDOW_INPUTS = ("x", "mask", "mu", "cond")  # [2, C|1, T] per stream, padded to the window
 _ROW_INPUTS = ("t", "spks")  # [2] and [2, C] per stream
 _STREAM_INPUTS = ("cache_first", "cache_len", "commit")  # one int64 per stream
@@ -105,8 +115,8 @@ class _Pair:
         for i in range(graphs.blocks):
             for k, name in enumerate(("key", "value")):
                 ptr = graphs.kv_ptr(i, k, CFG_ROWS * base)  # rows of slots base..base+B-1: contiguous
-                self.binding.bind_input(f"{name}_cache_{i}", kind, dev, np.float32, kv_shape, ptr)
-                self.binding.bind_output(f"{name}_cache_out_{i}", kind, dev, np.float32, kv_shape, ptr)
+                self.binding.bind_input(f"{name}_cache_{i}", kind, dev, graphs.kv_dtype, kv_shape, ptr)
+                self.binding.bind_output(f"{name}_cache_out_{i}", kind, dev, graphs.kv_dtype, kv_shape, ptr)
         self.options = ort.RunOptions()
         if io.session.cuda_graph:
             self.options.add_run_config_entry("gpu_graph_id", str(graph_id))
@@ -148,12 +158,16 @@ class BatchFlowGraphs:
         _, heads, self.buffer_frames, head_dim = (int(d) for d in first.input_shapes["key_cache_0"])
         self.kv_row = (heads, self.buffer_frames, head_dim)
         self.conv_row = tuple(int(d) for d in first.input_shapes["conv_cache"][1:])
+        self.kv_dtype = kv_dtype(first)
+        if any(kv_dtype(s) is not self.kv_dtype for s in sessions.values()):
+            raise BundleError("batched estimator graphs of different K/V precisions in one bundle")
+        self.kv_itemsize = np.dtype(self.kv_dtype).itemsize
         # a row holds at most cache_frames committed frames: the largest window always fits past them
         self.cache_frames = self.buffer_frames - self.windows[-1]
         rows = CFG_ROWS * self.slots
         kind, dev = device
         self._kv = ort.OrtValue.ortvalue_from_numpy(
-            np.zeros((self.blocks, 2, rows, *self.kv_row), np.float32), kind, dev)
+            np.zeros((self.blocks, 2, rows, *self.kv_row), self.kv_dtype), kind, dev)
         self._conv = ort.OrtValue.ortvalue_from_numpy(np.zeros((rows, *self.conv_row), np.float32), kind, dev)
         self._zero_conv = ort.OrtValue.ortvalue_from_numpy(
             np.zeros((CFG_ROWS, *self.conv_row), np.float32), kind, dev)
@@ -176,11 +190,11 @@ class BatchFlowGraphs:
     @property
     def slot_bytes(self) -> int:
         """Device memory of one slot: its K/V rows and conv history."""
-        return lane_step_bytes(self.blocks, int(np.prod(self.kv_row)), int(np.prod(self.conv_row)))
+        return lane_step_bytes(self.blocks, int(np.prod(self.kv_row)), int(np.prod(self.conv_row)), self.kv_itemsize)
 
     def kv_ptr(self, block: int, kind: int, row: int) -> int:
-        row_floats = int(np.prod(self.kv_row))
-        return int(self._kv.data_ptr()) + ((block * 2 + kind) * CFG_ROWS * self.slots + row) * row_floats * FLOAT_BYTES
+        row_bytes = int(np.prod(self.kv_row)) * self.kv_itemsize
+        return int(self._kv.data_ptr()) + ((block * 2 + kind) * CFG_ROWS * self.slots + row) * row_bytes
 
     def conv_ptr(self, row: int) -> int:
         return int(self._conv.data_ptr()) + row * int(np.prod(self.conv_row)) * FLOAT_BYTES
@@ -281,12 +295,12 @@ class BatchFlowGraphs:
                          int(np.prod(new.shape())) * FLOAT_BYTES)
 
     def _block_bytes(self) -> int:
-        return CFG_ROWS * int(np.prod(self.kv_row)) * FLOAT_BYTES  # one slot's rows of one block's K or V
+        return CFG_ROWS * int(np.prod(self.kv_row)) * self.kv_itemsize  # one slot's rows of one block's K or V
 
     def _stage(self) -> ort.OrtValue:
         if self._staging is None:
             self._staging = ort.OrtValue.ortvalue_from_shape_and_type(
-                [self.blocks, 2, CFG_ROWS, *self.kv_row], np.float32, *self.device)
+                [self.blocks, 2, CFG_ROWS, *self.kv_row], self.kv_dtype, *self.device)
         return self._staging
 
     def read_slot(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
@@ -296,7 +310,7 @@ class BatchFlowGraphs:
         stage, nbytes = self._stage(), self._block_bytes()
         self.copier.copy_many([(int(stage.data_ptr()) + (i * 2 + k) * nbytes, self.kv_ptr(i, k, CFG_ROWS * slot),
                                 nbytes) for i in range(self.blocks) for k in range(2)])
-        kv = np.array(stage.numpy()[:, :, :, :, : self.lengths[slot]])
+        kv = np.array(stage.numpy()[:, :, :, :, : self.lengths[slot]], np.float32)  # fp32, as the other caches
         rows = slice(CFG_ROWS * slot, CFG_ROWS * slot + CFG_ROWS)
         return kv, np.array(self._conv.numpy()[rows])
 
@@ -331,13 +345,14 @@ class BatchFlowGraphs:
 
         with prefix.lease(self.device, upload) as src:
             if self._layout is None:
-                self._layout = helper_session(lane_layout_model(list(_LANE_PERM)), self.device)
+                self._layout = helper_session(lane_layout_model(list(_LANE_PERM), half=self.kv_dtype is np.float16),
+                                              self.device)
             binding = self._layout.io_binding()
             binding.bind_ortvalue_input("src", src)
             pads = np.zeros(2 * len(_LANE_PERM), np.int64)
             pads[len(_LANE_PERM) + _LANE_PERM.index(0)] = self.buffer_frames - frames  # frames padded at the end
             binding.bind_cpu_input("pads", pads)
-            binding.bind_output("dst", kind, dev, np.float32, [self.blocks, 2, CFG_ROWS, *self.kv_row],
+            binding.bind_output("dst", kind, dev, self.kv_dtype, [self.blocks, 2, CFG_ROWS, *self.kv_row],
                                 int(stage.data_ptr()))
             self._layout.run_with_iobinding(binding)
         self._from_stage(slot, frames, conv)
@@ -357,7 +372,7 @@ class BatchFlowGraphs:
         frames = int(kv.shape[4])
         if frames > self.cache_frames:
             raise ValueError(f"{frames} frames exceed the batched cache's {self.cache_frames}")
-        host = np.zeros((self.blocks, 2, CFG_ROWS, *self.kv_row), np.float32)
+        host = np.zeros((self.blocks, 2, CFG_ROWS, *self.kv_row), self.kv_dtype)
         host[:, :, :, :, :frames] = kv
         self._stage().update_inplace(host)
         self._from_stage(slot, frames, conv)
@@ -382,12 +397,12 @@ _LANE_PERM = (1, 2, 3, 4, 0, 5)
 
 def lane_bytes(sessions: Mapping[tuple[int, int], OrtSession], groups: int) -> int:
     """Device memory of one lane in every group (one stream's caches): its K/V rows of every block
-    and its conv history, fp32."""
+    (in the graphs' K/V precision) and its conv history."""
     first = sessions[min(sessions)]
     blocks = sum(1 for n in first.input_names if n.startswith("key_cache_"))
     kv = int(np.prod([int(d) for d in first.input_shapes["key_cache_0"][1:]]))
     conv = int(np.prod([int(d) for d in first.input_shapes["conv_cache"][1:]]))
-    return groups * lane_step_bytes(blocks, kv, conv)
+    return groups * lane_step_bytes(blocks, kv, conv, np.dtype(kv_dtype(first)).itemsize)
 
 
 def batch_flow_sessions(bundle: Bundle, load: Callable[[str, Path], SessionT]) -> dict[tuple[int, int], SessionT]:

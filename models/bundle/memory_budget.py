@@ -354,8 +354,8 @@ def flow_slot_plans(stages_meta: Mapping[str, Any], n_timesteps: int,
 def flow_lane_plans(stages_meta: Mapping[str, Any], n_timesteps: int) -> dict[str, int]:
     """Per board, the batched estimator lanes (graph_flow_batch) that `batch_lanes` gives it with
     the GPU idle but for the single-stream slots beside them (OVERFLOW_FLOW_SLOTS, as many as fit
-    the auto rule); {} without batched estimator graphs. A lane: one stream's fp32 K/V and conv
-    history for every Euler step (fixed_shapes.lane_step_bytes per step)."""
+    the auto rule); {} without batched estimator graphs. A lane: one stream's K/V (in the graphs'
+    precision) and conv history for every Euler step (fixed_shapes.lane_step_bytes per step)."""
     found = {}
     for name, entry in stages_meta.items():
         m = BATCH_FLOW_NAME.match(str(name))
@@ -363,12 +363,13 @@ def flow_lane_plans(stages_meta: Mapping[str, Any], n_timesteps: int) -> dict[st
             found[int(m.group(1))] = entry
     if not found:
         return {}
-    shapes = {i["name"]: i["shape"] for i in found[min(found)].get("inputs", []) if isinstance(i, Mapping)}
-    keys = [n for n in shapes if n.startswith("key_cache_")]
-    if not keys or "conv_cache" not in shapes:
+    specs = {i["name"]: i for i in found[min(found)].get("inputs", []) if isinstance(i, Mapping)}
+    keys = [n for n in specs if n.startswith("key_cache_")]
+    if not keys or "conv_cache" not in specs:
         return {}
-    per_lane = n_timesteps * lane_step_bytes(len(keys), math.prod(shapes[keys[0]][1:]),
-                                             math.prod(shapes["conv_cache"][1:]))
+    per_lane = n_timesteps * lane_step_bytes(len(keys), math.prod(specs[keys[0]]["shape"][1:]),
+                                             math.prod(specs["conv_cache"]["shape"][1:]),
+                                             ITEMSIZE.get(specs[keys[0]].get("dtype", "float32"), 4))
     static = flow_slot_plans(stages_meta, n_timesteps, OVERFLOW_FLOW_SLOTS)
     out = {}
     for b in BOARDS.values():
