@@ -209,6 +209,11 @@ def kv_names(blocks: int) -> tuple[list[str], list[str]]:
     return ins, [f"{kind}_cache_out_{i}" for i in range(blocks) for kind in ("key", "value")]
 
 
+def is_kv_io(name: str) -> bool:
+    """A K/V buffer input or output (fp16 in the fp16 variant)."""
+    return name.startswith(("key_cache_", "value_cache_"))
+
+
 def convert_batch_fp16(src: Path, dst: Path) -> None:
     """The fp32 batched estimator graph `src` in fp16 to `dst`: edge_build/quantize/fp16.py's
     policy (the flow unit's time embedding kept fp32, as the single-stream graphs' conversion keeps
@@ -219,7 +224,7 @@ def convert_batch_fp16(src: Path, dst: Path) -> None:
     from cosyedge_build.quantize.fp16 import convert_fp16
 
     graph = onnx.load(str(src), load_external_data=False).graph
-    kv = [v.name for v in (*graph.input, *graph.output) if v.name.startswith(("key_cache_", "value_cache_"))]
+    kv = [v.name for v in (*graph.input, *graph.output) if is_kv_io(v.name)]
     convert_fp16(src, dst, always_fp32_nodes(unit_of("flow_estimator"), src), kv)
 
 
@@ -234,8 +239,7 @@ def _to_fp16(out: Path, stage: StageGraph) -> StageGraph:
     data = tmp.name + ".data"
 
     def specs(items: list[TensorSpec]) -> list[TensorSpec]:
-        return [TensorSpec(t.name, "float16", t.shape) if t.name.startswith(("key_cache_", "value_cache_")) else t
-                for t in items]
+        return [TensorSpec(t.name, "float16", t.shape) if is_kv_io(t.name) else t for t in items]
 
     return StageGraph(stage.name, stage.file, specs(stage.inputs), specs(stage.outputs), stage.profile,
                       data if (Path(out) / data).is_file() else None, {**stage.extra, "precision": "fp16"})

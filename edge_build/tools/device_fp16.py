@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from cosyedge_build.export.flow_batch import convert_batch_fp16, is_kv_io
 from cosyedge_build.export.llm_fused import convert_fused_fp16, fp16_fields, is_fused_stage
 from cosyedge_build.export.shared_weights import share_llm_files
 from cosyedge_build.quantize.capture import capture_feeds
@@ -45,7 +46,7 @@ from cosyedge_build.quantize.fp16 import convert_fp16
 from cosyedge_build.quantize.policy import UNITS
 from cosyedge_build.quantize.texts import calibration_texts
 from cosyedge_build.quantize.writer import add_variants, link_bundle
-from cosyedge_models.bundle.loader import sha256_file
+from cosyedge_models.bundle.loader import BATCH_FLOW_NAME, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,35 @@ def fused_fp16_variants(src: Path, dst: Path, manifest: dict[str, Any]) -> dict[
     return variants
 
 
+def lanes_fp16_bundle(src: Path, dst: Path) -> Path:
+    """`src` (linked) with its fp32 batched estimator graphs replaced by their fp16 conversion
+    (what `build export --batch-flow-precision fp16` writes), so that one device lease compares
+    the fp32 and the fp16 lanes without a second export of the checkpoint."""
+    dst.mkdir(parents=True, exist_ok=False)
+    link_bundle(src, dst)
+    manifest = json.loads((dst / "manifest.json").read_text())
+    for name, entry in manifest["stages"].items():
+        if not BATCH_FLOW_NAME.match(name) or entry.get("precision") == "fp16":
+            continue
+        path = dst / entry["file"]
+        tmp = path.with_suffix(".fp16.onnx")
+        convert_batch_fp16(src / entry["file"], tmp)
+        tmp.replace(path)  # a new file in place of the link: the source bundle keeps its graph
+        if entry.get("external_data"):
+            (dst / entry["external_data"]["file"]).unlink()
+            del entry["external_data"]
+        data = dst / (tmp.name + ".data")
+        if data.is_file():
+            entry["external_data"] = {"file": data.name, "sha256": sha256_file(data)}
+        for spec in (*entry["inputs"], *entry["outputs"]):
+            if is_kv_io(spec["name"]):
+                spec["dtype"] = "float16"
+        entry.update(sha256=sha256_file(path), precision="fp16")
+        log.info("converted %s", name)
+    (dst / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    return dst
+
+
 def add_fused_variants(dst: Path, variants: dict[str, dict[str, Any]]) -> None:
     manifest = json.loads((dst / "manifest.json").read_text())
     for name, variant in variants.items():
@@ -113,8 +143,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--check-texts", type=int, default=4, help="calibration texts for the NaN/Inf check (0: skip)")
     p.add_argument("--check-backend", choices=("ort", "ort-cuda"), default=None,
                    help="where the check captures and runs (default: ort-cuda where onnxruntime has CUDA)")
+    p.add_argument("--lanes-only", action="store_true",
+                   help="only the batched estimator graphs in fp16 (the fp16 lanes), the rest linked as it is")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.lanes_only:
+        print(lanes_fp16_bundle(args.bundle, args.out))
+        return 0
     print(fp16_bundle(args.bundle, args.out))
     if args.check_texts > 0:
         check = check_bundle(args.bundle, args.out, args.check_texts, args.check_backend)

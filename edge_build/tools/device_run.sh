@@ -46,7 +46,9 @@
 # --voice NAME), VOICE_WAV / VOICE_TEXT / VOICE_NAME (a recording, its transcript and the
 # name it is saved under in both bundles, default en8), STATIC_FLOW_WINDOWS (64,128,640), STATIC_FLOW_CACHE (1024), VOCODER_FIRST_HOPS (15: the
 # fixed-length vocoder graph of bench --first-chunk 15:6's first chunk), FUSED_BATCHES (1,2,4,8,16: the fused fp16 LLM step), BATCH_FLOW_SIZES
-# (1,8: the batched estimator windows), GPU_TESTS (a subset
+# (1,8: the batched estimator windows), LANES16=1 (also /tmp/full/lanes16: the bundle with those in fp16,
+# device_fp16.py --lanes-only), BUNDLE (the bench and batch steps' bundle under FULL_DIR: bundle, lanes16;
+# its name then suffixes their JSON), GPU_TESTS (a subset
 # of the -m gpu test files, to repeat one), CONCURRENCY, FP16=0 (no fp16 bundle: for steps
 # that do not use it, when device time is short).
 set -euo pipefail
@@ -108,6 +110,11 @@ if [ -n "${VOICE_WAV:-}" ]; then
       || { tail -20 "$out/build.log"; exit 1; }
   done
 fi
+if [ "${LANES16:-0}" = 1 ] && [ ! -f "$full/lanes16/manifest.json" ]; then
+  # the fp32 bundle (its voices too) with the batched estimator graphs in fp16: the fp16 lanes
+  python3 -m cosyedge_build.tools.device_fp16 --bundle "$full/bundle" --out "$full/lanes16" --lanes-only \
+    >>"$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
+fi
 stamp "bundles ready"
 if [ -n "${pycuda_build:-}" ]; then
   wait "$pycuda_build" || { echo "pycuda did not build (see pycuda.log); test_cuda_layer.py will skip"; tail -5 "$out/pycuda.log"; }
@@ -136,15 +143,16 @@ for step in ${steps//,/ }; do
     bench)
       compare=()  # the fp16 bundle where the setup made it (FP16=0: none)
       [ -f "$full/fp16/manifest.json" ] && compare=(--compare "$full/fp16")
-      timeout "${BENCH_TIMEOUT_S:-480}" python3 -m cosyedge_daemon -v bench --bundle "$full/bundle" --backend ort-cuda \
+      timeout "${BENCH_TIMEOUT_S:-480}" python3 -m cosyedge_daemon -v bench --bundle "$full/${BUNDLE:-bundle}" --backend ort-cuda \
         --repeats 1 --concurrency "${CONCURRENCY:-1,4,8,16}" ${compare[@]+"${compare[@]}"} --reference ${BENCH_ARGS:-} \
-        --json "$out/bench_h200.json" 2>&1 | grep -v -i warn > "$out/bench.log" || { tail -40 "$out/bench.log"; exit 1; }
-      python3 -m cosyedge_build.tools.device_summary "$out/bench_h200.json"
+        --json "$out/bench_h200${BUNDLE:+_$BUNDLE}.json" 2>&1 | grep -v -i warn > "$out/bench.log" \
+        || { tail -40 "$out/bench.log"; exit 1; }
+      python3 -m cosyedge_build.tools.device_summary "$out/bench_h200${BUNDLE:+_$BUNDLE}.json"
       stamp "bench done" ;;
     batch)
-      timeout "${BENCH_TIMEOUT_S:-480}" python3 -m cosyedge_daemon -v bench --bundle "$full/bundle" --backend ort-cuda \
+      timeout "${BENCH_TIMEOUT_S:-480}" python3 -m cosyedge_daemon -v bench --bundle "$full/${BUNDLE:-bundle}" --backend ort-cuda \
         --graph-batching --batching 16 --graph-flow-batch --concurrency "${CONCURRENCY:-1,8,16}" --concurrency-only \
-        ${BENCH_ARGS:-} --json "$out/bench_h200_batch.json" 2>&1 | grep -v -i warn > "$out/batch.log" \
+        ${BENCH_ARGS:-} --json "$out/bench_h200_batch${BUNDLE:+_$BUNDLE}.json" 2>&1 | grep -v -i warn > "$out/batch.log" \
         || { tail -40 "$out/batch.log"; exit 1; }
       stamp "batch done" ;;
     conc)
