@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 
 import numpy as np
-from cosyedge_models.backends.graph_thread import GraphThread
+from cosyedge_models.backends.graph_thread import GraphPriority, GraphThread
 from cosyedge_models.backends.ort_graph_decode import GraphDecoder
 from cosyedge_models.batching.batched_step import BatchedDecodeStep
 from cosyedge_models.batching.fused_step import FusedDecodeStep
@@ -157,8 +157,11 @@ class GraphBatcher(BatchWorker):
         lengths = [self._lengths[k] for k in batch.keys]
         t0 = time.perf_counter()
         try:
+            # LLM work (graph_thread.py): it waits while a stream's first chunk is on its way to audio,
+            # as the single-stream steps do; tagged NORMAL it ran between that chunk's estimator
+            # windows (H200, 2026-12-04: ~35 ms of a 136 ms first-chunk flow was the next chunk's steps)
             logps = self.thread.call(functools.partial(self.step.step, batch.rows, embeds, lengths, batch.batch_size),
-                                     label="llm_batched_step")
+                                     GraphPriority.LLM, "llm_batched_step")
         except Exception as exc:
             # The rows' caches are not trusted after a failed step: every stream in it fails.
             err = _as_engine_error(exc, f"LLM batched step failed ({len(requests)} streams, batch {batch.batch_size})")

@@ -410,3 +410,49 @@ def test_the_llm_producers_next_step_waits_for_the_first_chunk(graph_bundle: Pat
     assert seen["queued"] == 1 and seen["ran_before"] > 0
     assert seen["queued_after"] == 1 and seen["ran_after"] == seen["ran_before"]  # held through the flow
     assert isinstance(stats["deferred"], int) and stats["deferred"] >= 1 and stats["holds"] == 1
+
+
+def test_the_batched_llm_steps_wait_for_a_streams_first_chunk(graph_bundle: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """graph_batching: the batcher's steps (every running stream's tokens in one replay) reach the
+    graph thread tagged LLM, so a stream's first chunk holds them as it holds the single-stream
+    steps: while its flow runs a step is queued and none runs."""
+    from cosyedge_models.backends.graph_thread import GraphPriority
+    from cosyedge_models.batching.graph_batcher import GraphBatcher
+    from cosyedge_models.batching.policy import BatchSettings
+
+    seen: dict[str, int] = {}
+    real_flow = CosyVoiceSynthesizer._flow_stream
+
+    def flow_stream(self: CosyVoiceSynthesizer, flow: object, tokens: list[int], state: object, final: bool,
+                    prime: bool = False) -> np.ndarray:
+        worker, batcher = self.graph_thread, self.batcher
+        if not prime and not seen and worker is not None and isinstance(batcher, GraphBatcher):
+            deadline = time.monotonic() + 120
+            while worker.pending(GraphPriority.LLM) == 0 and time.monotonic() < deadline:
+                time.sleep(0.005)  # the batcher steps on: its next step reaches the queue
+            seen["queued"], seen["ran_before"] = worker.pending(GraphPriority.LLM), batcher.stats.steps
+            mel = real_flow(self, flow, tokens, state, final)  # type: ignore[arg-type]
+            seen["queued_after"], seen["ran_after"] = worker.pending(GraphPriority.LLM), batcher.stats.steps
+            return mel
+        return real_flow(self, flow, tokens, state, final, prime)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(CosyVoiceSynthesizer, "_flow_stream", flow_stream)
+    engine = load_synthesizer(graph_bundle, settings=SynthesisSettings(
+        threads=1, overlap_stages=True, graph_flow=True, graph_decode=True, graph_flow_slots=2,
+        graph_decode_slots=2, graph_batching=True, batching=BatchSettings(max_batch_size=2),
+        overlap_queue_tokens=1024))
+    try:
+        assert engine.graph_thread is not None and isinstance(engine.batcher, GraphBatcher)
+        engine.graph_thread.order.hold_max_s = 3600.0
+        engine.graph_thread.order.max_overtakes = 1 << 30
+        chunks = list(engine.synthesize(_request(1)))
+        stats = engine.graph_thread.order_stats()
+    finally:
+        engine.close()
+    assert len(chunks) >= 2
+    assert seen["queued"] == 1 and seen["ran_before"] > 0
+    assert seen["queued_after"] == 1 and seen["ran_after"] == seen["ran_before"]  # held through the flow
+    runs = stats["runs"]
+    assert isinstance(runs, dict) and runs["llm"] > 0 and stats["holds"] == 1
+    assert isinstance(stats["busy_ms"], dict) and stats["busy_ms"]["llm_batched_step"] > 0
