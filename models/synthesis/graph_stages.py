@@ -241,13 +241,15 @@ class GraphStages:
 
     def static_encoder(self, spec: EncoderCacheSpec) -> StaticEncoderGraphs | TrtStaticEncoder | None:
         """The fixed-shape streaming encoder graphs (onnxruntime) or engines (trt), captured now,
-        with a slot for each request the estimator's serve, or None: they go with those (call
-        static_flow first)."""
+        with a slot for each request the estimator's serve (the single-stream slots and the
+        batched lanes), or None: they go with those (call static_flow and batched_flow first)."""
         t0 = time.perf_counter()
         if (self.settings.graph_encoder is False or self.flow is None or self.flow.disabled is not None
                 or not self.backend_name.startswith(("ort", "trt"))):
             return None
         slots = max(1, self.flow.max_slots // self.bundle.flow.n_timesteps)
+        if self.flow_batch is not None:  # a stream in the lanes needs an encoder slot too (else the dynamic one)
+            slots += self.flow_batch.graphs.lanes
         if self.backend_name == "trt":  # TensorRT's engines: no onnxruntime on this path
             from cosyedge_models.backends.tensorrt.static_encoder import load_trt_static_encoder
 

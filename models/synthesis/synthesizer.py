@@ -127,8 +127,8 @@ class CosyVoiceSynthesizer(SynthesizerDefaults):
         self.stage_batchers = list(batchers.values())
         stages.update(batchers)
         self.static_flow = self.graphs.static_flow()
+        batched = self.graphs.batched_flow()  # before the encoder: its slots follow the lanes
         self.static_encoder = self.graphs.static_encoder(encoder_spec(bundle))
-        batched = self.graphs.batched_flow()
         self.flow = FlowDecoder(bundle, load("flow_encoder"), stages["flow_estimator"],
                                 batched or (self.static_flow if self.static_flow is not None else backend.flow_cache),
                                 self.static_encoder if self.static_encoder is not None else host_encoder_cache)

@@ -131,6 +131,21 @@ def test_concurrent_streams_share_replays_and_sound_as_alone(static_flow_bundle:
         np.testing.assert_allclose(alone[i], single[i], rtol=0, atol=1e-4)
 
 
+def test_the_encoder_has_a_slot_for_every_lane_and_single_stream_slot(static_flow_bundle: Path) -> None:
+    """Streams in the batched lanes run their encoder on the fixed-shape encoder graphs too (with
+    slots for the single-stream requests only, six of eight streams took the dynamic encoder)."""
+    settings = SynthesisSettings(backend="ort", threads=1, overlap_stages=False, graph_flow=True,
+                                 graph_flow_batch=True)
+    eng = load_synthesizer(static_flow_bundle, "ort", settings)
+    try:
+        batcher, encoder = eng.graphs.flow_batch, eng.static_encoder
+        assert batcher is not None and encoder is not None
+        assert encoder.max_slots == OVERFLOW_FLOW_SLOTS + batcher.graphs.lanes
+        assert _audio(eng, 0).size > 0 and batcher.stats.replays > 0
+    finally:
+        eng.close()
+
+
 def test_a_saved_prefix_in_a_lane_gives_the_single_stream_windows(static_flow_bundle: Path) -> None:
     """preload() seeds a lane (attention layout) as a StaticSlot (frame-major); the windows after
     it, a bounded left context's trim and a move to the dynamic graph keep the single-stream results."""
