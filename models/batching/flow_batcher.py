@@ -26,10 +26,11 @@ round trip: rare)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -118,6 +119,36 @@ class FlowBatcher:
         with self._lock:
             self._free[group].append(lane)
             self._free[group].sort()
+
+    def seed_free_lanes(self, step_kv: Sequence[PrefixRows], step_conv: Sequence[np.ndarray]) -> int:
+        """A saved voice's flow prefix (per Euler step: its K/V rows and conv history, a FlowPrefix's)
+        into every free lane of that step's group, on the graph thread; how many lanes were seeded.
+        A lane keeps the prefix for its next stream of the voice, which then writes only the conv
+        history (BatchFlowGraphs.seed): without this the first streams of a voice seed their lanes
+        in the requests' time (H200, 2026-12-04: 70 seeds took 1.2 s of the graph thread at eight
+        cold streams). A prefix that leaves no room for a window, or of other Euler steps, seeds none."""
+        g = self.graphs
+        if len(step_kv) != g.groups or len(step_conv) != g.groups:
+            return 0
+        if not all(prefix_fits(rows.frames, g.windows, g.cache_frames) for rows in step_kv):
+            return 0
+        with self._lock:  # taken while they are written: no stream gets a lane half seeded
+            taken = [list(free) for free in self._free]
+            self._free = [[] for _ in range(g.groups)]
+        seeded = 0
+        try:
+            for group, lanes in enumerate(taken):
+                rows = step_kv[group]
+                history = np.asarray(step_conv[group], np.float32).transpose(1, 0, 2, 3)
+                for lane in lanes:
+                    slot = group * g.lanes + lane
+                    self.thread.call(functools.partial(g.seed, slot, rows, history), label="flow_lane_seed")
+                    seeded += 1
+        finally:
+            with self._lock:
+                for group, lanes in enumerate(taken):
+                    self._free[group] = sorted(self._free[group] + lanes)
+        return seeded
 
     def report(self) -> dict[str, object]:
         """FlowBatchStats as a dict, consistent (bench output)."""

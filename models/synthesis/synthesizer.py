@@ -253,6 +253,25 @@ class CosyVoiceSynthesizer(SynthesizerDefaults):
         self.llm_prefix(cond, request.mode)
         return self.voice_prefix(cond)
 
+    def prepare_voice(self, name: str) -> int:
+        """The saved voice `name` ready for its first requests (the daemon's default voice at start, bench
+        --voice): its prompt caches (warm_voice; zero_shot, else cross_lingual) and its flow prefix in every
+        free batched lane. Returns the lanes seeded; 0 for a voice without a recording (sft only)."""
+        for mode in ("zero_shot", "cross_lingual"):
+            request = SynthesisRequest(text="voice", mode=mode, voice=name)
+            try:
+                self.validate(request)
+            except RequestError as exc:
+                if exc.code == "voice_unsuitable":
+                    continue
+                raise
+            prefix = self.warm_voice(request)
+            batcher = self.graphs.flow_batch
+            if prefix is None or batcher is None:
+                return 0
+            return batcher.seed_free_lanes(prefix.step_kv, prefix.step_conv)
+        return 0
+
     def warm_vocoder(self) -> list[int]:
         """Set up the dynamic vocoder at the settings' recurring chunk lengths that no fixed-length
         graph serves (all of them without the graphs; with them, e.g. a first hop other than the

@@ -170,8 +170,12 @@ def run_concurrent(engine: CosyVoiceSynthesizer, text: str, n: int, stream: bool
 
 def concurrency_report(engine: CosyVoiceSynthesizer, text: str, levels: list[int], mode: str,
                        voice: str | None = None) -> dict[str, Any]:
-    """`concurrency` (streaming requests) and/or `concurrency_offline`, per level."""
+    """`concurrency` (streaming requests) and/or `concurrency_offline`, per level. With a saved voice,
+    the voice is prepared first, as the daemon prepares its default voice at start
+    (`voice_lanes_seeded`: the batched estimator lanes that then hold its flow prefix)."""
     out: dict[str, Any] = {}
+    if voice is not None:
+        out["voice_lanes_seeded"] = engine.prepare_voice(voice)
     if mode in ("stream", "both"):
         out["concurrency"] = {str(n): run_concurrent(engine, text, n, stream=True, voice=voice) for n in levels}
     if mode in ("offline", "both"):

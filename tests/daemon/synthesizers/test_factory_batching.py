@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
+import pytest
 from cosyedge_daemon.settings.schema import Settings, TtsSettings
 from cosyedge_daemon.synthesizers.factory import load_local_synthesizer
+from cosyedge_models.synthesis.api import SynthesisRequest
 
 
 def test_batching_settings_reach_the_engine(tiny_bundle: Path) -> None:
@@ -68,3 +71,33 @@ def test_graph_batching_settings_reach_the_engine(tiny_bundle: Path) -> None:
         assert isinstance(engine.batcher, LlmBatcher)
     finally:
         engine.close()
+
+
+def test_the_default_voice_is_prepared_at_load(static_flow_bundle: Path, tmp_path: Path,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    """The daemon's default voice gets its prompt caches (and on a GPU with graph_flow_batch, its flow prefix
+    in every batched lane: tests/models/batching/test_flow_batcher.py) before the first request; an
+    unknown default voice is logged, and the engine serves."""
+    from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer
+
+    from tests.models.batching.test_flow_batcher import bundle_with_voice
+
+    caplog.set_level(logging.INFO, logger="cosyedge_daemon.synthesizers.factory")
+    bundle = bundle_with_voice(static_flow_bundle, tmp_path)
+    engine = load_local_synthesizer(Settings(device_id="t", tts=TtsSettings(default_voice="alice")),
+                                    bundle=str(bundle))
+    try:
+        assert isinstance(engine, CosyVoiceSynthesizer)
+        # the flow prefix and the LLM prefix of the voice, built before any request
+        assert engine.voice_cache.part_nbytes("flow") > 0 and engine.voice_cache.part_nbytes("llm") > 0
+        assert "default voice 'alice' prepared (0 batched flow lanes seeded)" in caplog.text  # no lanes on the CPU
+    finally:
+        engine.close()
+    unknown = load_local_synthesizer(Settings(device_id="t", tts=TtsSettings(default_voice="nobody")),
+                                     bundle=str(bundle))
+    try:
+        assert "default voice 'nobody' not prepared: unknown voice 'nobody'" in caplog.text
+        assert next(iter(unknown.synthesize(SynthesisRequest(text="Still here.", voice="alice", mode="zero_shot",
+                                                              seed=1)))).pcm.size > 0
+    finally:
+        unknown.close()

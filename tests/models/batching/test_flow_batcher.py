@@ -24,6 +24,7 @@ from cosyedge_models.backends.ort_static_flow import StaticFlowGraphs, StaticSte
 from cosyedge_models.batching.batched_flow import BatchFlowGraphs, batch_flow_sessions, lane_bytes
 from cosyedge_models.batching.flow_batcher import BatchedFlowCaches, BatchedStepCache, FlowBatcher
 from cosyedge_models.bundle.loader import STATIC_FLOW_PREFIX, Bundle
+from cosyedge_models.errors import RequestError
 from cosyedge_models.synthesis.api import SynthesisRequest
 from cosyedge_models.synthesis.settings import SynthesisSettings
 from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, load_synthesizer
@@ -241,6 +242,58 @@ def test_a_lane_keeps_its_saved_prefix_for_the_next_stream_of_that_voice(static_
         for got in (again, third):
             for a, b in zip(got, first, strict=True):
                 np.testing.assert_array_equal(a, b)
+
+
+def bundle_with_voice(src: Path, tmp_path: Path) -> Path:
+    """A copy of `src` with the saved voice "alice" (4 s: several complete flow chunks, a transcript)."""
+    import shutil
+
+    import soundfile as sf
+    from cosyedge_daemon.cli.voice import add_voice
+
+    from tests.models.synthesis.test_synthesizer import prompt_audio
+
+    bundle = tmp_path / "bundle"
+    shutil.copytree(src, bundle)
+    prompt = prompt_audio(4.0, 22050)
+    sf.write(tmp_path / "alice.wav", prompt.pcm, prompt.sample_rate)
+    add_voice(bundle, "alice", tmp_path / "alice.wav", "Hello, this is Alice speaking, slowly and clearly.")
+    return bundle
+
+
+def test_a_prepared_voice_is_in_every_lane_before_its_first_stream(static_flow_bundle: Path, tmp_path: Path) -> None:
+    """prepare_voice (the daemon's default voice at start, bench --voice) seeds the saved voice's flow
+    prefix into every free lane of every Euler step's group, so its first streams seed nothing (at
+    eight cold streams on the H200 their 70 seeds took 1.2 s of the graph thread) and hear the same;
+    a voice without a recording has no prefix to seed."""
+    bundle = bundle_with_voice(static_flow_bundle, tmp_path)
+
+    def audio(eng: CosyVoiceSynthesizer) -> np.ndarray:
+        request = SynthesisRequest(text=TEXTS[0], mode="zero_shot", voice="alice", seed=3, stream=True)
+        return np.concatenate([c.pcm for c in eng.synthesize(request)])
+
+    plain = load_synthesizer(bundle, "ort", _settings(True))
+    try:
+        want = audio(plain)  # its lanes seeded by the stream itself
+        assert plain.graphs.flow_batch is not None and plain.graphs.flow_batch.graphs.seeds > 0
+    finally:
+        plain.close()
+    eng = load_synthesizer(bundle, "ort", _settings(True))
+    try:
+        batcher = eng.graphs.flow_batch
+        assert batcher is not None
+        graphs = batcher.graphs
+        assert eng.prepare_voice("alice") == graphs.slots == graphs.groups * graphs.lanes
+        assert graphs.seeds == graphs.slots and batcher.lanes_in_use == 0
+        got = audio(eng)
+        assert graphs.seeds == graphs.slots and graphs.reuses == graphs.groups  # the stream seeded nothing
+        sft_only = next(n for n in eng.bundle.voices if n != "alice")
+        assert eng.prepare_voice(sft_only) == 0 and graphs.seeds == graphs.slots
+        with pytest.raises(RequestError, match="unknown voice 'nobody'"):
+            eng.prepare_voice("nobody")
+    finally:
+        eng.close()
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
 
 
 def test_a_stream_behind_catches_up_and_then_shares_each_euler_step(static_flow_bundle: Path) -> None:
