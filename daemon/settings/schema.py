@@ -94,7 +94,9 @@ class TtsSettings:
         "ort", "inference backend of the bundle", choices=("ort", "ort-cuda", "ort-trt", "trt"), reload=True
     )
     default_voice: str = setting(
-        "", "voice when a request names none; empty: the bundle's default", live=True
+        "", "voice when a request names none; empty: the bundle's default. A saved voice with a recording is "
+        "prepared when the engine loads (its prompt caches; on a GPU with graph_flow_batch its flow prefix in "
+        "every batched lane), so its first requests start sooner", live=True
     )
     default_output: str = setting(
         "auto",
