@@ -63,15 +63,16 @@ class GraphBatcher(BatchWorker):
 
     # --- consumer side -----------------------------------------------------------------
     def submit(self, inp: LlmInput, sampler: TokenSampler, stats: LlmStats | None = None, *,
-               priority: int = 0, cancel: threading.Event | None = None) -> TokenStream:
-        return self._submit(self.lm.start(inp, sampler, stats), priority, cancel)
+               priority: int = 0, cancel: threading.Event | None = None, first_tokens: int = 0) -> TokenStream:
+        return self._submit(self.lm.start(inp, sampler, stats), priority, cancel, first_tokens)
 
-    def _submit(self, decode: RequestDecode, priority: int, cancel: threading.Event | None) -> TokenStream:
+    def _submit(self, decode: RequestDecode, priority: int, cancel: threading.Event | None,
+                first_tokens: int = 0) -> TokenStream:
         need = decode.prompt.shape[1] + decode.max_len
         if need > self.step.positions:
             raise SynthesisError(f"a request of {need} positions (prompt + most speech tokens) does not fit the "
                                  f"fixed-size decode's {self.step.positions}")
-        request = _Request(next(self._keys), priority, self.clock(), decode, cancel)
+        request = _Request(next(self._keys), priority, self.clock(), decode, cancel, first_tokens)
         with self._cond:
             if self._stopping:
                 raise SynthesisError("the LLM graph batcher is stopped")
@@ -84,17 +85,18 @@ class GraphBatcher(BatchWorker):
         return TokenStream(self, request)
 
     def generate(self, inp: LlmInput, sampler: TokenSampler, stats: LlmStats | None = None, *,
-                 priority: int = 0, cancel: threading.Event | None = None) -> Iterator[int]:
+                 priority: int = 0, cancel: threading.Event | None = None, first_tokens: int = 0) -> Iterator[int]:
         """Like `SpeechTokenLM.generate`, with each step shared with the other running streams; a
         request longer than the step's positions (prompt + most speech tokens: a long text) runs
-        alone on the ordinary loop instead of failing."""
+        alone on the ordinary loop instead of failing. `first_tokens`: the tokens its stream's first
+        chunk waits for (until then its steps are first-audio work: _step)."""
         decode = self.lm.start(inp, sampler, stats)
         if decode.prompt.shape[1] + decode.max_len > self.step.positions:
             self.stats.unbatched += 1
             log.info("LLM graph batching: a request of %d positions exceeds the step's %d: the ordinary loop",
                      decode.prompt.shape[1] + decode.max_len, self.step.positions)
             return self.lm.generate(inp, sampler, stats)
-        return iter(self._submit(decode, priority, cancel))
+        return iter(self._submit(decode, priority, cancel, first_tokens))
 
     def group(self, size: int, timeout_s: float) -> AbstractContextManager[RequestGroup]:
         """A request group: its members start their prefills in one round."""
@@ -157,11 +159,14 @@ class GraphBatcher(BatchWorker):
         lengths = [self._lengths[k] for k in batch.keys]
         t0 = time.perf_counter()
         try:
-            # LLM work (graph_thread.py): it waits while a stream's first chunk is on its way to audio,
-            # as the single-stream steps do; tagged NORMAL it ran between that chunk's estimator
-            # windows (H200, 2026-12-04: ~35 ms of a 136 ms first-chunk flow was the next chunk's steps)
+            # LLM work (graph_thread.py), which waits while a stream's first chunk is on its way to audio
+            # (as the single-stream steps do), unless a row still samples its own first chunk's tokens:
+            # then it is first-audio work too. Always held, a step waited for every other stream's first
+            # chunk in turn (H200 run 11: 1.0 s of holds at eight streams, the last first hop at 1.65 s);
+            # never held, it ran between a first chunk's estimator windows.
+            urgent = any(r.decode.index < r.first_tokens for r in requests)
             logps = self.thread.call(functools.partial(self.step.step, batch.rows, embeds, lengths, batch.batch_size),
-                                     GraphPriority.LLM, "llm_batched_step")
+                                     GraphPriority.NORMAL if urgent else GraphPriority.LLM, "llm_batched_step")
         except Exception as exc:
             # The rows' caches are not trusted after a failed step: every stream in it fails.
             err = _as_engine_error(exc, f"LLM batched step failed ({len(requests)} streams, batch {batch.batch_size})")

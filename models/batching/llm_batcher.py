@@ -49,6 +49,9 @@ class _Request:
     arrived: float
     decode: RequestDecode
     cancel: threading.Event | None
+    # the tokens before its stream's first audio (its first chunk's): until they are sampled its steps are
+    # first-audio work (GraphBatcher: not held by another stream's first chunk); 0: none
+    first_tokens: int = 0
     closed: threading.Event = field(default_factory=threading.Event)  # the consumer went away
     # Never blocks the worker: a request yields at most max_len tokens, plus the end marker.
     out: queue.Queue[int | _End | BaseException] = field(init=False)
@@ -125,9 +128,9 @@ class LlmBatcher(BatchWorker):
 
     # --- consumer side -----------------------------------------------------------------
     def submit(self, inp: LlmInput, sampler: TokenSampler, stats: LlmStats | None = None, *,
-               priority: int = 0, cancel: threading.Event | None = None) -> TokenStream:
+               priority: int = 0, cancel: threading.Event | None = None, first_tokens: int = 0) -> TokenStream:
         request = _Request(next(self._keys), priority, self.clock(),
-                           self.lm.start(inp, sampler, stats), cancel)
+                           self.lm.start(inp, sampler, stats), cancel, first_tokens)
         with self._cond:
             if self._stopping:
                 raise SynthesisError("the LLM batcher is stopped")
@@ -139,9 +142,10 @@ class LlmBatcher(BatchWorker):
         return TokenStream(self, request)
 
     def generate(self, inp: LlmInput, sampler: TokenSampler, stats: LlmStats | None = None, *,
-                 priority: int = 0, cancel: threading.Event | None = None) -> Iterator[int]:
-        """Like `SpeechTokenLM.generate`, with the decode steps shared with the other active requests."""
-        return iter(self.submit(inp, sampler, stats, priority=priority, cancel=cancel))
+                 priority: int = 0, cancel: threading.Event | None = None, first_tokens: int = 0) -> Iterator[int]:
+        """Like `SpeechTokenLM.generate`, with the decode steps shared with the other active requests
+        (`first_tokens`: kept with the request; this batcher's steps are not on a graph thread)."""
+        return iter(self.submit(inp, sampler, stats, priority=priority, cancel=cancel, first_tokens=first_tokens))
 
     def group(self, size: int, timeout_s: float) -> AbstractContextManager[RequestGroup]:
         """A request group (models/batching/group.py): its members join at one step boundary."""

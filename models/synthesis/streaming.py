@@ -53,6 +53,11 @@ class ChunkSchedule:
         pad = -self.prompt_tokens % self.hop
         return self.hop + pad
 
+    def first_chunk_tokens(self) -> int:
+        """The speech tokens the first chunk waits for (its hop and the look-ahead)."""
+        return (self.first_hop if self.first_hop is not None else self.hop + -self.prompt_tokens % self.hop) \
+            + self.lookahead
+
     def next_chunk(self, n_tokens: int) -> Chunk | None:
         """The next chunk that `n_tokens` generated tokens allow, or None. Call
         repeatedly: several chunks may be ready at once."""

@@ -273,12 +273,9 @@ class CosyVoiceSynthesizer(SynthesizerDefaults):
         return 0
 
     def warm_vocoder(self) -> list[int]:
-        """Set up the dynamic vocoder at the settings' recurring chunk lengths that no fixed-length
-        graph serves (all of them without the graphs; with them, e.g. a first hop other than the
-        bundle's): on the CUDA provider a convolution's first call at a new shape costs 150-200 ms,
-        which the first request would pay (likely what slowed the H200's 15-token first hop,
-        docs/gpu.md). At load, and by bench after it changes the first hop. Returns the lengths
-        set up."""
+        """Set up the dynamic vocoder at the settings' recurring chunk lengths no fixed-length graph serves
+        (on the CUDA provider a convolution's first call at a new shape costs 150-200 ms, which the first
+        request would pay). At load, and by bench after it changes the first hop; the lengths set up."""
         if not self._pinned_vocoder:
             return []
         b = self.bundle
@@ -338,18 +335,18 @@ class CosyVoiceSynthesizer(SynthesizerDefaults):
         state.index += 1
         return chunk
 
-    def _tokens(self, llm_in: LlmInput, state: RequestState) -> Iterator[int]:
+    def _tokens(self, llm_in: LlmInput, state: RequestState, first_tokens: int = 0) -> Iterator[int]:
         # The token list is per segment (upstream's repetition window); the count is per request.
         state.tokens_before += len(state.llm.tokens)
         state.llm.tokens.clear()
         if self.batcher is not None:
             return self.batcher.generate(llm_in, state.sampler, state.llm, priority=state.priority,
-                                         cancel=state.cancel)
+                                         cancel=state.cancel, first_tokens=first_tokens)
         return self.lm.generate(llm_in, state.sampler, state.llm)
 
-    def _token_source(self, llm_in: LlmInput, state: RequestState) -> SerialTokens | ProducedTokens:
-        """The segment's tokens: from a producer thread when stages overlap, else pulled here."""
-        tokens = self._tokens(llm_in, state)  # created here: it resets the per-segment stats
+    def _token_source(self, llm_in: LlmInput, state: RequestState, first_tokens: int) -> SerialTokens | ProducedTokens:
+        """The segment's tokens (from a producer thread when stages overlap); `first_tokens`: before first audio."""
+        tokens = self._tokens(llm_in, state, first_tokens)  # created here: it resets the per-segment stats
         if self._producers is None:
             return SerialTokens(tokens)
         return self._producers.submit(ProducedTokens(tokens, state.cancelled, self.settings.overlap_queue_tokens))
@@ -428,7 +425,8 @@ class CosyVoiceSynthesizer(SynthesizerDefaults):
         spans = LlmSpans()
         # With overlap the LLM keeps decoding on its producer thread while this
         # generator runs flow + vocoder below and waits at the yield.
-        with self._token_source(llm_in, state) as source:
+        first_tokens = schedule.first_chunk_tokens() if state.index == 0 else 0  # no audio out yet
+        with self._token_source(llm_in, state, first_tokens) as source:
             if prime:  # while the LLM producer (if stages overlap) decodes
                 self._flow_stream(flow, [], state, final=False, prime=True)
             for timed in source:

@@ -267,3 +267,51 @@ def test_captured_graph_batching_gives_the_tokens_alone(tiny_static_bundle: Path
     finally:
         batched.close()
     assert got == alone
+
+
+def test_a_stream_before_its_first_chunk_is_not_held_by_another_streams_first_chunk(
+        static_engine: CosyVoiceSynthesizer) -> None:
+    """While another stream's first chunk holds the LLM work on the graph thread, a step that samples a
+    token of some stream's own first chunk (`first_tokens`) is first-audio work and runs; once every
+    row is past its first chunk the step is LLM work again and waits for the hold."""
+    import time
+
+    from cosyedge_models.backends.graph_thread import GraphPriority
+
+    b, rec = _batcher(static_engine, bound=1)
+    worker = b.thread
+    worker.order.hold_max_s = 3600.0  # the order exactly, on a loaded machine
+    worker.order.max_overtakes = 1 << 30
+    opened, release = threading.Event(), threading.Event()
+
+    def other_first_chunk() -> None:
+        with worker.first_audio():
+            opened.set()
+            release.wait(120)
+
+    holder = threading.Thread(target=other_first_chunk)
+    holder.start()
+    assert opened.wait(30)
+    first_tokens = 3
+    stream = b.submit(_input(static_engine, 0), _sampler(b.lm, 11), first_tokens=first_tokens)
+
+    def drive() -> None:
+        while b.active or b.waiting:
+            b.run_once()
+
+    driver = threading.Thread(target=drive)
+    driver.start()
+    try:
+        deadline = time.monotonic() + 120
+        while worker.pending(GraphPriority.LLM) == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        steps = [e for e in rec.events if e[0] == "step"]
+        # the prefill sampled token 0, two steps tokens 1 and 2 (urgent); the step of token 3 waits
+        assert worker.pending(GraphPriority.LLM) == 1 and len(steps) == first_tokens - 1
+        time.sleep(0.3)
+        assert len([e for e in rec.events if e[0] == "step"]) == first_tokens - 1  # still held
+    finally:
+        release.set()
+        holder.join(30)
+        driver.join(120)
+    assert len(list(stream)) > first_tokens and not driver.is_alive()

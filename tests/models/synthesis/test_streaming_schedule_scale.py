@@ -54,3 +54,13 @@ def test_engine_streams_with_growing_hop(tiny_bundle: object) -> None:
         lengths.append(pcm.size)
     assert lengths[0] == lengths[1]  # same tokens (same seed), same audio length
     assert counts[1] < counts[0], counts
+
+
+@pytest.mark.parametrize(("first_hop", "prompt_tokens"), [(None, 0), (None, 10), (15, 10), (7, 0)])
+def test_first_chunk_tokens_is_where_the_first_chunk_becomes_ready(first_hop: int | None, prompt_tokens: int) -> None:
+    schedule = ChunkSchedule(25, 3, prompt_tokens=prompt_tokens, first_hop=first_hop)
+    need = schedule.first_chunk_tokens()
+    assert need == (first_hop if first_hop is not None else 25 + (-prompt_tokens % 25)) + 3
+    assert schedule.next_chunk(need - 1) is None
+    chunk = schedule.next_chunk(need)
+    assert chunk is not None and chunk.start == 0 and chunk.end == need - 3
