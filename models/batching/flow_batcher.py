@@ -151,9 +151,10 @@ class FlowBatcher:
         return seeded
 
     def report(self) -> dict[str, object]:
-        """FlowBatchStats as a dict, consistent (bench output)."""
+        """FlowBatchStats as a dict, consistent (bench output), with the lanes' voice prefixes written
+        (`seeds`) and found still there (`reuses`: only the conv history written)."""
         with self._lock:
-            return self.stats.as_dict()
+            return {**self.stats.as_dict(), "seeds": self.graphs.seeds, "reuses": self.graphs.reuses}
 
     @property
     def waiting(self) -> int:
