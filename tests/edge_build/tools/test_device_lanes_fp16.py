@@ -16,6 +16,7 @@ from cosyedge_models.batching.batched_flow import BatchFlowGraphs, SlotCall, bat
 from cosyedge_models.bundle.loader import BATCH_FLOW_NAME, load_bundle, sha256_file
 
 from tests.conftest import STATIC_FLOW_WINDOWS
+from tests.models.batching.test_batched_flow import _feeds
 
 
 def _run(root: Path, feeds: dict[str, np.ndarray], commit: int) -> tuple[np.ndarray, type]:
@@ -54,10 +55,7 @@ def test_lanes_only_converts_the_batched_graphs_of_a_linked_copy(static_flow_bun
     w = STATIC_FLOW_WINDOWS[0]
     entry = stages[f"flow_estimator_batch_b1_w{w}"]
     channels = int(next(s["shape"][1] for s in entry["inputs"] if s["name"] == "x"))
-    feeds = {"x": rng.standard_normal((2, channels, w)).astype(np.float32), "mask": np.ones((2, 1, w), np.float32),
-             "mu": rng.standard_normal((2, channels, w)).astype(np.float32), "t": np.full(2, 0.3, np.float32),
-             "spks": rng.standard_normal((2, channels)).astype(np.float32),
-             "cond": rng.standard_normal((2, channels, w)).astype(np.float32)}
+    feeds = _feeds(rng, channels, w)
     out, dtype = _run(dst, feeds, 8)
     ref, ref_dtype = _run(static_flow_fp16_bundle, feeds, 8)
     assert dtype is ref_dtype is np.float16

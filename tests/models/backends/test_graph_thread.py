@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -362,19 +362,13 @@ def test_a_streams_first_chunk_holds_the_llm_steps_on_the_graph_thread(graph_bun
         assert all(holds[0].start_ms <= e.start_ms and e.end_ms <= holds[0].end_ms for e in first)
 
 
-def test_the_llm_producers_next_step_waits_for_the_first_chunk(graph_bundle: Path,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """The gating through the real pipeline: while the first chunk's flow and vocoder run,
-    the LLM producer's next decode step is queued on the graph thread and does not run."""
-    from cosyedge_models.backends import ort_graph_decode
+def _first_chunk_probe(graph_bundle: Path, monkeypatch: pytest.MonkeyPatch, settings: SynthesisSettings,
+                       steps_run: Callable[[CosyVoiceSynthesizer], int]
+                       ) -> tuple[dict[str, int], list[AudioChunk], dict[str, object], CosyVoiceSynthesizer]:
+    """One seeded request on an engine of `settings`; inside its first chunk's hold, once the LLM's next
+    step is queued on the graph thread: the LLM items queued and `steps_run(engine)` before and after
+    the chunk's flow. Returns them, the chunks, the graph thread's order stats and the (closed) engine."""
     from cosyedge_models.backends.graph_thread import GraphPriority
-
-    llm_runs: list[int] = []
-    real_replay = ort_graph_decode._replay
-
-    def replay(*args: object) -> np.ndarray:
-        llm_runs.append(1)
-        return real_replay(*args)  # type: ignore[arg-type]
 
     seen: dict[str, int] = {}
     real_flow = CosyVoiceSynthesizer._flow_stream
@@ -385,18 +379,15 @@ def test_the_llm_producers_next_step_waits_for_the_first_chunk(graph_bundle: Pat
         if not prime and not seen and worker is not None:  # the first chunk, inside its hold
             deadline = time.monotonic() + 120
             while worker.pending(GraphPriority.LLM) == 0 and time.monotonic() < deadline:
-                time.sleep(0.005)  # the producer decodes on: its next step reaches the queue
-            seen["queued"], seen["ran_before"] = worker.pending(GraphPriority.LLM), len(llm_runs)
+                time.sleep(0.005)  # the LLM decodes on: its next step reaches the queue
+            seen["queued"], seen["ran_before"] = worker.pending(GraphPriority.LLM), steps_run(self)
             mel = real_flow(self, flow, tokens, state, final)  # type: ignore[arg-type]
-            seen["queued_after"], seen["ran_after"] = worker.pending(GraphPriority.LLM), len(llm_runs)
+            seen["queued_after"], seen["ran_after"] = worker.pending(GraphPriority.LLM), steps_run(self)
             return mel
         return real_flow(self, flow, tokens, state, final, prime)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(ort_graph_decode, "_replay", replay)
     monkeypatch.setattr(CosyVoiceSynthesizer, "_flow_stream", flow_stream)
-    engine = load_synthesizer(graph_bundle, settings=SynthesisSettings(
-        threads=1, overlap_stages=True, graph_flow=True, graph_decode=True, graph_flow_slots=2,
-        graph_decode_slots=2, overlap_queue_tokens=1024))
+    engine = load_synthesizer(graph_bundle, settings=settings)
     try:
         assert engine.graph_thread is not None
         engine.graph_thread.order.hold_max_s = 3600.0
@@ -405,6 +396,26 @@ def test_the_llm_producers_next_step_waits_for_the_first_chunk(graph_bundle: Pat
         stats = engine.graph_thread.order_stats()
     finally:
         engine.close()
+    return seen, chunks, stats, engine
+
+
+def test_the_llm_producers_next_step_waits_for_the_first_chunk(graph_bundle: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gating through the real pipeline: while the first chunk's flow and vocoder run,
+    the LLM producer's next decode step is queued on the graph thread and does not run."""
+    from cosyedge_models.backends import ort_graph_decode
+
+    llm_runs: list[int] = []
+    real_replay = ort_graph_decode._replay
+
+    def replay(*args: object) -> np.ndarray:
+        llm_runs.append(1)
+        return real_replay(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ort_graph_decode, "_replay", replay)
+    seen, chunks, stats, _ = _first_chunk_probe(graph_bundle, monkeypatch, SynthesisSettings(
+        threads=1, overlap_stages=True, graph_flow=True, graph_decode=True, graph_flow_slots=2,
+        graph_decode_slots=2, overlap_queue_tokens=1024), lambda _engine: len(llm_runs))
     assert len(chunks) >= 2
     # (a seeded request: the LLM has tokens left after the first chunk, so its next step comes)
     assert seen["queued"] == 1 and seen["ran_before"] > 0
@@ -415,41 +426,20 @@ def test_the_llm_producers_next_step_waits_for_the_first_chunk(graph_bundle: Pat
 def test_the_batched_llm_steps_wait_for_a_streams_first_chunk(graph_bundle: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """graph_batching: the batcher's steps (every running stream's tokens in one replay) reach the
-    graph thread tagged LLM, so a stream's first chunk holds them as it holds the single-stream
-    steps: while its flow runs a step is queued and none runs."""
-    from cosyedge_models.backends.graph_thread import GraphPriority
+    graph thread tagged LLM once the stream's first chunk has its tokens, so that chunk holds them as it
+    holds the single-stream steps: while its flow runs a step is queued and none runs."""
     from cosyedge_models.batching.graph_batcher import GraphBatcher
     from cosyedge_models.batching.policy import BatchSettings
 
-    seen: dict[str, int] = {}
-    real_flow = CosyVoiceSynthesizer._flow_stream
+    def batched_steps(engine: CosyVoiceSynthesizer) -> int:
+        assert isinstance(engine.batcher, GraphBatcher)
+        return engine.batcher.stats.steps
 
-    def flow_stream(self: CosyVoiceSynthesizer, flow: object, tokens: list[int], state: object, final: bool,
-                    prime: bool = False) -> np.ndarray:
-        worker, batcher = self.graph_thread, self.batcher
-        if not prime and not seen and worker is not None and isinstance(batcher, GraphBatcher):
-            deadline = time.monotonic() + 120
-            while worker.pending(GraphPriority.LLM) == 0 and time.monotonic() < deadline:
-                time.sleep(0.005)  # the batcher steps on: its next step reaches the queue
-            seen["queued"], seen["ran_before"] = worker.pending(GraphPriority.LLM), batcher.stats.steps
-            mel = real_flow(self, flow, tokens, state, final)  # type: ignore[arg-type]
-            seen["queued_after"], seen["ran_after"] = worker.pending(GraphPriority.LLM), batcher.stats.steps
-            return mel
-        return real_flow(self, flow, tokens, state, final, prime)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(CosyVoiceSynthesizer, "_flow_stream", flow_stream)
-    engine = load_synthesizer(graph_bundle, settings=SynthesisSettings(
+    seen, chunks, stats, engine = _first_chunk_probe(graph_bundle, monkeypatch, SynthesisSettings(
         threads=1, overlap_stages=True, graph_flow=True, graph_decode=True, graph_flow_slots=2,
         graph_decode_slots=2, graph_batching=True, batching=BatchSettings(max_batch_size=2),
-        overlap_queue_tokens=1024))
-    try:
-        assert engine.graph_thread is not None and isinstance(engine.batcher, GraphBatcher)
-        engine.graph_thread.order.hold_max_s = 3600.0
-        engine.graph_thread.order.max_overtakes = 1 << 30
-        chunks = list(engine.synthesize(_request(1)))
-        stats = engine.graph_thread.order_stats()
-    finally:
-        engine.close()
+        overlap_queue_tokens=1024), batched_steps)
+    assert isinstance(engine.batcher, GraphBatcher)
     assert len(chunks) >= 2
     assert seen["queued"] == 1 and seen["ran_before"] > 0
     assert seen["queued_after"] == 1 and seen["ran_after"] == seen["ran_before"]  # held through the flow

@@ -16,15 +16,7 @@ from cosyedge_models.bundle.loader import load_bundle
 from cosyedge_models.bundle.memory_budget import flow_lane_plans
 
 from tests.conftest import BATCH_FLOW_SIZES, STATIC_FLOW_CACHE, STATIC_FLOW_WINDOWS
-
-
-def _feeds(rng: np.random.Generator, channels: int, frames: int) -> dict[str, np.ndarray]:
-    return {"x": rng.standard_normal((2, channels, frames)).astype(np.float32),
-            "mask": np.ones((2, 1, frames), np.float32),
-            "mu": rng.standard_normal((2, channels, frames)).astype(np.float32),
-            "t": np.full(2, rng.random(), np.float32),
-            "spks": rng.standard_normal((2, channels)).astype(np.float32),
-            "cond": rng.standard_normal((2, channels, frames)).astype(np.float32)}
+from tests.models.batching.test_batched_flow import _feeds
 
 
 def _graphs(root: Path) -> tuple[BatchFlowGraphs, dict, int]:  # type: ignore[type-arg]
