@@ -228,21 +228,29 @@ def convert_batch_fp16(src: Path, dst: Path) -> None:
     convert_fp16(src, dst, always_fp32_nodes(unit_of("flow_estimator"), src), kv)
 
 
+def write_fp16(src: Path, dst: Path, old_data: Path | None) -> str | None:
+    """`dst` (a new file, also in place of a link or of `src` itself) as the fp16 conversion of the fp32
+    batched graph `src`; `old_data`, the fp32 graph's external data there, removed. The name of the
+    fp16 graph's own external data file beside it (the name the graph refers to), or None."""
+    tmp = dst.with_suffix(".fp16.onnx")
+    convert_batch_fp16(src, tmp)
+    tmp.replace(dst)
+    if old_data is not None:
+        old_data.unlink()
+    data = dst.parent / (tmp.name + ".data")
+    return data.name if data.is_file() else None
+
+
 def _to_fp16(out: Path, stage: StageGraph) -> StageGraph:
     """The exported fp32 graph of `stage` replaced by its fp16 conversion, and its entry."""
     path = Path(out) / stage.file
-    tmp = path.with_suffix(".fp16.onnx")
-    convert_batch_fp16(path, tmp)
-    tmp.replace(path)  # its external data, where it has some, keeps the name the graph refers to
-    if stage.external_data:
-        (Path(out) / stage.external_data).unlink()
-    data = tmp.name + ".data"
+    data = write_fp16(path, path, Path(out) / stage.external_data if stage.external_data else None)
 
     def specs(items: list[TensorSpec]) -> list[TensorSpec]:
         return [TensorSpec(t.name, "float16", t.shape) if is_kv_io(t.name) else t for t in items]
 
-    return StageGraph(stage.name, stage.file, specs(stage.inputs), specs(stage.outputs), stage.profile,
-                      data if (Path(out) / data).is_file() else None, {**stage.extra, "precision": "fp16"})
+    return StageGraph(stage.name, stage.file, specs(stage.inputs), specs(stage.outputs), stage.profile, data,
+                      {**stage.extra, "precision": "fp16"})
 
 
 def export_batch_estimators(flow: Any, out: Path, batches: list[int], windows: list[int], cache_frames: int,

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cosyedge_build.export.flow_batch import convert_batch_fp16, is_kv_io
+from cosyedge_build.export.flow_batch import is_kv_io, write_fp16
 from cosyedge_build.export.llm_fused import convert_fused_fp16, fp16_fields, is_fused_stage
 from cosyedge_build.export.shared_weights import share_llm_files
 from cosyedge_build.quantize.capture import capture_feeds
@@ -95,15 +95,11 @@ def lanes_fp16_bundle(src: Path, dst: Path) -> Path:
         if not BATCH_FLOW_NAME.match(name) or entry.get("precision") == "fp16":
             continue
         path = dst / entry["file"]
-        tmp = path.with_suffix(".fp16.onnx")
-        convert_batch_fp16(src / entry["file"], tmp)
-        tmp.replace(path)  # a new file in place of the link: the source bundle keeps its graph
-        if entry.get("external_data"):
-            (dst / entry["external_data"]["file"]).unlink()
-            del entry["external_data"]
-        data = dst / (tmp.name + ".data")
-        if data.is_file():
-            entry["external_data"] = {"file": data.name, "sha256": sha256_file(data)}
+        old = entry.pop("external_data", None)
+        # a new file in place of the link: the source bundle keeps its graph
+        data = write_fp16(src / entry["file"], path, dst / old["file"] if old else None)
+        if data is not None:
+            entry["external_data"] = {"file": data, "sha256": sha256_file(dst / data)}
         for spec in (*entry["inputs"], *entry["outputs"]):
             if is_kv_io(spec["name"]):
                 spec["dtype"] = "float16"

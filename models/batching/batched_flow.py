@@ -171,6 +171,10 @@ class BatchFlowGraphs:
         self._conv = ort.OrtValue.ortvalue_from_numpy(np.zeros((rows, *self.conv_row), np.float32), kind, dev)
         self._zero_conv = ort.OrtValue.ortvalue_from_numpy(
             np.zeros((CFG_ROWS, *self.conv_row), np.float32), kind, dev)
+        # a slot's conv history from the host (seed, write_slot; on the graph thread): written in place,
+        # not a device allocation per seed
+        self._conv_stage = ort.OrtValue.ortvalue_from_numpy(
+            np.zeros((CFG_ROWS, *self.conv_row), np.float32), kind, dev)
         self._staging: ort.OrtValue | None = None  # one slot's K/V [L, 2, 2, H, F, D] (read_slot, write_slot)
         self._layout: ort.InferenceSession | None = None  # seed(): a prefix into the lane layout
         self.lengths = [0] * self.slots
@@ -360,8 +364,8 @@ class BatchFlowGraphs:
         self.seeds += 1
 
     def _write_conv(self, slot: int, conv: np.ndarray) -> None:
-        conv_value = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(conv, np.float32), *self.device)
-        self.copier.copy(self.conv_ptr(CFG_ROWS * slot), int(conv_value.data_ptr()),
+        self._conv_stage.update_inplace(np.ascontiguousarray(conv, np.float32).reshape(CFG_ROWS, *self.conv_row))
+        self.copier.copy(self.conv_ptr(CFG_ROWS * slot), int(self._conv_stage.data_ptr()),
                          CFG_ROWS * int(np.prod(self.conv_row)) * FLOAT_BYTES)
 
     def write_slot(self, slot: int, kv: np.ndarray, conv: np.ndarray) -> None:
