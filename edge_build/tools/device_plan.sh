@@ -12,7 +12,9 @@ res=/tmp/r
 case ${1:?start or wait} in
   start)
     rm -rf /tmp/repo "$res" && mkdir -p /tmp/repo "$res" && cp -a . /tmp/repo/
-    plan=${PLAN:-"d setup,first;e bench BENCH_ARGS=--voice+en8+--first-chunk+15:6 CONCURRENCY=1,8,16 BENCH_TIMEOUT_S=600;f batch BENCH_ARGS=--voice+en8 CONCURRENCY=1,8,16;g tests GPU_TESTS=tests/models/batching/test_fused_step.py+tests/models/batching/test_flow_batcher_gpu.py+tests/models/batching/test_graph_batcher.py+tests/edge_build/tools/test_fp16_gpu.py+tests/models/backends/test_graph_thread.py;h fp16"}
+    # default: issue 23's next measurements (fp16 lanes of up to 16 streams, the voice prepared by bench;
+    # /tmp/voice/en8.wav: the first 8.0 s of shared/data/speech/cross_lingual_prompt.wav, carried)
+    plan=${PLAN:-"d setup FP16=0 LANES16=1 STATIC_FLOW_WINDOWS=64,128 FUSED_BATCHES=1,4,8,16 BATCH_FLOW_SIZES=1,8,16 VOICE_WAV=/tmp/voice/en8.wav VOICE_TEXT=And+then+later+on,+fully+acquiring+that+company.+So+keeping+management+in+line,+interest+in+line+with+the+asset;e bench FP16=0 BUNDLE=lanes16 BENCH_ARGS=--voice+en8+--first-chunk+15:6+--graph-batching+--batching+16+--graph-flow-batch+--concurrency-mode+both CONCURRENCY=1,8,16 BENCH_TIMEOUT_S=900;f batch FP16=0 BUNDLE=lanes16 BENCH_ARGS=--voice+en8+--llm-prefills-between-steps+8 CONCURRENCY=8,16;g tests FP16=0 GPU_TESTS=tests/models/batching/test_flow_batcher_gpu.py+tests/models/backends/test_graph_thread.py+tests/models/batching/test_fused_step.py"}
     echo "$plan" >"$res/plan"
     setsid nohup bash -c '
       cd /tmp/repo
