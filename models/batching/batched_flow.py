@@ -51,6 +51,9 @@ SessionT = TypeVar("SessionT")
 FLOAT_BYTES = 4  # the inputs, outputs and conv history (fp32 in every variant)
 # the K/V lanes' element type, as the graphs declare their key_cache inputs (fp16 variant: half the bytes)
 KV_DTYPES: dict[str, type[np.floating[Any]]] = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+_WINDOW_INPUTS = ("x", "mask", "mu", "cond")  # [2, C|1, T] per stream, padded to the window
+_ROW_INPUTS = ("t", "spks")  # [2] and [2, C] per stream
+_STREAM_INPUTS = ("cache_first", "cache_len", "commit")  # one int64 per stream
 
 
 def kv_dtype(session: OrtSession) -> type[np.floating[Any]]:
@@ -59,9 +62,6 @@ def kv_dtype(session: OrtSession) -> type[np.floating[Any]]:
     if declared not in KV_DTYPES:
         raise BundleError(f"batched estimator graph: K/V cache of {declared}; expected one of {sorted(KV_DTYPES)}")
     return KV_DTYPES[declared]
-_WINDOW_INPUTS = ("x", "mask", "mu", "cond")  # [2, C|1, T] per stream, padded to the window
-_ROW_INPUTS = ("t", "spks")  # [2] and [2, C] per stream
-_STREAM_INPUTS = ("cache_first", "cache_len", "commit")  # one int64 per stream
 
 
 @dataclass(frozen=True)

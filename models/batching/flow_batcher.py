@@ -88,6 +88,12 @@ class _Pending:
     future: Future[np.ndarray] = field(default_factory=Future)
 
 
+def lane_history(conv: np.ndarray) -> np.ndarray:
+    """A step cache's conv history [K, 2, Cmax, 2] (a prefix's, StepCache.preload's) in a lane's rows-first
+    layout [2, K, Cmax, 2] (BatchFlowGraphs.seed)."""
+    return np.asarray(conv, np.float32).transpose(1, 0, 2, 3)
+
+
 class FlowBatcher:
     """The lanes of a BatchFlowGraphs and the calls waiting for a replay."""
 
@@ -139,7 +145,7 @@ class FlowBatcher:
         try:
             for group, lanes in enumerate(taken):
                 rows = step_kv[group]
-                history = np.asarray(step_conv[group], np.float32).transpose(1, 0, 2, 3)
+                history = lane_history(step_conv[group])
                 for lane in lanes:
                     slot = group * g.lanes + lane
                     self.thread.call(functools.partial(g.seed, slot, rows, history), label="flow_lane_seed")
@@ -268,15 +274,16 @@ class BatchedStepCache:
         return moved
 
     def preload(self, rows: PrefixRows, conv: np.ndarray) -> None:
-        """A saved voice's prefix into the lane (one upload, 2 L + 1 device copies on the graph
-        thread); one that leaves no room for a window goes to the dynamic graph."""
+        """A saved voice's prefix into the lane (BatchFlowGraphs.seed on the graph thread: only the conv
+        history where the lane still holds it); one that leaves no room for a window goes to the
+        dynamic graph."""
         if self.length or self._moved is not None:
             raise RuntimeError("preload() on a cache that holds frames")
         slot = self._slot
         if slot is None or not prefix_fits(rows.frames, self._graphs.windows, self._graphs.cache_frames):
             self._move().preload(rows, conv)
             return
-        history = np.asarray(conv, np.float32).transpose(1, 0, 2, 3)
+        history = lane_history(conv)
         self._batcher.thread.call(lambda: self._graphs.seed(slot, rows, history), label="flow_lane_seed")
 
     def run(self, feeds: Mapping[str, np.ndarray], commit: int) -> np.ndarray:

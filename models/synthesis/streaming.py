@@ -45,18 +45,18 @@ class ChunkSchedule:
             raise ValueError(f"max_hop must be >= hop ({self.hop}), got {self.max_hop}")
         self._hop = self.hop
 
-    def _this_hop(self) -> int:
-        if self.offset > 0:
-            return self._hop
+    def _first_hop(self) -> int:
         if self.first_hop is not None:
             return self.first_hop
         pad = -self.prompt_tokens % self.hop
         return self.hop + pad
 
+    def _this_hop(self) -> int:
+        return self._hop if self.offset > 0 else self._first_hop()
+
     def first_chunk_tokens(self) -> int:
         """The speech tokens the first chunk waits for (its hop and the look-ahead)."""
-        return (self.first_hop if self.first_hop is not None else self.hop + -self.prompt_tokens % self.hop) \
-            + self.lookahead
+        return self._first_hop() + self.lookahead
 
     def next_chunk(self, n_tokens: int) -> Chunk | None:
         """The next chunk that `n_tokens` generated tokens allow, or None. Call
