@@ -134,6 +134,20 @@ def static_flow_fp16_bundle(tiny_model_dir: Path) -> Path:
                                                  batch_flow_sizes=BATCH_FLOW_SIZES, batch_flow_precision="fp16"))
 
 
+@pytest.fixture(scope="session")
+def static_flow_fused_fp16_bundle(tiny_model_dir: Path) -> Path:
+    """static_flow_fp16_bundle with onnxruntime's MultiHeadAttention in the batched graphs
+    (build export --batch-flow-attention fused): what the GPU serves its lanes with."""
+    from cosyedge_build.export import export_bundle
+
+    key = _code_hash("edge_build", "models")
+    return _cached_dir("tiny-static-flow-fused-fp16-bundle", key,
+                       lambda out: export_bundle(tiny_model_dir, out, static_flow_windows=STATIC_FLOW_WINDOWS,
+                                                 static_flow_cache=STATIC_FLOW_CACHE,
+                                                 batch_flow_sizes=BATCH_FLOW_SIZES, batch_flow_precision="fp16",
+                                                 batch_flow_attention="fused"))
+
+
 STATIC_VOCODER_FIRST_HOP = 15  # graph_bundle's fixed-length vocoder graphs also hold this first hop's first chunk
 
 

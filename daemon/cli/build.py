@@ -31,7 +31,8 @@ def build_command(args: argparse.Namespace) -> int:
         first_hops = tuple(int(h) for h in args.static_vocoder_first_hops.split(",") if h.strip())
         out = export_bundle(Path(args.model_dir), Path(args.out), args.static_decode_len, windows,
                             args.static_flow_cache, args.static_vocoder, batches, args.fused_decode_len,
-                            flow_batches, args.fused_decode_precision, first_hops, args.batch_flow_precision)
+                            flow_batches, args.fused_decode_precision, first_hops, args.batch_flow_precision,
+                            args.batch_flow_attention)
         print(f"exported {args.model_dir} to the bundle {out} in {time.monotonic() - started:.1f} s")
         return 0
     if cmd == "engines":

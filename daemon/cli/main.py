@@ -109,6 +109,9 @@ def _add_build(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--batch-flow-precision", choices=["fp32", "fp16"], default="fp32",
                    help="precision of the batched estimator windows and their K/V lanes: fp16 halves the lanes' "
                         "device memory (the time embedding stays fp32)")
+    e.add_argument("--batch-flow-attention", choices=["plain", "fused"], default="plain",
+                   help="attention of the batched estimator windows: fused writes onnxruntime's MultiHeadAttention "
+                        "(fewer kernels a replay; onnxruntime only), plain standard operators")
     e.add_argument("--fused-decode-precision", choices=["fp32", "fp16"], default="fp32",
                    help="precision of the fused decode step and its KV cache: fp16 for ort-cuda, whose "
                         "GroupQueryAttention kernel is fp16/bf16 only (fp32 would run attention on the CPU provider)")

@@ -20,7 +20,7 @@ def export_bundle(model_dir: Path, out: Path, static_decode_len: int = 0,
                   static_vocoder: bool = False, fused_decode_batches: tuple[int, ...] = (),
                   fused_decode_len: int = 0, batch_flow_sizes: tuple[int, ...] = (),
                   fused_decode_precision: str = "fp32", static_vocoder_first_hops: tuple[int, ...] = (),
-                  batch_flow_precision: str = "fp32") -> Path:
+                  batch_flow_precision: str = "fp32", batch_flow_attention: str = "plain") -> Path:
     """`static_decode_len` > 0 adds the fixed-size decode step (CUDA graphs on ort-cuda) for that many
     positions; `static_flow_windows` the fixed-shape estimator graphs (flow_static.py) over a cache
     of `static_flow_cache` frames, and the streaming encoder's over the same windows
@@ -32,12 +32,10 @@ def export_bundle(model_dir: Path, out: Path, static_decode_len: int = 0,
     chunk of each of these first hops too;
     `batch_flow_sizes` (with `static_flow_windows`) the estimator windows batched across that many
     streams, K/V cache in place (flow_batch.py), in `batch_flow_precision` (fp16: the lanes' K/V in
-    fp16 too)."""
-    from cosyedge_build.export.flow_batch import PRECISIONS as BATCH_FLOW_PRECISIONS
+    fp16 too), their attention `batch_flow_attention` (fused: onnxruntime's MultiHeadAttention)."""
+    from cosyedge_build.export.flow_batch import check_options
 
-    if batch_flow_precision not in BATCH_FLOW_PRECISIONS:
-        raise ValueError(f"batched flow graphs: precision {batch_flow_precision!r} is not one of "
-                         f"{', '.join(BATCH_FLOW_PRECISIONS)}")
+    check_options(batch_flow_precision, batch_flow_attention)
     if static_vocoder_first_hops and (not static_vocoder or min(static_vocoder_first_hops) < 1):
         raise ValueError("fixed-length vocoder graphs for first hops (--static-vocoder-first-hops) need "
                          f"--static-vocoder and hops >= 1 speech token, got {list(static_vocoder_first_hops)}")
@@ -88,7 +86,7 @@ def export_bundle(model_dir: Path, out: Path, static_decode_len: int = 0,
                 if batch_flow_sizes:
                     stages.extend(flow_batch.export_batch_estimators(
                         refs.flow, scratch, list(batch_flow_sizes), list(static_flow_windows), static_flow_cache,
-                        chunk, batch_flow_precision))
+                        chunk, batch_flow_precision, batch_flow_attention))
                 # and the streaming encoder over the same windows (tokens, look-ahead included)
                 ratio, flow_hyper = int(hyper["token_mel_ratio"]), hyper["flow"]
                 enc_windows = flow_encoder_static.encoder_windows(list(static_flow_windows), ratio,

@@ -33,7 +33,16 @@ Inputs (N = 2B rows, B streams, C channels, W window frames):
 Outputs: dphi_dt [N, C, W]; key_cache_out_<i>, value_cache_out_<i> (the
 same buffers, bound in place); conv_cache_new [N, K, Cmax, 2] (where a
 stream commits: the inputs just before its new commit point; elsewhere its
-history unchanged), which the runtime copies over conv_cache."""
+history unchanged), which the runtime copies over conv_cache.
+
+Attention (`build export --batch-flow-attention`, ATTENTIONS): `plain` writes it in standard
+operators (MatMul, Softmax, the head transposes), which any runtime reads; `fused` writes each
+block's attention as one `com.microsoft` MultiHeadAttention (onnxruntime's contrib operator: query
+[N, W, H*D] as projected, key and value the buffers in [N, H, F, D], the mask as its attention bias)
+and scatters the window's K/V from the projection's [N, W, H, D] order, so the graph has no head
+transposes and no score tensors of its own: fewer kernels a replay on a launch-bound GPU. Only
+onnxruntime runs it (TensorRT cannot parse contrib operators; the batched graphs are onnxruntime's
+anyway)."""
 
 from __future__ import annotations
 
@@ -57,6 +66,7 @@ from cosyedge_models.errors import CheckpointError
 BATCH_FLOW_PREFIX = "flow_estimator_batch_b"
 CFG_ROWS = 2  # guidance pair per stream
 PRECISIONS = ("fp32", "fp16")
+ATTENTIONS = ("plain", "fused")
 # The additive bias of a hidden frame. Not the single-stream graph's -1e10: in the fp16 variant
 # that constant is clipped to -65504, a negative score plus it overflows to -inf, and an idle lane
 # (every frame hidden) can then get softmax(-inf, ...) = NaN, which it writes as K/V into its free
@@ -64,6 +74,14 @@ PRECISIONS = ("fp32", "fp16")
 # fp16 with any score below 3.5e4 in magnitude, and exp(-3e4) is 0 in fp32 as in fp16: the same
 # softmax wherever a frame is visible.
 MASK_BIAS = -3.0e4
+
+
+def check_options(precision: str, attention: str) -> None:
+    """The batched graphs' precision and attention, refused before any export work."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"batched flow graphs: precision {precision!r} is not one of {', '.join(PRECISIONS)}")
+    if attention not in ATTENTIONS:
+        raise ValueError(f"batched flow graphs: attention {attention!r} is not one of {', '.join(ATTENTIONS)}")
 
 
 def batch_stage_name(batch: int, window: int) -> str:
@@ -75,8 +93,36 @@ def buffer_frames(cache_frames: int, windows: list[int]) -> int:
     return cache_frames + max(windows)
 
 
-def make_batch_graph(estimator: Any, chunk_frames: int) -> Any:
+def _attention_function(torch: Any) -> Any:
+    """An autograd Function that computes attention over the buffers in torch (the values the trace
+    sees) and exports as one com.microsoft MultiHeadAttention."""
+
+    class MultiHeadAttention(torch.autograd.Function):  # type: ignore[misc]
+        @staticmethod
+        def forward(ctx: Any, q: Any, keys: Any, values: Any, bias: Any, heads: int) -> Any:
+            n, w = q.shape[0], q.shape[1]
+            hd = keys.shape[-1]
+            qh = q.view(n, w, heads, hd).transpose(1, 2)
+            scores = torch.matmul(qh, keys.transpose(-1, -2)) * (1.0 / math.sqrt(hd)) + bias
+            return torch.matmul(torch.softmax(scores, dim=-1), values).transpose(1, 2).reshape(n, w, heads * hd)
+
+        @staticmethod
+        def symbolic(g: Any, q: Any, keys: Any, values: Any, bias: Any, heads: int) -> Any:
+            absent = g.op("prim::Constant")  # an optional input left out: "" in the ONNX node
+            absent.setType(torch._C.OptionalType.ofTensor())
+            # inputs: query, key, value, bias (of the projections: none), key_padding_mask, attention_bias
+            out = g.op("com.microsoft::MultiHeadAttention", q, keys, values, absent, absent, bias,
+                       num_heads_i=heads)
+            out.setType(q.type())
+            return out
+
+    return MultiHeadAttention
+
+
+def make_batch_graph(estimator: Any, chunk_frames: int, attention: str = "plain") -> Any:
     torch = _torch()
+    check_options(PRECISIONS[0], attention)
+    fused_attention = _attention_function(torch) if attention == "fused" else None
     if type(estimator).__name__ != "CausalConditionalDecoder":
         raise CheckpointError(f"flow estimator is a {type(estimator).__name__}; expected CausalConditionalDecoder")
     blocks_all = transformer_blocks(estimator)
@@ -150,6 +196,15 @@ def make_batch_graph(estimator: Any, chunk_frames: int) -> Any:
                 q, k, v = attn.to_q(nrm), attn.to_k(nrm), attn.to_v(nrm)
                 heads = attn.heads
                 hd = q.shape[-1] // heads
+                if fused_attention is not None:
+                    # the window's K/V scattered from the projection's [N, W, H, D] order (no transpose)
+                    at = (rows_idx, torch.arange(heads).view(1, 1, -1), write_at.transpose(1, 2))
+                    keys = k_cache.index_put(at, k.view(b, tw, heads, hd))
+                    values = v_cache.index_put(at, v.view(b, tw, heads, hd))
+                    out_kv.extend((keys, values))
+                    ctx = fused_attention.apply(q, keys, values, bias, heads)
+                    x_ = attn.to_out[0](ctx) + x_
+                    return block.ff(block.norm3(x_)) + x_
                 q = q.view(b, tw, heads, hd).transpose(1, 2)
                 k = k.view(b, tw, heads, hd).transpose(1, 2)  # [N, H, W, D]
                 v = v.view(b, tw, heads, hd).transpose(1, 2)
@@ -254,11 +309,10 @@ def _to_fp16(out: Path, stage: StageGraph) -> StageGraph:
 
 
 def export_batch_estimators(flow: Any, out: Path, batches: list[int], windows: list[int], cache_frames: int,
-                            chunk_frames: int, precision: str = "fp32") -> list[StageGraph]:
+                            chunk_frames: int, precision: str = "fp32", attention: str = "plain") -> list[StageGraph]:
     """One graph per (batch size, window) over buffers of buffer_frames() frames, in `precision`
-    (PRECISIONS; fp16: convert_batch_fp16)."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"batched flow graphs: precision {precision!r} is not one of {', '.join(PRECISIONS)}")
+    (PRECISIONS; fp16: convert_batch_fp16), its attention `attention` (ATTENTIONS)."""
+    check_options(precision, attention)
     torch = _torch()
     estimator = flow.decoder.estimator
     c = int(estimator.out_channels)
@@ -270,7 +324,7 @@ def export_batch_estimators(flow: Any, out: Path, batches: list[int], windows: l
                          f"{cache_frames} must be >= 1")
     frames = buffer_frames(cache_frames, windows)
     heads, hd, blocks = dims["heads"], dims["head_dim"], dims["blocks"]
-    graph = make_batch_graph(estimator, chunk_frames)
+    graph = make_batch_graph(estimator, chunk_frames, attention)
     kv_in, kv_out = kv_names(blocks)
     stages = []
     for b in sorted(set(batches)):
@@ -300,7 +354,8 @@ def export_batch_estimators(flow: Any, out: Path, batches: list[int], windows: l
                 ],
                 {},
                 extra={"batch": b, "window": w, "cache_frames": cache_frames, "buffer_frames": frames,
-                       "chunk_frames": chunk_frames, "cache": dims, "kv_layout": "[L, 2, rows, H, F, D]"},
+                       "chunk_frames": chunk_frames, "cache": dims, "kv_layout": "[L, 2, rows, H, F, D]",
+                       "attention": attention},
             )
             mask = torch.ones(n, 1, w)
             mask[:, :, w - w // 4:] = 0  # traced with padding, so nothing folds to "all valid"

@@ -8,16 +8,18 @@ U-Net is not chunk-causal: its export is refused, as the single-stream one.)"""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 import torch
 from cosyedge_build.export import hyperparams
-from cosyedge_build.export.flow_batch import buffer_frames, export_batch_estimators, kv_names
-from cosyedge_build.export.flow_estimator import cache_dims
+from cosyedge_build.export.flow_batch import ATTENTIONS, buffer_frames, export_batch_estimators, kv_names
+from cosyedge_build.export.flow_estimator import cache_dims, transformer_blocks
 from cosyedge_build.export.flow_static import export_static_estimators
 
 from tests.edge_build.conftest import Checkpoint
@@ -65,7 +67,8 @@ def _run_batch(session: ort.InferenceSession, feeds: dict[str, np.ndarray], buff
 
 
 @torch.no_grad()
-def test_batched_rows_equal_the_single_stream_graph(checkpoint: Checkpoint, tmp_path: Path) -> None:
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_batched_rows_equal_the_single_stream_graph(checkpoint: Checkpoint, tmp_path: Path, attention: str) -> None:
     hyper = hyperparams.collect(checkpoint.refs)
     chunk = int(hyper["flow"]["chunk_tokens"]) * int(hyper["token_mel_ratio"])
     assert chunk < WINDOW  # the windows below commit a complete chunk and carry an unfinished one
@@ -74,7 +77,14 @@ def test_batched_rows_equal_the_single_stream_graph(checkpoint: Checkpoint, tmp_
         with pytest.raises(ValueError, match="chunk-causal"):
             export_batch_estimators(flow, tmp_path, [BATCH], [WINDOW], CACHE_FRAMES, chunk)
         return
-    (stage,) = export_batch_estimators(flow, tmp_path, [BATCH], [WINDOW], CACHE_FRAMES, chunk)
+    (stage,) = export_batch_estimators(flow, tmp_path, [BATCH], [WINDOW], CACHE_FRAMES, chunk, attention=attention)
+    assert stage.extra["attention"] == attention
+    ops = Counter(node.op_type for node in onnx.load(str(tmp_path / stage.file)).graph.node)
+    blocks_in_graph = len(transformer_blocks(flow.decoder.estimator))
+    if attention == "fused":  # one contrib attention a block, nothing of the plain one left
+        assert ops["MultiHeadAttention"] == blocks_in_graph and ops["Softmax"] == 0
+    else:
+        assert ops["MultiHeadAttention"] == 0 and ops["Softmax"] == blocks_in_graph
     (single_stage,) = export_static_estimators(flow, tmp_path, [WINDOW], CACHE_FRAMES, chunk)
     batch, single = _session(tmp_path / stage.file), _session(tmp_path / single_stage.file)
     # what the manifest records is what the file declares

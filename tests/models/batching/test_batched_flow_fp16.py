@@ -33,8 +33,12 @@ def _snr_db(ref: np.ndarray, out: np.ndarray) -> float:
     return float(10 * np.log10(np.sum(ref.astype(np.float64) ** 2) / max(np.sum((ref - out) ** 2.0), 1e-30)))
 
 
-def test_fp16_lanes_follow_the_fp32_lanes_at_half_the_bytes(static_flow_bundle: Path,
-                                                           static_flow_fp16_bundle: Path) -> None:
+@pytest.mark.parametrize("variant", ["static_flow_fp16_bundle", "static_flow_fused_fp16_bundle"])
+def test_fp16_lanes_follow_the_fp32_lanes_at_half_the_bytes(static_flow_bundle: Path, variant: str,
+                                                           request: pytest.FixtureRequest) -> None:
+    """The fp16 lanes, their attention plain or onnxruntime's MultiHeadAttention (fused), against
+    the plain fp32 lanes."""
+    static_flow_fp16_bundle = request.getfixturevalue(variant)
     g32, s32, chunk = _graphs(static_flow_bundle)
     g16, s16, _ = _graphs(static_flow_fp16_bundle)
     assert g32.kv_dtype is np.float32 and g16.kv_dtype is np.float16

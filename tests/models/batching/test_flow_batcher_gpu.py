@@ -1,7 +1,7 @@
 """The batched estimator windows captured on ort-cuda (models/batching/flow_batcher.py): four
 concurrent streams whose first windows meet on the graph thread share captured replays and
 give the audio each gives alone (`-m gpu`; the coordinator runs it on the device), with fp32
-and with fp16 lanes."""
+and with fp16 lanes, and fp16 lanes whose attention is onnxruntime's MultiHeadAttention."""
 
 from __future__ import annotations
 
@@ -26,15 +26,18 @@ def _audio(eng: CosyVoiceSynthesizer, i: int) -> np.ndarray:
     return np.concatenate([c.pcm for c in eng.synthesize(req)])
 
 
-@pytest.mark.parametrize("lanes", ["fp32", "fp16"])
+LANE_BUNDLES = {"fp32": "static_flow_bundle", "fp16": "static_flow_fp16_bundle",
+                "fp16-fused": "static_flow_fused_fp16_bundle"}
+
+
+@pytest.mark.parametrize("lanes", sorted(LANE_BUNDLES))
 def test_captured_batched_windows_share_replays_and_sound_as_alone(lanes: str, request: pytest.FixtureRequest) -> None:
     import onnxruntime as ort
 
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         pytest.skip("onnxruntime has no CUDAExecutionProvider here")
-    # the fp16 lanes: build export --batch-flow-precision fp16
-    static_flow_bundle: Path = request.getfixturevalue("static_flow_fp16_bundle" if lanes == "fp16"
-                                                       else "static_flow_bundle")
+    # the fp16 lanes: build export --batch-flow-precision fp16 (--batch-flow-attention fused)
+    static_flow_bundle: Path = request.getfixturevalue(LANE_BUNDLES[lanes])
     # the LLM and the encoder off the graph thread: only estimator windows and the vocoder replay there
     settings = SynthesisSettings(backend="ort-cuda", threads=1, graph_flow=True, graph_flow_batch=True,
                                  graph_decode=False, graph_encoder=False, graph_flow_slots=STREAMS)
@@ -42,7 +45,7 @@ def test_captured_batched_windows_share_replays_and_sound_as_alone(lanes: str, r
     try:
         batcher = eng.graphs.flow_batch
         assert batcher is not None and batcher.graphs.lanes >= 2
-        assert batcher.graphs.kv_dtype is (np.float16 if lanes == "fp16" else np.float32)
+        assert batcher.graphs.kv_dtype is (np.float16 if lanes.startswith("fp16") else np.float32)
         streams = min(STREAMS, batcher.graphs.lanes)
         alone = {i: _audio(eng, i) for i in range(streams)}
         assert batcher.stats.replays > 0 and batcher.stats.shared_replays == 0
