@@ -131,6 +131,12 @@ class TtsSettings:
         "alone as before); off: one replay per stream's window",
         reload=True,
     )
+    offline_as_stream: str = setting(
+        "auto", "offline (stream=false) requests synthesized as streams whose chunks are joined, so that the "
+        "streams' batched GPU work serves them too (their audio is then a streamed request's: chunk-causal "
+        "flow; speed other than 1.0 stays offline); auto: on where graph_flow_batch's lanes are loaded",
+        choices=("auto", "on", "off"), reload=True,
+    )
     llm_prefills_between_steps: int = setting(
         1, "with graph_batching: a running stream waits for at most this many new requests' prefills between "
         "two of its decode steps (more: new requests start sooner, running ones stall longer)",

@@ -64,7 +64,7 @@ def carry_onnx(model_dir: Path, out: Path) -> list[StageGraph]:
     return stages
 
 
-def _stage_entry(out: Path, stage: StageGraph) -> dict[str, Any]:
+def stage_entry(out: Path, stage: StageGraph) -> dict[str, Any]:
     entry: dict[str, Any] = {
         "file": stage.file,
         "sha256": sha256_file(out / stage.file),
@@ -137,7 +137,7 @@ def write_manifest(
         "cosyvoice_version": 2,
         "precision": "fp32",
         **hyper,
-        "stages": {stage.name: _stage_entry(out, stage) for stage in stages},
+        "stages": {stage.name: stage_entry(out, stage) for stage in stages},
         "arrays": {key: _array_entry(out, path) for key, path in arrays.items()},
         "tokenizer": {"file": tokenizer_path.name, "sha256": sha256_file(tokenizer_path), **tokenizer_info},
         "voices": voices,

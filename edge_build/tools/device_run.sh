@@ -24,6 +24,8 @@
 #          in one replay, the fused fp16 graphs where the bundle has them) and --graph-flow-batch (the
 #          streams' estimator windows in one replay), concurrency $CONCURRENCY (default 1,8,16): bench_h200_batch.json
 #   conc   the batch step's concurrency levels without the batching flags: bench_h200_conc.json
+#   lanes  one batched estimator replay of 1, 8, 16 streams in each lane variant made (bundle, lanes16, lanesf):
+#          ms a replay, kernels and GPU ms a replay, the CUDA provider's nodes (lane_replay_h200.json)
 #   bench16 the same concurrency levels on the fp16 bundle (--concurrency-only)
 #   cloud  the cloud Triton model under load (python -m cosyedge_cloud.tools.loadtest): tritonserver (on PATH or
 #          nvidia-pytriton in $COSYEDGE_TRITON_VENV) and mosquitto on this machine, the full bundle on ort-cuda,
@@ -47,7 +49,8 @@
 # name it is saved under in both bundles, default en8), STATIC_FLOW_WINDOWS (64,128,640), STATIC_FLOW_CACHE (1024), VOCODER_FIRST_HOPS (15: the
 # fixed-length vocoder graph of bench --first-chunk 15:6's first chunk), FUSED_BATCHES (1,2,4,8,16: the fused fp16 LLM step), BATCH_FLOW_SIZES
 # (1,8: the batched estimator windows), LANES16=1 (also /tmp/full/lanes16: the bundle with those in fp16,
-# device_fp16.py --lanes-only), BUNDLE (the bench and batch steps' bundle under FULL_DIR: bundle, lanes16;
+# device_fp16.py --lanes-only), LANESF=1 (also /tmp/full/lanesf: those exported again in fp16 with onnxruntime's
+# MultiHeadAttention, device_lanes.py), BUNDLE (the bench and batch steps' bundle under FULL_DIR: bundle, lanes16, lanesf;
 # its name then suffixes their JSON), GPU_TESTS (a subset
 # of the -m gpu test files, to repeat one), CONCURRENCY, FP16=0 (no fp16 bundle: for steps
 # that do not use it, when device time is short).
@@ -114,6 +117,11 @@ if [ "${LANES16:-0}" = 1 ] && [ ! -f "$full/lanes16/manifest.json" ]; then
   # the fp32 bundle (its voices too) with the batched estimator graphs in fp16: the fp16 lanes
   python3 -m cosyedge_build.tools.device_fp16 --bundle "$full/bundle" --out "$full/lanes16" --lanes-only \
     >>"$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
+fi
+if [ "${LANESF:-0}" = 1 ] && [ ! -f "$full/lanesf/manifest.json" ]; then
+  # the batched estimator graphs exported again in fp16 with onnxruntime's MultiHeadAttention (the fused lanes)
+  python3 -m cosyedge_build.tools.device_lanes --bundle "$full/bundle" --model-dir "$full/ckpt" --out "$full/lanesf" \
+    --precision fp16 --attention fused >>"$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
 fi
 stamp "bundles ready"
 if [ -n "${pycuda_build:-}" ]; then
@@ -217,7 +225,16 @@ for step in ${steps//,/ }; do
         || { tail -30 "$out/profile.log"; exit 1; }
       python3 -m cosyedge_models.tools.ort_profile /tmp/prof --top 14 --json "$out/profile.json" | tee "$out/profile.txt"
       stamp "profile done" ;;
+    lanes)
+      # one batched replay of 1, 8, 16 streams, the lanes alone, in each lane variant the setup made
+      # (edge_build/tools/device_lane_replay.py: ms a replay, kernels and GPU ms, the CUDA provider's nodes)
+      variants=(); for b in bundle lanes16 lanesf; do [ -f "$full/$b/manifest.json" ] && variants+=(--bundle "$full/$b"); done
+      timeout "${LANES_TIMEOUT_S:-420}" python3 -m cosyedge_build.tools.device_lane_replay "${variants[@]}" \
+        --streams "${LANE_STREAMS:-1,8,16}" --out "$out/lane_replay_h200.json" 2>&1 | grep -v -i warn > "$out/lanes.log" \
+        || { tail -30 "$out/lanes.log"; exit 1; }
+      grep " INFO .*a replay" "$out/lanes.log" | tail -12
+      stamp "lanes done" ;;
     setup) ;;  # the setup above only (bundles and the voice ready for other commands)
-    *) echo "unknown step $step (setup, tests, probe, first, profile, bench, batch, conc, bench16, fp16, threads, memory, load)"; exit 2 ;;
+    *) echo "unknown step $step (setup, tests, probe, first, profile, bench, batch, conc, bench16, fp16, threads, memory, load, lanes)"; exit 2 ;;
   esac
 done

@@ -21,6 +21,9 @@ class RequestState:
     started: float
     cancel: threading.Event | None
     priority: int = 0
+    # a streamed request's first chunk goes first until its first audio (an offline one served as a
+    # stream has no first audio to hurry)
+    first_audio: bool = True
     index: int = 0
     tokens_before: int = 0  # speech tokens of the request's earlier segments
     # Written by the LLM producer thread while stages overlap; the consumer reads

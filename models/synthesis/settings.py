@@ -81,6 +81,12 @@ class SynthesisSettings:
     # replay on the graph thread (models/batching/flow_batcher.py; as many streams as the largest
     # batch size, more take graph_flow's slots). Off by default until measured on the GPU.
     graph_flow_batch: bool = False
+    # Offline (stream=false) requests synthesized as streams whose pieces are joined, so that the
+    # streams' batched GPU work (graph_flow_batch's lanes, the vocoder's fixed lengths) serves them
+    # too; the audio is then what a streamed request gives (chunk-causal flow) instead of one
+    # whole-utterance pass, and `speed` other than 1.0 still takes the offline path. None: auto (on
+    # where graph_flow_batch's lanes are loaded), True / False on / off.
+    offline_as_stream: bool | None = None
     # The streaming flow encoder's fixed-shape graphs (exported with the estimator's), one slot a
     # request, replayed on the same graph thread: None auto (with graph_flow's estimator graphs),
     # False keeps the encoder on its dynamic graph on each request's own thread (it then does not

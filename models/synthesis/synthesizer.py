@@ -53,6 +53,7 @@ from cosyedge_models.synthesis.graph_stages import GraphStages
 from cosyedge_models.synthesis.llm import LlmInput, SpeechTokenLM
 from cosyedge_models.synthesis.llm_prefix import LlmPrefix
 from cosyedge_models.synthesis.modes import MODES
+from cosyedge_models.synthesis.offline import joined, linear_resize
 from cosyedge_models.synthesis.request_state import LlmSpans, RequestState
 from cosyedge_models.synthesis.sampling import TokenSampler
 from cosyedge_models.synthesis.settings import SynthesisSettings
@@ -81,17 +82,6 @@ def resolve_overlap(setting: bool | None, backend: str, cpu_count: int | None) -
     if setting is not None:
         return setting
     return backend != "ort" or (cpu_count or 1) >= 4
-
-
-def linear_resize(mel: np.ndarray, frames: int) -> np.ndarray:
-    """torch F.interpolate(mode='linear', align_corners=False) along the last axis."""
-    src = mel.shape[-1]
-    pos = (np.arange(frames, dtype=np.float64) + 0.5) * (src / frames) - 0.5
-    pos = np.clip(pos, 0, src - 1)
-    lo = np.floor(pos).astype(np.int64)
-    hi = np.minimum(lo + 1, src - 1)
-    w = (pos - lo).astype(np.float32)
-    return (mel[..., lo] * (1 - w) + mel[..., hi] * w).astype(np.float32)
 
 
 def default_noise(seq: np.random.SeedSequence) -> NoiseSource:
@@ -155,6 +145,9 @@ class CosyVoiceSynthesizer(SynthesizerDefaults):
                                                fused, self.graphs.threads.get("decode"))
         if self.batcher is None:
             self.batcher = start_batcher(bundle, backend.name, self.lm, settings.batching)
+        # Offline requests as streams joined: the streams' batched replays then serve them too.
+        self.offline_as_stream = (settings.offline_as_stream if settings.offline_as_stream is not None
+                                  else self.graphs.flow_batch is not None)
         self._producers: ProducerPool | None = None
         self.overlap = resolve_overlap(settings.overlap_stages, backend.name, os.cpu_count())
         if self.overlap:
@@ -218,7 +211,9 @@ class CosyVoiceSynthesizer(SynthesizerDefaults):
             started=started,
             cancel=cancel,
             priority=request.priority,
+            first_audio=request.stream,
         )
+        as_stream = request.stream or (self.offline_as_stream and request.speed == 1.0)
         t0 = time.perf_counter()
         cond = self.conditioning.build(request)
         segments = self.frontend.prepare(request.text)
@@ -228,8 +223,10 @@ class CosyVoiceSynthesizer(SynthesizerDefaults):
             last_segment = i == len(segments) - 1
             llm_in = LlmInput(text=segment.token_ids.tolist(), prompt_text=cond.prompt_text,
                               prompt_speech=cond.prompt_speech, prefix=llm_prefix)
-            pieces = self._stream_segment(llm_in, cond, state) if request.stream else self._offline_segment(
+            pieces = self._stream_segment(llm_in, cond, state) if as_stream else self._offline_segment(
                 llm_in, cond, state, request.speed)
+            if as_stream and not request.stream:
+                pieces = joined(pieces)
             # closing(): when the caller stops early (break, gen.close()) or a stage
             # raises, the segment's producer is stopped here, not at garbage collection.
             with contextlib.closing(pieces):
@@ -425,7 +422,7 @@ class CosyVoiceSynthesizer(SynthesizerDefaults):
         spans = LlmSpans()
         # With overlap the LLM keeps decoding on its producer thread while this
         # generator runs flow + vocoder below and waits at the yield.
-        first_tokens = schedule.first_chunk_tokens() if state.index == 0 else 0  # no audio out yet
+        first_tokens = schedule.first_chunk_tokens() if state.index == 0 and state.first_audio else 0
         with self._token_source(llm_in, state, first_tokens) as source:
             if prime:  # while the LLM producer (if stages overlap) decodes
                 self._flow_stream(flow, [], state, final=False, prime=True)
@@ -459,7 +456,7 @@ class CosyVoiceSynthesizer(SynthesizerDefaults):
     def _first_chunk(self, state: RequestState) -> Iterator[None]:
         """Around a chunk's flow and vocoder: until the request's first audio is out, a
         first-audio hold on the graph thread(s) (GraphStages.first_audio), timed as "hold"."""
-        if state.times.first_audio_ms is not None or not self.graphs.holds_first_audio:
+        if state.times.first_audio_ms is not None or not state.first_audio or not self.graphs.holds_first_audio:
             yield
             return
         t0 = time.perf_counter()

@@ -39,7 +39,7 @@ def test_streaming_settings_reach_the_engine(tiny_bundle: Path, tmp_path: Path) 
     config = tmp_path / "cosyedge.toml"
     config.write_text('device_id = "t"\n[tts]\noverlap_stages = "off"\nfirst_hop_tokens = 7\nstream_hop_scale = 2.0\n'
                       'flow_final_chunk = "upstream"\nflow_left_chunks = 4\ncpu_memory_arena = true\n'
-                      'max_text_chars = 1234\n')
+                      'max_text_chars = 1234\noffline_as_stream = "on"\n')
     custom = load_local_synthesizer(load_settings(config), bundle=str(tiny_bundle))
     try:
         assert isinstance(defaults, CosyVoiceSynthesizer) and isinstance(custom, CosyVoiceSynthesizer)
@@ -49,6 +49,9 @@ def test_streaming_settings_reach_the_engine(tiny_bundle: Path, tmp_path: Path) 
         assert (c.overlap_stages, c.first_hop_tokens, c.flow_final_chunk, c.flow_left_chunks) == (
             False, 7, "upstream", 4)
         assert (d.hop_scale, c.hop_scale) == (1.0, 2.0)
+        # auto: off without batched lanes; "on" reaches the engine
+        assert (d.offline_as_stream, c.offline_as_stream) == (None, True)
+        assert (defaults.offline_as_stream, custom.offline_as_stream) == (False, True)
         assert (d.cpu_memory_arena, c.cpu_memory_arena) == (False, True)
         # the one text limit: [tts] max_text_chars reaches the synthesizer's own check
         assert (d.max_text_chars, c.max_text_chars) == (4000, 1234)
