@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 from cosyedge_models.bundle.loader import SamplingConfig
 from cosyedge_models.errors import SynthesisError
-from cosyedge_models.synthesis.sampling import TokenSampler, nucleus_candidates, softmax
+from cosyedge_models.synthesis.sampling import TokenSampler, nucleus_candidates, softmax, top_order
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.support.components import require_module
 
@@ -102,3 +104,22 @@ def test_same_seed_same_tokens() -> None:
             out.append(s.sample(lp, out, ignore_eos=False))
         runs.append(out)
     assert runs[0] == runs[1]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 400), st.integers(1, 40), st.sampled_from(["flat", "ties", "peaked", "masked"]),
+       st.integers(0, 2**32 - 1))
+def test_top_order_is_the_prefix_of_a_full_stable_sort(n: int, k: int, kind: str, seed: int) -> None:
+    """The strided bound never drops an id of the first k (ties included) that sorting the whole
+    vocabulary would give."""
+    rng = np.random.default_rng(seed)
+    if kind == "ties":  # few distinct values: ties across the bound
+        probs = rng.integers(0, 4, n).astype(np.float32)
+    elif kind == "peaked":
+        probs = softmax((rng.standard_normal(n) * 8).astype(np.float32))
+    else:
+        probs = rng.random(n).astype(np.float32)
+        if kind == "masked":
+            probs[rng.random(n) < 0.7] = 0.0
+    k = min(k, n)
+    np.testing.assert_array_equal(top_order(probs, k), np.argsort(-probs, kind="stable")[:k])
