@@ -191,6 +191,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                         "(0: off, each runs alone)")
     p.add_argument("--flow-queue-delay-ms", type=float, default=0.0,
                    help="with --flow-batching: how long a flow or vocoder call may wait for others")
+    p.add_argument("--vocoder-pad-final", action=argparse.BooleanOptionalAction, default=None,
+                   help="a stream's last chunk right-padded into a fixed-length vocoder graph (default: on for "
+                        "ort-cuda)")
     p.add_argument("--offline-as-stream", action=argparse.BooleanOptionalAction, default=None,
                    help="offline requests as streams whose chunks are joined, so the streams' batched replays serve "
                         "them (default: on where --graph-flow-batch's lanes load)")

@@ -131,6 +131,13 @@ class TtsSettings:
         "alone as before); off: one replay per stream's window",
         reload=True,
     )
+    vocoder_pad_final: str = setting(
+        "auto", "with the fixed-length vocoder graphs (bundles exported with --static-vocoder): a stream's last chunk "
+        "right-padded into the shortest graph that holds it, its audio cut back, instead of the dynamic vocoder at its "
+        "exact length (on CUDA a new length costs 150-200 ms a graph to set up); its last ~0.2 s then differ a little "
+        "from the exact length's; auto: on for ort-cuda",
+        choices=("auto", "on", "off"), reload=True,
+    )
     offline_as_stream: str = setting(
         "auto", "offline (stream=false) requests synthesized as streams whose chunks are joined, so that the "
         "streams' batched GPU work serves them too (their audio is then a streamed request's: chunk-causal "

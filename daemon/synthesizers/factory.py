@@ -42,6 +42,7 @@ def load_local_synthesizer(settings: Settings, bundle: str | None = None) -> Ser
         batching=batching, flow_batching=flow_batching,
         overlap_stages={"on": True, "off": False}.get(tts.overlap_stages),  # auto: None
         offline_as_stream={"on": True, "off": False}.get(tts.offline_as_stream),
+        vocoder_pad_final={"on": True, "off": False}.get(tts.vocoder_pad_final),
         first_hop_tokens=tts.first_hop_tokens or None,  # 0: upstream's aligned hop
         first_chunk_euler_steps=tts.first_chunk_euler_steps or None,  # 0: the bundle's n_timesteps
         hop_scale=tts.stream_hop_scale,

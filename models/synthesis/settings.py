@@ -99,6 +99,12 @@ class SynthesisSettings:
     # steady streaming chunk) replayed as CUDA graphs on the engine's GPU graph thread, not with
     # flow batching: None auto (on for ort-cuda), True on (on the CPU without capture), False off.
     graph_vocoder: bool | None = None
+    # With those graphs: a stream's last chunk (any length) right-padded into the shortest one that
+    # holds it and its audio cut back, instead of the dynamic sessions at its exact length (150-200
+    # ms a graph on the CUDA provider at a length new to it: ~0.55 s at the end of every stream on
+    # the H200). HiFT is not causal: the chunk's last frames differ (~0.17 s, 21 dB SNR over the last
+    # chunk on the tiny model; docs/gpu.md). None: auto (on for ort-cuda, where that set-up cost is).
+    vocoder_pad_final: bool | None = None
     # "one": every captured stage (LLM step, flow windows, vocoder) replays on one GPU graph
     # thread, one replay at a time; "per-stage": a thread each, so streams' LLM steps and flow
     # windows can overlap on the GPU (captures still happen at load, one stage after another).

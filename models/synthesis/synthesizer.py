@@ -123,7 +123,9 @@ class CosyVoiceSynthesizer(SynthesizerDefaults):
                                 batched or (self.static_flow if self.static_flow is not None else backend.flow_cache),
                                 self.static_encoder if self.static_encoder is not None else host_encoder_cache)
         self.static_vocoder = self.graphs.static_vocoder()
-        self.vocoder = HiftVocoder(bundle, stages["hift_source"], stages["hift_decoder"], self.static_vocoder)
+        self.vocoder = HiftVocoder(bundle, stages["hift_source"], stages["hift_decoder"], self.static_vocoder,
+                                   settings.vocoder_pad_final if settings.vocoder_pad_final is not None
+                                   else backend.name == "ort-cuda")
         self._pinned_vocoder = pinned > 1
         self.warm_vocoder()
         self.tokenizer = TextTokenizer.from_file(bundle.file("tokenizer"))

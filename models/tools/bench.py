@@ -279,6 +279,7 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
                               graph_batching=getattr(args, "graph_batching", False),
                               graph_flow_batch=getattr(args, "graph_flow_batch", False),
                               offline_as_stream=getattr(args, "offline_as_stream", None),
+                              vocoder_pad_final=getattr(args, "vocoder_pad_final", None),
                               llm_prefills_between_steps=getattr(args, "llm_prefills_between_steps", 1),
                               graph_decode_slots=max(4, args.batching) if getattr(args, "graph_batching", False) else 4)
     if cache_mb is not None:
@@ -321,6 +322,7 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
                         "batching": None if batching is None else vars(batching),
                         "flow_batching": None if flow_batching is None else vars(flow_batching),
                         "overlap_stages": engine.overlap, "offline_as_stream": engine.offline_as_stream,
+                        "vocoder_pad_final": engine.vocoder.pad_final,
                         "fixed_size_decode": engine.lm.fixed_size_decode is not None, "text": text,
                         "load_ms": load_ms, "graph_load_s": engine.graphs.load_seconds, "voice": voice,
                         "first_audio_first": settings.first_audio_first, "graph_batching": graph_batching,
@@ -406,6 +408,7 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
         # what the graph thread's order did over the runs so far (first-audio holds, LLM steps held)
         report["first_audio_first"] = settings.first_audio_first
         report["offline_as_stream"] = engine.offline_as_stream
+        report["vocoder_pad_final"] = engine.vocoder.pad_final
         report["graph_batching"] = graph_batching
         report["graph_order"] = engine.graphs.order_stats()
         report["graph_flow_batch"] = engine.graphs.flow_batch_stats()  # None: off

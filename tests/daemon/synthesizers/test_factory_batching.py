@@ -39,7 +39,7 @@ def test_streaming_settings_reach_the_engine(tiny_bundle: Path, tmp_path: Path) 
     config = tmp_path / "cosyedge.toml"
     config.write_text('device_id = "t"\n[tts]\noverlap_stages = "off"\nfirst_hop_tokens = 7\nstream_hop_scale = 2.0\n'
                       'flow_final_chunk = "upstream"\nflow_left_chunks = 4\ncpu_memory_arena = true\n'
-                      'max_text_chars = 1234\noffline_as_stream = "on"\n')
+                      'max_text_chars = 1234\noffline_as_stream = "on"\nvocoder_pad_final = "off"\n')
     custom = load_local_synthesizer(load_settings(config), bundle=str(tiny_bundle))
     try:
         assert isinstance(defaults, CosyVoiceSynthesizer) and isinstance(custom, CosyVoiceSynthesizer)
@@ -52,6 +52,7 @@ def test_streaming_settings_reach_the_engine(tiny_bundle: Path, tmp_path: Path) 
         # auto: off without batched lanes; "on" reaches the engine
         assert (d.offline_as_stream, c.offline_as_stream) == (None, True)
         assert (defaults.offline_as_stream, custom.offline_as_stream) == (False, True)
+        assert (d.vocoder_pad_final, c.vocoder_pad_final) == (None, False)
         assert (d.cpu_memory_arena, c.cpu_memory_arena) == (False, True)
         # the one text limit: [tts] max_text_chars reaches the synthesizer's own check
         assert (d.max_text_chars, c.max_text_chars) == (4000, 1234)
