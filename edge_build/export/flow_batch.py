@@ -94,8 +94,10 @@ def buffer_frames(cache_frames: int, windows: list[int]) -> int:
 
 
 def _attention_function(torch: Any) -> Any:
-    """An autograd Function that computes attention over the buffers in torch (the values the trace
-    sees) and exports as one com.microsoft MultiHeadAttention."""
+    """The fused graphs' autograd Functions: each computes its value in torch (what the trace sees)
+    and exports as one onnxruntime operator: attention over the buffers (com.microsoft
+    MultiHeadAttention), the K/V scatter (ScatterND over a shared index), the feed-forward's bias and
+    GELU (com.microsoft BiasGelu)."""
 
     class MultiHeadAttention(torch.autograd.Function):  # type: ignore[misc]
         @staticmethod
@@ -116,13 +118,48 @@ def _attention_function(torch: Any) -> Any:
             out.setType(q.type())
             return out
 
-    return MultiHeadAttention
+    class ScatterRows(torch.autograd.Function):  # type: ignore[misc]
+        """data with `updates` written at `indices` [..., 3] (index_put), exported as one ScatterND over
+        an index tensor the graph computes once for every block (index_put builds its own each time)."""
+
+        @staticmethod
+        def forward(ctx: Any, data: Any, indices: Any, updates: Any) -> Any:
+            return data.index_put(tuple(indices[..., i] for i in range(indices.shape[-1])), updates)
+
+        @staticmethod
+        def symbolic(g: Any, data: Any, indices: Any, updates: Any) -> Any:
+            out = g.op("ScatterND", data, indices, updates)
+            out.setType(data.type())
+            return out
+
+    class BiasGelu(torch.autograd.Function):  # type: ignore[misc]
+        """gelu(x + bias) (exact erf), exported as com.microsoft BiasGelu: one kernel where a Gemm's bias
+        broadcast and a Gelu were two."""
+
+        @staticmethod
+        def forward(ctx: Any, x: Any, bias: Any) -> Any:
+            return torch.nn.functional.gelu(x + bias)
+
+        @staticmethod
+        def symbolic(g: Any, x: Any, bias: Any) -> Any:
+            out = g.op("com.microsoft::BiasGelu", x, bias)
+            out.setType(x.type())
+            return out
+
+    return MultiHeadAttention, ScatterRows, BiasGelu
+
+
+def _plain_gelu_in(ff: Any) -> bool:
+    """Whether a feed-forward block projects through an exact-erf GELU with a bias (matcha's
+    FeedForward with activation "gelu", CosyVoice 2's), which BiasGelu can take."""
+    act = ff.net[0]
+    return type(act).__name__ == "GELU" and act.approximate == "none" and act.proj.bias is not None
 
 
 def make_batch_graph(estimator: Any, chunk_frames: int, attention: str = "plain") -> Any:
     torch = _torch()
     check_options(PRECISIONS[0], attention)
-    fused_attention = _attention_function(torch) if attention == "fused" else None
+    fused = _attention_function(torch) if attention == "fused" else None
     if type(estimator).__name__ != "CausalConditionalDecoder":
         raise CheckpointError(f"flow estimator is a {type(estimator).__name__}; expected CausalConditionalDecoder")
     blocks_all = transformer_blocks(estimator)
@@ -156,6 +193,10 @@ def make_batch_graph(estimator: Any, chunk_frames: int, attention: str = "plain"
             rel_w = torch.clamp(rel, 0, w - 1)
             write_at = length.view(-1, 1, 1) + torch.arange(w).view(1, 1, -1)  # [N, 1, W]
             rows_idx = torch.arange(n).view(-1, 1, 1)
+            heads_n = int(est.down_blocks[0][1][0].attn1.heads)
+            # fused: the window's K/V positions [N, W, H, 3] (row, head, frame), once for every block
+            kv_index = torch.stack(torch.broadcast_tensors(rows_idx, torch.arange(heads_n).view(1, 1, -1),
+                                                           write_at.transpose(1, 2)), dim=-1)
             conv_in: list[Any] = []
 
             def conv(module: Any, h: Any) -> Any:
@@ -196,15 +237,21 @@ def make_batch_graph(estimator: Any, chunk_frames: int, attention: str = "plain"
                 q, k, v = attn.to_q(nrm), attn.to_k(nrm), attn.to_v(nrm)
                 heads = attn.heads
                 hd = q.shape[-1] // heads
-                if fused_attention is not None:
+                if fused is not None:
+                    mha, scatter, bias_gelu = fused
                     # the window's K/V scattered from the projection's [N, W, H, D] order (no transpose)
-                    at = (rows_idx, torch.arange(heads).view(1, 1, -1), write_at.transpose(1, 2))
-                    keys = k_cache.index_put(at, k.view(b, tw, heads, hd))
-                    values = v_cache.index_put(at, v.view(b, tw, heads, hd))
+                    keys = scatter.apply(k_cache, kv_index, k.view(b, tw, heads, hd))
+                    values = scatter.apply(v_cache, kv_index, v.view(b, tw, heads, hd))
                     out_kv.extend((keys, values))
-                    ctx = fused_attention.apply(q, keys, values, bias, heads)
-                    x_ = attn.to_out[0](ctx) + x_
-                    return block.ff(block.norm3(x_)) + x_
+                    x_ = attn.to_out[0](mha.apply(q, keys, values, bias, heads)) + x_
+                    h = block.norm3(x_)
+                    if not _plain_gelu_in(block.ff):
+                        return block.ff(h) + x_
+                    proj = block.ff.net[0].proj
+                    h = bias_gelu.apply(torch.matmul(h, proj.weight.t()), proj.bias)
+                    for module in list(block.ff.net)[1:]:  # dropout (identity in eval), the out projection
+                        h = module(h)
+                    return h + x_
                 q = q.view(b, tw, heads, hd).transpose(1, 2)
                 k = k.view(b, tw, heads, hd).transpose(1, 2)  # [N, H, W, D]
                 v = v.view(b, tw, heads, hd).transpose(1, 2)
@@ -249,8 +296,10 @@ def make_batch_graph(estimator: Any, chunk_frames: int, attention: str = "plain"
             last = (commits.view(-1, 1, 1) + torch.arange(hist).view(1, 1, -1))  # [N, 1, 2]
             keep = (commits > 0).view(-1, 1, 1)
             conv_new = []
+            picks: dict[int, Any] = {}  # the gather index by channel count: one Expand each, not one a conv
             for i, ext in enumerate(conv_in):
-                picked = torch.gather(ext, 2, last.expand(-1, ext.shape[1], -1))
+                index = picks.setdefault(int(ext.shape[1]), last.expand(-1, ext.shape[1], -1))
+                picked = torch.gather(ext, 2, index)
                 picked = torch.nn.functional.pad(picked, (0, 0, 0, cmax - ext.shape[1]))
                 conv_new.append(torch.where(keep, picked, conv_cache[:, i]))
             return (out, *out_kv, _stack(torch, conv_new).transpose(0, 1))

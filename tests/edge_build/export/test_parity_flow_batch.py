@@ -81,10 +81,12 @@ def test_batched_rows_equal_the_single_stream_graph(checkpoint: Checkpoint, tmp_
     assert stage.extra["attention"] == attention
     ops = Counter(node.op_type for node in onnx.load(str(tmp_path / stage.file)).graph.node)
     blocks_in_graph = len(transformer_blocks(flow.decoder.estimator))
-    if attention == "fused":  # one contrib attention a block, nothing of the plain one left
-        assert ops["MultiHeadAttention"] == blocks_in_graph and ops["Softmax"] == 0
+    assert ops["ScatterND"] == 2 * blocks_in_graph  # each block's K and V, in place
+    if attention == "fused":  # one contrib attention and one bias + GELU a block, nothing of the plain ones left
+        assert ops["MultiHeadAttention"] == ops["BiasGelu"] == blocks_in_graph
+        assert ops["Softmax"] == 0
     else:
-        assert ops["MultiHeadAttention"] == 0 and ops["Softmax"] == blocks_in_graph
+        assert ops["MultiHeadAttention"] == ops["BiasGelu"] == 0 and ops["Softmax"] == blocks_in_graph
     (single_stage,) = export_static_estimators(flow, tmp_path, [WINDOW], CACHE_FRAMES, chunk)
     batch, single = _session(tmp_path / stage.file), _session(tmp_path / single_stage.file)
     # what the manifest records is what the file declares
