@@ -53,7 +53,8 @@
 # MultiHeadAttention, device_lanes.py), BUNDLE (the bench and batch steps' bundle under FULL_DIR: bundle, lanes16, lanesf;
 # its name then suffixes their JSON), GPU_TESTS (a subset
 # of the -m gpu test files, to repeat one), CONCURRENCY, FP16=0 (no fp16 bundle: for steps
-# that do not use it, when device time is short).
+# that do not use it, when device time is short), FULL=0 (no full-size checkpoint or bundles at all:
+# the tests step only, on the tests' own tiny bundles, in a minute or two).
 set -euo pipefail
 out=${1:?usage: device_run.sh OUTDIR [tests,probe,bench]}
 steps=${2:-tests,probe,bench}
@@ -89,10 +90,14 @@ python3 -c "import onnxruntime as o, torch; p = o.get_available_providers(); pri
 'torch', torch.__version__); assert 'CUDAExecutionProvider' in p, 'no CUDA provider: onnxruntime-gpu missing'"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/gpu.txt"
 
-if [ ! -f "$full/ckpt/cosyvoice2.yaml" ]; then
+if [ "${FULL:-1}" = 0 ]; then
+  steps_ok=1; for step in ${steps//,/ }; do [ "$step" = tests ] || steps_ok=0; done
+  [ "$steps_ok" = 1 ] || { echo "FULL=0 (no full-size bundles) serves the tests step only"; exit 2; }
+  full=/nonexistent  # the -m gpu tests make their tiny bundles themselves
+elif [ ! -f "$full/ckpt/cosyvoice2.yaml" ]; then
   python3 -m cosyedge_daemon build tiny --size full --out "$full/ckpt" >"$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
 fi
-if [ ! -f "$full/bundle/manifest.json" ]; then
+if [ "${FULL:-1}" = 1 ] && [ ! -f "$full/bundle/manifest.json" ]; then
   python3 -m cosyedge_daemon build export --model-dir "$full/ckpt" --out "$full/bundle" --static-decode-len 1536 \
     --static-flow-windows "${STATIC_FLOW_WINDOWS:-64,128,640}" --static-flow-cache "${STATIC_FLOW_CACHE:-1024}" --static-vocoder \
     --static-vocoder-first-hops "${VOCODER_FIRST_HOPS:-15}" \
@@ -100,11 +105,11 @@ if [ ! -f "$full/bundle/manifest.json" ]; then
     --batch-flow-sizes "${BATCH_FLOW_SIZES:-1,8}" \
     >>"$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
 fi
-if [ "${FP16:-1}" = 1 ] && [ ! -f "$full/fp16/manifest.json" ]; then
+if [ "${FULL:-1}" = 1 ] && [ "${FP16:-1}" = 1 ] && [ ! -f "$full/fp16/manifest.json" ]; then
   python3 -m cosyedge_build.tools.device_fp16 --bundle "$full/bundle" --out "$full/fp16" >>"$out/build.log" 2>&1 \
     || { tail -30 "$out/build.log"; exit 1; }
 fi
-if [ -n "${VOICE_WAV:-}" ]; then
+if [ "${FULL:-1}" = 1 ] && [ -n "${VOICE_WAV:-}" ]; then
   # a saved zero-shot voice for `bench --voice` (BENCH_ARGS="--voice $VOICE_NAME"), in both bundles
   for b in "$full/bundle" "$full/fp16"; do
     [ -f "$b/manifest.json" ] || continue
@@ -113,12 +118,12 @@ if [ -n "${VOICE_WAV:-}" ]; then
       || { tail -20 "$out/build.log"; exit 1; }
   done
 fi
-if [ "${LANES16:-0}" = 1 ] && [ ! -f "$full/lanes16/manifest.json" ]; then
+if [ "${FULL:-1}" = 1 ] && [ "${LANES16:-0}" = 1 ] && [ ! -f "$full/lanes16/manifest.json" ]; then
   # the fp32 bundle (its voices too) with the batched estimator graphs in fp16: the fp16 lanes
   python3 -m cosyedge_build.tools.device_fp16 --bundle "$full/bundle" --out "$full/lanes16" --lanes-only \
     >>"$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
 fi
-if [ "${LANESF:-0}" = 1 ] && [ ! -f "$full/lanesf/manifest.json" ]; then
+if [ "${FULL:-1}" = 1 ] && [ "${LANESF:-0}" = 1 ] && [ ! -f "$full/lanesf/manifest.json" ]; then
   # the batched estimator graphs exported again in fp16 with onnxruntime's MultiHeadAttention (the fused lanes)
   python3 -m cosyedge_build.tools.device_lanes --bundle "$full/bundle" --model-dir "$full/ckpt" --out "$full/lanesf" \
     --precision fp16 --attention fused >>"$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
