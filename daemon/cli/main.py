@@ -184,7 +184,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--graph-flow-batch", action="store_true",
                    help="with the fixed-shape flow windows (--graph-flow) and a bundle exported with "
                         "--batch-flow-sizes: concurrent streams' estimator windows as one batched replay")
-    p.add_argument("--llm-prefills-between-steps", type=int, default=1,
+    p.add_argument("--llm-prefills-between-steps", type=int, default=8,
                    help="with --graph-batching: the most new requests' prefills a running stream waits for")
     p.add_argument("--flow-batching", type=int, default=0, metavar="MAX_BATCH_SIZE",
                    help="batch the flow estimator and vocoder calls of up to this many concurrent requests "

@@ -145,8 +145,9 @@ class TtsSettings:
         choices=("auto", "on", "off"), reload=True,
     )
     llm_prefills_between_steps: int = setting(
-        1, "with graph_batching: a running stream waits for at most this many new requests' prefills between "
-        "two of its decode steps (more: new requests start sooner, running ones stall longer)",
+        8, "with graph_batching: a running stream waits for at most this many new requests' prefills between "
+        "two of its decode steps (more: new requests start sooner and in step, so their flow shares batched "
+        "replays; running ones stall longer)",
         min=1, max=64, reload=True,
     )
     synthesis_workers: int | str = setting(

@@ -61,8 +61,10 @@ class SynthesisSettings:
     # per-stream one (models/batching/looped_step.py: one replay per stream, as without batching).
     graph_batching: bool = False
     # With graph_batching: a running stream waits for at most this many new requests' prefills
-    # between two of its decode steps.
-    llm_prefills_between_steps: int = 1
+    # between two of its decode steps. 8: streams that arrive together then start their chunks in step
+    # and share the flow's batched replays (H200, eleventh and twelfth runs: 8 streams' first audio p95
+    # 799 ms against 953 ms with 1, every stream faster than real time; docs/gpu.md).
+    llm_prefills_between_steps: int = 8
     # Per-voice prompt caches (models/synthesis/voice_cache.py) for saved voices, in MiB
     # (host memory; about 4.4 MiB per prompt mel frame at full size in fp32); 0: off.
     voice_cache_mb: int = 2048

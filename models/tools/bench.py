@@ -280,7 +280,7 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
                               graph_flow_batch=getattr(args, "graph_flow_batch", False),
                               offline_as_stream=getattr(args, "offline_as_stream", None),
                               vocoder_pad_final=getattr(args, "vocoder_pad_final", None),
-                              llm_prefills_between_steps=getattr(args, "llm_prefills_between_steps", 1),
+                              llm_prefills_between_steps=getattr(args, "llm_prefills_between_steps", 8),
                               graph_decode_slots=max(4, args.batching) if getattr(args, "graph_batching", False) else 4)
     if cache_mb is not None:
         settings = dataclasses.replace(settings, voice_cache_mb=cache_mb)
