@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 from cosyedge_models.backends.factory import create_backend
+from cosyedge_models.backends.ort import OrtSession
 from cosyedge_models.backends.ort_cache import DeviceCopier
 from cosyedge_models.batching.batched_flow import BatchFlowGraphs, SlotCall, batch_flow_sessions
 from cosyedge_models.bundle.loader import load_bundle
@@ -32,7 +33,7 @@ log = logging.getLogger(__name__)
 PROFILED_CALLS = 5
 
 
-def _feeds(rng: np.random.Generator, channels: int, frames: int) -> dict[str, np.ndarray]:
+def window_feeds(rng: np.random.Generator, channels: int, frames: int) -> dict[str, np.ndarray]:
     """One stream's window (its guidance pair), as the flow decoder feeds the estimator."""
     return {"x": rng.standard_normal((2, channels, frames)).astype(np.float32),
             "mask": np.ones((2, 1, frames), np.float32),
@@ -84,7 +85,8 @@ def measure(root: Path, backend_name: str, streams: Sequence[int], window: int, 
     backend = create_backend(backend_name)
     device = ("cuda", 0) if backend_name == "ort-cuda" else ("cpu", 0)
     sessions = {key: s for key, s in batch_flow_sessions(
-        bundle, lambda name, path: backend.load(name, path, threads=1)).items() if key[1] == window}
+        bundle, lambda name, path: backend.load(name, path, threads=1)).items()
+        if key[1] == window and isinstance(s, OrtSession)}
     if not sessions:
         raise ValueError(f"{root}: no batched estimator graphs of window {window}")
     lanes = max(b for b, _ in sessions)
@@ -101,7 +103,7 @@ def measure(root: Path, backend_name: str, streams: Sequence[int], window: int, 
         for slot in range(n):
             graphs.reset(slot)
             graphs.lengths[slot] = min(cached, graphs.cache_frames)  # a voice prefix's frames (stale: masked)
-        batch = [SlotCall(slot, _feeds(rng, channels, window), 0) for slot in range(n)]
+        batch = [SlotCall(slot, window_feeds(rng, channels, window), 0) for slot in range(n)]
         graphs.run(batch)
         times = []
         for _ in range(calls):

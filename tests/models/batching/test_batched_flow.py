@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cosyedge_build.tools.device_lane_replay import window_feeds as _feeds  # one stream's window
 from cosyedge_models.backends.factory import create_backend
 from cosyedge_models.backends.flow_cache import StepCacheSpec
 from cosyedge_models.backends.graph_thread import GraphThread
@@ -22,16 +23,6 @@ from cosyedge_models.errors import SynthesisError
 
 from tests.conftest import BATCH_FLOW_SIZES, STATIC_FLOW_CACHE, STATIC_FLOW_WINDOWS
 from tests.models.flow_streams import flow_sessions
-
-
-def _feeds(rng: np.random.Generator, channels: int, frames: int) -> dict[str, np.ndarray]:
-    """One stream's window (its guidance pair), as FlowDecoder feeds the estimator."""
-    return {"x": rng.standard_normal((2, channels, frames)).astype(np.float32),
-            "mask": np.ones((2, 1, frames), np.float32),
-            "mu": rng.standard_normal((2, channels, frames)).astype(np.float32),
-            "t": np.full(2, rng.random(), np.float32),
-            "spks": rng.standard_normal((2, channels)).astype(np.float32),
-            "cond": rng.standard_normal((2, channels, frames)).astype(np.float32)}
 
 
 def test_batched_slots_equal_each_stream_alone(static_flow_bundle: Path) -> None:
