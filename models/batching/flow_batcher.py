@@ -42,7 +42,15 @@ from cosyedge_models.backends.graph_thread import GraphThread
 from cosyedge_models.backends.ort import OrtSession
 from cosyedge_models.backends.ort_cache import BoundStepCache, DeviceCopier
 from cosyedge_models.batching.batched_flow import BatchFlowGraphs, SlotCall
-from cosyedge_models.batching.flow_order import Served, WaitingCall, coming_back, next_key, take, worth_waiting
+from cosyedge_models.batching.flow_order import (
+    Served,
+    WaitingCall,
+    coming_back,
+    next_key,
+    single_reason,
+    take,
+    worth_waiting,
+)
 from cosyedge_models.errors import SynthesisError
 
 log = logging.getLogger(__name__)
@@ -63,6 +71,10 @@ class FlowBatchStats:
     batch_sizes: dict[int, int] = field(default_factory=dict)  # streams per replay -> replays
     replay_s: dict[int, float] = field(default_factory=dict)  # streams per replay -> seconds in those replays
     partner_wait_s: float = 0.0  # the graph thread's waits for a stream of the last replay (PARTNER_WAIT_S)
+    windows: dict[int, int] = field(default_factory=dict)  # window frames -> replays
+    # replays that served one stream, by what else waited then: nothing, calls of its window at another
+    # Euler step, calls of another window only (why a level's replays did not share)
+    singles: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, object]:
         return {"replays": self.replays, "rows": self.rows, "shared_replays": self.shared_replays,
@@ -70,7 +82,8 @@ class FlowBatchStats:
                 "batch_sizes": dict(sorted(self.batch_sizes.items())),
                 # the wall time of the replays serving that many streams (inputs in, replay, outputs out)
                 "replay_ms": {n: round(self.replay_s[n] * 1e3, 1) for n in sorted(self.replay_s)},
-                "partner_wait_ms": round(self.partner_wait_s * 1e3, 1)}
+                "partner_wait_ms": round(self.partner_wait_s * 1e3, 1),
+                "windows": dict(sorted(self.windows.items())), "singles": dict(sorted(self.singles.items()))}
 
 
 # How long a replay waits for a stream of the last replay to submit its next Euler step
@@ -210,6 +223,7 @@ class FlowBatcher:
             batch = [self._pending[i] for i in take(waiting, key, self.graphs.lanes)]
             for p in batch:
                 self._pending.remove(p)
+            reason = single_reason(key, [p.wait for p in self._pending]) if len(batch) == 1 else None
             self._served = coming_back([p.wait for p in batch], self.graphs.groups)
         t0 = time.perf_counter()
         try:
@@ -228,6 +242,9 @@ class FlowBatcher:
             s.shared_replays += n > 1
             s.peak_batch = max(s.peak_batch, n)
             s.batch_sizes[n] = s.batch_sizes.get(n, 0) + 1
+            s.windows[key[1]] = s.windows.get(key[1], 0) + 1
+            if reason is not None:
+                s.singles[reason] = s.singles.get(reason, 0) + 1
         for p, out in zip(batch, outs, strict=True):
             p.future.set_result(out)
 

@@ -94,3 +94,12 @@ def worth_waiting(waiting: Sequence[WaitingCall], served: Sequence[Served], max_
 def coming_back(batch: Sequence[WaitingCall], groups: int) -> list[Served]:
     """The streams of a replay that have a next Euler step in this window."""
     return [Served(w.stream, w.key[0], w.priority) for w in batch if w.key[0] < groups - 1]
+
+
+def single_reason(key: FlowKey, left: Sequence[WaitingCall]) -> str:
+    """Why a replay of `key` served one stream, from the calls left waiting when it ran: "alone"
+    (none), "other_step" (some of its window at another Euler step), "other_window" (only calls of
+    another window). Reported per level by bench (FlowBatchStats.singles)."""
+    if not left:
+        return "alone"
+    return "other_step" if any(w.key[1] == key[1] for w in left) else "other_window"

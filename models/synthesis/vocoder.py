@@ -85,7 +85,6 @@ class HiftVocoder:
         audio = self.decoder_session.run({"mel": mel, "source": source})["audio"]
         return audio, source
 
-
     def padded_run(self, mel: np.ndarray, draws: np.ndarray, cache_source: np.ndarray | None) -> tuple[
             np.ndarray, np.ndarray] | None:
         """A last chunk through the shortest fixed-length graph that holds it, its mel right-padded

@@ -82,7 +82,8 @@ def order_delta(before: dict[str, dict[str, Any]], after: dict[str, dict[str, An
 
 def flow_batch_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any] | None:
     """What the batched estimator windows did between two FlowBatchStats.as_dict() (None: off):
-    replays, rows, shared replays, replays by streams served and their mean ms, partner waits."""
+    replays, rows, shared replays, replays by streams served and their mean ms, partner waits, replays by
+    window and single-stream replays by what else waited."""
     if after is None:
         return None
     old = before or {}
@@ -93,6 +94,9 @@ def flow_batch_delta(before: dict[str, Any] | None, after: dict[str, Any] | None
     spent = {n: float(ms) - float(old.get("replay_ms", {}).get(n, 0.0)) for n, ms in after["replay_ms"].items()}
     out["batch_sizes"] = {n: c for n, c in sorted(sizes.items()) if c > 0}
     out["replay_ms_mean"] = {n: round(spent[n] / c, 2) for n, c in sorted(sizes.items()) if c > 0 and n in spent}
+    for name in ("windows", "singles"):  # replays by window, single-stream replays by what else waited
+        counts = {k: int(c) - int(old.get(name, {}).get(k, 0)) for k, c in after.get(name, {}).items()}
+        out[name] = {k: c for k, c in sorted(counts.items()) if c > 0}
     return out
 
 

@@ -123,6 +123,9 @@ def test_concurrent_streams_share_replays_and_sound_as_alone(static_flow_bundle:
         assert seen == {"waiting": 2, "first_audio": 2}
         stats = batcher.stats.as_dict()
         assert stats["shared_replays"] >= 1 and stats["peak_batch"] == 2 and stats["fallbacks"] == 0
+        # every replay counted by its window, every single-stream one by what else waited
+        assert sum(stats["windows"].values()) == stats["replays"]  # type: ignore[union-attr]
+        assert sum(stats["singles"].values()) == stats["batch_sizes"].get(1, 0)  # type: ignore[union-attr]
         assert batcher.lanes_in_use == 0
     finally:
         eng.close()

@@ -7,7 +7,16 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from cosyedge_models.backends.graph_thread import GraphPriority
-from cosyedge_models.batching.flow_order import FlowKey, Served, WaitingCall, coming_back, next_key, take, worth_waiting
+from cosyedge_models.batching.flow_order import (
+    FlowKey,
+    Served,
+    WaitingCall,
+    coming_back,
+    next_key,
+    single_reason,
+    take,
+    worth_waiting,
+)
 
 N, F = GraphPriority.NORMAL, GraphPriority.FIRST_AUDIO
 W = 64  # one window bucket
@@ -84,3 +93,9 @@ def test_streams_out_of_phase_catch_up_and_then_share_every_step() -> None:
     oldest = _simulate(starts, lambda w: w[0].key)
     assert ours == [1] * 12 + [4] * 7 and sum(ours) == 40
     assert max(oldest) == 1 and len(oldest) == 40
+
+
+def test_a_single_stream_replay_says_what_else_waited() -> None:
+    assert single_reason((3, W), []) == "alone"
+    assert single_reason((3, W), [_call(5, 2), _call(0, 3, window=2 * W)]) == "other_step"
+    assert single_reason((3, W), [_call(3, 2, window=2 * W)]) == "other_window"
