@@ -158,8 +158,7 @@ def _plain_gelu_in(ff: Any) -> bool:
 
 def make_batch_graph(estimator: Any, chunk_frames: int, attention: str = "plain") -> Any:
     torch = _torch()
-    check_options(PRECISIONS[0], attention)
-    fused = _attention_function(torch) if attention == "fused" else None
+    fused = _attention_function(torch) if attention == "fused" else None  # (export_batch_estimators checks it)
     if type(estimator).__name__ != "CausalConditionalDecoder":
         raise CheckpointError(f"flow estimator is a {type(estimator).__name__}; expected CausalConditionalDecoder")
     blocks_all = transformer_blocks(estimator)
@@ -193,10 +192,9 @@ def make_batch_graph(estimator: Any, chunk_frames: int, attention: str = "plain"
             rel_w = torch.clamp(rel, 0, w - 1)
             write_at = length.view(-1, 1, 1) + torch.arange(w).view(1, 1, -1)  # [N, 1, W]
             rows_idx = torch.arange(n).view(-1, 1, 1)
-            heads_n = int(est.down_blocks[0][1][0].attn1.heads)
             # fused: the window's K/V positions [N, W, H, 3] (row, head, frame), once for every block
-            kv_index = torch.stack(torch.broadcast_tensors(rows_idx, torch.arange(heads_n).view(1, 1, -1),
-                                                           write_at.transpose(1, 2)), dim=-1)
+            kv_index = None if fused is None else torch.stack(torch.broadcast_tensors(
+                rows_idx, torch.arange(dims["heads"]).view(1, 1, -1), write_at.transpose(1, 2)), dim=-1)
             conv_in: list[Any] = []
 
             def conv(module: Any, h: Any) -> Any:

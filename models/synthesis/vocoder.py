@@ -94,11 +94,13 @@ class HiftVocoder:
         not causal, so the padding reaches the chunk's last frames: they differ a little from the
         exact length's (tests/models/synthesis/test_vocoder_pad_final.py measures by how much)."""
         static = self.static
+        if static is None:
+            return None
         n = mel.shape[2]
-        for frames in (f for f in (static.frames if static is not None else []) if f > n):
+        for frames in (f for f in static.frames if f > n):
             padded = np.pad(mel, ((0, 0), (0, 0), (0, frames - n)), mode="edge")
             noise = np.pad(draws, ((0, 0), (0, (frames - n) * self.upsample), (0, 0)))
-            if static is not None and (out := static.run(padded, noise, cache_source)) is not None:
+            if (out := static.run(padded, noise, cache_source)) is not None:
                 audio, source = out
                 return audio[:, :n * self.upsample], source[:, :, :n * self.upsample]
         return None
