@@ -4,8 +4,8 @@ BatchFlowGraphs), with the fixed-shape flow path on (`graph_flow`) and
 `graph_flow_batch`.
 
 A stream's Euler step k keeps its estimator cache in a lane of group k (one
-group per Euler step of the bundle), so streams at the same Euler step of a
-window of the same size can share a replay. Every call is one piece of work on
+group per Euler step of the bundle), so streams at the same Euler step can
+share a replay (at their largest window, the shorter ones padded). Every call is one piece of work on
 the graph thread, submitted with its caller's priority (a first chunk's flow,
 inside `first_audio()`, stays FIRST_AUDIO: graph_thread.py's GraphWorkOrder);
 a piece that runs is one replay: flow_order.py picks its calls among those
@@ -46,7 +46,7 @@ from cosyedge_models.batching.flow_order import (
     Served,
     WaitingCall,
     coming_back,
-    next_key,
+    next_group,
     single_reason,
     take,
     worth_waiting,
@@ -71,9 +71,10 @@ class FlowBatchStats:
     batch_sizes: dict[int, int] = field(default_factory=dict)  # streams per replay -> replays
     replay_s: dict[int, float] = field(default_factory=dict)  # streams per replay -> seconds in those replays
     partner_wait_s: float = 0.0  # the graph thread's waits for a stream of the last replay (PARTNER_WAIT_S)
-    windows: dict[int, int] = field(default_factory=dict)  # window frames -> replays
-    # replays that served one stream, by what else waited then: nothing, calls of its window at another
-    # Euler step, calls of another window only (why a level's replays did not share)
+    windows: dict[int, int] = field(default_factory=dict)  # the replay's window frames -> replays
+    mixed_windows: int = 0  # replays whose calls had windows of more than one bucket (padded to the largest)
+    # replays that served one stream, by what else waited then: nothing, or calls at other Euler steps
+    # (why a level's replays did not share)
     singles: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, object]:
@@ -83,7 +84,8 @@ class FlowBatchStats:
                 # the wall time of the replays serving that many streams (inputs in, replay, outputs out)
                 "replay_ms": {n: round(self.replay_s[n] * 1e3, 1) for n in sorted(self.replay_s)},
                 "partner_wait_ms": round(self.partner_wait_s * 1e3, 1),
-                "windows": dict(sorted(self.windows.items())), "singles": dict(sorted(self.singles.items()))}
+                "windows": dict(sorted(self.windows.items())), "mixed_windows": self.mixed_windows,
+                "singles": dict(sorted(self.singles.items()))}
 
 
 # How long a replay waits for a stream of the last replay to submit its next Euler step
@@ -191,8 +193,9 @@ class FlowBatcher:
         w = bucket(self.graphs.windows, int(call.feeds["x"].shape[2]))
         if w is None:
             raise SynthesisError(f"a window of {call.feeds['x'].shape[2]} frames exceeds the batched windows")
-        key = (call.slot // self.graphs.lanes, w)
-        pending = _Pending(call, WaitingCall(key, threading.get_ident(), self.thread.current_priority()))
+        wait = WaitingCall(call.slot // self.graphs.lanes, self.graphs.windows[w], threading.get_ident(),
+                           self.thread.current_priority())
+        pending = _Pending(call, wait)
         with self._lock:
             self._pending.append(pending)
             self._arrived.notify_all()
@@ -218,12 +221,12 @@ class FlowBatcher:
                 self._arrived.wait(left)
             self.stats.partner_wait_s += time.monotonic() - start
             waiting = [p.wait for p in self._pending]
-            key = next_key(waiting, self.max_passed)
-            assert key is not None
-            batch = [self._pending[i] for i in take(waiting, key, self.graphs.lanes)]
+            group = next_group(waiting, self.max_passed)
+            assert group is not None
+            batch = [self._pending[i] for i in take(waiting, group, self.graphs.lanes)]
             for p in batch:
                 self._pending.remove(p)
-            reason = single_reason(key, [p.wait for p in self._pending]) if len(batch) == 1 else None
+            reason = single_reason([p.wait for p in self._pending]) if len(batch) == 1 else None
             self._served = coming_back([p.wait for p in batch], self.graphs.groups)
         t0 = time.perf_counter()
         try:
@@ -234,6 +237,7 @@ class FlowBatcher:
             return
         took = time.perf_counter() - t0
         n = len(batch)
+        windows = {p.wait.window for p in batch}
         with self._lock:
             s = self.stats
             s.replay_s[n] = s.replay_s.get(n, 0.0) + took
@@ -242,7 +246,8 @@ class FlowBatcher:
             s.shared_replays += n > 1
             s.peak_batch = max(s.peak_batch, n)
             s.batch_sizes[n] = s.batch_sizes.get(n, 0) + 1
-            s.windows[key[1]] = s.windows.get(key[1], 0) + 1
+            s.windows[max(windows)] = s.windows.get(max(windows), 0) + 1
+            s.mixed_windows += len(windows) > 1
             if reason is not None:
                 s.singles[reason] = s.singles.get(reason, 0) + 1
         for p, out in zip(batch, outs, strict=True):

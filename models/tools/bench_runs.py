@@ -83,13 +83,13 @@ def order_delta(before: dict[str, dict[str, Any]], after: dict[str, dict[str, An
 def flow_batch_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any] | None:
     """What the batched estimator windows did between two FlowBatchStats.as_dict() (None: off):
     replays, rows, shared replays, replays by streams served and their mean ms, partner waits, replays by
-    window and single-stream replays by what else waited."""
+    window (and those that mixed windows) and single-stream replays by what else waited."""
     if after is None:
         return None
     old = before or {}
     out: dict[str, Any] = {key: round(float(after[key]) - float(old.get(key, 0)), 1)
                            for key in ("replays", "rows", "shared_replays", "fallbacks", "moves", "partner_wait_ms",
-                                       "seeds", "reuses")}
+                                       "seeds", "reuses", "mixed_windows")}
     sizes = {n: int(c) - int(old.get("batch_sizes", {}).get(n, 0)) for n, c in after["batch_sizes"].items()}
     spent = {n: float(ms) - float(old.get("replay_ms", {}).get(n, 0.0)) for n, ms in after["replay_ms"].items()}
     out["batch_sizes"] = {n: c for n, c in sorted(sizes.items()) if c > 0}

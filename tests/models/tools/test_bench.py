@@ -193,13 +193,14 @@ def test_flow_batch_delta_gives_a_levels_replays_and_their_mean_time_by_streams_
                 "shared_replays": sum(c for n, c in sizes.items() if n > 1), "peak_batch": max(sizes, default=0),
                 "fallbacks": 0, "moves": 1, "batch_sizes": sizes, "replay_ms": ms, "partner_wait_ms": wait,
                 "seeds": sizes.get(1, 0), "reuses": 2 * sizes.get(8, 0),
-                "windows": {64: sum(sizes.values())}, "singles": {"alone": sizes.get(1, 0) - 1, "other_step": 1}}
+                "windows": {64: sum(sizes.values())}, "mixed_windows": sizes.get(8, 0),
+                "singles": {"alone": sizes.get(1, 0) - 1, "other_step": 1}}
 
     before = stats({1: 10}, {1: 130.0}, 2.0)
     after = stats({1: 14, 8: 5}, {1: 182.0, 8: 150.0}, 7.5)
     delta = flow_batch_delta(before, after)
     assert delta == {"replays": 9, "rows": 44, "shared_replays": 5, "fallbacks": 0, "moves": 0,
-                     "partner_wait_ms": 5.5, "seeds": 4, "reuses": 10, "batch_sizes": {1: 4, 8: 5},
+                     "partner_wait_ms": 5.5, "seeds": 4, "reuses": 10, "mixed_windows": 5, "batch_sizes": {1: 4, 8: 5},
                      "replay_ms_mean": {1: 13.0, 8: 30.0}, "windows": {64: 9}, "singles": {"alone": 4}}
     assert flow_batch_delta(None, None) is None
     assert flow_batch_delta(None, after)["replay_ms_mean"] == {1: 13.0, 8: 30.0}  # type: ignore[index]
