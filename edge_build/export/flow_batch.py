@@ -146,7 +146,27 @@ def _attention_function(torch: Any) -> Any:
             out.setType(x.type())
             return out
 
-    return MultiHeadAttention, ScatterRows, BiasGelu
+    class SkipLayerNorm(torch.autograd.Function):  # type: ignore[misc]
+        """(layer_norm(x + skip + bias), x + skip + bias), exported as com.microsoft
+        SkipLayerNormalization with its sum output: one kernel where a Gemm's bias broadcast, the
+        residual Add and the LayerNormalization were three (onnxruntime's own SkipLayerNorm fusion does
+        not fire here: its MatMul+Add fusion makes the projection a Gemm first)."""
+
+        @staticmethod
+        def forward(ctx: Any, x: Any, skip: Any, gamma: Any, beta: Any, bias: Any, eps: float) -> Any:
+            total = x + skip + bias
+            return torch.nn.functional.layer_norm(total, (total.shape[-1],), gamma, beta, eps), total
+
+        @staticmethod
+        def symbolic(g: Any, x: Any, skip: Any, gamma: Any, beta: Any, bias: Any, eps: float) -> Any:
+            # outputs: normalized, mean, inv_std_var (unread: export_stage leaves them out), the sum
+            out = g.op("com.microsoft::SkipLayerNormalization", x, skip, gamma, beta, bias, epsilon_f=eps,
+                       outputs=4)
+            out[0].setType(x.type())
+            out[3].setType(x.type())
+            return out[0], out[3]
+
+    return MultiHeadAttention, ScatterRows, BiasGelu, SkipLayerNorm
 
 
 def _plain_gelu_in(ff: Any) -> bool:
@@ -154,6 +174,19 @@ def _plain_gelu_in(ff: Any) -> bool:
     FeedForward with activation "gelu", CosyVoice 2's), which BiasGelu can take."""
     act = ff.net[0]
     return type(act).__name__ == "GELU" and act.approximate == "none" and act.proj.bias is not None
+
+
+def _fusable(block: Any) -> bool:
+    """Whether a block fits the fused graph's operators (CosyVoice 2's do): affine LayerNorms, biased
+    attention and feed-forward output projections (SkipLayerNormalization takes their biases), the
+    feed-forward an exact-erf GELU projection (BiasGelu), dropouts (identity in eval) and a Linear."""
+    nn = _torch().nn
+    ff = list(block.ff.net)
+    norms = (block.norm1, block.norm3)
+    outs = (block.attn1.to_out[0], ff[-1])  # (the feed-forward's: diffusers' LoRACompatibleLinear, a Linear)
+    return (all(isinstance(n, nn.LayerNorm) and n.weight is not None and n.bias is not None for n in norms)
+            and all(isinstance(o, nn.Linear) and o.bias is not None for o in outs) and _plain_gelu_in(block.ff)
+            and all(isinstance(mod, nn.Dropout) for mod in ff[1:-1]))
 
 
 def make_batch_graph(estimator: Any, chunk_frames: int, attention: str = "plain") -> Any:
@@ -164,6 +197,9 @@ def make_batch_graph(estimator: Any, chunk_frames: int, attention: str = "plain"
     blocks_all = transformer_blocks(estimator)
     for block in blocks_all:
         _check_block(block)
+    if fused is not None and not all(_fusable(block) for block in blocks_all):
+        raise CheckpointError("the fused batched graphs need CosyVoice 2's transformer blocks (affine LayerNorms, "
+                              "biased output projections, an exact-GELU feed-forward); export them plain")
     dims = cache_dims(estimator)
     if not dims["stream_cache"]:
         raise ValueError("batched estimator graphs need a chunk-causal estimator (single-level U-Net)")
@@ -235,21 +271,6 @@ def make_batch_graph(estimator: Any, chunk_frames: int, attention: str = "plain"
                 q, k, v = attn.to_q(nrm), attn.to_k(nrm), attn.to_v(nrm)
                 heads = attn.heads
                 hd = q.shape[-1] // heads
-                if fused is not None:
-                    mha, scatter, bias_gelu = fused
-                    # the window's K/V scattered from the projection's [N, W, H, D] order (no transpose)
-                    keys = scatter.apply(k_cache, kv_index, k.view(b, tw, heads, hd))
-                    values = scatter.apply(v_cache, kv_index, v.view(b, tw, heads, hd))
-                    out_kv.extend((keys, values))
-                    x_ = attn.to_out[0](mha.apply(q, keys, values, bias, heads)) + x_
-                    h = block.norm3(x_)
-                    if not _plain_gelu_in(block.ff):
-                        return block.ff(h) + x_
-                    proj = block.ff.net[0].proj
-                    h = bias_gelu.apply(torch.matmul(h, proj.weight.t()), proj.bias)
-                    for module in list(block.ff.net)[1:]:  # dropout (identity in eval), the out projection
-                        h = module(h)
-                    return h + x_
                 q = q.view(b, tw, heads, hd).transpose(1, 2)
                 k = k.view(b, tw, heads, hd).transpose(1, 2)  # [N, H, W, D]
                 v = v.view(b, tw, heads, hd).transpose(1, 2)
@@ -263,9 +284,41 @@ def make_batch_graph(estimator: Any, chunk_frames: int, attention: str = "plain"
                 x_ = attn.to_out[0](ctx) + x_
                 return block.ff(block.norm3(x_)) + x_
 
+            def fused_blocks(blocks: Any, x_: Any, bias: Any) -> Any:
+                """A level's blocks in onnxruntime's operators: each attention one MultiHeadAttention over
+                the buffers (the window's K/V scattered in from the projection's [N, W, H, D] order: no
+                transposes), each output projection's bias with the residual and the LayerNorm after it
+                one SkipLayerNormalization (attention -> norm3, feed-forward -> the next block's norm1;
+                the level's last feed-forward adds its bias and residual as before)."""
+                mha, scatter, bias_gelu, skip_norm = fused
+                b, tw = x_.shape[0], x_.shape[1]
+                pending = None  # the last block's feed-forward output before its bias, and the bias
+                for block in blocks:
+                    attn, n1, n3 = block.attn1, block.norm1, block.norm3
+                    if pending is None:
+                        nrm = n1(x_)
+                    else:
+                        nrm, x_ = skip_norm.apply(pending[0], x_, n1.weight, n1.bias, pending[1], n1.eps)
+                    q, k, v = attn.to_q(nrm), attn.to_k(nrm), attn.to_v(nrm)
+                    heads = attn.heads
+                    hd = q.shape[-1] // heads
+                    j = len(out_kv) // 2
+                    keys = scatter.apply(kv[2 * j], kv_index, k.view(b, tw, heads, hd))
+                    values = scatter.apply(kv[2 * j + 1], kv_index, v.view(b, tw, heads, hd))
+                    out_kv.extend((keys, values))
+                    out = attn.to_out[0]
+                    ctx = torch.matmul(mha.apply(q, keys, values, bias, heads), out.weight.t())
+                    h, x_ = skip_norm.apply(ctx, x_, n3.weight, n3.bias, out.bias, n3.eps)
+                    proj, last = block.ff.net[0].proj, block.ff.net[-1]
+                    h = bias_gelu.apply(torch.matmul(h, proj.weight.t()), proj.bias)
+                    pending = (torch.matmul(h, last.weight.t()), last.bias)
+                return x_ if pending is None else pending[0] + pending[1] + x_
+
             def level(r: Any, blocks: Any, h: Any, m: Any, temb: Any) -> Any:
                 h = resnet(r, h, m, temb).transpose(1, 2)
                 bias = attn_bias(m)
+                if fused is not None:
+                    return fused_blocks(blocks, h, bias).transpose(1, 2)
                 for block in blocks:
                     j = len(out_kv) // 2
                     h = transformer(block, h, bias, kv[2 * j], kv[2 * j + 1])

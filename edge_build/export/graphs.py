@@ -80,6 +80,7 @@ def export_stage(module: Any, example: tuple[Any, ...], out_dir: Path, stage: St
             )
         model = onnx.load(str(raw), load_external_data=True)
     _name_dims(model, stage)
+    _leave_out_unread_outputs(model)
     if model.ByteSize() > PROTO_LIMIT_BYTES:
         stage.external_data = f"{stage.file}.data"
         onnx.save_model(
@@ -95,6 +96,19 @@ def export_stage(module: Any, example: tuple[Any, ...], out_dir: Path, stage: St
     onnx.checker.check_model(str(path))
     log.info("exported %s (%.1f MB)", stage.file, path.stat().st_size / 1e6)
     return stage
+
+
+def _leave_out_unread_outputs(model: Any) -> None:
+    """An onnxruntime operator's optional outputs that nothing reads, left out ("" in the node): the
+    exporter names every output of a custom symbolic (SkipLayerNormalization's mean and inv_std_var),
+    and onnxruntime's CUDA kernels do not write those."""
+    graph = model.graph
+    read = {name for node in graph.node for name in node.input} | {v.name for v in graph.output}
+    for node in graph.node:
+        if node.domain == "com.microsoft":
+            for i in range(1, len(node.output)):
+                if node.output[i] not in read:
+                    node.output[i] = ""
 
 
 def _name_dims(model: Any, stage: StageGraph) -> None:

@@ -79,14 +79,23 @@ def test_batched_rows_equal_the_single_stream_graph(checkpoint: Checkpoint, tmp_
         return
     (stage,) = export_batch_estimators(flow, tmp_path, [BATCH], [WINDOW], CACHE_FRAMES, chunk, attention=attention)
     assert stage.extra["attention"] == attention
-    ops = Counter(node.op_type for node in onnx.load(str(tmp_path / stage.file)).graph.node)
-    blocks_in_graph = len(transformer_blocks(flow.decoder.estimator))
+    nodes = onnx.load(str(tmp_path / stage.file)).graph.node
+    ops = Counter(node.op_type for node in nodes)
+    est = flow.decoder.estimator
+    blocks_in_graph = len(transformer_blocks(est))
+    levels = len(est.down_blocks) + len(est.mid_blocks) + len(est.up_blocks)
     assert ops["ScatterND"] == 2 * blocks_in_graph  # each block's K and V, in place
     if attention == "fused":  # one contrib attention and one bias + GELU a block, nothing of the plain ones left
         assert ops["MultiHeadAttention"] == ops["BiasGelu"] == blocks_in_graph
         assert ops["Softmax"] == 0
+        # every norm but a level's first is a SkipLayerNormalization (projection bias + residual + LayerNorm),
+        # its mean and inv_std_var outputs left out
+        skips = [node for node in nodes if node.op_type == "SkipLayerNormalization"]
+        assert len(skips) == 2 * blocks_in_graph - levels
+        assert all(list(node.output)[1:3] == ["", ""] and node.output[3] for node in skips)
     else:
-        assert ops["MultiHeadAttention"] == ops["BiasGelu"] == 0 and ops["Softmax"] == blocks_in_graph
+        assert ops["MultiHeadAttention"] == ops["BiasGelu"] == ops["SkipLayerNormalization"] == 0
+        assert ops["Softmax"] == blocks_in_graph
     (single_stage,) = export_static_estimators(flow, tmp_path, [WINDOW], CACHE_FRAMES, chunk)
     batch, single = _session(tmp_path / stage.file), _session(tmp_path / single_stage.file)
     # what the manifest records is what the file declares
