@@ -31,9 +31,10 @@ Inputs (N = 2B rows, B streams, C channels, W window frames):
 * conv_cache [N, K, Cmax, 2]: the K causal convolutions' history, rows first
   (so that rows 0..N-1 of the runtime's buffer are one contiguous view).
 Outputs: dphi_dt [N, C, W]; key_cache_out_<i>, value_cache_out_<i> (the
-same buffers, bound in place); conv_cache_new [N, K, Cmax, 2] (where a
-stream commits: the inputs just before its new commit point; elsewhere its
-history unchanged), which the runtime copies over conv_cache.
+same buffers, bound in place); conv_cache_new [N, K, Cmax, 2] (per row the
+inputs just before its new commit point: its history as it was where it
+commits nothing; channels past a convolution's own are zero), which the
+runtime copies over conv_cache.
 
 Attention (`build export --batch-flow-attention`, ATTENTIONS): `plain` writes it in standard
 operators (MatMul, Softmax, the head transposes), which any runtime reads; `fused` writes each
@@ -343,16 +344,17 @@ def make_batch_graph(estimator: Any, chunk_frames: int, attention: str = "plain"
                 h = sample(upsample, h * m)
             h = causal_block(est.final_block, h, m)
             out = est.final_proj(h * m) * mask
-            # per row: the conv inputs just before its new commit point, ext[commit : commit + 2]
-            last = (commits.view(-1, 1, 1) + torch.arange(hist).view(1, 1, -1))  # [N, 1, 2]
-            keep = (commits > 0).view(-1, 1, 1)
+            # per row: the conv inputs just before its new commit point, ext[commit : commit + hist]; a row
+            # that commits nothing picks ext[0 : hist], its history as it was (no select needed)
+            last = (commits.view(-1, 1, 1) + torch.arange(hist).view(1, 1, -1))  # [N, 1, hist]
             conv_new = []
             picks: dict[int, Any] = {}  # the gather index by channel count: one Expand each, not one a conv
-            for i, ext in enumerate(conv_in):
+            for ext in conv_in:
                 index = picks.setdefault(int(ext.shape[1]), last.expand(-1, ext.shape[1], -1))
                 picked = torch.gather(ext, 2, index)
-                picked = torch.nn.functional.pad(picked, (0, 0, 0, cmax - ext.shape[1]))
-                conv_new.append(torch.where(keep, picked, conv_cache[:, i]))
+                if ext.shape[1] < cmax:
+                    picked = torch.nn.functional.pad(picked, (0, 0, 0, cmax - ext.shape[1]))
+                conv_new.append(picked)
             return (out, *out_kv, _stack(torch, conv_new).transpose(0, 1))
 
     return BatchEstimatorGraph().eval()
