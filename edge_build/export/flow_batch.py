@@ -238,7 +238,10 @@ def make_batch_graph(estimator: Any, chunk_frames: int, attention: str = "plain"
                 i = len(conv_in)
                 ext = torch.cat((conv_cache[:, i, : h.shape[1], :], h), dim=2)
                 conv_in.append(ext)
-                return module(ext)[:, :, hist:]
+                # the history is the causal padding: the convolution without its own zero pad gives the
+                # window's frames exactly (CausalConv1d's forward would pad and need a slice after)
+                return torch.nn.functional.conv1d(ext, module.weight, module.bias, module.stride, 0, module.dilation,
+                                                  module.groups)
 
             def causal_block(block: Any, h: Any, m: Any) -> Any:
                 layers = list(block.block)
