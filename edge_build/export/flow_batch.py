@@ -251,7 +251,7 @@ def make_batch_graph(estimator: Any, chunk_frames: int, attention: str = "plain"
                 return y * m
 
             def resnet(r: Any, h: Any, m: Any, temb: Any) -> Any:
-                y = causal_block(r.block1, h, m) + r.mlp(temb).unsqueeze(-1)
+                y = causal_block(r.block1, h, m) + temb[id(r)].unsqueeze(-1)
                 y = causal_block(r.block2, y, m)
                 return y + r.res_conv(h * m)
 
@@ -333,6 +333,14 @@ def make_batch_graph(estimator: Any, chunk_frames: int, attention: str = "plain"
 
             temb = 1000.0 * t.unsqueeze(1) * self.freqs.unsqueeze(0)
             temb = est.time_mlp(torch.cat((temb.sin(), temb.cos()), dim=-1))
+            # every resnet's time projection (Mish, Linear) of the one time embedding as one Gemm and a Split,
+            # not a Gemm (and its bias broadcast) a resnet: their Mish is the same, their weights stacked
+            resnets = [level_[0] for level_ in (*est.down_blocks, *est.mid_blocks, *est.up_blocks)]
+            weight = torch.cat([r.mlp[1].weight for r in resnets], dim=0)
+            bias_ = torch.cat([r.mlp[1].bias for r in resnets], dim=0)
+            parts = torch.split(torch.nn.functional.linear(resnets[0].mlp[0](temb), weight, bias_),
+                                [int(r.mlp[1].out_features) for r in resnets], dim=1)
+            temb = {id(r): part for r, part in zip(resnets, parts, strict=True)}
             h = torch.cat((x, mu, spks.unsqueeze(-1).expand(-1, -1, w), cond), dim=1)
             m = mask
             for r, blocks, downsample in est.down_blocks:  # one level (stream_cache)

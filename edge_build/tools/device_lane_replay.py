@@ -58,9 +58,14 @@ def _kernels(graphs: BatchFlowGraphs, calls: list[SlotCall]) -> dict[str, Any]:
             torch.cuda.synchronize()
         kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
         names = Counter(e.name.split("<")[0][:60] for e in kernels)
+        spent: Counter[str] = Counter()
+        for e in kernels:
+            spent[e.name.split("<")[0][:60]] += e.device_time
         return {"kernels_per_replay": len(kernels) / PROFILED_CALLS,
                 "gpu_ms_per_replay": sum(e.device_time for e in kernels) / 1e3 / PROFILED_CALLS,
-                "top_kernels": {k: v / PROFILED_CALLS for k, v in names.most_common(12)}}
+                "top_kernels": {k: v / PROFILED_CALLS for k, v in names.most_common(12)},
+                # where a replay's GPU time goes: ms a replay by kernel name (the most first)
+                "top_kernels_ms": {k: round(v / 1e3 / PROFILED_CALLS, 3) for k, v in spent.most_common(16)}}
     except Exception as exc:  # noqa: BLE001 - a profiler that cannot attach is reported, not fatal
         return {"error": f"{type(exc).__name__}: {exc}"}
 
