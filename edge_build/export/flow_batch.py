@@ -294,6 +294,7 @@ def make_batch_graph(estimator: Any, chunk_frames: int, attention: str = "plain"
                 transposes), each output projection's bias with the residual and the LayerNorm after it
                 one SkipLayerNormalization (attention -> norm3, feed-forward -> the next block's norm1;
                 the level's last feed-forward adds its bias and residual as before)."""
+                assert fused is not None  # (level calls it for the fused graphs only)
                 mha, scatter, bias_gelu, skip_norm = fused
                 b, tw = x_.shape[0], x_.shape[1]
                 pending = None  # the last block's feed-forward output before its bias, and the bias
