@@ -77,6 +77,21 @@ ATTENTIONS = ("plain", "fused")
 MASK_BIAS = -3.0e4
 
 
+# The fused graphs declare each K/V buffer [N, H, F, D / KV_PART, KV_PART] (the same memory as [N, H, F, D]) and
+# scatter the window into it by (row, head, frame, part): onnxruntime's CUDA ScatterND gives each index one
+# thread that copies the index's slice value after value, and with a head's 64 values a slice the 112 writes
+# of a full-size replay were ~46 % of its GPU time on the H200 (fourteenth run; 8 values a slice: ~11 us a
+# write at 16 streams against ~31, device_scatter_bench.py). Declared so, not reshaped inside the graph: a
+# Reshape between the bound buffer and the ScatterND makes onnxruntime copy the whole buffer (measured).
+KV_PART = 8
+
+
+def kv_part(head_dim: int, attention: str) -> int:
+    """Values a K/V write's slice holds: KV_PART (or the largest common divisor with the head size) in
+    the fused graphs, the whole head in the plain ones (their buffers 4-D)."""
+    return math.gcd(head_dim, KV_PART) if attention == "fused" else head_dim
+
+
 def check_options(precision: str, attention: str) -> None:
     """The batched graphs' precision and attention, refused before any export work."""
     if precision not in PRECISIONS:
@@ -230,8 +245,12 @@ def make_batch_graph(estimator: Any, chunk_frames: int, attention: str = "plain"
             write_at = length.view(-1, 1, 1) + torch.arange(w).view(1, 1, -1)  # [N, 1, W]
             rows_idx = torch.arange(n).view(-1, 1, 1)
             # fused: the window's K/V positions [N, W, H, 3] (row, head, frame), once for every block
+            # fused: the window's K/V positions [N, W, H, D/P, 4] (row, head, frame, part), once for every block
+            part = kv_part(dims["head_dim"], attention)
             kv_index = None if fused is None else torch.stack(torch.broadcast_tensors(
-                rows_idx, torch.arange(dims["heads"]).view(1, 1, -1), write_at.transpose(1, 2)), dim=-1)
+                rows_idx.view(-1, 1, 1, 1), torch.arange(dims["heads"]).view(1, 1, -1, 1),
+                write_at.transpose(1, 2).unsqueeze(-1), torch.arange(dims["head_dim"] // part).view(1, 1, 1, -1)),
+                dim=-1)
             conv_in: list[Any] = []
 
             def conv(module: Any, h: Any) -> Any:
@@ -308,11 +327,12 @@ def make_batch_graph(estimator: Any, chunk_frames: int, attention: str = "plain"
                     heads = attn.heads
                     hd = q.shape[-1] // heads
                     j = len(out_kv) // 2
-                    keys = scatter.apply(kv[2 * j], kv_index, k.view(b, tw, heads, hd))
-                    values = scatter.apply(kv[2 * j + 1], kv_index, v.view(b, tw, heads, hd))
+                    keys = scatter.apply(kv[2 * j], kv_index, k.view(b, tw, heads, hd // part, part))
+                    values = scatter.apply(kv[2 * j + 1], kv_index, v.view(b, tw, heads, hd // part, part))
                     out_kv.extend((keys, values))
                     out = attn.to_out[0]
-                    ctx = torch.matmul(mha.apply(q, keys, values, bias, heads), out.weight.t())
+                    whole = (b, heads, keys.shape[2], hd)  # the buffers as attention reads them (a view)
+                    ctx = torch.matmul(mha.apply(q, keys.view(whole), values.view(whole), bias, heads), out.weight.t())
                     h, x_ = skip_norm.apply(ctx, x_, n3.weight, n3.bias, out.bias, n3.eps)
                     proj, last = block.ff.net[0].proj, block.ff.net[-1]
                     h = bias_gelu.apply(torch.matmul(h, proj.weight.t()), proj.bias)
@@ -444,7 +464,8 @@ def export_batch_estimators(flow: Any, out: Path, batches: list[int], windows: l
     for b in sorted(set(batches)):
         n = CFG_ROWS * b
         conv = (n, dims["convs"], dims["conv_channels"], dims["conv_history"])
-        kv_shape = (n, heads, frames, hd)
+        part = kv_part(hd, attention)
+        kv_shape = (n, heads, frames, hd // part, part) if attention == "fused" else (n, heads, frames, hd)
         for w in sorted(set(windows)):
             stage = StageGraph(
                 batch_stage_name(b, w), f"{batch_stage_name(b, w)}.onnx",
@@ -469,6 +490,7 @@ def export_batch_estimators(flow: Any, out: Path, batches: list[int], windows: l
                 {},
                 extra={"batch": b, "window": w, "cache_frames": cache_frames, "buffer_frames": frames,
                        "chunk_frames": chunk_frames, "cache": dims, "kv_layout": "[L, 2, rows, H, F, D]",
+                       "kv_part": part,
                        "attention": attention},
             )
             mask = torch.ones(n, 1, w)

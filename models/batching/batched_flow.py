@@ -111,7 +111,7 @@ class _Pair:
                 self.binding.bind_ortvalue_input(name, value)
         self.binding.bind_input("conv_cache", kind, dev, np.float32, [rows, *graphs.conv_row],
                                 graphs.conv_ptr(CFG_ROWS * base))
-        kv_shape = [rows, *graphs.kv_row]
+        kv_shape = [rows, *graphs.kv_declared]
         for i in range(graphs.blocks):
             for k, name in enumerate(("key", "value")):
                 ptr = graphs.kv_ptr(i, k, CFG_ROWS * base)  # rows of slots base..base+B-1: contiguous
@@ -155,8 +155,11 @@ class BatchFlowGraphs:
         self.slots = self.lanes * groups
         first = sessions[(self.batch_sizes[0], self.windows[0])]
         self.blocks = sum(1 for n in first.input_names if n.startswith("key_cache_"))
-        _, heads, self.buffer_frames, head_dim = (int(d) for d in first.input_shapes["key_cache_0"])
-        self.kv_row = (heads, self.buffer_frames, head_dim)
+        # [N, H, F, D], or [N, H, F, D / P, P] (the fused graphs: the same memory, written P values a thread)
+        declared = [int(d) for d in first.input_shapes["key_cache_0"]]
+        heads, self.buffer_frames = declared[1], declared[2]
+        self.kv_row = (heads, self.buffer_frames, int(np.prod(declared[3:])))
+        self.kv_declared = tuple(declared[1:])  # a row as the graphs bind it
         self.conv_row = tuple(int(d) for d in first.input_shapes["conv_cache"][1:])
         self.kv_dtype = kv_dtype(first)
         if any(kv_dtype(s) is not self.kv_dtype for s in sessions.values()):

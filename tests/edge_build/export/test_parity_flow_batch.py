@@ -56,10 +56,12 @@ def _run_batch(session: ort.InferenceSession, feeds: dict[str, np.ndarray], buff
     binding.bind_output("dphi_dt", "cpu")
     binding.bind_output("conv_cache_new", "cpu")
     kv_in, kv_out = kv_names(buffer.shape[0])
+    declared = [int(d) for d in session.get_inputs()[[i.name for i in session.get_inputs()].index(kv_in[0])].shape]
     for j, (name_in, name_out) in enumerate(zip(kv_in, kv_out, strict=True)):
         view = buffer[j // 2, j % 2, :n]  # rows 0..N-1: contiguous
-        binding.bind_input(name_in, "cpu", 0, np.float32, list(view.shape), view.ctypes.data)
-        binding.bind_output(name_out, "cpu", 0, np.float32, list(view.shape), view.ctypes.data)
+        assert int(np.prod(declared)) == view.size  # [N, H, F, D], or the fused graphs' [N, H, F, D / P, P]
+        binding.bind_input(name_in, "cpu", 0, np.float32, declared, view.ctypes.data)
+        binding.bind_output(name_out, "cpu", 0, np.float32, declared, view.ctypes.data)
     session.run_with_iobinding(binding)
     dphi, conv_new = binding.copy_outputs_to_cpu()[:2]
     conv[...] = conv_new  # as the runtime does
@@ -84,7 +86,13 @@ def test_batched_rows_equal_the_single_stream_graph(checkpoint: Checkpoint, tmp_
     est = flow.decoder.estimator
     blocks_in_graph = len(transformer_blocks(est))
     levels = len(est.down_blocks) + len(est.mid_blocks) + len(est.up_blocks)
-    assert ops["ScatterND"] == 2 * blocks_in_graph  # each block's K and V, in place
+    assert ops["ScatterND"] == 2 * blocks_in_graph  # each block's K and V, in place:
+    # each writes a bound buffer straight into its output (a Reshape between would make onnxruntime copy it)
+    model_graph = onnx.load(str(tmp_path / stage.file)).graph
+    ins, outs = {v.name for v in model_graph.input}, {v.name for v in model_graph.output}
+    assert all(node.input[0] in ins and node.output[0] in outs for node in nodes if node.op_type == "ScatterND")
+    kv_rank = len(next(t for t in stage.inputs if t.name == "key_cache_0").shape)
+    assert kv_rank == (5 if attention == "fused" else 4)  # fused: [N, H, F, D / P, P], P values a write's thread
     if attention == "fused":  # one contrib attention and one bias + GELU a block, nothing of the plain ones left
         assert ops["MultiHeadAttention"] == ops["BiasGelu"] == blocks_in_graph
         assert ops["Softmax"] == 0
