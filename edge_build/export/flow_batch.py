@@ -41,9 +41,13 @@ operators (MatMul, Softmax, the head transposes), which any runtime reads; `fuse
 block's attention as one `com.microsoft` MultiHeadAttention (onnxruntime's contrib operator: query
 [N, W, H*D] as projected, key and value the buffers in [N, H, F, D], the mask as its attention bias)
 and scatters the window's K/V from the projection's [N, W, H, D] order, so the graph has no head
-transposes and no score tensors of its own: fewer kernels a replay on a launch-bound GPU. Only
-onnxruntime runs it (TensorRT cannot parse contrib operators; the batched graphs are onnxruntime's
-anyway)."""
+transposes and no score tensors of its own; each projection's bias, the residual and the next
+LayerNorm are one SkipLayerNormalization, the feed-forward's bias and GELU one BiasGelu
+(flow_batch_ops.py), and its K/V buffers are declared [N, H, F, D / KV_PART, KV_PART] (below):
+fewer and shorter kernels a replay on a launch-bound GPU. Only onnxruntime runs it (TensorRT cannot
+parse contrib operators; the batched graphs are onnxruntime's anyway). Both variants run each
+causal convolution on its history and window without a pad of its own, and every resnet's time
+projection as one Gemm."""
 
 from __future__ import annotations
 
@@ -51,6 +55,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from cosyedge_build.export.flow_batch_ops import fusable, fused_functions
 from cosyedge_build.export.flow_encoder import chunk_allowed
 from cosyedge_build.export.flow_estimator import (
     _check_block,
@@ -109,111 +114,15 @@ def buffer_frames(cache_frames: int, windows: list[int]) -> int:
     return cache_frames + max(windows)
 
 
-def _attention_function(torch: Any) -> Any:
-    """The fused graphs' autograd Functions: each computes its value in torch (what the trace sees)
-    and exports as one onnxruntime operator: attention over the buffers (com.microsoft
-    MultiHeadAttention), the K/V scatter (ScatterND over a shared index), the feed-forward's bias and
-    GELU (com.microsoft BiasGelu)."""
-
-    class MultiHeadAttention(torch.autograd.Function):  # type: ignore[misc]
-        @staticmethod
-        def forward(ctx: Any, q: Any, keys: Any, values: Any, bias: Any, heads: int) -> Any:
-            n, w = q.shape[0], q.shape[1]
-            hd = keys.shape[-1]
-            qh = q.view(n, w, heads, hd).transpose(1, 2)
-            scores = torch.matmul(qh, keys.transpose(-1, -2)) * (1.0 / math.sqrt(hd)) + bias
-            return torch.matmul(torch.softmax(scores, dim=-1), values).transpose(1, 2).reshape(n, w, heads * hd)
-
-        @staticmethod
-        def symbolic(g: Any, q: Any, keys: Any, values: Any, bias: Any, heads: int) -> Any:
-            absent = g.op("prim::Constant")  # an optional input left out: "" in the ONNX node
-            absent.setType(torch._C.OptionalType.ofTensor())
-            # inputs: query, key, value, bias (of the projections: none), key_padding_mask, attention_bias
-            out = g.op("com.microsoft::MultiHeadAttention", q, keys, values, absent, absent, bias,
-                       num_heads_i=heads)
-            out.setType(q.type())
-            return out
-
-    class ScatterRows(torch.autograd.Function):  # type: ignore[misc]
-        """data with `updates` written at `indices` [..., 3] (index_put), exported as one ScatterND over
-        an index tensor the graph computes once for every block (index_put builds its own each time)."""
-
-        @staticmethod
-        def forward(ctx: Any, data: Any, indices: Any, updates: Any) -> Any:
-            return data.index_put(tuple(indices[..., i] for i in range(indices.shape[-1])), updates)
-
-        @staticmethod
-        def symbolic(g: Any, data: Any, indices: Any, updates: Any) -> Any:
-            out = g.op("ScatterND", data, indices, updates)
-            out.setType(data.type())
-            return out
-
-    class BiasGelu(torch.autograd.Function):  # type: ignore[misc]
-        """gelu(x + bias) (exact erf), exported as com.microsoft BiasGelu: one kernel where a Gemm's bias
-        broadcast and a Gelu were two."""
-
-        @staticmethod
-        def forward(ctx: Any, x: Any, bias: Any) -> Any:
-            return torch.nn.functional.gelu(x + bias)
-
-        @staticmethod
-        def symbolic(g: Any, x: Any, bias: Any) -> Any:
-            out = g.op("com.microsoft::BiasGelu", x, bias)
-            out.setType(x.type())
-            return out
-
-    class SkipLayerNorm(torch.autograd.Function):  # type: ignore[misc]
-        """(layer_norm(x + skip + bias), x + skip + bias), exported as com.microsoft
-        SkipLayerNormalization with its sum output: one kernel where a Gemm's bias broadcast, the
-        residual Add and the LayerNormalization were three (onnxruntime's own SkipLayerNorm fusion does
-        not fire here: its MatMul+Add fusion makes the projection a Gemm first)."""
-
-        @staticmethod
-        def forward(ctx: Any, x: Any, skip: Any, gamma: Any, beta: Any, bias: Any, eps: float) -> Any:
-            total = x + skip + bias
-            return torch.nn.functional.layer_norm(total, (total.shape[-1],), gamma, beta, eps), total
-
-        @staticmethod
-        def symbolic(g: Any, x: Any, skip: Any, gamma: Any, beta: Any, bias: Any, eps: float) -> Any:
-            # outputs: normalized, mean, inv_std_var (unread: export_stage leaves them out), the sum
-            out = g.op("com.microsoft::SkipLayerNormalization", x, skip, gamma, beta, bias, epsilon_f=eps,
-                       outputs=4)
-            out[0].setType(x.type())
-            out[3].setType(x.type())
-            return out[0], out[3]
-
-    return MultiHeadAttention, ScatterRows, BiasGelu, SkipLayerNorm
-
-
-def _plain_gelu_in(ff: Any) -> bool:
-    """Whether a feed-forward block projects through an exact-erf GELU with a bias (matcha's
-    FeedForward with activation "gelu", CosyVoice 2's), which BiasGelu can take."""
-    act = ff.net[0]
-    return type(act).__name__ == "GELU" and act.approximate == "none" and act.proj.bias is not None
-
-
-def _fusable(block: Any) -> bool:
-    """Whether a block fits the fused graph's operators (CosyVoice 2's do): affine LayerNorms, biased
-    attention and feed-forward output projections (SkipLayerNormalization takes their biases), the
-    feed-forward an exact-erf GELU projection (BiasGelu), dropouts (identity in eval) and a Linear."""
-    nn = _torch().nn
-    ff = list(block.ff.net)
-    norms = (block.norm1, block.norm3)
-    outs = (block.attn1.to_out[0], ff[-1])  # (the feed-forward's: diffusers' LoRACompatibleLinear, a Linear)
-    return (all(isinstance(n, nn.LayerNorm) and n.weight is not None and n.bias is not None for n in norms)
-            and all(isinstance(o, nn.Linear) and o.bias is not None for o in outs) and _plain_gelu_in(block.ff)
-            and all(isinstance(mod, nn.Dropout) for mod in ff[1:-1]))
-
-
 def make_batch_graph(estimator: Any, chunk_frames: int, attention: str = "plain") -> Any:
     torch = _torch()
-    fused = _attention_function(torch) if attention == "fused" else None  # (export_batch_estimators checks it)
+    fused = fused_functions(torch) if attention == "fused" else None  # (export_batch_estimators checks it)
     if type(estimator).__name__ != "CausalConditionalDecoder":
         raise CheckpointError(f"flow estimator is a {type(estimator).__name__}; expected CausalConditionalDecoder")
     blocks_all = transformer_blocks(estimator)
     for block in blocks_all:
         _check_block(block)
-    if fused is not None and not all(_fusable(block) for block in blocks_all):
+    if fused is not None and not all(fusable(block) for block in blocks_all):
         raise CheckpointError("the fused batched graphs need CosyVoice 2's transformer blocks (affine LayerNorms, "
                               "biased output projections, an exact-GELU feed-forward); export them plain")
     dims = cache_dims(estimator)
