@@ -11,7 +11,7 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
-from cosyedge_models.synthesis.modes import GRAPH_THREAD_MODES, MODES
+from cosyedge_models.synthesis.modes import GRAPH_THREAD_MODES, LLM_FIRST_CHUNK_PRIORITIES, MODES
 
 # subcommand -> "module:function"; the function takes the parsed arguments
 # and returns the process exit status.
@@ -186,6 +186,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                         "--batch-flow-sizes: concurrent streams' estimator windows as one batched replay")
     p.add_argument("--llm-prefills-between-steps", type=int, default=8,
                    help="with --graph-batching: the most new requests' prefills a running stream waits for")
+    p.add_argument("--llm-first-chunk-priority", choices=LLM_FIRST_CHUNK_PRIORITIES, default="normal",
+                   help="with --graph-batching: a step sampling a stream's first-chunk tokens runs behind the first "
+                        "chunks' flows (normal) or in turn with them (first_audio)")
     p.add_argument("--flow-batching", type=int, default=0, metavar="MAX_BATCH_SIZE",
                    help="batch the flow estimator and vocoder calls of up to this many concurrent requests "
                         "(0: off, each runs alone)")

@@ -17,6 +17,7 @@ from cosyedge_daemon.settings.topics import NativeTopics, topic_problem
 from cosyedge_daemon.settings.wyoming import SatelliteSettings, WyomingSettings
 from cosyedge_models.settings_schema import setting
 from cosyedge_models.synthesis.api import MAX_TEXT_CHARS
+from cosyedge_models.synthesis.modes import LLM_FIRST_CHUNK_PRIORITIES
 
 PRIORITY_MIN, PRIORITY_MAX = -1000, 1000
 AUTO_WORKERS_MAX = 4  # synthesis_workers = "auto": beyond this the flow/vocoder, not the LLM, bound a board
@@ -149,6 +150,13 @@ class TtsSettings:
         "two of its decode steps (more: new requests start sooner and in step, so their flow shares batched "
         "replays; running ones stall longer)",
         min=1, max=64, reload=True,
+    )
+    llm_first_chunk_priority: str = setting(
+        "normal", "with graph_batching: how a batched LLM step that samples some stream's first-chunk tokens "
+        "runs on the GPU graph thread; normal: behind every first chunk's flow waiting (the streams that got "
+        "their tokens first speak first); first_audio: in turn with those flows (later streams' first chunks "
+        "are not held behind earlier streams' flows)",
+        choices=LLM_FIRST_CHUNK_PRIORITIES, reload=True,
     )
     synthesis_workers: int | str = setting(
         "auto", "requests synthesized at once (each on its own worker thread, so the LLM batcher can batch "

@@ -44,13 +44,19 @@ log = logging.getLogger(__name__)
 class GraphBatcher(BatchWorker):
     def __init__(self, lm: SpeechTokenLM, step: BatchedDecodeStep, thread: GraphThread,
                  settings: IterationSettings, clock: Callable[[], float] = time.monotonic,
-                 on_stop: Callable[[], None] | None = None) -> None:
+                 on_stop: Callable[[], None] | None = None,
+                 first_chunk_priority: GraphPriority = GraphPriority.NORMAL) -> None:
         super().__init__("llm-graph-batcher", clock)
         if settings.rows > step.rows or not set(settings.batch_sizes) <= set(step.batch_sizes):
             raise ValueError(f"the schedule ({settings.rows} rows, sizes {list(settings.batch_sizes)}) does not fit "
                              f"the step ({step.rows} rows, sizes {list(step.batch_sizes)})")
+        if first_chunk_priority is GraphPriority.LLM:
+            raise ValueError("a step that samples a stream's first chunk runs as NORMAL or FIRST_AUDIO work, not LLM")
         self.lm = lm
         self.step = step
+        # a step that samples some stream's first-chunk tokens: NORMAL (behind every first chunk's flow that
+        # waits) or FIRST_AUDIO (in arrival order with them); [tts] llm_first_chunk_priority
+        self.first_chunk_priority = first_chunk_priority
         self._on_stop = on_stop  # after the worker ended (the engine's batcher gives its slots back)
         self.thread = thread
         self.scheduler = IterationScheduler(settings)  # under _cond: submit() runs on other threads
@@ -164,9 +170,11 @@ class GraphBatcher(BatchWorker):
             # then it is first-audio work too. Always held, a step waited for every other stream's first
             # chunk in turn (H200 run 11: 1.0 s of holds at eight streams, the last first hop at 1.65 s);
             # never held, it ran between a first chunk's estimator windows.
+            # As NORMAL work it still waits behind every first chunk's flow replay queued (H200, fourteenth run:
+            # the last of eight streams' first-chunk tokens at 710 ms); as FIRST_AUDIO it takes its turn among them.
             urgent = any(r.decode.index < r.first_tokens for r in requests)
             logps = self.thread.call(functools.partial(self.step.step, batch.rows, embeds, lengths, batch.batch_size),
-                                     GraphPriority.NORMAL if urgent else GraphPriority.LLM, "llm_batched_step")
+                                     self.first_chunk_priority if urgent else GraphPriority.LLM, "llm_batched_step")
         except Exception as exc:
             # The rows' caches are not trusted after a failed step: every stream in it fails.
             err = _as_engine_error(exc, f"LLM batched step failed ({len(requests)} streams, batch {batch.batch_size})")
@@ -220,8 +228,8 @@ class GraphBatcher(BatchWorker):
 
 
 def start_graph_batcher(lm: SpeechTokenLM, batching: BatchSettings | None, prefills_between_steps: int,
-                        fused: FusedDecodeStep | None = None,
-                        fused_thread: GraphThread | None = None) -> GraphBatcher | None:
+                        fused: FusedDecodeStep | None = None, fused_thread: GraphThread | None = None,
+                        first_chunk_priority: GraphPriority = GraphPriority.NORMAL) -> GraphBatcher | None:
     """The engine's iteration-level batcher over `fused` (the bundle's fused batched step, run on
     `fused_thread`) where given, else over its fixed-size decode slots (LoopedGraphStep), or
     None: batching off or neither (the dynamic-graph batcher serves then). A max_batch_size
@@ -249,7 +257,7 @@ def start_graph_batcher(lm: SpeechTokenLM, batching: BatchSettings | None, prefi
         batching = dataclasses.replace(batching, max_batch_size=step.rows, preferred_batch_sizes=tuple(
             s for s in batching.preferred_batch_sizes if s <= step.rows))
     settings = IterationSettings(batching, step.batch_sizes, step.rows, prefills_between_steps)
-    return GraphBatcher(lm, step, thread, settings, on_stop=close).start()
+    return GraphBatcher(lm, step, thread, settings, on_stop=close, first_chunk_priority=first_chunk_priority).start()
 
 
 def _emit(request: _Request, token: int | None) -> None:

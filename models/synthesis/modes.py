@@ -11,3 +11,6 @@ MODES: tuple[Mode, ...] = ("sft", "zero_shot", "cross_lingual", "instruct")
 PROMPT_MODES: tuple[Mode, ...] = ("zero_shot", "cross_lingual")  # modes that clone the voice of a prompt
 # How the captured GPU stages share graph threads (SynthesisSettings.graph_threads), here for the parser too
 GRAPH_THREAD_MODES = ("one", "per-stage")
+# The graph-thread class of a batched LLM step that samples a stream's first-chunk tokens
+# (SynthesisSettings.llm_first_chunk_priority), here for the parser and the settings schema too
+LLM_FIRST_CHUNK_PRIORITIES = ("normal", "first_audio")

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from cosyedge_models.batching.policy import BatchSettings
 from cosyedge_models.synthesis.api import MAX_TEXT_CHARS
 from cosyedge_models.synthesis.flow import FINAL_CHUNK_MODES, FinalChunk
-from cosyedge_models.synthesis.modes import GRAPH_THREAD_MODES
+from cosyedge_models.synthesis.modes import GRAPH_THREAD_MODES, LLM_FIRST_CHUNK_PRIORITIES
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,12 @@ class SynthesisSettings:
     # and share the flow's batched replays (H200, eleventh and twelfth runs: 8 streams' first audio p95
     # 799 ms against 953 ms with 1, every stream faster than real time; docs/gpu.md).
     llm_prefills_between_steps: int = 8
+    # With graph_batching: the graph-thread class of a batched LLM step that samples some stream's
+    # first-chunk tokens (LLM_FIRST_CHUNK_PRIORITIES). "normal": behind every first chunk's flow replay
+    # waiting, so the streams that got their tokens first speak first; "first_audio": in arrival order
+    # with those replays, so later streams' first-chunk tokens are not held behind earlier streams' flows
+    # (H200, fourteenth run at 8 streams: the last first-chunk tokens at 710 ms with "normal").
+    llm_first_chunk_priority: str = "normal"
     # Per-voice prompt caches (models/synthesis/voice_cache.py) for saved voices, in MiB
     # (host memory; about 4.4 MiB per prompt mel frame at full size in fp32); 0: off.
     voice_cache_mb: int = 2048
@@ -145,6 +151,9 @@ class SynthesisSettings:
             raise ValueError(f"voice_cache_mb must be >= 0 (0: off), got {self.voice_cache_mb}")
         if self.graph_decode_slots < 1:
             raise ValueError(f"graph_decode_slots must be >= 1, got {self.graph_decode_slots}")
+        if self.llm_first_chunk_priority not in LLM_FIRST_CHUNK_PRIORITIES:
+            raise ValueError(f"llm_first_chunk_priority must be one of {', '.join(LLM_FIRST_CHUNK_PRIORITIES)}, "
+                             f"got {self.llm_first_chunk_priority!r}")
         if self.llm_prefills_between_steps < 1:
             raise ValueError(f"llm_prefills_between_steps must be >= 1 prefill, got {self.llm_prefills_between_steps}")
         if self.vocoder_sessions is not None and self.vocoder_sessions < 1:

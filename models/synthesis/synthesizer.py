@@ -27,7 +27,7 @@ import numpy as np
 from cosyedge_models.backends.base import Backend, Session
 from cosyedge_models.backends.encoder_cache import host_encoder_cache
 from cosyedge_models.backends.factory import create_backend
-from cosyedge_models.backends.graph_thread import GraphThread
+from cosyedge_models.backends.graph_thread import GraphPriority, GraphThread
 from cosyedge_models.backends.shape_pinned import ShapePinnedSession
 from cosyedge_models.batching.graph_batcher import GraphBatcher, start_graph_batcher
 from cosyedge_models.batching.group import RequestGroup
@@ -144,7 +144,8 @@ class CosyVoiceSynthesizer(SynthesizerDefaults):
         if settings.graph_batching:
             fused = self.graphs.fused_step(self.lm.prefill_session, decode) if settings.batching else None
             self.batcher = start_graph_batcher(self.lm, settings.batching, settings.llm_prefills_between_steps,
-                                               fused, self.graphs.threads.get("decode"))
+                                               fused, self.graphs.threads.get("decode"),
+                                               GraphPriority[settings.llm_first_chunk_priority.upper()])
         if self.batcher is None:
             self.batcher = start_batcher(bundle, backend.name, self.lm, settings.batching)
         # Offline requests as streams joined: the streams' batched replays then serve them too.

@@ -66,11 +66,13 @@ def test_graph_batching_settings_reach_the_engine(tiny_bundle: Path) -> None:
     from cosyedge_models.batching.llm_batcher import LlmBatcher
     from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer
 
-    tts = TtsSettings(llm_max_batch_size=2, graph_batching=True, llm_prefills_between_steps=3)
+    tts = TtsSettings(llm_max_batch_size=2, graph_batching=True, llm_prefills_between_steps=3,
+                      llm_first_chunk_priority="first_audio")
     engine = load_local_synthesizer(Settings(device_id="t", tts=tts), bundle=str(tiny_bundle))
     try:
         assert isinstance(engine, CosyVoiceSynthesizer)
         assert (engine.settings.graph_batching, engine.settings.llm_prefills_between_steps) == (True, 3)
+        assert engine.settings.llm_first_chunk_priority == "first_audio"
         # this bundle has no fixed-size decode step: the dynamic-graph batcher serves the batch
         assert isinstance(engine.batcher, LlmBatcher)
     finally:
@@ -105,3 +107,10 @@ def test_the_default_voice_is_prepared_at_load(static_flow_bundle: Path, tmp_pat
                                                               seed=1)))).pcm.size > 0
     finally:
         unknown.close()
+
+
+def test_an_unknown_first_chunk_priority_is_refused_with_the_allowed_values() -> None:
+    from cosyedge_models.synthesis.settings import SynthesisSettings
+
+    with pytest.raises(ValueError, match="llm_first_chunk_priority must be one of normal, first_audio, got 'soon'"):
+        SynthesisSettings(llm_first_chunk_priority="soon")

@@ -9,11 +9,13 @@ waits for at most max_prefills_between_steps prefills between two steps
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+from cosyedge_models.backends.graph_thread import GraphPriority
 from cosyedge_models.backends.ort_graph_decode import GraphDecoder
 from cosyedge_models.batching.graph_batcher import GraphBatcher
 from cosyedge_models.batching.iteration import IterationSettings
@@ -75,11 +77,12 @@ class Recorder:
         return self.inner.step(rows, inputs_embeds, lengths, batch_size)
 
 
-def _batcher(eng: CosyVoiceSynthesizer, bound: int, rows: int = 4) -> tuple[GraphBatcher, Recorder]:
+def _batcher(eng: CosyVoiceSynthesizer, bound: int, rows: int = 4,
+             first_chunk_priority: GraphPriority = GraphPriority.NORMAL) -> tuple[GraphBatcher, Recorder]:
     dec = _decoder(eng.lm)
     rec = Recorder(LoopedGraphStep(dec, rows), dec.thread.ident)
     settings = IterationSettings(BatchSettings(max_batch_size=rows), rec.batch_sizes, rows, bound)
-    return GraphBatcher(eng.lm, rec, dec.thread, settings), rec
+    return GraphBatcher(eng.lm, rec, dec.thread, settings, first_chunk_priority=first_chunk_priority), rec
 
 
 def _drive(eng: CosyVoiceSynthesizer, b: GraphBatcher, joins: dict[int, list[tuple[int, int]]]
@@ -314,4 +317,40 @@ def test_a_stream_before_its_first_chunk_is_not_held_by_another_streams_first_ch
         release.set()
         holder.join(30)
         driver.join(120)
-    assert len(list(stream)) > first_tokens and not driver.is_alive()
+    try:
+        assert len(list(stream)) > first_tokens and not driver.is_alive()
+    finally:
+        rec.inner.close()  # its decode slots back for the tests after it
+
+
+@pytest.mark.parametrize("priority", [GraphPriority.NORMAL, GraphPriority.FIRST_AUDIO])
+def test_the_steps_of_a_first_chunk_run_at_the_configured_priority(static_engine: CosyVoiceSynthesizer,
+                                                                   monkeypatch: pytest.MonkeyPatch,
+                                                                   priority: GraphPriority) -> None:
+    """[tts] llm_first_chunk_priority: a step that samples a stream's first-chunk tokens goes to the graph
+    thread as NORMAL work (behind the first chunks' flows waiting) or FIRST_AUDIO work (in turn with
+    them); every later step is LLM work."""
+    b, rec = _batcher(static_engine, bound=1, first_chunk_priority=priority)
+    asked: list[GraphPriority | None] = []
+    call = b.thread.call
+
+    def spy(work: Callable[[], Any], priority: GraphPriority | None = None, label: str = "") -> Any:
+        if label == "llm_batched_step":
+            asked.append(priority)
+        return call(work, priority, label)
+
+    monkeypatch.setattr(b.thread, "call", spy)
+    first_tokens = 3
+    try:
+        stream = b.submit(_input(static_engine, 0), _sampler(b.lm, 11), first_tokens=first_tokens)
+        while b.active or b.waiting:
+            b.run_once()
+        assert len(list(stream)) > first_tokens
+        # the prefill samples token 0; the steps of tokens 1 and 2 are the first chunk's
+        assert asked[: first_tokens - 1] == [priority] * (first_tokens - 1)
+        assert set(asked[first_tokens - 1:]) == {GraphPriority.LLM}
+        settings = IterationSettings(BatchSettings(max_batch_size=rec.rows), rec.batch_sizes, rec.rows, 1)
+        with pytest.raises(ValueError, match="NORMAL or FIRST_AUDIO"):
+            GraphBatcher(static_engine.lm, rec, b.thread, settings, first_chunk_priority=GraphPriority.LLM)
+    finally:
+        rec.inner.close()
