@@ -36,8 +36,9 @@ def fused_functions(torch: Any) -> Any:
             return out
 
     class ScatterRows(torch.autograd.Function):  # type: ignore[misc]
-        """data with `updates` written at `indices` [..., 3] (index_put), exported as one ScatterND over
-        an index tensor the graph computes once for every block (index_put builds its own each time)."""
+        """data with `updates` written at `indices` [..., 4] (row, head, frame, part; index_put), exported as
+        one ScatterND over an index tensor the graph computes once for every block (index_put builds its
+        own each time)."""
 
         @staticmethod
         def forward(ctx: Any, data: Any, indices: Any, updates: Any) -> Any:
