@@ -4,11 +4,10 @@ records, so the rules are tested without graphs, threads or sleeps.
 
 Calls share a replay at the same Euler step (each step's caches are one group of lanes),
 whatever their windows: the replay runs at the largest window among them, the shorter ones
-right-padded (masked frames, as a chunk shorter than its bucket always was). On the H200's
-twelfth run, with replays kept to one window bucket, streams at chunks of 64 and 128 frames
-could not share and 244 of 351 replays at 16 streams served one stream; a replay is
-launch-bound (~2,000 kernels of ~4 µs), so a longer window costs far less than a second
-replay. On the H200 (seventh run, docs/gpu.md) 78 % of the replays
+right-padded (masked frames, as a chunk shorter than its bucket always was): a replay is
+launch-bound (~1,500 kernels), so a longer window costs far less than a second replay (in the
+H200's fourteenth run no replay had calls of two buckets, `mixed_windows` 0: its
+single-stream replays were streams a step apart). On the H200 (seventh run, docs/gpu.md) 78 % of the replays
 served one stream: with the calls served in arrival order, streams that started their
 chunks at different times stay out of phase for good (one at step 7 and one at step 2
 alternate and never meet). So the next replay serves:
@@ -16,11 +15,11 @@ alternate and never meet). So the next replay serves:
 1. a call passed over by `max_passed` replays (bound: a stream that is ahead waits at
    most that many replays, about one chunk's Euler loop);
 2. else, among the calls of the highest priority waiting (a first chunk's are
-   FIRST_AUDIO: first audio first, as on the graph thread), the lowest Euler step
-   (ties: the oldest call): streams behind catch up with the ones ahead, which wait
-   for them, and from there on they share every step;
+   FIRST_AUDIO: first audio first, as on the graph thread), the lowest Euler step:
+   streams behind catch up with the ones ahead, which wait for them, and from there on
+   they share every step;
 
-with every waiting call of that step, up to the lanes. A stream served by the last
+with every waiting call of that step, up to the lanes (the oldest first). A stream served by the last
 replay comes back for its next step within a fraction of a millisecond (it only
 updates x): where its next call would be the one to run or would join it, the replay
 waits for it (bounded by the caller), else the thread would run the stream ahead alone

@@ -55,7 +55,7 @@ def top_order(probs: np.ndarray, k: int) -> np.ndarray:
     n = probs.shape[0]
     sample = probs[::SAMPLE_STRIDE]
     m = sample.shape[0]
-    if 0 < k < m and SAMPLE_STRIDE > 1:
+    if 0 < k < m:
         bound = np.partition(sample, m - k)[m - k]
         ids = np.flatnonzero(probs >= bound)
     else:
