@@ -21,3 +21,14 @@ def sample_due(done: int, total: int, warmup: float = 0.1) -> bool:
 def growth_after_warmup(samples: list[int]) -> float:
     """RSS growth from the first sample (taken after the warm-up) to the last."""
     return round((samples[-1] - samples[0]) / samples[0], 4)
+
+
+def steady_growth(samples: list[int]) -> float:
+    """Growth after the warm-up less its largest single step between two samples.
+
+    A leak keeps growing from sample to sample; a one-off allocation (an allocator arena
+    for a new thread, a cache reaching its bound) is one step. A CI run of the Wyoming fuzz
+    grew 5.6 % in all, 2.8 MiB of it between two samples and flat afterwards (stop 33)."""
+    steps = [b - a for a, b in zip(samples, samples[1:])]
+    largest = max([0, *steps])
+    return round((samples[-1] - samples[0] - largest) / samples[0], 4)
