@@ -48,11 +48,13 @@
 # --voice NAME), VOICE_WAV / VOICE_TEXT / VOICE_NAME (a recording, its transcript and the
 # name it is saved under in both bundles, default en8), STATIC_FLOW_WINDOWS (64,128,640), STATIC_FLOW_CACHE (1024), VOCODER_FIRST_HOPS (15: the
 # fixed-length vocoder graph of bench --first-chunk 15:6's first chunk), FUSED_BATCHES (1,2,4,8,16: the fused fp16 LLM step), BATCH_FLOW_SIZES
-# (1,8: the batched estimator windows), LANES16=1 (also /tmp/full/lanes16: the bundle with those in fp16,
+# (1,8: the batched estimator windows), BATCH_FLOW_PRECISION (fp32) and BATCH_FLOW_ATTENTION (plain): those
+# windows' variant in the bundle itself (fp16 and fused: the fused lanes without a second export), LANES16=1 (also /tmp/full/lanes16: the bundle with those in fp16,
 # device_fp16.py --lanes-only), LANESF=1 (also /tmp/full/lanesf: those exported again in fp16 with onnxruntime's
 # MultiHeadAttention, device_lanes.py), BUNDLE (the bench and batch steps' bundle under FULL_DIR: bundle, lanes16, lanesf;
 # its name then suffixes their JSON), GPU_TESTS (a subset
-# of the -m gpu test files, to repeat one), CONCURRENCY, FP16=0 (no fp16 bundle: for steps
+# of the -m gpu test files, to repeat one), JSON_TAG (the batch step's JSON name suffix: two batch steps of one
+# plan keep both files), CONCURRENCY, FP16=0 (no fp16 bundle: for steps
 # that do not use it, when device time is short), FULL=0 (no full-size checkpoint or bundles at all:
 # the tests step only, on the tests' own tiny bundles, in a minute or two).
 set -euo pipefail
@@ -102,8 +104,8 @@ if [ "${FULL:-1}" = 1 ] && [ ! -f "$full/bundle/manifest.json" ]; then
     --static-flow-windows "${STATIC_FLOW_WINDOWS:-64,128,640}" --static-flow-cache "${STATIC_FLOW_CACHE:-1024}" --static-vocoder \
     --static-vocoder-first-hops "${VOCODER_FIRST_HOPS:-15}" \
     --fused-decode-batches "${FUSED_BATCHES:-1,2,4,8,16}" --fused-decode-precision fp16 \
-    --batch-flow-sizes "${BATCH_FLOW_SIZES:-1,8}" \
-    >>"$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
+    --batch-flow-sizes "${BATCH_FLOW_SIZES:-1,8}" --batch-flow-precision "${BATCH_FLOW_PRECISION:-fp32}" \
+    --batch-flow-attention "${BATCH_FLOW_ATTENTION:-plain}" >>"$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
 fi
 if [ "${FULL:-1}" = 1 ] && [ "${FP16:-1}" = 1 ] && [ ! -f "$full/fp16/manifest.json" ]; then
   python3 -m cosyedge_build.tools.device_fp16 --bundle "$full/bundle" --out "$full/fp16" >>"$out/build.log" 2>&1 \
@@ -165,7 +167,7 @@ for step in ${steps//,/ }; do
     batch)
       timeout "${BENCH_TIMEOUT_S:-480}" python3 -m cosyedge_daemon -v bench --bundle "$full/${BUNDLE:-bundle}" --backend ort-cuda \
         --graph-batching --batching 16 --graph-flow-batch --concurrency "${CONCURRENCY:-1,8,16}" --concurrency-only \
-        ${BENCH_ARGS:-} --json "$out/bench_h200_batch${BUNDLE:+_$BUNDLE}.json" 2>&1 | grep -v -i warn > "$out/batch.log" \
+        ${BENCH_ARGS:-} --json "$out/bench_h200_batch${BUNDLE:+_$BUNDLE}${JSON_TAG:+_$JSON_TAG}.json" 2>&1 | grep -v -i warn > "$out/batch.log" \
         || { tail -40 "$out/batch.log"; exit 1; }
       stamp "batch done" ;;
     conc)

@@ -83,14 +83,23 @@ class GraphStages:
         """Whether first_audio() opens holds: a graph thread exists and first_audio_first is on."""
         return self.settings.first_audio_first and bool(self.threads)
 
+    def first_audio_threads(self) -> list[GraphThread]:
+        """The graph threads a first chunk's hold applies to: the one thread, or ("per-stage")
+        those of the flow and vocoder stages. A hold orders a queue that first-audio work shares
+        with LLM steps; the LLM step's own thread has no such work to put first, and holding it
+        would stall the streams that already speak (their later chunks' tokens) and the streams
+        behind (their first chunks' tokens) whenever some first chunk is on its way."""
+        one = self.settings.graph_threads == "one"
+        return list({id(t): t for stage, t in self.threads.items() if one or stage != "decode"}.values())
+
     @contextlib.contextmanager
     def first_audio(self) -> Iterator[None]:
         """A request's first chunk (flow and vocoder) on its way to the first audio: its graph
-        work runs first and the LLM steps wait, on every graph thread of the engine
-        (GraphThread.first_audio); nothing when holds_first_audio is False."""
+        work runs first, and LLM steps that share its thread wait (GraphThread.first_audio), on
+        first_audio_threads; nothing when holds_first_audio is False."""
         with contextlib.ExitStack() as stack:
             if self.holds_first_audio:
-                for thread in {id(t): t for t in self.threads.values()}.values():
+                for thread in self.first_audio_threads():
                     stack.enter_context(thread.first_audio())
             yield
 

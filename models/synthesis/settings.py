@@ -115,7 +115,8 @@ class SynthesisSettings:
     vocoder_pad_final: bool | None = None
     # "one": every captured stage (LLM step, flow windows, vocoder) replays on one GPU graph
     # thread, one replay at a time; "per-stage": a thread each, so streams' LLM steps and flow
-    # windows can overlap on the GPU (captures still happen at load, one stage after another).
+    # windows can overlap on the GPU (captures still happen at load, one stage after another;
+    # first-audio holds then apply to the flow and vocoder threads only, not to the LLM's).
     graph_threads: str = "one"
     # "The first chunk first": a streaming request's first chunk's flow and vocoder run ahead of
     # other work on the graph thread(s), and the LLM's captured decode steps (every stream's)

@@ -183,7 +183,9 @@ def test_every_run_of_a_captured_session_is_on_the_graph_thread(graph_bundle: Pa
 def test_per_stage_threads_keep_each_stage_on_its_own_thread(graph_bundle: Path,
                                                               recorded_runs: list[tuple[str, int]]) -> None:
     """graph_threads="per-stage": the LLM step, the flow windows and the vocoder graphs each
-    replay on their own thread (warm-up included), with the audio of the one-thread engine."""
+    replay on their own thread (warm-up included), with the audio of the one-thread engine; the
+    first chunks' holds are opened on the flow and vocoder threads, never on the LLM's (nothing
+    there to put first: it would only stall the other streams' tokens)."""
     outs = {}
     for mode in ("one", "per-stage"):
         recorded_runs.clear()
@@ -197,11 +199,15 @@ def test_per_stage_threads_keep_each_stage_on_its_own_thread(graph_bundle: Path,
             outs[mode] = _concurrently(engine, 3)
             assert engine.static_vocoder is not None and engine.static_vocoder.replays > vocoder_calls
             by_stage = {("decode" if name == "llm_decode_static" else "flow"): tid for name, tid in recorded_runs}
+            holds = {stage: t.order_stats()["holds"] for stage, t in threads.items()}
             if mode == "one":
                 assert engine.graph_thread is not None and len({id(t) for t in threads.values()}) == 1
                 assert set(by_stage.values()) == {engine.graph_thread.ident}
+                assert holds["decode"] == 3  # each streaming request's first chunk, on the one thread
             else:
                 assert engine.graph_thread is None and len({t.ident for t in threads.values()}) == 3
+                assert holds == {"decode": 0, "flow": 3, "vocoder": 3}, holds
+                assert engine.graphs.first_audio_threads() == [threads["flow"], threads["vocoder"]]
                 for name, tid in recorded_runs:
                     stage = "decode" if name == "llm_decode_static" else "flow"
                     assert tid == threads[stage].ident, name
