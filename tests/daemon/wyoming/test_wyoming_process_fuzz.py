@@ -24,7 +24,7 @@ from wyoming.event import async_read_event
 
 from tests.daemon.service.test_process import Daemon
 from tests.support.broker import Broker
-from tests.support.daemon_rss import growth_after_warmup, rss_kib, steady_growth, sample_due
+from tests.support.daemon_rss import growth_after_warmup, rss_kib, sample_due, steady_growth
 from tests.support.figures import record
 from tests.support.fuzz import AnswerCounter
 from tests.support.mqtt_recorder import Recorder
