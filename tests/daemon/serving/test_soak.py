@@ -71,7 +71,8 @@ def run_soak(tmp_path: Path, broker: Broker, requests: int, dedupe_max_ids: int 
     after_warmup = [kib for n, kib in rss if n >= warm]
     return {"requests": requests, "in_flight": IN_FLIGHT, "answered_once": requests - len(missing) - len(doubled),
             "missing": missing[:20], "doubled": doubled[:20], "outcomes": dict(codes), "daemon_alive": alive,
-            "warmup_requests": warm, "rss_kib": rss, "rss_growth_after_warmup": growth_after_warmup(after_warmup), "rss_steady_growth": steady_growth(after_warmup),
+            "warmup_requests": warm, "rss_kib": rss, "rss_growth_after_warmup": growth_after_warmup(after_warmup),
+            "rss_steady_growth": steady_growth(after_warmup),
             "seconds": round(time.monotonic() - t0, 1)}
 
 
