@@ -17,7 +17,7 @@ from cosyedge_daemon.settings.topics import NativeTopics, topic_problem
 from cosyedge_daemon.settings.wyoming import SatelliteSettings, WyomingSettings
 from cosyedge_models.settings_schema import setting
 from cosyedge_models.synthesis.api import MAX_TEXT_CHARS
-from cosyedge_models.synthesis.modes import LLM_FIRST_CHUNK_PRIORITIES
+from cosyedge_models.synthesis.modes import LLM_FIRST_CHUNK_PRIORITIES, MAX_PARALLEL_PREFILLS
 
 PRIORITY_MIN, PRIORITY_MAX = -1000, 1000
 AUTO_WORKERS_MAX = 4  # synthesis_workers = "auto": beyond this the flow/vocoder, not the LLM, bound a board
@@ -157,6 +157,11 @@ class TtsSettings:
         "their tokens first speak first); first_audio: in turn with those flows (later streams' first chunks "
         "are not held behind earlier streams' flows)",
         choices=LLM_FIRST_CHUNK_PRIORITIES, reload=True,
+    )
+    llm_parallel_prefills: int = setting(
+        1, "with graph_batching: a round's new requests' prefills (each a run of the dynamic LLM graph, bound "
+        "by kernel launches on a GPU) run on up to this many threads at once; 1: one after another",
+        min=1, max=MAX_PARALLEL_PREFILLS, reload=True,
     )
     synthesis_workers: int | str = setting(
         "auto", "requests synthesized at once (each on its own worker thread, so the LLM batcher can batch "

@@ -21,6 +21,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 
 import numpy as np
@@ -45,8 +46,10 @@ class GraphBatcher(BatchWorker):
     def __init__(self, lm: SpeechTokenLM, step: BatchedDecodeStep, thread: GraphThread,
                  settings: IterationSettings, clock: Callable[[], float] = time.monotonic,
                  on_stop: Callable[[], None] | None = None,
-                 first_chunk_priority: GraphPriority = GraphPriority.NORMAL) -> None:
+                 first_chunk_priority: GraphPriority = GraphPriority.NORMAL, prefill_threads: int = 1) -> None:
         super().__init__("llm-graph-batcher", clock)
+        if prefill_threads < 1:
+            raise ValueError(f"prefill_threads must be >= 1, got {prefill_threads}")
         if settings.rows > step.rows or not set(settings.batch_sizes) <= set(step.batch_sizes):
             raise ValueError(f"the schedule ({settings.rows} rows, sizes {list(settings.batch_sizes)}) does not fit "
                              f"the step ({step.rows} rows, sizes {list(step.batch_sizes)})")
@@ -66,6 +69,9 @@ class GraphBatcher(BatchWorker):
         self._requests: dict[int, _Request] = {}  # admitted or waiting, by key (under _cond)
         self._lengths: dict[int, int] = {}  # running streams' cache lengths (worker-owned)
         self.groups = GroupGate(self.clock, self.kick)  # open groups hold prefills back (models/batching/group.py)
+        # a round's prefills at once ([tts] llm_parallel_prefills; each writes its own row): None, one after another
+        self._prefill_pool = (ThreadPoolExecutor(prefill_threads, thread_name_prefix="llm-prefill")
+                              if prefill_threads > 1 else None)
 
     # --- consumer side -----------------------------------------------------------------
     def submit(self, inp: LlmInput, sampler: TokenSampler, stats: LlmStats | None = None, *,
@@ -129,10 +135,18 @@ class GraphBatcher(BatchWorker):
             if holding is not None:  # members of a group are still on their way: step the running ones only
                 return self._step(), holding
             plan = self.scheduler.prefills(now, self.delay_ms)
-        for p in plan.run:
-            self._prefill(self._requests[p.key], p.row)
+        self._prefill_all([(self._requests[p.key], p.row) for p in plan.run])
         stepped = self._step()
         return bool(plan.run) or stepped, plan.wake_at
+
+    def _prefill_all(self, prefills: list[tuple[_Request, int]]) -> None:
+        """The round's prefills, on the prefill threads where there are several (the step waits for all)."""
+        if self._prefill_pool is None or len(prefills) < 2:
+            for request, row in prefills:
+                self._prefill(request, row)
+            return
+        for done in [self._prefill_pool.submit(self._prefill, request, row) for request, row in prefills]:
+            done.result()  # _prefill fails only its own stream; anything else fails the round
 
     def _prefill(self, request: _Request, row: int) -> None:
         req = request.decode
@@ -214,6 +228,8 @@ class GraphBatcher(BatchWorker):
 
     # --- lifecycle (start/stop: BatchWorker) -------------------------------------------
     def _stopped(self) -> None:
+        if self._prefill_pool is not None:
+            self._prefill_pool.shutdown(wait=True)
         self._fail_all(SynthesisError("the LLM graph batcher stopped before the request finished"))
         if self._on_stop is not None:
             self._on_stop()
@@ -229,7 +245,8 @@ class GraphBatcher(BatchWorker):
 
 def start_graph_batcher(lm: SpeechTokenLM, batching: BatchSettings | None, prefills_between_steps: int,
                         fused: FusedDecodeStep | None = None, fused_thread: GraphThread | None = None,
-                        first_chunk_priority: GraphPriority = GraphPriority.NORMAL) -> GraphBatcher | None:
+                        first_chunk_priority: GraphPriority = GraphPriority.NORMAL,
+                        prefill_threads: int = 1) -> GraphBatcher | None:
     """The engine's iteration-level batcher over `fused` (the bundle's fused batched step, run on
     `fused_thread`) where given, else over its fixed-size decode slots (LoopedGraphStep), or
     None: batching off or neither (the dynamic-graph batcher serves then). A max_batch_size
@@ -257,7 +274,8 @@ def start_graph_batcher(lm: SpeechTokenLM, batching: BatchSettings | None, prefi
         batching = dataclasses.replace(batching, max_batch_size=step.rows, preferred_batch_sizes=tuple(
             s for s in batching.preferred_batch_sizes if s <= step.rows))
     settings = IterationSettings(batching, step.batch_sizes, step.rows, prefills_between_steps)
-    return GraphBatcher(lm, step, thread, settings, on_stop=close, first_chunk_priority=first_chunk_priority).start()
+    return GraphBatcher(lm, step, thread, settings, on_stop=close, first_chunk_priority=first_chunk_priority,
+                        prefill_threads=prefill_threads).start()
 
 
 def _emit(request: _Request, token: int | None) -> None:

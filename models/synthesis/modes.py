@@ -14,3 +14,5 @@ GRAPH_THREAD_MODES = ("one", "per-stage")
 # The graph-thread class of a batched LLM step that samples a stream's first-chunk tokens
 # (SynthesisSettings.llm_first_chunk_priority), here for the parser and the settings schema too
 LLM_FIRST_CHUNK_PRIORITIES = ("normal", "first_audio")
+# the most threads a round's LLM prefills may use at once (SynthesisSettings.llm_parallel_prefills)
+MAX_PARALLEL_PREFILLS = 16

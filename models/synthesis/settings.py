@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from cosyedge_models.batching.policy import BatchSettings
 from cosyedge_models.synthesis.api import MAX_TEXT_CHARS
 from cosyedge_models.synthesis.flow import FINAL_CHUNK_MODES, FinalChunk
-from cosyedge_models.synthesis.modes import GRAPH_THREAD_MODES, LLM_FIRST_CHUNK_PRIORITIES
+from cosyedge_models.synthesis.modes import GRAPH_THREAD_MODES, LLM_FIRST_CHUNK_PRIORITIES, MAX_PARALLEL_PREFILLS
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,11 @@ class SynthesisSettings:
     # with those replays, so later streams' first-chunk tokens are not held behind earlier streams' flows
     # (H200, fourteenth run at 8 streams: the last first-chunk tokens at 710 ms with "normal").
     llm_first_chunk_priority: str = "normal"
+    # With graph_batching: a round's new requests' prefills run on up to this many threads at once
+    # (each an onnxruntime run of the dynamic LLM graph; on a GPU bound by kernel launches: ~11 ms for a
+    # saved voice's 291 positions on the H200, fourteenth run, so eight streams' first steps waited ~88
+    # ms for the prefills one after another). 1: one after another, as measured so far.
+    llm_parallel_prefills: int = 1
     # Per-voice prompt caches (models/synthesis/voice_cache.py) for saved voices, in MiB
     # (host memory; about 4.4 MiB per prompt mel frame at full size in fp32); 0: off.
     voice_cache_mb: int = 2048
@@ -155,6 +160,9 @@ class SynthesisSettings:
         if self.llm_first_chunk_priority not in LLM_FIRST_CHUNK_PRIORITIES:
             raise ValueError(f"llm_first_chunk_priority must be one of {', '.join(LLM_FIRST_CHUNK_PRIORITIES)}, "
                              f"got {self.llm_first_chunk_priority!r}")
+        if not 1 <= self.llm_parallel_prefills <= MAX_PARALLEL_PREFILLS:
+            raise ValueError(f"llm_parallel_prefills must be 1 .. {MAX_PARALLEL_PREFILLS} threads, "
+                             f"got {self.llm_parallel_prefills}")
         if self.llm_prefills_between_steps < 1:
             raise ValueError(f"llm_prefills_between_steps must be >= 1 prefill, got {self.llm_prefills_between_steps}")
         if self.vocoder_sessions is not None and self.vocoder_sessions < 1:

@@ -282,6 +282,7 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
                               vocoder_pad_final=getattr(args, "vocoder_pad_final", None),
                               llm_prefills_between_steps=getattr(args, "llm_prefills_between_steps", 8),
                               llm_first_chunk_priority=getattr(args, "llm_first_chunk_priority", "normal"),
+                              llm_parallel_prefills=getattr(args, "llm_parallel_prefills", 1),
                               graph_decode_slots=max(4, args.batching) if getattr(args, "graph_batching", False) else 4)
     if cache_mb is not None:
         settings = dataclasses.replace(settings, voice_cache_mb=cache_mb)
@@ -291,6 +292,7 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
     # the iteration-level LLM batcher: asked for, and which batcher the engine runs (GraphBatcher or not)
     graph_batching = {"on": settings.graph_batching, "prefills_between_steps": settings.llm_prefills_between_steps,
                       "first_chunk_priority": settings.llm_first_chunk_priority,
+                      "parallel_prefills": settings.llm_parallel_prefills,
                       "engine_batcher": type(engine.batcher).__name__ if engine.batcher else None,
                       # the step it drives: FusedDecodeStep (the bundle's fused graphs) or LoopedGraphStep
                       "step": type(engine.batcher.step).__name__ if isinstance(engine.batcher, GraphBatcher) else None}

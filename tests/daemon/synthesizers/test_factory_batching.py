@@ -67,12 +67,12 @@ def test_graph_batching_settings_reach_the_engine(tiny_bundle: Path) -> None:
     from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer
 
     tts = TtsSettings(llm_max_batch_size=2, graph_batching=True, llm_prefills_between_steps=3,
-                      llm_first_chunk_priority="first_audio")
+                      llm_first_chunk_priority="first_audio", llm_parallel_prefills=3)
     engine = load_local_synthesizer(Settings(device_id="t", tts=tts), bundle=str(tiny_bundle))
     try:
         assert isinstance(engine, CosyVoiceSynthesizer)
         assert (engine.settings.graph_batching, engine.settings.llm_prefills_between_steps) == (True, 3)
-        assert engine.settings.llm_first_chunk_priority == "first_audio"
+        assert engine.settings.llm_first_chunk_priority == "first_audio" and engine.settings.llm_parallel_prefills == 3
         # this bundle has no fixed-size decode step: the dynamic-graph batcher serves the batch
         assert isinstance(engine.batcher, LlmBatcher)
     finally:
@@ -114,3 +114,11 @@ def test_an_unknown_first_chunk_priority_is_refused_with_the_allowed_values() ->
 
     with pytest.raises(ValueError, match="llm_first_chunk_priority must be one of normal, first_audio, got 'soon'"):
         SynthesisSettings(llm_first_chunk_priority="soon")
+
+
+def test_parallel_prefills_outside_their_range_are_refused_with_the_range() -> None:
+    from cosyedge_models.synthesis.settings import SynthesisSettings
+
+    for bad in (0, 17):
+        with pytest.raises(ValueError, match=f"llm_parallel_prefills must be 1 .. 16 threads, got {bad}"):
+            SynthesisSettings(llm_parallel_prefills=bad)

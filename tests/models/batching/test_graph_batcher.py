@@ -173,6 +173,46 @@ def test_worker_thread_serves_concurrent_streams(static_engine: CosyVoiceSynthes
     assert got == alone
 
 
+class ConcurrentPrefills(Recorder):
+    """A Recorder whose first `parties` prefills only return together: they must run at once."""
+
+    def __init__(self, inner: LoopedGraphStep, thread_ident: int | None, parties: int) -> None:
+        super().__init__(inner, thread_ident)
+        self.barrier = threading.Barrier(parties, timeout=30)
+        self.prefill_threads: set[str] = set()
+
+    def prefill(self, row: int, inputs_embeds: np.ndarray, past: np.ndarray | None = None) -> np.ndarray:
+        self.prefill_threads.add(threading.current_thread().name)
+        if len(self.prefill_threads) <= self.barrier.parties and not self.barrier.broken:
+            self.barrier.wait()  # BrokenBarrierError after 30 s: the prefills ran one after another
+        return super().prefill(row, inputs_embeds, past)
+
+
+def test_a_rounds_prefills_run_at_once_on_the_prefill_threads(static_engine: CosyVoiceSynthesizer) -> None:
+    """[tts] llm_parallel_prefills: a round's prefills run on that many threads at once (each writes its own
+    row), the step waits for them all, and every stream gives the tokens it gives alone."""
+    lm = static_engine.lm
+    alone = {i: list(lm.generate(_input(static_engine, i), _sampler(lm, 60 + i))) for i in range(3)}
+    dec = _decoder(lm)
+    rec = ConcurrentPrefills(LoopedGraphStep(dec, 4), dec.thread.ident, parties=3)
+    settings = IterationSettings(BatchSettings(max_batch_size=4), rec.batch_sizes, 4, 3)
+    b = GraphBatcher(lm, rec, dec.thread, settings, prefill_threads=3)
+    try:
+        streams = {i: b.submit(_input(static_engine, i), _sampler(lm, 60 + i)) for i in range(3)}
+        b.run_once()  # the three prefills (at once), then the first step of all three
+        assert [e[0] for e in rec.events].count("prefill") == 3 and rec.events[-1] == ("step", (0, 1, 2), 4)
+        while b.active or b.waiting:
+            b.run_once()
+        b.stop()  # the prefill threads end with the worker
+    finally:
+        rec.inner.close()
+    assert {i: list(s) for i, s in streams.items()} == alone
+    assert len(rec.prefill_threads) == 3 and all(n.startswith("llm-prefill") for n in rec.prefill_threads)
+    assert not any(t.name.startswith("llm-prefill") for t in threading.enumerate())
+    with pytest.raises(ValueError, match="prefill_threads must be >= 1, got 0"):
+        GraphBatcher(lm, rec, dec.thread, settings, prefill_threads=0)
+
+
 def test_a_request_that_does_not_fit_runs_alone_on_the_ordinary_loop(static_engine: CosyVoiceSynthesizer) -> None:
     lm = static_engine.lm
     long = LlmInput(text=[5] * 200)  # prompt + most speech tokens beyond the step's positions
