@@ -118,12 +118,16 @@ class OrderStats:
     # seconds the worker spent running work, by the label it was submitted with (the profile of
     # where a concurrency level's GPU thread time goes: bench's graph_busy_ms)
     busy_s: dict[str, float] = field(default_factory=dict)
+    # seconds the work waited from its submission until the worker took it, by label (behind other
+    # work, a hold, or the worker's own wake-up): bench's graph_waited_ms
+    waited_s: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, object]:
         return {"runs": dict(self.runs), "holds": self.holds, "deferred": self.deferred,
                 "overtaken": self.overtaken, "forced": self.forced, "expired": self.expired,
                 "held_ms": round(self.held_s * 1e3, 1),
-                "busy_ms": {k: round(v * 1e3, 1) for k, v in sorted(self.busy_s.items())}}
+                "busy_ms": {k: round(v * 1e3, 1) for k, v in sorted(self.busy_s.items())},
+                "waited_ms": {k: round(v * 1e3, 1) for k, v in sorted(self.waited_s.items())}}
 
 
 @dataclass
@@ -251,7 +255,7 @@ class GraphThreadClosed(SynthesisError):
     """Work was submitted to a GraphThread that is closed (or never started)."""
 
 
-_Item = tuple[Callable[[], object], Future[object], str]  # work, its result, its label
+_Item = tuple[Callable[[], object], Future[object], str, float]  # work, its result, its label, submitted at
 
 
 class GraphThread:
@@ -342,7 +346,8 @@ class GraphThread:
                     break
                 self._changed.wait()  # full: close() and the worker's pops notify
             # Future[T] is stored as Future[object]: the worker only sets what work() returned
-            self.order.push((work, future, label or prio.name.lower()), prio)  # type: ignore[arg-type]
+            self.order.push((work, future, label or prio.name.lower(), time.perf_counter()),  # type: ignore[arg-type]
+                            prio)
             self._changed.notify_all()
         return future
 
@@ -369,10 +374,11 @@ class GraphThread:
         self.ident = threading.get_ident()
         ready.set()
         while (item := self._next()) is not None:
-            work, future, label = item
+            work, future, label, submitted = item
             if not future.set_running_or_notify_cancel():
                 continue
             t0 = time.perf_counter()
+            waited = t0 - submitted
             error: BaseException | None = None
             result: object = None
             try:
@@ -381,7 +387,9 @@ class GraphThread:
                 error = exc
             busy = time.perf_counter() - t0
             with self._lock:  # counted before the caller sees its result
-                self.order.stats.busy_s[label] = self.order.stats.busy_s.get(label, 0.0) + busy
+                stats = self.order.stats
+                stats.busy_s[label] = stats.busy_s.get(label, 0.0) + busy
+                stats.waited_s[label] = stats.waited_s.get(label, 0.0) + waited
             self.calls += 1
             if error is not None:
                 future.set_exception(error)

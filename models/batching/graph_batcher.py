@@ -141,12 +141,14 @@ class GraphBatcher(BatchWorker):
 
     def _prefill_all(self, prefills: list[tuple[_Request, int]]) -> None:
         """The round's prefills, on the prefill threads where there are several (the step waits for all)."""
+        t0 = time.perf_counter()
         if self._prefill_pool is None or len(prefills) < 2:
             for request, row in prefills:
                 self._prefill(request, row)
-            return
-        for done in [self._prefill_pool.submit(self._prefill, request, row) for request, row in prefills]:
-            done.result()  # _prefill fails only its own stream; anything else fails the round
+        else:
+            for done in [self._prefill_pool.submit(self._prefill, request, row) for request, row in prefills]:
+                done.result()  # _prefill fails only its own stream; anything else fails the round
+        self.stats.prefill_s += time.perf_counter() - t0
 
     def _prefill(self, request: _Request, row: int) -> None:
         req = request.decode
@@ -175,6 +177,7 @@ class GraphBatcher(BatchWorker):
             requests = [self._requests[k] for k in batch.keys] if batch is not None else []
         if batch is None:
             return False
+        started = time.perf_counter()
         embeds = np.stack([r.decode.next_input for r in requests]).astype(np.float32, copy=False)
         lengths = [self._lengths[k] for k in batch.keys]
         t0 = time.perf_counter()
@@ -197,7 +200,8 @@ class GraphBatcher(BatchWorker):
                 for key in batch.keys:
                     self._leave(key, err)
             return True
-        ms = (time.perf_counter() - t0) * 1e3
+        call_s = time.perf_counter() - t0
+        ms = call_s * 1e3
         self.stats.steps += 1
         self.stats.shared_steps += len(requests) > 1
         self.stats.peak_batch = max(self.stats.peak_batch, len(requests))
@@ -216,6 +220,8 @@ class GraphBatcher(BatchWorker):
                 self.scheduler.stepped(key, request.decode.finished)
                 if request.decode.finished:
                     self._leave(key)
+        self.stats.step_call_s += call_s
+        self.stats.step_host_s += time.perf_counter() - started - call_s
         return True
 
     def _leave(self, key: int, error: BaseException | None = None) -> None:

@@ -75,6 +75,12 @@ class BatchStats:
     shared_steps: int = 0  # of them, steps with more than one request in the batch
     peak_batch: int = 0  # the most requests in one step
     unbatched: int = 0  # requests too long for the batched step, run on the ordinary loop (GraphBatcher)
+    # GraphBatcher's time (bench: where a token's time goes): the rounds' prefills (wall, what the running
+    # streams waited for), the steps' calls on the graph thread (queue, replay, the hops there and back) and
+    # the rest of the steps on the batcher's thread (inputs, sampling, handing the tokens out)
+    prefill_s: float = 0.0
+    step_call_s: float = 0.0
+    step_host_s: float = 0.0
 
 
 class TokenStream:

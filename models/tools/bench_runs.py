@@ -5,6 +5,7 @@ percentiles, the slowest stream's RTF; the LLM alone with --llm-only). Used by
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -12,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from cosyedge_models.batching.llm_batcher import BatchStats
 from cosyedge_models.synthesis.api import StageEvent, SynthesisRequest
 from cosyedge_models.synthesis.llm import LlmInput
 from cosyedge_models.synthesis.sampling import TokenSampler
@@ -57,6 +59,18 @@ def run_parallel(n: int, worker: Callable[[int], None]) -> float:
     return time.perf_counter() - t0
 
 
+def llm_delta(before: BatchStats | None, after: BatchStats) -> dict[str, float]:
+    """The LLM batcher's steps over a level (and those that served several streams); for the graph
+    batcher, the ms of its rounds' prefills and of its steps' graph-thread calls and host work."""
+    old = before or BatchStats()
+    out: dict[str, float] = {"llm_steps": after.steps - old.steps,
+                             "llm_shared_steps": after.shared_steps - old.shared_steps}
+    spent = {"llm_prefill_ms": after.prefill_s - old.prefill_s, "llm_step_call_ms": after.step_call_s - old.step_call_s,
+             "llm_step_host_ms": after.step_host_s - old.step_host_s}
+    out.update({name: round(s * 1e3, 1) for name, s in spent.items() if s > 0})  # the graph batcher's
+    return out
+
+
 # the GPU graph threads' order counters (GraphThread.order_stats) reported per level, by their key there
 ORDER_KEYS = {"holds": "graph_holds", "deferred": "graph_llm_held", "held_ms": "graph_held_ms",
               "forced": "graph_forced", "expired": "graph_expired"}
@@ -65,18 +79,21 @@ ORDER_KEYS = {"holds": "graph_holds", "deferred": "graph_llm_held", "held_ms": "
 def order_delta(before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """What the graph threads' order did between two GraphStages.order_stats(), summed over the
     threads: first-audio holds opened, LLM steps they held, ms with a hold open, bound hits; and
-    `graph_busy_ms`, the ms the threads ran work, by the work's label (where the GPU time went)."""
+    `graph_busy_ms`, the ms the threads ran work, by the work's label (where the GPU time went), and
+    `graph_waited_ms`, the ms that work waited in the threads' queues before it ran, by label."""
     out: dict[str, Any] = {}
-    busy: dict[str, float] = {}
     for thread, stats in after.items():
         old = before.get(thread, {})
         for key, name in ORDER_KEYS.items():
             out[name] = round(out.get(name, 0.0) + float(stats[key]) - float(old.get(key, 0)), 1)
-        old_busy = old.get("busy_ms", {})
-        for label, ms in stats.get("busy_ms", {}).items():
-            busy[label] = busy.get(label, 0.0) + float(ms) - float(old_busy.get(label, 0.0))
-    if busy:
-        out["graph_busy_ms"] = {label: round(ms, 1) for label, ms in sorted(busy.items()) if ms > 0}
+    for key, name in (("busy_ms", "graph_busy_ms"), ("waited_ms", "graph_waited_ms")):
+        by_label: dict[str, float] = {}
+        for thread, stats in after.items():
+            old_ms = before.get(thread, {}).get(key, {})
+            for label, ms in stats.get(key, {}).items():
+                by_label[label] = by_label.get(label, 0.0) + float(ms) - float(old_ms.get(label, 0.0))
+        if by_label:
+            out[name] = {label: round(ms, 1) for label, ms in sorted(by_label.items()) if ms > 0}
     return out
 
 
@@ -129,7 +146,7 @@ def run_concurrent(engine: CosyVoiceSynthesizer, text: str, n: int, stream: bool
     runs: list[dict[str, Any]] = [{} for _ in range(n)]
     errors: list[str] = []
     before = {b.name: (b.stats.runs, b.stats.calls) for b in engine.stage_batchers}
-    llm_before = (engine.batcher.stats.steps, engine.batcher.stats.shared_steps) if engine.batcher else (0, 0)
+    llm_before = dataclasses.replace(engine.batcher.stats) if engine.batcher else None
     order_before = engine.graphs.order_stats()
     flow_before = engine.graphs.flow_batch_stats()
 
@@ -162,8 +179,7 @@ def run_concurrent(engine: CosyVoiceSynthesizer, text: str, n: int, stream: bool
         graph_runs, calls = b.stats.runs - before[b.name][0], b.stats.calls - before[b.name][1]
         out[f"{b.name}_mean_batch"] = round(calls / graph_runs, 3) if graph_runs else 0.0
     if engine.batcher is not None:  # LLM decode steps at this level and those that served several streams
-        out["llm_steps"] = engine.batcher.stats.steps - llm_before[0]
-        out["llm_shared_steps"] = engine.batcher.stats.shared_steps - llm_before[1]
+        out.update(llm_delta(llm_before, engine.batcher.stats))
     out.update(order_delta(order_before, engine.graphs.order_stats()))  # (no graph thread: nothing)
     flow = flow_batch_delta(flow_before, engine.graphs.flow_batch_stats())
     if flow is not None:

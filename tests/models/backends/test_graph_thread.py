@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import pytest
-from cosyedge_models.backends.graph_thread import GraphThread, GraphThreadClosed
+from cosyedge_models.backends.graph_thread import GraphPriority, GraphThread, GraphThreadClosed
 from cosyedge_models.backends.ort import OrtSession
 from cosyedge_models.backends.ort_graph_decode import GraphDecoder
 from cosyedge_models.bundle.loader import STATIC_FLOW_PREFIX
@@ -73,6 +73,21 @@ def test_the_worker_counts_its_busy_time_by_the_label_of_the_work() -> None:
         busy = worker.order_stats()["busy_ms"]
     assert isinstance(busy, dict) and set(busy) == {"replay", "normal"}
     assert 60 <= busy["replay"] < 1000 and 20 <= busy["normal"] < 1000
+
+
+def test_the_worker_counts_how_long_work_waited_in_its_queue_by_label() -> None:
+    """waited_ms: from submission until the worker took it (an LLM step behind a flow replay waits for it)."""
+    with GraphThread() as worker:
+        started = threading.Event()
+        first = worker.submit(lambda: (started.set(), time.sleep(0.08)), label="replay")
+        assert started.wait(10)
+        worker.submit(lambda: None, GraphPriority.LLM, label="step").result(10)  # queued behind the replay
+        first.result(10)
+        stats = worker.order_stats()
+    waited, busy = stats["waited_ms"], stats["busy_ms"]
+    assert isinstance(waited, dict) and isinstance(busy, dict) and set(waited) == {"replay", "step"}
+    assert 50 <= waited["step"] <= busy["replay"] + 50  # most of the replay's 80 ms, never much more
+    assert waited["replay"] < 50  # an idle worker took it at once
 
 
 def test_close_runs_what_is_queued_then_refuses_with_a_clear_error() -> None:

@@ -208,6 +208,8 @@ def test_a_rounds_prefills_run_at_once_on_the_prefill_threads(static_engine: Cos
         rec.inner.close()
     assert {i: list(s) for i, s in streams.items()} == alone
     assert len(rec.prefill_threads) == 3 and all(n.startswith("llm-prefill") for n in rec.prefill_threads)
+    # where the batcher's time went (bench's llm_prefill_ms, llm_step_call_ms, llm_step_host_ms)
+    assert b.stats.prefill_s > 0 and b.stats.step_call_s > 0 and b.stats.step_host_s > 0
     assert not any(t.name.startswith("llm-prefill") for t in threading.enumerate())
     with pytest.raises(ValueError, match="prefill_threads must be >= 1, got 0"):
         GraphBatcher(lm, rec, dec.thread, settings, prefill_threads=0)

@@ -166,6 +166,18 @@ def test_a_failed_request_is_counted_and_the_level_measured_without_it(
     assert level["requests_per_s"] > 0 and level["stream_rtf_max"] > 0
 
 
+def test_llm_delta_gives_a_levels_steps_and_where_the_graph_batchers_time_went() -> None:
+    from cosyedge_models.batching.llm_batcher import BatchStats
+    from cosyedge_models.tools.bench_runs import llm_delta
+
+    before = BatchStats(steps=10, shared_steps=4, prefill_s=0.1, step_call_s=0.02, step_host_s=0.005)
+    after = BatchStats(steps=38, shared_steps=30, prefill_s=0.188, step_call_s=0.0586, step_host_s=0.0204)
+    assert llm_delta(before, after) == {"llm_steps": 28, "llm_shared_steps": 26, "llm_prefill_ms": 88.0,
+                                        "llm_step_call_ms": 38.6, "llm_step_host_ms": 15.4}
+    # the dynamic-graph batcher counts steps only; no batcher before the level: from zero
+    assert llm_delta(None, BatchStats(steps=3, shared_steps=1)) == {"llm_steps": 3, "llm_shared_steps": 1}
+
+
 def test_order_delta_sums_each_graph_threads_counters_over_a_level() -> None:
     from cosyedge_models.tools.bench_runs import order_delta
 
@@ -185,6 +197,13 @@ def test_order_delta_sums_each_graph_threads_counters_over_a_level() -> None:
     after = {"decode": {**stats(0, 0, 0.0), "busy_ms": {"llm_step": 340.5, "vocoder_graph": 5.0}},
              "flow": {**stats(0, 0, 0.0), "busy_ms": {"flow_batched_replay": 80.0}}}
     assert order_delta(before, after)["graph_busy_ms"] == {"flow_batched_replay": 80.0, "llm_step": 240.5}
+    # and the time it waited in the queues, the same way
+    before["decode"]["waited_ms"] = {"llm_step": 12.0}
+    after["decode"]["waited_ms"] = {"llm_step": 390.0}
+    after["flow"]["waited_ms"] = {"flow_batched_replay": 4.5}
+    delta = order_delta(before, after)
+    assert delta["graph_waited_ms"] == {"flow_batched_replay": 4.5, "llm_step": 378.0}
+    assert "graph_waited_ms" not in order_delta({}, {"decode": stats(0, 0, 0.0)})
 
 
 def test_flow_batch_delta_gives_a_levels_replays_and_their_mean_time_by_streams_served() -> None:
