@@ -223,7 +223,7 @@ def project_command(args: argparse.Namespace) -> int:
     from cosyedge_models.tools.projection import H200_MEASURED, format_projection, projection_table
 
     bundle = load_bundle(args.bundle, precision="fp32")
-    shape = RequestShape(prompt_tokens=getattr(args, "project_prompt_tokens", None) or RequestShape.prompt_tokens)
+    shape = RequestShape(prompt_tokens=args.project_prompt_tokens or RequestShape.prompt_tokens)
     table = projection_table(bundle_workload(bundle.root, bundle.manifest, shape), H200_MEASURED)
     report = {"bench": "jetson_projection", "bundle": str(Path(args.bundle).resolve()), "machine": machine(),
               "request": dataclasses.asdict(shape), **table}
@@ -248,42 +248,42 @@ def save_partial(path: str | None, report: dict[str, Any]) -> None:
 
 
 def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = None) -> int:
-    if getattr(args, "project", False):
+    if args.project:
         return project_command(args)
     text = args.text or DEFAULT_TEXT
-    hops = int_list(args.first_hop, "--first-hop") if getattr(args, "first_hop", None) else []
-    first_chunk = parse_combos(args.first_chunk) if getattr(args, "first_chunk", None) else []
-    compare = [b for b in (getattr(args, "compare", None) or "").split(",") if b.strip()]
+    hops = int_list(args.first_hop, "--first-hop") if args.first_hop else []
+    first_chunk = parse_combos(args.first_chunk) if args.first_chunk else []
+    compare = [b for b in (args.compare or "").split(",") if b.strip()]
     concurrency = int_list(args.concurrency, "--concurrency") if args.concurrency else []
     batching = BatchSettings(max_batch_size=args.batching, max_queue_delay_ms=args.max_queue_delay_ms) \
         if args.batching else None
-    flow_size = getattr(args, "flow_batching", 0)
-    flow_batching = BatchSettings(max_batch_size=flow_size, max_queue_delay_ms=getattr(args, "flow_queue_delay_ms",
-                                                                                        0.0)) if flow_size else None
-    mode = getattr(args, "concurrency_mode", "stream")
-    overlap = False if getattr(args, "serial", False) else getattr(args, "overlap", None)
-    voice: str | None = getattr(args, "voice", None)
-    cache_mb = getattr(args, "voice_cache_mb", None)
+    flow_size = args.flow_batching
+    flow_batching = (BatchSettings(max_batch_size=flow_size, max_queue_delay_ms=args.flow_queue_delay_ms)
+                     if flow_size else None)
+    mode = args.concurrency_mode
+    overlap = False if args.serial else args.overlap
+    voice: str | None = args.voice
+    cache_mb = args.voice_cache_mb
     settings = SynthesisSettings(backend=args.backend, overlap_stages=overlap,
                               batching=batching, flow_batching=flow_batching,
-                              flow_final_chunk=getattr(args, "flow_final_chunk", "cached"),
-                              hop_scale=getattr(args, "hop_scale", 1.0),
+                              flow_final_chunk=args.flow_final_chunk,
+                              hop_scale=args.hop_scale,
                               # fixed-shape flow caches for every concurrent stream measured
-                              graph_flow=getattr(args, "graph_flow", None),
-                              graph_encoder=getattr(args, "graph_encoder", None),
-                              graph_threads=getattr(args, "graph_threads", "one"),
-                              first_audio_first=getattr(args, "first_audio_first", True),
+                              graph_flow=args.graph_flow,
+                              graph_encoder=args.graph_encoder,
+                              graph_threads=args.graph_threads,
+                              first_audio_first=args.first_audio_first,
                               # (with the batched windows the engine keeps two: the streams beyond the lanes)
                               graph_flow_slots=max(4, min(8, max(concurrency, default=1))),
                               # the iteration-level LLM batcher over the fixed-size decode, a slot per row
-                              graph_batching=getattr(args, "graph_batching", False),
-                              graph_flow_batch=getattr(args, "graph_flow_batch", False),
-                              offline_as_stream=getattr(args, "offline_as_stream", None),
-                              vocoder_pad_final=getattr(args, "vocoder_pad_final", None),
-                              llm_prefills_between_steps=getattr(args, "llm_prefills_between_steps", 8),
-                              llm_first_chunk_priority=getattr(args, "llm_first_chunk_priority", "normal"),
-                              llm_parallel_prefills=getattr(args, "llm_parallel_prefills", 1),
-                              graph_decode_slots=max(4, args.batching) if getattr(args, "graph_batching", False) else 4)
+                              graph_batching=args.graph_batching,
+                              graph_flow_batch=args.graph_flow_batch,
+                              offline_as_stream=args.offline_as_stream,
+                              vocoder_pad_final=args.vocoder_pad_final,
+                              llm_prefills_between_steps=args.llm_prefills_between_steps,
+                              llm_first_chunk_priority=args.llm_first_chunk_priority,
+                              llm_parallel_prefills=args.llm_parallel_prefills,
+                              graph_decode_slots=max(4, args.batching) if args.graph_batching else 4)
     if cache_mb is not None:
         settings = dataclasses.replace(settings, voice_cache_mb=cache_mb)
     t_load = time.perf_counter()
@@ -314,12 +314,12 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
                 Path(args.json).write_text(json.dumps(report_llm, indent=2) + "\n")
             return 0
         run_once(engine, text, stream=True, seed=0, voice=voice)  # warm-up: session arenas, page-in of weights
-        if not getattr(args, "concurrency_only", False):
+        if not args.concurrency_only:
             # a bar on a terminal, one line per part otherwise: a full-size run takes many minutes
             steps = 3 + sum(map(bool, (hops, first_chunk, voice, concurrency, compare, args.reference)))
             progress = stack.enter_context(StageProgress("bench", steps))
             progress.advance("warm-up")
-        if getattr(args, "concurrency_only", False):
+        if args.concurrency_only:
             run_once(engine, text, stream=False, seed=0, voice=voice)  # the offline shapes too
             report_c = {"machine": machine(engine.backend.name), "bundle": str(Path(args.bundle).resolve()),
                         "precision": engine.bundle.precision, "backend": engine.backend.describe(),
@@ -370,7 +370,7 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
         log.info("rtf %.4f, first audio %.1f ms; streaming cost on a long text", report["rtf"],
                  report["first_audio_ms"])
         save_partial(args.json, report)
-        long_seconds = getattr(args, "long_seconds", None) or LONG_SECONDS
+        long_seconds = args.long_seconds or LONG_SECONDS
         long, at_max_s, long_off = long_utterance(engine, long_seconds, seed=7, voice=voice)
         long_str = run_once(engine, long, stream=True, seed=7, voice=voice)
         flow_off, flow_str = long_off["stages_ms"], long_str["stages_ms"]
@@ -401,7 +401,7 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
             save_partial(args.json, report)
         if voice is not None:
             report["voice_cache"] = voice_cache_report(engine, text, voice, args.repeats, run_once)
-            if getattr(args, "voice_wav", None):
+            if args.voice_wav:
                 report["voice_cache"].update(inline_first_audio_ms(engine, text, voice, Path(args.voice_wav),
                                                                    args.repeats))
             progress.advance("voice cache off and on")
