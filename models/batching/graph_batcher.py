@@ -141,6 +141,8 @@ class GraphBatcher(BatchWorker):
 
     def _prefill_all(self, prefills: list[tuple[_Request, int]]) -> None:
         """The round's prefills, on the prefill threads where there are several (the step waits for all)."""
+        if not prefills:
+            return
         t0 = time.perf_counter()
         if self._prefill_pool is None or len(prefills) < 2:
             for request, row in prefills:
