@@ -15,9 +15,9 @@ case ${1:?start or wait} in
     # default: issue 23's next measurements (the fused fp16 lanes exported in the bundle itself: one export less
     # than a lanesf copy; their replays alone, kernels and GPU time (the [N, H, F, D/8, 8] K/V writes); the full
     # bench on them with the voice prepared; the levels with a graph thread per stage (the LLM steps beside the
-    # flow replays, never held by a first chunk), and with four prefills at once; the -m gpu batching tests; last, the first chunks' LLM steps as
-    # first-audio work on the one thread; /tmp/voice/en8.wav: the first 8.0 s of
-    # shared/data/speech/cross_lingual_prompt.wav, carried)
+    # flow replays, never held by a first chunk), and with four prefills at once; the -m gpu batching tests;
+    # last, the first chunks' LLM steps as first-audio work on the one thread; /tmp/voice/en8.wav: the first
+    # 8.0 s of shared/data/speech/cross_lingual_prompt.wav, carried)
     voice="VOICE_WAV=/tmp/voice/en8.wav VOICE_TEXT=And+then+later+on,+fully+acquiring+that+company.+So+keeping+management+in+line,+interest+in+line+with+the+asset"
     plan=${PLAN:-"d setup FP16=0 STATIC_FLOW_WINDOWS=64,128 FUSED_BATCHES=1,4,8,16 BATCH_FLOW_SIZES=1,8,16 BATCH_FLOW_PRECISION=fp16 BATCH_FLOW_ATTENTION=fused $voice;l lanes FP16=0;e bench FP16=0 BENCH_ARGS=--voice+en8+--first-chunk+15:6+--graph-batching+--batching+16+--graph-flow-batch+--concurrency-mode+both CONCURRENCY=1,8,16 BENCH_TIMEOUT_S=900;p batch FP16=0 JSON_TAG=per_stage BENCH_ARGS=--voice+en8+--graph-threads+per-stage CONCURRENCY=1,8,16;q batch FP16=0 JSON_TAG=per_stage_prefills4 BENCH_ARGS=--voice+en8+--graph-threads+per-stage+--llm-parallel-prefills+4 CONCURRENCY=8,16;g tests FP16=0 GPU_TESTS=tests/models/batching/test_flow_batcher_gpu.py+tests/models/backends/test_graph_thread.py+tests/models/batching/test_fused_step.py;f batch FP16=0 JSON_TAG=first_audio BENCH_ARGS=--voice+en8+--llm-first-chunk-priority+first_audio CONCURRENCY=8,16"}
     echo "$plan" >"$res/plan"

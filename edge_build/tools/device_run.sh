@@ -49,8 +49,8 @@
 # name it is saved under in both bundles, default en8), STATIC_FLOW_WINDOWS (64,128,640), STATIC_FLOW_CACHE (1024), VOCODER_FIRST_HOPS (15: the
 # fixed-length vocoder graph of bench --first-chunk 15:6's first chunk), FUSED_BATCHES (1,2,4,8,16: the fused fp16 LLM step), BATCH_FLOW_SIZES
 # (1,8: the batched estimator windows), BATCH_FLOW_PRECISION (fp32) and BATCH_FLOW_ATTENTION (plain): those
-# windows' variant in the bundle itself (fp16 and fused: the fused lanes without a second export), LANES16=1 (also /tmp/full/lanes16: the bundle with those in fp16,
-# device_fp16.py --lanes-only), LANESF=1 (also /tmp/full/lanesf: those exported again in fp16 with onnxruntime's
+# windows' variant in the bundle itself (fp16 and fused: the fused lanes without a second export),
+# LANES16=1 (also /tmp/full/lanes16: the bundle with those in fp16, device_fp16.py --lanes-only), LANESF=1 (also /tmp/full/lanesf: those exported again in fp16 with onnxruntime's
 # MultiHeadAttention, device_lanes.py), BUNDLE (the bench and batch steps' bundle under FULL_DIR: bundle, lanes16, lanesf;
 # its name then suffixes their JSON), GPU_TESTS (a subset
 # of the -m gpu test files, to repeat one), JSON_TAG (the batch step's JSON name suffix: two batch steps of one
