@@ -122,6 +122,22 @@ def static_flow_bundle(tiny_model_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def every_graph_bundle(tiny_model_dir: Path) -> Path:
+    """The tiny bundle with every graph the GPU serves a batch with, as the H200 plan exports it at full
+    size: the fused batched LLM step, the fixed-shape flow graphs single-stream and batched (1, 2, 4
+    streams), the fixed-length vocoder graphs."""
+    from cosyedge_build.export import export_bundle
+
+    key = _code_hash("edge_build", "models")
+    return _cached_dir("tiny-every-graph-bundle", key,
+                       lambda out: export_bundle(tiny_model_dir, out, fused_decode_batches=(1, 2, 4),
+                                                 fused_decode_len=STATIC_DECODE_LEN,
+                                                 static_flow_windows=STATIC_FLOW_WINDOWS,
+                                                 static_flow_cache=STATIC_FLOW_CACHE, batch_flow_sizes=(1, 2, 4),
+                                                 static_vocoder=True))
+
+
+@pytest.fixture(scope="session")
 def static_flow_fp16_bundle(tiny_model_dir: Path) -> Path:
     """static_flow_bundle with its batched graphs in fp16 (build export --batch-flow-precision fp16:
     the fp16 K/V lanes)."""
