@@ -17,7 +17,7 @@ from cosyedge_daemon.settings.topics import NativeTopics, topic_problem
 from cosyedge_daemon.settings.wyoming import SatelliteSettings, WyomingSettings
 from cosyedge_models.settings_schema import setting
 from cosyedge_models.synthesis.api import MAX_TEXT_CHARS
-from cosyedge_models.synthesis.modes import LLM_FIRST_CHUNK_PRIORITIES, MAX_PARALLEL_PREFILLS
+from cosyedge_models.synthesis.modes import GRAPH_THREAD_MODES, LLM_FIRST_CHUNK_PRIORITIES, MAX_PARALLEL_PREFILLS
 
 PRIORITY_MIN, PRIORITY_MAX = -1000, 1000
 AUTO_WORKERS_MAX = 4  # synthesis_workers = "auto": beyond this the flow/vocoder, not the LLM, bound a board
@@ -124,6 +124,13 @@ class TtsSettings:
         "step, one step per token for every running stream on the GPU graph thread (at most the "
         "fixed-size decode's 4 slots); off: the dynamic-graph batcher",
         reload=True,
+    )
+    graph_threads: str = setting(
+        "one", "how the captured GPU stages (LLM step, flow windows, vocoder) replay: one: on one GPU graph "
+        "thread, one replay at a time (a stream's first chunk goes first and LLM steps wait meanwhile); "
+        "per-stage: on a thread each, so the LLM steps run beside the flow replays (a first chunk then holds "
+        "the flow and vocoder threads only)",
+        choices=GRAPH_THREAD_MODES, reload=True,
     )
     graph_flow_batch: bool = setting(
         False, "with the fixed-shape flow windows on (ort-cuda, bundles exported with --static-flow-windows and "

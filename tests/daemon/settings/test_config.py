@@ -79,6 +79,8 @@ def test_file_and_flags(tmp_path: Path) -> None:
          '[tts] synthesis_workers = "many": allowed values: "auto" or an integer 1 .. 64'),
         ({"tts": {"synthesis_workers": 0}}, '[tts] synthesis_workers = 0: allowed values: "auto" or an integer'),
         ({"tts": {"synthesis_workers": True}}, "[tts] synthesis_workers = true: allowed values"),
+        ({"tts": {"graph_threads": "two"}}, '[tts] graph_threads = "two": allowed values: "one", "per-stage"'),
+        ({"tts": {"llm_parallel_prefills": 0}}, "[tts] llm_parallel_prefills = 0: must be between 1 and 16"),
     ],
 )
 def test_validation_names_field_and_allowed(data: dict, expected: str) -> None:
