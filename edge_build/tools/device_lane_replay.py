@@ -6,19 +6,23 @@ with torch present it also counts the kernels of a replay and their summed GPU t
 profiler sees onnxruntime's kernels: CUPTI traces the process), which tells launch-bound from
 compute-bound, and writes the node counts by operator of the graph onnxruntime's CUDA provider
 optimizes (what the fused attention removes). Compares the lanes' variants (plain / fused
-attention, fp32 / fp16: edge_build/tools/device_lanes.py) on one machine.
+attention, fp32 / fp16: edge_build/tools/device_lanes.py) on one machine. Where a bundle has the
+fused batched LLM step (build export --fused-decode-batches), one step of each batch size is timed
+and counted the same way (`llm_step`): the kernels of the LLM step that the board projection's
+per-kernel model needs (docs/jetson-projection.md).
 
     python -m cosyedge_build.tools.device_lane_replay --bundle B [--bundle B2 ...] --out F.json"""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import statistics
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +31,7 @@ from cosyedge_models.backends.factory import create_backend
 from cosyedge_models.backends.ort import OrtSession
 from cosyedge_models.backends.ort_cache import DeviceCopier
 from cosyedge_models.batching.batched_flow import BatchFlowGraphs, SlotCall, batch_flow_sessions
+from cosyedge_models.batching.fused_step import load_fused_step
 from cosyedge_models.bundle.loader import load_bundle
 
 log = logging.getLogger(__name__)
@@ -43,8 +48,8 @@ def window_feeds(rng: np.random.Generator, channels: int, frames: int) -> dict[s
             "cond": rng.standard_normal((2, channels, frames)).astype(np.float32)}
 
 
-def _kernels(graphs: BatchFlowGraphs, calls: list[SlotCall]) -> dict[str, Any]:
-    """Kernels a replay launches and their GPU time (torch's profiler), or why not measured."""
+def _kernels(run: Callable[[], object]) -> dict[str, Any]:
+    """Kernels one `run()` (a replay) launches and their GPU time (torch's profiler), or why not measured."""
     try:
         import torch
         from torch.profiler import ProfilerActivity, profile
@@ -54,7 +59,7 @@ def _kernels(graphs: BatchFlowGraphs, calls: list[SlotCall]) -> dict[str, Any]:
         torch.cuda.init()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(PROFILED_CALLS):
-                graphs.run(calls)
+                run()
             torch.cuda.synchronize()
         kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
         names = Counter(e.name.split("<")[0][:60] for e in kernels)
@@ -85,7 +90,7 @@ def cuda_ops(path: Path) -> dict[str, int]:
 
 
 def measure(root: Path, backend_name: str, streams: Sequence[int], window: int, cached: int,
-            calls: int) -> dict[str, Any]:
+            calls: int, llm_length: int = 320) -> dict[str, Any]:
     bundle = load_bundle(root)
     backend = create_backend(backend_name)
     device = ("cuda", 0) if backend_name == "ort-cuda" else ("cpu", 0)
@@ -118,14 +123,59 @@ def measure(root: Path, backend_name: str, streams: Sequence[int], window: int, 
         row: dict[str, Any] = {"run_ms_p50": round(statistics.median(times), 3),
                                "run_ms_mean": round(statistics.fmean(times), 3), "calls": calls}
         if device[0] == "cuda":
-            row.update(_kernels(graphs, batch))
+            row.update(_kernels(functools.partial(graphs.run, batch)))
         report["streams"][str(n)] = row
         log.info("%s: %d streams, %.2f ms a replay", root.name, n, row["run_ms_p50"])
     for s in sessions.values():
         s.close()
     if device[0] == "cuda":
         report["cuda_ops"] = cuda_ops(root / bundle.manifest["stages"][f"flow_estimator_batch_b1_w{window}"]["file"])
+    llm = measure_llm_step(root, backend_name, calls, llm_length)
+    if llm is not None:
+        report["llm_step"] = llm
     return report
+
+
+def measure_llm_step(root: Path, backend_name: str, calls: int, length: int) -> dict[str, Any] | None:
+    """One fused batched LLM step of each batch size (every row's cache `length` positions long),
+    timed call by call and, on a GPU, its kernels; None where the bundle has no fused step."""
+    bundle = load_bundle(root)
+    backend = create_backend(backend_name)
+    device = ("cuda", 0) if backend_name == "ort-cuda" else ("cpu", 0)
+    prefill = backend.load("llm_prefill", root / bundle.manifest["stages"]["llm_prefill"]["file"], threads=1)
+    if not isinstance(prefill, OrtSession):
+        raise ValueError(f"{backend_name}: the fused step needs onnxruntime sessions")
+    step = load_fused_step(root, bundle.manifest, prefill, prefill.providers, device, threads=1)
+    if step is None:
+        prefill.close()
+        return None
+    try:
+        t0 = time.perf_counter()
+        step.warm_up()  # captures each batch size on ort-cuda (on this thread, which replays them)
+        length = min(length, step.positions - 1)
+        report: dict[str, Any] = {"kv_dtype": str(step.kv_dtype), "positions": step.positions,
+                                  "cache_length": length, "warm_up_s": round(time.perf_counter() - t0, 2),
+                                  "batches": {}}
+        for b in step.batch_sizes:
+            rows, lengths = list(range(b)), [length] * b
+            embeds = np.zeros((b, bundle.llm.hidden_size), np.float32)
+            run = functools.partial(step.step, rows, embeds, lengths, b)
+            run()
+            times = []
+            for _ in range(calls):
+                t = time.perf_counter()
+                run()
+                times.append((time.perf_counter() - t) * 1e3)
+            row: dict[str, Any] = {"run_ms_p50": round(statistics.median(times), 3),
+                                   "run_ms_mean": round(statistics.fmean(times), 3), "calls": calls}
+            if device[0] == "cuda":
+                row.update(_kernels(run))
+            report["batches"][str(b)] = row
+            log.info("%s: fused LLM step of batch %d, %.2f ms", root.name, b, row["run_ms_p50"])
+        return report
+    finally:
+        step.close()
+        prefill.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -137,11 +187,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--window", type=int, default=64, help="the batched graphs' window (frames)")
     p.add_argument("--cached", type=int, default=400, help="committed frames every lane holds")
     p.add_argument("--calls", type=int, default=50, help="timed replays per stream count")
+    p.add_argument("--llm-length", type=int, default=320,
+                   help="cache positions of every row in the fused LLM step's calls (a saved voice's prompt: ~291)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     streams = [int(s) for s in args.streams.split(",") if s.strip()]
-    reports = [measure(b, args.backend, streams, args.window, args.cached, args.calls) for b in args.bundle]
+    reports = [measure(b, args.backend, streams, args.window, args.cached, args.calls, args.llm_length)
+               for b in args.bundle]
     args.out.write_text(json.dumps({"lane_replay": reports}, indent=2) + "\n")
     print(args.out)
     return 0

@@ -27,3 +27,20 @@ def test_lane_replay_times_each_variant_for_the_streams_its_lanes_hold(static_fl
         assert sorted(report["streams"]) == ["1", "2"]  # 16 streams: more than the lanes
         assert all(row["run_ms_p50"] > 0 and row["calls"] == 3 for row in report["streams"].values())
         assert "cuda_ops" not in report and "kernels_per_replay" not in report["streams"]["1"]
+        assert "llm_step" not in report  # no fused LLM step in these bundles
+
+
+def test_the_fused_llm_step_is_timed_for_each_batch_size(every_graph_bundle: Path, tmp_path: Path) -> None:
+    """A bundle with the fused batched LLM step: one step of each batch size, every row's cache
+    --llm-length positions (kept below the step's positions), timed; kernels only on a GPU."""
+    out = tmp_path / "lanes.json"
+    assert main(["--bundle", str(every_graph_bundle), "--backend", "ort", "--streams", "1,4",
+                 "--window", str(STATIC_FLOW_WINDOWS[0]), "--calls", "3", "--llm-length", "100000",
+                 "--out", str(out)]) == 0
+    (report,) = json.loads(out.read_text())["lane_replay"]
+    assert sorted(report["streams"]) == ["1", "4"]
+    llm = report["llm_step"]
+    assert llm["kv_dtype"] == "float32" and llm["cache_length"] == llm["positions"] - 1
+    assert sorted(llm["batches"], key=int) == ["1", "2", "4"]
+    assert all(row["run_ms_p50"] > 0 and row["calls"] == 3 and "kernels_per_replay" not in row
+               for row in llm["batches"].values())
