@@ -9,7 +9,8 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from cosyedge_daemon.settings.schema import FallbackSettings, Settings, TtsSettings
+from cosyedge_daemon.settings.schema import FallbackSettings, Settings
+from cosyedge_daemon.settings.tts import TtsSettings
 from cosyedge_daemon.synthesizers.espeak import EspeakSynthesizer
 from cosyedge_models.errors import RequestError, SynthesisError
 from cosyedge_models.synthesis.api import ServedSynthesizer

@@ -7,7 +7,8 @@ import logging
 from pathlib import Path
 
 import pytest
-from cosyedge_daemon.settings.schema import Settings, TtsSettings
+from cosyedge_daemon.settings.schema import Settings
+from cosyedge_daemon.settings.tts import TtsSettings
 from cosyedge_daemon.synthesizers.factory import load_local_synthesizer
 from cosyedge_models.synthesis.api import SynthesisRequest
 
