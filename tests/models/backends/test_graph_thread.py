@@ -23,6 +23,8 @@ from cosyedge_models.synthesis.api import AudioChunk, SynthesisRequest
 from cosyedge_models.synthesis.settings import SynthesisSettings
 from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, load_synthesizer
 
+from tests.support.concurrent import run_concurrently
+
 CAPTURED = ("llm_decode_static", STATIC_FLOW_PREFIX)
 # short: prompt + 20 speech tokens a text token must fit the tiny bundle's 256-position fixed-size step
 TEXTS = ("Graphs on one thread.", "Eight at once.", "A third voice.", "One, two, three.", "Fifth request.",
@@ -132,24 +134,7 @@ def _synthesize(engine: CosyVoiceSynthesizer, i: int) -> np.ndarray:
 
 
 def _concurrently(engine: CosyVoiceSynthesizer, n: int) -> dict[int, np.ndarray]:
-    outs: dict[int, np.ndarray] = {}
-    errors: list[BaseException] = []
-    start = threading.Barrier(n)
-
-    def one(i: int) -> None:
-        try:
-            start.wait()
-            outs[i] = _synthesize(engine, i)
-        except BaseException as exc:  # reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=one, args=(i,), name=f"request-{i}") for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(600)
-    assert not errors, errors
-    return outs
+    return run_concurrently(n, lambda i: _synthesize(engine, i))
 
 
 @pytest.fixture()

@@ -6,7 +6,6 @@ first chunks hold the flow and vocoder threads, never the LLM step's."""
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -17,30 +16,18 @@ from cosyedge_models.synthesis.api import SynthesisRequest
 from cosyedge_models.synthesis.settings import SynthesisSettings
 from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, load_synthesizer
 
+from tests.support.concurrent import run_concurrently
+
 TEXTS = ("Hello world one two.", "A quick fox jumps.", "Numbers today")
 STREAMS = len(TEXTS)
 
 
 def _concurrently(engine: CosyVoiceSynthesizer) -> dict[int, np.ndarray]:
-    outs: dict[int, np.ndarray] = {}
-    errors: list[BaseException] = []
-    start = threading.Barrier(STREAMS)
+    def one(i: int) -> np.ndarray:
+        request = SynthesisRequest(text=TEXTS[i], seed=70 + i, stream=True)
+        return np.concatenate([c.pcm for c in engine.synthesize(request)])
 
-    def one(i: int) -> None:
-        try:
-            start.wait()
-            request = SynthesisRequest(text=TEXTS[i], seed=70 + i, stream=True)
-            outs[i] = np.concatenate([c.pcm for c in engine.synthesize(request)])
-        except BaseException as exc:  # reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=one, args=(i,), name=f"request-{i}") for i in range(STREAMS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(600)
-    assert not errors, errors
-    return outs
+    return run_concurrently(STREAMS, one)
 
 
 def test_per_stage_threads_and_parallel_prefills_give_the_one_thread_audio(every_graph_bundle: Path) -> None:
