@@ -153,7 +153,6 @@ def make_batch_graph(estimator: Any, chunk_frames: int, attention: str = "plain"
             rel_w = torch.clamp(rel, 0, w - 1)
             write_at = length.view(-1, 1, 1) + torch.arange(w).view(1, 1, -1)  # [N, 1, W]
             rows_idx = torch.arange(n).view(-1, 1, 1)
-            # fused: the window's K/V positions [N, W, H, 3] (row, head, frame), once for every block
             # fused: the window's K/V positions [N, W, H, D/P, 4] (row, head, frame, part), once for every block
             part = kv_part(dims["head_dim"], attention)
             kv_index = None if fused is None else torch.stack(torch.broadcast_tensors(

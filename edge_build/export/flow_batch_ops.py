@@ -14,7 +14,8 @@ def fused_functions(torch: Any) -> Any:
     """The fused graphs' autograd Functions: each computes its value in torch (what the trace sees)
     and exports as one onnxruntime operator: attention over the buffers (com.microsoft
     MultiHeadAttention), the K/V scatter (ScatterND over a shared index), the feed-forward's bias and
-    GELU (com.microsoft BiasGelu)."""
+    GELU (com.microsoft BiasGelu), an output projection's bias with the residual and the LayerNorm after
+    it (com.microsoft SkipLayerNormalization)."""
 
     class MultiHeadAttention(torch.autograd.Function):  # type: ignore[misc]
         @staticmethod
