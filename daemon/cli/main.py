@@ -186,7 +186,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                         "--batch-flow-sizes: concurrent streams' estimator windows as one batched replay")
     p.add_argument("--llm-prefills-between-steps", type=int, default=8,
                    help="with --graph-batching: the most new requests' prefills a running stream waits for")
-    p.add_argument("--llm-parallel-prefills", type=int, default=1, metavar="THREADS",
+    p.add_argument("--llm-parallel-prefills", type=int, default=4, metavar="THREADS",
                    help="with --graph-batching: a round's new requests' prefills run on up to this many threads "
                         "at once (1: one after another)")
     p.add_argument("--llm-first-chunk-priority", choices=LLM_FIRST_CHUNK_PRIORITIES, default="normal",

@@ -105,7 +105,7 @@ class TtsSettings:
         choices=LLM_FIRST_CHUNK_PRIORITIES, reload=True,
     )
     llm_parallel_prefills: int = setting(
-        1, "with graph_batching: a round's new requests' prefills (each a run of the dynamic LLM graph, bound "
+        4, "with graph_batching: a round's new requests' prefills (each a run of the dynamic LLM graph, bound "
         "by kernel launches on a GPU) run on up to this many threads at once; 1: one after another",
         min=1, max=MAX_PARALLEL_PREFILLS, reload=True,
     )

@@ -74,8 +74,9 @@ class SynthesisSettings:
     # With graph_batching: a round's new requests' prefills run on up to this many threads at once
     # (each an onnxruntime run of the dynamic LLM graph; on a GPU bound by kernel launches: ~11 ms for a
     # saved voice's 291 positions on the H200, fourteenth run, so eight streams' first steps waited ~88
-    # ms for the prefills one after another). 1: one after another, as measured so far.
-    llm_parallel_prefills: int = 1
+    # ms for the prefills one after another). 1: one after another. 4: the fifteenth run's eight and
+    # sixteen streams' p95 lower than with 1 (docs/gpu.md), no change for one stream.
+    llm_parallel_prefills: int = 4
     # Per-voice prompt caches (models/synthesis/voice_cache.py) for saved voices, in MiB
     # (host memory; about 4.4 MiB per prompt mel frame at full size in fp32); 0: off.
     voice_cache_mb: int = 2048
