@@ -53,7 +53,7 @@ import numpy as np
 from cosyedge_build.export.graphs import StageGraph, TensorSpec
 from cosyedge_build.export.llm import llm_dims
 from cosyedge_build.reference.modules import require
-from cosyedge_models.batching.fused_step import FUSED_PREFIX, KV_INSERT  # the names the runtime looks for
+from cosyedge_models.batching.fused_step import FUSED_PREFIX, INSERT_ROW, KV_INSERT  # the names the runtime looks for
 from cosyedge_models.errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -195,9 +195,10 @@ def build_fused_decode(llm: Any, batch: int, positions: int) -> tuple[Any, Stage
 
 
 def build_kv_insert(dims: dict[str, int], positions: int) -> tuple[Any, StageGraph]:
-    """A prefill's cache [L, 2, 1, Hkv, T, hd] as one slot row: `row_key_<i>` /
-    `row_value_<i>` [1, Hkv, C, hd], zero after T. The runtime binds them to the
-    row's views of the buffer (dynamic T: never captured)."""
+    """One prompt's cache of a prefill's [L, 2, B, Hkv, T, hd] (the one at `batch_row`
+    [1]: a batched prefill's rows, FusedDecodeStep.prefill_rows) as one slot row:
+    `row_key_<i>` / `row_value_<i>` [1, Hkv, C, hd], zero after T. The runtime binds them
+    to the row's views of the buffer (dynamic B and T: never captured)."""
     from onnx import TensorProto, helper, numpy_helper
 
     n_l, n_kv, hd = dims["num_layers"], dims["num_kv_heads"], dims["head_dim"]
@@ -206,7 +207,8 @@ def build_kv_insert(dims: dict[str, int], positions: int) -> tuple[Any, StageGra
              numpy_helper.from_array(np.zeros(4, np.int64), "pads_head"),
              numpy_helper.from_array(np.zeros(1, np.int64), "zero"),
              numpy_helper.from_array(np.zeros(2, np.int64), "pads_mid")]
-    nodes = [helper.make_node("Shape", ["present_kv"], ["kv_shape"]),
+    nodes = [helper.make_node("Gather", ["present_kv", INSERT_ROW], ["present_row"], axis=2),  # [L, 2, 1, Hkv, T, hd]
+             helper.make_node("Shape", ["present_row"], ["kv_shape"]),
              helper.make_node("Gather", ["kv_shape", "axis_t"], ["t"], axis=0),
              helper.make_node("Sub", ["positions", "t"], ["tail"]),
              # Pad of [1, Hkv, T, hd]: begins 0, ends (0, 0, C - T, 0)
@@ -214,7 +216,7 @@ def build_kv_insert(dims: dict[str, int], positions: int) -> tuple[Any, StageGra
     outputs, out_specs = [], []
     for i in range(n_l):
         inits.append(numpy_helper.from_array(np.array(i, np.int64), f"layer_{i}"))
-        nodes.append(helper.make_node("Gather", ["present_kv", f"layer_{i}"], [f"kv_{i}"], axis=0))
+        nodes.append(helper.make_node("Gather", ["present_row", f"layer_{i}"], [f"kv_{i}"], axis=0))
         for k, kind in enumerate(("key", "value")):
             if i == 0:
                 inits.append(numpy_helper.from_array(np.array(k, np.int64), f"kind_{k}"))
@@ -225,13 +227,16 @@ def build_kv_insert(dims: dict[str, int], positions: int) -> tuple[Any, StageGra
             out_specs.append(TensorSpec(name, "float32", (1, n_kv, positions, hd)))
     graph = helper.make_graph(
         nodes, KV_INSERT,
-        [helper.make_tensor_value_info("present_kv", TensorProto.FLOAT, [n_l, 2, 1, n_kv, "T", hd])],
+        [helper.make_tensor_value_info("present_kv", TensorProto.FLOAT, [n_l, 2, "B", n_kv, "T", hd]),
+         helper.make_tensor_value_info(INSERT_ROW, TensorProto.INT64, [1])],
         outputs, inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="cosyedge")
     model.ir_version = IR_VERSION
     stage = StageGraph(KV_INSERT, f"{KV_INSERT}.onnx",
-                       [TensorSpec("present_kv", "float32", (n_l, 2, 1, n_kv, "T", hd))], out_specs,
-                       {"T": [1, 128, positions - 1]}, extra={"positions": positions, "kv_cache": {"dtype": "float32"}})
+                       [TensorSpec("present_kv", "float32", (n_l, 2, "B", n_kv, "T", hd)),
+                        TensorSpec(INSERT_ROW, "int64", (1,))], out_specs,
+                       {"B": [1, 4, 16], "T": [1, 128, positions - 1]},
+                       extra={"positions": positions, "kv_cache": {"dtype": "float32"}})
     return model, stage
 
 

@@ -243,16 +243,18 @@ class OrtBackend:
 
 
 def bound_lm_run(session: OrtSession, embeds: np.ndarray, past: ort.OrtValue | np.ndarray | None, past_len: int,
-                 device: tuple[str, int]) -> tuple[np.ndarray, ort.OrtValue]:
+                 device: tuple[str, int], attention_mask: np.ndarray | None = None) -> tuple[np.ndarray, ort.OrtValue]:
     """One LLM prefill (past None) or decode run through IOBinding: the
     embeddings go in from the host, the log-probabilities come back to it,
     the cache stays a runtime tensor on `device`. `past` is the previous
     run's device tensor, or a host array (a voice's saved prefix: copied to
-    the device for this run, ~24 KiB per position at full size). Returns
-    (logp, present_kv)."""
+    the device for this run, ~24 KiB per position at full size).
+    `attention_mask` [B, past_len + T] (default: all ones): 0 for padding.
+    Returns (logp, present_kv)."""
+    mask = attention_mask if attention_mask is not None else np.ones((embeds.shape[0], past_len + embeds.shape[1]))
     binding = session.io_binding()
     binding.bind_cpu_input("inputs_embeds", np.ascontiguousarray(embeds, dtype=np.float32))
-    binding.bind_cpu_input("attention_mask", np.ones((embeds.shape[0], past_len + embeds.shape[1]), np.int64))
+    binding.bind_cpu_input("attention_mask", np.ascontiguousarray(mask, dtype=np.int64))
     if isinstance(past, np.ndarray):
         binding.bind_cpu_input("past_kv", np.ascontiguousarray(past))
     elif past is not None:

@@ -16,7 +16,9 @@ requested row is >= the scheduler's `batch_size`, the step runs the smallest
 captured size that covers it (the scheduler should hand out the lowest free
 rows). A prefill runs the plain dynamic graphs on the caller's thread and
 `llm_fused_kv_insert` copies its float32 cache into the row's views (cast to
-the buffer's dtype there)."""
+the buffer's dtype there). `prefill_rows` prefills several prompts in one run
+(right-padded; the insert graph takes the prompt's index in the batch, in
+bundles exported since the fifteenth H200 run: `batched_prefill`)."""
 
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ log = logging.getLogger(__name__)
 
 FUSED_PREFIX = "llm_decode_fused_b"  # the stage names (edge_build/export/llm_fused.py writes them)
 KV_INSERT = "llm_fused_kv_insert"  # a prefill's cache into one slot row of the buffer
+INSERT_ROW = "batch_row"  # the insert graph's input: which prompt of a batched prefill (bundles since issue 23)
 # onnxruntime's declared type of the cache I/O -> the buffer's numpy dtype
 KV_TYPES: dict[str, type[np.floating]] = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 
@@ -86,6 +89,11 @@ class FusedDecodeStep:
         return self._decode is not None
 
     @property
+    def batched_prefill(self) -> bool:
+        """Whether `prefill_rows` can run (the bundle's insert graph takes a batch's row)."""
+        return INSERT_ROW in self._insert.input_names
+
+    @property
     def kv_dtype(self) -> np.dtype:
         """The KV buffer's element type (the step graphs' declared cache type)."""
         return np.dtype(self._dtype)
@@ -131,21 +139,63 @@ class FusedDecodeStep:
         t = p + int(inputs_embeds.shape[1])
         if inputs_embeds.shape[0] != 1 or t >= self._positions:
             raise SynthesisError(f"fused decode: a prompt of {t} positions does not fit {self._positions}")
+        logp, present = self._run_prefill(inputs_embeds, past, p, None)
+        self._insert_row(present, 0, row)
+        return logp
+
+    def prefill_rows(self, rows: Sequence[int], prompts: Sequence[np.ndarray], past: np.ndarray | None = None) -> None:
+        """Several prompts ([1, T_j, D] each, T_j >= 2) after one `past` length (`past`: their saved prefixes
+        stacked on the batch axis [L, 2, n, Hkv, P, hd], or None) in ONE run of the prefill graph, each
+        prompt's cache but its last position into its row: right-padded, so a row's real positions never
+        see the padding (causal attention), and no logp is returned: the last position is the row's next
+        step's input (the request's `next_input`), whose logp is the one a whole prefill would give. The
+        row's cache length is then P + T_j - 1. For `batched_prefill` bundles."""
+        if not self.batched_prefill:
+            raise SynthesisError("fused decode: this bundle's insert graph takes one prompt; re-export it "
+                                 "for batched prefills")
+        rows = list(rows)
+        if not rows or len(set(rows)) != len(rows) or len(prompts) != len(rows):
+            raise ValueError(f"prefill_rows: distinct rows with one prompt each, got rows {rows}, "
+                             f"{len(prompts)} prompts")
+        if min(rows) < 0 or max(rows) >= self._rows:
+            raise ValueError(f"prefill_rows: rows {rows} outside 0..{self._rows - 1}")
+        p = 0 if past is None else int(past.shape[4])
+        if past is not None and int(past.shape[2]) != len(rows):
+            raise ValueError(f"prefill_rows: {len(rows)} prompts but {int(past.shape[2])} pasts")
+        news = [int(x.shape[1]) - 1 for x in prompts]  # each prompt less its last position
+        if min(news) < 1 or p + max(news) + 1 >= self._positions:
+            raise SynthesisError(f"fused decode: prompts of {[n + 1 for n in news]} positions after {p} do not fit "
+                                 f"a batched prefill of {self._positions}")
+        width = max(news)
+        embeds = np.zeros((len(rows), width, self._hidden), np.float32)
+        mask = np.zeros((len(rows), p + width), np.int64)
+        for j, (x, n) in enumerate(zip(prompts, news, strict=True)):
+            embeds[j, :n] = x[0, :n]
+            mask[j, : p + n] = 1
+        _, present = self._run_prefill(embeds, past, p, mask)
+        for j, row in enumerate(rows):
+            self._insert_row(present, j, row)
+
+    def _run_prefill(self, embeds: np.ndarray, past: np.ndarray | None, p: int,
+                     mask: np.ndarray | None) -> tuple[np.ndarray, ort.OrtValue]:
         if past is None:
-            logp, present = bound_lm_run(self._prefill, inputs_embeds, None, 0, self._device)
-        elif self._decode is None:
+            return bound_lm_run(self._prefill, embeds, None, 0, self._device, mask)
+        if self._decode is None:
             raise SynthesisError("fused decode: no llm_decode session was given, so a prefill cannot start from a past")
-        else:
-            logp, present = bound_lm_run(self._decode, inputs_embeds, past, p, self._device)
+        return bound_lm_run(self._decode, embeds, past, p, self._device, mask)
+
+    def _insert_row(self, present: ort.OrtValue, index: int, row: int) -> None:
+        """The prefill's `index`-th prompt's cache into `row`'s views (zero past its positions)."""
         kind, dev = self._device
         binding = self._insert.io_binding()
         binding.bind_ortvalue_input("present_kv", present)
+        if self.batched_prefill:
+            binding.bind_cpu_input(INSERT_ROW, np.array([index], np.int64))
         for i in range(self._layers):
             for k, name in enumerate(("key", "value")):
                 binding.bind_output(f"row_{name}_{i}", kind, dev, self._dtype, [1, *self._row_shape],
                                     self._ptr(i, k, row))
         self._insert.run_bound(binding)
-        return logp
 
     def step(self, rows: Sequence[int], inputs_embeds: np.ndarray, lengths: Sequence[int],
              batch_size: int) -> np.ndarray:

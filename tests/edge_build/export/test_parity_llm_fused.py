@@ -127,7 +127,8 @@ def test_fp16_graphs_keep_the_cache_and_the_compute_in_fp16(tiny_model_dir: Path
         assert {t.dtype for t in specs if t.name.startswith(cache)} == {"float16"}
         session = ort.InferenceSession(str(tmp_path / stage.file), providers=["CPUExecutionProvider"])
         declared = {v.name: v.type for v in (*session.get_inputs(), *session.get_outputs())}
-        numpy_of = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(int32)": "int32"}
+        numpy_of = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(int32)": "int32",
+                    "tensor(int64)": "int64"}
         assert {t.name: t.dtype for t in specs} == {k: numpy_of[v] for k, v in declared.items()}
     assert [t.dtype for t in step.inputs if t.name == "inputs_embeds"] == ["float32"]
     assert [t.dtype for t in step.outputs if t.name == "logp"] == ["float32"]
@@ -145,13 +146,15 @@ def test_fp16_graphs_keep_the_cache_and_the_compute_in_fp16(tiny_model_dir: Path
 
     dims = llm_dims(llm)
     t = 5
+    # a batched prefill's cache of three prompts: the insert takes the one at batch_row
     kv = np.random.default_rng(3).standard_normal(
-        (dims["num_layers"], 2, 1, dims["num_kv_heads"], t, dims["head_dim"])).astype(np.float32)
+        (dims["num_layers"], 2, 3, dims["num_kv_heads"], t, dims["head_dim"])).astype(np.float32)
     session = ort.InferenceSession(str(tmp_path / insert.file), providers=["CPUExecutionProvider"])
-    rows = dict(zip([o.name for o in session.get_outputs()], session.run(None, {"present_kv": kv}), strict=True))
+    feeds = {"present_kv": kv, "batch_row": np.array([1], np.int64)}
+    rows = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds), strict=True))
     for i in range(dims["num_layers"]):
         for k, kind in enumerate(("key", "value")):
             row = rows[f"row_{kind}_{i}"]
             assert row.dtype == np.float16 and row.shape == (1, dims["num_kv_heads"], POSITIONS, dims["head_dim"])
-            np.testing.assert_array_equal(row[:, :, :t], kv[i, k].astype(np.float16))
+            np.testing.assert_array_equal(row[:, :, :t], kv[i, k, 1:2].astype(np.float16))
             assert not row[:, :, t:].any()

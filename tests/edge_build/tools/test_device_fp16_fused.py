@@ -47,7 +47,8 @@ def test_fp32_fused_stages_get_fp16_variants(tiny_model_dir: Path, tiny_bundle: 
         session = ort.InferenceSession(str(dst / variant["file"]), providers=["CPUExecutionProvider"])
         declared = {v.name: v.type for v in (*session.get_inputs(), *session.get_outputs())}
         for spec in (*variant["inputs"], *variant["outputs"]):
-            want = {"float16": "tensor(float16)", "float32": "tensor(float)", "int32": "tensor(int32)"}[spec["dtype"]]
+            want = {"float16": "tensor(float16)", "float32": "tensor(float)", "int32": "tensor(int32)",
+                    "int64": "tensor(int64)"}[spec["dtype"]]
             assert declared[spec["name"]] == want, (name, spec)
     assert {s["name"]: s["dtype"] for s in variants["llm_decode_fused_b1"]["inputs"]}["inputs_embeds"] == "float32"
 

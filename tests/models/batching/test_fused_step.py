@@ -251,3 +251,74 @@ def test_load_fused_step_picks_the_graphs_the_provider_runs(fused_dir: Path, tin
     # ort-cuda with fp32 fused graphs only: none (no session is made, so this runs without a GPU)
     cuda = ["CUDAExecutionProvider", "CPUExecutionProvider"]
     assert load_fused_step(fused_dir, _manifest(fp32=True, fp16=False), prefill, cuda, ("cuda", 0)) is None
+
+
+@pytest.mark.parametrize("prefix", [0, 4])
+def test_a_batched_prefill_gives_each_row_its_prompt_alone(fused_dir: Path, tiny_bundle: Path, prefix: int) -> None:
+    """Three prompts of different lengths (after a saved prefix or none) in one prefill run into rows
+    0, 2 and 3 (not adjacent): each row's first step, fed its prompt's last position, gives the logp
+    of that prompt's whole prefill alone, and its next step the plain loop's next step; a row's cache
+    equals the plain loop's (the padding never reaches a real position)."""
+    prefill = _session("llm_prefill", tiny_bundle / "llm_prefill.onnx")
+    decode = _session("llm_decode", tiny_bundle / "llm_decode.onnx")
+    steps = {b: _session(f"fused{b}", fused_dir / f"llm_decode_fused_b{b}.onnx") for b in (1, 2, 4)}
+    fused = FusedDecodeStep(steps, _session("insert", fused_dir / "llm_fused_kv_insert.onnx"), prefill,
+                            ("cpu", 0), rows=4, decode=decode)
+    assert fused.batched_prefill
+    fused.warm_up()
+    d = int(decode.input_shapes["inputs_embeds"][2])
+    speech = np.load(tiny_bundle / "llm_speech_embedding.npy")
+    rng = np.random.default_rng(11)
+    rows, lengths = [0, 2, 3], [9, 3, 6]
+    prompts = [(rng.standard_normal((1, prefix + t, d)) * 0.05).astype(np.float32) for t in lengths]
+    loops, firsts, pasts = [], [], []
+    for x in prompts:
+        loop = BoundDecodeLoop(prefill, decode, "cpu")
+        if prefix:
+            head = BoundDecodeLoop(prefill, decode, "cpu")
+            head.prefill(x[:, :prefix])
+            pasts.append(np.asarray(head._kv.numpy()))  # noqa: SLF001 - the prefix cache as a host array
+            firsts.append(loop.prefill(x[:, prefix:], pasts[-1]))
+        else:
+            firsts.append(loop.prefill(x))
+        loops.append(loop)
+    past = np.concatenate(pasts, axis=2) if prefix else None
+    fused.prefill_rows(rows, [x[:, prefix:] for x in prompts], past)
+    cache = [prefix + t - 1 for t in lengths]
+    logp = fused.step(rows, np.stack([x[0, -1] for x in prompts]), cache, 4)
+    for j, row in enumerate(rows):
+        assert _rel(logp[j], firsts[j][0]) < TOLERANCE
+        plain = np.asarray(loops[j]._kv.numpy())[:, :, 0]  # noqa: SLF001
+        assert _rel(fused.row_cache(row, cache[j] + 1), plain) < TOLERANCE
+    tokens = speech[rng.integers(0, speech.shape[0] - 3, len(rows))]
+    logp = fused.step(rows, tokens, [c + 1 for c in cache], 4)
+    for j in range(len(rows)):
+        assert _rel(logp[j], loops[j].step(tokens[j].reshape(1, 1, d))[0]) < TOLERANCE
+    with pytest.raises(SynthesisError, match="do not fit"):
+        fused.prefill_rows([1], [prompts[0][:, :1]], None)  # a one-position prompt has nothing to prefill
+
+
+def test_a_bundle_whose_insert_takes_one_prompt_has_no_batched_prefill(fused_dir: Path, tiny_bundle: Path,
+                                                                        tmp_path: Path) -> None:
+    """A bundle exported before the insert graph took a batch's row still prefills row by row
+    (`batched_prefill` False) and refuses `prefill_rows` with a message that says what to do."""
+    import onnx
+
+    model = onnx.load(str(fused_dir / "llm_fused_kv_insert.onnx"))
+    graph = model.graph
+    gather = next(n for n in graph.node if n.output[0] == "present_row")
+    graph.node.remove(gather)
+    for n in graph.node:  # the old graph read present_kv (batch 1) directly
+        n.input[:] = ["present_kv" if i == "present_row" else i for i in n.input]
+    graph.input.remove(next(i for i in graph.input if i.name == "batch_row"))
+    onnx.save(model, str(tmp_path / "old_insert.onnx"))
+    prefill = _session("llm_prefill", tiny_bundle / "llm_prefill.onnx")
+    fused = FusedDecodeStep({1: _session("fused1", fused_dir / "llm_decode_fused_b1.onnx")},
+                            _session("insert", tmp_path / "old_insert.onnx"), prefill, ("cpu", 0), rows=1)
+    assert not fused.batched_prefill
+    d = int(prefill.input_shapes["inputs_embeds"][2])
+    x = (np.random.default_rng(2).standard_normal((1, 5, d)) * 0.05).astype(np.float32)
+    ref = BoundDecodeLoop(prefill, _session("llm_decode", tiny_bundle / "llm_decode.onnx"), "cpu").prefill(x)
+    assert _rel(fused.prefill(0, x), ref) < TOLERANCE
+    with pytest.raises(SynthesisError, match="re-export it for batched prefills"):
+        fused.prefill_rows([0], [x])
