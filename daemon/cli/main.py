@@ -189,6 +189,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--llm-parallel-prefills", type=int, default=4, metavar="THREADS",
                    help="with --graph-batching: a round's new requests' prefills run on up to this many threads "
                         "at once (1: one after another)")
+    p.add_argument("--llm-batched-prefill", action="store_true",
+                   help="with --graph-batching on a fused step: a round's new prompts in one prefill run")
     p.add_argument("--llm-first-chunk-priority", choices=LLM_FIRST_CHUNK_PRIORITIES, default="normal",
                    help="with --graph-batching: a step sampling a stream's first-chunk tokens runs behind the first "
                         "chunks' flows (normal) or in turn with them (first_audio)")

@@ -109,6 +109,11 @@ class TtsSettings:
         "by kernel launches on a GPU) run on up to this many threads at once; 1: one after another",
         min=1, max=MAX_PARALLEL_PREFILLS, reload=True,
     )
+    llm_batched_prefill: bool = setting(
+        False, "with graph_batching on a bundle's fused LLM step: a round's new requests' prompts (of one voice "
+        "prefix length) in one run of the prefill graph instead of one run each; off: llm_parallel_prefills",
+        reload=True,
+    )
     synthesis_workers: int | str = setting(
         "auto", "requests synthesized at once (each on its own worker thread, so the LLM batcher can batch "
         "them; played requests still play one at a time, in order); auto: 1 without llm_max_batch_size, "

@@ -10,6 +10,9 @@ The contract, per row (a KV-cache slot, 0 <= row < `rows`):
 * `prefill(row, embeds, past)` writes the prompt's cache into the row and
   returns the prompt's last log-probabilities [1, V]. It runs on the caller's
   thread (dynamic sessions, never captured).
+* `prefill_rows(rows, prompts, past)` (where `batched_prefill`) writes several
+  prompts' caches, each but its last position, in one run: that position is
+  then the row's first step's input, and its logp the prompt's.
 * `step(rows, embeds, lengths, batch_size)` runs ON THE GPU GRAPH THREAD
   (models/backends/graph_thread.py; captured graphs live there): one token for
   each of `rows`, whose new K/V is written at its `lengths[i]` (the row's
@@ -52,6 +55,16 @@ class BatchedDecodeStep(Protocol):
 
     def prefill(self, row: int, inputs_embeds: np.ndarray, past: np.ndarray | None = None) -> np.ndarray:
         """The prompt [1, T, D] (after `past`, a saved prefix cache, if given) into `row`; logp [1, V]."""
+        ...
+
+    @property
+    def batched_prefill(self) -> bool:
+        """Whether `prefill_rows` runs (several prompts in one prefill run)."""
+        ...
+
+    def prefill_rows(self, rows: Sequence[int], prompts: Sequence[np.ndarray], past: np.ndarray | None = None) -> None:
+        """The prompts ([1, T_j, D], T_j >= 2; after `past`, their prefixes stacked [L, 2, n, Hkv, P, hd])
+        into `rows` in one run, each but its last position (the row's cache length: P + T_j - 1)."""
         ...
 
     def step(self, rows: Sequence[int], inputs_embeds: np.ndarray, lengths: Sequence[int],

@@ -20,7 +20,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 
@@ -46,7 +46,8 @@ class GraphBatcher(BatchWorker):
     def __init__(self, lm: SpeechTokenLM, step: BatchedDecodeStep, thread: GraphThread,
                  settings: IterationSettings, clock: Callable[[], float] = time.monotonic,
                  on_stop: Callable[[], None] | None = None,
-                 first_chunk_priority: GraphPriority = GraphPriority.NORMAL, prefill_threads: int = 1) -> None:
+                 first_chunk_priority: GraphPriority = GraphPriority.NORMAL, prefill_threads: int = 1,
+                 batched_prefill: bool = False) -> None:
         super().__init__("llm-graph-batcher", clock)
         if prefill_threads < 1:
             raise ValueError(f"prefill_threads must be >= 1, got {prefill_threads}")
@@ -72,6 +73,11 @@ class GraphBatcher(BatchWorker):
         # a round's prefills at once ([tts] llm_parallel_prefills; each writes its own row): None, one after another
         self._prefill_pool = (ThreadPoolExecutor(prefill_threads, thread_name_prefix="llm-prefill")
                               if prefill_threads > 1 else None)
+        # a round's prompts in one prefill run ([tts] llm_batched_prefill), where the step can
+        if batched_prefill and not step.batched_prefill:
+            log.warning("LLM batched prefill: this step (%s) prefills one prompt at a time; re-export the bundle's "
+                        "fused step for one run per round", type(step).__name__)
+        self.batched_prefill = batched_prefill and step.batched_prefill
 
     # --- consumer side -----------------------------------------------------------------
     def submit(self, inp: LlmInput, sampler: TokenSampler, stats: LlmStats | None = None, *,
@@ -140,24 +146,52 @@ class GraphBatcher(BatchWorker):
         return bool(plan.run) or stepped, plan.wake_at
 
     def _prefill_all(self, prefills: list[tuple[_Request, int]]) -> None:
-        """The round's prefills, on the prefill threads where there are several (the step waits for all)."""
+        """The round's prefills: with batched_prefill those of one past length in one run each, the
+        rest on the prefill threads where there are several (the step waits for all)."""
         if not prefills:
             return
         t0 = time.perf_counter()
-        if self._prefill_pool is None or len(prefills) < 2:
-            for request, row in prefills:
-                self._prefill(request, row)
+        planned = [_Prefill(request, row, *request.decode.prefill_inputs(self.step.takes_past))
+                   for request, row in prefills]
+        if self.batched_prefill:
+            for batch in prefill_batches(planned):
+                self._prefill_batch(batch)
+            planned = [p for p in planned if not p.batched]
+        if self._prefill_pool is None or len(planned) < 2:
+            for p in planned:
+                self._prefill(p)
         else:
-            for done in [self._prefill_pool.submit(self._prefill, request, row) for request, row in prefills]:
+            for done in [self._prefill_pool.submit(self._prefill, p) for p in planned]:
                 done.result()  # _prefill fails only its own stream; anything else fails the round
         self.stats.prefill_s += time.perf_counter() - t0
 
-    def _prefill(self, request: _Request, row: int) -> None:
-        req = request.decode
+    def _prefill_batch(self, batch: list[_Prefill]) -> None:
+        """Prompts after one past length in one run; each row's last position is its first step's input
+        (RequestDecode.next_input starts there), so the row joins this round's step unsampled."""
+        t0 = time.perf_counter()
+        past = None if batch[0].past is None else np.concatenate([p.past for p in batch if p.past is not None], axis=2)
+        try:
+            self.step.prefill_rows([p.row for p in batch], [p.embeds for p in batch], past)
+        except Exception as exc:
+            err = _as_engine_error(exc, f"LLM batched prefill failed ({len(batch)} streams)")
+            log.error("%s", err)
+            with self._cond:  # every row of the run is untrusted: each of its streams fails
+                for p in batch:
+                    self._leave(p.request.key, err)
+            return
+        ms = (time.perf_counter() - t0) * 1e3
+        self.stats.batched_prefills += 1
+        with self._cond:
+            for p in batch:
+                p.request.decode.stats.prefill_ms += ms
+                self.scheduler.prefilled(p.request.key, False)
+                self._lengths[p.request.key] = p.request.decode.prompt.shape[1] - 1
+
+    def _prefill(self, planned: _Prefill) -> None:
+        request, row, req = planned.request, planned.row, planned.request.decode
         try:
             t0 = time.perf_counter()
-            embeds, past = req.prefill_inputs(self.step.takes_past)
-            logp = self.step.prefill(row, embeds, past)
+            logp = self.step.prefill(row, planned.embeds, planned.past)
             req.stats.prefill_ms += (time.perf_counter() - t0) * 1e3
             if not req.finished:
                 _emit(request, req.accept(logp[0]))
@@ -254,7 +288,7 @@ class GraphBatcher(BatchWorker):
 def start_graph_batcher(lm: SpeechTokenLM, batching: BatchSettings | None, prefills_between_steps: int,
                         fused: FusedDecodeStep | None = None, fused_thread: GraphThread | None = None,
                         first_chunk_priority: GraphPriority = GraphPriority.NORMAL,
-                        prefill_threads: int = 1) -> GraphBatcher | None:
+                        prefill_threads: int = 1, batched_prefill: bool = False) -> GraphBatcher | None:
     """The engine's iteration-level batcher over `fused` (the bundle's fused batched step, run on
     `fused_thread`) where given, else over its fixed-size decode slots (LoopedGraphStep), or
     None: batching off or neither (the dynamic-graph batcher serves then). A max_batch_size
@@ -283,7 +317,32 @@ def start_graph_batcher(lm: SpeechTokenLM, batching: BatchSettings | None, prefi
             s for s in batching.preferred_batch_sizes if s <= step.rows))
     settings = IterationSettings(batching, step.batch_sizes, step.rows, prefills_between_steps)
     return GraphBatcher(lm, step, thread, settings, on_stop=close, first_chunk_priority=first_chunk_priority,
-                        prefill_threads=prefill_threads).start()
+                        prefill_threads=prefill_threads, batched_prefill=batched_prefill).start()
+
+
+@dataclasses.dataclass
+class _Prefill:
+    """A round's prefill: the stream, its row, what it prefills (RequestDecode.prefill_inputs)."""
+
+    request: _Request
+    row: int
+    embeds: np.ndarray  # [1, T, D]
+    past: np.ndarray | None  # its saved prefix's cache, or None
+    batched: bool = False  # prefilled in a batched run (prefill_batches)
+
+
+def prefill_batches(planned: Sequence[_Prefill]) -> list[list[_Prefill]]:
+    """The prefills that share a run: unfinished streams of at least two prompt positions, grouped by
+    their past's length (0: none; a run's pasts are stacked), groups of two or more; marks them."""
+    groups: dict[int, list[_Prefill]] = {}
+    for p in planned:
+        if not p.request.decode.finished and p.embeds.shape[1] >= 2:
+            groups.setdefault(0 if p.past is None else int(p.past.shape[4]), []).append(p)
+    batches = [g for g in groups.values() if len(g) > 1]
+    for g in batches:
+        for p in g:
+            p.batched = True
+    return batches
 
 
 def _emit(request: _Request, token: int | None) -> None:

@@ -81,6 +81,7 @@ class BatchStats:
     prefill_s: float = 0.0
     step_call_s: float = 0.0
     step_host_s: float = 0.0
+    batched_prefills: int = 0  # GraphBatcher: prefill runs that served several streams (llm_batched_prefill)
 
 
 class TokenStream:

@@ -52,6 +52,13 @@ class LoopedGraphStep:
     def prefill(self, row: int, inputs_embeds: np.ndarray, past: np.ndarray | None = None) -> np.ndarray:
         return self._loops[row].prefill(inputs_embeds, past)
 
+    @property
+    def batched_prefill(self) -> bool:
+        return False  # each row is its own fixed-size loop, with its own prefill
+
+    def prefill_rows(self, rows: Sequence[int], prompts: Sequence[np.ndarray], past: np.ndarray | None = None) -> None:
+        raise SynthesisError("the fixed-size decode slots prefill one prompt at a time (batched_prefill is off)")
+
     def step(self, rows: Sequence[int], inputs_embeds: np.ndarray, lengths: Sequence[int],
              batch_size: int) -> np.ndarray:
         if not self._decoder.thread.on_thread():

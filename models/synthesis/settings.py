@@ -77,6 +77,10 @@ class SynthesisSettings:
     # ms for the prefills one after another). 1: one after another. 4: the fifteenth run's eight and
     # sixteen streams' p95 lower than with 1 (docs/gpu.md), no change for one stream.
     llm_parallel_prefills: int = 4
+    # With graph_batching on the fused step: a round's new prompts of one prefix length in ONE prefill run
+    # (right-padded; each row's last prompt position is its first step's input). Eight prefills cost 95-142
+    # ms before the first chunks' first step on the H200 (fifteenth run); off until a run measures this.
+    llm_batched_prefill: bool = False
     # Per-voice prompt caches (models/synthesis/voice_cache.py) for saved voices, in MiB
     # (host memory; about 4.4 MiB per prompt mel frame at full size in fp32); 0: off.
     voice_cache_mb: int = 2048

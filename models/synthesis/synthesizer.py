@@ -146,7 +146,7 @@ class CosyVoiceSynthesizer(SynthesizerDefaults):
             self.batcher = start_graph_batcher(self.lm, settings.batching, settings.llm_prefills_between_steps,
                                                fused, self.graphs.threads.get("decode"),
                                                GraphPriority[settings.llm_first_chunk_priority.upper()],
-                                               settings.llm_parallel_prefills)
+                                               settings.llm_parallel_prefills, settings.llm_batched_prefill)
         if self.batcher is None:
             self.batcher = start_batcher(bundle, backend.name, self.lm, settings.batching)
         # Offline requests as streams joined: the streams' batched replays then serve them too.

@@ -283,6 +283,7 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
                               llm_prefills_between_steps=args.llm_prefills_between_steps,
                               llm_first_chunk_priority=args.llm_first_chunk_priority,
                               llm_parallel_prefills=args.llm_parallel_prefills,
+                              llm_batched_prefill=args.llm_batched_prefill,
                               graph_decode_slots=max(4, args.batching) if args.graph_batching else 4)
     if cache_mb is not None:
         settings = dataclasses.replace(settings, voice_cache_mb=cache_mb)
@@ -293,6 +294,7 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
     graph_batching = {"on": settings.graph_batching, "prefills_between_steps": settings.llm_prefills_between_steps,
                       "first_chunk_priority": settings.llm_first_chunk_priority,
                       "parallel_prefills": settings.llm_parallel_prefills,
+                      "batched_prefill": isinstance(engine.batcher, GraphBatcher) and engine.batcher.batched_prefill,
                       "engine_batcher": type(engine.batcher).__name__ if engine.batcher else None,
                       # the step it drives: FusedDecodeStep (the bundle's fused graphs) or LoopedGraphStep
                       "step": type(engine.batcher.step).__name__ if isinstance(engine.batcher, GraphBatcher) else None}

@@ -104,3 +104,46 @@ def test_the_engine_batches_on_the_bundles_fused_step(fused_bundle: Path) -> Non
     finally:
         engine.close()
     assert not batcher.step._steps  # its sessions closed with the engine
+
+
+def test_a_rounds_prompts_prefill_in_one_run(engine: CosyVoiceSynthesizer, fused_dir: Path,
+                                             tiny_bundle: Path) -> None:
+    """llm_batched_prefill: the three prompts that join in round 0 go through one prefill run (rows 0-2),
+    each row's last prompt position its first step's input; the ones that join later, one a round, are
+    prefilled alone; every seeded stream gives the tokens it gives alone (prefilled alone, row by row)."""
+    lm = engine.lm
+    steps = {b: _session(f"fused{b}", fused_dir / f"llm_decode_fused_b{b}.onnx") for b in (1, 2, 4)}
+    fused = FusedDecodeStep(steps, _session("insert", fused_dir / "llm_fused_kv_insert.onnx"),
+                            _session("llm_prefill", tiny_bundle / "llm_prefill.onnx"), ("cpu", 0), rows=4)
+    with GraphThread() as thread:
+        thread.call(fused.warm_up)
+        settings = IterationSettings(BatchSettings(max_batch_size=4), fused.batch_sizes, 4, 4)
+        batcher = GraphBatcher(lm, fused, thread, settings, batched_prefill=True)
+        assert batcher.batched_prefill
+
+        def run(joins: dict[int, list[tuple[int, int]]]) -> dict[int, list[int]]:
+            streams, r = {}, 0
+            while r <= max(joins) or batcher.active or batcher.waiting:
+                for i, seed in joins.get(r, ()):
+                    sampler = TokenSampler.seeded(lm.config.sampling, lm.config.eos_token, seed)
+                    streams[seed] = batcher.submit(LlmInput(text=engine.tokenizer.encode(TEXTS[i])), sampler)
+                batcher.run_once()
+                r += 1
+            return {seed: list(s) for seed, s in streams.items()}
+
+        schedule = {0: [(0, 11), (1, 12), (3, 13)], 2: [(3, 14)], 5: [(1, 16)]}
+        alone = {seed: run({0: [(i, seed)]})[seed] for group in schedule.values() for i, seed in group}
+        assert batcher.stats.batched_prefills == 0  # one prompt a round: prefilled alone
+        together = run(schedule)
+    assert all(alone.values()) and together == alone
+    assert batcher.stats.batched_prefills == 1 and batcher.stats.shared_steps > 0
+
+
+def test_the_engine_passes_batched_prefill_to_its_batcher(fused_bundle: Path) -> None:
+    settings = SynthesisSettings(threads=1, graph_batching=True, batching=BatchSettings(max_batch_size=8),
+                                 llm_batched_prefill=True)
+    engine = load_synthesizer(fused_bundle, settings=settings)
+    try:
+        assert isinstance(engine.batcher, GraphBatcher) and engine.batcher.batched_prefill
+    finally:
+        engine.close()

@@ -90,12 +90,15 @@ def test_bench_concurrency_only_offline_and_streaming_with_flow_batching(tiny_bu
     assert main(["bench", "--bundle", str(tiny_bundle), "--concurrency", "1,2", "--concurrency-mode", "both",
                  "--concurrency-only", "--flow-batching", "2", "--flow-queue-delay-ms", "1", "--json",
                  str(out), "--graph-batching", "--llm-prefills-between-steps", "2", "--graph-flow-batch",
-                 "--llm-first-chunk-priority", "first_audio", "--llm-parallel-prefills", "2"]) == 0
+                 "--llm-first-chunk-priority", "first_audio", "--llm-parallel-prefills", "2",
+                 "--llm-batched-prefill"]) == 0
     r: dict[str, Any] = json.loads(out.read_text())
     assert r["graph_flow_batch"] is None  # asked for, but no fixed-shape flow windows here (flow batching)
-    # asked for, but without --batching (and a fixed-size decode step in the bundle) no LLM batcher runs
+    # asked for, but without --batching (and a fixed-size decode step in the bundle) no LLM batcher runs,
+    # so no prefill is batched either (batched_prefill: whether the batcher runs them so)
     assert r["graph_batching"] == {"on": True, "prefills_between_steps": 2, "first_chunk_priority": "first_audio",
-                                   "parallel_prefills": 2, "engine_batcher": None, "step": None}
+                                   "parallel_prefills": 2, "batched_prefill": False, "engine_batcher": None,
+                                   "step": None}
     assert r["flow_batching"]["max_batch_size"] == 2 and r["flow_batching"]["max_queue_delay_ms"] == 1.0
     assert "rtf" not in r and "timeline" not in r  # only the concurrency runs
     for key in ("concurrency", "concurrency_offline"):
