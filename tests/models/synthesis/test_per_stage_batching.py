@@ -1,8 +1,9 @@
-"""The configuration the H200 plan measures next (edge_build/tools/device_plan.sh, steps p and q), on
-the CPU without capture: the fused batched LLM step, the batched estimator windows and the fixed-length
-vocoder, each on its own graph thread (graph_threads "per-stage") with a round's prefills at once
-(llm_parallel_prefills), give the audio of the one-thread engine with prefills one after another; the
-first chunks hold the flow and vocoder threads, never the LLM step's."""
+"""The configurations the H200 plan measures (edge_build/tools/device_plan.sh), on the CPU without
+capture: the fused batched LLM step, the batched estimator windows and the fixed-length vocoder, each
+on its own graph thread (graph_threads "per-stage") with a round's prefills at once
+(llm_parallel_prefills) or in one prefill run (llm_batched_prefill, the three requests as one group,
+as a Triton batch arrives), give the audio of the one-thread engine with prefills one after another;
+the first chunks hold the flow and vocoder threads, never the LLM step's."""
 
 from __future__ import annotations
 
@@ -30,12 +31,14 @@ def _concurrently(engine: CosyVoiceSynthesizer) -> dict[int, np.ndarray]:
     return run_concurrently(STREAMS, one)
 
 
-def test_per_stage_threads_and_parallel_prefills_give_the_one_thread_audio(every_graph_bundle: Path) -> None:
+def test_per_stage_threads_and_parallel_or_batched_prefills_give_the_one_thread_audio(every_graph_bundle: Path) -> None:
     audio: dict[str, dict[int, np.ndarray]] = {}
-    for mode, prefills in (("one", 1), ("per-stage", STREAMS)):
+    configs = {"one": ("one", 1, False), "per-stage": ("per-stage", STREAMS, False), "batched": ("per-stage", 1, True)}
+    for name, (mode, prefills, batched) in configs.items():
         settings = SynthesisSettings(backend="ort", threads=1, graph_flow=True, graph_vocoder=True,
                                      graph_batching=True, batching=BatchSettings(max_batch_size=4),
-                                     graph_flow_batch=True, graph_threads=mode, llm_parallel_prefills=prefills)
+                                     graph_flow_batch=True, graph_threads=mode, llm_parallel_prefills=prefills,
+                                     llm_batched_prefill=batched)
         engine = load_synthesizer(every_graph_bundle, settings=settings)
         try:
             batcher, flow = engine.batcher, engine.graphs.flow_batch
@@ -43,7 +46,13 @@ def test_per_stage_threads_and_parallel_prefills_give_the_one_thread_audio(every
             assert flow is not None and engine.static_vocoder is not None
             threads = engine.graph_threads
             assert set(threads) == {"decode", "flow", "vocoder"}
-            audio[mode] = _concurrently(engine)
+            if batched:
+                with engine.request_group(STREAMS, 60):  # all three join one round: one prefill run
+                    audio[name] = _concurrently(engine)
+                assert batcher.stats.batched_prefills == 1
+            else:
+                audio[name] = _concurrently(engine)
+                assert batcher.stats.batched_prefills == 0
             holds = {stage: t.order_stats()["holds"] for stage, t in threads.items()}
             assert batcher.stats.shared_steps > 0 and flow.stats.replays > 0
             assert engine.static_vocoder.replays > 0
@@ -54,7 +63,8 @@ def test_per_stage_threads_and_parallel_prefills_give_the_one_thread_audio(every
                 assert holds == {"decode": 0, "flow": STREAMS, "vocoder": STREAMS}, holds
         finally:
             engine.close()
-    for i in range(STREAMS):
-        got, want = audio["per-stage"][i], audio["one"][i]
-        assert got.shape == want.shape and want.size > 0
-        np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+    for name in ("per-stage", "batched"):
+        for i in range(STREAMS):
+            got, want = audio[name][i], audio["one"][i]
+            assert got.shape == want.shape and want.size > 0
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
