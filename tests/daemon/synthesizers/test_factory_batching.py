@@ -68,13 +68,14 @@ def test_graph_batching_settings_reach_the_engine(tiny_bundle: Path) -> None:
     from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer
 
     tts = TtsSettings(llm_max_batch_size=2, graph_batching=True, llm_prefills_between_steps=3,
-                      llm_first_chunk_priority="first_audio", llm_parallel_prefills=3, graph_threads="per-stage")
+                      llm_first_chunk_priority="first_audio", llm_parallel_prefills=3, graph_threads="per-stage",
+                      llm_batched_prefill=True)
     engine = load_local_synthesizer(Settings(device_id="t", tts=tts), bundle=str(tiny_bundle))
     try:
         assert isinstance(engine, CosyVoiceSynthesizer)
         assert (engine.settings.graph_batching, engine.settings.llm_prefills_between_steps) == (True, 3)
         assert engine.settings.llm_first_chunk_priority == "first_audio" and engine.settings.llm_parallel_prefills == 3
-        assert engine.settings.graph_threads == "per-stage"
+        assert engine.settings.graph_threads == "per-stage" and engine.settings.llm_batched_prefill
         # this bundle has no fixed-size decode step: the dynamic-graph batcher serves the batch
         assert isinstance(engine.batcher, LlmBatcher)
     finally:

@@ -55,13 +55,21 @@ def test_rows_equal_the_plain_loop_alone(fused_dir: Path, tiny_bundle: Path) -> 
     _compare(fused_dir, tiny_bundle, "cpu", TOLERANCE)
 
 
-def _compare(fused_dir: Path, tiny_bundle: Path, device: str, tolerance: float) -> None:
+def _fused_with_decode(fused_dir: Path, tiny_bundle: Path, device: str
+                       ) -> tuple[FusedDecodeStep, OrtSession, OrtSession]:
+    """The fused step of batch sizes 1, 2, 4 over 4 rows (captured on CUDA), with the plain prefill and
+    decode sessions (a prefill from a saved prefix runs on the latter)."""
     prefill = _session("llm_prefill", tiny_bundle / "llm_prefill.onnx", device)
     decode = _session("llm_decode", tiny_bundle / "llm_decode.onnx", device)
     steps = {b: _session(f"fused{b}", fused_dir / f"llm_decode_fused_b{b}.onnx", device, capture=device == "cuda")
              for b in (1, 2, 4)}
     fused = FusedDecodeStep(steps, _session("insert", fused_dir / "llm_fused_kv_insert.onnx", device), prefill,
                             (device, 0), rows=4, decode=decode)
+    return fused, prefill, decode
+
+
+def _compare(fused_dir: Path, tiny_bundle: Path, device: str, tolerance: float) -> None:
+    fused, prefill, decode = _fused_with_decode(fused_dir, tiny_bundle, device)
     protocol: BatchedDecodeStep = fused  # the scheduler's interface (mypy checks the match)
     # the last position is the idle rows' scratch
     assert protocol.batch_sizes == (1, 2, 4) and protocol.rows == 4 and protocol.positions == POSITIONS - 1
@@ -273,12 +281,7 @@ def test_a_batched_prefill_on_cuda_follows_the_plain_loop(fused_dir: Path, tiny_
 
 
 def _batched_prefill(fused_dir: Path, tiny_bundle: Path, prefix: int, device: str, tolerance: float) -> None:
-    prefill = _session("llm_prefill", tiny_bundle / "llm_prefill.onnx", device)
-    decode = _session("llm_decode", tiny_bundle / "llm_decode.onnx", device)
-    steps = {b: _session(f"fused{b}", fused_dir / f"llm_decode_fused_b{b}.onnx", device, capture=device == "cuda")
-             for b in (1, 2, 4)}
-    fused = FusedDecodeStep(steps, _session("insert", fused_dir / "llm_fused_kv_insert.onnx", device), prefill,
-                            (device, 0), rows=4, decode=decode)
+    fused, prefill, decode = _fused_with_decode(fused_dir, tiny_bundle, device)
     assert fused.batched_prefill
     fused.warm_up()
     d = int(decode.input_shapes["inputs_embeds"][2])

@@ -42,6 +42,19 @@ def _session(name: str, path: Path) -> OrtSession:
     return OrtSession(name, path, ["CPUExecutionProvider"], 0, 1)
 
 
+def _run(engine: CosyVoiceSynthesizer, batcher: GraphBatcher,
+         joins: dict[int, list[tuple[int, int]]]) -> dict[int, list[int]]:
+    """Submit (text, seed) pairs before round r; rounds until every stream is done; each seed's tokens."""
+    lm, streams, r = engine.lm, {}, 0
+    while r <= max(joins) or batcher.active or batcher.waiting:
+        for i, seed in joins.get(r, ()):
+            sampler = TokenSampler.seeded(lm.config.sampling, lm.config.eos_token, seed)
+            streams[seed] = batcher.submit(LlmInput(text=engine.tokenizer.encode(TEXTS[i])), sampler)
+        batcher.run_once()
+        r += 1
+    return {seed: list(s) for seed, s in streams.items()}
+
+
 def test_fused_batches_give_each_stream_its_tokens_alone(engine: CosyVoiceSynthesizer, fused_dir: Path,
                                                          tiny_bundle: Path) -> None:
     lm = engine.lm
@@ -54,14 +67,7 @@ def test_fused_batches_give_each_stream_its_tokens_alone(engine: CosyVoiceSynthe
         batcher = GraphBatcher(lm, fused, thread, settings)
 
         def run(joins: dict[int, list[tuple[int, int]]]) -> dict[int, list[int]]:
-            streams, r = {}, 0
-            while r <= max(joins) or batcher.active or batcher.waiting:
-                for i, seed in joins.get(r, ()):
-                    sampler = TokenSampler.seeded(lm.config.sampling, lm.config.eos_token, seed)
-                    streams[seed] = batcher.submit(LlmInput(text=engine.tokenizer.encode(TEXTS[i])), sampler)
-                batcher.run_once()
-                r += 1
-            return {seed: list(s) for seed, s in streams.items()}
+            return _run(engine, batcher, joins)
 
         schedule = {0: [(0, 1)], 2: [(1, 2)], 4: [(2, 3), (3, 4)]}
         alone = {seed: run({0: [(i, seed)]})[seed] for group in schedule.values() for i, seed in group}
@@ -122,14 +128,7 @@ def test_a_rounds_prompts_prefill_in_one_run(engine: CosyVoiceSynthesizer, fused
         assert batcher.batched_prefill
 
         def run(joins: dict[int, list[tuple[int, int]]]) -> dict[int, list[int]]:
-            streams, r = {}, 0
-            while r <= max(joins) or batcher.active or batcher.waiting:
-                for i, seed in joins.get(r, ()):
-                    sampler = TokenSampler.seeded(lm.config.sampling, lm.config.eos_token, seed)
-                    streams[seed] = batcher.submit(LlmInput(text=engine.tokenizer.encode(TEXTS[i])), sampler)
-                batcher.run_once()
-                r += 1
-            return {seed: list(s) for seed, s in streams.items()}
+            return _run(engine, batcher, joins)
 
         schedule = {0: [(0, 11), (1, 12), (3, 13)], 2: [(3, 14)], 5: [(1, 16)]}
         alone = {seed: run({0: [(i, seed)]})[seed] for group in schedule.values() for i, seed in group}
