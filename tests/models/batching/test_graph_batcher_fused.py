@@ -42,6 +42,13 @@ def _session(name: str, path: Path) -> OrtSession:
     return OrtSession(name, path, ["CPUExecutionProvider"], 0, 1)
 
 
+def _fused(fused_dir: Path, tiny_bundle: Path) -> FusedDecodeStep:
+    """The fused step of batch sizes 1, 2, 4 over 4 rows, on the CPU."""
+    steps = {b: _session(f"fused{b}", fused_dir / f"llm_decode_fused_b{b}.onnx") for b in (1, 2, 4)}
+    return FusedDecodeStep(steps, _session("insert", fused_dir / "llm_fused_kv_insert.onnx"),
+                           _session("llm_prefill", tiny_bundle / "llm_prefill.onnx"), ("cpu", 0), rows=4)
+
+
 def _run(engine: CosyVoiceSynthesizer, batcher: GraphBatcher,
          joins: dict[int, list[tuple[int, int]]]) -> dict[int, list[int]]:
     """Submit (text, seed) pairs before round r; rounds until every stream is done; each seed's tokens."""
@@ -58,9 +65,7 @@ def _run(engine: CosyVoiceSynthesizer, batcher: GraphBatcher,
 def test_fused_batches_give_each_stream_its_tokens_alone(engine: CosyVoiceSynthesizer, fused_dir: Path,
                                                          tiny_bundle: Path) -> None:
     lm = engine.lm
-    steps = {b: _session(f"fused{b}", fused_dir / f"llm_decode_fused_b{b}.onnx") for b in (1, 2, 4)}
-    fused = FusedDecodeStep(steps, _session("insert", fused_dir / "llm_fused_kv_insert.onnx"),
-                            _session("llm_prefill", tiny_bundle / "llm_prefill.onnx"), ("cpu", 0), rows=4)
+    fused = _fused(fused_dir, tiny_bundle)
     with GraphThread() as thread:
         thread.call(fused.warm_up)
         settings = IterationSettings(BatchSettings(max_batch_size=4), fused.batch_sizes, 4, 1)
@@ -118,9 +123,7 @@ def test_a_rounds_prompts_prefill_in_one_run(engine: CosyVoiceSynthesizer, fused
     each row's last prompt position its first step's input; the ones that join later, one a round, are
     prefilled alone; every seeded stream gives the tokens it gives alone (prefilled alone, row by row)."""
     lm = engine.lm
-    steps = {b: _session(f"fused{b}", fused_dir / f"llm_decode_fused_b{b}.onnx") for b in (1, 2, 4)}
-    fused = FusedDecodeStep(steps, _session("insert", fused_dir / "llm_fused_kv_insert.onnx"),
-                            _session("llm_prefill", tiny_bundle / "llm_prefill.onnx"), ("cpu", 0), rows=4)
+    fused = _fused(fused_dir, tiny_bundle)
     with GraphThread() as thread:
         thread.call(fused.warm_up)
         settings = IterationSettings(BatchSettings(max_batch_size=4), fused.batch_sizes, 4, 4)
