@@ -83,23 +83,27 @@ def kernel_seconds(t_h200: float, clock_ghz: float) -> float:
     return t_h200 * H200_CLOCK_GHZ / clock_ghz
 
 
-def _launch(calls: Mapping[str, Mapping[str, float]], kernels: Mapping[str, float], t: float) -> dict[str, float]:
-    return {stage: sum(n * kernels[g] for g, n in graphs.items()) * t for stage, graphs in calls.items()}
+def _launch(calls: Mapping[str, Mapping[str, float]], kernels: Mapping[str, float],
+            seconds: Mapping[str, float]) -> dict[str, float]:
+    return {stage: sum(n * kernels[g] * seconds[g] for g, n in graphs.items()) for stage, graphs in calls.items()}
 
 
 def with_launch(row: Mapping[str, Any], kernels: Mapping[str, float], t: float,
-                concurrency: int = 1) -> dict[str, Any]:
+                concurrency: int = 1, fused: Mapping[str, float] | None = None) -> dict[str, Any]:
     """A saved roofline row (`project`'s: first_audio_stage_ms, rtf_stage) with the launch term, at
     `concurrency` streams served by batched replays: ms and RTF as a [low, high] pair (roofline x1 or
-    x concurrency) plus the launches once."""
-    first_launch = _launch(FIRST_AUDIO_CALLS, kernels, t)
-    second_launch = _launch(SECOND_CALLS, kernels, t)
+    x concurrency) plus the launches once. `fused`: graphs whose kernels cost other seconds each
+    (the fused graphs' fewer, larger kernels), by graph; the others cost `t`."""
+    seconds = {g: (fused or {}).get(g, t) for g in kernels}
+    first_launch = _launch(FIRST_AUDIO_CALLS, kernels, seconds)
+    second_launch = _launch(SECOND_CALLS, kernels, seconds)
     roof_first = sum(row["first_audio_stage_ms"].values()) / 1e3
     roof_second = sum(row["rtf_stage"].values())
     launch_first, launch_second = sum(first_launch.values()), sum(second_launch.values())
     return {
         "device": row["device"], "precision": row["precision"], "concurrency": concurrency,
         "kernel_us": round(t * 1e6, 3),
+        **({"fused_kernel_us": {g: round(v * 1e6, 3) for g, v in fused.items()}} if fused else {}),
         "launch_ms": {"first_audio": round(launch_first * 1e3, 2), "per_audio_second": round(launch_second * 1e3, 2)},
         "first_audio_ms": [round((roof_first + launch_first) * 1e3, 1),
                            round((roof_first * concurrency + launch_first) * 1e3, 1)],
@@ -131,6 +135,42 @@ def launch_table(saved: Mapping[str, Any], measured_h200: Mapping[str, float],
 # docs/benchmarks/h200-2026-12-02-run4.json): first audio at concurrency 1, offline RTF.
 H200_MEASURED = {"first_audio_ms": 279.0, "rtf": 0.202}
 
+# The fused graphs ort-cuda serves since issue 23 (H200, fifteenth run, docs/benchmarks/h200-2026-12-04-run15.json
+# `lane_replay`: each alone, captured, one stream): the fp16 batched estimator window with the fused operators
+# (window 64, 400 cached frames) and the fp16 fused LLM step (batch 1, cache 320). Their kernels are fewer and
+# larger than the plain graphs': they get their own per-kernel time.
+H200_FUSED_KERNELS = {"flow_estimator": 1492, "llm_decode": 394}
+H200_FUSED_CALL_MS = {"flow_estimator": 5.318, "llm_decode": 1.357}
+# What the same run's bench measured on them (one stream, the goals' bench): single-stream first audio and
+# streaming RTF (the projection prices streaming; the run's offline RTF of the same 4 s text: 0.156)
+H200_FUSED_MEASURED = {"first_audio_ms": 150.4, "rtf": 0.135}
+
+
+def fused_launch_table(saved: Mapping[str, Any], measured_h200: Mapping[str, float],
+                       concurrencies: Sequence[int] = (1, 4)) -> dict[str, Any]:
+    """launch_table for the fused graphs: their measured kernels and a per-kernel time calibrated on
+    their calls alone (the plain graphs' per-kernel time for the prefill, the encoder and the vocoder,
+    which stay plain); the H200's prediction beside `measured_h200`, each board at each concurrency."""
+    h200 = saved["h200"]["predicted"]
+    plain = [CallPoint(H200_KERNELS[g], H200_CALL_MS[g] / 1e3, h200["call_ms"][g] / 1e3) for g in H200_KERNELS]
+    fused = [CallPoint(H200_FUSED_KERNELS[g], H200_FUSED_CALL_MS[g] / 1e3, h200["call_ms"][g] / 1e3)
+             for g in H200_FUSED_KERNELS]
+    t_plain, t_fused = calibrate_kernel_seconds(plain), calibrate_kernel_seconds(fused)
+    kernels = {**kernels_per_call(NODES, H200_KERNELS), **{g: float(k) for g, k in H200_FUSED_KERNELS.items()}}
+
+    def fused_at(clock_ghz: float) -> dict[str, float]:
+        return {g: kernel_seconds(t_fused, clock_ghz) for g in H200_FUSED_KERNELS}
+
+    predicted = with_launch(h200, kernels, t_plain, fused=fused_at(H200_CLOCK_GHZ))
+    error = {k: round(predicted[k][0] / measured_h200[k] - 1, 3) for k in ("first_audio_ms", "rtf")}
+    boards = [with_launch(row, kernels, kernel_seconds(t_plain, BOARD_CLOCK_GHZ[row["device"]]), c,
+                          fused=fused_at(BOARD_CLOCK_GHZ[row["device"]]))
+              for row in saved["boards"] for c in concurrencies]
+    return {"kernel_seconds_h200": t_plain, "fused_kernel_seconds_h200": t_fused, "kernels_per_call": kernels,
+            "calibration": [vars(p) for p in plain], "fused_calibration": [vars(p) for p in fused],
+            "h200": {"predicted": predicted, "measured": dict(measured_h200), "predicted_over_measured_minus_1": error},
+            "boards": boards}
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m cosyedge_models.tools.launch_projection SAVED.json [OUT.json]`: re-price a saved
@@ -142,9 +182,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="launch_projection", description=main.__doc__)
     parser.add_argument("saved", type=Path)
     parser.add_argument("out", type=Path, nargs="?")
+    parser.add_argument("--fused", action="store_true",
+                        help="the fused graphs ort-cuda serves (issue 23), calibrated on their own calls")
     args = parser.parse_args(argv)
     saved = json.loads(args.saved.read_text())
-    table = {"bench": "jetson_projection_launch", "from": args.saved.name, **launch_table(saved, H200_MEASURED)}
+    body = fused_launch_table(saved, H200_FUSED_MEASURED) if args.fused else launch_table(saved, H200_MEASURED)
+    table = {"bench": "jetson_projection_launch" + ("_fused" if args.fused else ""), "from": args.saved.name, **body}
     text = json.dumps(table, indent=2) + "\n"
     if args.out:
         args.out.write_text(text)
