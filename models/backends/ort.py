@@ -251,7 +251,8 @@ def bound_lm_run(session: OrtSession, embeds: np.ndarray, past: ort.OrtValue | n
     the device for this run, ~24 KiB per position at full size).
     `attention_mask` [B, past_len + T] (default: all ones): 0 for padding.
     Returns (logp, present_kv)."""
-    mask = attention_mask if attention_mask is not None else np.ones((embeds.shape[0], past_len + embeds.shape[1]))
+    mask = (attention_mask if attention_mask is not None
+            else np.ones((embeds.shape[0], past_len + embeds.shape[1]), np.int64))
     binding = session.io_binding()
     binding.bind_cpu_input("inputs_embeds", np.ascontiguousarray(embeds, dtype=np.float32))
     binding.bind_cpu_input("attention_mask", np.ascontiguousarray(mask, dtype=np.int64))

@@ -114,19 +114,36 @@ def with_launch(row: Mapping[str, Any], kernels: Mapping[str, float], t: float,
 
 
 def launch_table(saved: Mapping[str, Any], measured_h200: Mapping[str, float],
-                 concurrencies: Sequence[int] = (1, 4)) -> dict[str, Any]:
+                 concurrencies: Sequence[int] = (1, 4), fused_kernels: Mapping[str, float] | None = None,
+                 fused_call_ms: Mapping[str, float] | None = None) -> dict[str, Any]:
     """The saved projection (`bench --project --json`) re-priced with the launch term, calibrated on
     the H200's measured calls against the saved H200 roofline; the H200's prediction beside
-    `measured_h200` (first_audio_ms, rtf) and each board at each concurrency."""
+    `measured_h200` (first_audio_ms, rtf) and each board at each concurrency. With `fused_kernels` and
+    `fused_call_ms` (the fused graphs ort-cuda serves: their kernels and ms a call), those graphs take
+    their measured kernels and a per-kernel time calibrated on their calls alone; the others (the
+    prefill, the encoder, the vocoder: plain graphs) keep the plain calibration."""
     h200 = saved["h200"]["predicted"]
     points = [CallPoint(H200_KERNELS[g], H200_CALL_MS[g] / 1e3, h200["call_ms"][g] / 1e3) for g in H200_KERNELS]
     t_h200 = calibrate_kernel_seconds(points)
     kernels = kernels_per_call(NODES, H200_KERNELS)
-    predicted = with_launch(h200, kernels, t_h200)
+    fused_kernels = fused_kernels if fused_call_ms is not None else None
+    fused_points = [CallPoint(k, fused_call_ms[g] / 1e3, h200["call_ms"][g] / 1e3)
+                    for g, k in fused_kernels.items()] if fused_kernels and fused_call_ms else []
+    t_fused = calibrate_kernel_seconds(fused_points) if fused_points else None
+    kernels.update({g: float(k) for g, k in (fused_kernels or {}).items()})
+
+    def fused_at(clock_ghz: float) -> dict[str, float] | None:
+        return None if t_fused is None else {g: kernel_seconds(t_fused, clock_ghz) for g in fused_kernels or {}}
+
+    predicted = with_launch(h200, kernels, t_h200, fused=fused_at(H200_CLOCK_GHZ))
     error = {k: round(predicted[k][0] / measured_h200[k] - 1, 3) for k in ("first_audio_ms", "rtf")}
-    boards = [with_launch(row, kernels, kernel_seconds(t_h200, BOARD_CLOCK_GHZ[row["device"]]), c)
+    boards = [with_launch(row, kernels, kernel_seconds(t_h200, BOARD_CLOCK_GHZ[row["device"]]), c,
+                          fused=fused_at(BOARD_CLOCK_GHZ[row["device"]]))
               for row in saved["boards"] for c in concurrencies]
-    return {"kernel_seconds_h200": t_h200, "kernels_per_call": kernels, "calibration": [vars(p) for p in points],
+    fused = {"fused_kernel_seconds_h200": t_fused, "fused_calibration": [vars(p) for p in fused_points]} \
+        if t_fused is not None else {}
+    return {"kernel_seconds_h200": t_h200, **fused, "kernels_per_call": kernels,
+            "calibration": [vars(p) for p in points],
             "h200": {"predicted": predicted, "measured": dict(measured_h200), "predicted_over_measured_minus_1": error},
             "boards": boards}
 
@@ -146,32 +163,6 @@ H200_FUSED_CALL_MS = {"flow_estimator": 5.318, "llm_decode": 1.357}
 H200_FUSED_MEASURED = {"first_audio_ms": 150.4, "rtf": 0.135}
 
 
-def fused_launch_table(saved: Mapping[str, Any], measured_h200: Mapping[str, float],
-                       concurrencies: Sequence[int] = (1, 4)) -> dict[str, Any]:
-    """launch_table for the fused graphs: their measured kernels and a per-kernel time calibrated on
-    their calls alone (the plain graphs' per-kernel time for the prefill, the encoder and the vocoder,
-    which stay plain); the H200's prediction beside `measured_h200`, each board at each concurrency."""
-    h200 = saved["h200"]["predicted"]
-    plain = [CallPoint(H200_KERNELS[g], H200_CALL_MS[g] / 1e3, h200["call_ms"][g] / 1e3) for g in H200_KERNELS]
-    fused = [CallPoint(H200_FUSED_KERNELS[g], H200_FUSED_CALL_MS[g] / 1e3, h200["call_ms"][g] / 1e3)
-             for g in H200_FUSED_KERNELS]
-    t_plain, t_fused = calibrate_kernel_seconds(plain), calibrate_kernel_seconds(fused)
-    kernels = {**kernels_per_call(NODES, H200_KERNELS), **{g: float(k) for g, k in H200_FUSED_KERNELS.items()}}
-
-    def fused_at(clock_ghz: float) -> dict[str, float]:
-        return {g: kernel_seconds(t_fused, clock_ghz) for g in H200_FUSED_KERNELS}
-
-    predicted = with_launch(h200, kernels, t_plain, fused=fused_at(H200_CLOCK_GHZ))
-    error = {k: round(predicted[k][0] / measured_h200[k] - 1, 3) for k in ("first_audio_ms", "rtf")}
-    boards = [with_launch(row, kernels, kernel_seconds(t_plain, BOARD_CLOCK_GHZ[row["device"]]), c,
-                          fused=fused_at(BOARD_CLOCK_GHZ[row["device"]]))
-              for row in saved["boards"] for c in concurrencies]
-    return {"kernel_seconds_h200": t_plain, "fused_kernel_seconds_h200": t_fused, "kernels_per_call": kernels,
-            "calibration": [vars(p) for p in plain], "fused_calibration": [vars(p) for p in fused],
-            "h200": {"predicted": predicted, "measured": dict(measured_h200), "predicted_over_measured_minus_1": error},
-            "boards": boards}
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m cosyedge_models.tools.launch_projection SAVED.json [OUT.json]`: re-price a saved
     `bench --project --json` report with the launch term."""
@@ -186,7 +177,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="the fused graphs ort-cuda serves (issue 23), calibrated on their own calls")
     args = parser.parse_args(argv)
     saved = json.loads(args.saved.read_text())
-    body = fused_launch_table(saved, H200_FUSED_MEASURED) if args.fused else launch_table(saved, H200_MEASURED)
+    body = (launch_table(saved, H200_FUSED_MEASURED, fused_kernels=H200_FUSED_KERNELS, fused_call_ms=H200_FUSED_CALL_MS)
+            if args.fused else launch_table(saved, H200_MEASURED))
     table = {"bench": "jetson_projection_launch" + ("_fused" if args.fused else ""), "from": args.saved.name, **body}
     text = json.dumps(table, indent=2) + "\n"
     if args.out:

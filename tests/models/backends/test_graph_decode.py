@@ -24,6 +24,7 @@ from cosyedge_models.synthesis.settings import SynthesisSettings
 from cosyedge_models.synthesis.synthesizer import load_synthesizer
 
 from tests.conftest import STATIC_DECODE_LEN
+from tests.support.concurrent import run_concurrently
 
 
 def test_static_step_has_only_fixed_shapes(tiny_static_bundle: Path) -> None:
@@ -140,8 +141,6 @@ def test_auto_is_off_on_the_cpu_and_forcing_it_needs_the_step(tiny_bundle: Path,
 def _concurrent_loops(bundle_dir: Path, device: str, n: int) -> None:
     """n threads decode at once through the slots (captured at load on the
     graph thread): every step's logp equals the same request decoded alone."""
-    import threading
-
     dec, _, sessions = _decoder(bundle_dir, device, slots=n)
     d = load_bundle(bundle_dir).llm.hidden_size
     rng = np.random.default_rng(3)
@@ -159,23 +158,7 @@ def _concurrent_loops(bundle_dir: Path, device: str, n: int) -> None:
     try:
         dec.warm_up()
         serial = [decode(i) for i in range(n)]
-        concurrent: dict[int, list[np.ndarray]] = {}
-        errors: list[BaseException] = []
-        start = threading.Barrier(n)
-
-        def one(i: int) -> None:
-            try:
-                start.wait()
-                concurrent[i] = decode(i)
-            except BaseException as exc:  # reported below
-                errors.append(exc)
-
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
-        assert not errors, errors
+        concurrent = run_concurrently(n, decode, timeout_s=300)
     finally:
         dec.close()
         dec.thread.close()

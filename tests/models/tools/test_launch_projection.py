@@ -76,15 +76,10 @@ def test_fused_graphs_get_their_own_per_kernel_time() -> None:
     call within 20 % (the estimator within 2 %, the LLM step +20 %: its fp32 roofline, 0.30 ms, is most
     of the difference), it is not the plain graphs' (fewer, larger kernels), the H200's first audio and
     streaming RTF come within 30 % of what that run measured, and a board pays more per fused kernel."""
-    from cosyedge_models.tools.launch_projection import (
-        H200_FUSED_CALL_MS,
-        H200_FUSED_KERNELS,
-        H200_FUSED_MEASURED,
-        fused_launch_table,
-    )
+    from cosyedge_models.tools.launch_projection import H200_FUSED_CALL_MS, H200_FUSED_KERNELS, H200_FUSED_MEASURED
 
     saved = json.loads((DOCS / "jetson-projection-xeon-2core-2026-12-02.json").read_text())
-    table = fused_launch_table(saved, H200_FUSED_MEASURED)
+    table = launch_table(saved, H200_FUSED_MEASURED, fused_kernels=H200_FUSED_KERNELS, fused_call_ms=H200_FUSED_CALL_MS)
     t_fused = table["fused_kernel_seconds_h200"]
     roof = saved["h200"]["predicted"]["call_ms"]
     for g, k in H200_FUSED_KERNELS.items():
