@@ -183,6 +183,19 @@ for step in ${steps//,/ }; do
         --json "$out/bench_h200_fp16.json" 2>&1 | grep -v -i warn > "$out/bench16.log" || { tail -40 "$out/bench16.log"; exit 1; }
       stamp "bench16 done" ;;
     cloud)
+      # no tritonserver or mosquitto on the image: device_wheels.sh's .device/cloud/ (pytriton's server with the
+      # Python 3.12 stub, numpy 1.26 for that stub (Triton 2.51's Python backend predates numpy 2), tritonclient,
+      # mosquitto with its libraries), copied to $CLOUD_DIR
+      cdir=${CLOUD_DIR:-/tmp/cloud}
+      if [ -f "$cdir/triton.tar.xz" ] && [ ! -f "$cdir/.ready" ]; then
+        mkdir -p "$cdir/triton" "$cdir/site" "$cdir/bin"
+        xz -dc "$cdir/triton.tar.xz" | tar x -C "$cdir/triton" && xz -dc "$cdir/mosquitto.tar.xz" | tar x -C "$cdir"
+        python3 -m pip install -q --no-index --no-deps --no-compile --target "$cdir/site" "$cdir"/wheels/*.whl
+        printf '#!/bin/sh\nLD_LIBRARY_PATH=%s/mosquitto/lib exec %s/mosquitto/mosquitto "$@"\n' "$cdir" "$cdir" >"$cdir/bin/mosquitto"
+        chmod +x "$cdir/bin/mosquitto" && touch "$cdir/.ready"
+      fi
+      python3 -c "import sysconfig as s; print('python shared', s.get_config_var('Py_ENABLE_SHARED'), s.get_config_var('LIBDIR'))"
+      PATH=$cdir/bin:$PATH PYTHONPATH=$cdir/site:$cdir/triton:$PYTHONPATH \
       timeout "${CLOUD_TIMEOUT_S:-540}" python3 -m cosyedge_cloud.tools.loadtest --bundle "$full/bundle" --gpu \
         --engine-backend ort-cuda --max-batch-size 16 --queue-delay-us "${QUEUE_DELAY_US:-2000}" --max-in-flight 16 \
         --levels "${CONCURRENCY:-1,4,8,16}" --text "${CLOUD_TEXT:-Hello there, this is the cloud speaking.}" \
