@@ -187,16 +187,20 @@ for step in ${steps//,/ }; do
       # Python 3.12 stub, numpy 1.26 for that stub (Triton 2.51's Python backend predates numpy 2), tritonclient,
       # mosquitto with its libraries), copied to $CLOUD_DIR
       cdir=${CLOUD_DIR:-/tmp/cloud}
-      if [ -f "$cdir/triton.tar.xz" ] && [ ! -f "$cdir/.ready" ]; then
-        mkdir -p "$cdir/triton" "$cdir/site" "$cdir/bin"
-        xz -dc "$cdir/triton.tar.xz" | tar x -C "$cdir/triton" && xz -dc "$cdir/mosquitto.tar.xz" | tar x -C "$cdir"
-        python3 -m pip install -q --no-index --no-deps --no-compile --target "$cdir/site" "$cdir"/wheels/*.whl
+      if [ -f "$cdir/triton.tar.xz" ] && [ ! -x "$cdir/venv/bin/python" ]; then
+        # Triton's stub does not take PYTHONPATH: like .venv-triton, a venv whose site-packages hold numpy 1.26
+        # first, then (a .pth) this script's packages, the project and the image's own packages
+        python3 -m venv --without-pip "$cdir/venv" && mkdir -p "$cdir/bin"
+        sp=$("$cdir/venv/bin/python" -c "import sysconfig; print(sysconfig.get_path('purelib'))")
+        xz -dc "$cdir/triton.tar.xz" | tar x -C "$sp" && xz -dc "$cdir/mosquitto.tar.xz" | tar x -C "$cdir"
+        python3 -m pip install -q --no-index --no-deps --no-compile --target "$sp" "$cdir"/wheels/*.whl
+        printf '%s\n' /tmp/site /tmp/src "$PWD" "$(python3 -c "import sysconfig; print(sysconfig.get_path('purelib'))")" \
+          >"$sp/cosyedge-device.pth"
         printf '#!/bin/sh\nLD_LIBRARY_PATH=%s/mosquitto/lib exec %s/mosquitto/mosquitto "$@"\n' "$cdir" "$cdir" >"$cdir/bin/mosquitto"
-        chmod +x "$cdir/bin/mosquitto" && touch "$cdir/.ready"
+        chmod +x "$cdir/bin/mosquitto"
       fi
-      python3 -c "import sysconfig as s; print('python shared', s.get_config_var('Py_ENABLE_SHARED'), s.get_config_var('LIBDIR'))"
-      PATH=$cdir/bin:$PATH PYTHONPATH=$cdir/site:$cdir/triton:$PYTHONPATH \
-      timeout "${CLOUD_TIMEOUT_S:-540}" python3 -m cosyedge_cloud.tools.loadtest --bundle "$full/bundle" --gpu \
+      PATH=$cdir/bin:$PATH COSYEDGE_TRITON_VENV=$cdir/venv PYTHONPATH= \
+      timeout "${CLOUD_TIMEOUT_S:-540}" "$cdir/venv/bin/python" -m cosyedge_cloud.tools.loadtest --bundle "$full/bundle" --gpu \
         --engine-backend ort-cuda --max-batch-size 16 --queue-delay-us "${QUEUE_DELAY_US:-2000}" --max-in-flight 16 \
         --levels "${CONCURRENCY:-1,4,8,16}" --text "${CLOUD_TEXT:-Hello there, this is the cloud speaking.}" \
         --json "$out/cloud_h200.json" 2>&1 | grep -v -i warn | tee "$out/cloud.log" | grep -v " INFO " | tail -20

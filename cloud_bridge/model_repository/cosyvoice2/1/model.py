@@ -7,5 +7,6 @@ try:
 except ImportError as exc:  # pragma: no cover - inside tritonserver only
     raise ImportError(
         "the cosyedge project must be importable by Triton's Python backend "
-        "(.ci/setup.d/triton.sh puts it on .venv-triton's path; elsewhere: pip install --no-deps cosyedge)"
+        "(.ci/setup.d/triton.sh puts it on .venv-triton's path; elsewhere: pip install --no-deps cosyedge); "
+        f"the import failed with: {exc!r}"
     ) from exc
