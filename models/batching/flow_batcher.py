@@ -268,9 +268,17 @@ class BatchedStepCache:
         self._moved: StepCache | None = None
         self._bound = copier_cache  # makes the dynamic-graph cache (BoundStepCache)
         self._closed = False
+        self._seeding: Future[None] | None = None  # preload's seed, queued on the graph thread
+
+    def _seeded(self) -> None:
+        """Wait for a queued seed (its error, if any, is raised here: the lane is not trusted)."""
+        pending, self._seeding = self._seeding, None
+        if pending is not None:
+            pending.result()
 
     @property
     def length(self) -> int:
+        self._seeded()
         if self._moved is not None:
             return self._moved.length
         return self._graphs.lengths[self._slot] if self._slot is not None else 0
@@ -281,6 +289,7 @@ class BatchedStepCache:
 
     def _move(self) -> StepCache:
         """To the dynamic graph: the committed rows and the conv history through the host."""
+        self._seeded()
         slot = self._slot
         assert slot is not None
         kv, conv = self._batcher.thread.call(lambda: self._graphs.read_slot(slot), label="flow_lane_read")
@@ -306,11 +315,16 @@ class BatchedStepCache:
             self._move().preload(rows, conv)
             return
         history = lane_history(conv)
-        self._batcher.thread.call(lambda: self._graphs.seed(slot, rows, history), label="flow_lane_seed")
+        # Queued, not awaited: a stream opens its flow (ten Euler steps' lanes) before its LLM prefill is
+        # submitted, and each seed awaited in turn waited behind other streams' replays (H200, sixteenth
+        # run: 259 ms of waits over eight streams' level). The lane's first use waits for it (_seeded).
+        self._seeding = self._batcher.thread.submit(lambda: self._graphs.seed(slot, rows, history),
+                                                    label="flow_lane_seed")
 
     def run(self, feeds: Mapping[str, np.ndarray], commit: int) -> np.ndarray:
         if self._closed:
             raise RuntimeError("flow cache used after close()")
+        self._seeded()
         frames = int(feeds["x"].shape[2])
         if self._moved is None and self._slot is not None and not self._graphs.fits(self._slot, frames, commit):
             self._move()
@@ -343,6 +357,11 @@ class BatchedStepCache:
         return 0 if self._slot is None else self._graphs.slot_bytes
 
     def _give_back(self) -> None:
+        # the lane goes back only once nothing queued still writes it; a seed that failed before the
+        # lane's first use fails nothing else (the stream closes unused)
+        pending, self._seeding = self._seeding, None
+        if pending is not None and pending.exception() is not None:
+            log.warning("a flow lane's seed failed before its first use: %s", pending.exception())
         if self._slot is not None:
             self._batcher.release(self._slot)
             self._slot = None

@@ -247,6 +247,62 @@ def test_a_lane_keeps_its_saved_prefix_for_the_next_stream_of_that_voice(static_
                 np.testing.assert_array_equal(a, b)
 
 
+def test_a_preload_is_queued_and_the_lanes_first_window_waits_for_it(static_flow_bundle: Path) -> None:
+    """A stream opens its ten Euler steps' lanes before its LLM prefill is submitted: preload queues
+    the seed on the graph thread and returns (each awaited in turn waited behind other streams'
+    replays); the lane's first window runs after it and gives what an awaited seed gives. A seed
+    that fails fails the lane's first use, and an unused lane whose seed failed still goes back."""
+    with _lanes(static_flow_bundle, groups=1) as (sessions, bundle, _, single, graphs, thread):
+        caches = BatchedFlowCaches(FlowBatcher(graphs, thread), single, single)
+        spec = StepCacheSpec(single.row, single.conv, np.dtype(np.float32), euler_step=0)
+        chunk = int(bundle.manifest["stages"][f"{STATIC_FLOW_PREFIX}{STATIC_FLOW_WINDOWS[0]}"]["chunk_frames"])
+        channels = int(sessions["flow_estimator"].input_shapes["x"][1])
+        rng = np.random.default_rng(12)
+        rows = PrefixRows(rng.standard_normal((2 * chunk, *single.row)).astype(np.float32))
+        conv = rng.standard_normal(single.conv).astype(np.float32)
+        feeds = [_feeds(rng, channels, STATIC_FLOW_WINDOWS[0]) for _ in range(2)]
+
+        def stream(busy: bool) -> list[np.ndarray]:
+            cache = caches(sessions["flow_estimator"], spec)
+            assert isinstance(cache, BatchedStepCache)
+            release = threading.Event()
+            blocker = thread.submit(release.wait) if busy else None
+            seeds_before = graphs.seeds + graphs.reuses
+            cache.preload(rows, conv)
+            if busy:
+                assert graphs.seeds + graphs.reuses == seeds_before  # returned with the thread still busy
+                release.set()
+                assert blocker is not None and blocker.result(timeout=30)
+            assert cache.length == 2 * chunk
+            out = [cache.run(f, chunk) for f in feeds]
+            cache.close()
+            return out
+
+        awaited = stream(busy=False)
+        queued = stream(busy=True)
+        for a, b in zip(queued, awaited, strict=True):
+            np.testing.assert_array_equal(a, b)
+
+        failing = PrefixRows(rows.host.copy())  # another prefix: a full seed, which fails here
+        real_seed = graphs.seed
+
+        def broken(slot: int, prefix: PrefixRows, history: np.ndarray) -> None:
+            raise RuntimeError("seed copy failed")
+        graphs.seed = broken  # type: ignore[method-assign]
+        try:
+            used = caches(sessions["flow_estimator"], spec)
+            used.preload(failing, conv)
+            with pytest.raises(RuntimeError, match="seed copy failed"):
+                used.run(feeds[0], chunk)
+            used.close()
+            unused = caches(sessions["flow_estimator"], spec)
+            unused.preload(failing, conv)
+            unused.close()
+        finally:
+            graphs.seed = real_seed  # type: ignore[method-assign]
+        assert caches.batcher.lanes_in_use == 0
+
+
 def bundle_with_voice(src: Path, tmp_path: Path) -> Path:
     """A copy of `src` with the saved voice "alice" (4 s: several complete flow chunks, a transcript)."""
     import shutil
