@@ -69,6 +69,24 @@ def _lanes(static_flow_bundle: Path, groups: int) -> Iterator[
             s.close()
 
 
+@contextlib.contextmanager
+def _one_group(static_flow_bundle: Path, seed: int, windows: int) -> Iterator[
+        tuple[dict[str, OrtSession], BatchedFlowCaches, StepCacheSpec, BatchFlowGraphs, GraphThread, int, PrefixRows,
+              np.ndarray, list[dict[str, np.ndarray]]]]:
+    """One group of lanes (Euler step 0) behind BatchedFlowCaches, a saved prefix of two chunks (random
+    rows and conv history, `seed`) and `windows` windows' feeds."""
+    with _lanes(static_flow_bundle, groups=1) as (sessions, bundle, _, single, graphs, thread):
+        caches = BatchedFlowCaches(FlowBatcher(graphs, thread), single, single)
+        spec = StepCacheSpec(single.row, single.conv, np.dtype(np.float32), euler_step=0)
+        chunk = int(bundle.manifest["stages"][f"{STATIC_FLOW_PREFIX}{STATIC_FLOW_WINDOWS[0]}"]["chunk_frames"])
+        channels = int(sessions["flow_estimator"].input_shapes["x"][1])
+        rng = np.random.default_rng(seed)
+        rows = PrefixRows(rng.standard_normal((2 * chunk, *single.row)).astype(np.float32))
+        conv = rng.standard_normal(single.conv).astype(np.float32)
+        feeds = [_feeds(rng, channels, STATIC_FLOW_WINDOWS[0]) for _ in range(windows)]
+        yield sessions, caches, spec, graphs, thread, chunk, rows, conv, feeds
+
+
 def _batched_sessions(bundle: Bundle) -> dict[tuple[int, int], OrtSession]:
     backend = create_backend("ort")
     found = batch_flow_sessions(bundle, lambda name, path: backend.load(name, path, threads=1))
@@ -214,15 +232,8 @@ def test_a_lane_keeps_its_saved_prefix_for_the_next_stream_of_that_voice(static_
     """Seeding a lane from the host took seconds a request at full size (10 Euler steps' lanes); a
     lane whose last stream had the same saved prefix still holds it (streams write past it), so
     the next stream of that voice writes only its conv history, and hears the same."""
-    with _lanes(static_flow_bundle, groups=1) as (sessions, bundle, _, single, graphs, thread):
-        caches = BatchedFlowCaches(FlowBatcher(graphs, thread), single, single)
-        spec = StepCacheSpec(single.row, single.conv, np.dtype(np.float32), euler_step=0)
-        chunk = int(bundle.manifest["stages"][f"{STATIC_FLOW_PREFIX}{STATIC_FLOW_WINDOWS[0]}"]["chunk_frames"])
-        channels = int(sessions["flow_estimator"].input_shapes["x"][1])
-        rng = np.random.default_rng(11)
-        rows = PrefixRows(rng.standard_normal((2 * chunk, *single.row)).astype(np.float32))
-        conv = rng.standard_normal(single.conv).astype(np.float32)
-        feeds = [_feeds(rng, channels, STATIC_FLOW_WINDOWS[0]) for _ in range(3)]
+    with _one_group(static_flow_bundle, seed=11, windows=3) as (sessions, caches, spec, graphs, _, chunk, rows,
+                                                               conv, feeds):
 
         def stream(prefix: PrefixRows | None) -> list[np.ndarray]:
             cache = caches(sessions["flow_estimator"], spec)
@@ -252,15 +263,8 @@ def test_a_preload_is_queued_and_the_lanes_first_window_waits_for_it(static_flow
     the seed on the graph thread and returns (each awaited in turn waited behind other streams'
     replays); the lane's first window runs after it and gives what an awaited seed gives. A seed
     that fails fails the lane's first use, and an unused lane whose seed failed still goes back."""
-    with _lanes(static_flow_bundle, groups=1) as (sessions, bundle, _, single, graphs, thread):
-        caches = BatchedFlowCaches(FlowBatcher(graphs, thread), single, single)
-        spec = StepCacheSpec(single.row, single.conv, np.dtype(np.float32), euler_step=0)
-        chunk = int(bundle.manifest["stages"][f"{STATIC_FLOW_PREFIX}{STATIC_FLOW_WINDOWS[0]}"]["chunk_frames"])
-        channels = int(sessions["flow_estimator"].input_shapes["x"][1])
-        rng = np.random.default_rng(12)
-        rows = PrefixRows(rng.standard_normal((2 * chunk, *single.row)).astype(np.float32))
-        conv = rng.standard_normal(single.conv).astype(np.float32)
-        feeds = [_feeds(rng, channels, STATIC_FLOW_WINDOWS[0]) for _ in range(2)]
+    with _one_group(static_flow_bundle, seed=12, windows=2) as (sessions, caches, spec, graphs, thread, chunk, rows,
+                                                               conv, feeds):
 
         def stream(busy: bool) -> list[np.ndarray]:
             cache = caches(sessions["flow_estimator"], spec)
