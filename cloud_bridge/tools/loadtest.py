@@ -262,11 +262,12 @@ def _free_port() -> int:
 def local_stack(bundle: Path, max_in_flight: int, batching: DynamicBatching | None = None,
                 parameters: dict[str, str] | None = None) -> Iterator[tuple[str, str]]:
     """A private mosquitto, tritonserver on `bundle` (its dynamic batching and
-    model parameters set as given) and a bridge, all on loopback; yields
-    (broker URL, Triton metrics URL)."""
+    model parameters set as given; the model's latest version only, the one
+    unpinned requests get) and a bridge, all on loopback; yields (broker URL,
+    Triton metrics URL)."""
     from cosyedge_cloud.bridge.service import BridgeService
     from cosyedge_cloud.bridge.settings import build_settings
-    from cosyedge_cloud.triton.launcher import LaunchSettings, TritonServer
+    from cosyedge_cloud.triton.launcher import REPOSITORY, LaunchSettings, TritonServer, model_versions
     from cosyedge_cloud.wire.broker import LocalBroker
 
     with tempfile.TemporaryDirectory(prefix="cosyedge-loadtest-") as tmp:
@@ -275,6 +276,8 @@ def local_stack(bundle: Path, max_in_flight: int, batching: DynamicBatching | No
         server = TritonServer(
             LaunchSettings(
                 bundle=bundle,
+                # one engine loaded, not one a version: at full size each holds its own graphs and lanes
+                versions=(model_versions(REPOSITORY / "cosyvoice2")[-1],),
                 batching=batching or DynamicBatching(),
                 parameters=parameters or {},
                 grpc_port=_free_port(),

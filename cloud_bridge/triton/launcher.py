@@ -133,6 +133,7 @@ def find_server() -> ServerDist:
 class LaunchSettings:
     bundle: Path | None = None  # every version's bundle unless version_bundles names one
     version_bundles: dict[str, Path] = field(default_factory=dict)  # "2" -> another bundle (a canary)
+    versions: tuple[str, ...] = ()  # only these of the model's versions are served (empty: every one)
     model: str = "cosyvoice2"  # the model whose versions get the bundle links
     extra_models: tuple[str, ...] = ()  # more models of the repository to load (they name their own bundles)
     repository: Path = REPOSITORY
@@ -157,6 +158,9 @@ class LaunchSettings:
         for version in self.version_bundles:
             if not version.isdigit():
                 raise TritonError(f"version bundles are keyed by version number, got {version!r}")
+        for version in self.versions:
+            if not version.isdigit():
+                raise TritonError(f"versions are version numbers (the model's folders 1, 2, ...), got {version!r}")
         bundles = ([self.bundle] if self.bundle else []) + list(self.version_bundles.values())
         for bundle in bundles:
             if not Path(bundle).is_dir():
@@ -175,6 +179,14 @@ def prepare_repository(settings: LaunchSettings, target: Path) -> Path:
         shutil.rmtree(repo)
     shutil.copytree(settings.repository, repo, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
     model_dir = repo / settings.model
+    found = model_versions(model_dir)
+    missing = [v for v in settings.versions if v not in found]
+    if missing:
+        raise TritonError(f"model {settings.model!r} has no version {', '.join(missing)}; it has {', '.join(found)}")
+    for version in found:
+        if settings.versions and version not in settings.versions:
+            # not served: each version loads its own engine (at full size on a GPU, its graphs and lanes)
+            shutil.rmtree(model_dir / version)
     for version_dir in sorted(p for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit()):
         bundle = settings.version_bundles.get(version_dir.name, settings.bundle)
         link = version_dir / "bundle"
@@ -188,6 +200,11 @@ def prepare_repository(settings: LaunchSettings, target: Path) -> Path:
     if settings.parameters:
         config.write_text(set_parameters(config.read_text(), settings.parameters))
     return repo
+
+
+def model_versions(model_dir: Path) -> list[str]:
+    """The version folders of a model in the repository, in number order ("1", "2", ...)."""
+    return sorted((p.name for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=int)
 
 
 def set_parameters(config: str, parameters: dict[str, str]) -> str:

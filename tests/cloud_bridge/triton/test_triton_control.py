@@ -56,3 +56,25 @@ def test_launcher_refuses_a_missing_bundle(tmp_path: Path) -> None:
         LaunchSettings(bundle=tmp_path / "nope")
     with pytest.raises(TritonError, match="TCP port"):
         LaunchSettings(bundle=tmp_path, grpc_port=0)
+
+
+def test_only_the_named_versions_are_served(tmp_path: Path) -> None:
+    """Each served version loads its own engine (at full size on a GPU, its own graphs and lanes): the
+    load test serves the latest version alone. The served copy keeps only the named version folders;
+    a version the model lacks, or a name that is not a number, is refused with what there is."""
+    from cosyedge_cloud.triton.launcher import REPOSITORY, model_versions, prepare_repository
+
+    shipped = model_versions(REPOSITORY / "cosyvoice2")
+    assert shipped == ["1", "2"]
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    repo = prepare_repository(LaunchSettings(bundle=bundle, versions=(shipped[-1],)), tmp_path / "one")
+    assert model_versions(repo / "cosyvoice2") == ["2"]
+    assert (repo / "cosyvoice2" / "2" / "bundle").resolve() == bundle.resolve()
+    assert model_versions(REPOSITORY / "cosyvoice2") == ["1", "2"]  # the checkout is untouched
+    every = prepare_repository(LaunchSettings(bundle=bundle), tmp_path / "every")
+    assert model_versions(every / "cosyvoice2") == ["1", "2"]
+    with pytest.raises(TritonError, match="has no version 7; it has 1, 2"):
+        prepare_repository(LaunchSettings(bundle=bundle, versions=("7",)), tmp_path / "none")
+    with pytest.raises(TritonError, match="versions are version numbers"):
+        LaunchSettings(bundle=bundle, versions=("latest",))
