@@ -271,10 +271,10 @@ class BatchedStepCache:
         self._seeding: Future[None] | None = None  # preload's seed, queued on the graph thread
 
     def _seeded(self) -> None:
-        """Wait for a queued seed (its error, if any, is raised here: the lane is not trusted)."""
-        pending, self._seeding = self._seeding, None
-        if pending is not None:
-            pending.result()
+        """Wait for a queued seed; one that failed raises here at every use (the lane is not trusted)."""
+        if self._seeding is not None:
+            self._seeding.result()
+            self._seeding = None
 
     @property
     def length(self) -> int:

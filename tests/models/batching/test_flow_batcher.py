@@ -262,7 +262,7 @@ def test_a_preload_is_queued_and_the_lanes_first_window_waits_for_it(static_flow
     """A stream opens its ten Euler steps' lanes before its LLM prefill is submitted: preload queues
     the seed on the graph thread and returns (each awaited in turn waited behind other streams'
     replays); the lane's first window runs after it and gives what an awaited seed gives. A seed
-    that fails fails the lane's first use, and an unused lane whose seed failed still goes back."""
+    that fails fails every use of the lane, and an unused lane whose seed failed still goes back."""
     with _one_group(static_flow_bundle, seed=12, windows=2) as (sessions, caches, spec, graphs, thread, chunk, rows,
                                                                conv, feeds):
 
@@ -296,8 +296,9 @@ def test_a_preload_is_queued_and_the_lanes_first_window_waits_for_it(static_flow
         try:
             used = caches(sessions["flow_estimator"], spec)
             used.preload(failing, conv)
-            with pytest.raises(RuntimeError, match="seed copy failed"):
-                used.run(feeds[0], chunk)
+            for _ in range(2):  # at every use, not only the first
+                with pytest.raises(RuntimeError, match="seed copy failed"):
+                    used.run(feeds[0], chunk)
             used.close()
             unused = caches(sessions["flow_estimator"], spec)
             unused.preload(failing, conv)
