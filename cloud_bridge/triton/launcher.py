@@ -187,9 +187,9 @@ def prepare_repository(settings: LaunchSettings, target: Path) -> Path:
         if settings.versions and version not in settings.versions:
             # not served: each version loads its own engine (at full size on a GPU, its graphs and lanes)
             shutil.rmtree(model_dir / version)
-    for version_dir in sorted(p for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit()):
-        bundle = settings.version_bundles.get(version_dir.name, settings.bundle)
-        link = version_dir / "bundle"
+            continue
+        bundle = settings.version_bundles.get(version, settings.bundle)
+        link = model_dir / version / "bundle"
         if bundle is not None:
             if link.is_symlink() or link.exists():
                 link.unlink()

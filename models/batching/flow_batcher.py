@@ -360,8 +360,9 @@ class BatchedStepCache:
         # the lane goes back only once nothing queued still writes it; a seed that failed before the
         # lane's first use fails nothing else (the stream closes unused)
         pending, self._seeding = self._seeding, None
-        if pending is not None and pending.exception() is not None:
-            log.warning("a flow lane's seed failed before its first use: %s", pending.exception())
+        failed = pending.exception() if pending is not None else None
+        if failed is not None:
+            log.warning("a flow lane's seed failed before its first use: %s", failed)
         if self._slot is not None:
             self._batcher.release(self._slot)
             self._slot = None

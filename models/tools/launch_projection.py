@@ -126,7 +126,8 @@ def launch_table(saved: Mapping[str, Any], measured_h200: Mapping[str, float],
     points = [CallPoint(H200_KERNELS[g], H200_CALL_MS[g] / 1e3, h200["call_ms"][g] / 1e3) for g in H200_KERNELS]
     t_h200 = calibrate_kernel_seconds(points)
     kernels = kernels_per_call(NODES, H200_KERNELS)
-    fused_kernels = fused_kernels if fused_call_ms is not None else None
+    if (fused_kernels is None) != (fused_call_ms is None):
+        raise ValueError("fused_kernels and fused_call_ms go together (the fused graphs' kernels and ms a call)")
     fused_points = [CallPoint(k, fused_call_ms[g] / 1e3, h200["call_ms"][g] / 1e3)
                     for g, k in fused_kernels.items()] if fused_kernels and fused_call_ms else []
     t_fused = calibrate_kernel_seconds(fused_points) if fused_points else None

@@ -5,6 +5,7 @@ stream through the same batcher alone, and the steps really share graphs."""
 
 from __future__ import annotations
 
+import functools
 import threading
 from pathlib import Path
 
@@ -71,8 +72,7 @@ def test_fused_batches_give_each_stream_its_tokens_alone(engine: CosyVoiceSynthe
         settings = IterationSettings(BatchSettings(max_batch_size=4), fused.batch_sizes, 4, 1)
         batcher = GraphBatcher(lm, fused, thread, settings)
 
-        def run(joins: dict[int, list[tuple[int, int]]]) -> dict[int, list[int]]:
-            return _run(engine, batcher, joins)
+        run = functools.partial(_run, engine, batcher)
 
         schedule = {0: [(0, 1)], 2: [(1, 2)], 4: [(2, 3), (3, 4)]}
         alone = {seed: run({0: [(i, seed)]})[seed] for group in schedule.values() for i, seed in group}
@@ -130,8 +130,7 @@ def test_a_rounds_prompts_prefill_in_one_run(engine: CosyVoiceSynthesizer, fused
         batcher = GraphBatcher(lm, fused, thread, settings, batched_prefill=True)
         assert batcher.batched_prefill
 
-        def run(joins: dict[int, list[tuple[int, int]]]) -> dict[int, list[int]]:
-            return _run(engine, batcher, joins)
+        run = functools.partial(_run, engine, batcher)
 
         schedule = {0: [(0, 11), (1, 12), (3, 13)], 2: [(3, 14)], 5: [(1, 16)]}
         alone = {seed: run({0: [(i, seed)]})[seed] for group in schedule.values() for i, seed in group}
