@@ -36,7 +36,7 @@ from cosyedge_models.batching.looped_step import LoopedGraphStep
 from cosyedge_models.batching.policy import BatchSettings
 from cosyedge_models.batching.worker import BatchWorker
 from cosyedge_models.errors import SynthesisError
-from cosyedge_models.synthesis.llm import LlmInput, LlmStats, RequestDecode, SpeechTokenLM
+from cosyedge_models.synthesis.llm import LlmInput, LlmStats, RequestDecode, SpeechTokenLM, accept_rows
 from cosyedge_models.synthesis.sampling import TokenSampler
 
 log = logging.getLogger(__name__)
@@ -241,21 +241,29 @@ class GraphBatcher(BatchWorker):
         self.stats.steps += 1
         self.stats.shared_steps += len(requests) > 1
         self.stats.peak_batch = max(self.stats.peak_batch, len(requests))
-        for request, logp in zip(requests, logps, strict=True):
-            key = request.key
-            self._lengths[key] += 1
+        for request in requests:
+            self._lengths[request.key] += 1
             request.decode.stats.decode_ms += ms
             request.decode.stats.batch_max = max(request.decode.stats.batch_max, len(requests))
-            try:
-                _emit(request, request.decode.accept(logp))
-            except Exception as exc:
-                with self._cond:
-                    self._leave(key, _as_engine_error(exc, "LLM sampling failed"))
-                continue
+        try:
+            tokens = accept_rows([r.decode for r in requests], logps)
+        except Exception as exc:  # not one row's sampling (those come back in place): the step's rows fail
+            err = _as_engine_error(exc, "LLM sampling failed")
             with self._cond:
-                self.scheduler.stepped(key, request.decode.finished)
+                for key in batch.keys:
+                    self._leave(key, err)
+            return True
+        for request, token in zip(requests, tokens, strict=True):
+            if not isinstance(token, SynthesisError):
+                _emit(request, token)
+        with self._cond:  # once a step, not once a row: the lock is shared with the submitting threads
+            for request, token in zip(requests, tokens, strict=True):
+                if isinstance(token, SynthesisError):
+                    self._leave(request.key, _as_engine_error(token, "LLM sampling failed"))
+                    continue
+                self.scheduler.stepped(request.key, request.decode.finished)
                 if request.decode.finished:
-                    self._leave(key)
+                    self._leave(request.key)
         self.stats.step_call_s += call_s
         self.stats.step_host_s += time.perf_counter() - started - call_s
         return True

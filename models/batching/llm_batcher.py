@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
+import numpy as np
 from cosyedge_models.backends.profiles import stage_profiles
 from cosyedge_models.batching.group import GroupGate, RequestGroup
 from cosyedge_models.batching.kv import BatchDecoder
@@ -28,7 +29,7 @@ from cosyedge_models.batching.policy import BatchSettings, Waiting, admit
 from cosyedge_models.batching.worker import BatchWorker
 from cosyedge_models.bundle.loader import Bundle
 from cosyedge_models.errors import BundleError, SynthesisError
-from cosyedge_models.synthesis.llm import LlmInput, LlmStats, RequestDecode, SpeechTokenLM
+from cosyedge_models.synthesis.llm import LlmInput, LlmStats, RequestDecode, SpeechTokenLM, accept_rows
 from cosyedge_models.synthesis.sampling import TokenSampler
 
 log = logging.getLogger(__name__)
@@ -231,15 +232,22 @@ class LlmBatcher(BatchWorker):
         self.stats.steps += 1
         self.stats.shared_steps += len(logps) > 1
         self.stats.peak_batch = max(self.stats.peak_batch, len(logps))
-        for key, logp in logps.items():
-            request = self._active[key]
+        requests = [self._active[key] for key in logps]
+        for request in requests:
             request.decode.stats.decode_ms += ms
             request.decode.stats.batch_max = max(request.decode.stats.batch_max, len(logps))
-            try:
-                self._emit(request, request.decode.accept(logp))
-            except Exception as exc:
-                self._finish(request, _as_engine_error(exc, "LLM sampling failed"))
+        try:
+            tokens = accept_rows([r.decode for r in requests], np.stack(list(logps.values())))
+        except Exception as exc:  # not one row's sampling (those come back in place): the batch's rows fail
+            err = _as_engine_error(exc, "LLM sampling failed")
+            for request in requests:
+                self._finish(request, err)
+            return True
+        for request, token in zip(requests, tokens, strict=True):
+            if isinstance(token, SynthesisError):
+                self._finish(request, _as_engine_error(token, "LLM sampling failed"))
                 continue
+            self._emit(request, token)
             if request.decode.finished:
                 self._finish(request)
         return True

@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 import numpy as np
 from cosyedge_models.backends.base import Backend, DecodeLoop, FixedSizeDecode, Session
 from cosyedge_models.bundle.loader import Bundle, LlmConfig
+from cosyedge_models.errors import SynthesisError
 from cosyedge_models.synthesis.llm_prefix import LlmPrefix, build_llm_prefix
-from cosyedge_models.synthesis.sampling import TokenSampler
+from cosyedge_models.synthesis.sampling import TokenSampler, sample_rows
 
 
 @dataclass(frozen=True)
@@ -147,12 +148,19 @@ class RequestDecode:
     def accept(self, logp: np.ndarray) -> int | None:
         """Sample from this step's logp [V]; the token to emit, or None (EOS or
         a fill token). Sets `finished` when the request is done."""
+        ignore_eos = self._next_step()
+        return self._take(self.sampler.sample(logp, self.stats.tokens, ignore_eos=ignore_eos))
+
+    def _next_step(self) -> bool:
+        """Counts the step about to be sampled; whether EOS is held back at it."""
         if self.finished:
             raise RuntimeError("accept() after the request finished")
         i = self.index
         self.index += 1
         self.stats.steps += 1
-        token = self.sampler.sample(logp, self.stats.tokens, ignore_eos=i < self.min_len)
+        return i < self.min_len
+
+    def _take(self, token: int) -> int | None:
         if token == self.eos:
             self.finished = True
             return None
@@ -165,3 +173,12 @@ class RequestDecode:
         self.stats.tokens.append(token)
         self.next_input = self._speech_embedding[token]
         return token
+
+
+def accept_rows(decodes: Sequence[RequestDecode], logps: np.ndarray) -> list[int | None | SynthesisError]:
+    """`accept` for each request of a batched step (its logp a row of [B, V]), sampled together
+    (sampling.sample_rows: each row's token is the one it gets alone); a request whose sampling
+    fails gets its error in its place."""
+    ignore_eos = [d._next_step() for d in decodes]
+    tokens = sample_rows([d.sampler for d in decodes], logps, [d.stats.tokens for d in decodes], ignore_eos)
+    return [t if isinstance(t, SynthesisError) else d._take(t) for d, t in zip(decodes, tokens, strict=True)]

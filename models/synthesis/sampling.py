@@ -10,6 +10,8 @@ so a seeded request yields the same tokens alone or in a batch."""
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -23,6 +25,7 @@ MAX_TRIALS = 100
 # nucleus_candidates looks at every SAMPLE_STRIDE-th entry first: a sample of ~1100 of a 6564-entry
 # vocabulary leaves ~150 candidates to sort (a full argpartition was most of a step's sampling time)
 SAMPLE_STRIDE = 6
+SMALL_DRAW = 64  # draw() sums at most this many entries in Python
 
 
 def softmax(logp: np.ndarray) -> np.ndarray:
@@ -64,10 +67,16 @@ def top_order(probs: np.ndarray, k: int) -> np.ndarray:
 
 
 def draw(probs: np.ndarray, u: float) -> int:
-    """Inverse-CDF draw of an index from unnormalised probabilities."""
-    cdf = np.cumsum(probs, dtype=np.float64)
-    idx = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
-    return min(idx, probs.shape[0] - 1)
+    """Inverse-CDF draw of an index from unnormalised probabilities (the float64 cumulative sum,
+    the first entry above u times the total)."""
+    n = probs.shape[0]
+    if n <= SMALL_DRAW:
+        # the same sequential float64 sums in Python: a numpy cumsum's call overhead was most of a
+        # nucleus draw (14 against 3 us for 25 candidates)
+        cdf = list(itertools.accumulate(probs.tolist()))
+        return min(bisect.bisect_right(cdf, u * cdf[-1]), n - 1)
+    cdf_np = np.cumsum(probs, dtype=np.float64)
+    return min(int(np.searchsorted(cdf_np, u * cdf_np[-1], side="right")), n - 1)
 
 
 @dataclass
@@ -84,7 +93,10 @@ class TokenSampler:
 
     def ras(self, logp: np.ndarray, decoded: Sequence[int]) -> int:
         probs = softmax(logp)
-        ids, values = nucleus_candidates(probs, self.config.top_p, self.config.top_k)
+        return self.pick(probs, *nucleus_candidates(probs, self.config.top_p, self.config.top_k), decoded)
+
+    def pick(self, probs: np.ndarray, ids: np.ndarray, values: np.ndarray, decoded: Sequence[int]) -> int:
+        """One repetition-aware draw from a step's probabilities and their nucleus candidates."""
         token = int(ids[draw(values, self.rng.random())])
         window = decoded[-self.config.win_size:] if self.config.win_size > 0 else ()
         repeats = window.count(token)
@@ -93,11 +105,89 @@ class TokenSampler:
         return token
 
     def sample(self, logp: np.ndarray, decoded: Sequence[int], ignore_eos: bool) -> int:
+        probs = softmax(logp)
+        return self.redraw_eos(probs, *nucleus_candidates(probs, self.config.top_p, self.config.top_k),
+                               decoded, ignore_eos)
+
+    def redraw_eos(self, probs: np.ndarray, ids: np.ndarray, values: np.ndarray, decoded: Sequence[int],
+                   ignore_eos: bool) -> int:
         for _ in range(MAX_TRIALS + 1):
-            token = self.ras(logp, decoded)
+            token = self.pick(probs, ids, values, decoded)
             if not ignore_eos or token != self.eos_token:
                 return token
         raise SynthesisError(
             f"sampling drew EOS {MAX_TRIALS} times while the minimum length was not reached; "
             "the model output is degenerate for this input"
         )
+
+
+def sample_rows(samplers: Sequence[TokenSampler], logps: np.ndarray, decoded: Sequence[Sequence[int]],
+                ignore_eos: Sequence[bool]) -> list[int | SynthesisError]:
+    """One token per row of a batched step's logp [B, V], each row with its own sampler (its own
+    random draws, in the order `TokenSampler.sample` makes them), so a row's token is the one it
+    gets alone. The softmax and the nucleus candidates of all rows are computed together (row by
+    row, they were most of a step's host work at eight rows); a row whose sampling fails gets its
+    error in its place, the other rows their tokens."""
+    n = len(samplers)
+    if logps.ndim != 2 or logps.shape[0] != n or len(decoded) != n or len(ignore_eos) != n:
+        raise ValueError(f"sample_rows: {n} samplers, {len(decoded)} token lists and {len(ignore_eos)} flags "
+                         f"for logp of shape {logps.shape}")
+    configs = {(s.config.top_p, s.config.top_k) for s in samplers}
+    if n == 1 or len(configs) != 1:  # one row is quicker alone; rows with their own nucleus settings too
+        return [_sample_one(s, lp, d, e) for s, lp, d, e in zip(samplers, logps, decoded, ignore_eos, strict=True)]
+    ((top_p, top_k),) = configs
+    probs = softmax_rows(logps)
+    ids, values, takes = nucleus_rows(probs, top_p, top_k)
+    out: list[int | SynthesisError] = []
+    for r, sampler in enumerate(samplers):
+        t = int(takes[r])
+        try:
+            out.append(sampler.redraw_eos(probs[r], ids[r, :t], values[r, :t], decoded[r], ignore_eos[r]))
+        except SynthesisError as exc:
+            out.append(exc)
+    return out
+
+
+def _sample_one(sampler: TokenSampler, logp: np.ndarray, decoded: Sequence[int],
+                ignore_eos: bool) -> int | SynthesisError:
+    try:
+        return sampler.sample(logp, decoded, ignore_eos)
+    except SynthesisError as exc:
+        return exc
+
+
+def softmax_rows(logp: np.ndarray) -> np.ndarray:
+    """`softmax` of each row of [B, V], with the same float32 values (a row's max, exp and sum)."""
+    x = logp.astype(np.float32, copy=False)
+    e = np.exp(x - x.max(axis=1, keepdims=True))
+    e /= e.sum(axis=1, dtype=np.float32, keepdims=True)
+    return e
+
+
+def nucleus_rows(probs: np.ndarray, top_p: float, top_k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`nucleus_candidates` of each row of [B, V]: ids and values [B, k] in the same order, and how
+    many of each row's are candidates [B]."""
+    order = top_order_rows(probs, min(top_k, probs.shape[1]))
+    values = np.take_along_axis(probs, order, axis=1)
+    limit = np.float32(top_p)
+    before = np.cumsum(values, axis=1, dtype=np.float32)[:, :-1]
+    takes = int(np.float32(0.0) < limit) + np.count_nonzero(before < limit, axis=1)
+    return order, values, takes
+
+
+def top_order_rows(probs: np.ndarray, k: int) -> np.ndarray:
+    """`top_order` of each row of [B, V] as [B, k]: each row's entries at or above its strided
+    sample's bound, in descending probability (ties: lowest id first, as a stable sort)."""
+    b, n = probs.shape
+    sample = probs[:, ::SAMPLE_STRIDE]
+    m = sample.shape[1]
+    if 0 < k < m:
+        bound = np.partition(sample, m - k, axis=1)[:, m - k]
+        flat = np.flatnonzero(probs >= bound[:, None])  # row-major: by row, then by id
+    else:
+        flat = np.arange(b * n)
+    # stable sorts: descending probability keeps the id order of ties, then the rows regroup
+    by_prob = flat[np.argsort(-probs.reshape(-1)[flat], kind="stable")]
+    entries = by_prob[np.argsort(by_prob // n, kind="stable")]
+    starts = np.searchsorted(entries // n, np.arange(b))  # each row holds at least k entries
+    return entries[starts[:, None] + np.arange(k)] % n

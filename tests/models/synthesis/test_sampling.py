@@ -6,7 +6,15 @@ import numpy as np
 import pytest
 from cosyedge_models.bundle.loader import SamplingConfig
 from cosyedge_models.errors import SynthesisError
-from cosyedge_models.synthesis.sampling import TokenSampler, nucleus_candidates, softmax, top_order
+from cosyedge_models.synthesis.sampling import (
+    TokenSampler,
+    draw,
+    nucleus_candidates,
+    sample_rows,
+    softmax,
+    softmax_rows,
+    top_order,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -123,3 +131,62 @@ def test_top_order_is_the_prefix_of_a_full_stable_sort(n: int, k: int, kind: str
             probs[rng.random(n) < 0.7] = 0.0
     k = min(k, n)
     np.testing.assert_array_equal(top_order(probs, k), np.argsort(-probs, kind="stable")[:k])
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 16), st.sampled_from([7, 300, 6564]), st.sampled_from([0.5, 3.0, 12.0]),
+       st.integers(0, 2**32 - 1))
+def test_rows_sampled_together_get_the_tokens_each_gets_alone(rows: int, vocab: int, scale: float,
+                                                               seed: int) -> None:
+    """sample_rows: each row's token and its generator's state after are those of the row's own
+    sampler alone, over steps with repetitions and EOS held back on some rows."""
+    rng = np.random.default_rng(seed)
+    eos = vocab - 1
+    together = [TokenSampler.seeded(CFG, eos, seed + r) for r in range(rows)]
+    alone = [TokenSampler.seeded(CFG, eos, seed + r) for r in range(rows)]
+    decoded: list[list[int]] = [[] for _ in range(rows)]
+    for _ in range(12):
+        logps = np.log(softmax_rows((rng.standard_normal((rows, vocab)) * scale).astype(np.float32)) + 1e-30)
+        logps = logps.astype(np.float32)
+        ignore = [bool(x) for x in rng.integers(0, 2, rows)]
+        got = sample_rows(together, logps, decoded, ignore)
+        for r in range(rows):
+            try:
+                expected: int | str = alone[r].sample(logps[r], decoded[r], ignore[r])
+            except SynthesisError as exc:  # EOS held back on a small vocabulary: the same error in place
+                expected = str(exc)
+            token = got[r]
+            assert (str(token) if isinstance(token, SynthesisError) else token) == expected
+            if isinstance(token, int):
+                decoded[r].append(token)
+    assert [s.rng.random() for s in together] == [s.rng.random() for s in alone]
+
+
+def test_a_row_that_cannot_sample_fails_alone() -> None:
+    """A row whose only candidate is EOS while EOS is held back gets the error in its place."""
+    cfg = SamplingConfig(top_p=1.0, top_k=2, win_size=0, tau_r=0.1)
+    logps = np.log(np.array([[0.3, 0.7], [1e-12, 1.0], [0.6, 0.4]], dtype=np.float32))
+    samplers = [TokenSampler.seeded(cfg, eos_token=1, seed=s) for s in range(3)]
+    got = sample_rows(samplers, logps, [[], [], []], [True, True, True])
+    assert got[0] == 0 and got[2] == 0
+    assert isinstance(got[1], SynthesisError) and "EOS" in str(got[1])
+
+
+def test_rows_with_their_own_nucleus_settings_sample_row_by_row() -> None:
+    wide = SamplingConfig(top_p=1.0, top_k=5, win_size=0, tau_r=0.1)
+    logps = np.log(np.tile(np.array([0.5, 0.2, 0.15, 0.1, 0.05], dtype=np.float32), (2, 1)))
+    narrow_draws, wide_draws = set(), set()
+    for seed in range(200):
+        got = sample_rows([TokenSampler.seeded(CFG, 99, seed), TokenSampler.seeded(wide, 99, seed)], logps,
+                          [[], []], [False, False])
+        narrow_draws.add(got[0])
+        wide_draws.add(got[1])
+    assert narrow_draws == {0, 1, 2} and wide_draws == {0, 1, 2, 3, 4}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 40), st.floats(0.0, 1.0, exclude_max=True), st.integers(0, 2**32 - 1))
+def test_a_short_draw_sums_as_numpy_does(n: int, u: float, seed: int) -> None:
+    values = (np.random.default_rng(seed).random(n) ** 4).astype(np.float32)
+    cdf = np.cumsum(values, dtype=np.float64)
+    assert draw(values, u) == min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), n - 1)
