@@ -8,6 +8,7 @@ waits for at most max_prefills_between_steps prefills between two steps
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -152,6 +153,31 @@ def test_a_cancelled_stream_leaves_and_its_row_is_reused(static_engine: CosyVoic
     assert list(keep) == want and list(newcomer) == later
     assert len(list(gone)) <= 3
     assert [e[1] for e in rec.events if e[0] == "prefill"] == [0, 1, 1]  # the freed row 1 again
+
+
+def test_a_stream_whose_sampling_fails_in_a_shared_step_fails_alone(static_engine: CosyVoiceSynthesizer) -> None:
+    """Greedy sampling whose 'EOS' is the token it must draw at its second step, while EOS is still held
+    back: that stream's sampling gives up in a step it shares; it ends with the error, the other stream
+    gives its tokens alone."""
+    lm = static_engine.lm
+    greedy = dataclasses.replace(lm.config.sampling, top_k=1, tau_r=2.0)  # never more repeats than the window
+    first_two = list(lm.generate(_input(static_engine, 1), TokenSampler.seeded(greedy, lm.config.eos_token, 0)))[:2]
+    assert len(first_two) == 2 and _input(static_engine, 1).length_limits(lm.config)[0] >= 2
+    want = list(lm.generate(_input(static_engine, 3), _sampler(lm, 51)))
+    b, rec = _batcher(static_engine, bound=2, rows=2)
+    try:
+        failing = b.submit(_input(static_engine, 1), TokenSampler.seeded(greedy, first_two[1], 0))
+        keep = b.submit(_input(static_engine, 3), _sampler(lm, 51))
+        while b.active or b.waiting:
+            b.run_once()
+    finally:
+        rec.inner.close()
+    assert list(keep) == want
+    got: list[int] = []
+    with pytest.raises(SynthesisError, match="LLM sampling failed: sampling drew EOS 100 times"):
+        got.extend(failing)
+    assert got == first_two[:1]
+    assert [e[1] for e in rec.events if e[0] == "step"][0] == (0, 1)  # the failing step was shared
 
 
 def test_worker_thread_serves_concurrent_streams(static_engine: CosyVoiceSynthesizer) -> None:

@@ -14,6 +14,7 @@ from cosyedge_models.synthesis.sampling import (
     softmax,
     softmax_rows,
     top_order,
+    top_order_rows,
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -190,3 +191,20 @@ def test_a_short_draw_sums_as_numpy_does(n: int, u: float, seed: int) -> None:
     values = (np.random.default_rng(seed).random(n) ** 4).astype(np.float32)
     cdf = np.cumsum(values, dtype=np.float64)
     assert draw(values, u) == min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), n - 1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 17), st.integers(1, 400), st.integers(1, 40),
+       st.sampled_from(["flat", "ties", "peaked", "masked"]), st.integers(0, 2**32 - 1))
+def test_top_order_rows_is_each_rows_top_order(b: int, n: int, k: int, kind: str, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    if kind == "ties":
+        probs = rng.integers(0, 4, (b, n)).astype(np.float32)
+    elif kind == "peaked":
+        probs = softmax_rows((rng.standard_normal((b, n)) * 8).astype(np.float32))
+    else:
+        probs = rng.random((b, n)).astype(np.float32)
+        if kind == "masked":
+            probs[rng.random((b, n)) < 0.7] = 0.0
+    k = min(k, n)
+    np.testing.assert_array_equal(top_order_rows(probs, k), np.stack([top_order(row, k) for row in probs]))
