@@ -78,6 +78,12 @@ class TtsSettings:
         "alone as before); off: one replay per stream's window",
         reload=True,
     )
+    graph_encoder_batch: bool = setting(
+        False, "with graph_flow_batch and a bundle exported by this version with --batch-flow-sizes: concurrent "
+        "streams' flow encoder calls that wait together (a level's first chunks) run as one batched replay on the "
+        "GPU graph thread; off: one replay per stream's call",
+        reload=True,
+    )
     vocoder_pad_final: str = setting(
         "auto", "with the fixed-length vocoder graphs (bundles exported with --static-vocoder): a stream's last chunk "
         "right-padded into the shortest graph that holds it, its audio cut back, instead of the dynamic vocoder at its "

@@ -32,7 +32,8 @@ def export_bundle(model_dir: Path, out: Path, static_decode_len: int = 0,
     chunk of each of these first hops too;
     `batch_flow_sizes` (with `static_flow_windows`) the estimator windows batched across that many
     streams, K/V cache in place (flow_batch.py), in `batch_flow_precision` (fp16: the lanes' K/V in
-    fp16 too), their attention `batch_flow_attention` (fused: onnxruntime's MultiHeadAttention)."""
+    fp16 too), their attention `batch_flow_attention` (fused: onnxruntime's MultiHeadAttention), and the
+    streaming encoder's windows batched across the same sizes (flow_encoder_batch.py)."""
     from cosyedge_build.export.flow_batch import check_options
 
     check_options(batch_flow_precision, batch_flow_attention)
@@ -44,6 +45,7 @@ def export_bundle(model_dir: Path, out: Path, static_decode_len: int = 0,
         bundle,
         flow_batch,
         flow_encoder,
+        flow_encoder_batch,
         flow_encoder_static,
         flow_estimator,
         flow_static,
@@ -93,6 +95,10 @@ def export_bundle(model_dir: Path, out: Path, static_decode_len: int = 0,
                                                                   int(flow_hyper["pre_lookahead_len"]))
                 stages.extend(flow_encoder_static.export_static_encoders(
                     refs.flow, scratch, enc_windows, static_flow_cache // ratio, int(flow_hyper["chunk_tokens"])))
+                if batch_flow_sizes:  # the encoder windows batched the same way
+                    stages.extend(flow_encoder_batch.export_batch_encoders(
+                        refs.flow, scratch, list(batch_flow_sizes), enc_windows, static_flow_cache // ratio,
+                        int(flow_hyper["chunk_tokens"])))
             elif batch_flow_sizes:
                 raise ValueError("batched flow graphs (--batch-flow-sizes) need --static-flow-windows")
             progress.advance("flow estimator")

@@ -67,9 +67,9 @@ from cosyedge_build.export.flow_estimator import (
 )
 from cosyedge_build.export.graphs import StageGraph, TensorSpec, export_stage, module_base
 from cosyedge_build.reference.modules import require
+from cosyedge_models.bundle.loader import BATCH_FLOW_PREFIX
 from cosyedge_models.errors import CheckpointError
 
-BATCH_FLOW_PREFIX = "flow_estimator_batch_b"
 CFG_ROWS = 2  # guidance pair per stream
 PRECISIONS = ("fp32", "fp16")
 ATTENTIONS = ("plain", "fused")

@@ -63,6 +63,16 @@ def rel_positions(torch: Any, size: Any, div_term: Any, cached: Any = 0) -> Any:
     return torch.stack((torch.sin(angles), torch.cos(angles)), dim=-1).reshape(1, cached + 2 * size - 1, -1)
 
 
+def history(ext: Any, start: Any, k: int) -> Any:
+    """A causal convolution's next history: the `k` frames of `ext` [B, C, T] from `start` (the
+    committed frames; an int or [1] for every row, or [B]: one per row, the batched graphs')."""
+    torch = _torch()
+    if isinstance(start, torch.Tensor) and start.dim() == 1 and start.shape[0] > 1:
+        at = (start.view(-1, 1, 1) + torch.arange(k).view(1, 1, k)).expand(ext.shape[0], ext.shape[1], k)
+        return torch.gather(ext, 2, at)
+    return ext.index_select(2, start + torch.arange(k))
+
+
 def _check_encoder(encoder: Any) -> None:
     for layer in (*encoder.encoders, *encoder.up_encoders):
         if layer.conv_module is not None or layer.feed_forward_macaron is not None:
@@ -115,7 +125,7 @@ def make_flow_encoder_graph(flow: Any) -> Any:
             p = attn.linear_pos(pos_emb).view(1, -1, h, dk).transpose(1, 2)
             ac = torch.matmul((q + attn.pos_bias_u).transpose(1, 2), keys.transpose(-2, -1))
             bd = torch.matmul((q + attn.pos_bias_v).transpose(1, 2), p.transpose(-2, -1))
-            bd = torch.gather(bd, 3, idx.view(1, 1, t, s + t).expand(b, h, t, s + t))
+            bd = torch.gather(bd, 3, idx.reshape(-1, 1, t, s + t).expand(b, h, t, s + t))
             scores = (ac + bd) / math.sqrt(dk) + bias
             ctx = torch.matmul(torch.softmax(scores, dim=-1), values)
             return attn.linear_out(ctx.transpose(1, 2).reshape(b, t, h * dk)), k, v
@@ -125,8 +135,8 @@ def make_flow_encoder_graph(flow: Any) -> Any:
             """The stack over the window with `cache` [S, L, 2, B, H, D] before it;
             returns x and the K/V of the window's `keep` frames [R, L, 2, B, H, D]
             (every window frame's with keep None). `cached_len` None: all S rows are
-            committed frames; a tensor [1] (the fixed-shape graphs): only its first
-            rows are, the rest of the buffer is masked."""
+            committed frames; a tensor [1] (the fixed-shape graphs) or [B] (the batched
+            ones: a length per row): only its first rows are, the rest of the buffer is masked."""
             t = x.shape[1]
             s = cache.shape[0]
             keys = torch.arange(t).view(1, 1, -1) < valid_len.view(-1, 1, 1)
@@ -140,9 +150,9 @@ def make_flow_encoder_graph(flow: Any) -> Any:
                 # position s + i - j, i.e. column t - 1 - i + j of the table
                 idx = (t - 1) - i + j
             else:
-                n = cached_len.view(1, 1)
-                used = torch.arange(s).view(1, -1) < n
-                cache_bias = torch.where(used, 0.0, MASK_NEGATIVE).view(1, 1, 1, s).expand(bias.shape[0], 1, t, s)
+                n = cached_len.view(-1, 1, 1)
+                used = torch.arange(s).view(1, -1) < cached_len.view(-1, 1)
+                cache_bias = torch.where(used, 0.0, MASK_NEGATIVE).view(-1, 1, 1, s).expand(bias.shape[0], 1, t, s)
                 # query i sits at n + i: cache row j < n is n + i - j back, window key s + j' is
                 # i - j' back; a free row reads column 0 (masked), so the table keeps its static size
                 rel = torch.where(j < s, torch.where(j < n, n + i - j, s + t - 1), s + i - j)
@@ -188,7 +198,7 @@ def make_flow_encoder_graph(flow: Any) -> Any:
             y = F.leaky_relu(pre.conv1(y))
             # conv2 is causal: the conv1 outputs of the tokens before the window come from the cache
             ext = torch.cat((pre_cache, y), dim=2)
-            pre_new = ext.index_select(2, committed + torch.arange(pre_cache.shape[2]))
+            pre_new = history(ext, committed, pre_cache.shape[2])
             y = pre.conv2(ext)
             x = y.transpose(1, 2) + x
             main_len = token_len - lookahead_len
@@ -202,7 +212,7 @@ def make_flow_encoder_graph(flow: Any) -> Any:
                 .reshape(x.shape[0], x.shape[2], t * self.stride)
             )
             ext = torch.cat((upconv_cache, y), dim=2)
-            upconv_new = ext.index_select(2, committed * self.stride + torch.arange(upconv_cache.shape[2]))
+            upconv_new = history(ext, committed * self.stride, upconv_cache.shape[2])
             y = up.conv(ext)
             x = self.embed(encoder.up_embed, y.transpose(1, 2))
             x, up_new = self.layers(encoder.up_encoders, x, main_len * self.stride, chunk_tokens * self.stride,

@@ -252,6 +252,11 @@ class SlotPool(Generic[SlotT]):
         with self._lock:
             return len(self._slots)
 
+    @property
+    def free_slots(self) -> int:
+        with self._lock:
+            return len(self._free)
+
     def register(self, slot: SlotT) -> None:
         """A new slot, tracked (close() returns it) and free; slot 0 is handed out first."""
         with self._lock:

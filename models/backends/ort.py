@@ -16,7 +16,7 @@ from cosyedge_models.backends.flow_cache import HostStepCache, StepCache, StepCa
 from cosyedge_models.backends.ort_cache import BoundCacheFactory
 from cosyedge_models.backends.profiling import profile_dir
 from cosyedge_models.backends.shared_weights import SharedWeights, SharedWeightsRegistry
-from cosyedge_models.bundle.loader import BATCH_FLOW_PREFIX, FIXED_SHAPE_PREFIXES, Bundle
+from cosyedge_models.bundle.loader import BATCHED_PREFIXES, FIXED_SHAPE_PREFIXES, Bundle
 from cosyedge_models.errors import BundleError, SynthesisError
 
 log = logging.getLogger(__name__)
@@ -205,7 +205,7 @@ class OrtBackend:
             env = os.environ.get("COSYEDGE_ORT_THREADS")
             threads = int(env) if env else None
         # COSYEDGE_ORT_CUDA_GRAPH=0: run the static step without capture (to compare)
-        graph = (stage in CUDA_GRAPH_STAGES or stage.startswith((*FIXED_SHAPE_PREFIXES, BATCH_FLOW_PREFIX))) and \
+        graph = (stage in CUDA_GRAPH_STAGES or stage.startswith((*FIXED_SHAPE_PREFIXES, *BATCHED_PREFIXES))) and \
             os.environ.get("COSYEDGE_ORT_CUDA_GRAPH", "1") != "0"
         # Weights shared between sessions on the CPU and CUDA providers (host or
         # device buffers); TensorRT's provider builds engines with their own copy.

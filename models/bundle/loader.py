@@ -37,6 +37,10 @@ FIXED_SHAPE_PREFIXES = (STATIC_FLOW_PREFIX, STATIC_VOCODER_PREFIX, STATIC_ENCODE
 # the estimator windows batched across streams (edge_build/export/flow_batch.py; captured too)
 BATCH_FLOW_PREFIX = "flow_estimator_batch_b"
 BATCH_FLOW_NAME = re.compile(rf"^{BATCH_FLOW_PREFIX}(\d+)_w(\d+)$")  # groups: batch size, window frames
+# the streaming encoder windows batched across streams (edge_build/export/flow_encoder_batch.py; captured too)
+BATCH_ENCODER_PREFIX = "flow_encoder_batch_b"
+BATCH_ENCODER_NAME = re.compile(rf"^{BATCH_ENCODER_PREFIX}(\d+)_t(\d+)$")  # groups: batch size, window tokens
+BATCHED_PREFIXES = (BATCH_FLOW_PREFIX, BATCH_ENCODER_PREFIX)
 
 
 def _covers_prefix(profile: Mapping[str, Any]) -> bool:
@@ -240,7 +244,7 @@ def load_bundle(root: Path | str, precision: str | None = None, *, backend: str 
             raise BundleError(f"{root}: stage file {entry['file']} is missing")
         stages[name] = StageInfo(name, path, entry.get("precision", chosen), entry.get("sha256"), entry)
 
-    fixed_shape = [n for n in manifest.get("stages", {}) if n.startswith((*FIXED_SHAPE_PREFIXES, BATCH_FLOW_PREFIX))]
+    fixed_shape = [n for n in manifest.get("stages", {}) if n.startswith((*FIXED_SHAPE_PREFIXES, *BATCHED_PREFIXES))]
     for name in (*OPTIONAL_STAGES, *fixed_shape) if backend != "trt" else ():
         entry = manifest.get("stages", {}).get(name)
         if isinstance(entry, dict) and chosen in entry.get("variants", {}):

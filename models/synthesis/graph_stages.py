@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # onnxruntime is imported only where a stage is on (the trt b
     from cosyedge_models.backends.tensorrt.static_encoder import TrtStaticEncoder
     from cosyedge_models.backends.tensorrt.static_flow import TrtStaticFlow
     from cosyedge_models.backends.tensorrt.static_vocoder import TrtStaticVocoder
+    from cosyedge_models.batching.batched_encoder import BatchEncoderGraphs
     from cosyedge_models.batching.flow_batcher import BatchedFlowCaches, FlowBatcher
     from cosyedge_models.batching.fused_step import FusedDecodeStep
 
@@ -53,6 +54,7 @@ class GraphStages:
         self.encoder: StaticEncoderGraphs | TrtStaticEncoder | None = None
         self.vocoder: StaticVocoder | TrtStaticVocoder | None = None
         self.flow_batch: FlowBatcher | None = None  # the batched estimator windows (graph_flow_batch)
+        self.encoder_batch: BatchEncoderGraphs | None = None  # the batched encoder windows (graph_encoder_batch)
         # seconds each stage took to load, make its slots and capture its graphs (bench, logs):
         # at full size on an H200 most of an engine's load (docs/gpu.md, fifth run)
         self.load_seconds: dict[str, float] = {}
@@ -114,6 +116,10 @@ class GraphStages:
     def flow_batch_stats(self) -> dict[str, object] | None:
         """What the batched estimator windows did (FlowBatchStats: replays, rows shared), or None (off)."""
         return None if self.flow_batch is None else self.flow_batch.report()
+
+    def encoder_batch_stats(self) -> dict[str, int] | None:
+        """What the batched encoder windows did (EncoderBatchStats), or None (off)."""
+        return None if self.encoder_batch is None else self.encoder_batch.stats.as_dict()
 
     def fixed_size_decode(self, prefill: Session, decode: Session | None = None) -> FixedSizeDecode | None:
         """The LLM's fixed-size step over `prefill`, captured now, or None (the ordinary loop);
@@ -272,6 +278,41 @@ class GraphStages:
                                            slots, spec, functools.partial(self._thread, "flow"))
         return self._loaded("encoder", t0, self.encoder)
 
+    def batched_encoder(self, spec: EncoderCacheSpec) -> BatchEncoderGraphs | None:
+        """With graph_encoder_batch, graph_flow_batch's lanes and the fixed-shape encoder graphs on
+        onnxruntime (call static_encoder first): the batched encoder windows, captured now, as the
+        flow's encoder cache factory (streams beyond their lanes take static_encoder's slots), or None."""
+        t0 = time.perf_counter()
+        if not self.settings.graph_encoder_batch:
+            return None
+        from cosyedge_models.backends.ort_static_encoder import StaticEncoderGraphs
+
+        if self.flow_batch is None or not isinstance(self.encoder, StaticEncoderGraphs) or self.encoder.disabled:
+            log.info("graph_encoder_batch: off, it needs graph_flow_batch's lanes and the fixed-shape encoder "
+                     "graphs on onnxruntime")
+            return None
+        from cosyedge_models.backends.ort import OrtSession
+        from cosyedge_models.batching.batched_encoder import BatchEncoderGraphs, batch_encoder_sessions
+
+        loaded = batch_encoder_sessions(self.bundle, self._load)
+        sessions = {key: s for key, s in loaded.items() if isinstance(s, OrtSession)}
+        if not loaded:
+            raise BundleError(f"{self.bundle.root}: graph_encoder_batch needs a bundle exported by this version "
+                              "with '--static-flow-windows W,... --batch-flow-sizes 1,2,...' (the batched "
+                              "encoder graphs)")
+        if len(sessions) != len(loaded):
+            return None  # a wrapped backend (tests)
+        encoder = self.encoder
+        thread = self._thread("flow")
+        graphs = BatchEncoderGraphs(sessions, encoder.device, encoder.copier, spec, thread, encoder)
+        graphs.warm_up()  # captures now, before any request runs
+        if graphs.disabled is not None:
+            return None
+        self.encoder_batch = graphs
+        log.info("flow encoder: batched windows %s tokens for batch sizes %s, %d streams, %d cached tokens",
+                 graphs.windows, graphs.batch_sizes, graphs.max_slots, graphs.cache_tokens)
+        return self._loaded("encoder_batch", t0, graphs)
+
     def static_vocoder(self) -> StaticVocoder | TrtStaticVocoder | None:
         """The fixed-length vocoder graphs (onnxruntime) or engines (trt), captured now, or
         None (not with flow batching)."""
@@ -299,6 +340,8 @@ class GraphStages:
             self.decode.close()
         if self.flow is not None:
             self.flow.close()
+        if self.encoder_batch is not None:
+            self.encoder_batch.close()
         if self.encoder is not None:
             self.encoder.close()
         for thread in {id(t): t for t in self.threads.values()}.values():

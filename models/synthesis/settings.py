@@ -99,6 +99,11 @@ class SynthesisSettings:
     # replay on the graph thread (models/batching/flow_batcher.py; as many streams as the largest
     # batch size, more take graph_flow's slots). Off by default until measured on the GPU.
     graph_flow_batch: bool = False
+    # With graph_flow_batch's lanes and a bundle that has the batched encoder graphs (exported with
+    # --batch-flow-sizes since issue 23): concurrent streams' flow encoder calls waiting together run as
+    # one batched replay (models/batching/batched_encoder.py; as many streams as the largest batch size,
+    # more take the single-stream encoder slots). Off by default until measured on the GPU.
+    graph_encoder_batch: bool = False
     # Offline (stream=false) requests synthesized as streams whose pieces are joined, so that the
     # streams' batched GPU work (graph_flow_batch's lanes, the vocoder's fixed lengths) serves them
     # too; the audio is then what a streamed request gives (chunk-causal flow) instead of one

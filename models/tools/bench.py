@@ -278,6 +278,7 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
                               # the iteration-level LLM batcher over the fixed-size decode, a slot per row
                               graph_batching=args.graph_batching,
                               graph_flow_batch=args.graph_flow_batch,
+                              graph_encoder_batch=args.graph_encoder_batch,
                               offline_as_stream=args.offline_as_stream,
                               vocoder_pad_final=args.vocoder_pad_final,
                               llm_prefills_between_steps=args.llm_prefills_between_steps,
@@ -334,7 +335,8 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
                         "first_audio_first": settings.first_audio_first, "graph_batching": graph_batching,
                         **concurrency_report(engine, text, concurrency, mode, voice),
                         "graph_order": engine.graphs.order_stats(),
-                        "graph_flow_batch": engine.graphs.flow_batch_stats()}
+                        "graph_flow_batch": engine.graphs.flow_batch_stats(),
+                        "graph_encoder_batch": engine.graphs.encoder_batch_stats()}
             print(json.dumps(report_c, indent=2))
             if args.json:
                 Path(args.json).write_text(json.dumps(report_c, indent=2) + "\n")
@@ -418,6 +420,7 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
         report["graph_batching"] = graph_batching
         report["graph_order"] = engine.graphs.order_stats()
         report["graph_flow_batch"] = engine.graphs.flow_batch_stats()  # None: off
+        report["graph_encoder_batch"] = engine.graphs.encoder_batch_stats()  # None: off
         report["session_memory_bytes"] = engine.session_memory_bytes()
         report["peak_rss_mb"] = round(peak_rss_mb(), 1)  # before other bundles load and the reference loads torch
         save_partial(args.json, report)

@@ -119,6 +119,16 @@ def flow_batch_delta(before: dict[str, Any] | None, after: dict[str, Any] | None
     return out
 
 
+def encoder_batch_delta(before: dict[str, int] | None, after: dict[str, int] | None) -> dict[str, int] | None:
+    """What the batched encoder windows did between two EncoderBatchStats.as_dict() (None: off): replays,
+    rows they served, replays shared by streams; the most streams in one replay so far."""
+    if after is None:
+        return None
+    old = before or {}
+    return {**{k: after[k] - old.get(k, 0) for k in ("replays", "rows", "shared_replays")},
+            "peak_batch": after["peak_batch"]}
+
+
 # the first chunk's milestones of a stream, ms after its request started (StageEvent of chunk 0)
 # (stage, its end (True) or start, name)
 FIRST_CHUNK_MARKS = (("llm", True, "llm_end_ms"), ("flow", False, "flow_start_ms"),
@@ -151,6 +161,7 @@ def run_concurrent(engine: CosyVoiceSynthesizer, text: str, n: int, stream: bool
     llm_before = dataclasses.replace(engine.batcher.stats) if engine.batcher else None
     order_before = engine.graphs.order_stats()
     flow_before = engine.graphs.flow_batch_stats()
+    encoder_before = engine.graphs.encoder_batch_stats()
 
     def worker(i: int) -> None:
         try:
@@ -186,6 +197,9 @@ def run_concurrent(engine: CosyVoiceSynthesizer, text: str, n: int, stream: bool
     flow = flow_batch_delta(flow_before, engine.graphs.flow_batch_stats())
     if flow is not None:
         out["graph_flow_batch"] = flow
+    encoder = encoder_batch_delta(encoder_before, engine.graphs.encoder_batch_stats())
+    if encoder is not None:
+        out["graph_encoder_batch"] = encoder
     if stream:
         out["first_chunk_ms"] = first_chunk_profile([r["timeline"] for r in results])
     return out

@@ -1,0 +1,166 @@
+"""The streaming flow encoder windows batched across streams (flow_encoder_batch_b<B>_t<T>, exported
+with --batch-flow-sizes by edge_build/export/flow_encoder_batch.py) and their runtime
+(models/batching/batched_encoder.py): only static shapes; streams whose calls wait together share a
+replay and each gets the mel it gets alone on the dynamic graph; a voice's prefix is seeded into a
+lane; a stream beyond the lanes takes the single-stream slots; a cache that outgrows its lane moves
+to the host caches exactly. On the CPU they run without capture; `-m gpu` would capture them."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from pathlib import Path
+
+import numpy as np
+import onnx
+from cosyedge_models.backends.encoder_cache import EncoderCache, HostEncoderCache
+from cosyedge_models.backends.graph_thread import GraphThread
+from cosyedge_models.backends.ort import OrtSession
+from cosyedge_models.backends.ort_cache import DeviceCopier
+from cosyedge_models.backends.ort_static_encoder import StaticEncoderCache, StaticEncoderGraphs
+from cosyedge_models.batching.batched_encoder import BatchedEncoderCache, BatchEncoderGraphs
+from cosyedge_models.bundle.loader import BATCH_ENCODER_NAME, STATIC_ENCODER_PREFIX, Bundle, load_bundle
+from cosyedge_models.synthesis.flow import FlowDecoder, FlowPrompt
+from cosyedge_models.synthesis.voice_cache import build_flow_prefix
+
+from tests.conftest import BATCH_FLOW_SIZES, STATIC_FLOW_CACHE, STATIC_FLOW_WINDOWS
+from tests.models.flow_streams import Recording, flow_sessions, stream_mel
+
+
+def _prompt(bundle: Bundle, seed: int, tokens: int = 12) -> FlowPrompt:
+    rng = np.random.default_rng(seed)
+    return FlowPrompt(tokens=rng.integers(0, 50, tokens).astype(np.int64),
+                      feat=rng.standard_normal((2 * tokens, bundle.mel_bins)).astype(np.float32),
+                      embedding=rng.standard_normal(192).astype(np.float32))
+
+
+def test_batched_encoder_graphs_have_only_fixed_shapes(static_flow_bundle: Path) -> None:
+    bundle = load_bundle(static_flow_bundle)
+    found = {(int(m.group(1)), int(m.group(2))) for n in bundle.stages if (m := BATCH_ENCODER_NAME.match(n))}
+    look = bundle.flow.pre_lookahead_len
+    assert found == {(b, w // 2 + look) for b in BATCH_FLOW_SIZES for w in STATIC_FLOW_WINDOWS}
+    for b, t in found:
+        name = f"flow_encoder_batch_b{b}_t{t}"
+        model = onnx.load(str(bundle.stages[name].path), load_external_data=False)
+        for value in [*model.graph.input, *model.graph.output]:
+            assert all(d.HasField("dim_value") for d in value.type.tensor_type.shape.dim), (name, value.name)
+        entry = bundle.stages[name].raw
+        assert entry["lanes"] == max(BATCH_FLOW_SIZES) and entry["cache_tokens"] == STATIC_FLOW_CACHE // 2
+
+
+class _Streams:
+    """The dynamic flow graphs, the single-stream encoder slots (`slots`) and the batched lanes."""
+
+    def __init__(self, bundle_dir: Path, thread: GraphThread, slots: int = 1) -> None:
+        self.sessions, self.bundle = flow_sessions(bundle_dir, "cpu", "flow_encoder_")
+        self.enc, self.est = self.sessions["flow_encoder"], self.sessions["flow_estimator"]
+        host = FlowDecoder(self.bundle, self.enc, self.est)
+        self.spec = host.encoder_spec
+        statics = [s for n, s in self.sessions.items() if n.startswith(STATIC_ENCODER_PREFIX)]
+        self.static = StaticEncoderGraphs(statics, ("cpu", 0), DeviceCopier("cpu"), self.spec, slots, thread)
+        self.static.warm_up()
+        batched: dict[tuple[int, int], OrtSession] = {}
+        for name, s in self.sessions.items():
+            if (m := BATCH_ENCODER_NAME.match(name)) is not None:
+                batched[(int(m.group(1)), int(m.group(2)))] = s
+        self.graphs = BatchEncoderGraphs(batched, ("cpu", 0), DeviceCopier("cpu"), self.spec, thread, self.static)
+        self.graphs.warm_up()
+        assert self.graphs.disabled is None and not self.graphs.capture
+        self.made: Recording[EncoderCache] = Recording(self.graphs)
+
+    def decoder(self, batched: bool = True) -> FlowDecoder:
+        return FlowDecoder(self.bundle, self.enc, self.est, encoder_cache_factory=self.made) if batched \
+            else FlowDecoder(self.bundle, self.enc, self.est)
+
+    def close(self) -> None:
+        for s in self.sessions.values():
+            s.close()
+
+
+def _toks(bundle: Bundle, seed: int, n: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, bundle.llm.speech_token_size, n)
+
+
+def test_streams_waiting_together_share_a_replay_and_each_gets_its_mel_alone(static_flow_bundle: Path) -> None:
+    """Three streams, two lanes: the graph thread is held until the two streams in lanes have both
+    queued their first call, so that call is one replay of two rows; the third stream takes the
+    single-stream slot. Each stream's mel is the dynamic graph's alone."""
+    with GraphThread() as thread:
+        s = _Streams(static_flow_bundle, thread)
+        try:
+            lengths = (60, 45, 52)
+            prompts = [_prompt(s.bundle, 10 + i) for i in range(3)]
+            toks = [_toks(s.bundle, 20 + i, n) for i, n in enumerate(lengths)]
+            alone = [stream_mel(s.decoder(False), prompts[i], toks[i]) for i in range(3)]
+            gate, got = threading.Event(), [np.zeros(0)] * 3
+            hold = thread.submit(gate.wait, label="test_hold")
+
+            def run(i: int) -> None:
+                got[i] = stream_mel(s.decoder(), prompts[i], toks[i])
+
+            workers = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+            for w in workers:
+                w.start()
+            while s.graphs.waiting < 2:
+                threading.Event().wait(0.005)
+            gate.set()
+            hold.result()
+            run(2)  # the lanes are taken until the two streams end: this one is on the slot
+            for w in workers:
+                w.join()
+            kinds = [type(c) for c in s.made.made]
+        finally:
+            s.close()
+    for i in range(3):
+        assert got[i].shape == alone[i].shape == (1, s.bundle.mel_bins, 2 * lengths[i])
+        np.testing.assert_allclose(got[i], alone[i], rtol=0, atol=1e-5)
+    assert kinds.count(BatchedEncoderCache) == 2 and kinds.count(StaticEncoderCache) == 1
+    stats = s.graphs.stats
+    assert stats.shared_replays >= 1 and stats.peak_batch == 2 and s.graphs.moves == 0
+    assert stats.rows == s.graphs.replays + stats.shared_replays  # two rows in each shared replay
+    assert s.graphs.free_slots == 2  # both lanes went back
+
+
+def test_a_voice_prefix_is_seeded_into_a_lane(static_flow_bundle: Path) -> None:
+    """A 60-token prompt's complete chunks come from the voice's prefix (built on the host), seeded
+    into the lane; the stream goes on in the lane with the dynamic graph's mel."""
+    with GraphThread() as thread:
+        s = _Streams(static_flow_bundle, thread)
+        try:
+            prompt, toks = _prompt(s.bundle, 3, 60), _toks(s.bundle, 4, 50)
+            prefix = build_flow_prefix(s.decoder(False), prompt)
+            alone = stream_mel(s.decoder(False), prompt, toks, prefix=prefix)
+            got = stream_mel(s.decoder(), prompt, toks, prefix=prefix)
+        finally:
+            s.close()
+    np.testing.assert_allclose(got, alone, rtol=0, atol=1e-5)
+    assert isinstance(s.made.made[0], BatchedEncoderCache) and s.graphs.replays > 0 and s.graphs.moves == 0
+
+
+def test_a_cache_that_outgrows_its_lane_moves_exactly(static_flow_bundle: Path) -> None:
+    """190 tokens outgrow the lane's 160 cached tokens midway: the lane's rows go to the host caches,
+    once, and the stream's mel is the dynamic graph's."""
+    with GraphThread() as thread:
+        s = _Streams(static_flow_bundle, thread)
+        try:
+            prompt, toks = _prompt(s.bundle, 5), _toks(s.bundle, 6, 190)
+            alone = stream_mel(s.decoder(False), prompt, toks)
+            got = stream_mel(s.decoder(), prompt, toks)
+        finally:
+            s.close()
+    np.testing.assert_allclose(got, alone, rtol=0, atol=1e-5)
+    assert s.graphs.moves == 1 and s.graphs.replays > 0
+    assert isinstance(s.made.made[0], BatchedEncoderCache)
+
+
+def test_a_stream_of_other_shapes_takes_the_fallback(static_flow_bundle: Path) -> None:
+    """An encoder spec the graphs were not exported for (another chunk) never takes a lane."""
+    with GraphThread() as thread:
+        s = _Streams(static_flow_bundle, thread)
+        try:
+            other = dataclasses.replace(s.spec, chunk_tokens=s.spec.chunk_tokens + 1)
+            cache = s.graphs(s.enc, other)
+            assert isinstance(cache, HostEncoderCache)  # the static slots refuse it too
+            cache.close()
+        finally:
+            s.close()
