@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnxruntime as ort
+import pytest
 from cosyedge_models.backends.encoder_cache import EncoderCache, HostEncoderCache
 from cosyedge_models.backends.graph_thread import GraphThread
 from cosyedge_models.backends.ort import OrtSession
@@ -51,21 +53,22 @@ def test_batched_encoder_graphs_have_only_fixed_shapes(static_flow_bundle: Path)
 class _Streams:
     """The dynamic flow graphs, the single-stream encoder slots (`slots`) and the batched lanes."""
 
-    def __init__(self, bundle_dir: Path, thread: GraphThread, slots: int = 1) -> None:
-        self.sessions, self.bundle = flow_sessions(bundle_dir, "cpu", "flow_encoder_")
+    def __init__(self, bundle_dir: Path, thread: GraphThread, slots: int = 1, device: str = "cpu") -> None:
+        self.sessions, self.bundle = flow_sessions(bundle_dir, device, "flow_encoder_")
         self.enc, self.est = self.sessions["flow_encoder"], self.sessions["flow_estimator"]
         host = FlowDecoder(self.bundle, self.enc, self.est)
         self.spec = host.encoder_spec
         statics = [s for n, s in self.sessions.items() if n.startswith(STATIC_ENCODER_PREFIX)]
-        self.static = StaticEncoderGraphs(statics, ("cpu", 0), DeviceCopier("cpu"), self.spec, slots, thread)
+        copier = DeviceCopier(device)
+        self.static = StaticEncoderGraphs(statics, (device, 0), copier, self.spec, slots, thread)
         self.static.warm_up()
         batched: dict[tuple[int, int], OrtSession] = {}
         for name, s in self.sessions.items():
             if (m := BATCH_ENCODER_NAME.match(name)) is not None:
                 batched[(int(m.group(1)), int(m.group(2)))] = s
-        self.graphs = BatchEncoderGraphs(batched, ("cpu", 0), DeviceCopier("cpu"), self.spec, thread, self.static)
+        self.graphs = BatchEncoderGraphs(batched, (device, 0), copier, self.spec, thread, self.static)
         self.graphs.warm_up()
-        assert self.graphs.disabled is None and not self.graphs.capture
+        assert self.graphs.disabled is None and self.graphs.capture == (device == "cuda")
         self.made: Recording[EncoderCache] = Recording(self.graphs)
 
     def decoder(self, batched: bool = True) -> FlowDecoder:
@@ -81,12 +84,12 @@ def _toks(bundle: Bundle, seed: int, n: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, bundle.llm.speech_token_size, n)
 
 
-def test_streams_waiting_together_share_a_replay_and_each_gets_its_mel_alone(static_flow_bundle: Path) -> None:
+def _two_in_lanes_one_on_a_slot(bundle_dir: Path, device: str, atol: float) -> BatchEncoderGraphs:
     """Three streams, two lanes: the graph thread is held until the two streams in lanes have both
     queued their first call, so that call is one replay of two rows; the third stream takes the
     single-stream slot. Each stream's mel is the dynamic graph's alone."""
     with GraphThread() as thread:
-        s = _Streams(static_flow_bundle, thread)
+        s = _Streams(bundle_dir, thread, device=device)
         try:
             lengths = (60, 45, 52)
             prompts = [_prompt(s.bundle, 10 + i) for i in range(3)]
@@ -113,12 +116,25 @@ def test_streams_waiting_together_share_a_replay_and_each_gets_its_mel_alone(sta
             s.close()
     for i in range(3):
         assert got[i].shape == alone[i].shape == (1, s.bundle.mel_bins, 2 * lengths[i])
-        np.testing.assert_allclose(got[i], alone[i], rtol=0, atol=1e-5)
+        np.testing.assert_allclose(got[i], alone[i], rtol=0, atol=atol)
     assert kinds.count(BatchedEncoderCache) == 2 and kinds.count(StaticEncoderCache) == 1
     stats = s.graphs.stats
     assert stats.shared_replays >= 1 and stats.peak_batch == 2 and s.graphs.moves == 0
     assert stats.rows == s.graphs.replays + stats.shared_replays  # two rows in each shared replay
     assert s.graphs.free_slots == 2  # both lanes went back
+    return s.graphs
+
+
+def test_streams_waiting_together_share_a_replay_and_each_gets_its_mel_alone(static_flow_bundle: Path) -> None:
+    _two_in_lanes_one_on_a_slot(static_flow_bundle, "cpu", 1e-5)
+
+
+@pytest.mark.gpu
+def test_captured_batched_encoder_streams_get_their_mel_alone(static_flow_bundle: Path) -> None:
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("onnxruntime has no CUDAExecutionProvider here")
+    # TF32 kernels on a GPU, as the single-stream encoder graphs' test allows
+    assert _two_in_lanes_one_on_a_slot(static_flow_bundle, "cuda", 5e-3).capture
 
 
 def test_a_voice_prefix_is_seeded_into_a_lane(static_flow_bundle: Path) -> None:
