@@ -41,3 +41,27 @@ def test_link_farm_gives_the_import_names(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True,
                          env={"PYTHONPATH": f"{tmp_path}:{ROOT}", "PATH": "/usr/bin:/bin"}).stdout
     assert out.strip() == f"{tmp_path}/cosyedge_daemon/cli/main.py"
+
+
+def test_the_default_plans_bench_flags_are_the_bench_commands() -> None:
+    """Every bench and batch step of device_plan.sh's default plan parses as the `cosyedge bench` it
+    runs (a flag that does not exist would cost a lease's step)."""
+    from cosyedge_daemon.cli.main import build_parser
+
+    plan_script = ROOT / "edge_build" / "tools" / "device_plan.sh"
+    lines = [line for line in plan_script.read_text().splitlines() if re.match(r"\s*(voice|stage|plan)=", line)]
+    plan = subprocess.run(["bash", "-c", "\n".join(lines) + '\necho "$plan"'], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    steps = 0
+    for entry in plan.split(";"):
+        words = entry.split()
+        if words[1] not in ("bench", "batch"):
+            continue
+        env = dict(w.split("=", 1) for w in words[2:])
+        extra = env.get("BENCH_ARGS", "").replace("+", " ").split()
+        fixed = ["--graph-batching", "--batching", "16", "--graph-flow-batch", "--concurrency-only"] \
+            if words[1] == "batch" else []
+        args = build_parser().parse_args(["bench", "--bundle", "b", "--backend", "ort-cuda", *fixed, *extra])
+        assert args.bundle == "b"
+        steps += 1
+    assert steps >= 4
