@@ -22,6 +22,7 @@ import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 import onnxruntime as ort
@@ -44,6 +45,8 @@ from cosyedge_models.bundle.loader import BATCH_ENCODER_NAME, Bundle
 from cosyedge_models.errors import SynthesisError
 
 log = logging.getLogger(__name__)
+
+ResultT = TypeVar("ResultT")
 
 _INT_INPUTS = ("token", "token_len", "lookahead_len", "lane", "cached_len", "commit_tokens")
 _LANES = ("enc_lanes", "up_lanes", "pre_lanes", "upconv_lanes")
@@ -160,7 +163,7 @@ class BatchEncoderGraphs(SlotPool[EncoderLane]):
             return self.fallback(session, spec)
         return BatchedEncoderCache(self, lane, session)
 
-    def replay(self, work: Callable[[], EncoderOut], what: str) -> EncoderOut | None:
+    def replay(self, work: Callable[[], ResultT], what: str) -> ResultT | None:
         """`work` (BatchedEncoderCache._replay: it queues the call and waits for its turn) on the caller's
         thread; None, the graphs disabled, when it raised a SynthesisError (SlotPool.replay's rule)."""
         try:
