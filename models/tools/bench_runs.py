@@ -238,11 +238,17 @@ def llm_tokens(engine: CosyVoiceSynthesizer, text: str, seed: int, voice: str | 
 
 
 def run_concurrent_llm(engine: CosyVoiceSynthesizer, text: str, n: int, voice: str | None = None) -> dict[str, float]:
+    """`n` requests' speech tokens at once; with a batcher, its steps over the level (llm_delta: for the
+    graph batcher the ms of its steps' calls and host work too)."""
     counts = [0] * n
+    before = dataclasses.replace(engine.batcher.stats) if engine.batcher is not None else None
 
     def worker(i: int) -> None:
         counts[i] = llm_tokens(engine, text, seed=1000 + i, voice=voice)
 
     wall = run_parallel(n, worker)
-    return {"tokens": sum(counts), "tokens_per_s": round(sum(counts) / wall, 2),
-            "requests_per_s": round(n / wall, 4)}
+    out: dict[str, float] = {"tokens": sum(counts), "tokens_per_s": round(sum(counts) / wall, 2),
+                             "requests_per_s": round(n / wall, 4)}
+    if engine.batcher is not None:
+        out.update(llm_delta(before, engine.batcher.stats))
+    return out
