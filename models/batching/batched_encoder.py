@@ -186,6 +186,10 @@ class BatchEncoderGraphs(SlotPool[EncoderLane]):
         pending = _Pending(lane, call)
         with self._lock:
             self._pending.append(pending)
+        if self.thread.on_thread():  # already the graph thread's work (a turn would wait for itself)
+            while not pending.future.done():
+                self._serve()
+            return pending.future.result()
         try:
             self.thread.submit(self._serve, label="flow_encoder_batched_replay")
         except BaseException:

@@ -180,3 +180,17 @@ def test_a_stream_of_other_shapes_takes_the_fallback(static_flow_bundle: Path) -
             cache.close()
         finally:
             s.close()
+
+
+def test_a_call_made_on_the_graph_thread_runs_there(static_flow_bundle: Path) -> None:
+    """A stream driven from the graph thread itself (its turn would wait for itself) is served inline."""
+    with GraphThread() as thread:
+        s = _Streams(static_flow_bundle, thread)
+        try:
+            prompt, toks = _prompt(s.bundle, 7), _toks(s.bundle, 8, 40)
+            alone = stream_mel(s.decoder(False), prompt, toks)
+            got = thread.call(lambda: stream_mel(s.decoder(), prompt, toks), label="test_on_thread")
+        finally:
+            s.close()
+    np.testing.assert_allclose(got, alone, rtol=0, atol=1e-5)
+    assert s.graphs.stats.rows > 0
