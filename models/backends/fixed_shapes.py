@@ -11,6 +11,7 @@ tests/models/backends/test_fixed_shapes.py."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -284,8 +285,12 @@ class SlotPool(Generic[SlotT]):
         """`work` (a call's replay) on the graph thread; None when it raised a SynthesisError
         (e.g. a capture the runtime refuses): the pool is then disabled, once and logged, and
         the caller goes on on the dynamic path (nothing was committed)."""
+        return self.guarded(functools.partial(self.thread.call, work, label=what), what)
+
+    def guarded(self, work: Callable[[], ResultT], what: str) -> ResultT | None:
+        """`work` here; None, the pool disabled (once, logged), when it raised a SynthesisError."""
         try:
-            return self.thread.call(work, label=what)
+            return work()
         except GraphThreadClosed:
             raise
         except SynthesisError as exc:

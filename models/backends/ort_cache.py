@@ -136,6 +136,11 @@ def helper_session(model: bytes, device: tuple[str, int]) -> ort.InferenceSessio
     return ort.InferenceSession(model, sess_options=opts, providers=providers)
 
 
+def device_zeros(shape: Sequence[int], dtype: DTypeLike, device: tuple[str, int]) -> ort.OrtValue:
+    """A zeroed tensor on `device` (the fixed-shape runtimes' bound inputs, outputs and buffers)."""
+    return ort.OrtValue.ortvalue_from_numpy(np.zeros([int(d) for d in shape], dtype), *device)
+
+
 class DeviceCopier:
     """Byte copies between device addresses through the Identity graph (its
     kernel copies input to output with the device's own memcpy). One per

@@ -39,7 +39,7 @@ from cosyedge_models.backends.encoder_cache import (
 from cosyedge_models.backends.fixed_shapes import SlotPool
 from cosyedge_models.backends.graph_thread import CAPTURE_RUNS, GraphThread
 from cosyedge_models.backends.ort import OrtSession, fixed_shape_sessions
-from cosyedge_models.backends.ort_cache import DeviceCopier, copy_prefix
+from cosyedge_models.backends.ort_cache import DeviceCopier, copy_prefix, device_zeros
 from cosyedge_models.backends.ort_static_flow import capture_slots
 from cosyedge_models.bundle.loader import STATIC_ENCODER_PREFIX, Bundle
 from cosyedge_models.errors import BundleError
@@ -51,20 +51,16 @@ _OUTPUTS = ("mu", "spks", "enc_window", "up_window", "pre_cache_new", "upconv_ca
 GRAPH_ID_BASE = 100_000  # apart from the other stages' ids, whether onnxruntime keys them per session or not
 
 
-def _value(shape: Sequence[int], dtype: type, device: tuple[str, int]) -> ort.OrtValue:
-    return ort.OrtValue.ortvalue_from_numpy(np.zeros([int(d) for d in shape], dtype), *device)
-
-
 class _WindowIO:
     """The inputs and outputs of one window size's graph, bound by every slot."""
 
     def __init__(self, session: OrtSession, device: tuple[str, int]) -> None:
         self.session = session
         self.window = int(session.input_shapes["token"][1])
-        self.inputs = {name: _value(session.input_shapes[name], np.int64 if name in _INT_INPUTS else np.float32,
+        self.inputs = {name: device_zeros(session.input_shapes[name], np.int64 if name in _INT_INPUTS else np.float32,
                                     device)
                        for name in (*_INT_INPUTS, "embedding")}
-        self.outputs = {name: _value(session.output_shapes[name], np.float32, device) for name in _OUTPUTS}
+        self.outputs = {name: device_zeros(session.output_shapes[name], np.float32, device) for name in _OUTPUTS}
 
 
 class EncoderSlot:
@@ -73,10 +69,10 @@ class EncoderSlot:
 
     def __init__(self, index: int, graphs: StaticEncoderGraphs) -> None:
         spec = graphs.spec
-        self.enc = _value((graphs.cache_tokens, *spec.enc_row), np.float32, graphs.device)
-        self.up = _value((graphs.cache_tokens * spec.token_mel_ratio, *spec.up_row), np.float32, graphs.device)
-        self.pre = _value(spec.pre_shape, np.float32, graphs.device)
-        self.upconv = _value(spec.upconv_shape, np.float32, graphs.device)
+        self.enc = device_zeros((graphs.cache_tokens, *spec.enc_row), np.float32, graphs.device)
+        self.up = device_zeros((graphs.cache_tokens * spec.token_mel_ratio, *spec.up_row), np.float32, graphs.device)
+        self.pre = device_zeros(spec.pre_shape, np.float32, graphs.device)
+        self.upconv = device_zeros(spec.upconv_shape, np.float32, graphs.device)
         self.bindings: list[ort.IOBinding] = []
         self.run_options: list[ort.RunOptions] = []
         for w, io in enumerate(graphs.io):

@@ -22,6 +22,7 @@ import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TypeVar
 
 import numpy as np
@@ -37,12 +38,13 @@ from cosyedge_models.backends.encoder_cache import (
     PooledEncoderCache,
 )
 from cosyedge_models.backends.fixed_shapes import SlotPool
-from cosyedge_models.backends.graph_thread import CAPTURE_RUNS, GraphThread, GraphThreadClosed
+from cosyedge_models.backends.graph_thread import CAPTURE_RUNS, GraphThread
 from cosyedge_models.backends.ort import OrtSession
-from cosyedge_models.backends.ort_cache import DeviceCopier, copy_prefix
+from cosyedge_models.backends.ort_cache import DeviceCopier, copy_prefix, device_zeros
+from cosyedge_models.batching.batched_flow import batched_stages
 from cosyedge_models.batching.batched_step import padded_size
-from cosyedge_models.bundle.loader import BATCH_ENCODER_NAME, Bundle
-from cosyedge_models.errors import SynthesisError
+from cosyedge_models.bundle.loader import BATCH_ENCODER_NAME, BATCH_ENCODER_PREFIX, Bundle
+from cosyedge_models.errors import BundleError, SynthesisError
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +54,6 @@ _INT_INPUTS = ("token", "token_len", "lookahead_len", "lane", "cached_len", "com
 _LANES = ("enc_lanes", "up_lanes", "pre_lanes", "upconv_lanes")
 _OUTPUTS = ("mu", "spks", "enc_window", "up_window", "pre_cache_new", "upconv_cache_new")
 GRAPH_ID_BASE = 200_000  # apart from the other stages' ids (the single-stream encoder's start at 100,000)
-
-
-def _value(shape: tuple[int, ...], dtype: type, device: tuple[str, int]) -> ort.OrtValue:
-    return ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, dtype), *device)
 
 
 def _shape(session: OrtSession, name: str, outputs: bool = False) -> tuple[int, ...]:
@@ -79,9 +77,9 @@ class _BatchIO:
     def __init__(self, session: OrtSession, graphs: BatchEncoderGraphs, graph_id: int) -> None:
         self.session = session
         self.batch, self.window = _shape(session, "token")
-        self.inputs = {n: _value(_shape(session, n), np.int64 if n in _INT_INPUTS else np.float32, graphs.device)
+        self.inputs = {n: device_zeros(_shape(session, n), np.int64 if n in _INT_INPUTS else np.float32, graphs.device)
                        for n in (*_INT_INPUTS, "embedding")}
-        self.outputs = {n: _value(_shape(session, n, True), np.float32, graphs.device) for n in _OUTPUTS}
+        self.outputs = {n: device_zeros(_shape(session, n, True), np.float32, graphs.device) for n in _OUTPUTS}
         self.binding = session.io_binding()
         for name, value in (*self.inputs.items(), *graphs.lanes.items()):
             self.binding.bind_ortvalue_input(name, value)
@@ -92,7 +90,7 @@ class _BatchIO:
             self.options.add_run_config_entry("gpu_graph_id", str(GRAPH_ID_BASE + graph_id))
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity (list.remove), not by its arrays
 class _Pending:
     lane: EncoderLane
     call: EncoderCall
@@ -131,12 +129,12 @@ class BatchEncoderGraphs(SlotPool[EncoderLane]):
         self.windows = sorted({t for _, t in sessions})
         self.batch_sizes = sorted({b for b, _ in sessions})
         self.capture = all(s.cuda_graph for s in sessions.values())
-        self.lanes = {n: _value(_shape(first, n), np.float32, device) for n in _LANES}
+        self.lanes = {n: device_zeros(_shape(first, n), np.float32, device) for n in _LANES}
         self._lane_bytes = {n: int(np.prod(v.shape()[1:])) * 4 for n, v in self.lanes.items()}
         self._row_bytes = {n: int(np.prod(v.shape()[2:])) * 4 for n, v in self.lanes.items()}
         self.io = {key: _BatchIO(s, self, i) for i, (key, s) in enumerate(sorted(sessions.items()))}
-        self._zeros = {n: _value(_shape(first, n)[1:], np.float32, device) for n in ("pre_lanes", "upconv_lanes")}
-        self._lock = threading.Lock()
+        self._zeros = {n: device_zeros(_shape(first, n)[1:], np.float32, device) for n in ("pre_lanes", "upconv_lanes")}
+        self._queue_lock = threading.Lock()  # the calls waiting (SlotPool's own lock guards the lanes)
         self._pending: list[_Pending] = []
         self.stats = EncoderBatchStats()
 
@@ -165,26 +163,19 @@ class BatchEncoderGraphs(SlotPool[EncoderLane]):
 
     def replay(self, work: Callable[[], ResultT], what: str) -> ResultT | None:
         """`work` (BatchedEncoderCache._replay: it queues the call and waits for its turn) on the caller's
-        thread; None, the graphs disabled, when it raised a SynthesisError (SlotPool.replay's rule)."""
-        try:
-            return work()
-        except GraphThreadClosed:
-            raise
-        except SynthesisError as exc:
-            self.disabled = str(exc)[:500]
-            log.warning("%s disabled, the dynamic path takes over: %s", what, exc)
-            return None
+        thread, under SlotPool's rule (a SynthesisError disables the graphs: None)."""
+        return self.guarded(work, what)
 
     @property
     def waiting(self) -> int:
         """Calls waiting for a turn (tests, logs)."""
-        with self._lock:
+        with self._queue_lock:
             return len(self._pending)
 
     def run(self, lane: EncoderLane, call: EncoderCall) -> EncoderOut:
         """The call's mu and spks, from a replay it may share with other streams' calls."""
         pending = _Pending(lane, call)
-        with self._lock:
+        with self._queue_lock:
             self._pending.append(pending)
         if self.thread.on_thread():  # already the graph thread's work (a turn would wait for itself)
             while not pending.future.done():
@@ -193,7 +184,7 @@ class BatchEncoderGraphs(SlotPool[EncoderLane]):
         try:
             self.thread.submit(self._serve, label="flow_encoder_batched_replay")
         except BaseException:
-            with self._lock:
+            with self._queue_lock:
                 if pending in self._pending:
                     self._pending.remove(pending)
             raise
@@ -201,7 +192,7 @@ class BatchEncoderGraphs(SlotPool[EncoderLane]):
 
     def _serve(self) -> None:
         """On the graph thread: one replay of the calls waiting (the oldest first)."""
-        with self._lock:
+        with self._queue_lock:
             batch, self._pending = self._pending[:self.batch_sizes[-1]], self._pending[self.batch_sizes[-1]:]
         if not batch:
             return  # this turn's call was served by an earlier one
@@ -211,7 +202,7 @@ class BatchEncoderGraphs(SlotPool[EncoderLane]):
             for p in batch:
                 p.future.set_exception(exc)
             return
-        with self._lock:
+        with self._queue_lock:
             s = self.stats
             s.replays += 1
             s.rows += len(batch)
@@ -274,7 +265,7 @@ class BatchEncoderGraphs(SlotPool[EncoderLane]):
         out = []
         for name, frames, shape in (("enc_lanes", tokens, spec.enc_row), ("up_lanes", r * tokens, spec.up_row),
                                     ("pre_lanes", 1, spec.pre_shape[1:]), ("upconv_lanes", 1, spec.upconv_shape[1:])):
-            scratch = _value((max(frames, 1), *shape), np.float32, self.device)
+            scratch = device_zeros((max(frames, 1), *shape), np.float32, self.device)
             nbytes = frames * self._row_bytes[name] if name in ("enc_lanes", "up_lanes") else self._lane_bytes[name]
             self.copier.copy(int(scratch.data_ptr()), self._lane_ptr(name, lane), nbytes)
             out.append(np.array(scratch.numpy()[:frames]))
@@ -317,11 +308,14 @@ class BatchedEncoderCache(PooledEncoderCache[EncoderLane]):
         self._graphs.reset(slot)
 
 
-def batch_encoder_sessions(bundle: Bundle, load: Callable[[str], Session]) -> dict[tuple[int, int], Session]:
-    """The bundle's batched encoder graphs by (batch size, window tokens), loaded."""
-    found = {}
-    for name in bundle.stages:
-        m = BATCH_ENCODER_NAME.match(str(name))
-        if m is not None:
-            found[(int(m.group(1)), int(m.group(2)))] = load(str(name))
+def batch_encoder_sessions(bundle: Bundle, load: Callable[[str, Path], Session]) -> dict[tuple[int, int], Session]:
+    """The bundle's batched encoder graphs (`flow_encoder_batch_b<B>_t<T>`) by (batch size, window
+    tokens), loaded; refused where they disagree with each other or with the bundle's chunk."""
+    found = batched_stages(bundle, BATCH_ENCODER_NAME, load)
+    entries = [bundle.stages[f"{BATCH_ENCODER_PREFIX}{b}_t{t}"].raw for b, t in found]
+    shapes = {(int(e.get("lanes", -1)), int(e.get("cache_tokens", -1)), int(e.get("chunk_tokens", -1)))
+              for e in entries}
+    if len(shapes) > 1 or any(chunk != bundle.flow.chunk_tokens for _, _, chunk in shapes):
+        raise BundleError(f"{bundle.root}: batched encoder graphs with (lanes, cache tokens, chunk) {sorted(shapes)} "
+                          f"(the bundle streams {bundle.flow.chunk_tokens}-token chunks); re-export")
     return found

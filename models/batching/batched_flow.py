@@ -28,6 +28,7 @@ batches (which slots, which window) is the caller."""
 from __future__ import annotations
 
 import logging
+import re
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -415,15 +416,23 @@ def lane_bytes(sessions: Mapping[tuple[int, int], OrtSession], groups: int) -> i
 def batch_flow_sessions(bundle: Bundle, load: Callable[[str, Path], SessionT]) -> dict[tuple[int, int], SessionT]:
     """The bundle's batched estimator graphs (manifest stages `flow_estimator_batch_b<B>_w<W>`),
     keyed (B, W), each loaded with `load(stage, path)`; empty when the bundle has none."""
+    found = batched_stages(bundle, BATCH_FLOW_NAME, load)
+    if found:
+        log.info("flow estimator: batched graphs for batch sizes %s, windows %s",
+                 sorted({b for b, _ in found}), sorted({w for _, w in found}))
+    return found
+
+
+def batched_stages(bundle: Bundle, name: re.Pattern[str], load: Callable[[str, Path], SessionT]
+                   ) -> dict[tuple[int, int], SessionT]:
+    """The bundle's stages whose names `name` matches (groups: batch size and window), keyed by
+    those two, each loaded with `load(stage, path)`; a missing file is refused."""
     found = {}
-    for name, entry in bundle.manifest.get("stages", {}).items():
-        m = BATCH_FLOW_NAME.match(str(name))
+    for stage, entry in bundle.manifest.get("stages", {}).items():
+        m = name.match(str(stage))
         if m:
             path = bundle.root / str(entry["file"])
             if not path.is_file():
                 raise BundleError(f"{bundle.root}: stage file {entry['file']} is missing")
-            found[(int(m.group(1)), int(m.group(2)))] = load(str(name), path)
-    if found:
-        log.info("flow estimator: batched graphs for batch sizes %s, windows %s",
-                 sorted({b for b, _ in found}), sorted({w for _, w in found}))
+            found[(int(m.group(1)), int(m.group(2)))] = load(str(stage), path)
     return found

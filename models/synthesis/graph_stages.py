@@ -263,8 +263,8 @@ class GraphStages:
                 or not self.backend_name.startswith(("ort", "trt"))):
             return None
         slots = max(1, self.flow.max_slots // self.bundle.flow.n_timesteps)
-        if self.flow_batch is not None:  # a stream in the lanes needs an encoder slot too (else the dynamic one)
-            slots += self.flow_batch.graphs.lanes
+        if self.flow_batch is not None and not self._encoder_lanes():
+            slots += self.flow_batch.graphs.lanes  # a stream in the lanes needs an encoder slot too
         if self.backend_name == "trt":  # TensorRT's engines: no onnxruntime on this path
             from cosyedge_models.backends.tensorrt.static_encoder import load_trt_static_encoder
 
@@ -277,6 +277,14 @@ class GraphStages:
         self.encoder = load_static_encoder(self.bundle, self.backend_name, self._load, self.settings.graph_flow,
                                            slots, spec, functools.partial(self._thread, "flow"))
         return self._loaded("encoder", t0, self.encoder)
+
+    def _encoder_lanes(self) -> bool:
+        """Whether batched_encoder will give the streams in graph_flow_batch's lanes encoder lanes of their
+        own (graph_encoder_batch and the bundle's batched encoder graphs on onnxruntime)."""
+        from cosyedge_models.bundle.loader import BATCH_ENCODER_NAME
+
+        return (self.settings.graph_encoder_batch and self.backend_name.startswith("ort")
+                and any(BATCH_ENCODER_NAME.match(str(n)) for n in self.bundle.stages))
 
     def batched_encoder(self, spec: EncoderCacheSpec) -> BatchEncoderGraphs | None:
         """With graph_encoder_batch, graph_flow_batch's lanes and the fixed-shape encoder graphs on
@@ -294,7 +302,7 @@ class GraphStages:
         from cosyedge_models.backends.ort import OrtSession
         from cosyedge_models.batching.batched_encoder import BatchEncoderGraphs, batch_encoder_sessions
 
-        loaded = batch_encoder_sessions(self.bundle, self._load)
+        loaded = batch_encoder_sessions(self.bundle, lambda name, _path: self._load(name))
         sessions = {key: s for key, s in loaded.items() if isinstance(s, OrtSession)}
         if not loaded:
             raise BundleError(f"{self.bundle.root}: graph_encoder_batch needs a bundle exported by this version "
@@ -307,6 +315,7 @@ class GraphStages:
         graphs = BatchEncoderGraphs(sessions, encoder.device, encoder.copier, spec, thread, encoder)
         graphs.warm_up()  # captures now, before any request runs
         if graphs.disabled is not None:
+            graphs.close()
             return None
         self.encoder_batch = graphs
         log.info("flow encoder: batched windows %s tokens for batch sizes %s, %d streams, %d cached tokens",

@@ -109,6 +109,8 @@ class TokenSampler:
 
     def sample(self, logp: np.ndarray, decoded: Sequence[int], ignore_eos: bool) -> int:
         probs = softmax(logp)
+        if not np.isfinite(probs).all():
+            raise not_finite()
         return self.redraw_eos(probs, *nucleus_candidates(probs, self.config.top_p, self.config.top_k),
                                decoded, ignore_eos)
 
@@ -140,15 +142,22 @@ def sample_rows(samplers: Sequence[TokenSampler], logps: np.ndarray, decoded: Se
         return [_sample_one(s, lp, d, e) for s, lp, d, e in zip(samplers, logps, decoded, ignore_eos, strict=True)]
     ((top_p, top_k),) = configs
     probs = softmax_rows(logps)
-    ids, values, takes = nucleus_rows(probs, top_p, top_k)
-    out: list[int | SynthesisError] = []
-    for r, sampler in enumerate(samplers):
-        t = int(takes[r])
+    finite = np.isfinite(probs).all(axis=1)
+    kept = np.flatnonzero(finite)  # a row that is not finite has no candidates: it fails alone
+    ids, values, takes = nucleus_rows(probs if finite.all() else probs[kept], top_p, top_k)
+    out: list[int | SynthesisError] = [not_finite() for _ in range(n)]
+    for j, r in enumerate(kept.tolist()):
+        t = int(takes[j])
         try:
-            out.append(sampler.redraw_eos(probs[r], ids[r, :t], values[r, :t], decoded[r], ignore_eos[r]))
+            out[r] = samplers[r].redraw_eos(probs[r], ids[j, :t], values[j, :t], decoded[r], ignore_eos[r])
         except SynthesisError as exc:
-            out.append(exc)
+            out[r] = exc
     return out
+
+
+def not_finite() -> SynthesisError:
+    return SynthesisError("the LLM step's scores are not finite (NaN or all -inf): the model output is unusable "
+                          "for this input")
 
 
 def _sample_one(sampler: TokenSampler, logp: np.ndarray, decoded: Sequence[int],
@@ -161,7 +170,8 @@ def _sample_one(sampler: TokenSampler, logp: np.ndarray, decoded: Sequence[int],
 
 def softmax_rows(logp: np.ndarray) -> np.ndarray:
     """`softmax` of each row of [B, V], with the same float32 values (a row's max, exp and sum)."""
-    x = logp.astype(np.float32, copy=False)
+    # C order: a row's sum is then the pairwise sum `softmax` takes over it
+    x = np.ascontiguousarray(logp, dtype=np.float32)
     e = np.exp(x - x.max(axis=1, keepdims=True))
     e /= e.sum(axis=1, dtype=np.float32, keepdims=True)
     return e

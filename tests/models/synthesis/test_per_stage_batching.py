@@ -60,6 +60,11 @@ def test_per_stage_threads_and_parallel_or_batched_prefills_give_the_one_thread_
             assert engine.static_vocoder.replays > 0
             encoders = engine.graphs.encoder_batch
             assert (encoders is not None and encoders.stats.rows > 0) == encoder
+            # the single-stream encoder slots: one per single-stream flow request, plus one per flow lane
+            # unless the encoder lanes serve those streams
+            single = max(1, engine.graphs.flow.max_slots // engine.bundle.flow.n_timesteps)
+            assert engine.static_encoder is not None
+            assert engine.static_encoder.max_slots == single + (0 if encoder else flow.graphs.lanes)
             if mode == "one":
                 assert len({id(t) for t in threads.values()}) == 1 and holds["decode"] == STREAMS
             else:

@@ -208,3 +208,24 @@ def test_top_order_rows_is_each_rows_top_order(b: int, n: int, k: int, kind: str
             probs[rng.random((b, n)) < 0.7] = 0.0
     k = min(k, n)
     np.testing.assert_array_equal(top_order_rows(probs, k), np.stack([top_order(row, k) for row in probs]))
+
+
+@pytest.mark.parametrize("rows", [2, 6])  # row by row, and together
+@pytest.mark.parametrize("bad", ["nan", "all_inf"])
+def test_a_row_whose_scores_are_not_finite_fails_alone(rows: int, bad: str) -> None:
+    """A NaN (or an all -inf row: an fp16 overflow) fails its own row with a clear error, last row or
+    not; the others get the tokens they get alone."""
+    rng = np.random.default_rng(9)
+    logps = np.log(softmax_rows(rng.standard_normal((rows, 300)).astype(np.float32)))
+    broken = rows - 1
+    if bad == "nan":
+        logps[broken, 7] = np.nan
+    else:
+        logps[broken] = -np.inf
+    got = sample_rows([TokenSampler.seeded(CFG, 299, s) for s in range(rows)], logps, [[]] * rows,
+                      [False] * rows)
+    assert isinstance(got[broken], SynthesisError) and "not finite" in str(got[broken])
+    for r in range(broken):
+        assert got[r] == TokenSampler.seeded(CFG, 299, r).sample(logps[r], [], False)
+    with pytest.raises(SynthesisError, match="not finite"):
+        TokenSampler.seeded(CFG, 299, 0).sample(logps[broken], [], False)
