@@ -17,6 +17,7 @@ the same code runs without capture (that is how it is tested)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Mapping
@@ -105,8 +106,7 @@ class EncoderBatchStats:
     peak_batch: int = 0
 
     def as_dict(self) -> dict[str, int]:
-        return {"replays": self.replays, "rows": self.rows, "shared_replays": self.shared_replays,
-                "peak_batch": self.peak_batch}
+        return dataclasses.asdict(self)
 
 
 class BatchEncoderGraphs(SlotPool[EncoderLane]):
