@@ -77,7 +77,9 @@ class GraphStages:
     def _thread(self, stage: str) -> GraphThread:
         if stage not in self.threads:
             shared = self.settings.graph_threads == "one" and self.threads
-            self.threads[stage] = next(iter(self.threads.values())) if shared else GraphThread().start()
+            # per stage, a thread named by its stage (the bench's CPU time by thread tells them apart)
+            name = "cosyedge-cuda-graphs" if self.settings.graph_threads == "one" else f"cosyedge-{stage}-graphs"
+            self.threads[stage] = next(iter(self.threads.values())) if shared else GraphThread(name).start()
         return self.threads[stage]
 
     @property

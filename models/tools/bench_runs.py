@@ -18,6 +18,7 @@ from cosyedge_models.synthesis.api import StageEvent, SynthesisRequest
 from cosyedge_models.synthesis.llm import LlmInput
 from cosyedge_models.synthesis.sampling import TokenSampler
 from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer
+from cosyedge_models.tools.thread_cpu import ThreadCpu, level_cpu
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ def run_once(engine: CosyVoiceSynthesizer, text: str, stream: bool, seed: int,
 def run_parallel(n: int, worker: Callable[[int], None]) -> float:
     """Run worker(0..n-1) on n threads at once; the wall seconds until all ended."""
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
+    threads = [threading.Thread(target=worker, args=(i,), name=f"bench-request-{i}") for i in range(n)]
     for t in threads:
         t.start()
     for t in threads:
@@ -162,6 +163,7 @@ def run_concurrent(engine: CosyVoiceSynthesizer, text: str, n: int, stream: bool
     order_before = engine.graphs.order_stats()
     flow_before = engine.graphs.flow_batch_stats()
     encoder_before = engine.graphs.encoder_batch_stats()
+    cpu_before = ThreadCpu()
 
     def worker(i: int) -> None:
         try:
@@ -171,6 +173,7 @@ def run_concurrent(engine: CosyVoiceSynthesizer, text: str, n: int, stream: bool
             errors.append(f"{type(exc).__name__}: {exc}")
 
     wall = run_parallel(n, worker)
+    cpu = level_cpu(cpu_before, ThreadCpu(), wall)  # which threads spent the level's CPU (thread_cpu.py)
     results = [r for r in runs if r]  # the requests that completed
     firsts = [r["first_audio_ms"] for r in results if r.get("first_audio_ms") is not None]
     tokens = sum(int(r["stages_ms"].get("llm_tokens", 0)) for r in results)
@@ -200,6 +203,7 @@ def run_concurrent(engine: CosyVoiceSynthesizer, text: str, n: int, stream: bool
     encoder = encoder_batch_delta(encoder_before, engine.graphs.encoder_batch_stats())
     if encoder is not None:
         out["graph_encoder_batch"] = encoder
+    out.update(cpu)
     if stream:
         out["first_chunk_ms"] = first_chunk_profile([r["timeline"] for r in results])
     return out
