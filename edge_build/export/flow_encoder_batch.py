@@ -39,10 +39,12 @@ def stage_name(batch: int, window_tokens: int) -> str:
 def make_batch_encoder_graph(flow: Any, chunk_tokens: int) -> Any:
     torch = _torch()
     inner = make_flow_encoder_graph(flow)
+    dims = encoder_cache_dims(flow)
+    heads, head_dim = dims["heads"], dims["head_dim"]
 
     def rows(lanes: Any, lane: Any) -> Any:
         """[N, S, L, 2*H*D] lanes -> the rows' caches [S, L, 2, B, H, D] as the core takes them."""
-        n, s, layers, _ = lanes.shape
+        _, s, layers, _ = lanes.shape
         picked = lanes.index_select(0, lane).view(lane.shape[0], s, layers, 2, heads, head_dim)
         return picked.permute(1, 2, 3, 0, 4, 5)
 
@@ -50,9 +52,6 @@ def make_batch_encoder_graph(flow: Any, chunk_tokens: int) -> Any:
         """The core's [T, L, 2, B, H, D] -> [B, T, L, 2*H*D]."""
         t, layers, _, b, _, _ = window.shape
         return window.permute(3, 0, 1, 2, 4, 5).reshape(b, t, layers, 2 * heads * head_dim)
-
-    dims = encoder_cache_dims(flow)
-    heads, head_dim = dims["heads"], dims["head_dim"]
 
     class BatchFlowEncoderGraph(module_base()):  # type: ignore[misc]
         def __init__(self) -> None:

@@ -45,7 +45,7 @@ from cosyedge_models.backends.ort_cache import DeviceCopier, copy_prefix, device
 from cosyedge_models.batching.batched_flow import batched_stages
 from cosyedge_models.batching.batched_step import padded_size
 from cosyedge_models.bundle.loader import BATCH_ENCODER_NAME, BATCH_ENCODER_PREFIX, Bundle
-from cosyedge_models.errors import BundleError, SynthesisError
+from cosyedge_models.errors import BundleError
 
 log = logging.getLogger(__name__)
 
@@ -147,13 +147,12 @@ class BatchEncoderGraphs(SlotPool[EncoderLane]):
         lane_bytes = sum(self._lane_bytes.values())
         while self.slot_count < self.max_slots:
             self.register(EncoderLane(self.slot_count, lane_bytes))
-        try:
-            for io in self.io.values():
-                for _ in range(CAPTURE_RUNS if self.capture else 1):
-                    io.session.run_bound(io.binding, io.options)
-        except SynthesisError as exc:
-            self.disabled = str(exc)[:500]
-            log.warning("batched flow encoder graphs disabled at load, the single-stream path takes over: %s", exc)
+        self.guarded(self._capture, "batched flow encoder graphs")
+
+    def _capture(self) -> None:
+        for io in self.io.values():
+            for _ in range(CAPTURE_RUNS if self.capture else 1):
+                io.session.run_bound(io.binding, io.options)
 
     def __call__(self, session: Session, spec: EncoderCacheSpec) -> EncoderCache:
         lane = self.take_slot() if spec == self.spec and self.disabled is None else None

@@ -145,7 +145,7 @@ def sample_rows(samplers: Sequence[TokenSampler], logps: np.ndarray, decoded: Se
     finite = np.isfinite(probs).all(axis=1)
     kept = np.flatnonzero(finite)  # a row that is not finite has no candidates: it fails alone
     ids, values, takes = nucleus_rows(probs if finite.all() else probs[kept], top_p, top_k)
-    out: list[int | SynthesisError] = [not_finite() for _ in range(n)]
+    out: list[int | SynthesisError] = [0 if ok else not_finite() for ok in finite.tolist()]  # kept: below
     for j, r in enumerate(kept.tolist()):
         t = int(takes[j])
         try:
