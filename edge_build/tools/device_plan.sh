@@ -6,6 +6,7 @@
 # parts in /tmp/ort and the voice recording at $VOICE_WAV:
 #   edge_build/tools/device_plan.sh start     copies the tree to /tmp/repo, starts the plan
 #   edge_build/tools/device_plan.sh wait N    waits up to N s, prints progress; copies results to $OUT
+# TESTS_BESIDE: test files (space-separated) run as the tests step beside the plan's setup.
 # PLAN (default below): "outdir steps [VAR=value ...]" entries separated by ";", "+" for a space in a value.
 set -uo pipefail
 res=/tmp/r
@@ -25,6 +26,13 @@ case ${1:?start or wait} in
     stage="--voice+en8+--graph-threads+per-stage+--llm-parallel-prefills+4"
     plan=${PLAN:-"d setup FP16=0 STATIC_FLOW_WINDOWS=64,128 FUSED_BATCHES=1,4,8,16 BATCH_FLOW_SIZES=1,8,16 BATCH_FLOW_PRECISION=fp16 BATCH_FLOW_ATTENTION=fused $voice;g tests FP16=0 GPU_TESTS=tests/models/batching/test_fused_step.py+tests/models/batching/test_flow_batcher_gpu.py+tests/models/batching/test_batched_encoder.py;c cloud FP16=0 CLOUD_TIMEOUT_S=480;e bench FP16=0 BENCH_ARGS=--voice+en8+--first-chunk+15:6+--graph-batching+--batching+16+--graph-flow-batch+--graph-encoder-batch+--concurrency-mode+both CONCURRENCY=1,8,16 BENCH_TIMEOUT_S=900;o batch FP16=0 JSON_TAG=one_thread BENCH_ARGS=--voice+en8 CONCURRENCY=1,8,16;n batch FP16=0 JSON_TAG=one_thread_encoder_batch BENCH_ARGS=--voice+en8+--graph-encoder-batch CONCURRENCY=1,8,16;r batch FP16=0 JSON_TAG=one_thread_again BENCH_ARGS=--voice+en8 CONCURRENCY=1,8,16;m batch FP16=0 JSON_TAG=one_thread_encoder_batch_again BENCH_ARGS=--voice+en8+--graph-encoder-batch CONCURRENCY=1,8,16;b batch FP16=0 JSON_TAG=one_thread_batched_prefill_gather BENCH_ARGS=--voice+en8+--llm-batched-prefill+--max-queue-delay-ms+4 CONCURRENCY=1,8,16;p batch FP16=0 JSON_TAG=per_stage_p4 BENCH_ARGS=$stage+--graph-encoder-batch CONCURRENCY=1,8,16"}
     echo "$plan" >"$res/plan"
+    if [ -n "${TESTS_BESIDE:-}" ]; then
+      # the -m gpu tests (tiny bundles of their own) beside the full-size setup, once device_run.sh has
+      # unpacked onnxruntime into /tmp/site (the setup builds pycuda alone): the tests run during the setup
+      setsid nohup bash -c 'cd /tmp/repo; until [ -f /tmp/site/.cosyedge-installed ]; do sleep 2; done
+        FULL=0 PYCUDA_SDIST_DIR=/nonexistent GPU_TESTS="'"$TESTS_BESIDE"'" edge_build/tools/device_run.sh '"$res"'/g tests >'"$res"'/g.log 2>&1
+        echo "$(date +%T) end g (beside) rc=$?" >>'"$res"'/status' >/dev/null 2>&1 </dev/null &
+    fi
     setsid nohup bash -c '
       cd /tmp/repo
       IFS=";" read -ra entries <"'"$res"'/plan"
