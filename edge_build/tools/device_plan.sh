@@ -6,32 +6,34 @@
 # parts in /tmp/ort and the voice recording at $VOICE_WAV:
 #   edge_build/tools/device_plan.sh start     copies the tree to /tmp/repo, starts the plan
 #   edge_build/tools/device_plan.sh wait N    waits up to N s, prints progress; copies results to $OUT
-# TESTS_BESIDE: test files (space-separated) run as the tests step beside the plan's setup.
+# TESTS_BESIDE: the test files (space-separated; default: the batching -m gpu tests, "" for none) run as the
+# tests step beside the plan's setup.
 # PLAN (default below): "outdir steps [VAR=value ...]" entries separated by ";", "+" for a space in a value.
 set -uo pipefail
 res=/tmp/r
 case ${1:?start or wait} in
   start)
     rm -rf /tmp/repo "$res" && mkdir -p /tmp/repo "$res" && cp -a . /tmp/repo/
-    # default: issue 23's next measurements: the -m gpu batching tests first (the batched encoder captured
-    # before the bench turns it on), the cloud Triton model under load at full size on the GPU
-    # (deliverable 5; its files carried to /tmp/cloud by the call after `start`, device_wheels.sh), the goals'
+    # default: issue 23's next measurements: the -m gpu batching tests beside the setup (the batched encoder
+    # captured before the bench turns it on), the goals'
     # bench on one graph thread (the default) with the voice's lane seeds queued (bb184ab), the LLM rows sampled
-    # together and the encoder windows batched across streams (--graph-encoder-batch), then level runs on one
+    # together and the encoder windows batched across streams (--graph-encoder-batch), the cloud Triton model under load at full size on the GPU (deliverable 5; its
+    # files carried to /tmp/cloud by a call after `start`, device_wheels.sh), then level runs on one
     # thread without and with the batched encoder windows, twice each where time allows (levels vary run to
     # run), the batched prefill with a 4 ms
     # queue delay (a round gathers the streams arriving together), per-stage;
     # /tmp/voice/en8.wav: the first 8.0 s of shared/data/speech/cross_lingual_prompt.wav, carried
     voice="VOICE_WAV=/tmp/voice/en8.wav VOICE_TEXT=And+then+later+on,+fully+acquiring+that+company.+So+keeping+management+in+line,+interest+in+line+with+the+asset"
     stage="--voice+en8+--graph-threads+per-stage+--llm-parallel-prefills+4"
-    plan=${PLAN:-"d setup FP16=0 STATIC_FLOW_WINDOWS=64,128 FUSED_BATCHES=1,4,8,16 BATCH_FLOW_SIZES=1,8,16 BATCH_FLOW_PRECISION=fp16 BATCH_FLOW_ATTENTION=fused $voice;g tests FP16=0 GPU_TESTS=tests/models/batching/test_fused_step.py+tests/models/batching/test_flow_batcher_gpu.py+tests/models/batching/test_batched_encoder.py;c cloud FP16=0 CLOUD_TIMEOUT_S=480;e bench FP16=0 BENCH_ARGS=--voice+en8+--first-chunk+15:6+--graph-batching+--batching+16+--graph-flow-batch+--graph-encoder-batch+--concurrency-mode+both CONCURRENCY=1,8,16 BENCH_TIMEOUT_S=900;o batch FP16=0 JSON_TAG=one_thread BENCH_ARGS=--voice+en8 CONCURRENCY=1,8,16;n batch FP16=0 JSON_TAG=one_thread_encoder_batch BENCH_ARGS=--voice+en8+--graph-encoder-batch CONCURRENCY=1,8,16;r batch FP16=0 JSON_TAG=one_thread_again BENCH_ARGS=--voice+en8 CONCURRENCY=1,8,16;m batch FP16=0 JSON_TAG=one_thread_encoder_batch_again BENCH_ARGS=--voice+en8+--graph-encoder-batch CONCURRENCY=1,8,16;b batch FP16=0 JSON_TAG=one_thread_batched_prefill_gather BENCH_ARGS=--voice+en8+--llm-batched-prefill+--max-queue-delay-ms+4 CONCURRENCY=1,8,16;p batch FP16=0 JSON_TAG=per_stage_p4 BENCH_ARGS=$stage+--graph-encoder-batch CONCURRENCY=1,8,16"}
+    plan=${PLAN:-"d setup FP16=0 STATIC_FLOW_WINDOWS=64,128 FUSED_BATCHES=1,4,8,16 BATCH_FLOW_SIZES=1,8,16 BATCH_FLOW_PRECISION=fp16 BATCH_FLOW_ATTENTION=fused $voice;e bench FP16=0 BENCH_ARGS=--voice+en8+--first-chunk+15:6+--graph-batching+--batching+16+--graph-flow-batch+--graph-encoder-batch+--concurrency-mode+both CONCURRENCY=1,8,16 BENCH_TIMEOUT_S=900;c cloud FP16=0 CLOUD_TIMEOUT_S=480;o batch FP16=0 JSON_TAG=one_thread BENCH_ARGS=--voice+en8 CONCURRENCY=1,8,16;n batch FP16=0 JSON_TAG=one_thread_encoder_batch BENCH_ARGS=--voice+en8+--graph-encoder-batch CONCURRENCY=1,8,16;r batch FP16=0 JSON_TAG=one_thread_again BENCH_ARGS=--voice+en8 CONCURRENCY=1,8,16;m batch FP16=0 JSON_TAG=one_thread_encoder_batch_again BENCH_ARGS=--voice+en8+--graph-encoder-batch CONCURRENCY=1,8,16;b batch FP16=0 JSON_TAG=one_thread_batched_prefill_gather BENCH_ARGS=--voice+en8+--llm-batched-prefill+--max-queue-delay-ms+4 CONCURRENCY=1,8,16;p batch FP16=0 JSON_TAG=per_stage_p4 BENCH_ARGS=$stage+--graph-encoder-batch CONCURRENCY=1,8,16"}
     echo "$plan" >"$res/plan"
-    if [ -n "${TESTS_BESIDE:-}" ]; then
+    beside=${TESTS_BESIDE-tests/models/batching/test_fused_step.py tests/models/batching/test_flow_batcher_gpu.py tests/models/batching/test_batched_encoder.py}
+    if [ -n "$beside" ]; then
       # the -m gpu tests (tiny bundles of their own) beside the full-size setup, once device_run.sh has
       # unpacked onnxruntime into /tmp/site (the setup builds pycuda alone): the tests run during the setup
       setsid nohup bash -c 'cd /tmp/repo; until [ -f /tmp/site/.cosyedge-installed ]; do sleep 2; done
-        FULL=0 PYCUDA_SDIST_DIR=/nonexistent GPU_TESTS="'"$TESTS_BESIDE"'" edge_build/tools/device_run.sh '"$res"'/g tests >'"$res"'/g.log 2>&1
-        echo "$(date +%T) end g (beside) rc=$?" >>'"$res"'/status' >/dev/null 2>&1 </dev/null &
+        FULL=0 PYCUDA_SDIST_DIR=/nonexistent GPU_TESTS="'"$beside"'" edge_build/tools/device_run.sh '"$res"'/g tests >'"$res"'/g.log 2>&1; rc=$?
+        echo "$(date +%T) end g (beside) rc=$rc" >>'"$res"'/status' >/dev/null 2>&1 </dev/null &
     fi
     setsid nohup bash -c '
       cd /tmp/repo
@@ -40,8 +42,8 @@ case ${1:?start or wait} in
         read -ra w <<<"$e"; d=${w[0]}; s=${w[1]}
         vars=(); for kv in "${w[@]:2}"; do vars+=("${kv//+/ }"); done
         echo "$(date +%T) start $d $s" >>'"$res"'/status
-        env "${vars[@]}" edge_build/tools/device_run.sh '"$res"'/$d "$s" >'"$res"'/$d.log 2>&1
-        echo "$(date +%T) end $d rc=$?" >>'"$res"'/status
+        env "${vars[@]}" edge_build/tools/device_run.sh '"$res"'/$d "$s" >'"$res"'/$d.log 2>&1; rc=$?
+        echo "$(date +%T) end $d rc=$rc" >>'"$res"'/status
       done
       echo done >>'"$res"'/status' >/dev/null 2>&1 </dev/null &
     echo started ;;
