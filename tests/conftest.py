@@ -124,8 +124,8 @@ def static_flow_bundle(tiny_model_dir: Path) -> Path:
 @pytest.fixture(scope="session")
 def every_graph_bundle(tiny_model_dir: Path) -> Path:
     """The tiny bundle with every graph the GPU serves a batch with, as the H200 plan exports it at full
-    size: the fused batched LLM step, the fixed-shape flow graphs single-stream and batched (1, 2, 4
-    streams), the fixed-length vocoder graphs."""
+    size: the fused batched LLM step with its fixed-length prefill graphs, the fixed-shape flow graphs
+    single-stream and batched (1, 2, 4 streams), the fixed-length vocoder graphs."""
     from cosyedge_build.export import export_bundle
 
     key = _code_hash("edge_build", "models")
@@ -134,7 +134,7 @@ def every_graph_bundle(tiny_model_dir: Path) -> Path:
                                                  fused_decode_len=STATIC_DECODE_LEN,
                                                  static_flow_windows=STATIC_FLOW_WINDOWS,
                                                  static_flow_cache=STATIC_FLOW_CACHE, batch_flow_sizes=(1, 2, 4),
-                                                 static_vocoder=True))
+                                                 static_vocoder=True, fused_prefill_lengths=(16, 64)))
 
 
 @pytest.fixture(scope="session")

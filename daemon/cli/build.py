@@ -32,7 +32,8 @@ def build_command(args: argparse.Namespace) -> int:
         out = export_bundle(Path(args.model_dir), Path(args.out), args.static_decode_len, windows,
                             args.static_flow_cache, args.static_vocoder, batches, args.fused_decode_len,
                             flow_batches, args.fused_decode_precision, first_hops, args.batch_flow_precision,
-                            args.batch_flow_attention)
+                            args.batch_flow_attention,
+                            tuple(int(t) for t in args.fused_prefill_lengths.split(",") if t.strip()))
         print(f"exported {args.model_dir} to the bundle {out} in {time.monotonic() - started:.1f} s")
         return 0
     if cmd == "engines":

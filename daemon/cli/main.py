@@ -101,6 +101,9 @@ def _add_build(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--fused-decode-batches", default="", metavar="B,...",
                    help="also export the onnxruntime-fused batched LLM decode step (GroupQueryAttention over an "
                         "in-place KV cache) for these batch sizes, e.g. 1,2,4,8,16 (TensorRT keeps the plain graphs)")
+    e.add_argument("--fused-prefill-lengths", default="", metavar="T,...",
+                   help="with --fused-decode-batches: also one row's prefill graph of each of these prompt lengths "
+                        "in positions, e.g. 64,128,256 (captured on ort-cuda: [tts] llm_captured_prefill)")
     e.add_argument("--fused-decode-len", type=int, default=0, metavar="POSITIONS",
                    help="cache positions of the fused decode step (0: --static-decode-len, else 1536)")
     e.add_argument("--batch-flow-sizes", default="", metavar="B,...",
@@ -194,6 +197,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                         "at once (1: one after another)")
     p.add_argument("--llm-batched-prefill", action="store_true",
                    help="with --graph-batching on a fused step: a round's new prompts in one prefill run")
+    p.add_argument("--llm-captured-prefill", action="store_true",
+                   help="with --graph-batching on a fused step: new prompts through the bundle's fixed-length "
+                        "prefill graphs (captured on ort-cuda)")
     p.add_argument("--llm-first-chunk-priority", choices=LLM_FIRST_CHUNK_PRIORITIES, default="normal",
                    help="with --graph-batching: a step sampling a stream's first-chunk tokens runs behind the first "
                         "chunks' flows (normal) or in turn with them (first_audio)")

@@ -120,6 +120,12 @@ class TtsSettings:
         "prefix length) in one run of the prefill graph instead of one run each; off: llm_parallel_prefills",
         reload=True,
     )
+    llm_captured_prefill: bool = setting(
+        False, "with graph_batching on a bundle's fused LLM step with fixed-length prefill graphs (build export "
+        "--fused-prefill-lengths): each new prompt through the shortest that fits it, captured on ort-cuda, "
+        "instead of a run of the dynamic prefill graph; prompts longer than all take the dynamic graph",
+        reload=True,
+    )
     synthesis_workers: int | str = setting(
         "auto", "requests synthesized at once (each on its own worker thread, so the LLM batcher can batch "
         "them; played requests still play one at a time, in order); auto: 1 without llm_max_batch_size, "

@@ -20,14 +20,16 @@ def export_bundle(model_dir: Path, out: Path, static_decode_len: int = 0,
                   static_vocoder: bool = False, fused_decode_batches: tuple[int, ...] = (),
                   fused_decode_len: int = 0, batch_flow_sizes: tuple[int, ...] = (),
                   fused_decode_precision: str = "fp32", static_vocoder_first_hops: tuple[int, ...] = (),
-                  batch_flow_precision: str = "fp32", batch_flow_attention: str = "plain") -> Path:
+                  batch_flow_precision: str = "fp32", batch_flow_attention: str = "plain",
+                  fused_prefill_lengths: tuple[int, ...] = ()) -> Path:
     """`static_decode_len` > 0 adds the fixed-size decode step (CUDA graphs on ort-cuda) for that many
     positions; `static_flow_windows` the fixed-shape estimator graphs (flow_static.py) over a cache
     of `static_flow_cache` frames, and the streaming encoder's over the same windows
     (flow_encoder_static.py); `static_vocoder` the fixed-length vocoder graphs (hift_static.py);
     `fused_decode_batches` the onnxruntime-fused batched decode step (llm_fused.py) for those batch
     sizes over `fused_decode_len` positions (0: `static_decode_len`, else FUSED_DECODE_LEN), in
-    `fused_decode_precision` (fp16: what onnxruntime's CUDA GroupQueryAttention runs);
+    `fused_decode_precision` (fp16: what onnxruntime's CUDA GroupQueryAttention runs), with one row's
+    prefill graph of each of `fused_prefill_lengths` positions (captured on ort-cuda);
     `static_vocoder_first_hops` (with `static_vocoder`) a fixed-length vocoder graph for the first
     chunk of each of these first hops too;
     `batch_flow_sizes` (with `static_flow_windows`) the estimator windows batched across that many
@@ -74,7 +76,8 @@ def export_bundle(model_dir: Path, out: Path, static_decode_len: int = 0,
             if fused_decode_batches:  # after the sharing pass: their fused weights are their own
                 stages.extend(llm_fused.export_fused_decode(
                     refs.llm, scratch, fused_decode_batches,
-                    fused_decode_len or static_decode_len or llm_fused.FUSED_DECODE_LEN, fused_decode_precision))
+                    fused_decode_len or static_decode_len or llm_fused.FUSED_DECODE_LEN, fused_decode_precision,
+                    fused_prefill_lengths))
             progress.advance("LLM weights shared")
             stages.append(flow_encoder.export_flow_encoder(refs.flow, scratch))
             progress.advance("flow encoder")

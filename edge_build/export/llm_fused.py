@@ -53,7 +53,12 @@ import numpy as np
 from cosyedge_build.export.graphs import StageGraph, TensorSpec
 from cosyedge_build.export.llm import llm_dims
 from cosyedge_build.reference.modules import require
-from cosyedge_models.batching.fused_step import FUSED_PREFIX, INSERT_ROW, KV_INSERT  # the names the runtime looks for
+from cosyedge_models.batching.fused_step import (  # the names the runtime looks for
+    FUSED_PREFILL_PREFIX,
+    FUSED_PREFIX,
+    INSERT_ROW,
+    KV_INSERT,
+)
 from cosyedge_models.errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -69,6 +74,10 @@ KV_DTYPES = {"fp32": "float32", "fp16": "float16"}
 
 def fused_stage_name(batch: int) -> str:
     return f"{FUSED_PREFIX}{batch}"
+
+
+def fused_prefill_name(length: int) -> str:
+    return f"{FUSED_PREFILL_PREFIX}{length}"
 
 
 def _np(t: Any) -> np.ndarray:
@@ -89,6 +98,23 @@ def rope_caches(llm: Any, positions: int) -> tuple[np.ndarray, np.ndarray]:
 
 def build_fused_decode(llm: Any, batch: int, positions: int) -> tuple[Any, StageGraph]:
     """The ONNX model of one B-row step over a C-position cache, and its stage spec."""
+    return _build_fused(llm, batch, 1, positions)
+
+
+def build_fused_prefill(llm: Any, length: int, positions: int) -> tuple[Any, StageGraph]:
+    """The ONNX model of one row's prefill of `length` positions (T) over a C-position cache
+    (`llm_prefill_fused_t<T>`), and its stage spec: the step's layers with a [1, T, D] input and
+    no head (the cache is its only output; the prompt's last position is the row's first step's
+    input, as FusedDecodeStep.prefill_rows does). `seqlens_k` is the row's length after the T
+    positions less one (GroupQueryAttention's subsequent-prompt case: the positions before
+    them are the past, in place); a shorter prompt is right-padded, so that its real
+    positions never attend to the padding (causal) and the padding's cache lies past the
+    row's length, where no step reads it before it writes there."""
+    return _build_fused(llm, 1, length, positions)
+
+
+def _build_fused(llm: Any, batch: int, length: int, positions: int) -> tuple[Any, StageGraph]:
+    """A fused step (length 1, with the head) or a fused prefill (batch 1, no head)."""
     require("onnx", "onnx", "exporting the LLM")
     from onnx import TensorProto, helper, numpy_helper
 
@@ -98,8 +124,10 @@ def build_fused_decode(llm: Any, batch: int, positions: int) -> tuple[Any, Stage
     dims = llm_dims(llm)
     d, n_l, n_h, n_kv, hd, v = (dims["hidden_size"], dims["num_layers"], dims["num_heads"],
                                 dims["num_kv_heads"], dims["head_dim"], dims["speech_vocab_size"])
-    if batch < 1 or positions < 2:
-        raise CheckpointError(f"fused LLM step: batch {batch} and positions {positions} must be >= 1 and >= 2")
+    if batch < 1 or positions < 2 or not 1 <= length < positions:
+        raise CheckpointError(f"fused LLM graph: batch {batch}, length {length} and positions {positions} must be "
+                              ">= 1, in 1..positions - 1 and >= 2")
+    head_out = length == 1  # a step; a prefill (length > 1, batch 1) writes the cache only
     qwen = llm.llm.model.model
     inits: list[Any] = []
     nodes: list[Any] = []
@@ -112,7 +140,8 @@ def build_fused_decode(llm: Any, batch: int, positions: int) -> tuple[Any, Stage
     init("cos_cache", cos)
     init("sin_cache", sin)
     init("total_sequence_length", np.array(positions, np.int32))  # the longest row: C (an idle row's C - 1 + 1)
-    init("logp_shape", np.array([batch, v], np.int64))
+    if head_out:
+        init("logp_shape", np.array([batch, v], np.int64))
 
     def norm_eps(norm: Any) -> float:
         return float(norm.variance_epsilon)
@@ -122,9 +151,9 @@ def build_fused_decode(llm: Any, batch: int, positions: int) -> tuple[Any, Stage
     nodes.append(helper.make_node("SimplifiedLayerNormalization", ["inputs_embeds", init("ln_in_0", _np(first.weight))],
                                   ["x_0"], name="ln_in_0", axis=-1, epsilon=norm_eps(first), stash_type=1))
     h = "inputs_embeds"
-    inputs = [helper.make_tensor_value_info("inputs_embeds", TensorProto.FLOAT, [batch, 1, d]),
+    inputs = [helper.make_tensor_value_info("inputs_embeds", TensorProto.FLOAT, [batch, length, d]),
               helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [batch])]
-    outputs = [helper.make_tensor_value_info("logp", TensorProto.FLOAT, [batch, v])]
+    outputs = [helper.make_tensor_value_info("logp", TensorProto.FLOAT, [batch, v])] if head_out else []
     cache = [batch, n_kv, positions, hd]
     for i, layer in enumerate(layers):
         attn, mlp = layer.self_attn, layer.mlp
@@ -142,6 +171,8 @@ def build_fused_decode(llm: Any, batch: int, positions: int) -> tuple[Any, Stage
              "cos_cache", "sin_cache"],
             [f"attn_{i}", f"present_key_{i}", f"present_value_{i}"], name=f"gqa_{i}", domain=MS_DOMAIN,
             num_heads=n_h, kv_num_heads=n_kv, do_rotary=1, rotary_interleaved=0, scale=float(attn.scaling)))
+        if not head_out and i == n_l - 1:
+            break  # a prefill needs the last layer's K/V, not its output
         nodes.append(helper.make_node("MatMul", [f"attn_{i}", init(f"w_o_{i}", _np(attn.o_proj.weight).T)],
                                       [f"o_{i}"]))
         post = layer.post_attention_layernorm
@@ -164,18 +195,21 @@ def build_fused_decode(llm: Any, batch: int, positions: int) -> tuple[Any, Stage
             "SkipSimplifiedLayerNormalization", [f"mlp_{i}", h, init(f"ln_in_{i + 1}", _np(nxt.weight))],
             [out_x, "", "", out_h], name=f"ln_in_{i + 1}", domain=MS_DOMAIN, epsilon=norm_eps(nxt)))
         h = out_h
-    head = llm.llm_decoder
-    nodes.append(helper.make_node("MatMul", ["x_final", init("w_head", _np(head.weight).T)], ["head_mm"]))
-    if head.bias is not None:
-        nodes.append(helper.make_node("Add", ["head_mm", init("b_head", _np(head.bias))], ["head_b"]))
-    nodes.append(helper.make_node("Reshape", ["head_b" if head.bias is not None else "head_mm", "logp_shape"],
-                                  ["logits"]))
-    # named: the fp16 variant keeps it in fp32 (exp and a sum over the vocabulary)
-    nodes.append(helper.make_node("LogSoftmax", ["logits"], ["logp"], name=LOGP_NODE, axis=-1))
-    # the logits' type declared: onnx's shape inference stops at the contrib operators, and the
-    # fp16 converter casts a kept-fp32 node's input only where it knows the input is float
-    graph = helper.make_graph(nodes, f"{FUSED_PREFIX}{batch}", inputs, outputs, inits,
-                              value_info=[helper.make_tensor_value_info("logits", TensorProto.FLOAT, [batch, v])])
+    name = fused_stage_name(batch) if head_out else fused_prefill_name(length)
+    value_info = []
+    if head_out:
+        head = llm.llm_decoder
+        nodes.append(helper.make_node("MatMul", ["x_final", init("w_head", _np(head.weight).T)], ["head_mm"]))
+        if head.bias is not None:
+            nodes.append(helper.make_node("Add", ["head_mm", init("b_head", _np(head.bias))], ["head_b"]))
+        nodes.append(helper.make_node("Reshape", ["head_b" if head.bias is not None else "head_mm", "logp_shape"],
+                                      ["logits"]))
+        # named: the fp16 variant keeps it in fp32 (exp and a sum over the vocabulary)
+        nodes.append(helper.make_node("LogSoftmax", ["logits"], ["logp"], name=LOGP_NODE, axis=-1))
+        # the logits' type declared: onnx's shape inference stops at the contrib operators, and the
+        # fp16 converter casts a kept-fp32 node's input only where it knows the input is float
+        value_info = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [batch, v])]
+    graph = helper.make_graph(nodes, name, inputs, outputs, inits, value_info=value_info)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MS_DOMAIN, 1)],
                               producer_name="cosyedge")
     model.ir_version = IR_VERSION
@@ -183,12 +217,14 @@ def build_fused_decode(llm: Any, batch: int, positions: int) -> tuple[Any, Stage
     kv = [(i, k) for i in range(n_l) for k in ("key", "value")]
     past_spec = [TensorSpec(f"past_{k}_{i}", "float32", tuple(cache)) for i, k in kv]
     present_spec = [TensorSpec(f"present_{k}_{i}", "float32", tuple(cache)) for i, k in kv]
+    logp_spec = [TensorSpec("logp", "float32", (batch, v))] if head_out else []
+    shape_key = {"batch": batch} if head_out else {"length": length}
     stage = StageGraph(
-        fused_stage_name(batch), f"{fused_stage_name(batch)}.onnx",
-        [TensorSpec("inputs_embeds", "float32", (batch, 1, d)), TensorSpec("seqlens_k", "int32", (batch,)),
+        name, f"{name}.onnx",
+        [TensorSpec("inputs_embeds", "float32", (batch, length, d)), TensorSpec("seqlens_k", "int32", (batch,)),
          *past_spec],
-        [TensorSpec("logp", "float32", (batch, v)), *present_spec],
-        {}, extra={"batch": batch, "positions": positions, "fused": "onnxruntime",
+        [*logp_spec, *present_spec],
+        {}, extra={**shape_key, "positions": positions, "fused": "onnxruntime",
                    "kv_cache": {"layout": "[L, 2, R, Hkv, C, hd]", "in_place": True, "dtype": "float32"}},
     )
     return model, stage
@@ -242,7 +278,7 @@ def build_kv_insert(dims: dict[str, int], positions: int) -> tuple[Any, StageGra
 
 def is_fused_stage(name: str) -> bool:
     """A stage of the fused decode path (a step graph or the insert graph)."""
-    return name.startswith(FUSED_PREFIX) or name == KV_INSERT
+    return name.startswith((FUSED_PREFIX, FUSED_PREFILL_PREFIX)) or name == KV_INSERT
 
 
 def _cache_io(name: str) -> bool:
@@ -282,9 +318,10 @@ def _as_fp16(stage: StageGraph) -> StageGraph:
 
 
 def export_fused_decode(llm: Any, out: Path, batches: list[int] | tuple[int, ...], positions: int,
-                        precision: str = "fp32") -> list[StageGraph]:
-    """llm_decode_fused_b<B>.onnx for each B (weights inline, one copy per file)
-    and llm_fused_kv_insert.onnx, in `precision` (PRECISIONS)."""
+                        precision: str = "fp32", prefill_lengths: list[int] | tuple[int, ...] = ()) -> list[StageGraph]:
+    """llm_decode_fused_b<B>.onnx for each B (weights inline, one copy per file),
+    llm_prefill_fused_t<T>.onnx for each T of `prefill_lengths`, and
+    llm_fused_kv_insert.onnx, in `precision` (PRECISIONS)."""
     onnx = require("onnx", "onnx", "exporting the LLM")
     if precision not in PRECISIONS:
         raise CheckpointError(f"fused LLM step: precision {precision!r} is not one of {', '.join(PRECISIONS)}")
@@ -293,6 +330,10 @@ def export_fused_decode(llm: Any, out: Path, batches: list[int] | tuple[int, ...
         model, stage = build_fused_decode(llm, batch, positions)
         path = Path(out) / stage.file
         onnx.save_model(model, str(path))  # contrib operators: onnx.checker does not know them
+        stages.append(stage)
+    for length in sorted(set(prefill_lengths)):
+        model, stage = build_fused_prefill(llm, length, positions)
+        onnx.save_model(model, str(Path(out) / stage.file))
         stages.append(stage)
     model, stage = build_kv_insert(llm_dims(llm), positions)
     onnx.save_model(model, str(Path(out) / stage.file))

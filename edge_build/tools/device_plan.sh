@@ -15,17 +15,17 @@ case ${1:?start or wait} in
   start)
     rm -rf /tmp/repo "$res" && mkdir -p /tmp/repo "$res" && cp -a . /tmp/repo/
     # default: issue 23's next measurements: the -m gpu batching tests beside the setup (the batched encoder
-    # captured before the bench turns it on), the goals'
-    # bench on one graph thread (the default) with the voice's lane seeds queued (bb184ab), the LLM rows sampled
-    # together and the encoder windows batched across streams (--graph-encoder-batch), the cloud Triton model under load at full size on the GPU (deliverable 5; its
-    # files carried to /tmp/cloud by a call after `start`, device_wheels.sh), then level runs on one
-    # thread without and with the batched encoder windows, twice each where time allows (levels vary run to
-    # run), the batched prefill with a 4 ms
-    # queue delay (a round gathers the streams arriving together), per-stage;
+    # and the captured prefill run captured before a bench turns them on); level runs on one graph thread
+    # with the encoder windows batched and the prompts through the captured fixed-length prefill graphs
+    # (--llm-captured-prefill; the setup exports 128, 256 and 384 positions: a saved voice's prompt after its
+    # prefix is ~250), then without the captured prefill, then without either (the A/Bs; the voice's lane
+    # seeds queued and the rows sampled together in all three); the goals' bench; the cloud Triton model
+    # under load at full size (deliverable 5; its files carried to /tmp/cloud by a call after `start`,
+    # device_wheels.sh); repeats; the batched prefill with a 4 ms queue delay; per-stage threads.
     # /tmp/voice/en8.wav: the first 8.0 s of shared/data/speech/cross_lingual_prompt.wav, carried
     voice="VOICE_WAV=/tmp/voice/en8.wav VOICE_TEXT=And+then+later+on,+fully+acquiring+that+company.+So+keeping+management+in+line,+interest+in+line+with+the+asset"
     stage="--voice+en8+--graph-threads+per-stage+--llm-parallel-prefills+4"
-    plan=${PLAN:-"d setup FP16=0 STATIC_FLOW_WINDOWS=64,128 FUSED_BATCHES=1,4,8,16 BATCH_FLOW_SIZES=1,8,16 BATCH_FLOW_PRECISION=fp16 BATCH_FLOW_ATTENTION=fused $voice;e bench FP16=0 BENCH_ARGS=--voice+en8+--first-chunk+15:6+--graph-batching+--batching+16+--graph-flow-batch+--graph-encoder-batch+--concurrency-mode+both CONCURRENCY=1,8,16 BENCH_TIMEOUT_S=900;c cloud FP16=0 CLOUD_TIMEOUT_S=480;o batch FP16=0 JSON_TAG=one_thread BENCH_ARGS=--voice+en8 CONCURRENCY=1,8,16;n batch FP16=0 JSON_TAG=one_thread_encoder_batch BENCH_ARGS=--voice+en8+--graph-encoder-batch CONCURRENCY=1,8,16;r batch FP16=0 JSON_TAG=one_thread_again BENCH_ARGS=--voice+en8 CONCURRENCY=1,8,16;m batch FP16=0 JSON_TAG=one_thread_encoder_batch_again BENCH_ARGS=--voice+en8+--graph-encoder-batch CONCURRENCY=1,8,16;b batch FP16=0 JSON_TAG=one_thread_batched_prefill_gather BENCH_ARGS=--voice+en8+--llm-batched-prefill+--max-queue-delay-ms+4 CONCURRENCY=1,8,16;p batch FP16=0 JSON_TAG=per_stage_p4 BENCH_ARGS=$stage+--graph-encoder-batch CONCURRENCY=1,8,16"}
+    plan=${PLAN:-"d setup FP16=0 STATIC_FLOW_WINDOWS=64,128 FUSED_BATCHES=1,4,8,16 BATCH_FLOW_SIZES=1,8,16 BATCH_FLOW_PRECISION=fp16 BATCH_FLOW_ATTENTION=fused FUSED_PREFILL_LENGTHS=128,256,384 $voice;x batch FP16=0 JSON_TAG=one_thread_encoder_batch_captured_prefill BENCH_ARGS=--voice+en8+--graph-encoder-batch+--llm-captured-prefill CONCURRENCY=1,8,16;n batch FP16=0 JSON_TAG=one_thread_encoder_batch BENCH_ARGS=--voice+en8+--graph-encoder-batch CONCURRENCY=1,8,16;o batch FP16=0 JSON_TAG=one_thread BENCH_ARGS=--voice+en8 CONCURRENCY=1,8,16;e bench FP16=0 BENCH_ARGS=--voice+en8+--first-chunk+15:6+--graph-batching+--batching+16+--graph-flow-batch+--graph-encoder-batch+--concurrency-mode+both CONCURRENCY=1,8,16 BENCH_TIMEOUT_S=900;c cloud FP16=0 CLOUD_TIMEOUT_S=480;r batch FP16=0 JSON_TAG=one_thread_again BENCH_ARGS=--voice+en8 CONCURRENCY=1,8,16;m batch FP16=0 JSON_TAG=one_thread_encoder_batch_again BENCH_ARGS=--voice+en8+--graph-encoder-batch CONCURRENCY=1,8,16;b batch FP16=0 JSON_TAG=one_thread_batched_prefill_gather BENCH_ARGS=--voice+en8+--llm-batched-prefill+--max-queue-delay-ms+4 CONCURRENCY=1,8,16;p batch FP16=0 JSON_TAG=per_stage_p4 BENCH_ARGS=$stage+--graph-encoder-batch CONCURRENCY=1,8,16"}
     echo "$plan" >"$res/plan"
     beside=${TESTS_BESIDE-tests/models/batching/test_fused_step.py tests/models/batching/test_flow_batcher_gpu.py tests/models/batching/test_batched_encoder.py}
     if [ -n "$beside" ]; then

@@ -104,6 +104,7 @@ if [ "${FULL:-1}" = 1 ] && [ ! -f "$full/bundle/manifest.json" ]; then
     --static-flow-windows "${STATIC_FLOW_WINDOWS:-64,128,640}" --static-flow-cache "${STATIC_FLOW_CACHE:-1024}" --static-vocoder \
     --static-vocoder-first-hops "${VOCODER_FIRST_HOPS:-15}" \
     --fused-decode-batches "${FUSED_BATCHES:-1,2,4,8,16}" --fused-decode-precision fp16 \
+    --fused-prefill-lengths "${FUSED_PREFILL_LENGTHS:-}" \
     --batch-flow-sizes "${BATCH_FLOW_SIZES:-1,8}" --batch-flow-precision "${BATCH_FLOW_PRECISION:-fp32}" \
     --batch-flow-attention "${BATCH_FLOW_ATTENTION:-plain}" >>"$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
 fi

@@ -12,7 +12,9 @@ The contract, per row (a KV-cache slot, 0 <= row < `rows`):
   thread (dynamic sessions, never captured).
 * `prefill_rows(rows, prompts, past)` (where `batched_prefill`) writes several
   prompts' caches, each but its last position, in one run: that position is
-  then the row's first step's input, and its logp the prompt's.
+  then the row's first step's input, and its logp the prompt's. Where
+  `captured_prefill`, it runs ON THE GPU GRAPH THREAD (fixed-length prefill
+  graphs captured there), else on the caller's thread.
 * `step(rows, embeds, lengths, batch_size)` runs ON THE GPU GRAPH THREAD
   (models/backends/graph_thread.py; captured graphs live there): one token for
   each of `rows`, whose new K/V is written at its `lengths[i]` (the row's
@@ -60,6 +62,11 @@ class BatchedDecodeStep(Protocol):
     @property
     def batched_prefill(self) -> bool:
         """Whether `prefill_rows` runs (several prompts in one prefill run)."""
+        ...
+
+    @property
+    def captured_prefill(self) -> bool:
+        """Whether `prefill_rows` runs captured graphs (then on the graph thread, for every prompt)."""
         ...
 
     def prefill_rows(self, rows: Sequence[int], prompts: Sequence[np.ndarray], past: np.ndarray | None = None) -> None:

@@ -31,12 +31,14 @@ import numpy as np
 import onnxruntime as ort
 from cosyedge_models.backends.graph_thread import CAPTURE_RUNS
 from cosyedge_models.backends.ort import OrtSession, bound_lm_run
+from cosyedge_models.backends.ort_cache import DeviceCopier
 from cosyedge_models.batching.batched_step import check_batch_sizes, padded_size
 from cosyedge_models.errors import SynthesisError
 
 log = logging.getLogger(__name__)
 
 FUSED_PREFIX = "llm_decode_fused_b"  # the stage names (edge_build/export/llm_fused.py writes them)
+FUSED_PREFILL_PREFIX = "llm_prefill_fused_t"  # one row's prefill of a fixed length (captured on ort-cuda)
 KV_INSERT = "llm_fused_kv_insert"  # a prefill's cache into one slot row of the buffer
 INSERT_ROW = "batch_row"  # the insert graph's input: which prompt of a batched prefill (bundles since issue 23)
 # onnxruntime's declared type of the cache I/O -> the buffer's numpy dtype
@@ -48,7 +50,8 @@ class FusedDecodeStep:
     Call `warm_up()` on the graph thread before serving (captures each size on ort-cuda)."""
 
     def __init__(self, steps: Mapping[int, OrtSession], insert: OrtSession, prefill: OrtSession,
-                 device: tuple[str, int], rows: int = 0, decode: OrtSession | None = None) -> None:
+                 device: tuple[str, int], rows: int = 0, decode: OrtSession | None = None,
+                 prefills: Mapping[int, OrtSession] | None = None) -> None:
         self._sizes = check_batch_sizes(sorted(steps))
         self._rows = rows or self._sizes[-1]
         if self._rows < self._sizes[-1]:
@@ -65,12 +68,23 @@ class FusedDecodeStep:
         self._hidden = int(first.input_shapes["inputs_embeds"][2])
         self._vocab = int(first.output_shapes["logp"][1])
         self._row_shape = (n_kv, cache_len, hd)
-        shape = (self._layers, 2, self._rows, *self._row_shape)
+        # the captured prefills (`llm_prefill_fused_t<T>`) write one more row, the scratch row, at a fixed
+        # address; a prompt's row is then copied from it (prefill_rows)
+        self._prefills = dict(prefills or {})
+        self._lengths = tuple(sorted(self._prefills))
+        if self._prefills and not self.batched_prefill:
+            raise SynthesisError("fused decode: the prefill graphs need the insert graph that takes a batch's row; "
+                                 "export the fused graphs again")
+        self._scratch_row = self._rows
+        self._buffer_rows = self._rows + (1 if self._prefills else 0)
+        shape = (self._layers, 2, self._buffer_rows, *self._row_shape)
         kind, dev = device
         self._buffer = ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, self._dtype), kind, dev)
         self._base = int(self._buffer.data_ptr())
         self._capture = {b: s.cuda_graph for b, s in self._steps.items()}
         self._io = {b: self._bind(b) for b in self._sizes}
+        self._prefill_io = {t: self._bind_prefill(t) for t in self._lengths}
+        self._copier = DeviceCopier(kind, dev) if self._prefills else None
 
     @property
     def batch_sizes(self) -> tuple[int, ...]:
@@ -94,13 +108,26 @@ class FusedDecodeStep:
         return INSERT_ROW in self._insert.input_names
 
     @property
+    def captured_prefill(self) -> bool:
+        """Whether prompts are prefilled through the fixed-length prefill graphs (`prefill_rows`, on the
+        graph thread that captured them)."""
+        return bool(self._lengths)
+
+    @property
+    def prefill_lengths(self) -> tuple[int, ...]:
+        return self._lengths
+
+    @property
     def kv_dtype(self) -> np.dtype:
         """The KV buffer's element type (the step graphs' declared cache type)."""
         return np.dtype(self._dtype)
 
     def _ptr(self, layer: int, kind: int, row: int) -> int:
         row_items = int(np.prod(self._row_shape))
-        return self._base + ((layer * 2 + kind) * self._rows + row) * row_items * np.dtype(self._dtype).itemsize
+        return self._base + ((layer * 2 + kind) * self._buffer_rows + row) * row_items * np.dtype(self._dtype).itemsize
+
+    def _row_bytes(self) -> int:
+        return int(np.prod(self._row_shape)) * np.dtype(self._dtype).itemsize
 
     def _bind(self, b: int) -> tuple[ort.IOBinding, ort.RunOptions, dict[str, ort.OrtValue]]:
         kind, dev = self._device
@@ -123,14 +150,39 @@ class FusedDecodeStep:
             options.add_run_config_entry("gpu_graph_id", str(b))
         return binding, options, bound
 
+    def _bind_prefill(self, t: int) -> tuple[ort.IOBinding, ort.RunOptions, dict[str, ort.OrtValue]]:
+        """A prefill graph's binding: its input, and the scratch row's views as its past and present."""
+        kind, dev = self._device
+        session = self._prefills[t]
+        values = {"inputs_embeds": np.zeros((1, t, self._hidden), np.float32),
+                  "seqlens_k": np.full(1, t - 1, np.int32)}
+        bound = {n: ort.OrtValue.ortvalue_from_numpy(a, kind, dev) for n, a in values.items()}
+        binding = session.io_binding()
+        for name in values:
+            binding.bind_ortvalue_input(name, bound[name])
+        for i in range(self._layers):
+            for k, name in enumerate(("key", "value")):
+                ptr = self._ptr(i, k, self._scratch_row)
+                binding.bind_input(f"past_{name}_{i}", kind, dev, self._dtype, [1, *self._row_shape], ptr)
+                binding.bind_output(f"present_{name}_{i}", kind, dev, self._dtype, [1, *self._row_shape], ptr)
+        options = ort.RunOptions()
+        if session.cuda_graph:
+            options.add_run_config_entry("gpu_graph_id", str(t))
+        return binding, options, bound
+
     def warm_up(self) -> None:
-        """Every size with every row idle (caches below the scratch position untouched), CAPTURE_RUNS
-        times where captured."""
+        """Every size with every row idle (caches below the scratch position untouched), and every
+        prefill length over the scratch row, CAPTURE_RUNS times where captured."""
         for b in self._sizes:
             binding, options, bound = self._io[b]
             bound["seqlens_k"].update_inplace(np.full(b, self._scratch, np.int32))
             for _ in range(CAPTURE_RUNS if self._capture[b] else 1):
                 self._steps[b].run_bound(binding, options)
+        for t in self._lengths:
+            binding, options, bound = self._prefill_io[t]
+            bound["seqlens_k"].update_inplace(np.full(1, t - 1, np.int32))
+            for _ in range(CAPTURE_RUNS if self._prefills[t].cuda_graph else 1):
+                self._prefills[t].run_bound(binding, options)
 
     def prefill(self, row: int, inputs_embeds: np.ndarray, past: np.ndarray | None = None) -> np.ndarray:
         if not 0 <= row < self._rows:
@@ -166,6 +218,12 @@ class FusedDecodeStep:
         if min(news) < 1 or p + max(news) + 1 >= self._positions:
             raise SynthesisError(f"fused decode: prompts of {[n + 1 for n in news]} positions after {p} do not fit "
                                  f"a batched prefill of {self._positions}")
+        if self._lengths:
+            rest = self._captured_prefills(rows, prompts, news, past, p)
+            if not rest:
+                return
+            rows, prompts, news = [rows[j] for j in rest], [prompts[j] for j in rest], [news[j] for j in rest]
+            past = None if past is None else np.ascontiguousarray(past[:, :, rest])
         width = max(news)
         embeds = np.zeros((len(rows), width, self._hidden), np.float32)
         mask = np.zeros((len(rows), p + width), np.int64)
@@ -175,6 +233,33 @@ class FusedDecodeStep:
         _, present = self._run_prefill(embeds, past, p, mask)
         for j, row in enumerate(rows):
             self._insert_row(present, j, row)
+
+    def _captured_prefills(self, rows: list[int], prompts: Sequence[np.ndarray], news: list[int],
+                           past: np.ndarray | None, p: int) -> list[int]:
+        """The prompts that a prefill length fits, each through the smallest such graph over the scratch row
+        (its saved prefix inserted there first), then the scratch row copied into the prompt's row; returns
+        the indices of the others (longer than the longest length)."""
+        if self._copier is None:
+            raise SynthesisError("fused decode: no prefill graphs")
+        present = None if past is None else ort.OrtValue.ortvalue_from_numpy(
+            np.ascontiguousarray(past, np.float32), *self._device)
+        rest = []
+        for j, (row, x, n) in enumerate(zip(rows, prompts, news, strict=True)):
+            t = next((t for t in self._lengths if t >= n and p + t <= self._positions + 1), None)
+            if t is None:
+                rest.append(j)
+                continue
+            if present is not None:
+                self._insert_row(present, j, self._scratch_row)
+            binding, options, bound = self._prefill_io[t]
+            embeds = np.zeros((1, t, self._hidden), np.float32)
+            embeds[0, :n] = x[0, :n]
+            bound["inputs_embeds"].update_inplace(embeds)
+            bound["seqlens_k"].update_inplace(np.array([p + t - 1], np.int32))  # padding included: after the prompt
+            self._prefills[t].run_bound(binding, options)
+            self._copier.copy_many([(self._ptr(i, k, row), self._ptr(i, k, self._scratch_row), self._row_bytes())
+                                    for i in range(self._layers) for k in (0, 1)])
+        return rest
 
     def _run_prefill(self, embeds: np.ndarray, past: np.ndarray | None, p: int,
                      mask: np.ndarray | None) -> tuple[np.ndarray, ort.OrtValue]:
@@ -226,9 +311,11 @@ class FusedDecodeStep:
         """Its bindings and the step and insert sessions it was given (the prefill and decode
         sessions are the engine's)."""
         self._io.clear()
-        for session in (*self._steps.values(), self._insert):
+        self._prefill_io.clear()
+        for session in (*self._steps.values(), *self._prefills.values(), self._insert):
             session.close()
         self._steps.clear()
+        self._prefills.clear()
 
 
 def kv_dtype(steps: Mapping[int, OrtSession], insert: OrtSession) -> type[np.floating]:
@@ -252,13 +339,14 @@ def fused_kv_dtypes(cuda: bool) -> tuple[str, ...]:
 
 
 def fused_entries(manifest: Mapping[str, Any], dtype: str) -> dict[str, dict[str, Any]]:
-    """The bundle's fused stages (`llm_decode_fused_b<B>` and `llm_fused_kv_insert`) whose
+    """The bundle's fused stages (`llm_decode_fused_b<B>`, `llm_prefill_fused_t<T>` and `llm_fused_kv_insert`) whose
     KV cache is `dtype` ("float32" / "float16", the entry's `kv_cache.dtype`): each stage's
     own entry or one of its variants (the variant's fields over the entry's, as the loader
     merges them). {} unless step graphs and the insert graph are all there in that dtype."""
     found: dict[str, dict[str, Any]] = {}
     for name, entry in manifest.get("stages", {}).items():
-        if not (str(name).startswith(FUSED_PREFIX) or name == KV_INSERT) or not isinstance(entry, dict):
+        if not (str(name).startswith((FUSED_PREFIX, FUSED_PREFILL_PREFIX)) or name == KV_INSERT) \
+                or not isinstance(entry, dict):
             continue
         for candidate in (entry, *({**entry, **v} for v in entry.get("variants", {}).values())):
             if candidate.get("kv_cache", {}).get("dtype", "float32") == dtype:
@@ -270,11 +358,13 @@ def fused_entries(manifest: Mapping[str, Any], dtype: str) -> dict[str, dict[str
 
 def load_fused_step(root: Path, manifest: Mapping[str, Any], prefill: OrtSession, providers: Sequence[str],
                     device: tuple[str, int], threads: int | None = None, rows: int = 0,
-                    decode: OrtSession | None = None) -> FusedDecodeStep | None:
+                    decode: OrtSession | None = None, captured_prefill: bool = False) -> FusedDecodeStep | None:
     """The bundle's fused batched step for `providers` (fused_kv_dtypes: fp16 graphs on
     ort-cuda, each batch size captured; fp32 preferred on the CPU), or None when the
     bundle has none that the provider runs (the reason is logged). `prefill` (and
-    `decode`, for a saved prefix) are the engine's plain LLM sessions."""
+    `decode`, for a saved prefix) are the engine's plain LLM sessions. `captured_prefill`
+    ([tts] llm_captured_prefill): the bundle's fixed-length prefill graphs serve the prompts
+    they fit (captured on ort-cuda)."""
     cuda = bool(providers) and providers[0] == "CUDAExecutionProvider"
     wanted = fused_kv_dtypes(cuda)
     entries: dict[str, dict[str, Any]] = {}
@@ -289,4 +379,9 @@ def load_fused_step(root: Path, manifest: Mapping[str, Any], prefill: OrtSession
     steps = {int(e["batch"]): OrtSession(name, root / e["file"], providers, device[1], threads, cuda_graph=cuda)
              for name, e in entries.items() if name.startswith(FUSED_PREFIX)}
     insert = OrtSession(KV_INSERT, root / entries[KV_INSERT]["file"], providers, device[1], threads)
-    return FusedDecodeStep(steps, insert, prefill, device, rows, decode)
+    prefills = {int(e["length"]): OrtSession(name, root / e["file"], providers, device[1], threads, cuda_graph=cuda)
+                for name, e in entries.items() if captured_prefill and name.startswith(FUSED_PREFILL_PREFIX)}
+    if captured_prefill and not prefills:
+        log.warning("LLM captured prefill: the bundle has no fixed-length prefill graphs (build export "
+                    "--fused-prefill-lengths); the prompts are prefilled on the dynamic graphs")
+    return FusedDecodeStep(steps, insert, prefill, device, rows, decode, prefills)

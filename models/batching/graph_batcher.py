@@ -78,6 +78,8 @@ class GraphBatcher(BatchWorker):
             log.warning("LLM batched prefill: this step (%s) prefills one prompt at a time; re-export the bundle's "
                         "fused step for one run per round", type(step).__name__)
         self.batched_prefill = batched_prefill and step.batched_prefill
+        # every prompt through the step's captured prefill graphs ([tts] llm_captured_prefill), on the graph thread
+        self.captured_prefill = step.captured_prefill
 
     # --- consumer side -----------------------------------------------------------------
     def submit(self, inp: LlmInput, sampler: TokenSampler, stats: LlmStats | None = None, *,
@@ -153,8 +155,8 @@ class GraphBatcher(BatchWorker):
         t0 = time.perf_counter()
         planned = [_Prefill(request, row, *request.decode.prefill_inputs(self.step.takes_past))
                    for request, row in prefills]
-        if self.batched_prefill:
-            for batch in prefill_batches(planned):
+        if self.batched_prefill or self.captured_prefill:
+            for batch in prefill_batches(planned, 1 if self.captured_prefill else 2):
                 self._prefill_batch(batch)
             planned = [p for p in planned if not p.batched]
         if self._prefill_pool is None or len(planned) < 2:
@@ -170,8 +172,12 @@ class GraphBatcher(BatchWorker):
         (RequestDecode.next_input starts there), so the row joins this round's step unsampled."""
         t0 = time.perf_counter()
         past = None if batch[0].past is None else np.concatenate([p.past for p in batch if p.past is not None], axis=2)
+        run = functools.partial(self.step.prefill_rows, [p.row for p in batch], [p.embeds for p in batch], past)
         try:
-            self.step.prefill_rows([p.row for p in batch], [p.embeds for p in batch], past)
+            if self.captured_prefill:  # first-audio work, as a first chunk's step
+                self.thread.call(run, self.first_chunk_priority, "llm_captured_prefill")
+            else:
+                run()
         except Exception as exc:
             err = _as_engine_error(exc, f"LLM batched prefill failed ({len(batch)} streams)")
             log.error("%s", err)
@@ -180,7 +186,10 @@ class GraphBatcher(BatchWorker):
                     self._leave(p.request.key, err)
             return
         ms = (time.perf_counter() - t0) * 1e3
-        self.stats.batched_prefills += 1
+        if self.captured_prefill:
+            self.stats.captured_prefills += len(batch)
+        else:
+            self.stats.batched_prefills += 1
         with self._cond:
             for p in batch:
                 p.request.decode.stats.prefill_ms += ms
@@ -339,14 +348,14 @@ class _Prefill:
     batched: bool = False  # prefilled in a batched run (prefill_batches)
 
 
-def prefill_batches(planned: Sequence[_Prefill]) -> list[list[_Prefill]]:
+def prefill_batches(planned: Sequence[_Prefill], smallest: int = 2) -> list[list[_Prefill]]:
     """The prefills that share a run: unfinished streams of at least two prompt positions, grouped by
-    their past's length (0: none; a run's pasts are stacked), groups of two or more; marks them."""
+    their past's length (0: none; a run's pasts are stacked), groups of `smallest` or more; marks them."""
     groups: dict[int, list[_Prefill]] = {}
     for p in planned:
         if not p.request.decode.finished and p.embeds.shape[1] >= 2:
             groups.setdefault(0 if p.past is None else int(p.past.shape[4]), []).append(p)
-    batches = [g for g in groups.values() if len(g) > 1]
+    batches = [g for g in groups.values() if len(g) >= smallest]
     for g in batches:
         for p in g:
             p.batched = True

@@ -83,6 +83,7 @@ class BatchStats:
     step_call_s: float = 0.0
     step_host_s: float = 0.0
     batched_prefills: int = 0  # GraphBatcher: prefill runs that served several streams (llm_batched_prefill)
+    captured_prefills: int = 0  # GraphBatcher: prompts prefilled through captured graphs (llm_captured_prefill)
 
 
 class TokenStream:

@@ -56,6 +56,10 @@ class LoopedGraphStep:
     def batched_prefill(self) -> bool:
         return False  # each row is its own fixed-size loop, with its own prefill
 
+    @property
+    def captured_prefill(self) -> bool:
+        return False
+
     def prefill_rows(self, rows: Sequence[int], prompts: Sequence[np.ndarray], past: np.ndarray | None = None) -> None:
         raise SynthesisError("the fixed-size decode slots prefill one prompt at a time (batched_prefill is off)")
 

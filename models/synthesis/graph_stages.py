@@ -163,7 +163,8 @@ class GraphStages:
             return None  # a wrapped backend (tests): the looped step
         device = ("cuda", prefill.device_id) if prefill.on_device else ("cpu", 0)
         step = load_fused_step(self.bundle.root, self.bundle.manifest, prefill, prefill.providers, device,
-                               self.settings.threads, decode=decode if isinstance(decode, OrtSession) else None)
+                               self.settings.threads, decode=decode if isinstance(decode, OrtSession) else None,
+                               captured_prefill=self.settings.llm_captured_prefill)
         if step is None:
             return None
         try:

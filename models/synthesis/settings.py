@@ -81,6 +81,11 @@ class SynthesisSettings:
     # (right-padded; each row's last prompt position is its first step's input). Eight prefills cost 95-142
     # ms before the first chunks' first step on the H200 (fifteenth run); off until a run measures this.
     llm_batched_prefill: bool = False
+    # With graph_batching on the fused step: each new prompt through the bundle's fixed-length prefill graph
+    # that fits it (--fused-prefill-lengths), captured on ort-cuda, on the graph thread: ~300 kernels
+    # instead of the dynamic graph's run (~11 ms for one saved-voice prompt on the H200, launch-bound);
+    # off until a run measures it.
+    llm_captured_prefill: bool = False
     # Per-voice prompt caches (models/synthesis/voice_cache.py) for saved voices, in MiB
     # (host memory; about 4.4 MiB per prompt mel frame at full size in fp32); 0: off.
     voice_cache_mb: int = 2048

@@ -285,6 +285,7 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
                               llm_first_chunk_priority=args.llm_first_chunk_priority,
                               llm_parallel_prefills=args.llm_parallel_prefills,
                               llm_batched_prefill=args.llm_batched_prefill,
+                              llm_captured_prefill=args.llm_captured_prefill,
                               graph_decode_slots=max(4, args.batching) if args.graph_batching else 4)
     if cache_mb is not None:
         settings = dataclasses.replace(settings, voice_cache_mb=cache_mb)
@@ -296,6 +297,7 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
                       "first_chunk_priority": settings.llm_first_chunk_priority,
                       "parallel_prefills": settings.llm_parallel_prefills,
                       "batched_prefill": isinstance(engine.batcher, GraphBatcher) and engine.batcher.batched_prefill,
+                      "captured_prefill": isinstance(engine.batcher, GraphBatcher) and engine.batcher.captured_prefill,
                       "engine_batcher": type(engine.batcher).__name__ if engine.batcher else None,
                       # the step it drives: FusedDecodeStep (the bundle's fused graphs) or LoopedGraphStep
                       "step": type(engine.batcher.step).__name__ if isinstance(engine.batcher, GraphBatcher) else None}

@@ -22,6 +22,7 @@ from cosyedge_models.batching.fused_step import FusedDecodeStep, fused_entries, 
 from cosyedge_models.errors import SynthesisError
 
 POSITIONS = 40
+PREFILL_LENGTHS = (4, 8)  # the fixed-length prefill graphs exported beside the steps
 TOLERANCE = 1e-4
 # fp16 graphs against the fp32 plain step: the logits are |z| < 32 here, where fp16's
 # spacing is 2^-6 (0.016); two such steps bound the rounding of the last layers and
@@ -36,9 +37,9 @@ def fused_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
     llm = load_reference(tiny_model_dir).llm
     out = tmp_path_factory.mktemp("fused")
-    export_fused_decode(llm, out, [1, 2, 4], POSITIONS)
+    export_fused_decode(llm, out, [1, 2, 4], POSITIONS, prefill_lengths=PREFILL_LENGTHS)
     (out / "fp16").mkdir()
-    export_fused_decode(llm, out / "fp16", [1, 2, 4], POSITIONS, "fp16")
+    export_fused_decode(llm, out / "fp16", [1, 2, 4], POSITIONS, "fp16", prefill_lengths=PREFILL_LENGTHS)
     return out
 
 
@@ -55,16 +56,19 @@ def test_rows_equal_the_plain_loop_alone(fused_dir: Path, tiny_bundle: Path) -> 
     _compare(fused_dir, tiny_bundle, "cpu", TOLERANCE)
 
 
-def _fused_with_decode(fused_dir: Path, tiny_bundle: Path, device: str
+def _fused_with_decode(fused_dir: Path, tiny_bundle: Path, device: str, prefill_lengths: tuple[int, ...] = ()
                        ) -> tuple[FusedDecodeStep, OrtSession, OrtSession]:
     """The fused step of batch sizes 1, 2, 4 over 4 rows (captured on CUDA), with the plain prefill and
-    decode sessions (a prefill from a saved prefix runs on the latter)."""
+    decode sessions (a prefill from a saved prefix runs on the latter), and the fixed-length prefill
+    graphs of `prefill_lengths`."""
     prefill = _session("llm_prefill", tiny_bundle / "llm_prefill.onnx", device)
     decode = _session("llm_decode", tiny_bundle / "llm_decode.onnx", device)
     steps = {b: _session(f"fused{b}", fused_dir / f"llm_decode_fused_b{b}.onnx", device, capture=device == "cuda")
              for b in (1, 2, 4)}
+    prefills = {t: _session(f"prefill{t}", fused_dir / f"llm_prefill_fused_t{t}.onnx", device,
+                            capture=device == "cuda") for t in prefill_lengths}
     fused = FusedDecodeStep(steps, _session("insert", fused_dir / "llm_fused_kv_insert.onnx", device), prefill,
-                            (device, 0), rows=4, decode=decode)
+                            (device, 0), rows=4, decode=decode, prefills=prefills)
     return fused, prefill, decode
 
 
@@ -280,9 +284,37 @@ def test_a_batched_prefill_on_cuda_follows_the_plain_loop(fused_dir: Path, tiny_
     _batched_prefill(fused_dir / "fp16", tiny_bundle, 4, "cuda", 2 * FP16_LOGP_TOLERANCE)
 
 
-def _batched_prefill(fused_dir: Path, tiny_bundle: Path, prefix: int, device: str, tolerance: float) -> None:
-    fused, prefill, decode = _fused_with_decode(fused_dir, tiny_bundle, device)
-    assert fused.batched_prefill
+@pytest.mark.parametrize(("prefix", "lengths"), [(0, (4, 8)), (4, (4, 8)), (4, (4,))])
+def test_a_captured_prefill_gives_each_row_its_prompt_alone(fused_dir: Path, tiny_bundle: Path, prefix: int,
+                                                            lengths: tuple[int, ...]) -> None:
+    """The same three prompts (8, 2 and 5 positions to prefill) through the fixed-length prefill graphs (the
+    scratch row, then each prompt's row copied from it): right-padded to 8, 4 and 8, each row's cache and
+    steps are the plain loop's alone; with the 4 graph only, the prompts it does not fit take the one-run
+    path in the same call."""
+    _batched_prefill(fused_dir, tiny_bundle, prefix, "cpu", TOLERANCE, lengths)
+
+
+def test_a_captured_prefill_in_fp16_follows_the_fp32_plain_loop(fused_dir: Path, tiny_bundle: Path) -> None:
+    """The fp16 graphs (what ort-cuda runs) over the fp16 buffer, within fp16's error."""
+    _batched_prefill(fused_dir / "fp16", tiny_bundle, 4, "cpu", 2 * FP16_LOGP_TOLERANCE, PREFILL_LENGTHS)
+
+
+@pytest.mark.gpu
+def test_a_captured_prefill_on_cuda_follows_the_plain_loop(fused_dir: Path, tiny_bundle: Path) -> None:
+    """The fp16 prefill graphs captured on ort-cuda (each length once, the scratch row at a fixed address,
+    then replayed for rows of other lengths and pasts)."""
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("onnxruntime has no CUDAExecutionProvider here")
+    for prefix in (0, 4):
+        _batched_prefill(fused_dir / "fp16", tiny_bundle, prefix, "cuda", 2 * FP16_LOGP_TOLERANCE, PREFILL_LENGTHS)
+
+
+def _batched_prefill(fused_dir: Path, tiny_bundle: Path, prefix: int, device: str, tolerance: float,
+                     prefill_lengths: tuple[int, ...] = ()) -> None:
+    fused, prefill, decode = _fused_with_decode(fused_dir, tiny_bundle, device, prefill_lengths)
+    assert fused.batched_prefill and fused.captured_prefill == bool(prefill_lengths)
     fused.warm_up()
     d = int(decode.input_shapes["inputs_embeds"][2])
     speech = np.load(tiny_bundle / "llm_speech_embedding.npy")

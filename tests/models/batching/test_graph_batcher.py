@@ -66,6 +66,7 @@ class Recorder:
         self.rows = inner.rows
         self.positions = inner.positions
         self.takes_past = inner.takes_past
+        self.captured_prefill = inner.captured_prefill
 
     def prefill(self, row: int, inputs_embeds: np.ndarray, past: np.ndarray | None = None) -> np.ndarray:
         self.events.append(("prefill", row))

@@ -4,7 +4,8 @@ on its own graph thread (graph_threads "per-stage") with a round's prefills at o
 (llm_parallel_prefills) or in one prefill run (llm_batched_prefill, the three requests as one group,
 as a Triton batch arrives), give the audio of the one-thread engine with prefills one after another;
 the first chunks hold the flow and vocoder threads, never the LLM step's. The streams' encoder calls in
-one batched replay (graph_encoder_batch) give that audio too."""
+one batched replay (graph_encoder_batch) give that audio too, and so do the prompts through the
+fixed-length prefill graphs (llm_captured_prefill) on the LLM's graph thread."""
 
 from __future__ import annotations
 
@@ -34,13 +35,15 @@ def _concurrently(engine: CosyVoiceSynthesizer) -> dict[int, np.ndarray]:
 
 def test_per_stage_threads_and_parallel_or_batched_prefills_give_the_one_thread_audio(every_graph_bundle: Path) -> None:
     audio: dict[str, dict[int, np.ndarray]] = {}
-    configs = {"one": ("one", 1, False, False), "per-stage": ("per-stage", STREAMS, False, False),
-               "batched": ("per-stage", 1, True, False), "encoder": ("one", 1, False, True)}
-    for name, (mode, prefills, batched, encoder) in configs.items():
+    configs = {"one": ("one", 1, False, False, False), "per-stage": ("per-stage", STREAMS, False, False, False),
+               "batched": ("per-stage", 1, True, False, False), "encoder": ("one", 1, False, True, False),
+               "captured": ("per-stage", 1, False, False, True)}
+    for name, (mode, prefills, batched, encoder, captured) in configs.items():
         settings = SynthesisSettings(backend="ort", threads=1, graph_flow=True, graph_vocoder=True,
                                      graph_batching=True, batching=BatchSettings(max_batch_size=4),
                                      graph_flow_batch=True, graph_threads=mode, llm_parallel_prefills=prefills,
-                                     llm_batched_prefill=batched, graph_encoder_batch=encoder)
+                                     llm_batched_prefill=batched, graph_encoder_batch=encoder,
+                                     llm_captured_prefill=captured)
         engine = load_synthesizer(every_graph_bundle, settings=settings)
         try:
             batcher, flow = engine.batcher, engine.graphs.flow_batch
@@ -55,6 +58,9 @@ def test_per_stage_threads_and_parallel_or_batched_prefills_give_the_one_thread_
             else:
                 audio[name] = _concurrently(engine)
                 assert batcher.stats.batched_prefills == 0
+            # every prompt through the captured prefill graphs, on the decode thread, where asked
+            assert batcher.captured_prefill == captured
+            assert batcher.stats.captured_prefills == (STREAMS if captured else 0)
             holds = {stage: t.order_stats()["holds"] for stage, t in threads.items()}
             assert batcher.stats.shared_steps > 0 and flow.stats.replays > 0
             assert engine.static_vocoder.replays > 0
@@ -72,7 +78,7 @@ def test_per_stage_threads_and_parallel_or_batched_prefills_give_the_one_thread_
                 assert holds == {"decode": 0, "flow": STREAMS, "vocoder": STREAMS}, holds
         finally:
             engine.close()
-    for name in ("per-stage", "batched", "encoder"):
+    for name in ("per-stage", "batched", "encoder", "captured"):
         for i in range(STREAMS):
             got, want = audio[name][i], audio["one"][i]
             assert got.shape == want.shape and want.size > 0

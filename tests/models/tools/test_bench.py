@@ -101,7 +101,8 @@ def test_bench_concurrency_only_offline_and_streaming_with_flow_batching(tiny_bu
     # asked for, but without --batching (and a fixed-size decode step in the bundle) no LLM batcher runs,
     # so no prefill is batched either (batched_prefill: whether the batcher runs them so)
     assert r["graph_batching"] == {"on": True, "prefills_between_steps": 2, "first_chunk_priority": "first_audio",
-                                   "parallel_prefills": 2, "batched_prefill": False, "engine_batcher": None,
+                                   "parallel_prefills": 2, "batched_prefill": False, "captured_prefill": False,
+                                   "engine_batcher": None,
                                    "step": None}
     assert r["flow_batching"]["max_batch_size"] == 2 and r["flow_batching"]["max_queue_delay_ms"] == 1.0
     assert "rtf" not in r and "timeline" not in r  # only the concurrency runs
