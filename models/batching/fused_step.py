@@ -181,8 +181,21 @@ class FusedDecodeStep:
         for t in self._lengths:
             binding, options, bound = self._prefill_io[t]
             bound["seqlens_k"].update_inplace(np.full(1, t - 1, np.int32))
-            for _ in range(CAPTURE_RUNS if self._prefills[t].cuda_graph else 1):
-                self._prefills[t].run_bound(binding, options)
+            try:
+                for _ in range(CAPTURE_RUNS if self._prefills[t].cuda_graph else 1):
+                    self._prefills[t].run_bound(binding, options)
+            except Exception as exc:  # the step graphs are fine: only the prompts go back to the dynamic graph
+                log.warning("LLM captured prefill: the %d-position graph failed its warm-up/capture (%s: %s); "
+                            "prompts take the dynamic prefill graph", t, type(exc).__name__, exc)
+                self._drop_prefills()
+                return
+
+    def _drop_prefills(self) -> None:
+        self._prefill_io.clear()
+        for session in self._prefills.values():
+            session.close()
+        self._prefills.clear()
+        self._lengths = ()
 
     def prefill(self, row: int, inputs_embeds: np.ndarray, past: np.ndarray | None = None) -> np.ndarray:
         if not 0 <= row < self._rows:
@@ -311,11 +324,10 @@ class FusedDecodeStep:
         """Its bindings and the step and insert sessions it was given (the prefill and decode
         sessions are the engine's)."""
         self._io.clear()
-        self._prefill_io.clear()
-        for session in (*self._steps.values(), *self._prefills.values(), self._insert):
+        self._drop_prefills()
+        for session in (*self._steps.values(), self._insert):
             session.close()
         self._steps.clear()
-        self._prefills.clear()
 
 
 def kv_dtype(steps: Mapping[int, OrtSession], insert: OrtSession) -> type[np.floating]:
@@ -379,8 +391,10 @@ def load_fused_step(root: Path, manifest: Mapping[str, Any], prefill: OrtSession
     steps = {int(e["batch"]): OrtSession(name, root / e["file"], providers, device[1], threads, cuda_graph=cuda)
              for name, e in entries.items() if name.startswith(FUSED_PREFIX)}
     insert = OrtSession(KV_INSERT, root / entries[KV_INSERT]["file"], providers, device[1], threads)
+    step_positions = {int(e["positions"]) for n, e in entries.items() if n.startswith(FUSED_PREFIX)}
     prefills = {int(e["length"]): OrtSession(name, root / e["file"], providers, device[1], threads, cuda_graph=cuda)
-                for name, e in entries.items() if captured_prefill and name.startswith(FUSED_PREFILL_PREFIX)}
+                for name, e in entries.items() if captured_prefill and name.startswith(FUSED_PREFILL_PREFIX)
+                and {int(e["positions"])} == step_positions}  # exported with the steps (one cache length)
     if captured_prefill and not prefills:
         log.warning("LLM captured prefill: the bundle has no fixed-length prefill graphs (build export "
                     "--fused-prefill-lengths); the prompts are prefilled on the dynamic graphs")

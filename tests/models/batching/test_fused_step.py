@@ -229,8 +229,11 @@ def _manifest(fp32: bool, fp16: bool) -> dict[str, Any]:
     """Fused stage entries over fused_dir's files: fp32 as the stage, fp16 as its variant
     (or the stage, when there is no fp32), the fields the export writes."""
     stages: dict[str, Any] = {}
-    for name, batch in [(f"llm_decode_fused_b{b}", b) for b in (1, 2, 4)] + [("llm_fused_kv_insert", None)]:
-        extra = {"batch": batch} if batch else {}
+    graphs: list[tuple[str, dict[str, Any]]] = [
+        *((f"llm_decode_fused_b{b}", {"batch": b, "positions": POSITIONS}) for b in (1, 2, 4)),
+        *((f"llm_prefill_fused_t{t}", {"length": t, "positions": POSITIONS}) for t in PREFILL_LENGTHS),
+        ("llm_fused_kv_insert", {})]
+    for name, extra in graphs:
         f32 = {"file": f"{name}.onnx", "precision": "fp32", "kv_cache": {"dtype": "float32"}, **extra}
         f16 = {"file": f"fp16/{name}.onnx", "precision": "fp16", "kv_cache": {"dtype": "float16"}, **extra}
         if fp32:
@@ -245,6 +248,7 @@ def test_fused_entries_follow_the_provider() -> None:
     assert fused_kv_dtypes(cuda=True) == ("float16",)
     assert {n: e["file"] for n, e in fused_entries(both, "float16").items()} == {
         **{f"llm_decode_fused_b{b}": f"fp16/llm_decode_fused_b{b}.onnx" for b in (1, 2, 4)},
+        **{f"llm_prefill_fused_t{t}": f"fp16/llm_prefill_fused_t{t}.onnx" for t in PREFILL_LENGTHS},
         "llm_fused_kv_insert": "fp16/llm_fused_kv_insert.onnx"}
     assert fused_entries(both, "float32")["llm_decode_fused_b2"]["file"] == "llm_decode_fused_b2.onnx"
     assert fused_entries(_manifest(fp32=True, fp16=False), "float16") == {}
@@ -263,6 +267,41 @@ def test_load_fused_step_picks_the_graphs_the_provider_runs(fused_dir: Path, tin
     # ort-cuda with fp32 fused graphs only: none (no session is made, so this runs without a GPU)
     cuda = ["CUDAExecutionProvider", "CPUExecutionProvider"]
     assert load_fused_step(fused_dir, _manifest(fp32=True, fp16=False), prefill, cuda, ("cuda", 0)) is None
+
+
+def test_load_fused_step_takes_the_prefill_graphs_when_asked(fused_dir: Path, tiny_bundle: Path) -> None:
+    """llm_captured_prefill: the prefill graphs of the steps' cache length; one exported for another
+    cache length is left out (its rows would not be the buffer's)."""
+    prefill = _session("llm_prefill", tiny_bundle / "llm_prefill.onnx")
+    cpu = ["CPUExecutionProvider"]
+    manifest = _manifest(fp32=True, fp16=False)
+    off = load_fused_step(fused_dir, manifest, prefill, cpu, ("cpu", 0))
+    assert off is not None and not off.captured_prefill and off.prefill_lengths == ()
+    on = load_fused_step(fused_dir, manifest, prefill, cpu, ("cpu", 0), captured_prefill=True)
+    assert on is not None and on.captured_prefill and on.prefill_lengths == PREFILL_LENGTHS
+    manifest["stages"]["llm_prefill_fused_t8"]["positions"] = POSITIONS * 2
+    other = load_fused_step(fused_dir, manifest, prefill, cpu, ("cpu", 0), captured_prefill=True)
+    assert other is not None and other.prefill_lengths == (4,)
+
+
+def test_a_prefill_graph_that_fails_its_warm_up_leaves_the_steps_serving(
+        fused_dir: Path, tiny_bundle: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A refused capture of a prefill graph (a GPU failure, made here by its run raising) turns the
+    captured prefill off, not the fused step: prompts then take the one-run dynamic path."""
+    fused, prefill, decode = _fused_with_decode(fused_dir, tiny_bundle, "cpu", PREFILL_LENGTHS)
+
+    def refused(*_: Any) -> None:
+        raise RuntimeError("CUDA graph capture refused")
+
+    monkeypatch.setattr(fused._prefills[8], "run_bound", refused)  # noqa: SLF001 - the session's own run fails
+    fused.warm_up()
+    assert not fused.captured_prefill and fused.batched_prefill
+    d = int(decode.input_shapes["inputs_embeds"][2])
+    x = (np.random.default_rng(3).standard_normal((1, 6, d)) * 0.05).astype(np.float32)
+    loop = BoundDecodeLoop(prefill, decode, "cpu")
+    first = loop.prefill(x)
+    fused.prefill_rows([1], [x])
+    assert _rel(fused.step([1], x[0, -1:], [5], 2)[0], first[0]) < TOLERANCE
 
 
 @pytest.mark.parametrize("prefix", [0, 4])
