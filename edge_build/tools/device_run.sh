@@ -46,7 +46,7 @@
 # Environment: WHEELS (default .whl), ORT_PARTS (/tmp/ort), PYCUDA_SDIST_DIR
 # (.device/pycuda), FULL_DIR (/tmp/full), BENCH_ARGS (extra bench flags, e.g.
 # --voice NAME), VOICE_WAV / VOICE_TEXT / VOICE_NAME (a recording, its transcript and the
-# name it is saved under in both bundles, default en8), STATIC_FLOW_WINDOWS (64,128,640), STATIC_FLOW_CACHE (1024), VOCODER_FIRST_HOPS (15: the
+# name it is saved under in both bundles, default en8), STATIC_FLOW_WINDOWS (64,128,640; set empty: none), STATIC_FLOW_CACHE (1024), VOCODER_FIRST_HOPS (15: the
 # fixed-length vocoder graph of bench --first-chunk 15:6's first chunk), FUSED_BATCHES (1,2,4,8,16: the fused fp16 LLM step), BATCH_FLOW_SIZES
 # (1,8: the batched estimator windows), BATCH_FLOW_PRECISION (fp32) and BATCH_FLOW_ATTENTION (plain): those
 # windows' variant in the bundle itself (fp16 and fused: the fused lanes without a second export),
@@ -101,11 +101,11 @@ elif [ ! -f "$full/ckpt/cosyvoice2.yaml" ]; then
 fi
 if [ "${FULL:-1}" = 1 ] && [ ! -f "$full/bundle/manifest.json" ]; then
   python3 -m cosyedge_daemon build export --model-dir "$full/ckpt" --out "$full/bundle" --static-decode-len 1536 \
-    --static-flow-windows "${STATIC_FLOW_WINDOWS:-64,128,640}" --static-flow-cache "${STATIC_FLOW_CACHE:-1024}" --static-vocoder \
+    --static-flow-windows "${STATIC_FLOW_WINDOWS-64,128,640}" --static-flow-cache "${STATIC_FLOW_CACHE:-1024}" --static-vocoder \
     --static-vocoder-first-hops "${VOCODER_FIRST_HOPS:-15}" \
     --fused-decode-batches "${FUSED_BATCHES:-1,2,4,8,16}" --fused-decode-precision fp16 \
     --fused-prefill-lengths "${FUSED_PREFILL_LENGTHS:-}" \
-    --batch-flow-sizes "${BATCH_FLOW_SIZES:-1,8}" --batch-flow-precision "${BATCH_FLOW_PRECISION:-fp32}" \
+    --batch-flow-sizes "${BATCH_FLOW_SIZES-1,8}" --batch-flow-precision "${BATCH_FLOW_PRECISION:-fp32}" \
     --batch-flow-attention "${BATCH_FLOW_ATTENTION:-plain}" >>"$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
 fi
 if [ "${FULL:-1}" = 1 ] && [ "${FP16:-1}" = 1 ] && [ ! -f "$full/fp16/manifest.json" ]; then
