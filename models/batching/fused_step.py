@@ -256,7 +256,7 @@ class FusedDecodeStep:
             raise SynthesisError("fused decode: no prefill graphs")
         present = None if past is None else ort.OrtValue.ortvalue_from_numpy(
             np.ascontiguousarray(past, np.float32), *self._device)
-        rest = []
+        rest, nbytes = [], self._row_bytes()
         for j, (row, x, n) in enumerate(zip(rows, prompts, news, strict=True)):
             t = next((t for t in self._lengths if t >= n and p + t <= self._positions + 1), None)
             if t is None:
@@ -270,7 +270,7 @@ class FusedDecodeStep:
             bound["inputs_embeds"].update_inplace(embeds)
             bound["seqlens_k"].update_inplace(np.array([p + t - 1], np.int32))  # padding included: after the prompt
             self._prefills[t].run_bound(binding, options)
-            self._copier.copy_many([(self._ptr(i, k, row), self._ptr(i, k, self._scratch_row), self._row_bytes())
+            self._copier.copy_many([(self._ptr(i, k, row), self._ptr(i, k, self._scratch_row), nbytes)
                                     for i in range(self._layers) for k in (0, 1)])
         return rest
 
@@ -392,9 +392,15 @@ def load_fused_step(root: Path, manifest: Mapping[str, Any], prefill: OrtSession
              for name, e in entries.items() if name.startswith(FUSED_PREFIX)}
     insert = OrtSession(KV_INSERT, root / entries[KV_INSERT]["file"], providers, device[1], threads)
     step_positions = {int(e["positions"]) for n, e in entries.items() if n.startswith(FUSED_PREFIX)}
-    prefills = {int(e["length"]): OrtSession(name, root / e["file"], providers, device[1], threads, cuda_graph=cuda)
-                for name, e in entries.items() if captured_prefill and name.startswith(FUSED_PREFILL_PREFIX)
-                and {int(e["positions"])} == step_positions}  # exported with the steps (one cache length)
+    prefills: dict[int, OrtSession] = {}
+    for name, e in entries.items():
+        if not captured_prefill or not name.startswith(FUSED_PREFILL_PREFIX):
+            continue
+        if {int(e["positions"])} != step_positions:  # its rows would not be the buffer's
+            log.warning("LLM captured prefill: %s is for %s cache positions, the steps' %s: left out (export the "
+                        "fused graphs together)", name, e["positions"], sorted(step_positions))
+            continue
+        prefills[int(e["length"])] = OrtSession(name, root / e["file"], providers, device[1], threads, cuda_graph=cuda)
     if captured_prefill and not prefills:
         log.warning("LLM captured prefill: the bundle has no fixed-length prefill graphs (build export "
                     "--fused-prefill-lengths); the prompts are prefilled on the dynamic graphs")

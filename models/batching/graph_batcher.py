@@ -78,8 +78,11 @@ class GraphBatcher(BatchWorker):
             log.warning("LLM batched prefill: this step (%s) prefills one prompt at a time; re-export the bundle's "
                         "fused step for one run per round", type(step).__name__)
         self.batched_prefill = batched_prefill and step.batched_prefill
-        # every prompt through the step's captured prefill graphs ([tts] llm_captured_prefill), on the graph thread
-        self.captured_prefill = step.captured_prefill
+
+    @property
+    def captured_prefill(self) -> bool:
+        """Every prompt through the step's captured prefill graphs ([tts] llm_captured_prefill), on the graph thread."""
+        return self.step.captured_prefill
 
     # --- consumer side -----------------------------------------------------------------
     def submit(self, inp: LlmInput, sampler: TokenSampler, stats: LlmStats | None = None, *,
