@@ -6,11 +6,12 @@
 # parts in /tmp/ort and the voice recording at $VOICE_WAV:
 #   edge_build/tools/device_plan.sh start     copies the tree to /tmp/repo, starts the plan
 #   edge_build/tools/device_plan.sh wait N    waits up to N s, prints progress; copies results to $OUT
+#                                             (exits 3 at once on a fresh machine, where no plan runs)
 # TESTS_BESIDE: the test files (space-separated; default: the batching -m gpu tests, "" for none) run as the
 # tests step beside the plan's setup.
 # PLAN (default below): "outdir steps [VAR=value ...]" entries separated by ";", "+" for a space in a value.
 set -uo pipefail
-res=/tmp/r
+res=${PLAN_DIR:-/tmp/r}  # PLAN_DIR: elsewhere (the tests)
 case ${1:?start or wait} in
   start)
     rm -rf /tmp/repo "$res" && mkdir -p /tmp/repo "$res" && cp -a . /tmp/repo/
@@ -48,6 +49,11 @@ case ${1:?start or wait} in
       echo done >>'"$res"'/status' >/dev/null 2>&1 </dev/null &
     echo started ;;
   wait)
+    if [ ! -f "$res/status" ]; then
+      # a fresh machine (the last one was released between two calls): nothing to wait for, and
+      # waiting would spend the lease's budget on an idle GPU
+      echo "no plan on this machine (a fresh one: the plan's machine was released); start again" >&2; exit 3
+    fi
     end=$(( $(date +%s) + ${2:-500} ))
     while [ "$(date +%s)" -lt "$end" ] && ! grep -q '^done' "$res/status" 2>/dev/null; do sleep 5; done
     cat "$res/status"; for f in "$res"/*.log; do echo "== $f"; grep -v " INFO " "$f" | tail -8; done

@@ -65,3 +65,13 @@ def test_the_default_plans_bench_flags_are_the_bench_commands() -> None:
         assert args.bundle == "b"
         steps += 1
     assert steps >= 4
+
+
+def test_a_wait_on_a_fresh_machine_ends_at_once(tmp_path: Path) -> None:
+    """`device_plan.sh wait` where no plan was started (the plan's machine was released and a fresh one
+    answered) exits 3 at once instead of spending the lease's budget on an idle GPU."""
+    plan_script = ROOT / "edge_build" / "tools" / "device_plan.sh"
+    done = subprocess.run(["bash", str(plan_script), "wait", "60"], cwd=ROOT, capture_output=True, text=True,
+                          env={"PLAN_DIR": str(tmp_path / "r"), "PATH": "/usr/bin:/bin"}, timeout=20)
+    assert done.returncode == 3
+    assert "no plan on this machine" in done.stderr
