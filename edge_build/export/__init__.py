@@ -60,7 +60,7 @@ def export_bundle(model_dir: Path, out: Path, static_decode_len: int = 0,
         tokenizer,
         voices,
     )
-    from cosyedge_build.export.shared_weights import SHARED_LLM_FILE
+    from cosyedge_build.export.shared_weights import SHARED_FUSED_FILE, SHARED_LLM_FILE
     from cosyedge_models.tools.progress import StageProgress
 
     model_dir, out = Path(model_dir), Path(out)
@@ -74,10 +74,14 @@ def export_bundle(model_dir: Path, out: Path, static_decode_len: int = 0,
             progress.advance("LLM graphs")
             shared_weights.share_llm_stages(scratch, stages, SHARED_LLM_FILE)
             if fused_decode_batches:  # after the sharing pass: their fused weights are their own
-                stages.extend(llm_fused.export_fused_decode(
+                fused = llm_fused.export_fused_decode(
                     refs.llm, scratch, fused_decode_batches,
                     fused_decode_len or static_decode_len or llm_fused.FUSED_DECODE_LEN, fused_decode_precision,
-                    fused_prefill_lengths))
+                    fused_prefill_lengths)
+                # one copy of them for every batch size and prefill length (on disk and on the device)
+                shared_weights.share_stages(scratch, [s for s in fused if llm_fused.has_layer_weights(s.name)],
+                                            SHARED_FUSED_FILE)
+                stages.extend(fused)
             progress.advance("LLM weights shared")
             stages.append(flow_encoder.export_flow_encoder(refs.flow, scratch))
             progress.advance("flow encoder")

@@ -281,6 +281,11 @@ def is_fused_stage(name: str) -> bool:
     return name.startswith((FUSED_PREFIX, FUSED_PREFILL_PREFIX)) or name == KV_INSERT
 
 
+def has_layer_weights(name: str) -> bool:
+    """A fused step or prefill graph (they hold the layers' weights; the insert graph holds none)."""
+    return name.startswith((FUSED_PREFIX, FUSED_PREFILL_PREFIX))
+
+
 def _cache_io(name: str) -> bool:
     return name.startswith(("past_key_", "past_value_", "present_key_", "present_value_", "row_"))
 
@@ -319,7 +324,8 @@ def _as_fp16(stage: StageGraph) -> StageGraph:
 
 def export_fused_decode(llm: Any, out: Path, batches: list[int] | tuple[int, ...], positions: int,
                         precision: str = "fp32", prefill_lengths: list[int] | tuple[int, ...] = ()) -> list[StageGraph]:
-    """llm_decode_fused_b<B>.onnx for each B (weights inline, one copy per file),
+    """llm_decode_fused_b<B>.onnx for each B (weights inline, one copy per file; `build export`
+    then moves them into one shared data file, shared_weights.share_stages),
     llm_prefill_fused_t<T>.onnx for each T of `prefill_lengths`, and
     llm_fused_kv_insert.onnx, in `precision` (PRECISIONS)."""
     onnx = require("onnx", "onnx", "exporting the LLM")

@@ -26,6 +26,8 @@ from cosyedge_models.backends.shared_weights import ALIGN, INDEX_FORMAT, MIN_SHA
 log = logging.getLogger(__name__)
 
 SHARED_LLM_FILE = "llm_weights.bin"
+# the fused step's and fixed-length prefill graphs' one copy (their fp16 weights are not the plain graphs')
+SHARED_FUSED_FILE = "llm_weights.fused.bin"
 LLM_STAGES = ("llm_prefill", "llm_decode", "llm_decode_static")
 
 
@@ -140,15 +142,19 @@ def share_llm_files(root: Path, files: Mapping[str, Path], data_file: str) -> di
     return share_weights(root, names, data_file) if len(names) >= 2 else None
 
 
-def share_llm_stages(root: Path, stages: Sequence[Any], data_file: str = SHARED_LLM_FILE) -> dict[str, Any] | None:
-    """share_weights over the bundle's LLM stage graphs (StageGraph), marking
-    each stage entry with the data file (`shared_weights`) instead of its own
-    external data. None when fewer than two LLM graphs exist."""
-    llm = [s for s in stages if s.name in LLM_STAGES]
-    if len(llm) < 2:
+def share_stages(root: Path, stages: Sequence[Any], data_file: str) -> dict[str, Any] | None:
+    """share_weights over these stage graphs (StageGraph), marking each stage
+    entry with the data file (`shared_weights`) instead of its own external
+    data. None when fewer than two graphs are given."""
+    if len(stages) < 2:
         return None
-    index = share_weights(root, [s.file for s in llm], data_file)
-    for s in llm:
+    index = share_weights(root, [s.file for s in stages], data_file)
+    for s in stages:
         s.external_data = None
         s.extra["shared_weights"] = {"file": data_file, "index": Path(data_file).with_suffix(".json").name}
     return index
+
+
+def share_llm_stages(root: Path, stages: Sequence[Any], data_file: str = SHARED_LLM_FILE) -> dict[str, Any] | None:
+    """share_stages over the bundle's plain LLM stage graphs. None when fewer than two exist."""
+    return share_stages(root, [s for s in stages if s.name in LLM_STAGES], data_file)

@@ -50,6 +50,14 @@ def _device_values(arrays: dict[str, np.ndarray], device_id: int) -> dict[str, o
             for k, v in arrays.items()}
 
 
+def shares_weights(providers: Sequence[str]) -> bool:
+    """Whether sessions on these providers take a bundle's shared weights: the CPU and CUDA
+    providers (host or device buffers); TensorRT's provider builds engines with their own
+    copy. COSYEDGE_ORT_SHARE_WEIGHTS=0: one copy per session (to compare)."""
+    on = bool(providers) and providers[0] in ("CPUExecutionProvider", "CUDAExecutionProvider")
+    return on and os.environ.get("COSYEDGE_ORT_SHARE_WEIGHTS", "1") != "0"
+
+
 class OrtSession:
     def __init__(self, name: str, path: Path, providers: Sequence[str], device_id: int, threads: int | None,
                  cuda_graph: bool = False, shared: SharedWeights | None = None,
@@ -207,12 +215,7 @@ class OrtBackend:
         # COSYEDGE_ORT_CUDA_GRAPH=0: run the static step without capture (to compare)
         graph = (stage in CUDA_GRAPH_STAGES or stage.startswith((*FIXED_SHAPE_PREFIXES, *BATCHED_PREFIXES))) and \
             os.environ.get("COSYEDGE_ORT_CUDA_GRAPH", "1") != "0"
-        # Weights shared between sessions on the CPU and CUDA providers (host or
-        # device buffers); TensorRT's provider builds engines with their own copy.
-        # COSYEDGE_ORT_SHARE_WEIGHTS=0: one copy per session (to compare).
-        sharing = self.providers[0] in ("CPUExecutionProvider", "CUDAExecutionProvider")
-        share = sharing and os.environ.get("COSYEDGE_ORT_SHARE_WEIGHTS", "1") != "0"
-        shared = self._shared.for_graph(path) if share else None
+        shared = self._shared.for_graph(path) if shares_weights(self.providers) else None
         trt_options = None
         if self._trt is not None:
             trt_options = ort_trt.provider_options(self._trt.stage(stage), bundle_root=self._trt.root,

@@ -30,16 +30,15 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 from cosyedge_models.backends.graph_thread import CAPTURE_RUNS
-from cosyedge_models.backends.ort import OrtSession, bound_lm_run
+from cosyedge_models.backends.ort import OrtSession, bound_lm_run, shares_weights
 from cosyedge_models.backends.ort_cache import DeviceCopier
+from cosyedge_models.backends.shared_weights import SharedWeightsRegistry
 from cosyedge_models.batching.batched_step import check_batch_sizes, padded_size
+from cosyedge_models.bundle.loader import FUSED_PREFILL_PREFIX, FUSED_PREFIX, KV_INSERT
 from cosyedge_models.errors import SynthesisError
 
 log = logging.getLogger(__name__)
 
-FUSED_PREFIX = "llm_decode_fused_b"  # the stage names (edge_build/export/llm_fused.py writes them)
-FUSED_PREFILL_PREFIX = "llm_prefill_fused_t"  # one row's prefill of a fixed length (captured on ort-cuda)
-KV_INSERT = "llm_fused_kv_insert"  # a prefill's cache into one slot row of the buffer
 INSERT_ROW = "batch_row"  # the insert graph's input: which prompt of a batched prefill (bundles since issue 23)
 # onnxruntime's declared type of the cache I/O -> the buffer's numpy dtype
 KV_TYPES: dict[str, type[np.floating]] = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
@@ -388,8 +387,20 @@ def load_fused_step(root: Path, manifest: Mapping[str, Any], prefill: OrtSession
         log.info("fused decode: the bundle has no fused step graphs in %s (build export --fused-decode-batches "
                  "with --fused-decode-precision %s)", " or ".join(wanted), "fp16" if cuda else "fp32")
         return None
-    steps = {int(e["batch"]): OrtSession(name, root / e["file"], providers, device[1], threads, cuda_graph=cuda)
-             for name, e in entries.items() if name.startswith(FUSED_PREFIX)}
+    # the step and prefill graphs' one weight copy (a bundle exported since 2026-12-05 keeps it in one data
+    # file, llm_weights.fused.bin): the same device buffers for every session on CUDA. Not on the CPU:
+    # shared sessions run without prepacking, and there the fused step (fp32, opt-in) keeps its packed
+    # weights (a batch size's rows then also round as that row alone does in the fp16 graphs)
+    shared = SharedWeightsRegistry()
+    share = cuda and shares_weights(providers)
+
+    def open_graph(name: str, file: str) -> OrtSession:
+        path = root / file
+        return OrtSession(name, path, providers, device[1], threads, cuda_graph=cuda,
+                          shared=shared.for_graph(path) if share else None, registry=shared)
+
+    steps = {int(e["batch"]): open_graph(name, e["file"]) for name, e in entries.items()
+             if name.startswith(FUSED_PREFIX)}
     insert = OrtSession(KV_INSERT, root / entries[KV_INSERT]["file"], providers, device[1], threads)
     step_positions = {int(e["positions"]) for n, e in entries.items() if n.startswith(FUSED_PREFIX)}
     prefills: dict[int, OrtSession] = {}
@@ -400,7 +411,7 @@ def load_fused_step(root: Path, manifest: Mapping[str, Any], prefill: OrtSession
             log.warning("LLM captured prefill: %s is for %s cache positions, the steps' %s: left out (export the "
                         "fused graphs together)", name, e["positions"], sorted(step_positions))
             continue
-        prefills[int(e["length"])] = OrtSession(name, root / e["file"], providers, device[1], threads, cuda_graph=cuda)
+        prefills[int(e["length"])] = open_graph(name, e["file"])
     if captured_prefill and not prefills:
         log.warning("LLM captured prefill: the bundle has no fixed-length prefill graphs (build export "
                     "--fused-prefill-lengths); the prompts are prefilled on the dynamic graphs")

@@ -41,6 +41,10 @@ BATCH_FLOW_NAME = re.compile(rf"^{BATCH_FLOW_PREFIX}(\d+)_w(\d+)$")  # groups: b
 BATCH_ENCODER_PREFIX = "flow_encoder_batch_b"
 BATCH_ENCODER_NAME = re.compile(rf"^{BATCH_ENCODER_PREFIX}(\d+)_t(\d+)$")  # groups: batch size, window tokens
 BATCHED_PREFIXES = (BATCH_FLOW_PREFIX, BATCH_ENCODER_PREFIX)
+# the fused batched LLM step (edge_build/export/llm_fused.py; models/batching/fused_step.py serves it)
+FUSED_PREFIX = "llm_decode_fused_b"  # + batch size
+FUSED_PREFILL_PREFIX = "llm_prefill_fused_t"  # + prompt positions: one row's prefill of a fixed length
+KV_INSERT = "llm_fused_kv_insert"  # a prefill's cache into one slot row of the buffer
 
 
 def _covers_prefix(profile: Mapping[str, Any]) -> bool:

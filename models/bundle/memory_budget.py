@@ -61,7 +61,13 @@ from cosyedge_models.backends.fixed_shapes import (
 )
 from cosyedge_models.backends.profiles import all_input_ranges
 from cosyedge_models.backends.shared_weights import find_index, graph_shared_bytes
-from cosyedge_models.bundle.loader import BATCH_FLOW_NAME, FIXED_SHAPE_PREFIXES, STATIC_FLOW_PREFIX
+from cosyedge_models.bundle.loader import (
+    BATCH_FLOW_NAME,
+    FIXED_SHAPE_PREFIXES,
+    FUSED_PREFILL_PREFIX,
+    FUSED_PREFIX,
+    STATIC_FLOW_PREFIX,
+)
 from cosyedge_models.errors import BundleError
 from cosyedge_models.synthesis.flow import CacheDims, cache_bytes_per_frame
 
@@ -318,6 +324,15 @@ def bundle_budget(root: Path, manifest: Mapping[str, Any], precision: str) -> Bu
         notes.append(f"batched flow lanes with graph_flow_batch (batch_lanes, beside {OVERFLOW_FLOW_SLOTS} "
                      "single-stream slots): " + ", ".join(f"{key} {n}" + (" (off)" if n < 2 else "")
                                                           for key, n in lanes.items()))
+    fused = fused_step_bytes(root, stages_meta)
+    if fused is not None:
+        weights, per_row, rows, what = fused
+        total = weights + per_row * rows
+        spare = BundleBudget(precision, out, cpu_side_bytes(root, manifest)).fit
+        notes.append(f"fused batched LLM step (graph_batching, onnxruntime): {what}: weights {weights / MIB:.0f} MiB, "
+                     f"K/V {per_row / MIB:.1f} MiB a row x {rows} rows, {total / MIB:.0f} MiB in all; fits beside "
+                     "the engines on: " + (", ".join(b.key for b in BOARDS.values()
+                                                     if spare(b)["spare_bytes"] >= total) or "none"))
     cache_bytes = 2 if precision == "fp16" else 4  # fp16 graphs take the K/V cache in fp16
     per_second = flow_stream_cache_bytes_per_second(manifest, cache_bytes)
     if per_second:
@@ -402,6 +417,32 @@ def fixed_shape_budget(root: Path, stages_meta: Mapping[str, Any],
         notes.append(f"{prefix}*: {len(names)} fixed-shape graphs without engines ({onnx / MIB:.0f} MiB of ONNX; "
                      "as TensorRT engines each window holds its own copy of the weights)")
     return out, notes
+
+
+def fused_step_bytes(root: Path, stages_meta: Mapping[str, Any]) -> tuple[int, int, int, str] | None:
+    """(weights, K/V bytes a row, rows, what) of the fused batched LLM step in the precision
+    onnxruntime's CUDA provider takes (fp16 graphs where the bundle has them; fused_step.py): its
+    batch sizes' and prefill lengths' weights (once where they share a data file, as `build
+    export` writes them; else a copy per graph) and its K/V buffer (the largest batch's rows,
+    one more with the prefill graphs); None without fused step graphs."""
+    graphs = {str(n): e for n, e in stages_meta.items() if isinstance(e, Mapping)
+              and str(n).startswith((FUSED_PREFIX, FUSED_PREFILL_PREFIX))}
+    if not any(n.startswith(FUSED_PREFIX) for n in graphs):
+        return None
+    dtypes = {str(e.get("kv_cache", {}).get("dtype", "float32")) for e in graphs.values()}
+    dtype = "float16" if "float16" in dtypes else "float32"
+    graphs = {n: e for n, e in graphs.items() if e.get("kv_cache", {}).get("dtype", "float32") == dtype}
+    uses, counted = graph_shared_bytes(root), set[str]()
+    weights = sum(_graph_bytes(root, str(e.get("file")), uses, counted) or 0 for e in graphs.values())
+    steps = sorted(int(e["batch"]) for n, e in graphs.items() if n.startswith(FUSED_PREFIX))
+    lengths = sorted(int(e["length"]) for n, e in graphs.items() if n.startswith(FUSED_PREFILL_PREFIX))
+    first = graphs[f"{FUSED_PREFIX}{steps[0]}"]
+    kv = [i for i in first.get("inputs", []) if isinstance(i, Mapping) and str(i.get("name", "")).startswith("past_")]
+    per_row = sum(math.prod(i["shape"][1:]) * ITEMSIZE.get(str(i.get("dtype")), 4) for i in kv)
+    shared = "one shared copy" if counted else f"a copy in each of {len(graphs)} graphs"
+    what = (f"{'fp16' if dtype == 'float16' else 'fp32'}, batch sizes {'/'.join(map(str, steps))}"
+            + (f", prefill lengths {'/'.join(map(str, lengths))}" if lengths else "") + f" ({shared})")
+    return int(weights), int(per_row), steps[-1] + (1 if lengths else 0), what
 
 
 def cpu_side_bytes(root: Path, manifest: Mapping[str, Any]) -> int:

@@ -175,3 +175,80 @@ def test_cuda_sessions_hold_one_device_copy(shared_dir: tuple[Path, list[np.ndar
         np.testing.assert_allclose(shared, own, rtol=1e-5, atol=1e-6)
     one_copy = sum(w.nbytes for w in weights)
     assert grown["0"] - grown["1"] >= 1.5 * one_copy, (grown, one_copy)
+
+
+def test_the_fused_graphs_share_one_data_file_that_the_step_maps_once(every_graph_bundle: Path) -> None:
+    """The fused step's batch sizes and the fixed-length prefill graphs hold one copy of their weights
+    (llm_weights.fused.bin, apart from the plain graphs' llm_weights.bin). load_fused_step's sessions
+    read it; on the CPU each keeps its own prepacked copy (on CUDA they share one device copy: the
+    `-m gpu` tests of test_fused_step.py)."""
+    from cosyedge_build.export.llm_fused import has_layer_weights
+    from cosyedge_models.batching.fused_step import load_fused_step
+
+    manifest = json.loads((every_graph_bundle / "manifest.json").read_text())
+    fused = sorted(n for n in manifest["stages"] if has_layer_weights(n))
+    assert len(fused) == 5  # batch sizes 1, 2, 4 and prefill lengths 16, 64
+    files = [manifest["stages"][n]["file"] for n in fused]
+    index_path = find_index(every_graph_bundle / files[0])
+    assert index_path is not None and index_path.name == "llm_weights.fused.json"
+    index = read_index(index_path)
+    assert sorted(index["graphs"]) == sorted(files)
+    assert all(manifest["stages"][n]["shared_weights"]["file"] == "llm_weights.fused.bin" for n in fused)
+    own = []
+    for file in files:
+        model = onnx.load(str(every_graph_bundle / file), load_external_data=False)
+        external = [t for t in model.graph.initializer if t.data_location == TensorProto.EXTERNAL]
+        assert {e.value for t in external for e in t.external_data if e.key == "location"} == {"llm_weights.fused.bin"}
+        own.append(sum(int(index["tensors"][t.name]["nbytes"]) for t in external))
+    # each distinct tensor once: the data file holds one graph's layers (the steps also hold the head)
+    assert sum(t["nbytes"] for t in index["tensors"].values()) == max(own)
+    backend = OrtBackend(["CPUExecutionProvider"])
+    prefill = backend.load("llm_prefill", every_graph_bundle / manifest["stages"]["llm_prefill"]["file"], threads=1)
+    step = load_fused_step(every_graph_bundle, manifest, prefill, ["CPUExecutionProvider"], ("cpu", 0), 1,
+                           captured_prefill=True)
+    assert step is not None and step.prefill_lengths == (16, 64)
+    try:
+        sessions = [*step._steps.values(), *step._prefills.values()]
+        assert len(sessions) == 5 and not any(s.shares_weights for s in sessions)
+        step.warm_up()  # every graph runs once over the shared file's weights
+        assert step.captured_prefill and step.batch_sizes == (1, 2, 4)
+    finally:
+        step.close()
+        prefill.close()
+
+
+def test_memory_budget_counts_the_fused_steps_weights_once(every_graph_bundle: Path) -> None:
+    from cosyedge_models.bundle.memory_budget import bundle_budget, fused_step_bytes
+
+    manifest = json.loads((every_graph_bundle / "manifest.json").read_text())
+    index = read_index(every_graph_bundle / "llm_weights.fused.json")
+    found = fused_step_bytes(every_graph_bundle, manifest["stages"])
+    assert found is not None
+    weights, per_row, rows, what = found
+    own = sum((every_graph_bundle / g).stat().st_size for g in index["graphs"])
+    assert weights == own + sum(int(t["nbytes"]) for t in index["tensors"].values())
+    llm = manifest["llm"]  # a row: K and V of every layer over the steps' positions, fp32 here
+    assert per_row == 2 * llm["num_layers"] * llm["num_kv_heads"] * 256 * llm["head_dim"] * 4
+    assert rows == 4 + 1  # the largest batch's rows and the prefill graphs' scratch row
+    assert what == "fp32, batch sizes 1/2/4, prefill lengths 16/64 (one shared copy)"
+    notes = bundle_budget(every_graph_bundle, manifest, "fp32").notes
+    assert any(n.startswith("fused batched LLM step") and "one shared copy" in n for n in notes)
+
+
+def test_the_budget_takes_the_fused_steps_fp16_graphs_where_there_are_both() -> None:
+    from cosyedge_models.bundle.memory_budget import fused_step_bytes
+
+    def entry(batch: int, dtype: str) -> dict[str, object]:
+        shape = [batch, 2, 100, 8]
+        return {"file": f"missing_b{batch}_{dtype}.onnx", "batch": batch, "kv_cache": {"dtype": dtype},
+                "inputs": [{"name": f"past_{kv}_{i}", "dtype": dtype, "shape": shape}
+                           for i in range(3) for kv in ("key", "value")]}
+
+    meta = {"llm_decode_fused_b1": entry(1, "float32"), "llm_decode_fused_b8": entry(8, "float16"),
+            "llm_decode_fused_b4": entry(4, "float16")}
+    found = fused_step_bytes(Path("/nonexistent"), meta)
+    assert found is not None
+    weights, per_row, rows, what = found
+    assert (weights, per_row, rows) == (0, 6 * 2 * 100 * 8 * 2, 8)  # no files here: no weights counted
+    assert what == "fp16, batch sizes 4/8 (a copy in each of 2 graphs)"
+    assert fused_step_bytes(Path("/nonexistent"), {"llm_fused_kv_insert": {"file": "x.onnx"}}) is None

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 from cosyedge_models.backends.ort import BoundDecodeLoop, OrtSession
+from cosyedge_models.backends.shared_weights import SharedWeightsRegistry
 from cosyedge_models.batching.batched_step import BatchedDecodeStep
 from cosyedge_models.batching.fused_step import FusedDecodeStep, fused_entries, fused_kv_dtypes, load_fused_step
 from cosyedge_models.errors import SynthesisError
@@ -32,20 +33,29 @@ FP16_LOGP_TOLERANCE = 0.03
 
 @pytest.fixture(scope="module")
 def fused_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from cosyedge_build.export.llm_fused import export_fused_decode
+    """The fused graphs as `build export` writes them: fp32 here, fp16 under fp16/, each set's step and
+    prefill graphs with their weights in one shared data file (on CUDA served through REGISTRY, as
+    load_fused_step does; on the CPU each session reads it)."""
+    from cosyedge_build.export.llm_fused import export_fused_decode, has_layer_weights
+    from cosyedge_build.export.shared_weights import SHARED_FUSED_FILE, share_stages
     from cosyedge_build.reference.modules import load_reference
 
     llm = load_reference(tiny_model_dir).llm
     out = tmp_path_factory.mktemp("fused")
-    export_fused_decode(llm, out, [1, 2, 4], POSITIONS, prefill_lengths=PREFILL_LENGTHS)
     (out / "fp16").mkdir()
-    export_fused_decode(llm, out / "fp16", [1, 2, 4], POSITIONS, "fp16", prefill_lengths=PREFILL_LENGTHS)
+    for root, precision in ((out, "fp32"), (out / "fp16", "fp16")):
+        stages = export_fused_decode(llm, root, [1, 2, 4], POSITIONS, precision, prefill_lengths=PREFILL_LENGTHS)
+        assert share_stages(root, [s for s in stages if has_layer_weights(s.name)], SHARED_FUSED_FILE)
     return out
+
+
+REGISTRY = SharedWeightsRegistry()  # the shared weights of the graphs open at a time (one mapping each)
 
 
 def _session(name: str, path: Path, device: str = "cpu", capture: bool = False) -> OrtSession:
     providers = ["CPUExecutionProvider"] if device == "cpu" else ["CUDAExecutionProvider", "CPUExecutionProvider"]
-    return OrtSession(name, path, providers, 0, 1, cuda_graph=capture)
+    shared = REGISTRY.for_graph(path) if device == "cuda" else None  # as load_fused_step: on CUDA only
+    return OrtSession(name, path, providers, 0, 1, cuda_graph=capture, shared=shared, registry=REGISTRY)
 
 
 def _rel(a: np.ndarray, b: np.ndarray) -> float:
