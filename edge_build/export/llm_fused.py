@@ -277,8 +277,8 @@ def build_kv_insert(dims: dict[str, int], positions: int) -> tuple[Any, StageGra
 
 
 def is_fused_stage(name: str) -> bool:
-    """A stage of the fused decode path (a step graph or the insert graph)."""
-    return name.startswith((FUSED_PREFIX, FUSED_PREFILL_PREFIX)) or name == KV_INSERT
+    """A stage of the fused decode path (a step or prefill graph, or the insert graph)."""
+    return has_layer_weights(name) or name == KV_INSERT
 
 
 def has_layer_weights(name: str) -> bool:

@@ -324,11 +324,12 @@ def bundle_budget(root: Path, manifest: Mapping[str, Any], precision: str) -> Bu
         notes.append(f"batched flow lanes with graph_flow_batch (batch_lanes, beside {OVERFLOW_FLOW_SLOTS} "
                      "single-stream slots): " + ", ".join(f"{key} {n}" + (" (off)" if n < 2 else "")
                                                           for key, n in lanes.items()))
+    cpu_bytes = cpu_side_bytes(root, manifest)  # the fused step's fit and the budget's (one pass over the files)
     fused = fused_step_bytes(root, stages_meta)
     if fused is not None:
         weights, per_row, rows, what = fused
         total = weights + per_row * rows
-        spare = BundleBudget(precision, out, cpu_side_bytes(root, manifest)).fit
+        spare = BundleBudget(precision, out, cpu_bytes).fit
         notes.append(f"fused batched LLM step (graph_batching, onnxruntime): {what}: weights {weights / MIB:.0f} MiB, "
                      f"K/V {per_row / MIB:.1f} MiB a row x {rows} rows, {total / MIB:.0f} MiB in all; fits beside "
                      "the engines on: " + (", ".join(b.key for b in BOARDS.values()
@@ -343,7 +344,7 @@ def bundle_budget(root: Path, manifest: Mapping[str, Any], precision: str) -> Bu
     if size:
         notes.append(f"+{size * 1.3 / MIB:.0f} MiB on the CPU side while the speech tokenizer is loaded "
                      "(requests with prompt audio)")
-    return BundleBudget(precision, out, cpu_side_bytes(root, manifest), notes)
+    return BundleBudget(precision, out, cpu_bytes, notes)
 
 
 FLOW_SLOTS_ASKED = 8  # SynthesisSettings.graph_flow_slots' default
