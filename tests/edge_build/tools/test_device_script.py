@@ -4,9 +4,11 @@ machine has no install), and it runs every gpu-marked test file there is."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -49,7 +51,7 @@ def test_the_default_plans_bench_flags_are_the_bench_commands() -> None:
     from cosyedge_daemon.cli.main import build_parser
 
     plan_script = ROOT / "edge_build" / "tools" / "device_plan.sh"
-    lines = [line for line in plan_script.read_text().splitlines() if re.match(r"\s*(voice|stage|plan)=", line)]
+    lines = [line for line in plan_script.read_text().splitlines() if re.match(r"\s*(voice|stage|goals|plan)=", line)]
     plan = subprocess.run(["bash", "-c", "\n".join(lines) + '\necho "$plan"'], capture_output=True, text=True,
                           check=True).stdout.strip()
     steps = 0
@@ -75,3 +77,62 @@ def test_a_wait_on_a_fresh_machine_ends_at_once(tmp_path: Path) -> None:
                           env={"PLAN_DIR": str(tmp_path / "r"), "PATH": "/usr/bin:/bin"}, timeout=20)
     assert done.returncode == 3
     assert "no plan on this machine" in done.stderr
+
+
+def _run_plan(tmp_path: Path, plan: str) -> Path:
+    """Starts `device_plan.sh` on a fake runner (each step writes its JSON; the step `fail` exits 1) and
+    waits for the plan's end; returns the plan's folder."""
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    runner = tree / "runner.sh"
+    runner.write_text('#!/bin/sh\nmkdir -p "$1" && echo "{}" > "$1/$(basename "$1").json"\n[ "$2" != fail ]\n')
+    runner.chmod(0o755)
+    res = tmp_path / "r"
+    env = {"PLAN_DIR": str(res), "PLAN_REPO": str(tmp_path / "repo"), "PLAN_RUNNER": "./runner.sh",
+           "PLAN": plan, "TESTS_BESIDE": "", "PATH": "/usr/bin:/bin"}
+    plan_script = ROOT / "edge_build" / "tools" / "device_plan.sh"
+    subprocess.run(["bash", str(plan_script), "start"], cwd=tree, env=env, check=True, timeout=20,
+                   capture_output=True)
+    out = tmp_path / "out"
+    out.mkdir()
+    subprocess.run(["bash", str(plan_script), "wait", "20"], cwd=tree, env={**env, "OUT": str(out)}, check=True,
+                   timeout=40, capture_output=True)
+    return res
+
+
+def test_a_fallback_entry_runs_only_after_a_failed_one(tmp_path: Path) -> None:
+    """`!dir` entries run only where the entry before them failed: the goals' bench again with one weight
+    copy a session costs nothing where the shared copy worked."""
+    res = _run_plan(tmp_path, "a ok;!b ok;c fail;!d ok")
+    status = (res / "status").read_text()
+    assert "skip b" in status and "start b" not in status
+    assert "end c rc=1" in status and "end d rc=0" in status
+    assert not (res / "b").exists() and (res / "d" / "d.json").exists()
+    assert sorted(p.name for p in (tmp_path / "out").glob("*.json")) == ["a.json", "c.json", "d.json"]
+
+
+def test_a_wait_cut_short_keeps_the_steps_that_ended(tmp_path: Path) -> None:
+    """A `wait` call killed by the lease's limit still leaves the JSONs of the steps that had ended in $OUT
+    (they are copied as each step ends, not only when the wait returns)."""
+    res = tmp_path / "r"
+    res.mkdir()
+    (res / "plan").write_text("a batch")
+    (res / "a").mkdir()
+    (res / "a" / "batch_one.json").write_text("{}")
+    os.utime(res / "plan", (1, 1))
+    (res / "status").write_text("10:00:00 start a batch\n10:00:09 end a rc=0\n10:00:09 start b batch\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    plan_script = ROOT / "edge_build" / "tools" / "device_plan.sh"
+    waiting = subprocess.Popen(["bash", str(plan_script), "wait", "120"], cwd=ROOT, stdout=subprocess.DEVNULL,
+                               env={"PLAN_DIR": str(res), "OUT": str(out), "PATH": "/usr/bin:/bin"})
+    try:
+        deadline = time.monotonic() + 20
+        while not (out / "batch_one.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert waiting.poll() is None  # the plan has not ended: the wait still runs
+    finally:
+        waiting.kill()
+        waiting.wait()
+    assert (out / "batch_one.json").read_text() == "{}"
+    assert (out / "logs.tgz").stat().st_size > 0
