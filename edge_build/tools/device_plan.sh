@@ -9,7 +9,8 @@
 #                                             (exits 3 at once on a fresh machine, where no plan runs)
 # TESTS_BESIDE: the test files (space-separated; default: the batching -m gpu tests, "" for none) run as the
 # tests step beside the plan's setup.
-# PLAN (default below): "outdir steps [VAR=value ...]" entries separated by ";", "+" for a space in a value.
+# PLAN (default below): "outdir steps [VAR=value ...]" entries separated by ";", "+" for a space in a value;
+# STEPS="d x e": only those entries, in that order.
 set -uo pipefail
 res=${PLAN_DIR:-/tmp/r}  # PLAN_DIR, PLAN_REPO, PLAN_RUNNER: elsewhere (the tests)
 repo=${PLAN_REPO:-/tmp/repo}; runner=${PLAN_RUNNER:-edge_build/tools/device_run.sh}
@@ -29,6 +30,12 @@ case ${1:?start or wait} in
     stage="--voice+en8+--graph-threads+per-stage+--llm-parallel-prefills+4"
     goals="--voice+en8+--first-chunk+15:6+--graph-batching+--batching+16+--graph-flow-batch+--graph-encoder-batch+--llm-captured-prefill+--concurrency-mode+both"
     plan=${PLAN:-"d setup FP16=0 STATIC_FLOW_WINDOWS=64,128 FUSED_BATCHES=1,4,8,16 BATCH_FLOW_SIZES=1,8,16 BATCH_FLOW_PRECISION=fp16 BATCH_FLOW_ATTENTION=fused FUSED_PREFILL_LENGTHS=128,256,384 $voice;e bench FP16=0 BENCH_ARGS=$goals CONCURRENCY=1,8,16 BENCH_TIMEOUT_S=900;!f bench FP16=0 COSYEDGE_ORT_SHARE_WEIGHTS=0 BENCH_ARGS=$goals CONCURRENCY=1,8,16 BENCH_TIMEOUT_S=900;c cloud FP16=0 CLOUD_TIMEOUT_S=480;x batch FP16=0 JSON_TAG=one_thread_encoder_batch_captured_prefill BENCH_ARGS=--voice+en8+--graph-encoder-batch+--llm-captured-prefill CONCURRENCY=1,8,16;o batch FP16=0 JSON_TAG=one_thread BENCH_ARGS=--voice+en8 CONCURRENCY=1,8,16;n batch FP16=0 JSON_TAG=one_thread_encoder_batch BENCH_ARGS=--voice+en8+--graph-encoder-batch CONCURRENCY=1,8,16;r batch FP16=0 JSON_TAG=one_thread_again BENCH_ARGS=--voice+en8 CONCURRENCY=1,8,16;b batch FP16=0 JSON_TAG=one_thread_batched_prefill_gather BENCH_ARGS=--voice+en8+--llm-batched-prefill+--max-queue-delay-ms+4 CONCURRENCY=1,8,16;p batch FP16=0 JSON_TAG=per_stage_p4 BENCH_ARGS=$stage+--graph-encoder-batch CONCURRENCY=1,8,16"}
+    if [ -n "${STEPS:-}" ]; then
+      # STEPS="d x e": only those entries of the plan, in that order (a short lease; "!f" is kept as "f")
+      IFS=";" read -ra all <<<"$plan"; kept=()
+      for want in $STEPS; do for e in "${all[@]}"; do read -ra w <<<"$e"; [ "${w[0]#!}" != "$want" ] || kept+=("$e"); done; done
+      plan=$(IFS=";"; echo "${kept[*]}")
+    fi
     echo "$plan" >"$res/plan"; : >"$res/status"  # a wait right after start finds the plan
     beside=${TESTS_BESIDE-tests/models/batching/test_fused_step.py}
     if [ -n "$beside" ]; then

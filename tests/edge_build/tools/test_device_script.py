@@ -51,7 +51,8 @@ def test_the_default_plans_bench_flags_are_the_bench_commands() -> None:
     from cosyedge_daemon.cli.main import build_parser
 
     plan_script = ROOT / "edge_build" / "tools" / "device_plan.sh"
-    lines = [line for line in plan_script.read_text().splitlines() if re.match(r"\s*(voice|stage|goals|plan)=", line)]
+    plan_lines = re.compile(r"\s*((voice|stage|goals)=|plan=\$\{PLAN)")
+    lines = [line for line in plan_script.read_text().splitlines() if plan_lines.match(line)]
     plan = subprocess.run(["bash", "-c", "\n".join(lines) + '\necho "$plan"'], capture_output=True, text=True,
                           check=True).stdout.strip()
     steps = 0
@@ -79,7 +80,7 @@ def test_a_wait_on_a_fresh_machine_ends_at_once(tmp_path: Path) -> None:
     assert "no plan on this machine" in done.stderr
 
 
-def _run_plan(tmp_path: Path, plan: str) -> Path:
+def _run_plan(tmp_path: Path, plan: str, steps: str = "") -> Path:
     """Starts `device_plan.sh` on a fake runner (each step writes its JSON; the step `fail` exits 1) and
     waits for the plan's end; returns the plan's folder."""
     tree = tmp_path / "tree"
@@ -89,7 +90,7 @@ def _run_plan(tmp_path: Path, plan: str) -> Path:
     runner.chmod(0o755)
     res = tmp_path / "r"
     env = {"PLAN_DIR": str(res), "PLAN_REPO": str(tmp_path / "repo"), "PLAN_RUNNER": "./runner.sh",
-           "PLAN": plan, "TESTS_BESIDE": "", "PATH": "/usr/bin:/bin"}
+           "PLAN": plan, "STEPS": steps, "TESTS_BESIDE": "", "PATH": "/usr/bin:/bin"}
     plan_script = ROOT / "edge_build" / "tools" / "device_plan.sh"
     subprocess.run(["bash", str(plan_script), "start"], cwd=tree, env=env, check=True, timeout=20,
                    capture_output=True)
@@ -136,3 +137,12 @@ def test_a_wait_cut_short_keeps_the_steps_that_ended(tmp_path: Path) -> None:
         waiting.wait()
     assert (out / "batch_one.json").read_text() == "{}"
     assert (out / "logs.tgz").stat().st_size > 0
+
+
+def test_steps_pick_and_order_the_plans_entries(tmp_path: Path) -> None:
+    """STEPS keeps the named entries of the plan in the order given (a short lease runs what matters
+    first), a fallback entry by its name without the `!`."""
+    res = _run_plan(tmp_path, "a ok;b fail;!f ok;c ok", steps="c b f")
+    starts = [line.split()[2] for line in (res / "status").read_text().splitlines() if " start " in line]
+    assert starts == ["c", "b", "f"]
+    assert not (res / "a").exists()
