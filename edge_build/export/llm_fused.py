@@ -214,20 +214,57 @@ def _build_fused(llm: Any, batch: int, length: int, positions: int) -> tuple[Any
                               producer_name="cosyedge")
     model.ir_version = IR_VERSION
 
-    kv = [(i, k) for i in range(n_l) for k in ("key", "value")]
-    past_spec = [TensorSpec(f"past_{k}_{i}", "float32", tuple(cache)) for i, k in kv]
-    present_spec = [TensorSpec(f"present_{k}_{i}", "float32", tuple(cache)) for i, k in kv]
-    logp_spec = [TensorSpec("logp", "float32", (batch, v))] if head_out else []
+    return model, _fused_stage(dims, batch, length, positions)
+
+
+def _fused_stage(dims: dict[str, int], batch: int, length: int, positions: int) -> StageGraph:
+    """The stage spec of a fused step (length 1) or prefill (batch 1)."""
+    head_out = length == 1
+    cache = (batch, dims["num_kv_heads"], positions, dims["head_dim"])
+    kv = [(i, k) for i in range(dims["num_layers"]) for k in ("key", "value")]
+    past_spec = [TensorSpec(f"past_{k}_{i}", "float32", cache) for i, k in kv]
+    present_spec = [TensorSpec(f"present_{k}_{i}", "float32", cache) for i, k in kv]
+    logp_spec = [TensorSpec("logp", "float32", (batch, dims["speech_vocab_size"]))] if head_out else []
     shape_key = {"batch": batch} if head_out else {"length": length}
-    stage = StageGraph(
+    name = fused_stage_name(batch) if head_out else fused_prefill_name(length)
+    return StageGraph(
         name, f"{name}.onnx",
-        [TensorSpec("inputs_embeds", "float32", (batch, length, d)), TensorSpec("seqlens_k", "int32", (batch,)),
-         *past_spec],
+        [TensorSpec("inputs_embeds", "float32", (batch, length, dims["hidden_size"])),
+         TensorSpec("seqlens_k", "int32", (batch,)), *past_spec],
         [*logp_spec, *present_spec],
         {}, extra={**shape_key, "positions": positions, "fused": "onnxruntime",
                    "kv_cache": {"layout": "[L, 2, R, Hkv, C, hd]", "in_place": True, "dtype": "float32"}},
     )
-    return model, stage
+
+
+def _resize(model: Any, name: str, batch: int, length: int) -> None:
+    """Turn a built (and converted) fused graph, in place, into the one of another batch size (a step) or
+    prompt length (a prefill): the same nodes and weights, only the shapes that carry B (every tensor of
+    a step leads with it) or T (the prompt's embeddings and their cast), the graph's name and a step's
+    `logp_shape` differ from what _build_fused gives (tests/edge_build/export/test_llm_fused_resize.py
+    compares the bytes). Building and converting each size anew was most of the fused export's time at
+    full size (0.7-1.4 GB a graph)."""
+    from onnx import numpy_helper
+
+    g = model.graph
+    g.name = name
+    embeds = next(v for v in g.input if v.name == "inputs_embeds")
+    old = [d.dim_value for d in embeds.type.tensor_type.shape.dim]
+    infos = [*g.input, *g.output, *g.value_info]
+    if old[1] == 1:  # a step: B
+        for info in infos:
+            dims = info.type.tensor_type.shape.dim
+            if len(dims) and dims[0].dim_value == old[0]:
+                dims[0].dim_value = batch
+        for t in g.initializer:
+            if t.name == "logp_shape":
+                vocab = int(numpy_helper.to_array(t)[1])
+                t.CopyFrom(numpy_helper.from_array(np.array([batch, vocab], np.int64), "logp_shape"))
+    else:  # a prefill: T
+        for info in infos:
+            dims = info.type.tensor_type.shape.dim
+            if [d.dim_value for d in dims] == old:
+                dims[1].dim_value = length
 
 
 def build_kv_insert(dims: dict[str, int], positions: int) -> tuple[Any, StageGraph]:
@@ -327,30 +364,51 @@ def export_fused_decode(llm: Any, out: Path, batches: list[int] | tuple[int, ...
     """llm_decode_fused_b<B>.onnx for each B (weights inline, one copy per file; `build export`
     then moves them into one shared data file, shared_weights.share_stages),
     llm_prefill_fused_t<T>.onnx for each T of `prefill_lengths`, and
-    llm_fused_kv_insert.onnx, in `precision` (PRECISIONS)."""
+    llm_fused_kv_insert.onnx, in `precision` (PRECISIONS). The smallest B and T are built
+    (and converted); the other sizes are their graphs resized (_resize)."""
     onnx = require("onnx", "onnx", "exporting the LLM")
     if precision not in PRECISIONS:
         raise CheckpointError(f"fused LLM step: precision {precision!r} is not one of {', '.join(PRECISIONS)}")
-    stages = []
-    for batch in sorted(set(batches)):
-        model, stage = build_fused_decode(llm, batch, positions)
-        path = Path(out) / stage.file
-        onnx.save_model(model, str(path))  # contrib operators: onnx.checker does not know them
-        stages.append(stage)
-    for length in sorted(set(prefill_lengths)):
-        model, stage = build_fused_prefill(llm, length, positions)
-        onnx.save_model(model, str(Path(out) / stage.file))
-        stages.append(stage)
-    model, stage = build_kv_insert(llm_dims(llm), positions)
-    onnx.save_model(model, str(Path(out) / stage.file))
-    onnx.checker.check_model(str(Path(out) / stage.file))
-    stages.append(stage)
-    if precision == "fp16":
-        for s in stages:
-            path = Path(out) / s.file
+    dims = llm_dims(llm)
+
+    def save(model: Any, file: str) -> None:
+        # contrib operators: onnx.checker does not know them; a graph past 1 GiB as convert_fp16 writes it
+        big = model.ByteSize() > (1 << 30)
+        onnx.save_model(model, str(Path(out) / file), save_as_external_data=big,
+                        location=f"{file}.data" if big else None)
+
+    def convert(stage: StageGraph) -> None:
+        if precision == "fp16":
+            path = Path(out) / stage.file
             tmp = path.with_suffix(".fp16.onnx")
             convert_fused_fp16(path, tmp)
             tmp.replace(path)
+
+    stages = []
+    # (batch, length) of each step, then of each prefill
+    families = ([(b, 1) for b in sorted(set(batches))], [(1, t) for t in sorted(set(prefill_lengths))])
+    for shapes in families:
+        if not shapes:
+            continue
+        model, first = _build_fused(llm, shapes[0][0], shapes[0][1], positions)
+        save(model, first.file)
+        del model
+        convert(first)
+        stages.append(first)
+        if len(shapes) > 1:
+            model = onnx.load(str(Path(out) / first.file))
+            for batch, length in shapes[1:]:
+                stage = _fused_stage(dims, batch, length, positions)
+                _resize(model, stage.name, batch, length)
+                save(model, stage.file)
+                stages.append(stage)
+            del model
+    model, stage = build_kv_insert(dims, positions)
+    onnx.save_model(model, str(Path(out) / stage.file))
+    onnx.checker.check_model(str(Path(out) / stage.file))
+    convert(stage)
+    stages.append(stage)
+    if precision == "fp16":
         stages = [_as_fp16(s) for s in stages]
     for s in stages:
         log.info("exported %s (%s, %.1f MB)", s.file, precision, (Path(out) / s.file).stat().st_size / 1e6)
