@@ -372,10 +372,7 @@ def export_fused_decode(llm: Any, out: Path, batches: list[int] | tuple[int, ...
     dims = llm_dims(llm)
 
     def save(model: Any, file: str) -> None:
-        # contrib operators: onnx.checker does not know them; a graph past 1 GiB as convert_fp16 writes it
-        big = model.ByteSize() > (1 << 30)
-        onnx.save_model(model, str(Path(out) / file), save_as_external_data=big,
-                        location=f"{file}.data" if big else None)
+        onnx.save_model(model, str(Path(out) / file))  # contrib operators: onnx.checker does not know them
 
     def convert(stage: StageGraph) -> None:
         if precision == "fp16":

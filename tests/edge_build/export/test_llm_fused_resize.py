@@ -29,6 +29,7 @@ def test_resized_graphs_are_the_graphs_built_for_their_size(tiny_model_dir: Path
     names = [s.name for s in stages]
     assert names == ["llm_decode_fused_b1", "llm_decode_fused_b2", "llm_decode_fused_b4", "llm_decode_fused_b8",
                      "llm_prefill_fused_t4", "llm_prefill_fused_t8", "llm_prefill_fused_t12", "llm_fused_kv_insert"]
+    assert sorted(p.name for p in out.iterdir()) == sorted(s.file for s in stages)  # nothing left beside them
     alone = tmp_path / "alone"
     alone.mkdir()
     for build, size in ((build_fused_decode, 2), (build_fused_decode, 8), (build_fused_prefill, 12)):
