@@ -12,7 +12,6 @@ that both ways wrote the same bytes."""
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import platform
@@ -31,14 +30,7 @@ from cosyedge_build.export.llm_fused import (
     export_fused_decode,
 )
 from cosyedge_build.reference.modules import load_reference, require
-
-
-def _digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
-    return h.hexdigest()
+from cosyedge_models.bundle.loader import sha256_file
 
 
 def _one_by_one(llm: Any, out: Path, batches: Sequence[int], lengths: Sequence[int], positions: int,
@@ -89,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         start = time.monotonic()
         per_graph = _one_by_one(llm, alone, batches, lengths, args.positions, args.precision)
         alone_s = time.monotonic() - start
-        same = {s.file: _digest(alone / s.file) == _digest(resized / s.file) for s in stages}
+        same = {s.file: sha256_file(alone / s.file) == sha256_file(resized / s.file) for s in stages}
         sizes = {s.file: (resized / s.file).stat().st_size for s in stages}
     result = {
         "what": "the fused LLM graphs' export (llm_fused.export_fused_decode) against each graph built and "
