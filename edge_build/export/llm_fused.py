@@ -128,6 +128,7 @@ def _build_fused(llm: Any, batch: int, length: int, positions: int) -> tuple[Any
         raise CheckpointError(f"fused LLM graph: batch {batch}, length {length} and positions {positions} must be "
                               ">= 1, in 1..positions - 1 and >= 2")
     head_out = length == 1  # a step; a prefill (length > 1, batch 1) writes the cache only
+    stage = _fused_stage(dims, batch, length, positions)
     qwen = llm.llm.model.model
     inits: list[Any] = []
     nodes: list[Any] = []
@@ -195,7 +196,6 @@ def _build_fused(llm: Any, batch: int, length: int, positions: int) -> tuple[Any
             "SkipSimplifiedLayerNormalization", [f"mlp_{i}", h, init(f"ln_in_{i + 1}", _np(nxt.weight))],
             [out_x, "", "", out_h], name=f"ln_in_{i + 1}", domain=MS_DOMAIN, epsilon=norm_eps(nxt)))
         h = out_h
-    name = fused_stage_name(batch) if head_out else fused_prefill_name(length)
     value_info = []
     if head_out:
         head = llm.llm_decoder
@@ -209,12 +209,12 @@ def _build_fused(llm: Any, batch: int, length: int, positions: int) -> tuple[Any
         # the logits' type declared: onnx's shape inference stops at the contrib operators, and the
         # fp16 converter casts a kept-fp32 node's input only where it knows the input is float
         value_info = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [batch, v])]
-    graph = helper.make_graph(nodes, name, inputs, outputs, inits, value_info=value_info)
+    graph = helper.make_graph(nodes, stage.name, inputs, outputs, inits, value_info=value_info)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MS_DOMAIN, 1)],
                               producer_name="cosyedge")
     model.ir_version = IR_VERSION
 
-    return model, _fused_stage(dims, batch, length, positions)
+    return model, stage
 
 
 def _fused_stage(dims: dict[str, int], batch: int, length: int, positions: int) -> StageGraph:
@@ -340,6 +340,13 @@ def convert_fused_fp16(src: Path, dst: Path) -> None:
     convert_fp16(src, dst, [n.name for n in graph.node if n.name == LOGP_NODE], cache)
 
 
+def convert_fused_fp16_in_place(path: Path) -> None:
+    """convert_fused_fp16 of `path` over itself (through a temporary file beside it)."""
+    tmp = path.with_suffix(".fp16.onnx")
+    convert_fused_fp16(path, tmp)
+    tmp.replace(path)
+
+
 def fp16_fields(entry: dict[str, Any]) -> dict[str, Any]:
     """A fused stage's manifest fields for its fp16 graph: the cache I/O's
     dtype, `kv_cache.dtype`, `precision` (the rest of the entry is unchanged)."""
@@ -376,10 +383,7 @@ def export_fused_decode(llm: Any, out: Path, batches: list[int] | tuple[int, ...
 
     def convert(stage: StageGraph) -> None:
         if precision == "fp16":
-            path = Path(out) / stage.file
-            tmp = path.with_suffix(".fp16.onnx")
-            convert_fused_fp16(path, tmp)
-            tmp.replace(path)
+            convert_fused_fp16_in_place(Path(out) / stage.file)
 
     stages = []
     # (batch, length) of each step, then of each prefill

@@ -7,7 +7,7 @@
 #   edge_build/tools/device_plan.sh start     copies the tree to /tmp/repo, starts the plan
 #   edge_build/tools/device_plan.sh wait N    waits up to N s, prints progress; copies results to $OUT
 #                                             (exits 3 at once on a fresh machine, where no plan runs)
-# TESTS_BESIDE: the test files (space-separated; default: the batching -m gpu tests, "" for none) run as the
+# TESTS_BESIDE: the test files (space-separated; default: the fused step's -m gpu tests, "" for none) run as the
 # tests step beside the plan's setup.
 # PLAN (default below): "outdir steps [VAR=value ...]" entries separated by ";", "+" for a space in a value;
 # STEPS="d x e": only those entries, in that order.

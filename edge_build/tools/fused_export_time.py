@@ -26,7 +26,7 @@ from cosyedge_build.export.llm_fused import (
     build_fused_decode,
     build_fused_prefill,
     build_kv_insert,
-    convert_fused_fp16,
+    convert_fused_fp16_in_place,
     export_fused_decode,
 )
 from cosyedge_build.reference.modules import load_reference, require
@@ -46,15 +46,13 @@ def _one_by_one(llm: Any, out: Path, batches: Sequence[int], lengths: Sequence[i
         onnx.save_model(model, str(path))
         del model
         if precision == "fp16":
-            convert_fused_fp16(path, path.with_suffix(".fp16.onnx"))
-            path.with_suffix(".fp16.onnx").replace(path)
+            convert_fused_fp16_in_place(path)
         seconds[stage.name] = round(time.monotonic() - start, 2)
     start = time.monotonic()
     model, stage = build_kv_insert(llm_dims(llm), positions)
     onnx.save_model(model, str(out / stage.file))
     if precision == "fp16":
-        convert_fused_fp16(out / stage.file, out / "insert.fp16.onnx")
-        (out / "insert.fp16.onnx").replace(out / stage.file)
+        convert_fused_fp16_in_place(out / stage.file)
     seconds[stage.name] = round(time.monotonic() - start, 2)
     return seconds
 
