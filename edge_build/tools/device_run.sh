@@ -13,6 +13,8 @@
 # full-size checkpoint, its fp32 bundle with the fixed-size LLM step, the
 # fixed-shape flow graphs and the fixed-length vocoder graphs, its fp16 bundle) always runs first, once per machine;
 #   tests  every `pytest -m gpu` suite; the script FAILS when one fails
+#   capmem what a CUDA session and a captured graph (per kernel, its intermediates) hold on the device
+#          (edge_build/tools/capture_memory.py; runs with FULL=0)
 #   probe  edge_build/tools/device_stream_probe.py (vocoder calls in the pipeline,
 #          fixed-shape flow on/off) and edge_build/tools/device_probe.py
 #   first  "the first chunk first" on and off (device_stream_probe.py --only-first-audio): one
@@ -93,8 +95,8 @@ python3 -c "import onnxruntime as o, torch; p = o.get_available_providers(); pri
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/gpu.txt"
 
 if [ "${FULL:-1}" = 0 ]; then
-  steps_ok=1; for step in ${steps//,/ }; do [ "$step" = tests ] || steps_ok=0; done
-  [ "$steps_ok" = 1 ] || { echo "FULL=0 (no full-size bundles) serves the tests step only"; exit 2; }
+  steps_ok=1; for step in ${steps//,/ }; do case $step in tests|capmem) ;; *) steps_ok=0 ;; esac; done
+  [ "$steps_ok" = 1 ] || { echo "FULL=0 (no full-size bundles) serves the tests and capmem steps only"; exit 2; }
   full=/nonexistent  # the -m gpu tests make their tiny bundles themselves
 elif [ ! -f "$full/ckpt/cosyvoice2.yaml" ]; then
   python3 -m cosyedge_daemon build tiny --size full --out "$full/ckpt" >"$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
@@ -145,6 +147,10 @@ for step in ${steps//,/ }; do
       python3 -m pytest -m gpu -q -rs -p no:cacheprovider ${GPU_TESTS:-$all_gpu_tests} \
         2>&1 | grep -v -i warn | tee "$out/gpu_tests.log" | tail -25
       stamp "gpu tests passed" ;;
+    capmem)
+      # what a CUDA session, a captured graph per kernel and its intermediates hold on the device (no bundle)
+      python3 -m cosyedge_build.tools.capture_memory --out "$out/capture_memory.json" 2>&1 | tee "$out/capmem.log" | tail -12
+      stamp "capmem done" ;;
     probe)
       timeout "${PROBE_TIMEOUT_S:-300}" python3 -m cosyedge_build.tools.device_stream_probe --bundle "$full/bundle" \
         --out "$out" --runs 2 2>&1 | grep -v -i warn | tee "$out/stream_probe.log" | grep -v " INFO " | tail -80
