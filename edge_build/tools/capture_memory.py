@@ -144,6 +144,20 @@ def measure_allocation(sizes_mb: tuple[int, ...]) -> list[dict[str, int]]:
     return rows
 
 
+def measure_driver_buffers(sizes_mb: tuple[int, ...]) -> list[dict[str, int]]:
+    """The same sizes through cuda.DriverBuffer (what the lanes and slots use since): exactly their bytes?"""
+    from cosyedge_models.backends.cuda import DriverBuffer
+
+    rows, keep = [], []
+    for mb in sizes_mb:
+        before = _used()
+        keep.append(DriverBuffer(mb << 20, 0))
+        rows.append({"requested_bytes": mb << 20, "bytes": _used() - before})
+    for buf in keep:
+        buf.close()
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="the JSON file written")
@@ -160,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         result["allocation"] = measure_allocation((1500, 1500, 3000))
+        result["driver_buffers"] = measure_driver_buffers((1500, 1500, 3000))
+        log.info("driver buffers: %s", result["driver_buffers"])
         log.info("allocations: %s", result["allocation"])
         result["session"] = measure_sessions(root, 6)
         log.info("a session: %.1f MB", result["session"]["median_bytes"] / 1e6)

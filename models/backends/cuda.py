@@ -267,6 +267,72 @@ class DeviceBuffer:
             self._alloc = None
 
 
+class DriverBuffer:
+    """Zeroed device memory of exactly `nbytes` from the CUDA driver (cuMemAlloc), freed by close():
+    the large fixed caches that onnxruntime binds by pointer (the batched estimator lanes, the
+    fixed-shape flow slots). onnxruntime's Python allocator grows its arena in powers of two: on an
+    H100 a 1.5 GB OrtValue took 2 GB and a 3 GB one 4 GB (docs/benchmarks/capture-memory-h100-2026-12-05.json),
+    so the lanes' 42 GB asked for 64 GB and the captures after them ran out of memory. The driver
+    through ctypes, without pycuda (ort-cuda has none); the device's primary context, the one
+    onnxruntime uses, is retained for the buffer's life and made current for each call."""
+
+    def __init__(self, nbytes: int, device_id: int = 0) -> None:
+        if nbytes <= 0:
+            raise ValueError(f"a device buffer needs at least one byte, got {nbytes}")
+        lib = cuda_library()
+        if lib is None or not probe_gpu().available:
+            raise SynthesisError("no usable GPU for a device buffer: " + probe_gpu().reason)
+        self._lib, self.nbytes, self.device_id = lib, int(nbytes), device_id
+        _check(lib.cuInit(ctypes.c_uint(0)), "cuInit")
+        dev, ctx = ctypes.c_int(0), ctypes.c_void_p(0)
+        _check(lib.cuDeviceGet(ctypes.byref(dev), ctypes.c_int(device_id)), "cuDeviceGet")
+        _check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+        self._dev, self._ctx = dev, ctx
+        ptr = ctypes.c_uint64(0)
+        try:
+            self._current()
+            _check(lib.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(self.nbytes)), f"cuMemAlloc of {nbytes} bytes")
+        except SynthesisError:
+            lib.cuDevicePrimaryCtxRelease_v2(dev)
+            raise
+        self.ptr: int = int(ptr.value)
+        self._freed = False
+        # zeroed: free rows are masked, and a weight of 0 times a NaN left in memory would be NaN;
+        # synchronized: onnxruntime's streams do not wait for the legacy stream's memset
+        _check(lib.cuMemsetD8_v2(ctypes.c_uint64(self.ptr), ctypes.c_ubyte(0), ctypes.c_size_t(self.nbytes)),
+               "cuMemsetD8")
+        _check(lib.cuCtxSynchronize(), "cuCtxSynchronize")
+
+    def _current(self) -> None:
+        _check(self._lib.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
+
+    def read(self, offset: int, nbytes: int) -> np.ndarray:
+        """A host copy of bytes [offset, offset + nbytes) (synchronous: tests, diagnostics)."""
+        if self._freed or offset < 0 or nbytes < 0 or offset + nbytes > self.nbytes:
+            raise SynthesisError(f"read of [{offset}, +{nbytes}) outside the device buffer's {self.nbytes} bytes")
+        host = np.empty(nbytes, np.uint8)
+        if nbytes:
+            self._current()
+            _check(self._lib.cuMemcpyDtoH_v2(ctypes.c_void_p(host.ctypes.data), ctypes.c_uint64(self.ptr + offset),
+                                             ctypes.c_size_t(nbytes)), "cuMemcpyDtoH")
+        return host
+
+    def close(self) -> None:
+        """Free the memory (after the work queued on it: cuMemFree synchronizes); twice is a no-op."""
+        if self._freed:
+            return
+        self._freed = True
+        self._current()
+        _check(self._lib.cuMemFree_v2(ctypes.c_uint64(self.ptr)), "cuMemFree")
+        self._lib.cuDevicePrimaryCtxRelease_v2(self._dev)
+
+    def __enter__(self) -> DriverBuffer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def pinned_empty(nbytes: int) -> np.ndarray:
     """Page-locked host bytes (async copies need them; on Jetson the same DRAM),
     allocated in the bound device's primary context. Free them with free_pinned:

@@ -186,15 +186,41 @@ def lane_step_bytes(blocks: int, kv_row_values: int, conv_row_floats: int, kv_it
     return CFG_ROWS * (2 * blocks * kv_row_values * kv_itemsize + conv_row_floats * 4)
 
 
+# What the batched lanes bring beyond their caches (measured on an H100 with onnxruntime 1.31,
+# docs/benchmarks/capture-memory-h100-2026-12-05.json): each captured graph holds ~2 KB a kernel (1,991 B a
+# node + 44 KB), so a captured estimator step of the fp32 graph's 6,810 kernels ~14 MB (the fused fp16
+# lanes' 2,083: ~4 MB); each CUDA session ~155 MB once run (its cuBLAS and cuDNN handles and workspace).
+# Intermediate tensors are not kept per captured graph (the session's arena serves them all).
+CAPTURED_STEP_BYTES = 14_000_000
+SESSION_DEVICE_BYTES = 160_000_000
+
+
+def lane_capture_bytes(groups: int, windows: int) -> int:
+    """The captures one lane adds: its batch-1 graph of each window in each group (bound at its rows)."""
+    return groups * windows * CAPTURED_STEP_BYTES
+
+
+def batch_flow_reserve(batch_sizes: Sequence[int], lanes: int, groups: int, windows: int) -> int:
+    """What the batched estimator graphs hold beside the lanes: a session a (batch size, window), and
+    the captures of each batch size above 1 up to `lanes` (one a group and window)."""
+    batched = sum(1 for b in batch_sizes if 1 < b <= lanes)
+    return len(batch_sizes) * windows * SESSION_DEVICE_BYTES + batched * groups * windows * CAPTURED_STEP_BYTES
+
+
 def batch_lanes(batch_sizes: Sequence[int], per_lane_bytes: int, total_bytes: int, free_bytes: int,
-                fraction: float = BATCH_LANE_FRACTION) -> int:
+                fraction: float = BATCH_LANE_FRACTION, groups: int = 0, windows: int = 0) -> int:
     """The lanes (streams) of the batched estimator graphs on a GPU: the largest exported batch
-    size whose lanes (`per_lane_bytes` each) fit in `fraction` of `total_bytes` and in
-    FREE_FRACTION of `free_bytes` (a batch of 2..lanes streams pads to an exported size, so the
-    lanes are one); 1 where only one fits, 0 where none does."""
-    budget = min(int(total_bytes * fraction), int(max(free_bytes, 0) * FREE_FRACTION))
-    plan = plan_batches(max(batch_sizes), per_lane_bytes, budget, sizes=batch_sizes, fraction=1.0)
-    return max(plan.batch_sizes, default=0)
+    size whose lanes (`per_lane_bytes` of caches each) fit in `fraction` of `total_bytes`, and whose
+    lanes with their captures and the graphs' sessions (`groups` x `windows` graphs a lane and batch
+    size; 0: not counted) fit in FREE_FRACTION of `free_bytes` (a batch of 2..lanes streams pads to
+    an exported size, so the lanes are one); 1 where only one fits, 0 where none does."""
+    sizes = sorted(batch_sizes)
+    for lanes in reversed(sizes):
+        caches = lanes * per_lane_bytes
+        held = caches + lanes * lane_capture_bytes(groups, windows) + batch_flow_reserve(sizes, lanes, groups, windows)
+        if caches <= total_bytes * fraction and held <= max(free_bytes, 0) * FREE_FRACTION:
+            return lanes
+    return 0
 
 
 def device_total_bytes(device_id: int) -> int:

@@ -23,6 +23,7 @@ from typing import Protocol
 
 import numpy as np
 import onnxruntime as ort
+from cosyedge_models.backends.cuda import DriverBuffer
 from cosyedge_models.backends.flow_cache import (
     ATT_CACHE,
     ATT_CACHE_NEW,
@@ -139,6 +140,41 @@ def helper_session(model: bytes, device: tuple[str, int]) -> ort.InferenceSessio
 def device_zeros(shape: Sequence[int], dtype: DTypeLike, device: tuple[str, int]) -> ort.OrtValue:
     """A zeroed tensor on `device` (the fixed-shape runtimes' bound inputs, outputs and buffers)."""
     return ort.OrtValue.ortvalue_from_numpy(np.zeros([int(d) for d in shape], dtype), *device)
+
+
+class FixedBuffer:
+    """A zeroed cache buffer of a fixed-shape runtime, bound into onnxruntime by pointer (`ptr`): host
+    memory on "cpu"; on "cuda" exactly its bytes from the driver (cuda.DriverBuffer), not an OrtValue,
+    whose allocator rounds a large buffer up to a power of two (the batched lanes' 42 GB took the rest
+    of an H100). close() frees it; the runtime that made it closes it."""
+
+    def __init__(self, shape: Sequence[int], dtype: DTypeLike, device: tuple[str, int]) -> None:
+        self.shape = tuple(int(d) for d in shape)
+        self.dtype = np.dtype(dtype)
+        self.nbytes = int(np.prod(self.shape)) * self.dtype.itemsize
+        kind, dev = device
+        self._host: np.ndarray | None = None
+        self._device: DriverBuffer | None = None
+        if kind == "cuda":
+            self._device = DriverBuffer(self.nbytes, dev)
+            self.ptr = self._device.ptr
+        else:
+            self._host = np.zeros(self.shape, self.dtype)
+            self.ptr = int(self._host.ctypes.data)
+
+    def numpy(self) -> np.ndarray:
+        """A host copy of the whole buffer."""
+        if self._host is not None:
+            return self._host.copy()
+        if self._device is None:
+            raise SynthesisError("the buffer was closed")
+        return self._device.read(0, self.nbytes).view(self.dtype).reshape(self.shape)
+
+    def close(self) -> None:
+        if self._device is not None:
+            self._device.close()
+            self._device = None
+        self._host = None
 
 
 class DeviceCopier:

@@ -56,7 +56,7 @@ from cosyedge_models.backends.fixed_shapes import (
 from cosyedge_models.backends.flow_cache import PrefixRows, StepCache, StepCacheSpec
 from cosyedge_models.backends.graph_thread import CAPTURE_RUNS, GraphThread
 from cosyedge_models.backends.ort import OrtSession, fixed_shape_sessions
-from cosyedge_models.backends.ort_cache import BoundStepCache, DeviceCopier, copy_prefix
+from cosyedge_models.backends.ort_cache import BoundStepCache, DeviceCopier, FixedBuffer, copy_prefix
 from cosyedge_models.bundle.loader import STATIC_FLOW_PREFIX, Bundle
 from cosyedge_models.errors import BundleError, SynthesisError
 
@@ -93,7 +93,7 @@ class StaticSlot:
         self.index = index
         self.frames = graphs.cache_frames
         # zeroed: free rows are masked, and a weight of 0 times a NaN left in memory would be NaN
-        self.kv = ort.OrtValue.ortvalue_from_numpy(np.zeros((self.frames, *graphs.row), np.float32), kind, dev)
+        self.kv = FixedBuffer((self.frames, *graphs.row), np.float32, graphs.device)  # exactly its bytes
         self.conv = ort.OrtValue.ortvalue_from_numpy(np.zeros(graphs.conv, np.float32), kind, dev)
         self.bindings: list[ort.IOBinding] = []
         self.run_options: list[ort.RunOptions] = []
@@ -101,7 +101,7 @@ class StaticSlot:
             binding = io.session.io_binding()
             for name, value in io.inputs.items():
                 binding.bind_ortvalue_input(name, value)
-            binding.bind_ortvalue_input("att_cache", self.kv)
+            binding.bind_input("att_cache", kind, dev, np.float32, list(self.kv.shape), self.kv.ptr)
             binding.bind_ortvalue_input("conv_cache", self.conv)
             for name, value in io.outputs.items():
                 binding.bind_ortvalue_output(name, value)
@@ -112,7 +112,7 @@ class StaticSlot:
             self.run_options.append(options)
 
     def ptr(self, frame: int, row_bytes: int) -> int:
-        return int(self.kv.data_ptr()) + frame * row_bytes
+        return self.kv.ptr + frame * row_bytes
 
 
 class BoundSlot(Protocol):
@@ -197,8 +197,9 @@ class StaticFlowGraphs(SlotPool[StaticSlot]):
         return StaticStepCache(self, slot, session, spec)
 
     def close(self) -> None:
-        """Drop the slots (the engine closes the sessions and the graph thread)."""
-        self.drop_slots()
+        """Drop the slots and free their caches (the engine closes the sessions and the graph thread)."""
+        for slot in self.drop_slots():
+            slot.kv.close()
 
 
 @dataclass(frozen=True)

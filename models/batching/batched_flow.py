@@ -41,7 +41,7 @@ from cosyedge_models.backends.fixed_shapes import CFG_ROWS, bucket, lane_step_by
 from cosyedge_models.backends.flow_cache import PrefixRows
 from cosyedge_models.backends.graph_thread import CAPTURE_RUNS
 from cosyedge_models.backends.ort import OrtSession
-from cosyedge_models.backends.ort_cache import DeviceCopier, helper_session, lane_layout_model
+from cosyedge_models.backends.ort_cache import DeviceCopier, FixedBuffer, helper_session, lane_layout_model
 from cosyedge_models.bundle.loader import BATCH_FLOW_NAME, Bundle
 from cosyedge_models.errors import BundleError, SynthesisError
 
@@ -170,8 +170,9 @@ class BatchFlowGraphs:
         self.cache_frames = self.buffer_frames - self.windows[-1]
         rows = CFG_ROWS * self.slots
         kind, dev = device
-        self._kv = ort.OrtValue.ortvalue_from_numpy(
-            np.zeros((self.blocks, 2, rows, *self.kv_row), self.kv_dtype), kind, dev)
+        # by pointer, exactly its bytes (FixedBuffer): the largest buffer of an engine (42 GB for 16 lanes
+        # at full size), which onnxruntime's allocator would round up to a power of two
+        self._kv = FixedBuffer((self.blocks, 2, rows, *self.kv_row), self.kv_dtype, device)
         self._conv = ort.OrtValue.ortvalue_from_numpy(np.zeros((rows, *self.conv_row), np.float32), kind, dev)
         self._zero_conv = ort.OrtValue.ortvalue_from_numpy(
             np.zeros((CFG_ROWS, *self.conv_row), np.float32), kind, dev)
@@ -202,7 +203,7 @@ class BatchFlowGraphs:
 
     def kv_ptr(self, block: int, kind: int, row: int) -> int:
         row_bytes = int(np.prod(self.kv_row)) * self.kv_itemsize
-        return int(self._kv.data_ptr()) + ((block * 2 + kind) * CFG_ROWS * self.slots + row) * row_bytes
+        return self._kv.ptr + ((block * 2 + kind) * CFG_ROWS * self.slots + row) * row_bytes
 
     def conv_ptr(self, row: int) -> int:
         return int(self._conv.data_ptr()) + row * int(np.prod(self.conv_row)) * FLOAT_BYTES
@@ -214,6 +215,10 @@ class BatchFlowGraphs:
             for _ in range(CAPTURE_RUNS if pair.session.cuda_graph else 1):
                 pair.run()
             self._restore_conv(pair)
+
+    def close(self) -> None:
+        """Free the lanes' K/V (the engine closes the sessions); the graphs serve nothing after it."""
+        self._kv.close()
 
     def reset(self, slot: int) -> None:
         """A slot for a new stream: nothing committed, a zero conv history (stale K/V are masked)."""

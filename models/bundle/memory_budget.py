@@ -372,11 +372,12 @@ def flow_lane_plans(stages_meta: Mapping[str, Any], n_timesteps: int) -> dict[st
     the GPU idle but for the single-stream slots beside them (OVERFLOW_FLOW_SLOTS, as many as fit
     the auto rule); {} without batched estimator graphs. A lane: one stream's K/V (in the graphs'
     precision) and conv history for every Euler step (fixed_shapes.lane_step_bytes per step)."""
-    found = {}
+    found, windows = {}, set()
     for name, entry in stages_meta.items():
         m = BATCH_FLOW_NAME.match(str(name))
         if m and isinstance(entry, Mapping):
             found[int(m.group(1))] = entry
+            windows.add(int(m.group(2)))
     if not found:
         return {}
     specs = {i["name"]: i for i in found[min(found)].get("inputs", []) if isinstance(i, Mapping)}
@@ -390,7 +391,8 @@ def flow_lane_plans(stages_meta: Mapping[str, Any], n_timesteps: int) -> dict[st
     out = {}
     for b in BOARDS.values():
         taken = static[b.key].bytes if b.key in static else 0
-        out[b.key] = batch_lanes(sorted(found), per_lane, b.usable_bytes, b.usable_bytes - taken)
+        out[b.key] = batch_lanes(sorted(found), per_lane, b.usable_bytes, b.usable_bytes - taken,
+                                 groups=n_timesteps, windows=len(windows))
     return out
 
 

@@ -58,14 +58,27 @@ class GraphStages:
         # seconds each stage took to load, make its slots and capture its graphs (bench, logs):
         # at full size on an H200 most of an engine's load (docs/gpu.md, fifth run)
         self.load_seconds: dict[str, float] = {}
+        # the GPU's memory in use (all processes) after each stage loaded, on a CUDA backend (bench, logs):
+        # where an engine's memory went when a GPU runs out (an H100 did at full size, 2026-12-05)
+        self.device_used_bytes: dict[str, int] = {}
 
     def _loaded(self, stage: str, t0: float, made: StageT) -> StageT:
         """`made` (a loaded stage, or None), its load time noted and logged."""
         if made is not None:
             self.load_seconds[stage] = round(time.perf_counter() - t0, 2)
-            log.info("graph stage %s: loaded, slots made and graphs captured in %.1f s", stage,
-                     self.load_seconds[stage])
+            used = self._device_used()
+            if used is not None:
+                self.device_used_bytes[stage] = used
+            log.info("graph stage %s: loaded, slots made and graphs captured in %.1f s%s", stage,
+                     self.load_seconds[stage], "" if used is None else f"; {used / 1e9:.1f} GB of the GPU in use")
         return made
+
+    def _device_used(self) -> int | None:
+        if not self.backend_name.endswith("cuda"):
+            return None
+        from cosyedge_models.backends.gpu_probe import device_memory_used
+
+        return device_memory_used(0)  # the engine's GPU: create_backend's device, 0 wherever an engine is made
 
     @property
     def thread(self) -> GraphThread | None:
@@ -234,23 +247,37 @@ class GraphStages:
         groups = self.bundle.flow.n_timesteps
         lanes = max(b for b, _ in sessions)
         if flow.device[0] == "cuda":  # the lanes that fit the GPU's memory now (batch_lanes)
-            from cosyedge_models.backends.fixed_shapes import BATCH_LANE_FRACTION, batch_lanes, device_total_bytes
+            from cosyedge_models.backends.fixed_shapes import (
+                BATCH_LANE_FRACTION,
+                batch_lanes,
+                device_total_bytes,
+                lane_capture_bytes,
+            )
             from cosyedge_models.backends.gpu_probe import device_memory_used
 
             per_lane, total = lane_bytes(sessions, groups), device_total_bytes(flow.device[1])
             used = device_memory_used(flow.device[1])
             if total:
                 free = total - used if used is not None else total
-                lanes = batch_lanes(sorted({b for b, _ in sessions}), per_lane, total, free)
+                lanes = batch_lanes(sorted({b for b, _ in sessions}), per_lane, total, free, groups=groups,
+                                    windows=len({w for _, w in sessions}))
             if lanes < 2:
                 log.warning("graph_flow_batch: off, a stream's batched caches take %.1f GB and two do not fit in "
                             "%.0f%% of the GPU's %.1f GB nor in the %.1f GB free (export a smaller "
                             "--static-flow-cache)", per_lane / 1e9, BATCH_LANE_FRACTION * 100, total / 1e9,
                             (total - (used or 0)) / 1e9)
                 return None
+            log.info("graph_flow_batch: %d lanes of %.2f GB each (with their captures %.2f GB), %.1f GB of the "
+                     "GPU's %.1f GB in use", lanes, per_lane / 1e9,
+                     (per_lane + lane_capture_bytes(groups, len({w for _, w in sessions}))) / 1e9,
+                     (used or 0) / 1e9, total / 1e9)
         thread = self._thread("flow")
         graphs = thread.call(lambda: BatchFlowGraphs(sessions, flow.device, flow.copier, lanes, groups))
-        thread.call(graphs.warm_up)  # captures now, before any request runs
+        try:
+            thread.call(graphs.warm_up)  # captures now, before any request runs
+        except BaseException:
+            graphs.close()  # the lanes' memory goes back before the error reaches the caller
+            raise
         self.flow_batch = FlowBatcher(graphs, thread)
         log.info("flow estimator: batched windows %s for batch sizes %s, %d streams, %d cached frames",
                  graphs.windows, graphs.batch_sizes, graphs.lanes, graphs.cache_frames)
@@ -352,6 +379,8 @@ class GraphStages:
             self.decode.close()
         if self.flow is not None:
             self.flow.close()
+        if self.flow_batch is not None:
+            self.flow_batch.graphs.close()
         if self.encoder_batch is not None:
             self.encoder_batch.close()
         if self.encoder is not None:

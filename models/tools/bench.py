@@ -334,6 +334,7 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
                         "vocoder_pad_final": engine.vocoder.pad_final,
                         "fixed_size_decode": engine.lm.fixed_size_decode is not None, "text": text,
                         "load_ms": load_ms, "graph_load_s": engine.graphs.load_seconds, "voice": voice,
+                        "graph_device_used_bytes": engine.graphs.device_used_bytes,
                         "first_audio_first": settings.first_audio_first, "graph_batching": graph_batching,
                         **concurrency_report(engine, text, concurrency, mode, voice),
                         "graph_order": engine.graphs.order_stats(),
@@ -360,6 +361,7 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
             "static_flow": static_flow_report(engine),  # the fixed-shape (CUDA-graph) flow estimator
             "load_ms": load_ms,  # the engine's load, CUDA-graph captures included
             "graph_load_s": engine.graphs.load_seconds,  # of which each CUDA-graph stage
+            "graph_device_used_bytes": engine.graphs.device_used_bytes,  # the GPU in use after each stage
             "text": text,
             "voice": voice,
             "audio_s": round(statistics.median(r["audio_s"] for r in offline), 3),

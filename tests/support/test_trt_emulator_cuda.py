@@ -321,3 +321,35 @@ def test_everything_is_restored_after_the_emulation() -> None:
         assert sys.modules["tensorrt"] is emu.tensorrt and probe_gpu().available
     assert {name: sys.modules.get(name) for name in before} == before
     assert probe_gpu() == outside
+
+
+def test_a_driver_buffer_is_exact_zeroed_and_freed_once(emulated_tensorrt: Emulation) -> None:
+    """DriverBuffer (the lanes' and slots' memory on ort-cuda): exactly its bytes, zeroed, read back,
+    freed by close() and not twice; a zero size is refused before the driver."""
+    from cosyedge_models.backends.cuda import DriverBuffer
+    from cosyedge_models.errors import SynthesisError
+
+    before = emulated_tensorrt.device_bytes()
+    with DriverBuffer(3 * 1000 + 7) as buf:
+        assert emulated_tensorrt.device_bytes() - before == 3007  # no rounding up
+        span = emulated_tensorrt.machine.span(buf.ptr, 3007, "test")
+        assert not span.any()
+        span[10:14] = [1, 2, 3, 4]
+        np.testing.assert_array_equal(buf.read(9, 6), [0, 1, 2, 3, 4, 0])
+        with pytest.raises(SynthesisError, match="outside"):
+            buf.read(3000, 8)
+    assert emulated_tensorrt.device_bytes() == before
+    buf.close()  # a second close frees nothing
+    assert emulated_tensorrt.device_bytes() == before
+    with pytest.raises(ValueError, match="at least one byte"):
+        DriverBuffer(0)
+
+
+def test_a_driver_buffer_larger_than_the_gpu_fails_clearly(emulated_tensorrt: Emulation) -> None:
+    from cosyedge_models.backends.cuda import DriverBuffer
+    from cosyedge_models.errors import SynthesisError
+
+    total = emulated_tensorrt.machine.gpu.total_memory_bytes
+    with pytest.raises(SynthesisError, match=r"cuMemAlloc of \d+ bytes failed with CUDA error 2"):
+        DriverBuffer(total + 1)
+    assert emulated_tensorrt.device_bytes() == 0

@@ -14,8 +14,12 @@ import numpy as np
 import pytest
 from cosyedge_models.backends.fixed_shapes import (
     AUTO_DEVICE_FRACTION,
+    CAPTURED_STEP_BYTES,
+    FREE_FRACTION,
+    SESSION_DEVICE_BYTES,
     BatchPlan,
     RowCopy,
+    batch_flow_reserve,
     batch_lanes,
     bucket,
     commit_copy,
@@ -23,6 +27,7 @@ from cosyedge_models.backends.fixed_shapes import (
     fixed_shape_names,
     fixed_shapes_wanted,
     flow_request_bytes,
+    lane_capture_bytes,
     pad_window,
     plan_batches,
     prefix_fits,
@@ -104,6 +109,23 @@ def test_batch_lanes_are_an_exported_size_that_fits_total_and_free_memory() -> N
     assert batch_lanes([1, 2, 4, 8], lane, 8 * gb, 8 * gb) == 0  # an 8 GB board: not one lane
     assert batch_lanes([1, 2, 4, 8, 16], 1 << 20, 8 * gb, 4 * gb) == 16  # the tiny model's lanes fit anywhere
     assert batch_lanes([1, 2], lane, 143 * gb, -1) == 0  # a driver that reports more used than total
+
+
+def test_batch_lanes_count_their_captures_and_sessions_in_the_free_memory() -> None:
+    """The H100 80GB of 2026-12-05: 16 fused fp16 lanes (2.64 GB each over 10 Euler steps, windows 64
+    and 128) fit half of its 85.5 GB and 80% of ~55 GB free by their caches alone (42.3 GB), and the
+    engine ran out of memory capturing after them; with their captures (10 x 2 graphs a lane) and the
+    six sessions they are 8."""
+    gb = 10**9
+    lane, total, free = int(2.64 * gb), int(85.5 * gb), int(55 * gb)
+    assert batch_lanes([1, 8, 16], lane, total, free) == 16  # caches alone: the old rule's answer
+    assert batch_lanes([1, 8, 16], lane, total, free, groups=10, windows=2) == 8
+    held = 16 * (lane + lane_capture_bytes(10, 2)) + batch_flow_reserve([1, 8, 16], 16, 10, 2)
+    assert held > free * FREE_FRACTION >= 16 * lane
+    # an idle H200 (150.7 GB): still 16
+    assert batch_lanes([1, 8, 16], lane, int(150.7 * gb), int(130 * gb), groups=10, windows=2) == 16
+    # the reserve: a session per (batch size, window) and the batch-8 graph's captures (16 is above 8 lanes)
+    assert batch_flow_reserve([1, 8, 16], 8, 10, 2) == 6 * SESSION_DEVICE_BYTES + 20 * CAPTURED_STEP_BYTES
 
 
 def test_plan_batches_fits_slots_and_captured_sizes() -> None:

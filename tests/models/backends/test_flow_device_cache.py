@@ -31,6 +31,7 @@ from cosyedge_models.synthesis.streaming import ChunkSchedule
 from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer
 
 from tests.support.components import require_module
+from tests.support.trt_emulator import Emulation
 
 
 class Recording:
@@ -267,3 +268,20 @@ def test_bound_caches_on_cuda_provider(tiny_bundle: Path) -> None:
                                            for c in through_engine.made)
     finally:
         eng.close()
+
+
+def test_a_fixed_buffer_is_host_memory_on_cpu_and_driver_memory_on_cuda(emulated_tensorrt: Emulation) -> None:
+    """FixedBuffer: the lanes' and slots' caches bound by pointer; on "cuda" exactly their bytes from
+    the driver (the emulated libcuda counts them), read back whole, freed by close()."""
+    from cosyedge_models.backends.ort_cache import FixedBuffer
+
+    host = FixedBuffer((3, 5), np.float16, ("cpu", 0))
+    assert host.nbytes == 30 and host.numpy().dtype == np.float16 and not host.numpy().any()
+    before = emulated_tensorrt.device_bytes()
+    dev = FixedBuffer((1000, 3), np.float32, ("cuda", 0))
+    assert emulated_tensorrt.device_bytes() - before == 12_000
+    emulated_tensorrt.machine.span(dev.ptr + 4 * 4, 4, "test")[:] = np.frombuffer(np.float32(2.5).tobytes(), np.uint8)
+    back = dev.numpy()
+    assert back.shape == (1000, 3) and back[1, 1] == 2.5 and back.sum() == 2.5
+    dev.close()
+    assert emulated_tensorrt.device_bytes() == before

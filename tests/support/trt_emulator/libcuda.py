@@ -47,6 +47,14 @@ class EmulatedLibcuda:
         self._fn("cuDevicePrimaryCtxRelease_v2", [_c_int], lambda d: self._device(d) or SUCCESS)
         self._fn("cuCtxSetCurrent", [_vp], self._set_current)
         self._fn("cuMemGetInfo_v2", [_vp, _vp], self._mem_info)
+        # Memory Management: cuMemAlloc_v2, cuMemFree_v2, cuMemsetD8_v2, cuMemcpyDtoH_v2 (each on the
+        # legacy stream: the API synchronization behavior page; the emulator runs them at once, after
+        # the work queued before them); Context Management: cuCtxSynchronize
+        self._fn("cuMemAlloc_v2", [_vp, _size_t], lambda p, n: self._out(p, ctypes.c_uint64, m.alloc(n)))
+        self._fn("cuMemFree_v2", [ctypes.c_uint64], self._free)
+        self._fn("cuMemsetD8_v2", [ctypes.c_uint64, ctypes.c_ubyte, _size_t], self._memset)
+        self._fn("cuMemcpyDtoH_v2", [_vp, ctypes.c_uint64, _size_t], self._dtoh)
+        self._fn("cuCtxSynchronize", [], self._synchronize)
         self._fn("cuStreamBeginCapture_v2", [_vp, _c_int], lambda s, mode: m.begin_capture(s or 0, mode) or SUCCESS)
         self._fn("cuStreamEndCapture", [_vp, _vp], lambda s, p: self._out(p, _vp, m.end_capture(s or 0)))
         self._fn("cuGraphInstantiateWithFlags", [_vp, _vp, ctypes.c_ulonglong],
@@ -117,6 +125,30 @@ class EmulatedLibcuda:
         if ctx and ctx != self.machine.primary_context:
             return 201  # CUDA_ERROR_INVALID_CONTEXT (GUESS: only the primary context is known here)
         self.machine.set_current(ctx or 0)
+        return SUCCESS
+
+    def _free(self, addr: int) -> int:
+        self.machine.require_context("cuMemFree")
+        self.machine.free(addr)
+        return SUCCESS
+
+    def _synchronize(self) -> int:
+        self.machine.require_context("cuCtxSynchronize")
+        self.machine.synchronize_all()
+        return SUCCESS
+
+    def _memset(self, addr: int, value: int, count: int) -> int:
+        self.machine.require_context("cuMemsetD8")
+        self.machine.synchronize_all()
+        self.machine.span(addr, count, "cuMemsetD8")[:] = value
+        return SUCCESS
+
+    def _dtoh(self, host: int | None, addr: int, count: int) -> int:
+        self.machine.require_context("cuMemcpyDtoH")
+        self.machine.synchronize_all()
+        if not host:
+            return INVALID_VALUE
+        ctypes.memmove(host, self.machine.span(addr, count, "cuMemcpyDtoH").ctypes.data, count)
         return SUCCESS
 
     def _mem_info(self, free_ptr: int | None, total_ptr: int | None) -> int:
