@@ -140,6 +140,7 @@ class OrtSession:
         self.input_types = {i.name: str(i.type) for i in self._sess.get_inputs()}
         self.output_types = {o.name: str(o.type) for o in self._sess.get_outputs()}
         self.cuda_graph = cuda_graph and self.providers[0] == "CUDAExecutionProvider"
+        self._closed = False
 
     def run(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         names = list(outputs) if outputs is not None else list(self.output_names)
@@ -186,6 +187,10 @@ class OrtSession:
         self._shared = None
 
     def close(self) -> None:
+        """Release the session (twice: once; a stage that gave up its sessions early, then the engine)."""
+        if self._closed:
+            return
+        self._closed = True
         if self._profiling:
             log.info("%s: onnxruntime profile %s", self.name, self._sess.end_profiling())
             self._profiling = False

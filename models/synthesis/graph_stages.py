@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, TypeVar
 from cosyedge_models.backends.base import FixedSizeDecode, Session
 from cosyedge_models.backends.graph_thread import GraphThread
 from cosyedge_models.bundle.loader import Bundle
-from cosyedge_models.errors import BundleError
+from cosyedge_models.errors import BundleError, SynthesisError
 from cosyedge_models.synthesis.settings import SynthesisSettings
 
 if TYPE_CHECKING:  # onnxruntime is imported only where a stage is on (the trt backend runs without it)
@@ -275,6 +275,16 @@ class GraphStages:
         graphs = thread.call(lambda: BatchFlowGraphs(sessions, flow.device, flow.copier, lanes, groups))
         try:
             thread.call(graphs.warm_up)  # captures now, before any request runs
+        except SynthesisError as exc:
+            # a GPU the sizing misjudged (out of memory while capturing): the engine still loads, the
+            # single-stream slots and the dynamic graph serve, and the lanes' memory goes back now
+            graphs.close()
+            for session in sessions.values():
+                session.close()
+            log.warning("graph_flow_batch: off, capturing %d batched lanes failed (the single-stream slots, for %d "
+                        "requests, and the dynamic graph serve every stream): %s", lanes,
+                        flow.max_slots // max(1, groups), exc)
+            return None
         except BaseException:
             graphs.close()  # the lanes' memory goes back before the error reaches the caller
             raise

@@ -24,7 +24,7 @@ from cosyedge_models.backends.ort_static_flow import StaticFlowGraphs, StaticSte
 from cosyedge_models.batching.batched_flow import BatchFlowGraphs, batch_flow_sessions, lane_bytes
 from cosyedge_models.batching.flow_batcher import BatchedFlowCaches, BatchedStepCache, FlowBatcher
 from cosyedge_models.bundle.loader import STATIC_FLOW_PREFIX, Bundle
-from cosyedge_models.errors import RequestError
+from cosyedge_models.errors import RequestError, SynthesisError
 from cosyedge_models.synthesis.api import SynthesisRequest
 from cosyedge_models.synthesis.settings import SynthesisSettings
 from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, load_synthesizer
@@ -430,3 +430,36 @@ def test_a_stream_behind_catches_up_and_then_shares_each_euler_step(static_flow_
                 c.close()
             for g, w in zip(got[s], want[s], strict=True):
                 np.testing.assert_allclose(g, w, rtol=0, atol=1e-5 * float(np.abs(w).max()))
+
+
+def test_lanes_that_fail_to_capture_leave_the_engine_serving_without_them(
+        static_flow_bundle: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A GPU the sizing misjudged (the nineteenth run's H100: out of memory in the lanes' warm-up) still
+    loads an engine: the lanes are freed and their sessions closed, a warning says why, and the streams
+    run on the single-stream slots with the same audio as an engine without graph_flow_batch."""
+    closed: list[int] = []
+    real_close = BatchFlowGraphs.close
+
+    def fail(self: BatchFlowGraphs) -> None:
+        raise SynthesisError("flow_estimator_batch_b1_w64: onnxruntime failed: CUDA failure 2: out of memory")
+
+    def close(self: BatchFlowGraphs) -> None:
+        closed.append(self.lanes)
+        real_close(self)
+
+    monkeypatch.setattr(BatchFlowGraphs, "warm_up", fail)
+    monkeypatch.setattr(BatchFlowGraphs, "close", close)
+    with caplog.at_level("WARNING", logger="cosyedge_models.synthesis.graph_stages"):
+        eng = load_synthesizer(static_flow_bundle, "ort", _settings(True))
+    try:
+        assert eng.graphs.flow_batch is None and closed
+        assert any("graph_flow_batch: off, capturing" in r.getMessage() and "out of memory" in r.getMessage()
+                   for r in caplog.records)
+        got = _audio(eng, 0)
+    finally:
+        eng.close()  # the lanes' sessions closed early close again without error
+    plain = load_synthesizer(static_flow_bundle, "ort", _settings(False))
+    try:
+        np.testing.assert_allclose(got, _audio(plain, 0), rtol=0, atol=1e-4)
+    finally:
+        plain.close()
