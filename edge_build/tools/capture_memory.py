@@ -19,6 +19,7 @@ import logging
 import platform
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -131,31 +132,22 @@ def measure_captures(root: Path, nodes: int, graphs: int, values: int) -> dict[s
             "capture_s_per_graph": (time.perf_counter() - t0) / graphs}
 
 
-def measure_allocation(sizes_mb: tuple[int, ...]) -> list[dict[str, int]]:
-    """Device bytes an OrtValue of each size takes (ortvalue_from_numpy on "cuda", as the lanes are
-    allocated): whether the provider's allocator rounds a large buffer up."""
+def measure_buffers(make: Callable[[int], Any], sizes_mb: tuple[int, ...]) -> tuple[list[dict[str, int]], list[Any]]:
+    """Device bytes each buffer `make(nbytes)` gives takes, each held while the next is made: whether its
+    allocator rounds a large buffer up (an OrtValue, as the lanes were; cuda.DriverBuffer, as since).
+    The rows, and the buffers (the caller frees them)."""
+    rows, kept = [], []
+    for mb in sizes_mb:
+        before = _used()
+        kept.append(make(mb << 20))
+        rows.append({"requested_bytes": mb << 20, "bytes": _used() - before})
+    return rows, kept
+
+
+def _ortvalue(nbytes: int) -> Any:
     import onnxruntime as ort
 
-    rows, keep = [], []
-    for mb in sizes_mb:
-        before = _used()
-        keep.append(ort.OrtValue.ortvalue_from_numpy(np.zeros(mb << 18, np.float32), "cuda", 0))
-        rows.append({"requested_bytes": mb << 20, "bytes": _used() - before})
-    return rows
-
-
-def measure_driver_buffers(sizes_mb: tuple[int, ...]) -> list[dict[str, int]]:
-    """The same sizes through cuda.DriverBuffer (what the lanes and slots use since): exactly their bytes?"""
-    from cosyedge_models.backends.cuda import DriverBuffer
-
-    rows, keep = [], []
-    for mb in sizes_mb:
-        before = _used()
-        keep.append(DriverBuffer(mb << 20, 0))
-        rows.append({"requested_bytes": mb << 20, "bytes": _used() - before})
-    for buf in keep:
-        buf.close()
-    return rows
+    return ort.OrtValue.ortvalue_from_numpy(np.zeros(nbytes // 4, np.float32), "cuda", 0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,8 +165,13 @@ def main(argv: list[str] | None = None) -> int:
     result["gpu"] = probe_gpu().reason
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        result["allocation"] = measure_allocation((1500, 1500, 3000))
-        result["driver_buffers"] = measure_driver_buffers((1500, 1500, 3000))
+        from cosyedge_models.backends.cuda import DriverBuffer
+
+        result["allocation"], values = measure_buffers(_ortvalue, (1500, 1500, 3000))
+        del values
+        result["driver_buffers"], buffers = measure_buffers(lambda n: DriverBuffer(n, 0), (1500, 1500, 3000))
+        for buf in buffers:
+            buf.close()
         log.info("driver buffers: %s", result["driver_buffers"])
         log.info("allocations: %s", result["allocation"])
         result["session"] = measure_sessions(root, 6)

@@ -297,11 +297,15 @@ class DriverBuffer:
             raise
         self.ptr: int = int(ptr.value)
         self._freed = False
-        # zeroed: free rows are masked, and a weight of 0 times a NaN left in memory would be NaN;
-        # synchronized: onnxruntime's streams do not wait for the legacy stream's memset
-        _check(lib.cuMemsetD8_v2(ctypes.c_uint64(self.ptr), ctypes.c_ubyte(0), ctypes.c_size_t(self.nbytes)),
-               "cuMemsetD8")
-        _check(lib.cuCtxSynchronize(), "cuCtxSynchronize")
+        try:
+            # zeroed: free rows are masked, and a weight of 0 times a NaN left in memory would be NaN;
+            # synchronized: onnxruntime's streams do not wait for the legacy stream's memset
+            _check(lib.cuMemsetD8_v2(ctypes.c_uint64(self.ptr), ctypes.c_ubyte(0), ctypes.c_size_t(self.nbytes)),
+                   "cuMemsetD8")
+            _check(lib.cuCtxSynchronize(), "cuCtxSynchronize")
+        except SynthesisError:
+            self.close()
+            raise
 
     def _current(self) -> None:
         _check(self._lib.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")

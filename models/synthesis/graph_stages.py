@@ -74,7 +74,7 @@ class GraphStages:
         return made
 
     def _device_used(self) -> int | None:
-        if not self.backend_name.endswith("cuda"):
+        if self.backend_name == "ort":  # the CPU provider; ort-cuda, ort-trt and trt hold the GPU
             return None
         from cosyedge_models.backends.gpu_probe import device_memory_used
 
@@ -256,11 +256,12 @@ class GraphStages:
             from cosyedge_models.backends.gpu_probe import device_memory_used
 
             per_lane, total = lane_bytes(sessions, groups), device_total_bytes(flow.device[1])
+            windows = len({w for _, w in sessions})
             used = device_memory_used(flow.device[1])
             if total:
                 free = total - used if used is not None else total
                 lanes = batch_lanes(sorted({b for b, _ in sessions}), per_lane, total, free, groups=groups,
-                                    windows=len({w for _, w in sessions}))
+                                    windows=windows)
             if lanes < 2:
                 log.warning("graph_flow_batch: off, a stream's batched caches take %.1f GB and two do not fit in "
                             "%.0f%% of the GPU's %.1f GB nor in the %.1f GB free (export a smaller "
@@ -269,7 +270,7 @@ class GraphStages:
                 return None
             log.info("graph_flow_batch: %d lanes of %.2f GB each (with their captures %.2f GB), %.1f GB of the "
                      "GPU's %.1f GB in use", lanes, per_lane / 1e9,
-                     (per_lane + lane_capture_bytes(groups, len({w for _, w in sessions}))) / 1e9,
+                     (per_lane + lane_capture_bytes(groups, windows)) / 1e9,
                      (used or 0) / 1e9, total / 1e9)
         thread = self._thread("flow")
         graphs = thread.call(lambda: BatchFlowGraphs(sessions, flow.device, flow.copier, lanes, groups))
