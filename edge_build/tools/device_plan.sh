@@ -7,7 +7,7 @@
 #   edge_build/tools/device_plan.sh start     copies the tree to /tmp/repo, starts the plan
 #   edge_build/tools/device_plan.sh wait N    waits up to N s, prints progress; copies results to $OUT
 #                                             (exits 3 at once on a fresh machine, where no plan runs)
-# TESTS_BESIDE: the test files (space-separated; default: the fused step's -m gpu tests, "" for none) run as the
+# TESTS_BESIDE: the test files (space-separated; default: the batched lanes' -m gpu tests, "" for none) run as the
 # tests step beside the plan's setup.
 # PLAN (default below): "outdir steps [VAR=value ...]" entries separated by ";", "+" for a space in a value;
 # STEPS="d x e": only those entries, in that order.
@@ -17,8 +17,8 @@ repo=${PLAN_REPO:-/tmp/repo}; runner=${PLAN_RUNNER:-edge_build/tools/device_run.
 case ${1:?start or wait} in
   start)
     rm -rf "$repo" "$res" && mkdir -p "$repo" "$res" && cp -a . "$repo"/
-    # default: issue 23's next measurements: the fused step's -m gpu tests beside the setup (its weights now
-    # one shared device copy; the other batching tests passed in the seventeenth and eighteenth runs); the
+    # default: issue 23's next measurements: the batched lanes' -m gpu tests beside the setup (their K/V now
+    # driver memory of exact size, cuda.DriverBuffer; the fused step's passed in the nineteenth run); the
     # goals' bench with the encoder windows batched and the prompts through the captured fixed-length prefill
     # graphs (--llm-captured-prefill; the setup exports 128, 256 and 384 positions: a saved voice's prompt
     # after its prefix is ~250), and only where it failed, again with one weight copy per session; the cloud
@@ -37,7 +37,7 @@ case ${1:?start or wait} in
       plan=$(IFS=";"; echo "${kept[*]}")
     fi
     echo "$plan" >"$res/plan"; : >"$res/status"  # a wait right after start finds the plan
-    beside=${TESTS_BESIDE-tests/models/batching/test_fused_step.py}
+    beside=${TESTS_BESIDE-tests/models/batching/test_flow_batcher_gpu.py}
     if [ -n "$beside" ]; then
       # the -m gpu tests (tiny bundles of their own) beside the full-size setup, once device_run.sh has
       # unpacked onnxruntime into /tmp/site (the setup builds pycuda alone): the tests run during the setup
