@@ -81,6 +81,9 @@ class StageTimes:
     first_audio_ms: float | None = None
     llm_tokens: int = 0
     timeline: list[StageEvent] = field(default_factory=list)
+    # the first speech token sampled (its prompt's prefill and first step done), ms after the request
+    # started: with the LLM span's start, where a stream's first chunk waited (kept out of `as_dict`)
+    first_token_ms: float | None = None
     flow_frames: int = 0  # mel frames the CFM estimator evaluated, summed over Euler steps (a work count)
     llm_batch_max: int = 0  # the most requests in one batched LLM decode step with this one (0: unbatched)
 

@@ -47,9 +47,11 @@ class LlmSpans:
     def __init__(self) -> None:
         self._start: float | None = None
 
-    def add(self, token: TimedToken) -> None:
+    def add(self, state: RequestState, token: TimedToken) -> None:
         if self._start is None:
             self._start = token.start
+        if state.times.first_token_ms is None:  # the request's first speech token
+            state.times.first_token_ms = (token.end - state.started) * 1e3
 
     def take(self, state: RequestState, until: float) -> None:
         if self._start is not None:

@@ -386,7 +386,7 @@ class CosyVoiceSynthesizer(SynthesizerDefaults):
         with SerialTokens(self._tokens(llm_in, state)) as source:  # flow needs every token first
             for timed in source:
                 tokens.append(timed.token)
-                spans.add(timed)
+                spans.add(state, timed)
                 if state.cancelled():
                     return
             spans.finish(state, source.end)
@@ -433,7 +433,7 @@ class CosyVoiceSynthesizer(SynthesizerDefaults):
                 self._flow_stream(flow, [], state, final=False, prime=True)
             for timed in source:
                 tokens.append(timed.token)
-                spans.add(timed)
+                spans.add(state, timed)
                 while (chunk := schedule.next_chunk(len(tokens))) is not None:
                     spans.take(state, timed.end)
                     with self._first_chunk(state):

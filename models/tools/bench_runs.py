@@ -46,7 +46,8 @@ def run_once(engine: CosyVoiceSynthesizer, text: str, stream: bool, seed: int,
     times = last.times.as_dict() if last is not None else {}
     timeline: list[StageEvent] = list(last.times.timeline) if last is not None else []
     return {"total_s": total, "audio_s": audio_s, "rtf": total / audio_s if audio_s else float("nan"),
-            "first_audio_ms": first, "stages_ms": times, "timeline": timeline}
+            "first_audio_ms": first, "stages_ms": times, "timeline": timeline,
+            "first_token_ms": last.times.first_token_ms if last is not None else None}
 
 
 def run_parallel(n: int, worker: Callable[[int], None]) -> float:
@@ -133,23 +134,40 @@ def encoder_batch_delta(before: dict[str, int] | None, after: dict[str, int] | N
 
 
 # the first chunk's milestones of a stream, ms after its request started (StageEvent of chunk 0)
-# (stage, its end (True) or start, name)
-FIRST_CHUNK_MARKS = (("llm", True, "llm_end_ms"), ("flow", False, "flow_start_ms"),
+# (stage, its end (True) or start, name); first_token_ms (StageTimes) sits between llm_start and llm_end
+FIRST_CHUNK_MARKS = (("llm", False, "llm_start_ms"), ("llm", True, "llm_end_ms"), ("flow", False, "flow_start_ms"),
                      ("flow", True, "flow_end_ms"), ("vocoder", True, "vocoder_end_ms"))
 
 
-def first_chunk_profile(timelines: list[list[StageEvent]]) -> dict[str, dict[str, float]]:
-    """Per milestone of the first chunk (its tokens sampled, its flow started and done, its vocoder
-    done), the p50 and max over the streams of a level: where their first audio waited."""
-    out: dict[str, dict[str, float]] = {}
+def first_chunk_marks(events: list[StageEvent], first_token_ms: float | None = None) -> dict[str, float]:
+    """One stream's first-chunk milestones: its LLM started (after the frontend and its voice's setup),
+    its first token sampled (the prefill and a step done), its tokens, its flow's start and end, its vocoder."""
+    out: dict[str, float] = {}
     for stage, end, name in FIRST_CHUNK_MARKS:
-        values = []
-        for events in timelines:
-            mine = [e for e in events if e.chunk == 0 and e.stage == stage]
-            if mine:
-                values.append(max(e.end_ms for e in mine) if end else min(e.start_ms for e in mine))
+        mine = [e for e in events if e.chunk == 0 and e.stage == stage]
+        if mine:
+            out[name] = round(max(e.end_ms for e in mine) if end else min(e.start_ms for e in mine), 1)
+    if first_token_ms is not None:
+        out["first_token_ms"] = round(first_token_ms, 1)
+    return out
+
+
+def first_chunk_profile(timelines: list[list[StageEvent]],
+                        first_tokens: list[float | None] | None = None) -> dict[str, dict[str, float]]:
+    """Per milestone of the first chunk (first_chunk_marks), the p50 and max over the streams of a level:
+    where their first audio waited; `slowest`: the marks of the stream whose first chunk ended last (a
+    level's p95 is often one stream, and its marks say whether it started late, prefilled late or
+    waited for its flow)."""
+    tokens = first_tokens if first_tokens is not None else [None] * len(timelines)
+    streams = [first_chunk_marks(events, t) for events, t in zip(timelines, tokens, strict=True)]
+    out: dict[str, dict[str, float]] = {}
+    for name in [m[2] for m in FIRST_CHUNK_MARKS] + ["first_token_ms"]:
+        values = [s[name] for s in streams if name in s]
         if values:
             out[name] = {"p50": round(float(np.percentile(values, 50)), 1), "max": round(max(values), 1)}
+    ended = [s for s in streams if "vocoder_end_ms" in s]
+    if len(ended) > 1:
+        out["slowest"] = max(ended, key=lambda s: s["vocoder_end_ms"])
     return out
 
 
@@ -207,7 +225,8 @@ def run_concurrent(engine: CosyVoiceSynthesizer, text: str, n: int, stream: bool
         out["graph_encoder_batch"] = encoder
     out.update(cpu)
     if stream:
-        out["first_chunk_ms"] = first_chunk_profile([r["timeline"] for r in results])
+        out["first_chunk_ms"] = first_chunk_profile([r["timeline"] for r in results],
+                                                    [r["first_token_ms"] for r in results])
     return out
 
 

@@ -59,7 +59,8 @@ def test_bench_json_with_first_hop_and_compare(tiny_bundle: Path, fp16_variant: 
     assert level["process_cpu_ms"] > 0 and level["thread_cpu_ms"]["ended or unnamed"] > 0
     # the one stream's first chunk: its tokens, then its flow, then its vocoder
     marks = r["concurrency"]["1"]["first_chunk_ms"]
-    assert 0 < marks["llm_end_ms"]["p50"] <= marks["flow_start_ms"]["p50"] < marks["flow_end_ms"]["p50"]
+    assert 0 < marks["llm_start_ms"]["p50"] < marks["first_token_ms"]["p50"] <= marks["llm_end_ms"]["p50"]
+    assert marks["llm_end_ms"]["p50"] <= marks["flow_start_ms"]["p50"] < marks["flow_end_ms"]["p50"]
     assert marks["flow_end_ms"]["p50"] <= marks["vocoder_end_ms"]["p50"] == marks["vocoder_end_ms"]["max"]
     assert r["concurrency"]["1"]["failed"] == 0
     assert r["concurrency"]["1"]["stream_rtf_max"] > 0
@@ -244,7 +245,13 @@ def test_first_chunk_profile_gives_each_milestone_over_the_streams() -> None:
                 StageEvent("flow", 0, flow_start, flow_start + 10), StageEvent("flow", 0, flow_start + 12, flow_end),
                 StageEvent("vocoder", 0, flow_end, voc_end), StageEvent("flow", 1, flow_end + 50, flow_end + 80)]
 
-    out = first_chunk_profile([stream(60, 70, 200, 210), stream(80, 90, 400, 420), stream(100, 110, 300, 305)])
-    assert out == {"llm_end_ms": {"p50": 80.0, "max": 100.0}, "flow_start_ms": {"p50": 90.0, "max": 110.0},
-                   "flow_end_ms": {"p50": 300.0, "max": 400.0}, "vocoder_end_ms": {"p50": 305.0, "max": 420.0}}
+    out = first_chunk_profile([stream(60, 70, 200, 210), stream(80, 90, 400, 420), stream(100, 110, 300, 305)],
+                              [20.0, 45.0, None])
+    assert out == {"llm_start_ms": {"p50": 1.0, "max": 1.0}, "llm_end_ms": {"p50": 80.0, "max": 100.0},
+                   "flow_start_ms": {"p50": 90.0, "max": 110.0}, "flow_end_ms": {"p50": 300.0, "max": 400.0},
+                   "vocoder_end_ms": {"p50": 305.0, "max": 420.0}, "first_token_ms": {"p50": 32.5, "max": 45.0},
+                   # the stream whose first audio came last, each of its marks
+                   "slowest": {"llm_start_ms": 1.0, "first_token_ms": 45.0, "llm_end_ms": 80.0,
+                               "flow_start_ms": 90.0, "flow_end_ms": 400.0, "vocoder_end_ms": 420.0}}
     assert first_chunk_profile([]) == {}
+    assert "slowest" not in first_chunk_profile([stream(60, 70, 200, 210)])  # one stream: its marks are the p50s
