@@ -332,6 +332,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--queue-delay-us", type=int, help="the started Triton's max_queue_delay_microseconds")
     p.add_argument("--gpu", action="store_true", help="the started Triton's instance on the GPU (KIND_GPU)")
     p.add_argument("--engine-backend", help="the started model's ENGINE_BACKEND (ort, ort-cuda, trt)")
+    p.add_argument("--parameter", action="append", default=[], metavar="KEY=VALUE",
+                   help="another of the started model's config parameters (repeatable), e.g. GRAPH_ENCODER_BATCH=true")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     levels = [int(x) for x in args.levels.split(",") if x.strip()]
@@ -339,7 +341,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "model": args.model, "seed": args.seed}
     if args.bundle is not None:
         batching = DynamicBatching(args.max_batch_size, args.queue_delay_us, "KIND_GPU" if args.gpu else None)
-        params = {"ENGINE_BACKEND": args.engine_backend} if args.engine_backend else {}
+        params = dict(_parameter(p, item) for item in args.parameter)
+        if args.engine_backend:
+            params["ENGINE_BACKEND"] = args.engine_backend
         with local_stack(args.bundle, args.max_in_flight, batching, params) as (broker, metrics):
             results = run(broker, metrics, **opts)  # type: ignore[arg-type]
     else:
@@ -348,6 +352,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json is not None:
         args.json.write_text(json.dumps([asdict(r) | {"avg_batch": r.avg_batch} for r in results], indent=2))
     return 0 if all(r.errors == 0 for r in results) else 1
+
+
+def _parameter(parser: argparse.ArgumentParser, item: str) -> tuple[str, str]:
+    key, sep, value = item.partition("=")
+    if not sep or not key.strip():
+        parser.error(f"--parameter takes KEY=VALUE, got {item!r}")
+    return key.strip(), value.strip()
 
 
 if __name__ == "__main__":

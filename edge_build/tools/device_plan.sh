@@ -17,19 +17,19 @@ repo=${PLAN_REPO:-/tmp/repo}; runner=${PLAN_RUNNER:-edge_build/tools/device_run.
 case ${1:?start or wait} in
   start)
     rm -rf "$repo" "$res" && mkdir -p "$repo" "$res" && cp -a . "$repo"/
-    # default: issue 23's next measurements: the batched lanes' -m gpu tests beside the setup (their K/V now
-    # driver memory of exact size, cuda.DriverBuffer; the fused step's passed in the nineteenth run); the
-    # goals' bench with the encoder windows batched and the prompts through the captured fixed-length prefill
-    # graphs (--llm-captured-prefill; the setup exports 128, 256 and 384 positions: a saved voice's prompt
-    # after its prefix is ~250), and only where it failed, again with one weight copy per session; the cloud
-    # Triton model under load at full size (deliverable 5; its files carried to /tmp/cloud by a call after
-    # `start`, device_wheels.sh); one graph thread with both, then the A/Bs without them; repeats; the
-    # batched prefill with a 4 ms queue delay; per-stage threads.
-    # /tmp/voice/en8.wav: the first 8.0 s of shared/data/speech/cross_lingual_prompt.wav, carried
+    # default: issue 23's next measurements (the twenty-first run measured the goals' configuration once per
+    # kind of level, with p95 at eight streams split by one late stream): the goals' bench again, its levels
+    # now with each stream's LLM start and first token and the slowest stream's marks; the cloud at full
+    # size with the batched encoder windows and the captured prefill (CLOUD_PARAMS); then repeats of the
+    # candidates for the defaults: the goals' configuration without and with rounds gathered 4 ms, the
+    # batched prefill with the gather, per-stage threads with the gather. The batched lanes' -m gpu tests
+    # beside the setup (their K/V in driver memory; passed on the H200 in the twenty-first run: on an H100,
+    # the first there since the fix).
     voice="VOICE_WAV=/tmp/voice/en8.wav VOICE_TEXT=And+then+later+on,+fully+acquiring+that+company.+So+keeping+management+in+line,+interest+in+line+with+the+asset"
     stage="--voice+en8+--graph-threads+per-stage+--llm-parallel-prefills+4"
     goals="--voice+en8+--first-chunk+15:6+--graph-batching+--batching+16+--graph-flow-batch+--graph-encoder-batch+--llm-captured-prefill+--concurrency-mode+both"
-    plan=${PLAN:-"d setup FP16=0 STATIC_FLOW_WINDOWS=64,128 FUSED_BATCHES=1,4,8,16 BATCH_FLOW_SIZES=1,8,16 BATCH_FLOW_PRECISION=fp16 BATCH_FLOW_ATTENTION=fused FUSED_PREFILL_LENGTHS=128,256,384 $voice;e bench FP16=0 BENCH_ARGS=$goals CONCURRENCY=1,8,16 BENCH_TIMEOUT_S=900;!f bench FP16=0 COSYEDGE_ORT_SHARE_WEIGHTS=0 BENCH_ARGS=$goals CONCURRENCY=1,8,16 BENCH_TIMEOUT_S=900;c cloud FP16=0 CLOUD_TIMEOUT_S=480;x batch FP16=0 JSON_TAG=one_thread_encoder_batch_captured_prefill BENCH_ARGS=--voice+en8+--graph-encoder-batch+--llm-captured-prefill CONCURRENCY=1,8,16;o batch FP16=0 JSON_TAG=one_thread BENCH_ARGS=--voice+en8 CONCURRENCY=1,8,16;n batch FP16=0 JSON_TAG=one_thread_encoder_batch BENCH_ARGS=--voice+en8+--graph-encoder-batch CONCURRENCY=1,8,16;r batch FP16=0 JSON_TAG=one_thread_again BENCH_ARGS=--voice+en8 CONCURRENCY=1,8,16;b batch FP16=0 JSON_TAG=one_thread_batched_prefill_gather BENCH_ARGS=--voice+en8+--llm-batched-prefill+--max-queue-delay-ms+4 CONCURRENCY=1,8,16;p batch FP16=0 JSON_TAG=per_stage_p4 BENCH_ARGS=$stage+--graph-encoder-batch CONCURRENCY=1,8,16"}
+    levels="--voice+en8+--graph-encoder-batch+--llm-captured-prefill"  # the goals' configuration in a batch step
+    plan=${PLAN:-"d setup FP16=0 STATIC_FLOW_WINDOWS=64,128 FUSED_BATCHES=1,4,8,16 BATCH_FLOW_SIZES=1,8,16 BATCH_FLOW_PRECISION=fp16 BATCH_FLOW_ATTENTION=fused FUSED_PREFILL_LENGTHS=128,256,384 $voice;e bench FP16=0 BENCH_ARGS=$goals CONCURRENCY=1,8,16 BENCH_TIMEOUT_S=900;!f bench FP16=0 COSYEDGE_ORT_SHARE_WEIGHTS=0 BENCH_ARGS=$goals CONCURRENCY=1,8,16 BENCH_TIMEOUT_S=900;c cloud FP16=0 CLOUD_TIMEOUT_S=480 CLOUD_PARAMS=GRAPH_ENCODER_BATCH=true+LLM_CAPTURED_PREFILL=true;x batch FP16=0 JSON_TAG=goals_levels BENCH_ARGS=$levels CONCURRENCY=1,8,16;g batch FP16=0 JSON_TAG=goals_levels_gather4 BENCH_ARGS=$levels+--max-queue-delay-ms+4 CONCURRENCY=1,8,16;b batch FP16=0 JSON_TAG=one_thread_batched_prefill_gather BENCH_ARGS=--voice+en8+--llm-batched-prefill+--max-queue-delay-ms+4 CONCURRENCY=1,8,16;h batch FP16=0 JSON_TAG=goals_levels_gather4_again BENCH_ARGS=$levels+--max-queue-delay-ms+4 CONCURRENCY=1,8,16;p batch FP16=0 JSON_TAG=per_stage_p4_gather4 BENCH_ARGS=$stage+--graph-encoder-batch+--max-queue-delay-ms+4 CONCURRENCY=1,8,16;y batch FP16=0 JSON_TAG=goals_levels_again BENCH_ARGS=$levels CONCURRENCY=1,8,16"}
     if [ -n "${STEPS:-}" ]; then
       # STEPS="d x e": only those entries of the plan, in that order (a short lease; "!f" is kept as "f")
       IFS=";" read -ra all <<<"$plan"; kept=()

@@ -210,6 +210,7 @@ for step in ${steps//,/ }; do
       timeout "${CLOUD_TIMEOUT_S:-540}" "$cdir/venv/bin/python" -m cosyedge_cloud.tools.loadtest --bundle "$full/bundle" --gpu \
         --engine-backend ort-cuda --max-batch-size 16 --queue-delay-us "${QUEUE_DELAY_US:-2000}" --max-in-flight 16 \
         --levels "${CONCURRENCY:-1,4,8,16}" --text "${CLOUD_TEXT:-Hello there, this is the cloud speaking.}" \
+        ${CLOUD_PARAMS:+$(printf -- '--parameter %s ' $CLOUD_PARAMS)} \
         --json "$out/cloud_h200.json" 2>&1 | grep -v -i warn | tee "$out/cloud.log" | grep -v " INFO " | tail -20
       stamp "cloud load test done" ;;
     fp16)

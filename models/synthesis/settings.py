@@ -83,8 +83,9 @@ class SynthesisSettings:
     llm_batched_prefill: bool = False
     # With graph_batching on the fused step: each new prompt through the bundle's fixed-length prefill graph
     # that fits it (--fused-prefill-lengths), captured on ort-cuda, on the graph thread: ~300 kernels
-    # instead of the dynamic graph's run (~11 ms for one saved-voice prompt on the H200, launch-bound);
-    # off until a run measures it.
+    # instead of the dynamic graph's run. Measured on the H200 (docs/gpu.md, twenty-first run): one prompt
+    # 5-7 ms against 11-16, but sixteen streams' prompts wait behind the graph thread's replays (167-219
+    # ms against 119-134): off by default.
     llm_captured_prefill: bool = False
     # Per-voice prompt caches (models/synthesis/voice_cache.py) for saved voices, in MiB
     # (host memory; about 4.4 MiB per prompt mel frame at full size in fp32); 0: off.
@@ -107,7 +108,8 @@ class SynthesisSettings:
     # With graph_flow_batch's lanes and a bundle that has the batched encoder graphs (exported with
     # --batch-flow-sizes since issue 23): concurrent streams' flow encoder calls waiting together run as
     # one batched replay (models/batching/batched_encoder.py; as many streams as the largest batch size,
-    # more take the single-stream encoder slots). Off by default until measured on the GPU.
+    # more take the single-stream encoder slots). Measured on the H200 (docs/gpu.md, twenty-first run):
+    # within the runs' spread at eight and sixteen streams: off by default.
     graph_encoder_batch: bool = False
     # Offline (stream=false) requests synthesized as streams whose pieces are joined, so that the
     # streams' batched GPU work (graph_flow_batch's lanes, the vocoder's fixed lengths) serves them

@@ -32,3 +32,17 @@ def test_load_levels_and_dynamic_batching(broker, make_bridge, triton) -> None: 
     assert all(r.first_chunk_ms["p50"] <= r.total_ms["p50"] for r in results)
     # concurrent requests were batched by Triton's dynamic batcher
     assert max(r.avg_batch for r in results if r.concurrency >= 4) > 1.0
+
+
+def test_model_parameters_on_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    from cosyedge_cloud.tools.loadtest import _parameter, main
+
+    parser = argparse.ArgumentParser()
+    assert _parameter(parser, " GRAPH_ENCODER_BATCH = true ") == ("GRAPH_ENCODER_BATCH", "true")
+    assert _parameter(parser, "BUNDLE_DIR=") == ("BUNDLE_DIR", "")  # an empty value is a value
+    with pytest.raises(SystemExit) as exc:  # refused before any server starts
+        main(["--bundle", "/nonexistent", "--parameter", "GRAPH_ENCODER_BATCH"])
+    assert exc.value.code == 2
+    assert "--parameter takes KEY=VALUE, got 'GRAPH_ENCODER_BATCH'" in capsys.readouterr().err
