@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, TypeVar
@@ -61,6 +62,9 @@ class GraphStages:
         # the GPU's memory in use (all processes) after each stage loaded, on a CUDA backend (bench, logs):
         # where an engine's memory went when a GPU runs out (an H100 did at full size, 2026-12-05)
         self.device_used_bytes: dict[str, int] = {}
+        # per-stage threads: first chunks whose hold took the LLM step's thread too (a lone stream)
+        self.lone_holds = 0
+        self._lone_lock = threading.Lock()
 
     def _loaded(self, stage: str, t0: float, made: StageT) -> StageT:
         """`made` (a loaded stage, or None), its load time noted and logged."""
@@ -100,23 +104,32 @@ class GraphStages:
         """Whether first_audio() opens holds: a graph thread exists and first_audio_first is on."""
         return self.settings.first_audio_first and bool(self.threads)
 
-    def first_audio_threads(self) -> list[GraphThread]:
+    def first_audio_threads(self, llm_streams: int | None = None) -> list[GraphThread]:
         """The graph threads a first chunk's hold applies to: the one thread, or ("per-stage")
         those of the flow and vocoder stages. A hold orders a queue that first-audio work shares
         with LLM steps; the LLM step's own thread has no such work to put first, and holding it
         would stall the streams that already speak (their later chunks' tokens) and the streams
-        behind (their first chunks' tokens) whenever some first chunk is on its way."""
+        behind (their first chunks' tokens) whenever some first chunk is on its way. Where the
+        requester is the LLM's only stream (`llm_streams` <= 1; None: not known) it stalls nobody but
+        its own later tokens, and those steps would share the GPU with its first chunk's replays (the
+        first chunk's flow 80 ms against 64 on one thread at one stream, H200, twenty-first run): the
+        LLM step's thread is held too."""
         one = self.settings.graph_threads == "one"
-        return list({id(t): t for stage, t in self.threads.items() if one or stage != "decode"}.values())
+        lone = llm_streams is not None and llm_streams <= 1
+        return list({id(t): t for stage, t in self.threads.items() if one or lone or stage != "decode"}.values())
 
     @contextlib.contextmanager
-    def first_audio(self) -> Iterator[None]:
+    def first_audio(self, llm_streams: int | None = None) -> Iterator[None]:
         """A request's first chunk (flow and vocoder) on its way to the first audio: its graph
         work runs first, and LLM steps that share its thread wait (GraphThread.first_audio), on
-        first_audio_threads; nothing when holds_first_audio is False."""
+        first_audio_threads(llm_streams); nothing when holds_first_audio is False."""
         with contextlib.ExitStack() as stack:
             if self.holds_first_audio:
-                for thread in self.first_audio_threads():
+                threads = self.first_audio_threads(llm_streams)
+                if self.settings.graph_threads != "one" and self.threads.get("decode") in threads:
+                    with self._lone_lock:
+                        self.lone_holds += 1
+                for thread in threads:
                     stack.enter_context(thread.first_audio())
             yield
 

@@ -466,7 +466,7 @@ class CosyVoiceSynthesizer(SynthesizerDefaults):
             return
         t0 = time.perf_counter()
         try:
-            with self.graphs.first_audio():
+            with self.graphs.first_audio(self.batcher.active if self.batcher is not None else None):
                 yield
         finally:
             state.event("hold", t0, time.perf_counter())

@@ -3,7 +3,8 @@ capture: the fused batched LLM step, the batched estimator windows and the fixed
 on its own graph thread (graph_threads "per-stage") with a round's prefills at once
 (llm_parallel_prefills) or in one prefill run (llm_batched_prefill, the three requests as one group,
 as a Triton batch arrives), give the audio of the one-thread engine with prefills one after another;
-the first chunks hold the flow and vocoder threads, never the LLM step's. The streams' encoder calls in
+the first chunks hold the flow and vocoder threads, and the LLM step's only for a stream alone in the LLM.
+The streams' encoder calls in
 one batched replay (graph_encoder_batch) give that audio too, and so do the prompts through the
 fixed-length prefill graphs (llm_captured_prefill) on the LLM's graph thread."""
 
@@ -75,7 +76,8 @@ def test_per_stage_threads_and_parallel_or_batched_prefills_give_the_one_thread_
                 assert len({id(t) for t in threads.values()}) == 1 and holds["decode"] == STREAMS
             else:
                 assert len({id(t) for t in threads.values()}) == 3
-                assert holds == {"decode": 0, "flow": STREAMS, "vocoder": STREAMS}, holds
+                # the LLM step's thread is held only for a first chunk whose stream was the LLM's only one
+                assert holds == {"decode": engine.graphs.lone_holds, "flow": STREAMS, "vocoder": STREAMS}, holds
         finally:
             engine.close()
     for name in ("per-stage", "batched", "encoder", "captured"):
@@ -83,3 +85,35 @@ def test_per_stage_threads_and_parallel_or_batched_prefills_give_the_one_thread_
             got, want = audio[name][i], audio["one"][i]
             assert got.shape == want.shape and want.size > 0
             np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+
+
+def test_per_stage_threads_hold_the_llm_thread_for_a_stream_alone(every_graph_bundle: Path) -> None:
+    """A lone stream's first chunk holds the LLM step's thread too (its own later tokens wait, as on one
+    thread, instead of sharing the GPU with its first chunk's replays); with other streams in the LLM, or
+    where the LLM's streams are not known, the hold leaves the LLM step's thread alone."""
+    settings = SynthesisSettings(backend="ort", threads=1, graph_flow=True, graph_vocoder=True, graph_batching=True,
+                                 batching=BatchSettings(max_batch_size=4), graph_flow_batch=True,
+                                 graph_threads="per-stage")
+    engine = load_synthesizer(every_graph_bundle, settings=settings)
+    try:
+        threads = engine.graph_threads
+
+        def held(llm_streams: int | None) -> set[str]:
+            return {stage for stage, t in threads.items() if t in engine.graphs.first_audio_threads(llm_streams)}
+
+        assert held(1) == {"decode", "flow", "vocoder"}
+        assert held(2) == held(None) == {"flow", "vocoder"}
+        request = SynthesisRequest(text=TEXTS[0], seed=70, stream=True)
+        alone = np.concatenate([c.pcm for c in engine.synthesize(request)])
+        holds = {stage: t.order_stats()["holds"] for stage, t in threads.items()}
+        assert holds == {"decode": 1, "flow": 1, "vocoder": 1} and engine.graphs.lone_holds == 1
+    finally:
+        engine.close()
+    one = load_synthesizer(every_graph_bundle, settings=SynthesisSettings(
+        backend="ort", threads=1, graph_flow=True, graph_vocoder=True, graph_batching=True,
+        batching=BatchSettings(max_batch_size=4), graph_flow_batch=True, graph_threads="one"))
+    try:  # the same audio as the one thread's (the hold orders work, it changes no result)
+        np.testing.assert_array_equal(alone, np.concatenate([c.pcm for c in one.synthesize(request)]))
+        assert one.graphs.lone_holds == 0  # one thread: every hold takes the LLM's steps, none is counted
+    finally:
+        one.close()
