@@ -124,6 +124,8 @@ class FlowBatcher:
         self._served: list[Served] = []
         self.partner_wait_s = PARTNER_WAIT_S
         self.max_passed = graphs.groups  # a stream ahead waits at most about one Euler loop
+        # preloads queued for the graph thread (queue_seed): one turn seeds all that wait then
+        self._seeds: list[tuple[int, PrefixRows, np.ndarray, Future[None]]] = []
 
     def acquire(self, group: int) -> int | None:
         """A free slot of `group` (its lowest lane: batches stay small), reset; None when all are taken."""
@@ -156,20 +158,50 @@ class FlowBatcher:
         with self._lock:  # taken while they are written: no stream gets a lane half seeded
             taken = [list(free) for free in self._free]
             self._free = [[] for _ in range(g.groups)]
-        seeded = 0
+        items = [(group * g.lanes + lane, step_kv[group], lane_history(step_conv[group]))
+                 for group, lanes in enumerate(taken) for lane in lanes]
         try:
-            for group, lanes in enumerate(taken):
-                rows = step_kv[group]
-                history = lane_history(step_conv[group])
-                for lane in lanes:
-                    slot = group * g.lanes + lane
-                    self.thread.call(functools.partial(g.seed, slot, rows, history), label="flow_lane_seed")
-                    seeded += 1
+            if items:  # one turn (seed_many: a lane that holds the prefix gets its conv history in one run)
+                self.thread.call(functools.partial(g.seed_many, items), label="flow_lane_seed")
         finally:
             with self._lock:
                 for group, lanes in enumerate(taken):
                     self._free[group] = sorted(self._free[group] + lanes)
-        return seeded
+        return len(items)
+
+    def queue_seed(self, slot: int, rows: PrefixRows, history: np.ndarray) -> Future[None]:
+        """A lane's seed (BatchFlowGraphs.seed) queued for the graph thread, not awaited: a stream opens
+        its ten Euler steps' lanes at once, and the seeds waiting when a turn runs are written together
+        (seed_many). The future fails where the turn failed (its lanes are not trusted)."""
+        done: Future[None] = Future()
+        with self._lock:
+            self._seeds.append((slot, rows, history, done))
+            first = len(self._seeds) == 1  # else a queued turn, not yet started, takes this one too
+        if first:
+            try:
+                self.thread.submit(self._seed_waiting, label="flow_lane_seed")
+            except BaseException as exc:
+                self._fail_seeds(exc)
+        return done
+
+    def _seed_waiting(self) -> None:
+        with self._lock:
+            seeds, self._seeds = self._seeds, []
+        try:
+            self.graphs.seed_many([(slot, rows, history) for slot, rows, history, _ in seeds])
+        except BaseException as exc:
+            for *_, done in seeds:
+                done.set_exception(exc)
+            return
+        for *_, done in seeds:
+            done.set_result(None)
+
+    def _fail_seeds(self, exc: BaseException) -> None:
+        """The turn could not be queued (the thread stopped): the seeds waiting fail with its error."""
+        with self._lock:
+            seeds, self._seeds = self._seeds, []
+        for *_, done in seeds:
+            done.set_exception(exc)
 
     def report(self) -> dict[str, object]:
         """FlowBatchStats as a dict, consistent (bench output), with the lanes' voice prefixes written
@@ -318,8 +350,7 @@ class BatchedStepCache:
         # Queued, not awaited: a stream opens its flow (ten Euler steps' lanes) before its LLM prefill is
         # submitted, and each seed awaited in turn waited behind other streams' replays (H200, sixteenth
         # run: 259 ms of waits over eight streams' level). The lane's first use waits for it (_seeded).
-        self._seeding = self._batcher.thread.submit(lambda: self._graphs.seed(slot, rows, history),
-                                                    label="flow_lane_seed")
+        self._seeding = self._batcher.queue_seed(slot, rows, history)
 
     def run(self, feeds: Mapping[str, np.ndarray], commit: int) -> np.ndarray:
         if self._closed:

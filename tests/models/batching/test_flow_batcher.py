@@ -463,3 +463,52 @@ def test_lanes_that_fail_to_capture_leave_the_engine_serving_without_them(
         np.testing.assert_allclose(got, _audio(plain, 0), rtol=0, atol=1e-4)
     finally:
         plain.close()
+
+
+def test_the_seeds_waiting_for_the_graph_thread_are_written_in_one_turn(static_flow_bundle: Path) -> None:
+    """A stream opens its Euler steps' lanes at once; their seeds waiting when the graph thread comes to
+    them are written in one turn (BatchFlowGraphs.seed_many), and where the lanes still hold the voice's
+    prefix, their conv histories in one upload and one copy run (a seed each took ~1.2 ms of the graph
+    thread on the H200). Each lane then gives what a lane seeded alone gives."""
+    with _one_group(static_flow_bundle, seed=13, windows=1) as (sessions, caches, spec, graphs, thread, chunk, rows,
+                                                               conv, feeds):
+        turns: list[int] = []
+        real = graphs.seed_many
+
+        def counted(items: list[tuple[int, PrefixRows, np.ndarray]]) -> None:
+            turns.append(len(items))
+            real(items)
+
+        graphs.seed_many = counted  # type: ignore[method-assign]
+        lanes = graphs.lanes
+        assert lanes >= 2
+
+        def open_every_lane() -> list[np.ndarray]:
+            release = threading.Event()
+            blocker = thread.submit(release.wait)  # the seeds queue behind other work
+            opened = [caches(sessions["flow_estimator"], spec) for _ in range(lanes)]
+            assert all(isinstance(c, BatchedStepCache) and c.on_graph for c in opened)
+            for cache in opened:
+                cache.preload(rows, conv)
+            release.set()
+            assert blocker.result(timeout=30)
+            outs = [cache.run(feeds[0], chunk) for cache in opened]
+            for cache in opened:
+                cache.close()
+            return outs
+
+        first = open_every_lane()  # every lane seeded in full, in one turn
+        assert turns == [lanes] and (graphs.seeds, graphs.reuses) == (lanes, 0)
+        again = open_every_lane()  # every lane still holds the prefix: only the conv histories, together
+        assert turns == [lanes, lanes] and (graphs.seeds, graphs.reuses) == (lanes, lanes)
+        for a, b in zip([*first[1:], *again], [first[0]] * (2 * lanes - 1), strict=True):
+            np.testing.assert_array_equal(a, b)  # the lanes' streams wrote their own histories
+
+
+def test_copy_runs_in_powers_of_two() -> None:
+    from cosyedge_models.batching.batched_flow import COPY_RUNS, copy_chunks
+
+    assert [len(c) for c in copy_chunks(list(range(10)))] == [8, 2]
+    assert [len(c) for c in copy_chunks(list(range(2 * COPY_RUNS + 3)))] == [COPY_RUNS, COPY_RUNS, 2, 1]
+    assert copy_chunks([]) == []
+    assert [x for c in copy_chunks(list(range(37))) for x in c] == list(range(37))  # all, in order
