@@ -114,6 +114,7 @@ class OrderStats:
     overtaken: int = 0  # times another item ran before a waiting, older LLM item
     forced: int = 0  # LLM items let go by the overtake bound (ahead of FIRST_AUDIO work or a hold)
     expired: int = 0  # holds that outlived hold_max_s
+    released: int = 0  # held LLM items let go as NORMAL work because a new stream waited for them (release_llm)
     held_s: float = 0.0  # time with at least one hold open (summed over closed spans)
     # seconds the worker spent running work, by the label it was submitted with (the profile of
     # where a concurrency level's GPU thread time goes: bench's graph_busy_ms)
@@ -125,6 +126,7 @@ class OrderStats:
     def as_dict(self) -> dict[str, object]:
         return {"runs": dict(self.runs), "holds": self.holds, "deferred": self.deferred,
                 "overtaken": self.overtaken, "forced": self.forced, "expired": self.expired,
+                "released": self.released,
                 "held_ms": round(self.held_s * 1e3, 1),
                 "busy_ms": {k: round(v * 1e3, 1) for k, v in sorted(self.busy_s.items())},
                 "waited_ms": {k: round(v * 1e3, 1) for k, v in sorted(self.waited_s.items())}}
@@ -207,6 +209,18 @@ class GraphWorkOrder(Generic[ItemT]):
         if not self._holds or self._oldest_llm() is None:
             return None
         return max(0.0, max(self._holds.values()) + self.hold_max_s - now)
+
+    def release_llm(self) -> int:
+        """Every LLM item queued now becomes NORMAL work: it no longer waits for the holds, but runs in
+        its turn among the rest (a new stream's first chunk waits for the round that this step blocks:
+        GraphBatcher); how many were let go."""
+        released = 0
+        for waiting in self._rest:
+            if waiting.priority is GraphPriority.LLM:
+                waiting.priority = GraphPriority.NORMAL
+                released += 1
+        self.stats.released += released
+        return released
 
     def _oldest_llm(self) -> int | None:
         return next((i for i, w in enumerate(self._rest) if w.priority is GraphPriority.LLM), None)
@@ -313,6 +327,14 @@ class GraphThread:
             with self._changed:
                 self.order.close_hold(hold, time.monotonic())
                 self._changed.notify_all()
+
+    def release_llm(self) -> int:
+        """GraphWorkOrder.release_llm on this thread's queue (the worker re-reads it at once)."""
+        with self._changed:
+            released = self.order.release_llm()
+            if released:
+                self._changed.notify_all()
+        return released
 
     def current_priority(self) -> GraphPriority:
         """The priority this thread's untagged submissions get now."""

@@ -105,6 +105,11 @@ class GraphBatcher(BatchWorker):
                 raise SynthesisError(f"the LLM graph batcher's queue is full: {exc}") from exc
             self._requests[request.key] = request
             self._kick()
+        if first_tokens > 0:
+            # A step held for other streams' first chunks (LLM work) blocks this loop, so the new stream's
+            # prefill and first-chunk steps would wait for every hold open (H200, twenty-first run: one of
+            # eight streams ~370 ms late in the runs where a step was held): that step goes now as NORMAL work.
+            self.thread.release_llm()
         return TokenStream(self, request)
 
     def generate(self, inp: LlmInput, sampler: TokenSampler, stats: LlmStats | None = None, *,

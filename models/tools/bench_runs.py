@@ -79,7 +79,7 @@ def llm_delta(before: BatchStats | None, after: BatchStats) -> dict[str, float]:
 
 # the GPU graph threads' order counters (GraphThread.order_stats) reported per level, by their key there
 ORDER_KEYS = {"holds": "graph_holds", "deferred": "graph_llm_held", "held_ms": "graph_held_ms",
-              "forced": "graph_forced", "expired": "graph_expired"}
+              "forced": "graph_forced", "expired": "graph_expired", "released": "graph_llm_released"}
 
 
 def order_delta(before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]]) -> dict[str, Any]:

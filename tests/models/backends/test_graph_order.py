@@ -57,6 +57,25 @@ def test_an_open_hold_keeps_llm_work_waiting_even_when_nothing_else_is_queued() 
     assert order.pop(now=3.0) is None and order.pop(now=3.0, drain=True) == "llm-last"
 
 
+def test_held_llm_work_let_go_runs_in_its_turn_among_the_rest() -> None:
+    """release_llm (a new stream waits for the round a held step blocks): the LLM items queued then run
+    as NORMAL work, in their order among the rest and behind first-audio work; LLM work queued later is
+    held again."""
+    order: GraphWorkOrder[str] = GraphWorkOrder(hold_max_s=10.0)
+    order.open_hold(now=0.0)
+    order.push("llm-step-1", LLM)
+    order.push("flow-of-a-speaking-stream", NORMAL)
+    assert order.pop(now=0.1) == "flow-of-a-speaking-stream" and order.pop(now=0.1) is None
+    order.push("flow-window", FIRST)
+    assert order.release_llm() == 1 and order.pending(LLM) == 0 and order.pending(NORMAL) == 1
+    order.push("llm-step-2", LLM)
+    assert _drain(order, now=0.2) == ["flow-window", "llm-step-1"]  # step 2 is held again
+    assert order.pending(LLM) == 1 and order.release_llm() == 1 and order.release_llm() == 0
+    assert order.pop(now=0.3) == "llm-step-2"
+    stats = order.stats.as_dict()
+    assert stats["released"] == 2 and stats["runs"] == {"first_audio": 1, "normal": 3, "llm": 0}
+
+
 def test_a_hold_blocks_only_until_it_is_hold_max_s_old() -> None:
     order: GraphWorkOrder[str] = GraphWorkOrder(hold_max_s=1.5)
     first = order.open_hold(now=0.0)

@@ -392,6 +392,69 @@ def test_a_stream_before_its_first_chunk_is_not_held_by_another_streams_first_ch
         rec.inner.close()  # its decode slots back for the tests after it
 
 
+def test_a_new_stream_is_not_kept_behind_a_step_held_for_other_streams_first_chunks(
+        static_engine: CosyVoiceSynthesizer) -> None:
+    """A stream past its first chunk has its step held while another stream's first chunk holds the LLM
+    work; that held step blocks the batcher's loop, so a stream arriving then would wait for every hold
+    (H200, twenty-first run: one of eight streams ~370 ms late). Its arrival lets the held step go as
+    NORMAL work: the newcomer is prefilled and samples its first chunk's tokens with the hold still open."""
+    import time
+
+    from cosyedge_models.backends.graph_thread import GraphPriority
+
+    b, rec = _batcher(static_engine, bound=1)
+    worker = b.thread
+    worker.order.hold_max_s = 3600.0  # the order exactly, on a loaded machine
+    worker.order.max_overtakes = 1 << 30
+    opened, release = threading.Event(), threading.Event()
+
+    def other_first_chunk() -> None:
+        with worker.first_audio():
+            opened.set()
+            release.wait(120)
+
+    speaking = b.submit(_input(static_engine, 0), _sampler(b.lm, 11), first_tokens=1)
+
+    def drive() -> None:
+        while b.active or b.waiting:
+            b.run_once()
+
+    holder = threading.Thread(target=other_first_chunk)
+    holder.start()
+    assert opened.wait(30)
+    driver = threading.Thread(target=drive)
+    driver.start()
+    newcomer_tokens: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while worker.pending(GraphPriority.LLM) == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert worker.pending(GraphPriority.LLM) == 1  # the speaking stream's step, held
+        first_tokens = 3
+        newcomer = b.submit(_input(static_engine, 1), _sampler(b.lm, 12), first_tokens=first_tokens)
+        got = threading.Event()
+
+        def pull() -> None:
+            for token in newcomer:
+                newcomer_tokens.append(token)
+                if len(newcomer_tokens) == first_tokens:
+                    got.set()
+
+        puller = threading.Thread(target=pull)
+        puller.start()
+        assert got.wait(60), "the newcomer's first chunk waited for the hold"
+        assert worker.order.open_holds == 1 and worker.order_stats()["released"] >= 1
+    finally:
+        release.set()
+        holder.join(30)
+        driver.join(120)
+    try:
+        puller.join(120)
+        assert len(list(speaking)) > 1 and len(newcomer_tokens) > first_tokens and not driver.is_alive()
+    finally:
+        rec.inner.close()  # its decode slots back for the tests after it
+
+
 @pytest.mark.parametrize("priority", [GraphPriority.NORMAL, GraphPriority.FIRST_AUDIO])
 def test_the_steps_of_a_first_chunk_run_at_the_configured_priority(static_engine: CosyVoiceSynthesizer,
                                                                    monkeypatch: pytest.MonkeyPatch,

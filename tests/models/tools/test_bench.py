@@ -190,14 +190,14 @@ def test_llm_delta_gives_a_levels_steps_and_where_the_graph_batchers_time_went()
 def test_order_delta_sums_each_graph_threads_counters_over_a_level() -> None:
     from cosyedge_models.tools.bench_runs import order_delta
 
-    def stats(holds: int, deferred: int, held_ms: float) -> dict[str, object]:
+    def stats(holds: int, deferred: int, held_ms: float, released: int = 0) -> dict[str, object]:
         return {"runs": {}, "holds": holds, "deferred": deferred, "held_ms": held_ms, "forced": 0, "expired": 0,
-                "overtaken": 0}
+                "overtaken": 0, "released": released}
 
-    before = {"decode+flow": stats(1, 3, 10.0)}
-    after = {"decode+flow": stats(5, 9, 72.5)}
+    before = {"decode+flow": stats(1, 3, 10.0, 1)}
+    after = {"decode+flow": stats(5, 9, 72.5, 3)}
     assert order_delta(before, after) == {"graph_holds": 4, "graph_llm_held": 6, "graph_held_ms": 62.5,
-                                          "graph_forced": 0, "graph_expired": 0}
+                                          "graph_forced": 0, "graph_expired": 0, "graph_llm_released": 2}
     # per-stage threads: summed; a thread that had no counters before counts from zero
     assert order_delta({}, {"decode": stats(2, 1, 1.0), "flow": stats(2, 0, 1.5)})["graph_holds"] == 4
     assert order_delta({}, {}) == {}
