@@ -102,8 +102,9 @@ def engine_kwargs(params: dict[str, str], backend: str, bundle: Path | None = No
     fused batched step (graph_batching) and, where `bundle` has the batched estimator
     graphs, the streams' estimator windows in one replay (graph_flow_batch); the
     dynamic flow batching is then off (it would turn the fixed-shape flow off).
-    GRAPH_ENCODER_BATCH and LLM_CAPTURED_PREFILL (true, false; false by default)
-    add the batched encoder windows and the captured prefill there (_switch)."""
+    GRAPH_ENCODER_BATCH, LLM_CAPTURED_PREFILL and GRAPH_VOCODER_BATCH (true, false;
+    false by default) add the batched encoder windows, the captured prefill and the
+    batched vocoder graphs there (_switch)."""
     from cosyedge_models.batching.policy import BatchSettings
 
     def batching(prefix: str) -> BatchSettings | None:
@@ -129,7 +130,8 @@ def engine_kwargs(params: dict[str, str], backend: str, bundle: Path | None = No
     return {"settings": SynthesisSettings(backend=backend, batching=llm, graph_batching=llm is not None,
                                           graph_flow_batch=graph_flow,
                                           graph_encoder_batch=_switch(params, "GRAPH_ENCODER_BATCH"),
-                                          llm_captured_prefill=_switch(params, "LLM_CAPTURED_PREFILL"))}
+                                          llm_captured_prefill=_switch(params, "LLM_CAPTURED_PREFILL"),
+                                          graph_vocoder_batch=_switch(params, "GRAPH_VOCODER_BATCH"))}
 
 
 SWITCH_VALUES = ("true", "false")
@@ -138,7 +140,8 @@ SWITCH_VALUES = ("true", "false")
 def _switch(params: dict[str, str], name: str) -> bool:
     """An on/off model parameter for the captured graphs' options (docs/gpu.md: both measured, off by
     default as in the daemon's [tts]): GRAPH_ENCODER_BATCH (graph_encoder_batch: the streams' flow
-    encoder windows in one replay, with the lanes) and LLM_CAPTURED_PREFILL (llm_captured_prefill)."""
+    encoder windows in one replay, with the lanes), LLM_CAPTURED_PREFILL (llm_captured_prefill) and
+    GRAPH_VOCODER_BATCH (graph_vocoder_batch: the streams' vocoder chunks of one length in one replay)."""
     value = (params.get(name) or "false").strip().lower()
     if value not in SWITCH_VALUES:
         raise CosyEdgeError(f"{name} must be one of {', '.join(SWITCH_VALUES)}, got {value!r}")

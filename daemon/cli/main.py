@@ -190,6 +190,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--graph-encoder-batch", action="store_true",
                    help="with --graph-flow-batch and a bundle whose export has the batched encoder graphs: "
                         "concurrent streams' flow encoder calls waiting together as one batched replay")
+    p.add_argument("--graph-vocoder-batch", action="store_true",
+                   help="with the fixed-length vocoder graphs and a bundle whose export has their batched graphs: "
+                        "concurrent streams' vocoder chunks of one length waiting together as one batched replay")
     p.add_argument("--llm-prefills-between-steps", type=int, default=8,
                    help="with --graph-batching: the most new requests' prefills a running stream waits for")
     p.add_argument("--llm-parallel-prefills", type=int, default=4, metavar="THREADS",

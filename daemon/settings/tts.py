@@ -84,6 +84,12 @@ class TtsSettings:
         "GPU graph thread; off: one replay per stream's call",
         reload=True,
     )
+    graph_vocoder_batch: bool = setting(
+        False, "with the fixed-length vocoder graphs and a bundle exported by this version with --static-vocoder "
+        "and --batch-flow-sizes: concurrent streams' vocoder chunks of one length that wait together run as one "
+        "batched replay on the GPU graph thread; off: one replay per stream's chunk",
+        reload=True,
+    )
     vocoder_pad_final: str = setting(
         "auto", "with the fixed-length vocoder graphs (bundles exported with --static-vocoder): a stream's last chunk "
         "right-padded into the shortest graph that holds it, its audio cut back, instead of the dynamic vocoder at its "

@@ -35,7 +35,8 @@ def export_bundle(model_dir: Path, out: Path, static_decode_len: int = 0,
     `batch_flow_sizes` (with `static_flow_windows`) the estimator windows batched across that many
     streams, K/V cache in place (flow_batch.py), in `batch_flow_precision` (fp16: the lanes' K/V in
     fp16 too), their attention `batch_flow_attention` (fused: onnxruntime's MultiHeadAttention), and the
-    streaming encoder's windows batched across the same sizes (flow_encoder_batch.py)."""
+    streaming encoder's windows batched across the same sizes (flow_encoder_batch.py), and with
+    `static_vocoder` the fixed-length vocoder graphs too (hift_static.py)."""
     from cosyedge_build.export.flow_batch import check_options
 
     check_options(batch_flow_precision, batch_flow_attention)
@@ -113,8 +114,10 @@ def export_bundle(model_dir: Path, out: Path, static_decode_len: int = 0,
             if static_vocoder:
                 frames = hift_static.static_vocoder_frames(hyper["streaming"], int(hyper["token_mel_ratio"]),
                                                            static_vocoder_first_hops)
+                # with --batch-flow-sizes, the streams' chunks of a length batched the same way
                 stages.extend(hift_static.export_static_vocoder(refs.hift, scratch, frames,
-                                                                int(hyper["streaming"]["source_cache_len"])))
+                                                                int(hyper["streaming"]["source_cache_len"]),
+                                                                batch_flow_sizes))
             progress.advance("vocoder")
             stages.extend(bundle.carry_onnx(model_dir, scratch))
             tok = tokenizer.export_tokenizer(model_dir, scratch)

@@ -15,7 +15,13 @@ convolutions are not causal, so padding would change the audio.
   stages (cache_on 0: the first chunk).
 * audio [1, N*U]; source [1, 1, N*U] (its tail is the next chunk's cache).
 
-models/backends/ort_static_vocoder.py replays them."""
+With --batch-flow-sizes too, the same graph over B rows (`hift_batch_b<B>_f<N>`,
+B > 1): each row its own mel, noise, source cache and cache_on, so that several
+streams' chunks of one length (a first chunk beside later ones) are one replay.
+HiFT mixes nothing across rows.
+
+models/backends/ort_static_vocoder.py replays them; models/batching/batched_vocoder.py
+the batched ones."""
 
 from __future__ import annotations
 
@@ -25,7 +31,7 @@ from typing import Any
 
 from cosyedge_build.export.graphs import StageGraph, TensorSpec, export_stage, module_base
 from cosyedge_build.export.hift import _torch, make_decoder_graph, make_source_graph, upsample_factor
-from cosyedge_models.bundle.loader import STATIC_VOCODER_PREFIX
+from cosyedge_models.bundle.loader import BATCH_VOCODER_PREFIX, STATIC_VOCODER_PREFIX
 from cosyedge_models.synthesis.streaming import recurring_mel_frames
 
 
@@ -45,7 +51,7 @@ def make_static_vocoder(hift: Any, cache_len: int) -> Any:
 
         def forward(self, mel: Any, noise: Any, cache_source: Any, cache_on: Any) -> tuple[Any, Any]:
             source = self.source_graph(mel, noise)
-            on = cache_on.view(1, 1, 1)
+            on = cache_on.view(-1, 1, 1)  # a row's own switch
             head = on * cache_source + (1.0 - on) * source[:, :, :cache_len]  # exact for 0 and 1
             source = torch.cat([head, source[:, :, cache_len:]], dim=2)
             return self.decoder_graph(mel, source), source
@@ -65,8 +71,14 @@ def static_vocoder_frames(streaming: dict[str, Any], token_mel_ratio: int,
     return sorted(lengths)
 
 
-def export_static_vocoder(hift: Any, out: Path, frames: list[int], cache_len: int) -> list[StageGraph]:
-    """One graph per mel length; each chunk must be longer than the source cache."""
+def batch_stage_name(batch: int, frames: int) -> str:
+    return f"{BATCH_VOCODER_PREFIX}{batch}_f{frames}"
+
+
+def export_static_vocoder(hift: Any, out: Path, frames: list[int], cache_len: int,
+                          batch_sizes: Sequence[int] = ()) -> list[StageGraph]:
+    """One graph per mel length, and per length one per batch size above 1 in `batch_sizes` (the
+    streams' chunks of that length in one replay); each chunk must be longer than the source cache."""
     torch = _torch()
     c = int(hift.f0_predictor.condnet[0].in_channels)
     factor = upsample_factor(hift)
@@ -75,16 +87,19 @@ def export_static_vocoder(hift: Any, out: Path, frames: list[int], cache_len: in
         raise ValueError(f"static vocoder lengths {frames} must exceed the source cache ({cache_len} samples)")
     graph = make_static_vocoder(hift, cache_len)
     stages = []
-    for n in frames:
-        stage = StageGraph(
-            stage_name(n), f"{stage_name(n)}.onnx",
-            [TensorSpec("mel", "float32", (1, c, n)), TensorSpec("noise", "float32", (1, n * factor, harmonics)),
-             TensorSpec("cache_source", "float32", (1, 1, cache_len)), TensorSpec("cache_on", "float32", (1,))],
-            [TensorSpec("audio", "float32", (1, n * factor)), TensorSpec("source", "float32", (1, 1, n * factor))],
-            {},
-            extra={"frames": n, "cache_len": cache_len},
-        )
-        example = (torch.randn(1, c, n), torch.randn(1, n * factor, harmonics), torch.randn(1, 1, cache_len) * 0.1,
-                   torch.tensor([0.5]))  # not 0 or 1: nothing folds away in the trace
-        stages.append(export_stage(graph, example, out, stage))
+    for b in [1, *sorted({int(b) for b in batch_sizes if int(b) > 1})]:
+        for n in frames:
+            name = stage_name(n) if b == 1 else batch_stage_name(b, n)
+            stage = StageGraph(
+                name, f"{name}.onnx",
+                [TensorSpec("mel", "float32", (b, c, n)), TensorSpec("noise", "float32", (b, n * factor, harmonics)),
+                 TensorSpec("cache_source", "float32", (b, 1, cache_len)), TensorSpec("cache_on", "float32", (b,))],
+                [TensorSpec("audio", "float32", (b, n * factor)), TensorSpec("source", "float32", (b, 1, n * factor))],
+                {},
+                extra={"frames": n, "cache_len": cache_len, **({"batch": b} if b > 1 else {})},
+            )
+            example = (torch.randn(b, c, n), torch.randn(b, n * factor, harmonics),
+                       torch.randn(b, 1, cache_len) * 0.1,
+                       torch.full((b,), 0.5))  # not 0 or 1: nothing folds away in the trace
+            stages.append(export_stage(graph, example, out, stage))
     return stages

@@ -23,14 +23,15 @@ case ${1:?start or wait} in
     # size with the batched encoder windows and the captured prefill (CLOUD_PARAMS); then repeats of the
     # candidates for the defaults: the goals' configuration without and with rounds gathered 4 ms, the
     # batched prefill with the gather, per-stage threads with the gather and without (a lone stream's first
-    # chunk now holds the LLM step's thread too: one stream's first audio there). The batched lanes' -m gpu tests
+    # chunk now holds the LLM step's thread too: one stream's first audio there); the goals' levels with the
+    # vocoder's fixed lengths batched (--graph-vocoder-batch; the setup exports them). The batched lanes' -m gpu tests
     # beside the setup (their K/V in driver memory; passed on the H200 in the twenty-first run: on an H100,
     # the first there since the fix).
     voice="VOICE_WAV=/tmp/voice/en8.wav VOICE_TEXT=And+then+later+on,+fully+acquiring+that+company.+So+keeping+management+in+line,+interest+in+line+with+the+asset"
     stage="--voice+en8+--graph-threads+per-stage+--llm-parallel-prefills+4"
     goals="--voice+en8+--first-chunk+15:6+--graph-batching+--batching+16+--graph-flow-batch+--graph-encoder-batch+--llm-captured-prefill+--concurrency-mode+both"
     levels="--voice+en8+--graph-encoder-batch+--llm-captured-prefill"  # the goals' configuration in a batch step
-    plan=${PLAN:-"d setup FP16=0 STATIC_FLOW_WINDOWS=64,128 FUSED_BATCHES=1,4,8,16 BATCH_FLOW_SIZES=1,8,16 BATCH_FLOW_PRECISION=fp16 BATCH_FLOW_ATTENTION=fused FUSED_PREFILL_LENGTHS=128,256,384 $voice;e bench FP16=0 BENCH_ARGS=$goals CONCURRENCY=1,8,16 BENCH_TIMEOUT_S=900;!f bench FP16=0 COSYEDGE_ORT_SHARE_WEIGHTS=0 BENCH_ARGS=$goals CONCURRENCY=1,8,16 BENCH_TIMEOUT_S=900;c cloud FP16=0 CLOUD_TIMEOUT_S=480 CLOUD_PARAMS=GRAPH_ENCODER_BATCH=true+LLM_CAPTURED_PREFILL=true;x batch FP16=0 JSON_TAG=goals_levels BENCH_ARGS=$levels CONCURRENCY=1,8,16;g batch FP16=0 JSON_TAG=goals_levels_gather4 BENCH_ARGS=$levels+--max-queue-delay-ms+4 CONCURRENCY=1,8,16;b batch FP16=0 JSON_TAG=one_thread_batched_prefill_gather BENCH_ARGS=--voice+en8+--llm-batched-prefill+--max-queue-delay-ms+4 CONCURRENCY=1,8,16;h batch FP16=0 JSON_TAG=goals_levels_gather4_again BENCH_ARGS=$levels+--max-queue-delay-ms+4 CONCURRENCY=1,8,16;p batch FP16=0 JSON_TAG=per_stage_p4_gather4 BENCH_ARGS=$stage+--graph-encoder-batch+--max-queue-delay-ms+4 CONCURRENCY=1,8,16;q batch FP16=0 JSON_TAG=per_stage_p4_lone_hold BENCH_ARGS=$stage+--graph-encoder-batch CONCURRENCY=1,8,16;y batch FP16=0 JSON_TAG=goals_levels_again BENCH_ARGS=$levels CONCURRENCY=1,8,16"}
+    plan=${PLAN:-"d setup FP16=0 STATIC_FLOW_WINDOWS=64,128 FUSED_BATCHES=1,4,8,16 BATCH_FLOW_SIZES=1,8,16 BATCH_FLOW_PRECISION=fp16 BATCH_FLOW_ATTENTION=fused FUSED_PREFILL_LENGTHS=128,256,384 $voice;e bench FP16=0 BENCH_ARGS=$goals CONCURRENCY=1,8,16 BENCH_TIMEOUT_S=900;!f bench FP16=0 COSYEDGE_ORT_SHARE_WEIGHTS=0 BENCH_ARGS=$goals CONCURRENCY=1,8,16 BENCH_TIMEOUT_S=900;c cloud FP16=0 CLOUD_TIMEOUT_S=480 CLOUD_PARAMS=GRAPH_ENCODER_BATCH=true+LLM_CAPTURED_PREFILL=true+GRAPH_VOCODER_BATCH=true;x batch FP16=0 JSON_TAG=goals_levels BENCH_ARGS=$levels CONCURRENCY=1,8,16;g batch FP16=0 JSON_TAG=goals_levels_gather4 BENCH_ARGS=$levels+--max-queue-delay-ms+4 CONCURRENCY=1,8,16;v batch FP16=0 JSON_TAG=goals_levels_vocoder_batch BENCH_ARGS=$levels+--graph-vocoder-batch CONCURRENCY=1,8,16;b batch FP16=0 JSON_TAG=one_thread_batched_prefill_gather BENCH_ARGS=--voice+en8+--llm-batched-prefill+--max-queue-delay-ms+4 CONCURRENCY=1,8,16;h batch FP16=0 JSON_TAG=goals_levels_gather4_again BENCH_ARGS=$levels+--max-queue-delay-ms+4 CONCURRENCY=1,8,16;p batch FP16=0 JSON_TAG=per_stage_p4_gather4 BENCH_ARGS=$stage+--graph-encoder-batch+--max-queue-delay-ms+4 CONCURRENCY=1,8,16;q batch FP16=0 JSON_TAG=per_stage_p4_lone_hold BENCH_ARGS=$stage+--graph-encoder-batch CONCURRENCY=1,8,16;y batch FP16=0 JSON_TAG=goals_levels_again BENCH_ARGS=$levels CONCURRENCY=1,8,16"}
     if [ -n "${STEPS:-}" ]; then
       # STEPS="d x e": only those entries of the plan, in that order (a short lease; "!f" is kept as "f")
       IFS=";" read -ra all <<<"$plan"; kept=()
@@ -38,7 +39,7 @@ case ${1:?start or wait} in
       plan=$(IFS=";"; echo "${kept[*]}")
     fi
     echo "$plan" >"$res/plan"; : >"$res/status"  # a wait right after start finds the plan
-    beside=${TESTS_BESIDE-tests/models/batching/test_flow_batcher_gpu.py}
+    beside=${TESTS_BESIDE-tests/models/batching/test_flow_batcher_gpu.py tests/models/batching/test_batched_vocoder.py}
     if [ -n "$beside" ]; then
       # the -m gpu tests (tiny bundles of their own) beside the full-size setup, once device_run.sh has
       # unpacked onnxruntime into /tmp/site (the setup builds pycuda alone): the tests run during the setup

@@ -15,6 +15,7 @@ without capture: that is how they are tested."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 
@@ -94,17 +95,23 @@ class StaticVocoder:
         """(audio, source) for mel [1, C, N] as HiftVocoder.run computes it, or
         None where no graph fits (another length, batch or cache length)."""
         cache = source_cache(cache)
-        frames = vocoder_length({n: io.cache_len for n, io in self._io.items()}, mel.shape, cache)
-        io = self._io.get(frames) if frames is not None and self.disabled is None else None
-        if io is None:
+        frames = self.fitting(mel.shape, cache)
+        if frames is None:
             return None
+        return self.thread.call(functools.partial(self.replay, frames, mel, noise, cache), label="vocoder_graph")
 
-        def work() -> tuple[np.ndarray, np.ndarray]:
-            out = io.run(mel, noise, cache)
-            self.replays += 1
-            return out
+    def fitting(self, mel_shape: tuple[int, ...], cache: np.ndarray | None) -> int | None:
+        """The length whose graph serves a chunk of `mel_shape` with `cache` (source_cache's), or None."""
+        frames = vocoder_length({n: io.cache_len for n, io in self._io.items()}, mel_shape, cache)
+        return frames if frames is not None and frames in self._io and self.disabled is None else None
 
-        return self.thread.call(work, label="vocoder_graph")
+    def replay(self, frames: int, mel: np.ndarray, noise: np.ndarray,
+               cache: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """On the graph thread: one chunk through its length's graph (run's work; the batched
+        vocoder's lone calls, models/batching/batched_vocoder.py)."""
+        out = self._io[frames].run(mel, noise, cache)
+        self.replays += 1
+        return out
 
     def close(self) -> None:
         self._io.clear()

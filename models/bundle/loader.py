@@ -40,7 +40,10 @@ BATCH_FLOW_NAME = re.compile(rf"^{BATCH_FLOW_PREFIX}(\d+)_w(\d+)$")  # groups: b
 # the streaming encoder windows batched across streams (edge_build/export/flow_encoder_batch.py; captured too)
 BATCH_ENCODER_PREFIX = "flow_encoder_batch_b"
 BATCH_ENCODER_NAME = re.compile(rf"^{BATCH_ENCODER_PREFIX}(\d+)_t(\d+)$")  # groups: batch size, window tokens
-BATCHED_PREFIXES = (BATCH_FLOW_PREFIX, BATCH_ENCODER_PREFIX)
+# the fixed-length vocoder graphs batched across streams (edge_build/export/hift_static.py; captured too)
+BATCH_VOCODER_PREFIX = "hift_batch_b"
+BATCH_VOCODER_NAME = re.compile(rf"^{BATCH_VOCODER_PREFIX}(\d+)_f(\d+)$")  # groups: batch size, mel frames
+BATCHED_PREFIXES = (BATCH_FLOW_PREFIX, BATCH_ENCODER_PREFIX, BATCH_VOCODER_PREFIX)
 # the fused batched LLM step (edge_build/export/llm_fused.py; models/batching/fused_step.py serves it)
 FUSED_PREFIX = "llm_decode_fused_b"  # + batch size
 FUSED_PREFILL_PREFIX = "llm_prefill_fused_t"  # + prompt positions: one row's prefill of a fixed length

@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # onnxruntime is imported only where a stage is on (the trt b
     from cosyedge_models.backends.tensorrt.static_flow import TrtStaticFlow
     from cosyedge_models.backends.tensorrt.static_vocoder import TrtStaticVocoder
     from cosyedge_models.batching.batched_encoder import BatchEncoderGraphs
+    from cosyedge_models.batching.batched_vocoder import BatchedVocoder
     from cosyedge_models.batching.flow_batcher import BatchedFlowCaches, FlowBatcher
     from cosyedge_models.batching.fused_step import FusedDecodeStep
 
@@ -53,7 +54,8 @@ class GraphStages:
         self.decode: GraphDecoder | None = None
         self.flow: StaticFlowGraphs | TrtStaticFlow | None = None
         self.encoder: StaticEncoderGraphs | TrtStaticEncoder | None = None
-        self.vocoder: StaticVocoder | TrtStaticVocoder | None = None
+        self.vocoder: StaticVocoder | TrtStaticVocoder | BatchedVocoder | None = None
+        self.vocoder_batch: BatchedVocoder | None = None  # the batched vocoder graphs (graph_vocoder_batch)
         self.flow_batch: FlowBatcher | None = None  # the batched estimator windows (graph_flow_batch)
         self.encoder_batch: BatchEncoderGraphs | None = None  # the batched encoder windows (graph_encoder_batch)
         # seconds each stage took to load, make its slots and capture its graphs (bench, logs):
@@ -148,6 +150,10 @@ class GraphStages:
     def encoder_batch_stats(self) -> dict[str, int] | None:
         """What the batched encoder windows did (EncoderBatchStats), or None (off)."""
         return None if self.encoder_batch is None else self.encoder_batch.stats.as_dict()
+
+    def vocoder_batch_stats(self) -> dict[str, int] | None:
+        """What the batched vocoder graphs did (VocoderBatchStats), or None (off)."""
+        return None if self.vocoder_batch is None else self.vocoder_batch.stats.as_dict()
 
     def fixed_size_decode(self, prefill: Session, decode: Session | None = None) -> FixedSizeDecode | None:
         """The LLM's fixed-size step over `prefill`, captured now, or None (the ordinary loop);
@@ -376,7 +382,7 @@ class GraphStages:
                  graphs.windows, graphs.batch_sizes, graphs.max_slots, graphs.cache_tokens)
         return self._loaded("encoder_batch", t0, graphs)
 
-    def static_vocoder(self) -> StaticVocoder | TrtStaticVocoder | None:
+    def static_vocoder(self) -> StaticVocoder | TrtStaticVocoder | BatchedVocoder | None:
         """The fixed-length vocoder graphs (onnxruntime) or engines (trt), captured now, or
         None (not with flow batching)."""
         t0 = time.perf_counter()
@@ -391,8 +397,14 @@ class GraphStages:
             return self._loaded("vocoder", t0, self.vocoder)
         from cosyedge_models.backends.ort_static_vocoder import load_static_vocoder
 
-        self.vocoder = load_static_vocoder(self.bundle, self.backend_name, self._load, self.settings.graph_vocoder,
-                                           functools.partial(self._thread, "vocoder"))
+        single = load_static_vocoder(self.bundle, self.backend_name, self._load, self.settings.graph_vocoder,
+                                     functools.partial(self._thread, "vocoder"))
+        self.vocoder = single
+        if single is not None and self.settings.graph_vocoder_batch and single.disabled is None:
+            from cosyedge_models.batching.batched_vocoder import BatchedVocoder, with_batched_vocoder
+
+            self.vocoder = with_batched_vocoder(single, self.bundle, self._load)
+            self.vocoder_batch = self.vocoder if isinstance(self.vocoder, BatchedVocoder) else None
         return self._loaded("vocoder", t0, self.vocoder)
 
     def close(self) -> None:

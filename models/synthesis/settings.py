@@ -111,6 +111,10 @@ class SynthesisSettings:
     # more take the single-stream encoder slots). Measured on the H200 (docs/gpu.md, twenty-first run):
     # within the runs' spread at eight and sixteen streams: off by default.
     graph_encoder_batch: bool = False
+    # With the fixed-length vocoder graphs and a bundle that has their batched graphs (exported with
+    # --static-vocoder and --batch-flow-sizes): concurrent streams' chunks of one length waiting together run
+    # as one batched replay (models/batching/batched_vocoder.py). Off by default until measured on the GPU.
+    graph_vocoder_batch: bool = False
     # Offline (stream=false) requests synthesized as streams whose pieces are joined, so that the
     # streams' batched GPU work (graph_flow_batch's lanes, the vocoder's fixed lengths) serves them
     # too; the audio is then what a streamed request gives (chunk-causal flow) instead of one

@@ -279,6 +279,7 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
                               graph_batching=args.graph_batching,
                               graph_flow_batch=args.graph_flow_batch,
                               graph_encoder_batch=args.graph_encoder_batch,
+                              graph_vocoder_batch=args.graph_vocoder_batch,
                               offline_as_stream=args.offline_as_stream,
                               vocoder_pad_final=args.vocoder_pad_final,
                               llm_prefills_between_steps=args.llm_prefills_between_steps,
@@ -339,7 +340,8 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
                         **concurrency_report(engine, text, concurrency, mode, voice),
                         "graph_order": engine.graphs.order_stats(),
                         "graph_flow_batch": engine.graphs.flow_batch_stats(),
-                        "graph_encoder_batch": engine.graphs.encoder_batch_stats()}
+                        "graph_encoder_batch": engine.graphs.encoder_batch_stats(),
+                        "graph_vocoder_batch": engine.graphs.vocoder_batch_stats()}
             print(json.dumps(report_c, indent=2))
             if args.json:
                 Path(args.json).write_text(json.dumps(report_c, indent=2) + "\n")
@@ -425,6 +427,7 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
         report["graph_order"] = engine.graphs.order_stats()
         report["graph_flow_batch"] = engine.graphs.flow_batch_stats()  # None: off
         report["graph_encoder_batch"] = engine.graphs.encoder_batch_stats()  # None: off
+        report["graph_vocoder_batch"] = engine.graphs.vocoder_batch_stats()  # None: off
         report["session_memory_bytes"] = engine.session_memory_bytes()
         report["peak_rss_mb"] = round(peak_rss_mb(), 1)  # before other bundles load and the reference loads torch
         save_partial(args.json, report)

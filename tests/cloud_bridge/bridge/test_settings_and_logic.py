@@ -123,10 +123,10 @@ def test_triton_model_graph_batching_follows_the_bundles_batched_graphs(static_f
     assert engine_kwargs(params, "ort-cuda", tiny_bundle)["settings"].graph_flow_batch is False
     # the captured graphs' two options: off unless asked for, as in the daemon's [tts]
     plain = engine_kwargs(params, "ort-cuda", static_flow_bundle)["settings"]
-    assert (plain.graph_encoder_batch, plain.llm_captured_prefill) == (False, False)
-    both = engine_kwargs({**params, "GRAPH_ENCODER_BATCH": "true", "LLM_CAPTURED_PREFILL": " True "}, "ort-cuda",
-                         static_flow_bundle)["settings"]
-    assert (both.graph_encoder_batch, both.llm_captured_prefill) == (True, True)
+    assert (plain.graph_encoder_batch, plain.llm_captured_prefill, plain.graph_vocoder_batch) == (False, False, False)
+    both = engine_kwargs({**params, "GRAPH_ENCODER_BATCH": "true", "LLM_CAPTURED_PREFILL": " True ",
+                          "GRAPH_VOCODER_BATCH": "true"}, "ort-cuda", static_flow_bundle)["settings"]
+    assert (both.graph_encoder_batch, both.llm_captured_prefill, both.graph_vocoder_batch) == (True, True, True)
     with pytest.raises(CosyEdgeError, match="GRAPH_ENCODER_BATCH must be one of true, false, got 'on'"):
         engine_kwargs({**params, "GRAPH_ENCODER_BATCH": "on"}, "ort-cuda", static_flow_bundle)
 
