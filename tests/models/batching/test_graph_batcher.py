@@ -8,15 +8,17 @@ waits for at most max_prefills_between_steps prefills between two steps
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from cosyedge_models.backends.graph_thread import GraphPriority
+from cosyedge_models.backends.graph_thread import GraphPriority, GraphThread
 from cosyedge_models.backends.ort_graph_decode import GraphDecoder
 from cosyedge_models.batching.graph_batcher import GraphBatcher
 from cosyedge_models.batching.iteration import IterationSettings
@@ -341,17 +343,10 @@ def test_captured_graph_batching_gives_the_tokens_alone(tiny_static_bundle: Path
     assert got == alone
 
 
-def test_a_stream_before_its_first_chunk_is_not_held_by_another_streams_first_chunk(
-        static_engine: CosyVoiceSynthesizer) -> None:
-    """While another stream's first chunk holds the LLM work on the graph thread, a step that samples a
-    token of some stream's own first chunk (`first_tokens`) is first-audio work and runs; once every
-    row is past its first chunk the step is LLM work again and waits for the hold."""
-    import time
-
-    from cosyedge_models.backends.graph_thread import GraphPriority
-
-    b, rec = _batcher(static_engine, bound=1)
-    worker = b.thread
+@contextlib.contextmanager
+def _another_first_chunk(worker: GraphThread) -> Iterator[None]:
+    """Another stream's first-chunk hold open on `worker` (the order exact: no bound lets held work go)
+    until the block ends."""
     worker.order.hold_max_s = 3600.0  # the order exactly, on a loaded machine
     worker.order.max_overtakes = 1 << 30
     opened, release = threading.Event(), threading.Event()
@@ -364,31 +359,52 @@ def test_a_stream_before_its_first_chunk_is_not_held_by_another_streams_first_ch
     holder = threading.Thread(target=other_first_chunk)
     holder.start()
     assert opened.wait(30)
-    first_tokens = 3
-    stream = b.submit(_input(static_engine, 0), _sampler(b.lm, 11), first_tokens=first_tokens)
+    try:
+        yield
+    finally:
+        release.set()
+        holder.join(30)
 
+
+def _drive_in_background(b: GraphBatcher) -> threading.Thread:
     def drive() -> None:
         while b.active or b.waiting:
             b.run_once()
 
     driver = threading.Thread(target=drive)
     driver.start()
+    return driver
+
+
+def _wait_for_held_llm_work(worker: GraphThread) -> None:
+    deadline = time.monotonic() + 120
+    while worker.pending(GraphPriority.LLM) == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_a_stream_before_its_first_chunk_is_not_held_by_another_streams_first_chunk(
+        static_engine: CosyVoiceSynthesizer) -> None:
+    """While another stream's first chunk holds the LLM work on the graph thread, a step that samples a
+    token of some stream's own first chunk (`first_tokens`) is first-audio work and runs; once every
+    row is past its first chunk the step is LLM work again and waits for the hold."""
+    b, rec = _batcher(static_engine, bound=1)
+    first_tokens = 3
+    driver = None
     try:
-        deadline = time.monotonic() + 120
-        while worker.pending(GraphPriority.LLM) == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        steps = [e for e in rec.events if e[0] == "step"]
-        # the prefill sampled token 0, two steps tokens 1 and 2 (urgent); the step of token 3 waits
-        assert worker.pending(GraphPriority.LLM) == 1 and len(steps) == first_tokens - 1
-        time.sleep(0.3)
-        assert len([e for e in rec.events if e[0] == "step"]) == first_tokens - 1  # still held
-    finally:
-        release.set()
-        holder.join(30)
+        with _another_first_chunk(b.thread):
+            stream = b.submit(_input(static_engine, 0), _sampler(b.lm, 11), first_tokens=first_tokens)
+            driver = _drive_in_background(b)
+            _wait_for_held_llm_work(b.thread)
+            steps = [e for e in rec.events if e[0] == "step"]
+            # the prefill sampled token 0, two steps tokens 1 and 2 (urgent); the step of token 3 waits
+            assert b.thread.pending(GraphPriority.LLM) == 1 and len(steps) == first_tokens - 1
+            time.sleep(0.3)
+            assert len([e for e in rec.events if e[0] == "step"]) == first_tokens - 1  # still held
         driver.join(120)
-    try:
         assert len(list(stream)) > first_tokens and not driver.is_alive()
     finally:
+        if driver is not None:
+            driver.join(120)
         rec.inner.close()  # its decode slots back for the tests after it
 
 
@@ -398,60 +414,36 @@ def test_a_new_stream_is_not_kept_behind_a_step_held_for_other_streams_first_chu
     work; that held step blocks the batcher's loop, so a stream arriving then would wait for every hold
     (H200, twenty-first run: one of eight streams ~370 ms late). Its arrival lets the held step go as
     NORMAL work: the newcomer is prefilled and samples its first chunk's tokens with the hold still open."""
-    import time
-
-    from cosyedge_models.backends.graph_thread import GraphPriority
-
     b, rec = _batcher(static_engine, bound=1)
-    worker = b.thread
-    worker.order.hold_max_s = 3600.0  # the order exactly, on a loaded machine
-    worker.order.max_overtakes = 1 << 30
-    opened, release = threading.Event(), threading.Event()
-
-    def other_first_chunk() -> None:
-        with worker.first_audio():
-            opened.set()
-            release.wait(120)
-
-    speaking = b.submit(_input(static_engine, 0), _sampler(b.lm, 11), first_tokens=1)
-
-    def drive() -> None:
-        while b.active or b.waiting:
-            b.run_once()
-
-    holder = threading.Thread(target=other_first_chunk)
-    holder.start()
-    assert opened.wait(30)
-    driver = threading.Thread(target=drive)
-    driver.start()
+    first_tokens = 3
     newcomer_tokens: list[int] = []
+    got = threading.Event()
+    driver = puller = None
     try:
-        deadline = time.monotonic() + 120
-        while worker.pending(GraphPriority.LLM) == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert worker.pending(GraphPriority.LLM) == 1  # the speaking stream's step, held
-        first_tokens = 3
-        newcomer = b.submit(_input(static_engine, 1), _sampler(b.lm, 12), first_tokens=first_tokens)
-        got = threading.Event()
+        with _another_first_chunk(b.thread):
+            speaking = b.submit(_input(static_engine, 0), _sampler(b.lm, 11), first_tokens=1)
+            driver = _drive_in_background(b)
+            _wait_for_held_llm_work(b.thread)
+            assert b.thread.pending(GraphPriority.LLM) == 1  # the speaking stream's step, held
+            newcomer = b.submit(_input(static_engine, 1), _sampler(b.lm, 12), first_tokens=first_tokens)
 
-        def pull() -> None:
-            for token in newcomer:
-                newcomer_tokens.append(token)
-                if len(newcomer_tokens) == first_tokens:
-                    got.set()
+            def pull() -> None:
+                for token in newcomer:
+                    newcomer_tokens.append(token)
+                    if len(newcomer_tokens) == first_tokens:
+                        got.set()
 
-        puller = threading.Thread(target=pull)
-        puller.start()
-        assert got.wait(60), "the newcomer's first chunk waited for the hold"
-        assert worker.order.open_holds == 1 and worker.order_stats()["released"] >= 1
-    finally:
-        release.set()
-        holder.join(30)
+            puller = threading.Thread(target=pull)
+            puller.start()
+            assert got.wait(60), "the newcomer's first chunk waited for the hold"
+            assert b.thread.order.open_holds == 1 and b.thread.order_stats()["released"] >= 1
         driver.join(120)
-    try:
         puller.join(120)
         assert len(list(speaking)) > 1 and len(newcomer_tokens) > first_tokens and not driver.is_alive()
     finally:
+        for t in (driver, puller):
+            if t is not None:
+                t.join(120)
         rec.inner.close()  # its decode slots back for the tests after it
 
 
