@@ -137,7 +137,8 @@ class BatchedVocoder:
         """(audio, source) for mel [1, C, N] as HiftVocoder.run computes it, or None where no graph fits."""
         cache = source_cache(cache)
         frames = self.single.fitting(mel.shape, cache)
-        if frames is None or self.disabled is not None or not any(n == frames for _, n in self._io):
+        if (frames is None or self.disabled is not None or not any(n == frames for _, n in self._io)
+                or self.thread.on_thread()):  # on the graph thread itself: inline, as GraphThread.call runs it
             return self.single.run(mel, noise, cache)
         call = _Call(frames, mel, noise, cache)
         with self._lock:
