@@ -138,8 +138,8 @@ SWITCH_VALUES = ("true", "false")
 
 
 def _switch(params: dict[str, str], name: str) -> bool:
-    """An on/off model parameter for the captured graphs' options (docs/gpu.md: both measured, off by
-    default as in the daemon's [tts]): GRAPH_ENCODER_BATCH (graph_encoder_batch: the streams' flow
+    """An on/off model parameter for the captured graphs' options (off by default as in the daemon's
+    [tts]; docs/gpu.md says what each measured): GRAPH_ENCODER_BATCH (graph_encoder_batch: the streams' flow
     encoder windows in one replay, with the lanes), LLM_CAPTURED_PREFILL (llm_captured_prefill) and
     GRAPH_VOCODER_BATCH (graph_vocoder_batch: the streams' vocoder chunks of one length in one replay)."""
     value = (params.get(name) or "false").strip().lower()

@@ -104,6 +104,7 @@ class BatchedVocoder:
         self._sessions = dict(sessions)
         self._io: dict[tuple[int, int], _BatchIO] = {}
         self.batch_sizes = sorted({b for b, _ in sessions})
+        self._batched_frames = {n for _, n in sessions}  # the lengths with batched graphs
         self.capture = all(s.cuda_graph for s in sessions.values())
         self.stats = VocoderBatchStats()
         self.disabled: str | None = None  # a capture at load failed: the single-stream graphs serve
@@ -137,7 +138,7 @@ class BatchedVocoder:
         """(audio, source) for mel [1, C, N] as HiftVocoder.run computes it, or None where no graph fits."""
         cache = source_cache(cache)
         frames = self.single.fitting(mel.shape, cache)
-        if (frames is None or self.disabled is not None or not any(n == frames for _, n in self._io)
+        if (frames is None or self.disabled is not None or frames not in self._batched_frames
                 or self.thread.on_thread()):  # on the graph thread itself: inline, as GraphThread.call runs it
             return self.single.run(mel, noise, cache)
         call = _Call(frames, mel, noise, cache)
