@@ -207,18 +207,35 @@ def batch_flow_reserve(batch_sizes: Sequence[int], lanes: int, groups: int, wind
     return len(batch_sizes) * windows * SESSION_DEVICE_BYTES + batched * groups * windows * CAPTURED_STEP_BYTES
 
 
+# What an engine loads after the batched lanes and needs to serve, measured on an H100 80GB with the
+# full-size model (twenty-second run, docs/benchmarks/h100-2026-12-05-run22.json): the single-stream
+# encoder slots 1.2-2.3 GB, the vocoder's graphs 1.2, the fused LLM step 1.8-2.4, a saved voice's flow
+# prefix 1.5, and the helper sessions and streams made while serving (each CUDA session ~155 MB: its
+# cuBLAS handle and workspace). With 16 lanes and 12.8 GB left it served; the batched encoder windows
+# (graph_encoder_batch) took 9.5 GB more for 16 streams, and with 3.8 GB left the first requests ran out
+# of memory creating a cuBLAS handle; the batched vocoder lengths (graph_vocoder_batch) took 1.9 GB more
+# than the single-stream ones. Counted in lanes (9.0, 9.5 and 1.9 GB against the fused fp16 lane's
+# 2.64 GB) so that a smaller model, whose stages are smaller too, is not held to the full size's bytes.
+LATER_STAGES_LANES = 3.4
+ENCODER_BATCH_LANES = 3.6
+VOCODER_BATCH_LANES = 0.7
+
+
 def batch_lanes(batch_sizes: Sequence[int], per_lane_bytes: int, total_bytes: int, free_bytes: int,
-                fraction: float = BATCH_LANE_FRACTION, groups: int = 0, windows: int = 0) -> int:
+                fraction: float = BATCH_LANE_FRACTION, groups: int = 0, windows: int = 0,
+                later_bytes: int = 0) -> int:
     """The lanes (streams) of the batched estimator graphs on a GPU: the largest exported batch
     size whose lanes (`per_lane_bytes` of caches each) fit in `fraction` of `total_bytes`, and whose
     lanes with their captures and the graphs' sessions (`groups` x `windows` graphs a lane and batch
-    size; 0: not counted) fit in FREE_FRACTION of `free_bytes` (a batch of 2..lanes streams pads to
+    size; 0: not counted) fit in FREE_FRACTION of `free_bytes` and, with `later_bytes` (what the engine
+    loads after them and needs to serve), in `free_bytes` (a batch of 2..lanes streams pads to
     an exported size, so the lanes are one); 1 where only one fits, 0 where none does."""
     sizes = sorted(batch_sizes)
+    free = max(free_bytes, 0)
     for lanes in reversed(sizes):
         caches = lanes * per_lane_bytes
         held = caches + lanes * lane_capture_bytes(groups, windows) + batch_flow_reserve(sizes, lanes, groups, windows)
-        if caches <= total_bytes * fraction and held <= max(free_bytes, 0) * FREE_FRACTION:
+        if caches <= total_bytes * fraction and held <= free * FREE_FRACTION and held + later_bytes <= free:
             return lanes
     return 0
 

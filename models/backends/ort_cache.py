@@ -177,13 +177,29 @@ class FixedBuffer:
         self._host = None
 
 
+# The copies a copy_many run may hold. A session a count (as before) made one on the GPU for each new
+# count while serving, each with its own cuBLAS handle and workspace (~155 MB), so the memory grew after
+# the load had measured it (H100, twenty-second run: the first requests ran out of memory making one).
+COPY_RUN_SIZES = (64, 32, 16, 8, 4, 2)
+
+
+def copy_runs(count: int) -> list[int]:
+    """`count` copies as runs of COPY_RUN_SIZES (largest first) and a last single copy where one is left."""
+    runs = []
+    for size in COPY_RUN_SIZES:
+        while count >= size:
+            runs.append(size)
+            count -= size
+    return runs + [1] * count
+
+
 class DeviceCopier:
     """Byte copies between device addresses through the Identity graph (its
     kernel copies input to output with the device's own memcpy). One per
     backend and device; onnxruntime sessions are safe to run from several threads.
-    `copy_many` runs a batch of copies as one session run (a graph of that many
-    Identity nodes, made once per count): a lane's 2 L block copies cost one run's
-    overhead instead of 2 L."""
+    `copy_many` runs a batch of copies in a few session runs (graphs of COPY_RUN_SIZES
+    Identity nodes, each made once): a lane's 2 L block copies cost a run or three instead
+    of 2 L."""
 
     def __init__(self, device_type: str, device_id: int = 0) -> None:
         self.device = (device_type, device_id)
@@ -204,10 +220,15 @@ class DeviceCopier:
     def copy_many(self, copies: Sequence[tuple[int, int, int]]) -> None:
         """Every (dst_ptr, src_ptr, nbytes) copy in one session run (no range may overlap another)."""
         copies = [c for c in copies if c[2] > 0]
-        if len(copies) <= 1:
-            for dst, src, nbytes in copies:
-                self.copy(dst, src, nbytes)
-            return
+        start = 0
+        for size in copy_runs(len(copies)):
+            if size == 1:
+                self.copy(*copies[start])
+            else:
+                self._copy_run(copies[start:start + size])
+            start += size
+
+    def _copy_run(self, copies: Sequence[tuple[int, int, int]]) -> None:
         with self._lock:
             sess = self._many.get(len(copies))
             if sess is None:

@@ -268,6 +268,9 @@ class GraphStages:
         if flow.device[0] == "cuda":  # the lanes that fit the GPU's memory now (batch_lanes)
             from cosyedge_models.backends.fixed_shapes import (
                 BATCH_LANE_FRACTION,
+                ENCODER_BATCH_LANES,
+                LATER_STAGES_LANES,
+                VOCODER_BATCH_LANES,
                 batch_lanes,
                 device_total_bytes,
                 lane_capture_bytes,
@@ -279,8 +282,11 @@ class GraphStages:
             used = device_memory_used(flow.device[1])
             if total:
                 free = total - used if used is not None else total
+                # the stages loaded after the lanes (H100, twenty-second run: 16 lanes left 3.8 GB, too little to serve)
+                later = int(per_lane * (LATER_STAGES_LANES + (ENCODER_BATCH_LANES if self._encoder_lanes() else 0)
+                                        + (VOCODER_BATCH_LANES if self.settings.graph_vocoder_batch else 0)))
                 lanes = batch_lanes(sorted({b for b, _ in sessions}), per_lane, total, free, groups=groups,
-                                    windows=windows)
+                                    windows=windows, later_bytes=later)
             if lanes < 2:
                 log.warning("graph_flow_batch: off, a stream's batched caches take %.1f GB and two do not fit in "
                             "%.0f%% of the GPU's %.1f GB nor in the %.1f GB free (export a smaller "

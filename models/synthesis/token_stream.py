@@ -196,7 +196,11 @@ class ProducerPool:
         self._jobs: queue.Queue[ProducedTokens | None] = queue.Queue(maxsize=max_pending)
         self._threads: list[threading.Thread] = []
         self._active: set[ProducedTokens] = set()
-        self._idle = 0
+        # Counted at submit, not when a thread wakes: a thread that has taken a job but not yet said
+        # so must not count as free, or a job arriving then spawns no thread and waits for another
+        # stream's whole segment (H100, twenty-second run: one of eight streams ~470 ms late).
+        self._idle = 0  # threads waiting for a job that no queued job is meant for
+        self._backlog = 0  # queued jobs that no thread is meant for yet (max_threads reached)
         self._lock = threading.Lock()
         self._closed = False
 
@@ -208,10 +212,10 @@ class ProducerPool:
             if not self._threads:
                 self._spawn()
 
-    def _spawn(self) -> None:  # with the lock held
+    def _spawn(self, idle: bool = True) -> None:  # with the lock held; idle=False: for the job being queued
         thread = threading.Thread(target=self._work, name=f"{self.name}-{len(self._threads)}", daemon=True)
         self._threads.append(thread)
-        self._idle += 1
+        self._idle += int(idle)
         thread.start()
 
     def submit(self, job: ProducedTokens) -> ProducedTokens:
@@ -219,8 +223,6 @@ class ProducerPool:
             if self._closed:
                 job.abandon()
                 raise SynthesisError("the engine is closed")
-            if self._idle <= self._jobs.qsize() and len(self._threads) < self.max_threads:
-                self._spawn()
             self._active.add(job)
             try:
                 self._jobs.put_nowait(job)
@@ -229,6 +231,12 @@ class ProducerPool:
                 job.abandon()
                 raise SynthesisError("too many streaming requests are waiting for the LLM; "
                                   "try again later or raise SynthesisSettings.producer_threads") from None
+            if self._idle > 0:
+                self._idle -= 1  # a waiting thread takes it
+            elif len(self._threads) < self.max_threads:
+                self._spawn(idle=False)
+            else:
+                self._backlog += 1  # the next thread to finish a job takes it
         return job
 
     def _work(self) -> None:
@@ -236,16 +244,17 @@ class ProducerPool:
             job = self._jobs.get()
             if job is None:
                 return
-            with self._lock:
-                self._idle -= 1
             try:
                 job.produce()
             except BaseException:  # produce() hands errors on; this is a bug, not a request's error
                 log.exception("LLM producer failed")
             finally:
                 with self._lock:
-                    self._idle += 1
                     self._active.discard(job)
+                    if self._backlog > 0:
+                        self._backlog -= 1  # this thread takes a queued job next
+                    else:
+                        self._idle += 1
 
     @property
     def threads(self) -> int:

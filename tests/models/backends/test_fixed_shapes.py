@@ -15,7 +15,9 @@ import pytest
 from cosyedge_models.backends.fixed_shapes import (
     AUTO_DEVICE_FRACTION,
     CAPTURED_STEP_BYTES,
+    ENCODER_BATCH_LANES,
     FREE_FRACTION,
+    LATER_STAGES_LANES,
     SESSION_DEVICE_BYTES,
     BatchPlan,
     RowCopy,
@@ -154,3 +156,21 @@ def test_which_vocoder_graph_a_chunk_takes() -> None:
 
 # The slot logic itself (TrtStaticStepCache over these decisions: fits, moves, trims) runs on the
 # real class under the TensorRT emulator: tests/models/backends/test_trt_static.py.
+
+
+def test_batch_lanes_leave_room_for_the_stages_loaded_after_them() -> None:
+    """The H100 80GB of the twenty-second run: 16 fused fp16 lanes fit by their own rule (21.7 GB in use
+    before them), then the batched encoder windows, the vocoder, the fused LLM step and a voice left 3.8 GB
+    and serving ran out of memory; without the batched encoder windows 12.8 GB were left and it served."""
+    gb = 10**9
+    lane, total, free = int(2.64 * gb), int(85.0 * gb), int(63.3 * gb)
+    rule = {"groups": 10, "windows": 2}
+    assert batch_lanes([1, 8, 16], lane, total, free, **rule) == 16  # no later stages counted: the old answer
+    later = int(lane * LATER_STAGES_LANES)
+    with_encoder = int(lane * (LATER_STAGES_LANES + ENCODER_BATCH_LANES))
+    assert batch_lanes([1, 8, 16], lane, total, free, **rule, later_bytes=later) == 16  # what served
+    assert batch_lanes([1, 8, 16], lane, total, free, **rule, later_bytes=with_encoder) == 8
+    # an idle H200 (150.1 GB, 21.7 in use): 16 either way, as the twenty-first run served them
+    assert batch_lanes([1, 8, 16], lane, int(150.1 * gb), int(128.4 * gb), **rule, later_bytes=with_encoder) == 16
+    # the tiny model's lanes (a MB each) and their later stages fit anywhere
+    assert batch_lanes([1, 8, 16], 1 << 20, 8 * gb, 4 * gb, later_bytes=int((1 << 20) * 7)) == 16

@@ -21,6 +21,7 @@ from cosyedge_models.backends.ort_cache import (
     BoundCacheFactory,
     BoundStepCache,
     DeviceCopier,
+    copy_runs,
     identity_model,
     lane_layout_model,
 )
@@ -108,9 +109,28 @@ def test_copy_many_runs_every_copy_of_a_batch_in_one_graph() -> None:
         copier.copy(one_by_one.data_ptr() + 4 * d, src.data_ptr() + 4 * s, 4 * n)
     np.testing.assert_array_equal(many.numpy(), one_by_one.numpy())
     np.testing.assert_array_equal(many.numpy()[:9], [10, 11, 12, -1, -1, 2, 3, 4, 5])
-    assert sorted(copier._many) == [3]  # one graph of three copies, made once
+    assert sorted(copier._many) == [2]  # three copies: a run of two and the plain graph
     copier.copy_many([(many.data_ptr(), src.data_ptr() + 4, 4)] * 1)  # one copy: the plain graph
-    assert many.numpy()[0] == 1 and sorted(copier._many) == [3]
+    assert many.numpy()[0] == 1 and sorted(copier._many) == [2]
+
+
+def test_copy_many_makes_a_graph_for_a_few_run_sizes_only() -> None:
+    """Every count from 1 to 130 copies right, through at most the six run sizes' graphs (a graph a
+    count would have made 129 sessions, each a cuBLAS handle and workspace on a GPU)."""
+    assert copy_runs(0) == [] and copy_runs(1) == [1] and copy_runs(3) == [2, 1]
+    assert copy_runs(112) == [64, 32, 16] and copy_runs(127) == [64, 32, 16, 8, 4, 2, 1]
+    assert copy_runs(130) == [64, 64, 2]
+    copier = DeviceCopier("cpu")
+    src = ort.OrtValue.ortvalue_from_numpy(np.arange(260, dtype=np.float32))
+    for count in range(1, 131):
+        dst = ort.OrtValue.ortvalue_from_numpy(np.full(260, -1.0, dtype=np.float32))
+        # copy i: source floats [2i, 2i + 2) to destination floats [258 - 2i, 260 - 2i)
+        copier.copy_many([(dst.data_ptr() + 4 * (258 - 2 * i), src.data_ptr() + 8 * i, 8) for i in range(count)])
+        got = dst.numpy()
+        for i in range(count):
+            np.testing.assert_array_equal(got[258 - 2 * i:260 - 2 * i], [2 * i, 2 * i + 1])
+        assert (got[:258 - 2 * (count - 1)] == -1).all()
+    assert sorted(copier._many) == [2, 4, 8, 16, 32, 64]
 
 
 def test_lane_layout_model_transposes_and_pads_a_prefix() -> None:
