@@ -74,8 +74,9 @@ class TtsSettings:
     graph_flow_batch: bool = setting(
         False, "with the fixed-shape flow windows on (ort-cuda, bundles exported with --static-flow-windows and "
         "--batch-flow-sizes): concurrent streams' estimator windows of the same size at the same Euler step run "
-        "as one batched replay on the GPU graph thread (as many streams as the largest batch size; more run "
-        "alone as before); off: one replay per stream's window",
+        "as one batched replay on the GPU graph thread (as many streams as the largest batch size whose lanes "
+        "fit the GPU's memory beside the stages loaded after them; more run alone as before); off: one "
+        "replay per stream's window",
         reload=True,
     )
     graph_encoder_batch: bool = setting(
