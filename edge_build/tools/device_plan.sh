@@ -18,7 +18,9 @@ case ${1:?start or wait} in
   start)
     rm -rf "$repo" "$res" && mkdir -p "$repo" "$res" && cp -a . "$repo"/
     # default: issue 23's next measurements (the twenty-first run measured the goals' configuration once per
-    # kind of level, with p95 at eight streams split by one late stream): the goals' bench again, its levels
+    # kind of level, with p95 at eight streams split by one late stream; the twenty-second, on an H100, found
+    # that stream's cause, the LLM producer pool, and ran out of memory with the batched encoder windows: both
+    # fixed since, so this plan measures both fixes): the goals' bench again, its levels
     # now with each stream's LLM start and first token and the slowest stream's marks; the cloud at full
     # size with the batched encoder windows and the captured prefill (CLOUD_PARAMS); then repeats of the
     # candidates for the defaults: the goals' configuration without and with rounds gathered 4 ms, the
