@@ -44,6 +44,7 @@ from cosyedge_models.backends.ort import OrtSession
 from cosyedge_models.backends.ort_cache import DeviceCopier, copy_prefix, device_zeros
 from cosyedge_models.batching.batched_flow import batched_stages
 from cosyedge_models.batching.batched_step import padded_size
+from cosyedge_models.batching.turns import TurnQueue
 from cosyedge_models.bundle.loader import BATCH_ENCODER_NAME, BATCH_ENCODER_PREFIX, Bundle
 from cosyedge_models.errors import BundleError
 
@@ -135,7 +136,8 @@ class BatchEncoderGraphs(SlotPool[EncoderLane]):
         self.io = {key: _BatchIO(s, self, i) for i, (key, s) in enumerate(sorted(sessions.items()))}
         self._zeros = {n: device_zeros(_shape(first, n)[1:], np.float32, device) for n in ("pre_lanes", "upconv_lanes")}
         self._queue_lock = threading.Lock()  # the calls waiting (SlotPool's own lock guards the lanes)
-        self._pending: list[_Pending] = []
+        self._turns = TurnQueue[_Pending](thread, self._serve, "flow_encoder_batched_replay", self._queue_lock,
+                                          inline=True)  # on the graph thread: a turn would wait for itself
         self.stats = EncoderBatchStats()
 
     def warm_up(self) -> None:
@@ -168,47 +170,30 @@ class BatchEncoderGraphs(SlotPool[EncoderLane]):
     @property
     def waiting(self) -> int:
         """Calls waiting for a turn (tests, logs)."""
-        with self._queue_lock:
-            return len(self._pending)
+        return self._turns.waiting
 
     def run(self, lane: EncoderLane, call: EncoderCall) -> EncoderOut:
         """The call's mu and spks, from a replay it may share with other streams' calls."""
         pending = _Pending(lane, call)
-        with self._queue_lock:
-            self._pending.append(pending)
-        if self.thread.on_thread():  # already the graph thread's work (a turn would wait for itself)
-            while not pending.future.done():
-                self._serve()
-            return pending.future.result()
-        try:
-            self.thread.submit(self._serve, label="flow_encoder_batched_replay")
-        except BaseException:
-            with self._queue_lock:
-                if pending in self._pending:
-                    self._pending.remove(pending)
-            raise
+        self._turns.queue(pending)
         return pending.future.result()
 
     def _serve(self) -> None:
-        """On the graph thread: one replay of the calls waiting (the oldest first)."""
-        with self._queue_lock:
-            batch, self._pending = self._pending[:self.batch_sizes[-1]], self._pending[self.batch_sizes[-1]:]
-        if not batch:
-            return  # this turn's call was served by an earlier one
-        try:
-            outs = self._replay(batch)
-        except BaseException as exc:
-            for p in batch:
-                p.future.set_exception(exc)
-            return
+        """On the graph thread: one replay of the calls waiting (the oldest first; an empty group where
+        this turn's call was served by an earlier one)."""
+        batch = self._turns.take(lambda pending: pending[:self.batch_sizes[-1]])
+        self._turns.settle(batch, lambda: self._counted(batch))
+
+    def _counted(self, batch: list[_Pending]) -> list[EncoderOut]:
+        """The group's replay, counted in the stats before its callers get their rows."""
+        outs = self._replay(batch)
         with self._queue_lock:
             s = self.stats
             s.replays += 1
             s.rows += len(batch)
             s.shared_replays += len(batch) > 1
             s.peak_batch = max(s.peak_batch, len(batch))
-        for p, out in zip(batch, outs, strict=True):
-            p.future.set_result(out)
+        return outs
 
     def _replay(self, batch: list[_Pending]) -> list[EncoderOut]:
         """Inputs in, one replay, each row's committed rows and histories into its lane; mu, spks."""

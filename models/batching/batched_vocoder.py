@@ -29,6 +29,7 @@ from cosyedge_models.backends.graph_thread import CAPTURE_RUNS
 from cosyedge_models.backends.ort import OrtSession
 from cosyedge_models.backends.ort_static_vocoder import StaticVocoder
 from cosyedge_models.batching.batched_flow import batched_stages
+from cosyedge_models.batching.turns import TurnQueue
 from cosyedge_models.bundle.loader import BATCH_VOCODER_NAME, Bundle
 from cosyedge_models.errors import BundleError, SynthesisError
 
@@ -108,8 +109,8 @@ class BatchedVocoder:
         self.capture = all(s.cuda_graph for s in sessions.values())
         self.stats = VocoderBatchStats()
         self.disabled: str | None = None  # a capture at load failed: the single-stream graphs serve
-        self._lock = threading.Lock()
-        self._pending: list[_Call] = []
+        self._lock = threading.Lock()  # the calls waiting and the stats
+        self._turns = TurnQueue[_Call](self.thread, self._serve, "vocoder_graph", self._lock)
 
     @property
     def replays(self) -> int:
@@ -142,37 +143,29 @@ class BatchedVocoder:
                 or self.thread.on_thread()):  # on the graph thread itself: inline, as GraphThread.call runs it
             return self.single.run(mel, noise, cache)
         call = _Call(frames, mel, noise, cache)
-        with self._lock:
-            self._pending.append(call)
-        try:
-            self.thread.submit(self._serve, label="vocoder_graph")  # a turn at the caller's priority
-        except BaseException:
-            with self._lock:
-                if call in self._pending:
-                    self._pending.remove(call)
-            raise
+        self._turns.queue(call)  # a turn at the caller's priority
         return call.future.result()
 
     def _serve(self) -> None:
-        """On the graph thread: the calls of the oldest waiting call's length, in one replay."""
-        with self._lock:
-            if not self._pending:
-                return  # this turn's call was served by an earlier turn
-            frames = self._pending[0].frames
-            batch = [c for c in self._pending if c.frames == frames][:self.batch_sizes[-1]]
-            for call in batch:
-                self._pending.remove(call)
-        try:
-            if len(batch) == 1:
-                call = batch[0]
-                outs = [self.single.replay(frames, call.mel, call.noise, call.cache)]
-            else:
-                size = next(b for b in self.batch_sizes if b >= len(batch))
-                outs = self._io[(size, frames)].run(batch)
-        except BaseException as exc:
-            for call in batch:
-                call.future.set_exception(exc)
-            return
+        """On the graph thread: the calls of the oldest waiting call's length, in one replay (an empty
+        group where this turn's call was served by an earlier turn)."""
+        batch = self._turns.take(self._oldest_length)
+        self._turns.settle(batch, lambda: self._replay(batch))
+
+    def _oldest_length(self, pending: list[_Call]) -> list[_Call]:
+        """The calls of the oldest one's length, at most the largest batch size (oldest first)."""
+        return [c for c in pending if c.frames == pending[0].frames][:self.batch_sizes[-1]]
+
+    def _replay(self, batch: list[_Call]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """One alone on the single-stream graph, several on the smallest batch size that holds them;
+        counted in the stats before their callers get their outputs."""
+        frames = batch[0].frames
+        if len(batch) == 1:
+            call = batch[0]
+            outs = [self.single.replay(frames, call.mel, call.noise, call.cache)]
+        else:
+            size = next(b for b in self.batch_sizes if b >= len(batch))
+            outs = self._io[(size, frames)].run(batch)
         with self._lock:
             s = self.stats
             if len(batch) == 1:
@@ -181,8 +174,7 @@ class BatchedVocoder:
                 s.replays += 1
                 s.rows += len(batch)
                 s.peak_batch = max(s.peak_batch, len(batch))
-        for call, out in zip(batch, outs, strict=True):
-            call.future.set_result(out)
+        return outs
 
     def close(self) -> None:
         self._io.clear()

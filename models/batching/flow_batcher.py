@@ -51,6 +51,7 @@ from cosyedge_models.batching.flow_order import (
     take,
     worth_waiting,
 )
+from cosyedge_models.batching.turns import TurnQueue
 from cosyedge_models.errors import SynthesisError
 
 log = logging.getLogger(__name__)
@@ -118,8 +119,9 @@ class FlowBatcher:
         self.stats = FlowBatchStats()
         self._lock = threading.Lock()
         self._free = [list(range(graphs.lanes)) for _ in range(graphs.groups)]  # lowest lane first
-        self._pending: list[_Pending] = []
-        self._arrived = threading.Condition(self._lock)  # a call was queued
+        # the calls waiting, under the same lock (its `arrived`: a call was queued); a turn at the
+        # caller's priority (first audio first)
+        self._turns = TurnQueue[_Pending](thread, self._serve, "flow_batched_replay", self._lock)
         # the streams of the last replay that will come back for their next Euler step
         self._served: list[Served] = []
         self.partner_wait_s = PARTNER_WAIT_S
@@ -212,8 +214,7 @@ class FlowBatcher:
     @property
     def waiting(self) -> int:
         """Calls waiting for a replay (tests, logs)."""
-        with self._lock:
-            return len(self._pending)
+        return self._turns.waiting
 
     @property
     def lanes_in_use(self) -> int:
@@ -228,45 +229,37 @@ class FlowBatcher:
         wait = WaitingCall(call.slot // self.graphs.lanes, self.graphs.windows[w], threading.get_ident(),
                            self.thread.current_priority())
         pending = _Pending(call, wait)
-        with self._lock:
-            self._pending.append(pending)
-            self._arrived.notify_all()
-        try:
-            # a turn at the caller's priority (first audio first)
-            self.thread.submit(self._serve, label="flow_batched_replay")
-        except BaseException:
-            with self._lock:
-                if pending in self._pending:
-                    self._pending.remove(pending)
-            raise
+        self._turns.queue(pending)
         return pending.future.result()
 
     def _serve(self) -> None:
-        """On the graph thread: one replay of the calls flow_order picks among those waiting."""
+        """On the graph thread: one replay of the calls flow_order picks among those waiting. Its own
+        section under the lock rather than TurnQueue.take: it waits there for a partner, and the calls
+        it leaves waiting decide its stats (single_reason)."""
         with self._lock:
-            if not self._pending:
+            pending = self._turns.pending
+            if not pending:
                 return  # this turn's call was served by an earlier one
             start = time.monotonic()
             deadline = start + self.partner_wait_s
-            while (worth_waiting([p.wait for p in self._pending], self._served, self.max_passed)
+            while (worth_waiting([p.wait for p in pending], self._served, self.max_passed)
                    and (left := deadline - time.monotonic()) > 0):
-                self._arrived.wait(left)
+                self._turns.arrived.wait(left)
             self.stats.partner_wait_s += time.monotonic() - start
-            waiting = [p.wait for p in self._pending]
+            waiting = [p.wait for p in pending]
             group = next_group(waiting, self.max_passed)
             assert group is not None
-            batch = [self._pending[i] for i in take(waiting, group, self.graphs.lanes)]
+            batch = [pending[i] for i in take(waiting, group, self.graphs.lanes)]
             for p in batch:
-                self._pending.remove(p)
-            reason = single_reason([p.wait for p in self._pending]) if len(batch) == 1 else None
+                pending.remove(p)
+            reason = single_reason([p.wait for p in pending]) if len(batch) == 1 else None
             self._served = coming_back([p.wait for p in batch], self.graphs.groups)
+        self._turns.settle(batch, lambda: self._replay(batch, reason))
+
+    def _replay(self, batch: list[_Pending], reason: str | None) -> list[np.ndarray]:
+        """The group's replay, counted in the stats before its callers get their rows."""
         t0 = time.perf_counter()
-        try:
-            outs = self.graphs.run([p.call for p in batch])
-        except BaseException as exc:
-            for p in batch:
-                p.future.set_exception(exc)
-            return
+        outs = self.graphs.run([p.call for p in batch])
         took = time.perf_counter() - t0
         n = len(batch)
         windows = {p.wait.window for p in batch}
@@ -282,8 +275,7 @@ class FlowBatcher:
             s.mixed_windows += len(windows) > 1
             if reason is not None:
                 s.singles[reason] = s.singles.get(reason, 0) + 1
-        for p, out in zip(batch, outs, strict=True):
-            p.future.set_result(out)
+        return outs
 
 
 class BatchedStepCache:
