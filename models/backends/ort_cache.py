@@ -218,7 +218,7 @@ class DeviceCopier:
         self._run(self._sess, binding, f"device copy of {nbytes} bytes")
 
     def copy_many(self, copies: Sequence[tuple[int, int, int]]) -> None:
-        """Every (dst_ptr, src_ptr, nbytes) copy in one session run (no range may overlap another)."""
+        """Every (dst_ptr, src_ptr, nbytes) copy, in runs of COPY_RUN_SIZES (no range may overlap another)."""
         copies = [c for c in copies if c[2] > 0]
         start = 0
         for size in copy_runs(len(copies)):
