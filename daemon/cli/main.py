@@ -118,6 +118,9 @@ def _add_build(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--fused-decode-precision", choices=["fp32", "fp16"], default="fp32",
                    help="precision of the fused decode step and its KV cache: fp16 for ort-cuda, whose "
                         "GroupQueryAttention kernel is fp16/bf16 only (fp32 would run attention on the CPU provider)")
+    e.add_argument("--jobs", type=int, choices=[1, 2], default=1,
+                   help="2: export the flow and the vocoder in a second process beside the LLM (about half the "
+                        "time on a many-core host; a second copy of the checkpoint in memory, so not on an 8 GB board)")
     q = bs.add_parser("quantize", help="INT8 / FP16 Q/DQ bundle with an accuracy gate")
     q.add_argument("--bundle", required=True)
     q.add_argument("--out", required=True)

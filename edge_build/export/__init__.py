@@ -7,10 +7,18 @@ place at the end, so a failed export leaves nothing half-written."""
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import time
+from concurrent.futures import Future, ProcessPoolExecutor
+from contextlib import ExitStack
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cosyedge_build.scratch_dir import check_new_dir, scratch_for
+
+if TYPE_CHECKING:
+    import numpy as np
+    from cosyedge_build.export.graphs import StageGraph
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +29,7 @@ def export_bundle(model_dir: Path, out: Path, static_decode_len: int = 0,
                   fused_decode_len: int = 0, batch_flow_sizes: tuple[int, ...] = (),
                   fused_decode_precision: str = "fp32", static_vocoder_first_hops: tuple[int, ...] = (),
                   batch_flow_precision: str = "fp32", batch_flow_attention: str = "plain",
-                  fused_prefill_lengths: tuple[int, ...] = ()) -> Path:
+                  fused_prefill_lengths: tuple[int, ...] = (), jobs: int = 1) -> Path:
     """`static_decode_len` > 0 adds the fixed-size decode step (CUDA graphs on ort-cuda) for that many
     positions; `static_flow_windows` the fixed-shape estimator graphs (flow_static.py) over a cache
     of `static_flow_cache` frames, and the streaming encoder's over the same windows
@@ -36,31 +44,22 @@ def export_bundle(model_dir: Path, out: Path, static_decode_len: int = 0,
     streams, K/V cache in place (flow_batch.py), in `batch_flow_precision` (fp16: the lanes' K/V in
     fp16 too), their attention `batch_flow_attention` (fused: onnxruntime's MultiHeadAttention), and the
     streaming encoder's windows batched across the same sizes (flow_encoder_batch.py), and with
-    `static_vocoder` the fixed-length vocoder graphs too (hift_static.py)."""
+    `static_vocoder` the fixed-length vocoder graphs too (hift_static.py). `jobs` 2 exports the flow and
+    the vocoder in a second process beside the LLM (flow_side.py)."""
     from cosyedge_build.export.flow_batch import check_options
 
     check_options(batch_flow_precision, batch_flow_attention)
     if static_vocoder_first_hops and (not static_vocoder or min(static_vocoder_first_hops) < 1):
         raise ValueError("fixed-length vocoder graphs for first hops (--static-vocoder-first-hops) need "
                          f"--static-vocoder and hops >= 1 speech token, got {list(static_vocoder_first_hops)}")
+    if batch_flow_sizes and not static_flow_windows:
+        raise ValueError("batched flow graphs (--batch-flow-sizes) need --static-flow-windows")
+    if jobs not in (1, 2):
+        raise ValueError(f"export jobs (--jobs) must be 1 or 2 (2: the flow and the vocoder beside the LLM), "
+                         f"got {jobs}")
     import cosyedge_build.reference.modules as reference
-    from cosyedge_build.export import (
-        bundle,
-        flow_batch,
-        flow_encoder,
-        flow_encoder_batch,
-        flow_encoder_static,
-        flow_estimator,
-        flow_static,
-        hift,
-        hift_static,
-        hyperparams,
-        llm,
-        llm_fused,
-        shared_weights,
-        tokenizer,
-        voices,
-    )
+    from cosyedge_build.export import bundle, hyperparams, llm, llm_fused, shared_weights, tokenizer, voices
+    from cosyedge_build.export.flow_side import FlowSideOptions, export_flow_side, export_flow_side_from
     from cosyedge_build.export.shared_weights import SHARED_FUSED_FILE, SHARED_LLM_FILE
     from cosyedge_models.tools.progress import StageProgress
 
@@ -68,9 +67,15 @@ def export_bundle(model_dir: Path, out: Path, static_decode_len: int = 0,
     check_new_dir(out, "bundle")
     started = time.monotonic()
     refs = reference.load_reference(model_dir)
-    with scratch_for(out) as scratch:
+    flow_opts = FlowSideOptions(static_flow_windows, static_flow_cache, static_vocoder, static_vocoder_first_hops,
+                                batch_flow_sizes, batch_flow_precision, batch_flow_attention)
+    with scratch_for(out) as scratch, ExitStack() as stack:
         hyper = hyperparams.collect(refs)
-        with StageProgress("export", 7) as progress:
+        flow_side: Future[tuple[list[StageGraph], dict[str, np.ndarray]]] | None = None
+        if jobs == 2:  # spawn, not fork: the parent's torch threads and their locks do not carry over
+            pool = stack.enter_context(ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")))
+            flow_side = pool.submit(export_flow_side_from, model_dir, scratch, hyper, flow_opts)
+        with StageProgress("export", 5 if flow_side else 7) as progress:
             stages, arrays = llm.export_llm(refs.llm, scratch, static_decode_len)
             progress.advance("LLM graphs")
             shared_weights.share_llm_stages(scratch, stages, SHARED_LLM_FILE)
@@ -84,45 +89,19 @@ def export_bundle(model_dir: Path, out: Path, static_decode_len: int = 0,
                                             SHARED_FUSED_FILE)
                 stages.extend(fused)
             progress.advance("LLM weights shared")
-            stages.append(flow_encoder.export_flow_encoder(refs.flow, scratch))
-            progress.advance("flow encoder")
-            estimator_stage, noise = flow_estimator.export_flow_estimator(refs.flow, scratch)
-            stages.append(estimator_stage)
-            arrays["flow_noise"] = noise
-            if static_flow_windows:
-                chunk = int(hyper["flow"]["chunk_tokens"]) * int(hyper["token_mel_ratio"])  # as FlowStream
-                stages.extend(flow_static.export_static_estimators(refs.flow, scratch, list(static_flow_windows),
-                                                                   static_flow_cache, chunk))
-                if batch_flow_sizes:
-                    stages.extend(flow_batch.export_batch_estimators(
-                        refs.flow, scratch, list(batch_flow_sizes), list(static_flow_windows), static_flow_cache,
-                        chunk, batch_flow_precision, batch_flow_attention))
-                # and the streaming encoder over the same windows (tokens, look-ahead included)
-                ratio, flow_hyper = int(hyper["token_mel_ratio"]), hyper["flow"]
-                enc_windows = flow_encoder_static.encoder_windows(list(static_flow_windows), ratio,
-                                                                  int(flow_hyper["pre_lookahead_len"]))
-                stages.extend(flow_encoder_static.export_static_encoders(
-                    refs.flow, scratch, enc_windows, static_flow_cache // ratio, int(flow_hyper["chunk_tokens"])))
-                if batch_flow_sizes:  # the encoder windows batched the same way
-                    stages.extend(flow_encoder_batch.export_batch_encoders(
-                        refs.flow, scratch, list(batch_flow_sizes), enc_windows, static_flow_cache // ratio,
-                        int(flow_hyper["chunk_tokens"])))
-            elif batch_flow_sizes:
-                raise ValueError("batched flow graphs (--batch-flow-sizes) need --static-flow-windows")
-            progress.advance("flow estimator")
-            stages.extend(hift.export_hift(refs.hift, scratch))
-            if static_vocoder:
-                frames = hift_static.static_vocoder_frames(hyper["streaming"], int(hyper["token_mel_ratio"]),
-                                                           static_vocoder_first_hops)
-                # with --batch-flow-sizes, the streams' chunks of a length batched the same way
-                stages.extend(hift_static.export_static_vocoder(refs.hift, scratch, frames,
-                                                                int(hyper["streaming"]["source_cache_len"]),
-                                                                batch_flow_sizes))
-            progress.advance("vocoder")
+            llm_count = len(stages)
+            if flow_side is None:
+                flow_stages, flow_arrays = export_flow_side(refs.flow, refs.hift, scratch, hyper, flow_opts,
+                                                            progress.advance)
             stages.extend(bundle.carry_onnx(model_dir, scratch))
             tok = tokenizer.export_tokenizer(model_dir, scratch)
             voice_map = voices.export_voices(model_dir, scratch, hyper["mel_bins"], tok[0])
             progress.advance("tokenizer, carried models, voices")
+            if flow_side is not None:
+                flow_stages, flow_arrays = flow_side.result()
+                progress.advance("flow and vocoder (beside)")
+            stages[llm_count:llm_count] = flow_stages  # the LLM's, the flow's, the carried models' as before
+            arrays.update(flow_arrays)
             bundle.write_manifest(
                 scratch,
                 model_dir=model_dir,

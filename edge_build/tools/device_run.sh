@@ -51,7 +51,8 @@
 # name it is saved under in both bundles, default en8), STATIC_FLOW_WINDOWS (64,128,640; set empty: none), STATIC_FLOW_CACHE (1024), VOCODER_FIRST_HOPS (15: the
 # fixed-length vocoder graph of bench --first-chunk 15:6's first chunk), FUSED_BATCHES (1,2,4,8,16: the fused fp16 LLM step), BATCH_FLOW_SIZES
 # (1,8: the batched estimator windows), BATCH_FLOW_PRECISION (fp32) and BATCH_FLOW_ATTENTION (plain): those
-# windows' variant in the bundle itself (fp16 and fused: the fused lanes without a second export),
+# windows' variant in the bundle itself (fp16 and fused: the fused lanes without a second export), EXPORT_JOBS
+# (2: the flow and vocoder exported beside the LLM, build export --jobs; 1: one process),
 # LANES16=1 (also /tmp/full/lanes16: the bundle with those in fp16, device_fp16.py --lanes-only), LANESF=1 (also /tmp/full/lanesf: those exported again in fp16 with onnxruntime's
 # MultiHeadAttention, device_lanes.py), BUNDLE (the bench and batch steps' bundle under FULL_DIR: bundle, lanes16, lanesf;
 # its name then suffixes their JSON), GPU_TESTS (a subset
@@ -108,7 +109,8 @@ if [ "${FULL:-1}" = 1 ] && [ ! -f "$full/bundle/manifest.json" ]; then
     --fused-decode-batches "${FUSED_BATCHES:-1,2,4,8,16}" --fused-decode-precision fp16 \
     --fused-prefill-lengths "${FUSED_PREFILL_LENGTHS:-}" \
     --batch-flow-sizes "${BATCH_FLOW_SIZES-1,8}" --batch-flow-precision "${BATCH_FLOW_PRECISION:-fp32}" \
-    --batch-flow-attention "${BATCH_FLOW_ATTENTION:-plain}" >>"$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
+    --batch-flow-attention "${BATCH_FLOW_ATTENTION:-plain}" --jobs "${EXPORT_JOBS:-2}" >>"$out/build.log" 2>&1 \
+    || { tail -30 "$out/build.log"; exit 1; }
 fi
 if [ "${FULL:-1}" = 1 ] && [ "${FP16:-1}" = 1 ] && [ ! -f "$full/fp16/manifest.json" ]; then
   python3 -m cosyedge_build.tools.device_fp16 --bundle "$full/bundle" --out "$full/fp16" >>"$out/build.log" 2>&1 \

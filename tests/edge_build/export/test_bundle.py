@@ -15,6 +15,7 @@ import pytest
 from cosyedge_build.export import export_bundle
 from cosyedge_models.errors import CheckpointError, CosyEdgeError
 
+from tests.conftest import BATCH_FLOW_SIZES, STATIC_FLOW_CACHE, STATIC_FLOW_WINDOWS
 from tests.edge_build.conftest import Checkpoint
 
 STAGES = ["llm_prefill", "llm_decode", "flow_encoder", "flow_estimator", "hift_source", "hift_decoder"]
@@ -261,3 +262,23 @@ def test_estimator_profiles_cover_offline_and_streaming_calls(checkpoint: Checkp
     capped = build_profiles(entry, "flow_estimator", None, batch_caps(entry["profile"], 1))
     assert [p["att_cache"].max[3] for p in capped] == [2, 2]
     assert capped[1]["att_cache"].max[0] >= 1500 and capped[0]["att_cache"].max[0] == 0
+
+
+def test_export_with_the_flow_beside_the_llm_writes_the_same_bundle(
+        tiny_model_dir: Path, static_flow_bundle: Path, tmp_path: Path) -> None:
+    """--jobs 2 (the flow and the vocoder in a second process) writes what one process writes: the same
+    stages in the same order, every file with the same sha256."""
+    out = export_bundle(tiny_model_dir, tmp_path / "b", static_flow_windows=STATIC_FLOW_WINDOWS,
+                        static_flow_cache=STATIC_FLOW_CACHE, batch_flow_sizes=BATCH_FLOW_SIZES, jobs=2)
+    one, two = (json.loads((b / "manifest.json").read_text()) for b in (static_flow_bundle, out))
+    assert list(two["stages"]) == list(one["stages"])
+    assert len(one["stages"]) > 10  # the flow's windows, batched and not, are among them
+    for name in ("stages", "arrays"):
+        assert two[name] == one[name], name
+    assert {k: v for k, v in two.items() if k != "build"} == {k: v for k, v in one.items() if k != "build"}
+
+
+def test_export_refuses_more_than_two_jobs(tiny_model_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="must be 1 or 2"):
+        export_bundle(tiny_model_dir, tmp_path / "b", jobs=3)
+    assert not (tmp_path / "b").exists()
