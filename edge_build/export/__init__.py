@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 from cosyedge_build.scratch_dir import check_new_dir, scratch_for
 
 if TYPE_CHECKING:
-    import numpy as np
     from cosyedge_build.export.graphs import StageGraph
 
 log = logging.getLogger(__name__)
@@ -71,7 +70,7 @@ def export_bundle(model_dir: Path, out: Path, static_decode_len: int = 0,
                                 batch_flow_sizes, batch_flow_precision, batch_flow_attention)
     with scratch_for(out) as scratch, ExitStack() as stack:
         hyper = hyperparams.collect(refs)
-        flow_side: Future[tuple[list[StageGraph], dict[str, np.ndarray]]] | None = None
+        flow_side: Future[tuple[list[StageGraph], dict[str, Path]]] | None = None
         if jobs == 2:  # spawn, not fork: the parent's torch threads and their locks do not carry over
             pool = stack.enter_context(ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")))
             flow_side = pool.submit(export_flow_side_from, model_dir, scratch, hyper, flow_opts)

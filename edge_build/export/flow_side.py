@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from cosyedge_build.export.graphs import StageGraph
 
 
@@ -30,7 +29,7 @@ class FlowSideOptions:
 
 def export_flow_side(flow: Any, vocoder: Any, scratch: Path, hyper: dict[str, Any],
                      opts: FlowSideOptions, advance: Callable[[str], None] = lambda _stage: None,
-                     ) -> tuple[list[StageGraph], dict[str, np.ndarray]]:
+                     ) -> tuple[list[StageGraph], dict[str, Path]]:
     """The flow encoder, the estimator (and their fixed-shape and batched windows) and the vocoder graphs
     of the reference modules `flow` and `vocoder` (HiFT) into `scratch`; returns their stages and the flow's noise.
     `advance` is told each part's end (the export's progress)."""
@@ -80,7 +79,7 @@ def export_flow_side(flow: Any, vocoder: Any, scratch: Path, hyper: dict[str, An
 
 
 def export_flow_side_from(model_dir: Path, scratch: Path, hyper: dict[str, Any],
-                          opts: FlowSideOptions) -> tuple[list[StageGraph], dict[str, np.ndarray]]:
+                          opts: FlowSideOptions) -> tuple[list[StageGraph], dict[str, Path]]:
     """export_flow_side in a process of its own: loads the reference modules from `model_dir` itself."""
     import cosyedge_build.reference.modules as reference
 

@@ -31,6 +31,7 @@ from cosyedge_models.bundle.loader import Bundle, FlowConfig
 from cosyedge_models.errors import BundleError
 
 if TYPE_CHECKING:
+    from cosyedge_models.batching.seats import StreamSeats
     from cosyedge_models.synthesis.voice_cache import FlowPrefix
 
 log = logging.getLogger(__name__)
@@ -166,7 +167,8 @@ CacheFactory = Callable[[Session, StepCacheSpec], StepCache]
 class FlowDecoder:
     def __init__(self, bundle: Bundle, encoder: Session, estimator: Session,
                  cache_factory: CacheFactory = HostStepCache,
-                 encoder_cache_factory: EncoderCacheFactory = host_encoder_cache) -> None:
+                 encoder_cache_factory: EncoderCacheFactory = host_encoder_cache,
+                 seats: StreamSeats | None = None) -> None:
         self.config: FlowConfig = bundle.flow
         self.mel_bins = bundle.mel_bins
         self.token_mel_ratio = bundle.token_mel_ratio
@@ -181,6 +183,8 @@ class FlowDecoder:
         self.cache_factory = cache_factory
         self.encoder_spec = encoder_spec(bundle)
         self.encoder_cache_factory = encoder_cache_factory
+        # with the batched lanes: a streaming request takes a seat before its caches (models/batching/seats.py)
+        self.seats = seats
 
     def cache_spec(self, visible: int = -1, initial_frames: int = 0) -> StepCacheSpec:
         d = self.cache_dims
@@ -349,15 +353,22 @@ class FlowStream:
         # Device stores preallocate: the prompt and two chunks, then doubling.
         spec = decoder.cache_spec(visible, self.prompt_frames + 2 * self.chunk_frames)
         self.caches: list[StepCache] = []
-        if self.cached:
-            self.caches = [decoder.cache_factory(decoder.estimator, dataclasses.replace(spec, euler_step=k))
-                           for k in range(cfg.n_timesteps)]
-        self.encoder_cache = decoder.new_encoder_cache() if self.cached else None
-        if prefix is not None:
-            if not self.cached or left_chunks >= 0:
-                raise ValueError("a voice prefix needs the cached stream with the full left context")
-            self.encoder_cache = prefix.apply(self.caches, self.encoder_cache)
-            self.committed = prefix.committed
+        self.encoder_cache: EncoderCache | None = None
+        # a seat first (waiting while every lane and slot is taken), released by close()
+        self._seated = self.cached and decoder.seats is not None and decoder.seats.take()
+        try:
+            if self.cached:
+                self.caches = [decoder.cache_factory(decoder.estimator, dataclasses.replace(spec, euler_step=k))
+                               for k in range(cfg.n_timesteps)]
+            self.encoder_cache = decoder.new_encoder_cache() if self.cached else None
+            if prefix is not None:
+                if not self.cached or left_chunks >= 0:
+                    raise ValueError("a voice prefix needs the cached stream with the full left context")
+                self.encoder_cache = prefix.apply(self.caches, self.encoder_cache)
+                self.committed = prefix.committed
+        except BaseException:
+            self.close()
+            raise
         self.work = EstimatorWork()
         grid = step_grid(cfg.n_timesteps, first_steps)
         # The first window's fewer steps, until it has run; then what its caches still need.
@@ -381,13 +392,16 @@ class FlowStream:
         return sum(c.nbytes() for c in self.caches) + enc
 
     def close(self) -> None:
-        """Release the caches (device memory with a device store); idempotent."""
+        """Release the caches (device memory with a device store) and the seat; idempotent."""
         for cache in self.caches:
             cache.close()
         self.caches = []
         if self.encoder_cache is not None:
             self.encoder_cache.close()
         self.encoder_cache = None
+        if self._seated and self.decoder.seats is not None:
+            self._seated = False
+            self.decoder.seats.give_back()
         self._closed = True
 
     def __enter__(self) -> FlowStream:

@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # onnxruntime is imported only where a stage is on (the trt b
     from cosyedge_models.batching.batched_vocoder import BatchedVocoder
     from cosyedge_models.batching.flow_batcher import BatchedFlowCaches, FlowBatcher
     from cosyedge_models.batching.fused_step import FusedDecodeStep
+    from cosyedge_models.batching.seats import StreamSeats
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ class GraphStages:
         self.vocoder: StaticVocoder | TrtStaticVocoder | BatchedVocoder | None = None
         self.vocoder_batch: BatchedVocoder | None = None  # the batched vocoder graphs (graph_vocoder_batch)
         self.flow_batch: FlowBatcher | None = None  # the batched estimator windows (graph_flow_batch)
+        self.flow_seats: StreamSeats | None = None  # the streams they and the single-stream slots serve at once
         self.encoder_batch: BatchEncoderGraphs | None = None  # the batched encoder windows (graph_encoder_batch)
         # seconds each stage took to load, make its slots and capture its graphs (bench, logs):
         # at full size on an H200 most of an engine's load (docs/gpu.md, fifth run)
@@ -144,8 +146,11 @@ class GraphStages:
         return {"+".join(stages): threads[key].order_stats() for key, stages in by_thread.items()}
 
     def flow_batch_stats(self) -> dict[str, object] | None:
-        """What the batched estimator windows did (FlowBatchStats: replays, rows shared), or None (off)."""
-        return None if self.flow_batch is None else self.flow_batch.report()
+        """What the batched estimator windows did (FlowBatchStats: replays, rows shared) and their seats
+        (SeatStats), or None (off)."""
+        if self.flow_batch is None:
+            return None
+        return {**self.flow_batch.report(), **(self.flow_seats.report() if self.flow_seats is not None else {})}
 
     def encoder_batch_stats(self) -> dict[str, int] | None:
         """What the batched encoder windows did (EncoderBatchStats), or None (off)."""
@@ -254,6 +259,7 @@ class GraphStages:
         from cosyedge_models.backends.ort import OrtSession
         from cosyedge_models.batching.batched_flow import BatchFlowGraphs, batch_flow_sessions, lane_bytes
         from cosyedge_models.batching.flow_batcher import BatchedFlowCaches, FlowBatcher, dynamic_cache_factory
+        from cosyedge_models.batching.seats import StreamSeats
 
         loaded = batch_flow_sessions(self.bundle, lambda name, _path: self._load(name))
         sessions = {key: s for key, s in loaded.items() if isinstance(s, OrtSession)}
@@ -318,6 +324,9 @@ class GraphStages:
         log.info("flow estimator: batched windows %s for batch sizes %s, %d streams, %d cached frames",
                  graphs.windows, graphs.batch_sizes, graphs.lanes, graphs.cache_frames)
         self._loaded("flow_batch", t0, graphs)
+        # a stream beyond the lanes and the single-stream slots waits for one (FlowDecoder.seats), not the
+        # dynamic graph
+        self.flow_seats = StreamSeats(graphs.lanes + flow.max_slots // max(1, groups))
         return BatchedFlowCaches(self.flow_batch, flow, dynamic_cache_factory(flow.copier))
 
     def static_encoder(self, spec: EncoderCacheSpec) -> StaticEncoderGraphs | TrtStaticEncoder | None:

@@ -122,7 +122,7 @@ class CosyVoiceSynthesizer(SynthesizerDefaults):
         encoders = self.graphs.batched_encoder(encoder_spec(bundle)) or self.static_encoder  # after: its fallback
         self.flow = FlowDecoder(bundle, load("flow_encoder"), stages["flow_estimator"],
                                 batched or (self.static_flow if self.static_flow is not None else backend.flow_cache),
-                                encoders if encoders is not None else host_encoder_cache)
+                                encoders if encoders is not None else host_encoder_cache, self.graphs.flow_seats)
         self.static_vocoder = self.graphs.static_vocoder()
         self.vocoder = HiftVocoder(bundle, stages["hift_source"], stages["hift_decoder"], self.static_vocoder,
                                    settings.vocoder_pad_final if settings.vocoder_pad_final is not None

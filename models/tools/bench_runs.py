@@ -112,7 +112,8 @@ def flow_batch_delta(before: dict[str, Any] | None, after: dict[str, Any] | None
     old = before or {}
     out: dict[str, Any] = {key: round(float(after[key]) - float(old.get(key, 0)), 1)
                            for key in ("replays", "rows", "shared_replays", "fallbacks", "moves", "partner_wait_ms",
-                                       "seeds", "reuses", "mixed_windows")}
+                                       "seeds", "reuses", "mixed_windows", "seat_waits", "seat_wait_ms",
+                                       "unseated") if key in after}
     sizes = {n: int(c) - int(old.get("batch_sizes", {}).get(n, 0)) for n, c in after["batch_sizes"].items()}
     spent = {n: float(ms) - float(old.get("replay_ms", {}).get(n, 0.0)) for n, ms in after["replay_ms"].items()}
     out["batch_sizes"] = {n: c for n, c in sorted(sizes.items()) if c > 0}
