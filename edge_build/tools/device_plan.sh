@@ -17,18 +17,17 @@ repo=${PLAN_REPO:-/tmp/repo}; runner=${PLAN_RUNNER:-edge_build/tools/device_run.
 case ${1:?start or wait} in
   start)
     rm -rf "$repo" "$res" && mkdir -p "$repo" "$res" && cp -a . "$repo"/
-    # default: issue 23's next measurements (the twenty-first run measured the goals' configuration once per
-    # kind of level, with p95 at eight streams split by one late stream; the twenty-second, on an H100, found
-    # that stream's cause, the LLM producer pool, and ran out of memory with the batched encoder windows: both
-    # fixed since, so this plan measures both fixes): the goals' bench again, its levels
-    # now with each stream's LLM start and first token and the slowest stream's marks; the cloud at full
-    # size with the batched encoder windows and the captured prefill (CLOUD_PARAMS); then repeats of the
-    # candidates for the defaults: the goals' configuration without and with rounds gathered 4 ms, the
-    # batched prefill with the gather, per-stage threads with the gather and without (a lone stream's first
-    # chunk now holds the LLM step's thread too: one stream's first audio there); the goals' levels with the
-    # vocoder's fixed lengths batched (--graph-vocoder-batch; the setup exports them). The batched lanes' -m gpu tests
-    # beside the setup (their K/V in driver memory; passed on the H200 in the twenty-first run: on an H100,
-    # the first there since the fix).
+    # default: issue 23's next measurements on an H200 (the twenty-first run measured the goals' configuration
+    # there with p95 at eight streams split by one late stream; the twenty-second and twenty-third, on
+    # H100s, found and fixed its cause, the LLM producer pool (every stream in step since: 317 ms at eight),
+    # and the memory of sixteen streams beyond the lanes, now seated): the goals' bench with the official
+    # pipeline, its levels with each stream's LLM start and first token and the slowest stream's marks;
+    # the cloud at full size with the batched encoder windows and the captured prefill (CLOUD_PARAMS);
+    # then repeats of the candidates for the defaults: the goals' configuration without and with rounds
+    # gathered 4 ms, the batched prefill with the gather, per-stage threads with the gather and without;
+    # the goals' levels with the vocoder's fixed lengths batched (--graph-vocoder-batch; the setup exports
+    # them). The batched lanes' -m gpu tests beside the setup. A short lease: STEPS="d e x b" (no
+    # cloud without .device/cloud carried) and TESTS_BESIDE="".
     voice="VOICE_WAV=/tmp/voice/en8.wav VOICE_TEXT=And+then+later+on,+fully+acquiring+that+company.+So+keeping+management+in+line,+interest+in+line+with+the+asset"
     stage="--voice+en8+--graph-threads+per-stage+--llm-parallel-prefills+4"
     goals="--voice+en8+--first-chunk+15:6+--graph-batching+--batching+16+--graph-flow-batch+--graph-encoder-batch+--llm-captured-prefill+--concurrency-mode+both"
