@@ -255,3 +255,33 @@ def test_first_chunk_profile_gives_each_milestone_over_the_streams() -> None:
                                "flow_start_ms": 90.0, "flow_end_ms": 400.0, "vocoder_end_ms": 420.0}}
     assert first_chunk_profile([]) == {}
     assert "slowest" not in first_chunk_profile([stream(60, 70, 200, 210)])  # one stream: its marks are the p50s
+
+
+def test_the_engine_gives_its_memory_back_before_the_official_pipeline(tiny_bundle: Path, tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Beside a goals' engine (58.6 GB) the official pipeline did not fit an 80 GB card (twenty-third
+    run): the bench closes the engine before it, once, and the pipeline still has the tokenizer."""
+    import cosyedge_build.reference.pipeline as pipeline
+    from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer
+
+    calls: list[str] = []
+    real_close = CosyVoiceSynthesizer.close
+
+    def close(self: CosyVoiceSynthesizer) -> None:
+        calls.append("close")
+        real_close(self)
+
+    def official(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        calls.append("official")
+        assert len(args[1].encode(args[2])) > 0  # the engine's tokenizer, after its close
+        return {"rtf": 0.5, "first_audio_ms": 400.0}
+
+    monkeypatch.setattr(CosyVoiceSynthesizer, "close", close)
+    monkeypatch.setattr(pipeline, "run_reference", official)
+    out = tmp_path / "ref.json"
+    assert main(["bench", "--bundle", str(tiny_bundle), "--repeats", "1", "--concurrency", "1", "--long-seconds", "2",
+                 "--reference", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["complete"] is True and r["reference"]["first_audio_ms"] == 400.0
+    assert calls[-2:] == ["close", "official"] and calls.count("official") == 1
+    assert "close" not in calls[calls.index("official"):]
