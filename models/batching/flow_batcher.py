@@ -22,7 +22,9 @@ Where a stream's step does not fit (no free lane in its group, a window beyond
 the largest, a cache past the batched frames, an fp16 cache), it runs as
 before: today's single-stream fixed-shape slot (the fallback factory), or the
 dynamic graph once its cache has outgrown the fixed shapes (moved by a host
-round trip: rare)."""
+round trip: rare). The engine lets in no more streams than the lanes and the
+single-stream slots (seats.py), so the dynamic graph does not serve a stream
+for want of a lane."""
 
 from __future__ import annotations
 
