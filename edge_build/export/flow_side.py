@@ -16,15 +16,15 @@ from cosyedge_build.export.graphs import StageGraph
 
 @dataclass(frozen=True)
 class FlowSideOptions:
-    """export_bundle's flow and vocoder options (its docstring says what each adds)."""
+    """export_bundle's flow and vocoder options (its docstring says what each adds; its defaults)."""
 
-    static_flow_windows: tuple[int, ...] = ()
-    static_flow_cache: int = 1024
-    static_vocoder: bool = False
-    static_vocoder_first_hops: tuple[int, ...] = ()
-    batch_flow_sizes: tuple[int, ...] = ()
-    batch_flow_precision: str = "fp32"
-    batch_flow_attention: str = "plain"
+    static_flow_windows: tuple[int, ...]
+    static_flow_cache: int
+    static_vocoder: bool
+    static_vocoder_first_hops: tuple[int, ...]
+    batch_flow_sizes: tuple[int, ...]
+    batch_flow_precision: str
+    batch_flow_attention: str
 
 
 def export_flow_side(flow: Any, vocoder: Any, scratch: Path, hyper: dict[str, Any],

@@ -110,10 +110,10 @@ def flow_batch_delta(before: dict[str, Any] | None, after: dict[str, Any] | None
     if after is None:
         return None
     old = before or {}
+    seats = tuple(key for key in ("seat_waits", "seat_wait_ms", "unseated") if key in after)  # the engine's
     out: dict[str, Any] = {key: round(float(after[key]) - float(old.get(key, 0)), 1)
                            for key in ("replays", "rows", "shared_replays", "fallbacks", "moves", "partner_wait_ms",
-                                       "seeds", "reuses", "mixed_windows", "seat_waits", "seat_wait_ms",
-                                       "unseated") if key in after}
+                                       "seeds", "reuses", "mixed_windows", *seats)}
     sizes = {n: int(c) - int(old.get("batch_sizes", {}).get(n, 0)) for n, c in after["batch_sizes"].items()}
     spent = {n: float(ms) - float(old.get("replay_ms", {}).get(n, 0.0)) for n, ms in after["replay_ms"].items()}
     out["batch_sizes"] = {n: c for n, c in sorted(sizes.items()) if c > 0}
