@@ -241,6 +241,12 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                    help="a stream's first chunk (flow and vocoder) runs ahead of the captured LLM steps on the CUDA "
                         "graph thread, which wait meanwhile (default); --no-first-audio-first: submission order "
                         "(the report's graph_order says what the order did)")
+    p.add_argument("--first-hop-tokens", type=int, default=None, metavar="TOKENS",
+                   help="every measured stream's first hop in speech tokens ([tts] first_hop_tokens; default: "
+                        "upstream's aligned hop)")
+    p.add_argument("--first-chunk-euler-steps", type=int, default=None, metavar="STEPS",
+                   help="every measured stream's Euler steps on its first chunk ([tts] first_chunk_euler_steps; "
+                        "default: the bundle's)")
     p.add_argument("--first-hop", metavar="N[,M..]",
                    help="also measure time to first audio for these first hops (speech tokens)")
     p.add_argument("--first-chunk", metavar="HOP:STEPS[,..]",

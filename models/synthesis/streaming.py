@@ -13,6 +13,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def check_first_hop(first_hop: int | None, samples_per_token: int, held_back_samples: int) -> None:
+    """A first hop whose audio is no longer than what the vocoder holds back for the next chunk's
+    cross-fade would send an empty first chunk and leave the cross-fade short (a broadcast error in
+    the second chunk): ValueError with the least first hop this bundle takes. None: upstream's hop."""
+    least = held_back_samples // samples_per_token + 1
+    if first_hop is not None and first_hop < least:
+        raise ValueError(f"first_hop_tokens must be at least {least} for this bundle (its vocoder holds back "
+                         f"{held_back_samples} samples for the cross-fade, {samples_per_token} a token), "
+                         f"got {first_hop}")
+
+
 @dataclass(frozen=True)
 class Chunk:
     start: int  # first token of this chunk's audio (offset)

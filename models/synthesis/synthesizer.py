@@ -2,8 +2,7 @@
 
 One `CosyVoiceSynthesizer` serves concurrent requests: the sessions are shared
 (ONNX Runtime sessions are safe to run from several threads) and every
-request carries its own state (sampler, noise, chunk schedule, vocoder
-cache).
+request carries its own state (sampler, noise, chunk schedule, vocoder cache).
 
 Streaming requests overlap their stages (SynthesisSettings.overlap_stages): the
 LLM decodes on a producer thread into a bounded token queue while the
@@ -57,7 +56,7 @@ from cosyedge_models.synthesis.offline import joined, linear_resize
 from cosyedge_models.synthesis.request_state import LlmSpans, RequestState
 from cosyedge_models.synthesis.sampling import TokenSampler
 from cosyedge_models.synthesis.settings import SynthesisSettings
-from cosyedge_models.synthesis.streaming import ChunkSchedule, recurring_mel_frames
+from cosyedge_models.synthesis.streaming import ChunkSchedule, check_first_hop, recurring_mel_frames
 from cosyedge_models.synthesis.token_stream import ProducedTokens, ProducerPool, SerialTokens
 from cosyedge_models.synthesis.vocoder import HiftVocoder, NoiseSource, VocoderStream
 from cosyedge_models.synthesis.voice_cache import (
@@ -95,6 +94,8 @@ class CosyVoiceSynthesizer(SynthesizerDefaults):
 
     def __init__(self, bundle: Bundle, backend: Backend, settings: SynthesisSettings) -> None:
         step_grid(bundle.flow.n_timesteps, settings.first_chunk_euler_steps)  # at most the bundle's: ValueError
+        check_first_hop(settings.first_hop_tokens, bundle.token_mel_ratio * bundle.hift.upsample_factor,
+                        bundle.streaming.source_cache_len)
         self.bundle = bundle
         self.settings = settings
         self.backend = backend
@@ -200,9 +201,8 @@ class CosyVoiceSynthesizer(SynthesizerDefaults):
             return self.synthesize
         return lambda request, cancel=None: self._synthesize(request, cancel, validate=False)
 
-    def _synthesize(
-        self, request: SynthesisRequest, cancel: threading.Event | None, *, validate: bool
-    ) -> Iterator[AudioChunk]:
+    def _synthesize(self, request: SynthesisRequest, cancel: threading.Event | None, *,
+                    validate: bool) -> Iterator[AudioChunk]:
         started = time.perf_counter()
         if validate:
             self.validate(request)

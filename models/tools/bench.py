@@ -268,6 +268,8 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
                               batching=batching, flow_batching=flow_batching,
                               flow_final_chunk=args.flow_final_chunk,
                               hop_scale=args.hop_scale,
+                              first_hop_tokens=args.first_hop_tokens,
+                              first_chunk_euler_steps=args.first_chunk_euler_steps,
                               # fixed-shape flow caches for every concurrent stream measured
                               graph_flow=args.graph_flow,
                               graph_encoder=args.graph_encoder,
@@ -291,7 +293,10 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
     if cache_mb is not None:
         settings = dataclasses.replace(settings, voice_cache_mb=cache_mb)
     t_load = time.perf_counter()
-    engine = load_synthesizer(args.bundle, settings=settings)
+    try:
+        engine = load_synthesizer(args.bundle, settings=settings)
+    except ValueError as exc:  # settings this bundle cannot take (a first hop or Euler steps beyond its own)
+        raise CosyEdgeError(str(exc)) from None
     load_ms = round((time.perf_counter() - t_load) * 1e3, 1)  # with every CUDA-graph capture
     # the iteration-level LLM batcher: asked for, and which batcher the engine runs (GraphBatcher or not)
     graph_batching = {"on": settings.graph_batching, "prefills_between_steps": settings.llm_prefills_between_steps,
@@ -338,6 +343,8 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
                         "load_ms": load_ms, "graph_load_s": engine.graphs.load_seconds, "voice": voice,
                         "graph_device_used_bytes": engine.graphs.device_used_bytes,
                         "first_audio_first": settings.first_audio_first, "graph_batching": graph_batching,
+                        "first_hop_tokens": settings.first_hop_tokens,
+                        "first_chunk_euler_steps": settings.first_chunk_euler_steps,
                         **concurrency_report(engine, text, concurrency, mode, voice),
                         "graph_order": engine.graphs.order_stats(),
                         "graph_flow_batch": engine.graphs.flow_batch_stats(),
@@ -422,6 +429,8 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
             progress.advance("concurrency")
         # what the graph thread's order did over the runs so far (first-audio holds, LLM steps held)
         report["first_audio_first"] = settings.first_audio_first
+        report["first_hop_tokens"] = settings.first_hop_tokens  # None: upstream's aligned hop
+        report["first_chunk_euler_steps"] = settings.first_chunk_euler_steps  # None: the bundle's
         report["offline_as_stream"] = engine.offline_as_stream
         report["vocoder_pad_final"] = engine.vocoder.pad_final
         report["graph_batching"] = graph_batching

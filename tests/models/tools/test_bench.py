@@ -285,3 +285,52 @@ def test_the_engine_gives_its_memory_back_before_the_official_pipeline(tiny_bund
     assert r["complete"] is True and r["reference"]["first_audio_ms"] == 400.0
     assert calls[-2:] == ["close", "official"] and calls.count("official") == 1
     assert "close" not in calls[calls.index("official"):]
+
+
+def test_the_first_chunk_settings_reach_every_measured_stream(tiny_bundle: Path, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """--first-hop-tokens and --first-chunk-euler-steps set the engine's first chunk for the concurrency runs
+    (the goals at eight streams with a device's sooner first chunk): a shorter first chunk, and the report says so."""
+    from collections.abc import Iterator
+
+    from cosyedge_models.synthesis.api import AudioChunk, SynthesisRequest
+    from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer
+
+    first_samples: list[int] = []
+    real = CosyVoiceSynthesizer.synthesize
+
+    def synthesize(self: CosyVoiceSynthesizer, request: SynthesisRequest, cancel: Any = None) -> Iterator[AudioChunk]:
+        for chunk in real(self, request, cancel):
+            if chunk.index == 0 and request.stream:
+                first_samples.append(len(chunk.pcm))
+            yield chunk
+
+    monkeypatch.setattr(CosyVoiceSynthesizer, "synthesize", synthesize)
+    reports = []
+    for extra in ([], ["--first-hop-tokens", "5", "--first-chunk-euler-steps", "1"]):
+        first_samples.clear()
+        out = tmp_path / f"c{len(extra)}.json"
+        assert main(["bench", "--bundle", str(tiny_bundle), "--concurrency", "2", "--concurrency-only",
+                     "--json", str(out), *extra]) == 0
+        reports.append((json.loads(out.read_text()), sorted(set(first_samples))))
+    (default, default_first), (sooner, sooner_first) = reports
+    assert (default["first_hop_tokens"], default["first_chunk_euler_steps"]) == (None, None)
+    assert (sooner["first_hop_tokens"], sooner["first_chunk_euler_steps"]) == (5, 1)
+    assert len(sooner_first) == 1 and max(default_first) > sooner_first[0]  # every stream's first chunk is shorter
+    assert sooner["concurrency"]["2"]["requests_per_s"] > 0
+
+
+def test_bench_rejects_more_first_chunk_euler_steps_than_the_bundle_has(tiny_bundle: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--bundle", str(tiny_bundle), "--concurrency", "1", "--concurrency-only",
+                 "--first-chunk-euler-steps", "999"]) != 0
+    assert "first_chunk_euler_steps" in capsys.readouterr().err
+
+
+def test_bench_rejects_a_first_hop_shorter_than_the_vocoders_cross_fade(tiny_bundle: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """Three tokens of audio are less than the vocoder holds back (the second chunk's cross-fade failed
+    with a broadcast error): refused at load, with the least first hop."""
+    assert main(["bench", "--bundle", str(tiny_bundle), "--concurrency", "1", "--concurrency-only",
+                 "--first-hop-tokens", "3"]) != 0
+    assert "first_hop_tokens must be at least 5" in capsys.readouterr().err
