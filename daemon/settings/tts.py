@@ -158,7 +158,8 @@ class TtsSettings:
     first_hop_tokens: int = setting(
         0, "speech tokens before the first audio chunk (smaller: sooner first audio); 0: upstream's aligned hop; "
         "a bundle exported with --static-vocoder-first-hops N replays that first chunk's vocoder as a fixed-length "
-        "graph (else the dynamic vocoder, set up at that length at load)",
+        "graph (else the dynamic vocoder, set up at that length at load); at least 5 with CosyVoice 2 (a shorter "
+        "first chunk's audio would not cover the vocoder's cross-fade: the engine refuses it at load)",
         min=0, max=200, reload=True,
     )
     first_chunk_euler_steps: int = setting(

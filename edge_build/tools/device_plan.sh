@@ -7,8 +7,10 @@
 #   edge_build/tools/device_plan.sh start     copies the tree to /tmp/repo, starts the plan
 #   edge_build/tools/device_plan.sh wait N    waits up to N s, prints progress; copies results to $OUT
 #                                             (exits 3 at once on a fresh machine, where no plan runs)
-# TESTS_BESIDE: the test files (space-separated; default: the batched lanes' -m gpu tests, "" for none) run as the
-# tests step beside the plan's setup.
+# TESTS_BESIDE: test files (space-separated; default none) run as the tests step beside the plan's setup, e.g.
+# the batched lanes' -m gpu tests: "tests/models/batching/test_flow_batcher_gpu.py tests/models/batching/
+# test_batched_vocoder.py". Beside `build export --jobs 2` they doubled the setup (809 s against 387 s,
+# twenty-fourth run), so a lease with benches to run leaves them out.
 # PLAN (default below): "outdir steps [VAR=value ...]" entries separated by ";", "+" for a space in a value;
 # STEPS="d x e": only those entries, in that order.
 set -uo pipefail
@@ -27,8 +29,8 @@ case ${1:?start or wait} in
     # gathered 4 ms, the batched prefill with the gather, per-stage threads with the gather and without;
     # the goals' levels with the vocoder's fixed lengths batched (--graph-vocoder-batch; the setup exports
     # them); the goals' levels with every stream's first chunk at 15 tokens and 6 Euler steps (s). The
-    # batched lanes' -m gpu tests beside the setup. A short lease: STEPS="d e x s" (no cloud without
-    # .device/cloud carried) and TESTS_BESIDE="".
+    # twenty-fourth run (an H100 again, a slower host) measured d and e only. A short lease: STEPS="d e x s"
+    # (no cloud without .device/cloud carried).
     voice="VOICE_WAV=/tmp/voice/en8.wav VOICE_TEXT=And+then+later+on,+fully+acquiring+that+company.+So+keeping+management+in+line,+interest+in+line+with+the+asset"
     stage="--voice+en8+--graph-threads+per-stage+--llm-parallel-prefills+4"
     goals="--voice+en8+--first-chunk+15:6+--graph-batching+--batching+16+--graph-flow-batch+--graph-encoder-batch+--llm-captured-prefill+--concurrency-mode+both"
@@ -41,7 +43,7 @@ case ${1:?start or wait} in
       plan=$(IFS=";"; echo "${kept[*]}")
     fi
     echo "$plan" >"$res/plan"; : >"$res/status"  # a wait right after start finds the plan
-    beside=${TESTS_BESIDE-tests/models/batching/test_flow_batcher_gpu.py tests/models/batching/test_batched_vocoder.py}
+    beside=${TESTS_BESIDE:-}
     if [ -n "$beside" ]; then
       # the -m gpu tests (tiny bundles of their own) beside the full-size setup, once device_run.sh has
       # unpacked onnxruntime into /tmp/site (the setup builds pycuda alone): the tests run during the setup
