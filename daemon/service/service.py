@@ -141,8 +141,19 @@ class Service:
         return self.scheduler.depth, self.scheduler.estimated_wait_s(request.priority)
 
     def set_synthesizers(self, local: ServedSynthesizer | None, fallback: ServedSynthesizer | None) -> None:
-        self.synthesizers.slots["local"].swap(local)
+        self._swap_local(local)
         self.synthesizers.slots["fallback"].swap(fallback)
+
+    def _swap_local(self, engine: ServedSynthesizer | None) -> None:
+        """The local engine, and the scheduler's bound on local requests at once: an engine that
+        serves fewer streams at once than the workers (the GPU flow's seats) leaves the rest queued
+        here, where the router's queue-depth and deadline rules can send them to the cloud."""
+        self.synthesizers.slots["local"].swap(engine)
+        streams = engine.concurrent_streams() if engine is not None else None
+        if streams is not None and streams < self.pipeline.workers:
+            log.info("the local engine serves %d requests at once (%d synthesis workers): the rest wait in "
+                     "the queue", streams, self.pipeline.workers)
+        self.scheduler.set_local_limit(streams)
 
     def load_synthesizers(self) -> None:
         """The configured local engine (systemd's start timeout is extended
@@ -153,7 +164,7 @@ class Service:
         with self.notifier.extending("loading the speech engine"):
             try:
                 local = load_local_synthesizer(self.settings)
-                slot.swap(local)
+                self._swap_local(local)
             except Exception as exc:
                 log.error("the local engine did not load: %s", exc)
                 slot.set_state("failed", str(exc))
@@ -190,7 +201,7 @@ class Service:
                     log.error("reload failed, keeping the current engine: %s", exc)
                     self.notifier.status(f"reload failed: {exc}")
                     return
-                slot.swap(engine)
+                self._swap_local(engine)
             log.info("switched to the new engine %s", engine.name)
             self.notifier.status("ready (engine reloaded)")
             self.health.poke()
@@ -331,6 +342,7 @@ class Service:
             "queue_depth": self.scheduler.depth,
             "in_flight": len(self.scheduler.running()),
             "synthesizing": self.pipeline.active_syntheses,
+            "local_at_once": self.scheduler.local_limit,  # the local engine's bound; null: the workers
             "underruns": self.sink.underruns if self.sink is not None else 0,
             "uptime_s": round(time.monotonic() - self._started_at, 1),
             "time": round(time.time(), 3),

@@ -1,7 +1,8 @@
 """Which request runs next: a priority queue (higher priority first, FIFO
 within a priority) with a hard size limit, an estimated-wait limit, deadlines,
-cancel of queued and running requests, preemption, and the duplicate-id
-memory. Pure logic behind one lock; no I/O."""
+cancel of queued and running requests, preemption, the local engine's bound
+on requests at once, and the duplicate-id memory. Pure logic behind one lock;
+no I/O."""
 
 from __future__ import annotations
 
@@ -79,12 +80,35 @@ class Scheduler:
         self._seq = itertools.count()
         self._closed = False
         self._service_s: float | None = None  # EWMA of start→end time of a request
+        # requests routed to the local engine that run at once (its concurrent_streams); None: the workers
+        self._local_limit: int | None = None
         self.dedupe = DedupeMemory(settings.dedupe_window_s, settings.dedupe_max_ids, clock)
 
     def reconfigure(self, settings: SchedulerSettings) -> None:
         with self._lock:
             self.settings = settings
             self.dedupe.window_s = settings.dedupe_window_s
+
+    def set_local_limit(self, limit: int | None) -> None:
+        """At most `limit` requests routed to the local engine run at once (None: as many as the
+        workers): where the engine serves fewer streams at once than the daemon has workers, the
+        rest wait here, counted by `depth` and the estimated wait, instead of inside the engine."""
+        if limit is not None and limit < 1:
+            raise ValueError(f"the local limit must be at least 1 or None, got {limit}")
+        with self._lock:
+            self._local_limit = limit
+            self._lock.notify_all()
+
+    @property
+    def local_limit(self) -> int | None:
+        return self._local_limit
+
+    def _local_full(self, job: Job) -> bool:
+        """Whether `job` is routed to the local engine and that engine's bound is reached."""
+        if self._local_limit is None or job.decision is None or job.decision.target != "local":
+            return False
+        running = sum(1 for j in self._running.values() if j.decision is not None and j.decision.target == "local")
+        return running >= self._local_limit
 
     # --- admission --------------------------------------------------------
     def check_duplicate(self, request_id: str) -> str | Terminal | None:
@@ -102,8 +126,10 @@ class Scheduler:
         running = sum(
             1 for j in self._running.values() if j.priority >= priority or not self.settings.preempt
         )
-        # `concurrency` requests are served at once, each taking about `_service_s`.
-        return (ahead + running) * self._service_s / self.concurrency
+        # `concurrency` requests are served at once (fewer where the local engine is bound), each taking
+        # about `_service_s`.
+        at_once = min(self.concurrency, self._local_limit or self.concurrency)
+        return (ahead + running) * self._service_s / at_once
 
     def submit(self, job: Job) -> list[Job]:
         """Queue the job; returns the running jobs it preempts (the caller
@@ -135,17 +161,17 @@ class Scheduler:
 
     # --- the worker side ----------------------------------------------------
     def next(self, timeout_s: float | None = None) -> Job | None:
-        """The next job (marked running), or None after the timeout / close."""
+        """The next job (marked running), or None after the timeout / close. A job for the
+        local engine at its bound stays queued; a later job for another target may go first."""
         deadline = None if timeout_s is None else self._clock() + timeout_s
         with self._lock:
             while True:
-                while self._heap:
-                    _, _, job = heapq.heappop(self._heap)
-                    if self._queued.get(job.id) is job:  # else: cancelled or expired while queued
-                        del self._queued[job.id]
-                        self._running[job.id] = job
-                        job.started_at = self._clock()
-                        return job
+                job = self._pop_runnable()
+                if job is not None:
+                    del self._queued[job.id]
+                    self._running[job.id] = job
+                    job.started_at = self._clock()
+                    return job
                 if self._closed:
                     return None
                 remaining = None if deadline is None else deadline - self._clock()
@@ -153,11 +179,32 @@ class Scheduler:
                     return None
                 self._lock.wait(remaining)
 
+    def _pop_runnable(self) -> Job | None:
+        """The first queued job in priority order that may run now, off the heap; the jobs it
+        passes over for the local bound go back (cancelled and expired ones are dropped)."""
+        passed: list[tuple[int, int, Job]] = []
+        found = None
+        while self._heap:
+            entry = heapq.heappop(self._heap)
+            job = entry[2]
+            if self._queued.get(job.id) is not job:  # cancelled or expired while queued
+                continue
+            if self._local_full(job):
+                passed.append(entry)
+                continue
+            found = job
+            break
+        for entry in passed:
+            heapq.heappush(self._heap, entry)
+        return found
+
     def finish(self, job: Job) -> None:
         with self._lock:
             if self._running.pop(job.id, None) is job and job.started_at is not None:
                 took = self._clock() - job.started_at
                 self._service_s = took if self._service_s is None else 0.8 * self._service_s + 0.2 * took
+            if self._local_limit is not None:
+                self._lock.notify_all()  # a local job held at the bound may run now
 
     def record_terminal(self, request_id: str, terminal: Terminal) -> None:
         with self._lock:

@@ -128,6 +128,9 @@ class CloudSynthesizer:
     def set_load_level(self, level: LoadLevel) -> None:
         return None
 
+    def concurrent_streams(self) -> int | None:
+        return None  # the bridge and Triton queue what they cannot take at once
+
     def close(self) -> None:
         with self._lock:
             self._pending.clear()

@@ -169,6 +169,12 @@ class ServedSynthesizer(Synthesizer, Protocol):
         daemon validates once, at admission), so it need not run again."""
         ...
 
+    def concurrent_streams(self) -> int | None:
+        """How many requests it serves at once before the next waits inside it (the GPU flow's
+        stream seats); None: no bound of its own. The daemon runs no more local requests at once,
+        so that the rest wait in its queue, where the router's load rules see them."""
+        ...
+
 
 class SynthesizerDefaults(ABC):
     """The neutral `ServedSynthesizer` answers: always available, no use for the
@@ -187,3 +193,6 @@ class SynthesizerDefaults(ABC):
 
     def for_job(self, job_id: str, deadline_at: float | None, *, validated: bool = False) -> SynthesizeFn:
         return self.synthesize
+
+    def concurrent_streams(self) -> int | None:
+        return None

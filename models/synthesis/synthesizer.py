@@ -26,7 +26,7 @@ import numpy as np
 from cosyedge_models.backends.base import Backend, Session
 from cosyedge_models.backends.encoder_cache import host_encoder_cache
 from cosyedge_models.backends.factory import create_backend
-from cosyedge_models.backends.graph_thread import GraphPriority, GraphThread
+from cosyedge_models.backends.graph_thread import GraphPriority
 from cosyedge_models.backends.shape_pinned import ShapePinnedSession
 from cosyedge_models.batching.graph_batcher import GraphBatcher, start_graph_batcher
 from cosyedge_models.batching.group import RequestGroup
@@ -160,16 +160,10 @@ class CosyVoiceSynthesizer(SynthesizerDefaults):
             self._producers = ProducerPool(settings.producer_threads)
             self._producers.start()
 
-    @property
-    def graph_thread(self) -> GraphThread | None:
-        """The thread that runs every CUDA-graph session (None when no graph stage is on,
-        and with graph_threads "per-stage": see graph_threads)."""
-        return self.graphs.thread
-
-    @property
-    def graph_threads(self) -> dict[str, GraphThread]:
-        """The graph thread of each captured stage that is on ("decode", "flow", "vocoder")."""
-        return dict(self.graphs.threads)
+    def concurrent_streams(self) -> int | None:
+        """The GPU flow's stream seats (models/batching/seats.py), where the batched lanes load."""
+        seats = self.graphs.flow_seats
+        return seats.count if seats is not None else None
 
     def _load(self, stage: str) -> Session:
         session = self.backend.load(stage, self.bundle.stages[stage].path, threads=self.settings.threads)

@@ -50,8 +50,9 @@ class FakeSynthesizer(SynthesizerDefaults):
 
     def __init__(self, chunks: int = 3, chunk_s: float = 0.05, levels: dict[str, float] | None = None,
                  together: int = 0, *, frequency_hz: float | None = None, voices: tuple[str, ...] = (),
-                 modes: tuple[Mode, ...] = ("sft",), delay_s: float = 0.0) -> None:
+                 modes: tuple[Mode, ...] = ("sft",), delay_s: float = 0.0, streams: int | None = None) -> None:
         self.chunks = chunks
+        self.streams = streams  # concurrent_streams: as an engine with that many GPU stream seats says
         self.chunk_samples = int(round(chunk_s * self.sample_rate))
         self.levels = levels or {}
         self.frequency_hz = frequency_hz
@@ -70,6 +71,9 @@ class FakeSynthesizer(SynthesizerDefaults):
 
     def voices(self) -> list[str]:
         return list(self._voices)
+
+    def concurrent_streams(self) -> int | None:
+        return self.streams
 
     def modes(self) -> tuple[Mode, ...]:
         return self._modes

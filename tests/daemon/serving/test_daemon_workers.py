@@ -70,3 +70,36 @@ def test_two_daemon_requests_share_the_tiny_engines_llm_batch(daemons: DaemonFac
         assert (done["route"], done["reason"]) == ("local", "completed") and done["audio_seconds"] > 0
     stats = getattr(engine, "batcher").stats  # noqa: B009 - CosyVoiceSynthesizer's, not the Synthesizer protocol's
     assert stats.peak_batch == 2 and stats.shared_steps > 0
+
+
+def test_requests_beyond_the_engines_streams_wait_in_the_queue_where_the_router_sees_them(
+        daemons: DaemonFactory) -> None:
+    """An engine that serves one stream at once (as the GPU flow's seats say) under two workers: the
+    second local request waits in the daemon's queue, not inside the engine, so the queue-depth rule
+    sends the third to the cloud, which serves it while the local engine is still busy."""
+    local, cloud = FakeSynthesizer(streams=1), FakeSynthesizer()
+    svc = daemons.start(local=local, fallback=None, tts={"synthesis_workers": 2},
+                        routing={"cloud_queue_depth": 1})
+    svc.synthesizers.slots["cloud"].swap(cloud)
+    assert svc.health_doc()["local_at_once"] == 1
+    p = daemons.probe(svc)
+    pre = svc.settings.topic_prefix
+    p.publish(f"{pre}/tts/say", {"id": "h1", "text": "HOLD one", "output": "publish"})
+    wait_until(lambda: local.active == 1)
+    p.publish(f"{pre}/tts/say", {"id": "h2", "text": "HOLD two", "output": "publish"})
+    wait_until(lambda: svc.scheduler.depth == 1)  # held at the engine's bound, a worker free
+    p.publish(f"{pre}/tts/say", {"id": "c3", "text": "third", "output": "publish"})
+    done = p.wait_topic(f"{pre}/tts/done/c3", 10).json()
+    assert done["route"] == "cloud" and done["route_rule"] == "queue_depth", done
+    assert cloud.started == ["third"] and local.active == 1 and "HOLD two" not in local.seen
+    local.release.set()
+    for rid in ("h1", "h2"):
+        assert p.wait_topic(f"{pre}/tts/done/{rid}", 10).json()["route"] == "local"
+    assert local.max_active == 1
+
+
+def test_the_local_bound_follows_the_engine(daemons: DaemonFactory) -> None:
+    svc = daemons.start(local=FakeSynthesizer(streams=3), fallback=None, tts={"synthesis_workers": 2})
+    assert svc.scheduler.local_limit == 3  # above the workers: binds nothing, stated all the same
+    svc.set_synthesizers(FakeSynthesizer(), None)
+    assert svc.scheduler.local_limit is None and svc.health_doc()["local_at_once"] is None

@@ -180,3 +180,61 @@ def test_only_ids_the_client_chose_are_remembered() -> None:
         s.submit(Job(dataclasses.replace(made_up.request, client_id=False), made_up.responder))
     assert s.check_duplicate("mine") == DedupeMemory.PENDING
     assert s.check_duplicate("wyoming-0") is None and s.check_duplicate("wyoming-39") is None
+
+
+def routed(rid: str, target: str, priority: int = 0) -> Job:
+    from cosyedge_daemon.synthesizers.routing import RouteDecision
+
+    j = job(rid, priority)
+    j.decision = RouteDecision(target, "test")  # type: ignore[arg-type]
+    return j
+
+
+def test_local_jobs_beyond_the_engines_bound_wait_and_others_pass_them() -> None:
+    s = Scheduler(SchedulerSettings(max_wait_ms=0), concurrency=4)
+    s.set_local_limit(2)
+    for j in (routed("l1", "local"), routed("l2", "local"), routed("l3", "local", priority=5), routed("c1", "cloud")):
+        s.submit(j)
+    taken = [s.next(0), s.next(0), s.next(0)]
+    assert [j.id for j in taken if j is not None] == ["l3", "l1", "c1"]  # l2 held: two local already run
+    assert s.next(0) is None and s.depth == 1
+    s.finish(taken[0])  # type: ignore[arg-type]
+    nxt = s.next(0)
+    assert nxt is not None and nxt.id == "l2"
+    s.set_local_limit(None)
+    s.submit(routed("l4", "local"))
+    assert (got := s.next(0)) is not None and got.id == "l4"  # no bound: three local at once
+    with pytest.raises(ValueError, match="at least 1"):
+        s.set_local_limit(0)
+
+
+def test_a_held_local_job_runs_as_soon_as_a_local_one_finishes() -> None:
+    import threading
+
+    s = Scheduler(SchedulerSettings(max_wait_ms=0), concurrency=2)
+    s.set_local_limit(1)
+    first = routed("a", "local")
+    s.submit(first)
+    assert s.next(0) is first
+    s.submit(routed("b", "local"))
+    got: list[Job | None] = []
+    waiter = threading.Thread(target=lambda: got.append(s.next(5.0)))
+    waiter.start()
+    s.finish(first)  # wakes the waiting worker at once (not after its 5 s timeout)
+    waiter.join(2.0)
+    assert not waiter.is_alive() and got[0] is not None and got[0].id == "b"
+
+
+def test_the_estimated_wait_counts_the_local_bound() -> None:
+    clock = Clock()
+    s = Scheduler(SchedulerSettings(max_wait_ms=0), clock=clock, concurrency=4)
+    first = job("a")
+    s.submit(first)
+    s.next(0)
+    clock.t += 1.0
+    s.finish(first)
+    for rid in "bcde":
+        s.submit(job(rid))
+    assert s.estimated_wait_s(0) == 1.0  # four ahead, four at a time
+    s.set_local_limit(2)
+    assert s.estimated_wait_s(0) == 2.0  # two at a time

@@ -163,7 +163,7 @@ def test_every_run_of_a_captured_session_is_on_the_graph_thread(graph_bundle: Pa
                                                                   recorded_runs: list[tuple[str, int]]) -> None:
     engine = _engine(graph_bundle, slots=4)
     try:
-        assert engine.graph_thread is not None and engine.static_flow is not None
+        assert engine.graphs.thread is not None and engine.static_flow is not None
         assert isinstance(engine.lm.fixed_size_decode, GraphDecoder)
         warm = len(recorded_runs)
         windows = len(engine.static_flow.windows)
@@ -173,11 +173,11 @@ def test_every_run_of_a_captured_session_is_on_the_graph_thread(graph_bundle: Pa
         assert all(o.size for o in outs.values())
         names = {name for name, _ in recorded_runs[warm:]}
         assert "llm_decode_static" in names and any(n.startswith(STATIC_FLOW_PREFIX) for n in names)
-        assert {tid for _, tid in recorded_runs} == {engine.graph_thread.ident}
+        assert {tid for _, tid in recorded_runs} == {engine.graphs.thread.ident}
         assert engine.static_flow.replays > 0 and engine.static_flow.disabled is None
     finally:
         engine.close()
-    assert engine.graph_thread is not None and not engine.graph_thread.alive
+    assert engine.graphs.thread is not None and not engine.graphs.thread.alive
 
 
 def test_per_stage_threads_keep_each_stage_on_its_own_thread(graph_bundle: Path,
@@ -193,7 +193,7 @@ def test_per_stage_threads_keep_each_stage_on_its_own_thread(graph_bundle: Path,
             threads=1, overlap_stages=True, graph_flow=True, graph_decode=True, graph_vocoder=True,
             graph_flow_slots=4, graph_decode_slots=4, graph_threads=mode))
         try:
-            threads = engine.graph_threads
+            threads = dict(engine.graphs.threads)
             assert set(threads) == {"decode", "flow", "vocoder"}
             vocoder_calls = engine.static_vocoder.replays if engine.static_vocoder else -1
             outs[mode] = _concurrently(engine, 3)
@@ -201,11 +201,11 @@ def test_per_stage_threads_keep_each_stage_on_its_own_thread(graph_bundle: Path,
             by_stage = {("decode" if name == "llm_decode_static" else "flow"): tid for name, tid in recorded_runs}
             holds = {stage: t.order_stats()["holds"] for stage, t in threads.items()}
             if mode == "one":
-                assert engine.graph_thread is not None and len({id(t) for t in threads.values()}) == 1
-                assert set(by_stage.values()) == {engine.graph_thread.ident}
+                assert engine.graphs.thread is not None and len({id(t) for t in threads.values()}) == 1
+                assert set(by_stage.values()) == {engine.graphs.thread.ident}
                 assert holds["decode"] == 3  # each streaming request's first chunk, on the one thread
             else:
-                assert engine.graph_thread is None and len({t.ident for t in threads.values()}) == 3
+                assert engine.graphs.thread is None and len({t.ident for t in threads.values()}) == 3
                 assert holds == {"decode": 0, "flow": 3, "vocoder": 3}, holds
                 assert engine.graphs.first_audio_threads() == [threads["flow"], threads["vocoder"]]
                 for name, tid in recorded_runs:
@@ -272,10 +272,10 @@ def test_a_capture_refused_at_load_leaves_the_engine_on_the_dynamic_graphs(graph
     engine = _engine(graph_bundle, slots=2)
     try:
         decoder, graphs = engine.lm.fixed_size_decode, engine.static_flow
-        assert isinstance(decoder, GraphDecoder) and graphs is not None and engine.graph_thread is not None
+        assert isinstance(decoder, GraphDecoder) and graphs is not None and engine.graphs.thread is not None
         assert decoder.disabled is not None and "capture refused" in decoder.disabled
         assert graphs.disabled is not None and "capture refused" in graphs.disabled
-        assert set(where) == {engine.graph_thread.ident} and len(where) == 2  # one refusal each, then stopped
+        assert set(where) == {engine.graphs.thread.ident} and len(where) == 2  # one refusal each, then stopped
         calls = len(where)
         assert decoder.loop(32) is None
         assert _synthesize(engine, 0).size > 0
@@ -296,7 +296,7 @@ def test_eight_streams_with_cuda_graphs_match_serial_runs(graph_bundle: Path,
     engine = load_synthesizer(graph_bundle, settings=SynthesisSettings(
         backend="ort-cuda", graph_flow=True, graph_flow_slots=8, graph_decode_slots=8))
     try:
-        graphs, decoder, worker = engine.static_flow, engine.lm.fixed_size_decode, engine.graph_thread
+        graphs, decoder, worker = engine.static_flow, engine.lm.fixed_size_decode, engine.graphs.thread
         assert graphs is not None and isinstance(decoder, GraphDecoder) and worker is not None
         assert graphs.capture and decoder.capture and engine.overlap  # graph_decode and overlap: auto on ort-cuda
         assert graphs.disabled is None, graphs.disabled  # every capture at load succeeded
@@ -329,7 +329,7 @@ def test_a_streams_first_chunk_holds_the_llm_steps_on_the_graph_thread(graph_bun
 
     monkeypatch.setattr(ort_graph_decode, "_replay", replay)
     engine = _engine(graph_bundle, slots=4)
-    worker = engine.graph_thread
+    worker = engine.graphs.thread
     assert worker is not None and engine.graphs.holds_first_audio
     worker.order.hold_max_s = 3600.0  # no expiry on a loaded CI machine: the order is exact
     worker.order.max_overtakes = 1 << 30
@@ -381,7 +381,7 @@ def _first_chunk_probe(graph_bundle: Path, monkeypatch: pytest.MonkeyPatch, sett
 
     def flow_stream(self: CosyVoiceSynthesizer, flow: object, tokens: list[int], state: object, final: bool,
                     prime: bool = False) -> np.ndarray:
-        worker = self.graph_thread
+        worker = self.graphs.thread
         if not prime and not seen and worker is not None:  # the first chunk, inside its hold
             deadline = time.monotonic() + 120
             while worker.pending(GraphPriority.LLM) == 0 and time.monotonic() < deadline:
@@ -395,11 +395,11 @@ def _first_chunk_probe(graph_bundle: Path, monkeypatch: pytest.MonkeyPatch, sett
     monkeypatch.setattr(CosyVoiceSynthesizer, "_flow_stream", flow_stream)
     engine = load_synthesizer(graph_bundle, settings=settings)
     try:
-        assert engine.graph_thread is not None
-        engine.graph_thread.order.hold_max_s = 3600.0
-        engine.graph_thread.order.max_overtakes = 1 << 30
+        assert engine.graphs.thread is not None
+        engine.graphs.thread.order.hold_max_s = 3600.0
+        engine.graphs.thread.order.max_overtakes = 1 << 30
         chunks = list(engine.synthesize(_request(1)))
-        stats = engine.graph_thread.order_stats()
+        stats = engine.graphs.thread.order_stats()
     finally:
         engine.close()
     return seen, chunks, stats, engine

@@ -99,6 +99,7 @@ def test_more_streams_than_seats_all_speak_through_the_engine(static_flow_bundle
         batcher = eng.graphs.flow_batch
         assert seats is not None and batcher is not None
         assert seats.count == batcher.graphs.lanes + OVERFLOW_FLOW_SLOTS
+        assert eng.concurrent_streams() == seats.count  # what the daemon's scheduler bounds its local requests by
         n = seats.count + 2
         start = threading.Barrier(n)
 
@@ -116,3 +117,7 @@ def test_more_streams_than_seats_all_speak_through_the_engine(static_flow_bundle
         assert seats.free == seats.count  # every seat back
     finally:
         eng.close()
+
+
+def test_an_engine_without_the_lanes_states_no_bound(engine: CosyVoiceSynthesizer) -> None:
+    assert engine.graphs.flow_seats is None and engine.concurrent_streams() is None

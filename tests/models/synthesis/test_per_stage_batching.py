@@ -50,7 +50,7 @@ def test_per_stage_threads_and_parallel_or_batched_prefills_give_the_one_thread_
             batcher, flow = engine.batcher, engine.graphs.flow_batch
             assert isinstance(batcher, GraphBatcher) and isinstance(batcher.step, FusedDecodeStep)
             assert flow is not None and engine.static_vocoder is not None
-            threads = engine.graph_threads
+            threads = dict(engine.graphs.threads)
             assert set(threads) == {"decode", "flow", "vocoder"}
             if batched:
                 with engine.request_group(STREAMS, 60):  # all three join one round: one prefill run
@@ -96,7 +96,7 @@ def test_per_stage_threads_hold_the_llm_thread_for_a_stream_alone(every_graph_bu
                                  graph_threads="per-stage")
     engine = load_synthesizer(every_graph_bundle, settings=settings)
     try:
-        threads = engine.graph_threads
+        threads = dict(engine.graphs.threads)
 
         def held(llm_streams: int | None) -> set[str]:
             return {stage for stage, t in threads.items() if t in engine.graphs.first_audio_threads(llm_streams)}
