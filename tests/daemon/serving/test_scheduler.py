@@ -70,14 +70,19 @@ def test_estimated_wait_limit() -> None:
     s.submit(job("urgent", priority=9))  # nothing ahead of it
 
 
-def test_estimated_wait_counts_the_requests_served_at_once() -> None:
-    clock = Clock()
-    s = Scheduler(SchedulerSettings(max_wait_ms=2500), clock=clock, concurrency=2)
+def served_one(s: Scheduler, clock: Clock, took_s: float) -> None:
+    """One request through `s` that took `took_s` (the service-time estimate's first sample)."""
     first = job("a")
     s.submit(first)
     s.next(0)
-    clock.t += 1.0  # a request takes 1 s; two run at once
+    clock.t += took_s
     s.finish(first)
+
+
+def test_estimated_wait_counts_the_requests_served_at_once() -> None:
+    clock = Clock()
+    s = Scheduler(SchedulerSettings(max_wait_ms=2500), clock=clock, concurrency=2)
+    served_one(s, clock, 1.0)  # a request takes 1 s; two run at once
     for rid in "bcde":
         s.submit(job(rid))
     assert s.estimated_wait_s(0) == 2.0  # four ahead, two at a time
@@ -228,11 +233,7 @@ def test_a_held_local_job_runs_as_soon_as_a_local_one_finishes() -> None:
 def test_the_estimated_wait_counts_the_local_bound() -> None:
     clock = Clock()
     s = Scheduler(SchedulerSettings(max_wait_ms=0), clock=clock, concurrency=4)
-    first = job("a")
-    s.submit(first)
-    s.next(0)
-    clock.t += 1.0
-    s.finish(first)
+    served_one(s, clock, 1.0)
     for rid in "bcde":
         s.submit(job(rid))
     assert s.estimated_wait_s(0) == 1.0  # four ahead, four at a time
