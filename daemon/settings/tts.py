@@ -10,6 +10,7 @@ from cosyedge_models.synthesis.api import MAX_TEXT_CHARS
 from cosyedge_models.synthesis.modes import GRAPH_THREAD_MODES, LLM_FIRST_CHUNK_PRIORITIES, MAX_PARALLEL_PREFILLS
 
 AUTO_WORKERS_MAX = 4  # synthesis_workers = "auto": beyond this the flow/vocoder, not the LLM, bound a board
+MAX_WORKERS = 64  # synthesis_workers' largest value
 
 
 @dataclass(frozen=True)
@@ -136,8 +137,9 @@ class TtsSettings:
     synthesis_workers: int | str = setting(
         "auto", "requests synthesized at once (each on its own worker thread, so the LLM batcher can batch "
         "them; played requests still play one at a time, in order); auto: 1 without llm_max_batch_size, "
-        f"else min(llm_max_batch_size, {AUTO_WORKERS_MAX})",
-        choices=("auto",), min=1, max=64,
+        f"llm_max_batch_size with graph_flow_batch (the flow batched too; the engine's stream seats bound the "
+        f"local requests at once, the rest wait in the queue), else min(llm_max_batch_size, {AUTO_WORKERS_MAX})",
+        choices=("auto",), min=1, max=MAX_WORKERS,
     )
     flow_max_batch_size: int = setting(
         0, "run the flow estimator and vocoder calls of up to this many concurrent requests as one batch "
@@ -202,4 +204,6 @@ class TtsSettings:
             return self.synthesis_workers
         if self.engine != "cosyvoice" or not self.llm_max_batch_size:
             return 1
+        if self.graph_flow_batch:  # the GPU lanes batch the flow too: their seats bound it (Scheduler.local_limit)
+            return min(self.llm_max_batch_size, MAX_WORKERS)
         return min(self.llm_max_batch_size, AUTO_WORKERS_MAX)

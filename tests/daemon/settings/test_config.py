@@ -94,6 +94,8 @@ def test_validation_names_field_and_allowed(data: dict, expected: str) -> None:
     ({}, 1),  # no LLM batching: nothing to batch
     ({"llm_max_batch_size": 2}, 2),
     ({"llm_max_batch_size": 16}, 4),
+    ({"llm_max_batch_size": 16, "graph_flow_batch": True}, 16),  # the lanes batch the flow; their seats bound it
+    ({"llm_max_batch_size": 256, "graph_flow_batch": True}, 64),
     ({"llm_max_batch_size": 16, "engine": "espeak-ng"}, 1),
     ({"synthesis_workers": 3}, 3),
     ({"synthesis_workers": "auto", "llm_max_batch_size": 3}, 3),
