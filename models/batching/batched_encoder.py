@@ -18,6 +18,7 @@ the same code runs without capture (that is how it is tested)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 from collections.abc import Callable, Mapping
@@ -44,7 +45,7 @@ from cosyedge_models.backends.ort import OrtSession
 from cosyedge_models.backends.ort_cache import DeviceCopier, copy_prefix, device_zeros
 from cosyedge_models.batching.batched_flow import batched_stages
 from cosyedge_models.batching.batched_step import padded_size
-from cosyedge_models.batching.turns import TurnQueue
+from cosyedge_models.batching.turns import QueuedOnce, TurnQueue
 from cosyedge_models.bundle.loader import BATCH_ENCODER_NAME, BATCH_ENCODER_PREFIX, Bundle
 from cosyedge_models.errors import BundleError
 
@@ -278,6 +279,14 @@ class BatchedEncoderCache(PooledEncoderCache[EncoderLane]):
     def __init__(self, graphs: BatchEncoderGraphs, lane: EncoderLane, dynamic: Session) -> None:
         super().__init__(graphs, lane, dynamic, graphs.spec)
         self._graphs = graphs
+        self._seeding: QueuedOnce | None = None  # preload's seed, queued on the graph thread
+
+    def encode(self, tokens: np.ndarray, embedding: np.ndarray, lookahead: int,
+               commit: int) -> tuple[np.ndarray, np.ndarray]:
+        if self._seeding is not None:  # the lane's first use: its seed first (an error of it raises here)
+            self._seeding.run()
+            self._seeding = None
+        return super().encode(tokens, embedding, lookahead, commit)
 
     def _replay(self, slot: EncoderLane, call: EncoderCall) -> EncoderOut:
         return self._graphs.run(slot, call)
@@ -286,9 +295,15 @@ class BatchedEncoderCache(PooledEncoderCache[EncoderLane]):
         return self._graphs.read_back(slot, tokens)
 
     def _seed(self, slot: EncoderLane, prefix: EncoderPrefix) -> None:
-        self._graphs.seed(slot, prefix)
+        # Queued, not awaited: a stream opens its encoder lane before its LLM starts, and the seed's
+        # synchronous uploads and copies stood before the LLM of every stream opening at once.
+        self._seeding = QueuedOnce(functools.partial(self._graphs.seed, slot, prefix))
+        self._seeding.queue(self._graphs.thread, "flow_encoder_seed")
 
     def _reset(self, slot: EncoderLane) -> None:
+        if self._seeding is not None:  # the stream ended before its first call: the seed never runs
+            self._seeding.cancel()
+            self._seeding = None
         self._graphs.reset(slot)
 
 

@@ -107,3 +107,42 @@ class TurnQueue(Generic[CallT]):
         # by identity: the calls hold arrays, whose == is elementwise
         taken = {id(call) for call in group}
         self._pending[:] = [call for call in self._pending if id(call) not in taken]
+
+
+class QueuedOnce:
+    """Device work queued for the graph thread and not awaited (a lane's seed while the stream's LLM
+    starts), run once by whichever comes first: the graph thread's turn or the stream's first use
+    (`run`, which then raises the work's error). `cancel`: the stream ended first, it never runs. The
+    first use may come on the graph thread itself, where waiting for the turn would wait forever."""
+
+    def __init__(self, work: Callable[[], None]) -> None:
+        self._work = work
+        self._lock = threading.Lock()
+        self._state = "pending"  # pending | done | failed | cancelled
+        self._error: BaseException | None = None
+
+    def queue(self, thread: GraphThread, label: str) -> None:
+        thread.submit(self._turn, label=label)
+
+    def _turn(self) -> None:
+        try:
+            self.run()
+        except Exception:  # kept for the first use, which raises it
+            log.debug("%s failed on its turn", self._work, exc_info=True)
+
+    def run(self) -> None:
+        with self._lock:
+            if self._state == "pending":
+                try:
+                    self._work()
+                    self._state = "done"
+                except BaseException as exc:
+                    self._state, self._error = "failed", exc
+            if self._error is not None:
+                raise self._error
+
+    def cancel(self) -> None:
+        """Never run, where it has not yet (waits while it runs)."""
+        with self._lock:
+            if self._state == "pending":
+                self._state = "cancelled"
