@@ -239,11 +239,16 @@ class BatchFlowGraphs:
         self._kv.close()
 
     def reset(self, slot: int) -> None:
-        """A slot for a new stream: nothing committed, a zero conv history (stale K/V are masked)."""
-        self._check_slot(slot)
-        self.lengths[slot] = 0
-        self.copier.copy(self.conv_ptr(CFG_ROWS * slot), int(self._zero_conv.data_ptr()),
-                         CFG_ROWS * int(np.prod(self.conv_row)) * FLOAT_BYTES)
+        self.reset_many([slot])
+
+    def reset_many(self, slots: Sequence[int]) -> None:
+        """Slots for new streams: nothing committed, zero conv histories in few copy runs (stale K/V masked)."""
+        row = CFG_ROWS * int(np.prod(self.conv_row)) * FLOAT_BYTES
+        for slot in slots:
+            self._check_slot(slot)
+            self.lengths[slot] = 0
+        for chunk in copy_chunks([(self.conv_ptr(CFG_ROWS * s), int(self._zero_conv.data_ptr()), row) for s in slots]):
+            self.copier.copy_many(chunk)
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.slots:
@@ -389,17 +394,19 @@ class BatchFlowGraphs:
         self._seeded[slot] = (weakref.ref(prefix), frames)
         self.seeds += 1
 
-    def seed_many(self, items: Sequence[tuple[int, PrefixRows, np.ndarray]]) -> None:
-        """seed() for several (slot, prefix, conv history) on one graph-thread turn: the lanes that still
-        hold their prefix get their conv histories in one upload and a copy run per COPY_RUNS chunk (each
-        seed() of those was a synchronous upload and a copy run: ~1.2 ms of the graph thread a lane on
-        the H200, 190 ms over sixteen streams' level, twenty-first run); the others seed() one by one."""
+    def seed_many(self, items: Sequence[tuple[int, PrefixRows | None, np.ndarray | None]]) -> None:
+        """seed() for several (slot, prefix, conv history) on one graph-thread turn: the lanes that still hold
+        their prefix get their conv histories in one upload and a copy run per COPY_RUNS chunk (each seed()
+        of those took ~1.2 ms of the graph thread on the H200, twenty-first run); the others seed() one by
+        one. An item without a prefix is a reset() (a new stream's lane), done first, all in one run."""
+        self.reset_many([slot for slot, prefix, _ in items if prefix is None])
         kept = []
         for slot, prefix, conv in items:
+            if prefix is None or conv is None:
+                continue
             self._check_slot(slot)
             if self._holds(slot, prefix):
-                kept.append((slot, prefix.frames, np.ascontiguousarray(conv, np.float32).reshape(CFG_ROWS,
-                                                                                                  *self.conv_row)))
+                kept.append((slot, prefix.frames, np.asarray(conv, np.float32).reshape(CFG_ROWS, *self.conv_row)))
             else:
                 self.seed(slot, prefix, conv)
         if len(kept) == 1:

@@ -128,17 +128,19 @@ class FlowBatcher:
         self._served: list[Served] = []
         self.partner_wait_s = PARTNER_WAIT_S
         self.max_passed = graphs.groups  # a stream ahead waits at most about one Euler loop
-        # preloads queued for the graph thread (queue_seed): one turn seeds all that wait then
-        self._seeds: list[tuple[int, PrefixRows, np.ndarray, Future[None]]] = []
+        # preloads and resets queued for the graph thread (queue_seed, queue_reset): one turn writes all that
+        # wait then; a reset has no prefix
+        self._seeds: list[tuple[int, PrefixRows | None, np.ndarray | None, Future[None]]] = []
 
     def acquire(self, group: int) -> int | None:
-        """A free slot of `group` (its lowest lane: batches stay small), reset; None when all are taken."""
+        """A free slot of `group` (its lowest lane: batches stay small), nothing committed; None when all
+        are taken. Its conv history is zeroed by `queue_reset`, or overwritten by its seed."""
         with self._lock:
             if not 0 <= group < self.graphs.groups or not self._free[group]:
                 return None
             lane = self._free[group].pop(0)
         slot = group * self.graphs.lanes + lane
-        self.graphs.reset(slot)  # its own rows only (a device copy, as a single-stream slot's give-back)
+        self.graphs.lengths[slot] = 0
         return slot
 
     def release(self, slot: int) -> None:
@@ -173,19 +175,51 @@ class FlowBatcher:
                     self._free[group] = sorted(self._free[group] + lanes)
         return len(items)
 
+    def queue_reset(self, slot: int) -> Future[None]:
+        """A new stream's lane reset (its conv history zeroed: BatchFlowGraphs.reset) queued for the graph
+        thread, not awaited, as the seeds are: ten synchronous device copies a stream stood before its
+        LLM, and those of streams opening together one after another. A seed queued for the lane
+        before the turn takes it replaces it (the seed writes the history)."""
+        return self._queue(slot, None, None)
+
+    def claim_reset(self, slot: int, done: Future[None]) -> None:
+        """A lane's first use before its queued reset's turn: the reset here and now, off the queue (the
+        graph thread may be busy with other streams' first chunks); where a turn took it, its end."""
+        with self._lock:
+            waiting = [item for item in self._seeds if item[3] is done]
+            self._seeds = [item for item in self._seeds if item[3] is not done]
+        if not waiting:
+            done.result()
+            return
+        try:
+            self.graphs.reset(slot)
+        except BaseException as exc:
+            done.set_exception(exc)
+            raise
+        done.set_result(None)
+
     def queue_seed(self, slot: int, rows: PrefixRows, history: np.ndarray) -> Future[None]:
         """A lane's seed (BatchFlowGraphs.seed) queued for the graph thread, not awaited: a stream opens
         its ten Euler steps' lanes at once, and the seeds waiting when a turn runs are written together
         (seed_many). The future fails where the turn failed (its lanes are not trusted)."""
+        return self._queue(slot, rows, history)
+
+    def _queue(self, slot: int, rows: PrefixRows | None, history: np.ndarray | None) -> Future[None]:
         done: Future[None] = Future()
+        replaced: list[Future[None]] = []
         with self._lock:
+            first = not self._seeds  # else a queued turn, not yet started, takes this one too
+            if rows is not None:  # the lane's reset still waiting: the seed writes what it would
+                replaced = [f for s, r, _, f in self._seeds if s == slot and r is None]
+                self._seeds = [item for item in self._seeds if not (item[0] == slot and item[1] is None)]
             self._seeds.append((slot, rows, history, done))
-            first = len(self._seeds) == 1  # else a queued turn, not yet started, takes this one too
         if first:
             try:
                 self.thread.submit(self._seed_waiting, label="flow_lane_seed")
             except BaseException as exc:
                 self._fail_seeds(exc)
+        for future in replaced:
+            future.set_result(None)
         return done
 
     def _seed_waiting(self) -> None:
@@ -294,13 +328,24 @@ class BatchedStepCache:
         self._moved: StepCache | None = None
         self._bound = copier_cache  # makes the dynamic-graph cache (BoundStepCache)
         self._closed = False
-        self._seeding: Future[None] | None = None  # preload's seed, queued on the graph thread
+        # the lane's reset, then preload's seed (which replaces a reset still waiting), queued on the graph
+        # thread; `length` needs neither (the slot's committed frames are 0 from acquire until the seed)
+        self._resetting: Future[None] | None = batcher.queue_reset(slot)
+        self._seeding: Future[None] | None = None
 
     def _seeded(self) -> None:
         """Wait for a queued seed; one that failed raises here at every use (the lane is not trusted)."""
         if self._seeding is not None:
             self._seeding.result()
             self._seeding = None
+
+    def _ready(self) -> None:
+        """The queued reset done (here, where its turn has not come) and the seed waited for: before the
+        lane's first replay or read."""
+        if self._resetting is not None and self._slot is not None:
+            self._batcher.claim_reset(self._slot, self._resetting)
+        self._resetting = None
+        self._seeded()
 
     @property
     def length(self) -> int:
@@ -315,7 +360,7 @@ class BatchedStepCache:
 
     def _move(self) -> StepCache:
         """To the dynamic graph: the committed rows and the conv history through the host."""
-        self._seeded()
+        self._ready()
         slot = self._slot
         assert slot is not None
         kv, conv = self._batcher.thread.call(lambda: self._graphs.read_slot(slot), label="flow_lane_read")
@@ -349,7 +394,7 @@ class BatchedStepCache:
     def run(self, feeds: Mapping[str, np.ndarray], commit: int) -> np.ndarray:
         if self._closed:
             raise RuntimeError("flow cache used after close()")
-        self._seeded()
+        self._ready()
         frames = int(feeds["x"].shape[2])
         if self._moved is None and self._slot is not None and not self._graphs.fits(self._slot, frames, commit):
             self._move()
@@ -366,6 +411,7 @@ class BatchedStepCache:
         slot = self._slot
         if slot is None:
             return
+        self._ready()
         move = trim_copy(self.length, self.spec.visible, self._graphs.cache_frames)
         if move is None:
             return
@@ -384,7 +430,12 @@ class BatchedStepCache:
     def _give_back(self) -> None:
         # the lane goes back only once nothing queued still writes it; a seed that failed before the
         # lane's first use fails nothing else (the stream closes unused)
-        pending, self._seeding = self._seeding, None
+        try:
+            if self._resetting is not None and self._slot is not None:
+                self._batcher.claim_reset(self._slot, self._resetting)  # not waiting for a turn
+        except Exception as exc:
+            log.warning("a flow lane's reset failed before its first use: %s", exc)
+        pending, self._resetting, self._seeding = self._seeding, None, None
         failed = pending.exception() if pending is not None else None
         if failed is not None:
             log.warning("a flow lane's seed failed before its first use: %s", failed)

@@ -512,3 +512,55 @@ def test_copy_runs_in_powers_of_two() -> None:
     assert [len(c) for c in copy_chunks(list(range(2 * COPY_RUNS + 3)))] == [COPY_RUNS, COPY_RUNS, 2, 1]
     assert copy_chunks([]) == []
     assert [x for c in copy_chunks(list(range(37))) for x in c] == list(range(37))  # all, in order
+
+
+def test_a_new_streams_lane_is_reset_off_its_opening_thread_and_before_its_first_window(
+        static_flow_bundle: Path) -> None:
+    """A stream opens its ten Euler steps' lanes before its LLM starts; their resets (the conv history
+    zeroed, a device copy each) are queued for the graph thread instead of run there and then. Where
+    the graph thread is busy when the lane's first window comes, that window's thread resets the lane
+    itself rather than wait. Either way the lane that the stream before wrote gives what a fresh one
+    gives."""
+    with _one_group(static_flow_bundle, seed=14, windows=2) as (sessions, caches, spec, graphs, thread, chunk, rows,
+                                                               conv, feeds):
+        resets: list[tuple[str, list[int]]] = []
+        real = graphs.reset_many
+
+        def counted(slots: list[int]) -> None:
+            if slots:
+                resets.append((threading.current_thread().name, list(slots)))
+            real(slots)
+
+        graphs.reset_many = counted  # type: ignore[method-assign]
+
+        def stream(busy: bool) -> list[np.ndarray]:
+            release = threading.Event()
+            blocker = thread.submit(release.wait) if busy else None
+            cache = caches(sessions["flow_estimator"], spec)
+            assert isinstance(cache, BatchedStepCache)
+            assert len(resets) == (0 if not busy else 1)  # the opening thread reset nothing
+            if not busy:
+                thread.call(lambda: None)  # the reset's turn (the LLM would run meanwhile)
+            out: list[np.ndarray] = []
+            runner = threading.Thread(target=lambda: out.extend(cache.run(f, chunk) for f in feeds),
+                                      name="first-window")
+            runner.start()
+            if busy:
+                deadline = time.monotonic() + 30
+                while len(resets) < 2 and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                assert resets[-1][0] == "first-window"  # its turn had not come: the window reset the lane
+                release.set()
+                assert blocker is not None and blocker.result(timeout=30)
+            runner.join(60)
+            cache.close()
+            return out
+
+        first = stream(busy=False)
+        assert len(resets) == 1 and resets[0][0] not in ("MainThread", "first-window")  # on the graph thread
+        again = stream(busy=True)  # the same lane (the lowest free), its conv history the first stream's
+        thread.call(lambda: None)  # the queued turn, after the claim, resets nothing more
+        assert len(resets) == 2 and resets[0][1] == resets[1][1]
+        for a, b in zip(again, first, strict=True):
+            np.testing.assert_array_equal(a, b)
+        assert caches.batcher.lanes_in_use == 0
