@@ -7,9 +7,11 @@ to the host caches exactly. On the CPU they run without capture; `-m gpu` would 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -198,6 +200,17 @@ def test_a_call_made_on_the_graph_thread_runs_there(static_flow_bundle: Path) ->
     assert s.graphs.stats.rows > 0
 
 
+@contextlib.contextmanager
+def _on_lanes(bundle_dir: Path) -> Iterator[tuple[GraphThread, _Streams]]:
+    """A graph thread and the bundle's encoder lanes on it, closed after."""
+    with GraphThread() as thread:
+        s = _Streams(bundle_dir, thread)
+        try:
+            yield thread, s
+        finally:
+            s.close()
+
+
 def _spied_seeds(graphs: BatchEncoderGraphs) -> list[str]:
     """The thread of each lane seed the graphs write from now on."""
     seeds: list[str] = []
@@ -216,88 +229,72 @@ def test_a_lanes_seed_is_queued_and_runs_once_at_its_first_use(static_flow_bundl
     stood before every stream's LLM): the seed is queued for the graph thread. Here the graph thread is
     held, so the stream's first encoder call runs it itself, once; the queued turn then finds it done.
     The mel is the dynamic graph's."""
-    with GraphThread() as thread:
-        s = _Streams(static_flow_bundle, thread)
-        try:
-            prompt, toks = _prompt(s.bundle, 3, 60), _toks(s.bundle, 4, 50)
-            prefix = build_flow_prefix(s.decoder(False), prompt)
-            alone = stream_mel(s.decoder(False), prompt, toks, prefix=prefix)
-            seeds = _spied_seeds(s.graphs)
-            gate = threading.Event()
-            hold = thread.submit(gate.wait, label="test_hold")
-            got: list[np.ndarray] = []
-            stream = threading.Thread(target=lambda: got.append(stream_mel(s.decoder(), prompt, toks, prefix=prefix)),
-                                      name="the-stream")
-            stream.start()
-            deadline = time.monotonic() + 30
-            while not seeds and time.monotonic() < deadline:
-                time.sleep(0.005)
-            assert seeds == ["the-stream"] and not got  # seeded by its first use; its replay waits
-            gate.set()
-            hold.result()
-            stream.join(60)
-            thread.call(lambda: None)  # every turn queued before has run
-        finally:
-            s.close()
+    with _on_lanes(static_flow_bundle) as (thread, s):
+        prompt, toks = _prompt(s.bundle, 3, 60), _toks(s.bundle, 4, 50)
+        prefix = build_flow_prefix(s.decoder(False), prompt)
+        alone = stream_mel(s.decoder(False), prompt, toks, prefix=prefix)
+        seeds = _spied_seeds(s.graphs)
+        gate = threading.Event()
+        hold = thread.submit(gate.wait, label="test_hold")
+        got: list[np.ndarray] = []
+        stream = threading.Thread(target=lambda: got.append(stream_mel(s.decoder(), prompt, toks, prefix=prefix)),
+                                  name="the-stream")
+        stream.start()
+        deadline = time.monotonic() + 30
+        while not seeds and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert seeds == ["the-stream"] and not got  # seeded by its first use; its replay waits
+        gate.set()
+        hold.result()
+        stream.join(60)
+        thread.call(lambda: None)  # every turn queued before has run
     assert seeds == ["the-stream"]
     np.testing.assert_allclose(got[0], alone, rtol=0, atol=1e-5)
 
 
 def test_a_stream_closed_before_its_first_call_never_seeds_its_lane(static_flow_bundle: Path) -> None:
-    with GraphThread() as thread:
-        s = _Streams(static_flow_bundle, thread)
-        try:
-            prefix = build_flow_prefix(s.decoder(False), _prompt(s.bundle, 3, 60))
-            assert prefix is not None
-            seeds = _spied_seeds(s.graphs)
-            free = s.graphs.free_slots
-            gate = threading.Event()
-            hold = thread.submit(gate.wait, label="test_hold")
-            cache = s.graphs(s.enc, s.spec)
-            assert isinstance(cache, BatchedEncoderCache)
-            cache.preload(prefix.encoder)
-            cache.close()  # before its turn: the lane goes back unseeded, and stays so
-            gate.set()
-            hold.result()
-            thread.call(lambda: None)
-            assert seeds == [] and s.graphs.free_slots == free
-        finally:
-            s.close()
+    with _on_lanes(static_flow_bundle) as (thread, s):
+        prefix = build_flow_prefix(s.decoder(False), _prompt(s.bundle, 3, 60))
+        assert prefix is not None
+        seeds = _spied_seeds(s.graphs)
+        free = s.graphs.free_slots
+        gate = threading.Event()
+        hold = thread.submit(gate.wait, label="test_hold")
+        cache = s.graphs(s.enc, s.spec)
+        assert isinstance(cache, BatchedEncoderCache)
+        cache.preload(prefix.encoder)
+        cache.close()  # before its turn: the lane goes back unseeded, and stays so
+        gate.set()
+        hold.result()
+        thread.call(lambda: None)
+        assert seeds == [] and s.graphs.free_slots == free
 
 
 def test_a_failed_seed_fails_the_streams_first_call(static_flow_bundle: Path) -> None:
-    with GraphThread() as thread:
-        s = _Streams(static_flow_bundle, thread)
-        try:
-            prompt = _prompt(s.bundle, 3, 60)
-            prefix = build_flow_prefix(s.decoder(False), prompt)
-            assert prefix is not None
+    with _on_lanes(static_flow_bundle) as (thread, s):
+        prompt = _prompt(s.bundle, 3, 60)
+        prefix = build_flow_prefix(s.decoder(False), prompt)
+        assert prefix is not None
 
-            def broken(lane: Any, p: Any) -> None:
-                raise RuntimeError("device copy failed")
+        def broken(lane: Any, p: Any) -> None:
+            raise RuntimeError("device copy failed")
 
-            s.graphs.seed = broken  # type: ignore[method-assign]
-            cache = s.graphs(s.enc, s.spec)
-            cache.preload(prefix.encoder)
-            thread.call(lambda: None)  # its turn ran and failed
-            with pytest.raises(RuntimeError, match="device copy failed"):
-                cache.encode(_toks(s.bundle, 4, 30), prompt.embedding, 3, 20)
-            cache.close()
-        finally:
-            s.close()
+        s.graphs.seed = broken  # type: ignore[method-assign]
+        cache = s.graphs(s.enc, s.spec)
+        cache.preload(prefix.encoder)
+        thread.call(lambda: None)  # its turn ran and failed
+        with pytest.raises(RuntimeError, match="device copy failed"):
+            cache.encode(_toks(s.bundle, 4, 30), prompt.embedding, 3, 20)
+        cache.close()
 
 
 def test_a_lanes_seed_runs_on_the_graph_thread_not_the_opening_one(static_flow_bundle: Path) -> None:
-    with GraphThread() as thread:
-        s = _Streams(static_flow_bundle, thread)
-        try:
-            prefix = build_flow_prefix(s.decoder(False), _prompt(s.bundle, 3, 60))
-            assert prefix is not None
-            seeds = _spied_seeds(s.graphs)
-            cache = s.graphs(s.enc, s.spec)
-            cache.preload(prefix.encoder)
-            thread.call(lambda: None)
-            assert len(seeds) == 1 and seeds[0] != threading.current_thread().name
-            cache.close()
-        finally:
-            s.close()
+    with _on_lanes(static_flow_bundle) as (thread, s):
+        prefix = build_flow_prefix(s.decoder(False), _prompt(s.bundle, 3, 60))
+        assert prefix is not None
+        seeds = _spied_seeds(s.graphs)
+        cache = s.graphs(s.enc, s.spec)
+        cache.preload(prefix.encoder)
+        thread.call(lambda: None)
+        assert len(seeds) == 1 and seeds[0] != threading.current_thread().name
+        cache.close()
