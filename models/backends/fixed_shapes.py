@@ -157,13 +157,13 @@ def plan_batches(requested_slots: int, per_slot_bytes: int, device_bytes: int,
 
 
 def slots_that_fit(requested: int, per_request_bytes: int, device_bytes: int,
-                   fraction: float = AUTO_DEVICE_FRACTION) -> int:
+                   fraction: float = AUTO_DEVICE_FRACTION, fixed_bytes: int = 0) -> int:
     """Requests given fixed-shape slots by the auto setting: at most `requested`, all of
-    them within `fraction` of the device's memory (0: not even one fits); `plan_batches`
-    without batched graphs."""
+    them with `fixed_bytes` within `fraction` of the device's memory (0: not even one fits);
+    `plan_batches` without batched graphs."""
     if per_request_bytes <= 0:
         return requested
-    return plan_batches(requested, per_request_bytes, device_bytes, fraction=fraction).slots
+    return plan_batches(requested, per_request_bytes, device_bytes, fixed_bytes=fixed_bytes, fraction=fraction).slots
 
 
 # The batched estimator lanes (graph_flow_batch) may take up to half the GPU, and no more than
@@ -195,9 +195,20 @@ CAPTURED_STEP_BYTES = 14_000_000
 SESSION_DEVICE_BYTES = 160_000_000
 
 
-def lane_capture_bytes(groups: int, windows: int) -> int:
-    """The captures one lane adds: its batch-1 graph of each window in each group (bound at its rows)."""
+def step_captures_bytes(groups: int, windows: int) -> int:
+    """The captured graphs one stream's estimator caches bring: a graph of each window at each Euler step
+    (`groups`), bound at its rows (a lane's batch-1 graphs; a single-stream slot's own)."""
     return groups * windows * CAPTURED_STEP_BYTES
+
+
+def flow_slot_bytes(att_cache: Sequence[int], conv_cache: Sequence[int], n_timesteps: int, windows: int,
+                    itemsize: int = 4) -> tuple[int, int]:
+    """(per request, fixed): what the single-stream fixed-shape estimator slots take on ort-cuda. A request's
+    caches (flow_request_bytes) and the graphs captured at them (step_captures_bytes: ~280 MB at full size
+    with two windows, uncounted before 2026-12-07); once, a CUDA session a window. What graph_flow auto
+    fits in AUTO_DEVICE_FRACTION of the GPU (plan_batches' per_slot_bytes and fixed_bytes)."""
+    caches = flow_request_bytes(att_cache, conv_cache, n_timesteps, itemsize)
+    return caches + step_captures_bytes(n_timesteps, windows), windows * SESSION_DEVICE_BYTES
 
 
 def batch_flow_reserve(batch_sizes: Sequence[int], lanes: int, groups: int, windows: int) -> int:
@@ -234,7 +245,7 @@ def batch_lanes(batch_sizes: Sequence[int], per_lane_bytes: int, total_bytes: in
     free = max(free_bytes, 0)
     for lanes in reversed(sizes):
         caches = lanes * per_lane_bytes
-        held = caches + lanes * lane_capture_bytes(groups, windows) + batch_flow_reserve(sizes, lanes, groups, windows)
+        held = caches + lanes * step_captures_bytes(groups, windows) + batch_flow_reserve(sizes, lanes, groups, windows)
         if caches <= total_bytes * fraction and held <= free * FREE_FRACTION and held + later_bytes <= free:
             return lanes
     return 0

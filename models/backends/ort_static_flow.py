@@ -45,7 +45,7 @@ from cosyedge_models.backends.fixed_shapes import (
     bucket,
     commit_index,
     device_total_bytes,
-    flow_request_bytes,
+    flow_slot_bytes,
     pad_window,
     prefix_fits,
     slots_that_fit,
@@ -332,10 +332,11 @@ def _replay(graphs: StaticFlowGraphs, slot: StaticSlot, spec: StepCacheSpec, cal
     return out
 
 
-def request_bytes(sessions: Sequence[OrtSession], n_timesteps: int) -> int:
-    """Device memory of one request's slots (one per Euler step): K/V buffer and conv history, fp32."""
-    return flow_request_bytes([int(d) for d in sessions[0].input_shapes["att_cache"]],
-                              [int(d) for d in sessions[0].input_shapes["conv_cache"]], n_timesteps)
+def request_bytes(sessions: Sequence[OrtSession], n_timesteps: int) -> tuple[int, int]:
+    """(per request, fixed) device memory of the slots (fixed_shapes.flow_slot_bytes): a request's K/V
+    buffers and conv history (fp32, one per Euler step) with the graphs captured at them; a session a window."""
+    return flow_slot_bytes([int(d) for d in sessions[0].input_shapes["att_cache"]],
+                           [int(d) for d in sessions[0].input_shapes["conv_cache"]], n_timesteps, len(sessions))
 
 
 def load_static_flow(bundle: Bundle, backend_name: str, load: Callable[[str], Session], setting: bool | None,
@@ -359,13 +360,14 @@ def load_static_flow(bundle: Bundle, backend_name: str, load: Callable[[str], Se
         raise BundleError(f"{bundle.root}: fixed-shape estimator graphs with different cache sizes "
                           f"{sorted(sizes)}; re-export")
     if setting is None:
-        per_request = request_bytes(ort_sessions, bundle.flow.n_timesteps)
+        per_request, fixed = request_bytes(ort_sessions, bundle.flow.n_timesteps)
         total = device_total_bytes(device[1])
-        slots = slots_that_fit(slots, per_request, total)
+        slots = slots_that_fit(slots, per_request, total, fixed_bytes=fixed)
         if slots == 0:
-            log.info("flow estimator: fixed-shape graphs off (auto): one request's caches take %.1f GB, more than "
-                     "%.0f%% of the GPU's %.1f GB; set graph_flow on to force, or export a smaller "
-                     "--static-flow-cache", per_request / 1e9, AUTO_DEVICE_FRACTION * 100, total / 1e9)
+            log.info("flow estimator: fixed-shape graphs off (auto): one request's caches and captures take %.1f GB "
+                     "(and the graphs' sessions %.1f GB), more than %.0f%% of the GPU's %.1f GB; set graph_flow on "
+                     "to force, or export a smaller --static-flow-cache", per_request / 1e9, fixed / 1e9,
+                     AUTO_DEVICE_FRACTION * 100, total / 1e9)
             return None
     # onnxruntime creates a device's allocator on first use without a lock: before request threads race
     ort.OrtValue.ortvalue_from_shape_and_type([1], np.uint8, *device)

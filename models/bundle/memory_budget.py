@@ -55,7 +55,7 @@ from cosyedge_models.backends.fixed_shapes import (
     OVERFLOW_FLOW_SLOTS,
     BatchPlan,
     batch_lanes,
-    flow_request_bytes,
+    flow_slot_bytes,
     lane_step_bytes,
     plan_batches,
 )
@@ -354,17 +354,19 @@ ITEMSIZE = {"float32": 4, "float16": 2}
 def flow_slot_plans(stages_meta: Mapping[str, Any], n_timesteps: int,
                     requested: int = FLOW_SLOTS_ASKED) -> dict[str, BatchPlan]:
     """Per board, the fixed-shape estimator's request slots and batch sizes that the auto
-    setting gives it (`plan_batches` over the memory the board's GPU reports); {} without
+    setting gives it on ort-cuda (`plan_batches` over the memory the board's GPU reports, each slot
+    with its captured graphs and the windows' sessions: fixed_shapes.flow_slot_bytes); {} without
     fixed-shape estimator graphs."""
-    entry = next((v for k, v in sorted(stages_meta.items()) if k.startswith(STATIC_FLOW_PREFIX)), None)
+    windows = sorted(k for k in stages_meta if k.startswith(STATIC_FLOW_PREFIX))
+    entry = stages_meta[windows[0]] if windows else None
     if not isinstance(entry, Mapping):
         return {}
     shapes = {i["name"]: i for i in entry.get("inputs", []) if isinstance(i, Mapping)}
     if "att_cache" not in shapes or "conv_cache" not in shapes:
         return {}
-    per_slot = flow_request_bytes(shapes["att_cache"]["shape"], shapes["conv_cache"]["shape"], n_timesteps,
-                                  ITEMSIZE.get(shapes["att_cache"].get("dtype", "float32"), 4))
-    return {b.key: plan_batches(requested, per_slot, b.usable_bytes) for b in BOARDS.values()}
+    per_slot, fixed = flow_slot_bytes(shapes["att_cache"]["shape"], shapes["conv_cache"]["shape"], n_timesteps,
+                                      len(windows), ITEMSIZE.get(shapes["att_cache"].get("dtype", "float32"), 4))
+    return {b.key: plan_batches(requested, per_slot, b.usable_bytes, fixed_bytes=fixed) for b in BOARDS.values()}
 
 
 def flow_lane_plans(stages_meta: Mapping[str, Any], n_timesteps: int) -> dict[str, int]:

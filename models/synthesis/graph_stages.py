@@ -279,7 +279,7 @@ class GraphStages:
                 VOCODER_BATCH_LANES,
                 batch_lanes,
                 device_total_bytes,
-                lane_capture_bytes,
+                step_captures_bytes,
             )
             from cosyedge_models.backends.gpu_probe import device_memory_used
 
@@ -301,7 +301,7 @@ class GraphStages:
                 return None
             log.info("graph_flow_batch: %d lanes of %.2f GB each (with their captures %.2f GB), %.1f GB of the "
                      "GPU's %.1f GB in use", lanes, per_lane / 1e9,
-                     (per_lane + lane_capture_bytes(groups, windows)) / 1e9,
+                     (per_lane + step_captures_bytes(groups, windows)) / 1e9,
                      (used or 0) / 1e9, total / 1e9)
         thread = self._thread("flow")
         graphs = thread.call(lambda: BatchFlowGraphs(sessions, flow.device, flow.copier, lanes, groups))

@@ -29,13 +29,13 @@ from cosyedge_models.backends.fixed_shapes import (
     fixed_shape_names,
     fixed_shapes_wanted,
     flow_request_bytes,
-    lane_capture_bytes,
     pad_window,
     plan_batches,
     prefix_fits,
     slots_that_fit,
     source_cache,
     stays_fixed,
+    step_captures_bytes,
     trim_copy,
     valid_mask,
     visible_first,
@@ -122,7 +122,7 @@ def test_batch_lanes_count_their_captures_and_sessions_in_the_free_memory() -> N
     lane, total, free = int(2.64 * gb), int(85.5 * gb), int(55 * gb)
     assert batch_lanes([1, 8, 16], lane, total, free) == 16  # caches alone: the old rule's answer
     assert batch_lanes([1, 8, 16], lane, total, free, groups=10, windows=2) == 8
-    held = 16 * (lane + lane_capture_bytes(10, 2)) + batch_flow_reserve([1, 8, 16], 16, 10, 2)
+    held = 16 * (lane + step_captures_bytes(10, 2)) + batch_flow_reserve([1, 8, 16], 16, 10, 2)
     assert held > free * FREE_FRACTION >= 16 * lane
     # an idle H200 (150.7 GB): still 16
     assert batch_lanes([1, 8, 16], lane, int(150.7 * gb), int(130 * gb), groups=10, windows=2) == 16

@@ -17,6 +17,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from cosyedge_models.backends.fixed_shapes import CAPTURED_STEP_BYTES, SESSION_DEVICE_BYTES
 from cosyedge_models.backends.flow_cache import StepCache
 from cosyedge_models.backends.graph_thread import GraphThread
 from cosyedge_models.backends.ort import OrtSession
@@ -162,6 +163,9 @@ def test_auto_slots_fit_a_quarter_of_the_gpu() -> None:
     assert slots_that_fit(4, int(4.7 * gb), 139 * gb) == 4  # never more than asked
     assert slots_that_fit(8, int(4.7 * gb), 8 * gb) == 0  # Orin Nano 8 GB: off
     assert slots_that_fit(8, int(0.2 * gb), 8 * gb) == 8  # a small cache fits there
+    # with each slot's captures (10 steps x 2 windows x 14 MB) and two windows' sessions (0.32 GB): 6 x 4.98 +
+    # 0.32 = 30.2 GB fit the H200's 34.75, a seventh (35.2) does not
+    assert slots_that_fit(8, int(4.98 * gb), 139 * gb, fixed_bytes=int(0.32 * gb)) == 6
 
 
 def test_auto_is_off_on_the_cpu_and_counts_the_bundles_caches(static_flow_bundle: Path) -> None:
@@ -175,7 +179,10 @@ def test_auto_is_off_on_the_cpu_and_counts_the_bundles_caches(static_flow_bundle
     att, conv = statics[0].input_shapes["att_cache"], statics[0].input_shapes["conv_cache"]
     assert att[0] == CACHE_FRAMES
     steps = bundle.flow.n_timesteps
-    assert request_bytes(statics, steps) == steps * 4 * (int(np.prod(att)) + int(np.prod(conv)))
+    # a request's caches with a captured graph a window at each Euler step; once, a session a window
+    assert request_bytes(statics, steps) == (steps * 4 * (int(np.prod(att)) + int(np.prod(conv)))
+                                             + steps * len(statics) * CAPTURED_STEP_BYTES,
+                                             len(statics) * SESSION_DEVICE_BYTES)
     for s in sessions.values():
         s.close()
 

@@ -3,7 +3,7 @@ against hand-computed counts."""
 
 from __future__ import annotations
 
-from cosyedge_models.backends.fixed_shapes import BatchPlan
+from cosyedge_models.backends.fixed_shapes import CAPTURED_STEP_BYTES, SESSION_DEVICE_BYTES, BatchPlan
 from cosyedge_models.bundle.memory_budget import flow_slot_plans
 
 
@@ -14,17 +14,25 @@ def _meta(dtype: str) -> dict[str, object]:
 
 
 def test_slots_per_board_follow_their_memory() -> None:
-    # fp32: (1e8 + 1) elements x 4 B x 10 steps ~ 4.0e9 B a slot; a quarter of 7.4 / 15.3 / 30.0 / 61.3 GiB
-    # is 1.99e9 / 4.11e9 / 8.05e9 / 16.45e9 B: 0 / 1 / 2 / 4 slots
+    # fp32: (1e8 + 1) elements x 4 B x 10 steps ~ 4.0e9 B of caches a slot, and its captured graphs, one a
+    # window (here one) at each Euler step: 10 x 14e6 = 0.14e9 B; once, a session a window: 0.16e9 B. A
+    # quarter of 7.4 / 15.3 / 30.0 / 61.3 GiB is 1.99e9 / 4.11e9 / 8.05e9 / 16.45e9 B: 0 / 0 / 1 / 3 slots
+    # (the caches alone: 0 / 1 / 2 / 4; NX: 4.30e9 > 4.11e9; AGX 64 GB: 4 slots 16.72e9 > 16.45e9)
     plans = flow_slot_plans(_meta("float32"), 10)
     assert {k: p.slots for k, p in plans.items()} == {
-        "orin-nano-8gb": 0, "orin-nx-16gb": 1, "agx-orin-32gb": 2, "agx-orin-64gb": 4}
+        "orin-nano-8gb": 0, "orin-nx-16gb": 0, "agx-orin-32gb": 1, "agx-orin-64gb": 3}
     assert plans["orin-nano-8gb"] == BatchPlan(0, (), 0)
-    assert plans["agx-orin-64gb"].batch_sizes == (1, 2, 4)
-    # fp16 caches: half a slot's bytes (2.0e9 B: still above the Nano's 1.99e9), at most the 8 asked
+    assert plans["agx-orin-64gb"].batch_sizes == (1, 2)
+    assert plans["agx-orin-32gb"].bytes == int(4e9) + 40 + 10 * CAPTURED_STEP_BYTES + SESSION_DEVICE_BYTES
+    # fp16 caches: half a slot's cache bytes (2.0e9 + 0.14e9 a slot: above the Nano's 1.99e9), the captures
+    # the same: NX 1 (2: 4.44e9), AGX 32 GB 3 (4: 8.72e9), AGX 64 GB 7 (8: 17.28e9)
     half = flow_slot_plans(_meta("float16"), 10)
     assert {k: p.slots for k, p in half.items()} == {
-        "orin-nano-8gb": 0, "orin-nx-16gb": 2, "agx-orin-32gb": 4, "agx-orin-64gb": 8}
+        "orin-nano-8gb": 0, "orin-nx-16gb": 1, "agx-orin-32gb": 3, "agx-orin-64gb": 7}
+    # two windows: twice the captures a slot and two sessions
+    two = {**_meta("float32"), "flow_estimator_static_w128": _meta("float32")["flow_estimator_static_w64"]}
+    assert flow_slot_plans(two, 10)["agx-orin-32gb"].bytes == (int(4e9) + 40 + 20 * CAPTURED_STEP_BYTES
+                                                               + 2 * SESSION_DEVICE_BYTES)
 
 
 def test_no_fixed_shape_graphs_no_plans() -> None:
