@@ -10,7 +10,7 @@ The contract, per row (a KV-cache slot, 0 <= row < `rows`):
 * `prefill(row, embeds, past)` writes the prompt's cache into the row and
   returns the prompt's last log-probabilities [1, V]. It runs on the caller's
   thread (dynamic sessions, never captured).
-* `prefill_rows(rows, prompts, past)` (where `batched_prefill`) writes several
+* `prefill_rows(rows, prompts, pasts)` (where `batched_prefill`) writes several
   prompts' caches, each but its last position, in one run: that position is
   then the row's first step's input, and its logp the prompt's. Where
   `captured_prefill`, it runs ON THE GPU GRAPH THREAD (fixed-length prefill
@@ -69,9 +69,12 @@ class BatchedDecodeStep(Protocol):
         """Whether `prefill_rows` runs captured graphs (then on the graph thread, for every prompt)."""
         ...
 
-    def prefill_rows(self, rows: Sequence[int], prompts: Sequence[np.ndarray], past: np.ndarray | None = None) -> None:
-        """The prompts ([1, T_j, D], T_j >= 2; after `past`, their prefixes stacked [L, 2, n, Hkv, P, hd])
-        into `rows` in one run, each but its last position (the row's cache length: P + T_j - 1)."""
+    def prefill_rows(self, rows: Sequence[int], prompts: Sequence[np.ndarray],
+                     pasts: Sequence[np.ndarray] | None = None) -> None:
+        """The prompts ([1, T_j, D], T_j >= 2; after `pasts`, each prompt's saved prefix [L, 2, 1, Hkv, P, hd],
+        one length P) into `rows` in one run, each but its last position (the row's cache length: P + T_j - 1).
+        A prefix array is a voice's and not written after it is made: a step may keep it on the device by
+        its identity."""
         ...
 
     def step(self, rows: Sequence[int], inputs_embeds: np.ndarray, lengths: Sequence[int],

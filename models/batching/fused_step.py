@@ -23,6 +23,7 @@ bundles exported since the fifteenth H200 run: `batched_prefill`)."""
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -84,6 +85,10 @@ class FusedDecodeStep:
         self._io = {b: self._bind(b) for b in self._sizes}
         self._prefill_io = {t: self._bind_prefill(t) for t in self._lengths}
         self._copier = DeviceCopier(kind, dev) if self._prefills else None
+        # the saved prefix the scratch row holds before its prompt's positions (_scratch_prefix_of); reuses
+        # of it counted (stats, tests)
+        self._scratch_holds: weakref.ref[np.ndarray] | None = None
+        self.prefix_reuses = 0
 
     @property
     def batch_sizes(self) -> tuple[int, ...]:
@@ -177,6 +182,7 @@ class FusedDecodeStep:
             bound["seqlens_k"].update_inplace(np.full(b, self._scratch, np.int32))
             for _ in range(CAPTURE_RUNS if self._capture[b] else 1):
                 self._steps[b].run_bound(binding, options)
+        self._scratch_holds = None  # the warm-up writes the scratch row from position 0
         for t in self._lengths:
             binding, options, bound = self._prefill_io[t]
             bound["seqlens_k"].update_inplace(np.full(1, t - 1, np.int32))
@@ -207,9 +213,10 @@ class FusedDecodeStep:
         self._insert_row(present, 0, row)
         return logp
 
-    def prefill_rows(self, rows: Sequence[int], prompts: Sequence[np.ndarray], past: np.ndarray | None = None) -> None:
-        """Several prompts ([1, T_j, D] each, T_j >= 2) after one `past` length (`past`: their saved prefixes
-        stacked on the batch axis [L, 2, n, Hkv, P, hd], or None) in ONE run of the prefill graph, each
+    def prefill_rows(self, rows: Sequence[int], prompts: Sequence[np.ndarray],
+                     pasts: Sequence[np.ndarray] | None = None) -> None:
+        """Several prompts ([1, T_j, D] each, T_j >= 2) after one past length (`pasts`: each prompt's saved
+        prefix [L, 2, 1, Hkv, P, hd], or None) in ONE run of the prefill graph, each
         prompt's cache but its last position into its row: right-padded, so a row's real positions never
         see the padding (causal attention), and no logp is returned: the last position is the row's next
         step's input (the request's `next_input`), whose logp is the one a whole prefill would give. The
@@ -223,19 +230,23 @@ class FusedDecodeStep:
                              f"{len(prompts)} prompts")
         if min(rows) < 0 or max(rows) >= self._rows:
             raise ValueError(f"prefill_rows: rows {rows} outside 0..{self._rows - 1}")
-        p = 0 if past is None else int(past.shape[4])
-        if past is not None and int(past.shape[2]) != len(rows):
-            raise ValueError(f"prefill_rows: {len(rows)} prompts but {int(past.shape[2])} pasts")
+        pasts = None if pasts is None else list(pasts)
+        if pasts is not None and (len(pasts) != len(rows) or len({int(x.shape[4]) for x in pasts}) != 1
+                                  or any(int(x.shape[2]) != 1 for x in pasts)):
+            raise ValueError(f"prefill_rows: {len(rows)} prompts need one prefix each of one length, got "
+                             f"{[tuple(x.shape) for x in pasts]}")
+        p = 0 if pasts is None else int(pasts[0].shape[4])
         news = [int(x.shape[1]) - 1 for x in prompts]  # each prompt less its last position
         if min(news) < 1 or p + max(news) + 1 >= self._positions:
             raise SynthesisError(f"fused decode: prompts of {[n + 1 for n in news]} positions after {p} do not fit "
                                  f"a batched prefill of {self._positions}")
         if self._lengths:
-            rest = self._captured_prefills(rows, prompts, news, past, p)
+            rest = self._captured_prefills(rows, prompts, news, pasts, p)
             if not rest:
                 return
             rows, prompts, news = [rows[j] for j in rest], [prompts[j] for j in rest], [news[j] for j in rest]
-            past = None if past is None else np.ascontiguousarray(past[:, :, rest])
+            pasts = None if pasts is None else [pasts[j] for j in rest]
+        past = None if pasts is None else np.concatenate(pasts, axis=2)
         width = max(news)
         embeds = np.zeros((len(rows), width, self._hidden), np.float32)
         mask = np.zeros((len(rows), p + width), np.int64)
@@ -247,31 +258,45 @@ class FusedDecodeStep:
             self._insert_row(present, j, row)
 
     def _captured_prefills(self, rows: list[int], prompts: Sequence[np.ndarray], news: list[int],
-                           past: np.ndarray | None, p: int) -> list[int]:
+                           pasts: Sequence[np.ndarray] | None, p: int) -> list[int]:
         """The prompts that a prefill length fits, each through the smallest such graph over the scratch row
-        (its saved prefix inserted there first), then the scratch row copied into the prompt's row; returns
+        (its saved prefix inserted there first, unless the scratch row still holds that prefix: a prefill
+        writes only the positions after it), then the scratch row copied into the prompt's row; returns
         the indices of the others (longer than the longest length)."""
         if self._copier is None:
             raise SynthesisError("fused decode: no prefill graphs")
-        present = None if past is None else ort.OrtValue.ortvalue_from_numpy(
-            np.ascontiguousarray(past, np.float32), *self._device)
         rest, nbytes = [], self._row_bytes()
         for j, (row, x, n) in enumerate(zip(rows, prompts, news, strict=True)):
             t = next((t for t in self._lengths if t >= n and p + t <= self._positions + 1), None)
             if t is None:
                 rest.append(j)
                 continue
-            if present is not None:
-                self._insert_row(present, j, self._scratch_row)
+            if pasts is not None:
+                self._scratch_prefix_of(pasts[j])
             binding, options, bound = self._prefill_io[t]
             embeds = np.zeros((1, t, self._hidden), np.float32)
             embeds[0, :n] = x[0, :n]
             bound["inputs_embeds"].update_inplace(embeds)
             bound["seqlens_k"].update_inplace(np.array([p + t - 1], np.int32))  # padding included: after the prompt
+            if pasts is None:
+                self._scratch_holds = None  # the prompt's positions from 0: no prefix there after it
             self._prefills[t].run_bound(binding, options)
             self._copier.copy_many([(self._ptr(i, k, row), self._ptr(i, k, self._scratch_row), nbytes)
                                     for i in range(self._layers) for k in (0, 1)])
         return rest
+
+    def _scratch_prefix_of(self, past: np.ndarray) -> None:
+        """The scratch row's positions before the prompt: `past` [L, 2, 1, Hkv, P, hd], uploaded and inserted
+        unless the row holds that very array's prefix from the prompt before (a voice's prefix, the same
+        object for every request of the voice; a weak reference, so a freed array never matches)."""
+        held = self._scratch_holds() if self._scratch_holds is not None else None
+        if held is past and not past.flags.writeable:  # a read-only prefix (LlmPrefix's): not changed since
+            self.prefix_reuses += 1
+            return
+        self._scratch_holds = None  # while it is overwritten (an insert that fails leaves no claim)
+        present = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(past, np.float32), *self._device)
+        self._insert_row(present, 0, self._scratch_row)
+        self._scratch_holds = weakref.ref(past)
 
     def _run_prefill(self, embeds: np.ndarray, past: np.ndarray | None, p: int,
                      mask: np.ndarray | None) -> tuple[np.ndarray, ort.OrtValue]:

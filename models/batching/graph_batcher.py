@@ -179,8 +179,8 @@ class GraphBatcher(BatchWorker):
         """Prompts after one past length in one run; each row's last position is its first step's input
         (RequestDecode.next_input starts there), so the row joins this round's step unsampled."""
         t0 = time.perf_counter()
-        past = None if batch[0].past is None else np.concatenate([p.past for p in batch if p.past is not None], axis=2)
-        run = functools.partial(self.step.prefill_rows, [p.row for p in batch], [p.embeds for p in batch], past)
+        pasts = None if batch[0].past is None else [p.past for p in batch if p.past is not None]
+        run = functools.partial(self.step.prefill_rows, [p.row for p in batch], [p.embeds for p in batch], pasts)
         try:
             if self.captured_prefill:  # first-audio work, as a first chunk's step
                 self.thread.call(run, self.first_chunk_priority, "llm_captured_prefill")

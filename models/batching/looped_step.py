@@ -60,7 +60,8 @@ class LoopedGraphStep:
     def captured_prefill(self) -> bool:
         return False
 
-    def prefill_rows(self, rows: Sequence[int], prompts: Sequence[np.ndarray], past: np.ndarray | None = None) -> None:
+    def prefill_rows(self, rows: Sequence[int], prompts: Sequence[np.ndarray],
+                     pasts: Sequence[np.ndarray] | None = None) -> None:
         raise SynthesisError("the fixed-size decode slots prefill one prompt at a time (batched_prefill is off)")
 
     def step(self, rows: Sequence[int], inputs_embeds: np.ndarray, lengths: Sequence[int],

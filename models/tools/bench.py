@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from cosyedge_models.batching.fused_step import FusedDecodeStep
 from cosyedge_models.batching.graph_batcher import GraphBatcher
 from cosyedge_models.batching.policy import BatchSettings
 from cosyedge_models.bundle.loader import Bundle, load_bundle
@@ -433,6 +434,9 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
         report["first_chunk_euler_steps"] = settings.first_chunk_euler_steps  # None: the bundle's
         report["offline_as_stream"] = engine.offline_as_stream
         report["vocoder_pad_final"] = engine.vocoder.pad_final
+        if isinstance(engine.batcher, GraphBatcher) and isinstance(engine.batcher.step, FusedDecodeStep):
+            # captured prefills whose voice prefix the scratch row still held (no upload, no insert run)
+            graph_batching["prefix_reuses"] = engine.batcher.step.prefix_reuses
         report["graph_batching"] = graph_batching
         report["graph_order"] = engine.graphs.order_stats()
         report["graph_flow_batch"] = engine.graphs.flow_batch_stats()  # None: off

@@ -381,8 +381,7 @@ def _batched_prefill(fused_dir: Path, tiny_bundle: Path, prefix: int, device: st
         else:
             firsts.append(loop.prefill(x))
         loops.append(loop)
-    past = np.concatenate(pasts, axis=2) if prefix else None
-    fused.prefill_rows(rows, [x[:, prefix:] for x in prompts], past)
+    fused.prefill_rows(rows, [x[:, prefix:] for x in prompts], pasts if prefix else None)
     cache = [prefix + t - 1 for t in lengths]
     logp = fused.step(rows, np.stack([x[0, -1] for x in prompts]), cache, 4)
     for j, row in enumerate(rows):
@@ -395,6 +394,49 @@ def _batched_prefill(fused_dir: Path, tiny_bundle: Path, prefix: int, device: st
         assert _rel(logp[j], loops[j].step(tokens[j].reshape(1, 1, d))[0]) < tolerance
     with pytest.raises(SynthesisError, match="do not fit"):
         fused.prefill_rows([1], [prompts[0][:, :1]], None)  # a one-position prompt has nothing to prefill
+
+
+def test_a_voice_prefix_stays_in_the_scratch_row_between_prompts(fused_dir: Path, tiny_bundle: Path) -> None:
+    """Prompts after one saved prefix (a voice's: one read-only array for all its requests) through the captured
+    prefill graphs: the prefix goes into the scratch row once and stays there for the next prompts (a prefill
+    writes only the positions after it); a prompt without a prefix, or another array, puts it in again. Each
+    row's cache and steps are the plain loop's alone throughout."""
+    fused, prefill, decode = _fused_with_decode(fused_dir, tiny_bundle, "cpu", PREFILL_LENGTHS)
+    fused.warm_up()
+    d = int(decode.input_shapes["inputs_embeds"][2])
+    rng = np.random.default_rng(21)
+    head = (rng.standard_normal((1, 4, d)) * 0.05).astype(np.float32)
+    voice = BoundDecodeLoop(prefill, decode, "cpu")
+    voice.prefill(head)
+    kv = np.array(voice._kv.numpy())  # noqa: SLF001 - the prefix cache as a host array
+    kv.setflags(write=False)  # as LlmPrefix keeps it
+
+    def check(rows: list[int], lengths: list[int], past: np.ndarray | None) -> None:
+        tails = [(rng.standard_normal((1, t, d)) * 0.05).astype(np.float32) for t in lengths]
+        firsts, loops = [], []
+        for x in tails:
+            loop = BoundDecodeLoop(prefill, decode, "cpu")
+            firsts.append(loop.prefill(x, past) if past is not None else loop.prefill(x))
+            loops.append(loop)
+        fused.prefill_rows(rows, tails, None if past is None else [past] * len(rows))
+        p = 0 if past is None else 4
+        cache = [p + t - 1 for t in lengths]
+        logp = fused.step(rows, np.stack([x[0, -1] for x in tails]), cache, 4)
+        for j, row in enumerate(rows):
+            assert _rel(logp[j], firsts[j][0]) < TOLERANCE
+            plain = np.asarray(loops[j]._kv.numpy())[:, :, 0]  # noqa: SLF001
+            assert _rel(fused.row_cache(row, cache[j] + 1), plain) < TOLERANCE
+
+    check([0, 2, 3], [9, 3, 6], kv)  # in once, then kept for the two after it
+    assert fused.prefix_reuses == 2
+    check([1], [5], kv)  # still there from the last call
+    assert fused.prefix_reuses == 3
+    check([0], [6], None)  # a prompt from position 0 overwrites it
+    check([2], [4], kv)
+    assert fused.prefix_reuses == 3
+    writable = np.array(kv)  # the same values in an array that could change: in again each time
+    check([3, 1], [7, 2], writable)
+    assert fused.prefix_reuses == 3
 
 
 def test_a_bundle_whose_insert_takes_one_prompt_has_no_batched_prefill(fused_dir: Path, tiny_bundle: Path,
