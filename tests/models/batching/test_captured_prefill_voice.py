@@ -6,13 +6,10 @@ and every stream's audio is the one the dynamic prefill gives (on the CPU, witho
 from __future__ import annotations
 
 import functools
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
-import soundfile as sf
-from cosyedge_daemon.cli.voice import add_voice
 from cosyedge_models.batching.fused_step import FusedDecodeStep
 from cosyedge_models.batching.graph_batcher import GraphBatcher
 from cosyedge_models.batching.policy import BatchSettings
@@ -20,8 +17,8 @@ from cosyedge_models.synthesis.api import SynthesisRequest
 from cosyedge_models.synthesis.settings import SynthesisSettings
 from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, load_synthesizer
 
-from tests.models.synthesis.test_synthesizer import prompt_audio
 from tests.support.concurrent import run_concurrently
+from tests.support.voices import bundle_with_voice
 
 TEXTS = ("Hello world one two.", "A quick fox jumps.", "Numbers today")
 
@@ -29,13 +26,8 @@ TEXTS = ("Hello world one two.", "A quick fox jumps.", "Numbers today")
 @pytest.fixture(scope="module")
 def voiced_bundle(every_graph_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """every_graph_bundle with a saved 1 s voice (its prompt then fits the 64-position prefill graph)."""
-    out = tmp_path_factory.mktemp("voiced") / "bundle"
-    shutil.copytree(every_graph_bundle, out)
-    prompt = prompt_audio(1.0, 22050)
-    wav = out.parent / "alice.wav"
-    sf.write(wav, prompt.pcm, prompt.sample_rate)
-    add_voice(out, "alice", wav, "Hello, Alice here.")
-    return out
+    return bundle_with_voice(every_graph_bundle, tmp_path_factory.mktemp("voiced") / "bundle", 1.0,
+                             "Hello, Alice here.")
 
 
 def _speak(engine: CosyVoiceSynthesizer, i: int) -> np.ndarray:

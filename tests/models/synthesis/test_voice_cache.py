@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 import pytest
-import soundfile as sf
 from cosyedge_daemon.cli.main import main
-from cosyedge_daemon.cli.voice import add_voice
 from cosyedge_models.backends.encoder_cache import EncoderPrefix
 from cosyedge_models.backends.flow_cache import HostStepCache, PrefixRows
 from cosyedge_models.backends.ort_cache import BoundCacheFactory
@@ -32,6 +29,7 @@ from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, load_syn
 from cosyedge_models.synthesis.voice_cache import MIB, FlowPrefix, VoiceCache, build_flow_prefix, bundle_identity
 
 from tests.models.synthesis.test_synthesizer import prompt_audio
+from tests.support.voices import bundle_with_voice
 
 ATOL = 1e-5  # the brief's bound; on one backend the two paths are the same graph calls (measured 0.0)
 TEXT = "The voice cache keeps what the prompt costs, so this sentence starts sooner."
@@ -40,13 +38,8 @@ TEXT = "The voice cache keeps what the prompt costs, so this sentence starts soo
 @pytest.fixture(scope="module")
 def voice_bundle(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny bundle with a saved 4 s voice (several complete flow chunks)."""
-    out = tmp_path_factory.mktemp("vcache") / "bundle"
-    shutil.copytree(tiny_bundle, out)
-    prompt = prompt_audio(4.0, 22050)
-    wav = out.parent / "alice.wav"
-    sf.write(wav, prompt.pcm, prompt.sample_rate)
-    add_voice(out, "alice", wav, "Hello, this is Alice speaking, slowly and clearly.")
-    return out
+    return bundle_with_voice(tiny_bundle, tmp_path_factory.mktemp("vcache") / "bundle", 4.0,
+                             "Hello, this is Alice speaking, slowly and clearly.")
 
 
 @pytest.fixture(scope="module")
