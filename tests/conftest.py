@@ -14,7 +14,7 @@ import pytest
 
 from tests.support import hypothesis_seed
 from tests.support.broker import Broker, mosquitto_binary, running_broker
-from tests.support.components import missing
+from tests.support.components import missing, not_here
 
 if TYPE_CHECKING:
     from tests.support.trt_emulator import Emulation
@@ -199,7 +199,7 @@ def emulated_tensorrt(request: pytest.FixtureRequest) -> Iterator[Emulation]:
     from tests.support.trt_emulator import real_tensorrt_present
 
     if real_tensorrt_present():
-        pytest.skip("a real TensorRT is importable here; the emulator never replaces it")
+        not_here("a real TensorRT is importable here; the emulator never replaces it")
     version = getattr(request, "param", "10.13")
     with emulate(version) as emu:
         yield emu

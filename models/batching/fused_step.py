@@ -266,6 +266,8 @@ class FusedDecodeStep:
         if self._copier is None:
             raise SynthesisError("fused decode: no prefill graphs")
         rest, nbytes = [], self._row_bytes()
+        if pasts is None:
+            self._scratch_holds = None  # the prompts' positions from 0: no prefix there after them
         for j, (row, x, n) in enumerate(zip(rows, prompts, news, strict=True)):
             t = next((t for t in self._lengths if t >= n and p + t <= self._positions + 1), None)
             if t is None:
@@ -278,8 +280,6 @@ class FusedDecodeStep:
             embeds[0, :n] = x[0, :n]
             bound["inputs_embeds"].update_inplace(embeds)
             bound["seqlens_k"].update_inplace(np.array([p + t - 1], np.int32))  # padding included: after the prompt
-            if pasts is None:
-                self._scratch_holds = None  # the prompt's positions from 0: no prefix there after it
             self._prefills[t].run_bound(binding, options)
             self._copier.copy_many([(self._ptr(i, k, row), self._ptr(i, k, self._scratch_row), nbytes)
                                     for i in range(self._layers) for k in (0, 1)])

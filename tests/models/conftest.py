@@ -10,6 +10,7 @@ without a GPU (that can segfault) and does not take the type-stub package
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 from collections.abc import Iterator
@@ -18,6 +19,8 @@ from typing import Any
 
 import pytest
 from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, load_synthesizer
+
+from tests.support.components import not_here
 
 # What upstream's QwenTokenizer.__init__ adds (cosyvoice/tokenizer/tokenizer.py).
 UPSTREAM_SPECIAL_TOKENS = {
@@ -125,6 +128,7 @@ def text_tokenizer(tokenizer_json: Path) -> Any:
 
 
 
+@functools.cache
 def trt_unavailable_reason() -> str | None:
     from cosyedge_models.backends.gpu_probe import probe_gpu, probe_tensorrt
 
@@ -139,12 +143,9 @@ def trt_unavailable_reason() -> str | None:
     return None
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    trt_items = [i for i in items if i.get_closest_marker("gpu") and "trt" in i.nodeid]
-    if not trt_items:
-        return
-    reason = trt_unavailable_reason()
-    if reason:
-        skip = pytest.mark.skip(reason=f"TensorRT backend tests need a GPU with TensorRT: {reason}")
-        for item in trt_items:
-            item.add_marker(skip)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A `-m gpu` test of the TensorRT backend where no TensorRT runs: not_here, before its fixtures."""
+    if item.get_closest_marker("gpu") and "trt" in item.nodeid:
+        reason = trt_unavailable_reason()
+        if reason:
+            not_here(f"TensorRT backend tests need a GPU with TensorRT: {reason}")

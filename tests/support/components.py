@@ -5,7 +5,10 @@ Hermes test package; data: the auditok speech recordings): locally a missing
 component skips the test with the reason and the fix; in CI (environment
 CI=true) it fails the test, so a broken setup can never turn the run green
 by skipping. Tests use require_binary, require_module and require_data,
-never pytest.importorskip or a skipif on a component (tests/static checks)."""
+never pytest.importorskip or a skipif on a component (tests/static checks).
+What CI lacks by design (a GPU, the CUDA provider, TensorRT) or must not have
+(a real TensorRT or torchaudio where a test checks the stand-in) goes through
+not_here (require_cuda_provider): the same skip locally, a failure under CI=true."""
 
 from __future__ import annotations
 
@@ -29,6 +32,26 @@ def missing(what: str) -> NoReturn:
         pytest.fail(f"{what} -- CI=true: .ci/setup must provide it, so this fails instead of skipping",
                     pytrace=False)
     pytest.skip(what, allow_module_level=True)
+
+
+def not_here(what: str) -> NoReturn:
+    """Skip (locally) or fail (CI=true) because what a test needs by design is not on this machine (a GPU,
+    onnxruntime's CUDA provider, a TensorRT that runs), or a real component stands where the test checks the
+    project's stand-in for it (a real TensorRT or torchaudio; CI installs neither): a run under CI=true
+    runs every test it collects or fails."""
+    if in_ci():
+        pytest.fail(f"{what} -- CI=true: every collected test must run, so this fails instead of skipping",
+                    pytrace=False)
+    pytest.skip(what, allow_module_level=True)
+
+
+def require_cuda_provider() -> None:
+    """onnxruntime's CUDA provider (the `-m gpu` tests; a GPU run installs onnxruntime-gpu), else not_here()."""
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        not_here(f"onnxruntime has no CUDAExecutionProvider here (available: {ort.get_available_providers()}); "
+                 "a -m gpu run needs onnxruntime-gpu on a GPU")
 
 
 def require_binary(name: str, install: str) -> str:

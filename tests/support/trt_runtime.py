@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.components import not_here
 from tests.support.trt_emulator import Emulation, emulated_tensorrt, real_tensorrt_present
 
 
@@ -23,7 +24,7 @@ def trt_runtime() -> Iterator[Emulation | None]:
 
         reason = trt_unavailable_reason()
         if reason:
-            pytest.skip(f"a real TensorRT is installed but cannot run here: {reason}")
+            not_here(f"a real TensorRT is installed but cannot run here: {reason}")
         yield None
         return
     with emulated_tensorrt("10.13") as emu:

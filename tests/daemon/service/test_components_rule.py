@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.components import require_binary, require_data, require_module
+from tests.support.components import not_here, require_binary, require_cuda_provider, require_data, require_module
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -38,6 +38,24 @@ def test_missing_module_or_data_skips_locally_and_fails_in_ci(monkeypatch: pytes
         require_data(None, "the recordings")
     assert require_module("json").dumps([1]) == "[1]"
     assert require_data(tmp_path, "-") == tmp_path
+
+
+def test_what_ci_lacks_by_design_skips_locally_and_fails_in_ci(monkeypatch: pytest.MonkeyPatch) -> None:
+    """not_here (a GPU, the CUDA provider, a real TensorRT where the emulator is checked): the same rule, so a
+    green CI run has run every test it collected."""
+    import onnxruntime as ort
+
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CPUExecutionProvider"])  # CI's onnxruntime
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="a real TensorRT"):
+        not_here("a real TensorRT is importable here")
+    with pytest.raises(pytest.skip.Exception, match="no CUDAExecutionProvider"):
+        require_cuda_provider()
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="CI=true"):
+        not_here("a real TensorRT is importable here")
+    with pytest.raises(pytest.fail.Exception, match="no CUDAExecutionProvider.*CI=true"):
+        require_cuda_provider()
 
 
 def test_triton_setup_fails_loudly_in_ci_where_it_would_skip(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from cosyedge_build.tensorrt.engines import TIMING_CACHE, EngineBuildSettings, build_engines
 
+from tests.support.components import not_here
 from tests.support.trt_emulator import JETSON_ORIN_NANO, RTX_4090, Emulation, emulated_tensorrt, real_tensorrt_present
 from tests.support.trt_emulator import plan as planfmt
 
@@ -58,7 +59,7 @@ def test_each_engine_is_released_before_the_next_build(emulated_tensorrt: Emulat
 def test_a_timing_cache_from_another_device_is_replaced(tiny_bundle: Path, tmp_path: Path,
                                                         caplog: pytest.LogCaptureFixture) -> None:
     if real_tensorrt_present():
-        pytest.skip("a real TensorRT is importable here; the emulator never replaces it")
+        not_here("a real TensorRT is importable here; the emulator never replaces it")
     root = _copy(tiny_bundle, tmp_path)
     with emulated_tensorrt("10.3", RTX_4090):
         _build(root)

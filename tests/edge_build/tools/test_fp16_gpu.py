@@ -23,6 +23,8 @@ from cosyedge_models.synthesis.api import SynthesisRequest
 from cosyedge_models.synthesis.settings import SynthesisSettings
 from cosyedge_models.synthesis.synthesizer import load_synthesizer
 
+from tests.support.components import require_cuda_provider
+
 FP16_STAGES = ("llm_prefill", "llm_decode", "flow_estimator", "hift_decoder")
 
 
@@ -100,15 +102,13 @@ def test_fp16_bundle_speaks_with_the_fixed_shape_flow(gpu_fp16: tuple[Path, dict
 
 @pytest.mark.gpu
 def test_fp16_graphs_are_finite_on_the_cuda_provider(gpu_fp16: tuple[Path, dict[str, Any]]) -> None:
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        pytest.skip("onnxruntime has no CUDAExecutionProvider here")
+    require_cuda_provider()
     _check_finite(*gpu_fp16, ["CUDAExecutionProvider"])
 
 
 @pytest.mark.gpu
 def test_the_tool_checks_on_the_cuda_provider(static_flow_bundle: Path, gpu_fp16: tuple[Path, dict[str, Any]]) -> None:
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        pytest.skip("onnxruntime has no CUDAExecutionProvider here")
+    require_cuda_provider()
     check = check_bundle(static_flow_bundle, gpu_fp16[0], texts=2)
     assert check["capture_backend"] == "ort-cuda" and check["ok"], check
     assert all(s["provider"] == "CUDAExecutionProvider" for s in check["stages"].values())
@@ -120,8 +120,7 @@ def test_ort_cuda_loads_the_precision_recorded_faster(gpu_fp16: tuple[Path, dict
                                                       faster_one: str) -> None:
     """models/bundle/precision_speed.py on the real CUDA backend: with precision unset, the
     variant the bundle's record measured faster (figures made up here: the rule, not the speed)."""
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        pytest.skip("onnxruntime has no CUDAExecutionProvider here")
+    require_cuda_provider()
     import shutil
 
     from cosyedge_models.bundle.precision_speed import write_record

@@ -31,7 +31,7 @@ from cosyedge_models.synthesis.flow import CacheFactory, FlowDecoder, FlowPrompt
 from cosyedge_models.synthesis.streaming import ChunkSchedule
 from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer
 
-from tests.support.components import require_module
+from tests.support.components import require_cuda_provider, require_module
 from tests.support.trt_emulator import Emulation
 
 
@@ -259,8 +259,7 @@ def test_bound_caches_on_cuda_provider(tiny_bundle: Path) -> None:
     """ort-cuda picks the device store; its mel equals the host caches' on the
     same CUDA sessions (within float noise of the GPU kernels), and a
     streaming request through the engine runs on it."""
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        pytest.skip(f"needs onnxruntime-gpu with the CUDA provider (available: {ort.get_available_providers()})")
+    require_cuda_provider()
     from cosyedge_models.synthesis.settings import SynthesisSettings
     from cosyedge_models.synthesis.synthesizer import load_synthesizer
 

@@ -24,6 +24,7 @@ from cosyedge_models.synthesis.settings import SynthesisSettings
 from cosyedge_models.synthesis.synthesizer import load_synthesizer
 
 from tests.conftest import STATIC_DECODE_LEN
+from tests.support.components import require_cuda_provider
 from tests.support.concurrent import run_concurrently
 
 
@@ -79,10 +80,7 @@ def test_fixed_size_loop_matches_the_dynamic_step(tiny_static_bundle: Path) -> N
 
 @pytest.mark.gpu
 def test_cuda_graph_loop_matches_the_dynamic_step(tiny_static_bundle: Path) -> None:
-    import onnxruntime as ort
-
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        pytest.skip("onnxruntime has no CUDAExecutionProvider here")
+    require_cuda_provider()
     _compare_with_dynamic(tiny_static_bundle, "cuda")
 
 
@@ -175,8 +173,5 @@ def test_concurrent_requests_on_the_fixed_size_loop_match_serial_ones(tiny_stati
 
 @pytest.mark.gpu
 def test_cuda_graph_loop_eight_concurrent_requests_match_serial(tiny_static_bundle: Path) -> None:
-    import onnxruntime as ort
-
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        pytest.skip("onnxruntime has no CUDAExecutionProvider here")
+    require_cuda_provider()
     _concurrent_loops(tiny_static_bundle, "cuda", 8)

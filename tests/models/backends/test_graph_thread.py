@@ -23,6 +23,7 @@ from cosyedge_models.synthesis.api import AudioChunk, SynthesisRequest
 from cosyedge_models.synthesis.settings import SynthesisSettings
 from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, load_synthesizer
 
+from tests.support.components import require_cuda_provider
 from tests.support.concurrent import run_concurrently
 
 CAPTURED = ("llm_decode_static", STATIC_FLOW_PREFIX)
@@ -291,8 +292,7 @@ def test_eight_streams_with_cuda_graphs_match_serial_runs(graph_bundle: Path,
     8 streams at once through them (LLM steps from 8 producer threads, flow
     windows from 8 request threads, other sessions' copies meanwhile), each
     equal to its serial run, without a fallback to the dynamic graphs."""
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        pytest.skip("onnxruntime has no CUDAExecutionProvider here")
+    require_cuda_provider()
     engine = load_synthesizer(graph_bundle, settings=SynthesisSettings(
         backend="ort-cuda", graph_flow=True, graph_flow_slots=8, graph_decode_slots=8))
     try:

@@ -8,12 +8,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 from cosyedge_models.backends.base import HostDecodeLoop
 from cosyedge_models.backends.factory import create_backend
 from cosyedge_models.backends.ort import BoundDecodeLoop, OrtBackend, OrtSession
 from cosyedge_models.bundle.loader import load_bundle
+
+from tests.support.components import require_cuda_provider
 
 
 def _embeds(d: int, n_steps: int) -> tuple[np.ndarray, list[np.ndarray]]:
@@ -58,8 +59,7 @@ def test_cpu_backend_keeps_host_loop(tiny_bundle: Path) -> None:
 
 @pytest.mark.gpu
 def test_bound_loop_on_cuda_provider(tiny_bundle: Path) -> None:
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        pytest.skip(f"needs onnxruntime-gpu with the CUDA provider (available: {ort.get_available_providers()})")
+    require_cuda_provider()
     backend = create_backend("ort-cuda")
     assert isinstance(backend, OrtBackend)
     bundle = load_bundle(tiny_bundle)

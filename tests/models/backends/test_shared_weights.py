@@ -15,6 +15,8 @@ from cosyedge_models.backends.shared_weights import INDEX_FORMAT, find_index, re
 from cosyedge_models.errors import BundleError
 from onnx import TensorProto, helper, numpy_helper
 
+from tests.support.components import require_cuda_provider
+
 LLM_GRAPHS = ("llm_prefill.onnx", "llm_decode.onnx", "llm_decode_static.onnx")
 
 
@@ -147,8 +149,7 @@ def test_cuda_sessions_hold_one_device_copy(shared_dir: tuple[Path, list[np.ndar
     import onnxruntime as ort
     from cosyedge_models.backends.gpu_probe import device_memory_used
 
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        pytest.skip("onnxruntime has no CUDAExecutionProvider here")
+    require_cuda_provider()
     root, weights = shared_dir
     x = np.random.default_rng(1).standard_normal((2, 1024)).astype(np.float32)
     expected = ort.InferenceSession(str(root / "b.onnx"), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]

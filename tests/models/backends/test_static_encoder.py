@@ -27,6 +27,7 @@ from cosyedge_models.synthesis.voice_cache import build_flow_prefix
 
 from tests.conftest import STATIC_FLOW_CACHE, STATIC_FLOW_WINDOWS
 from tests.models.flow_streams import Recording, flow_sessions, stream_mel
+from tests.support.components import require_cuda_provider
 
 
 def _prompt(bundle: Bundle, tokens: int = 12) -> FlowPrompt:
@@ -233,15 +234,13 @@ def test_concurrent_engine_streams_on_the_static_encoder(static_flow_bundle: Pat
 
 @pytest.mark.gpu
 def test_cuda_graph_static_encoder_eight_concurrent_engine_streams(static_flow_bundle: Path, tmp_path: Path) -> None:
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        pytest.skip("onnxruntime has no CUDAExecutionProvider here")
+    require_cuda_provider()
     _concurrent_engine_streams(static_flow_bundle, tmp_path, "ort-cuda", 8)
 
 
 @pytest.mark.gpu
 def test_cuda_graph_static_encoder_matches_the_dynamic_graph(static_flow_bundle: Path) -> None:
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        pytest.skip("onnxruntime has no CUDAExecutionProvider here")
+    require_cuda_provider()
     graphs, _ = _compare(static_flow_bundle, "cuda", 60)
     assert graphs.capture and graphs.moves == 0
     graphs, _ = _compare(static_flow_bundle, "cuda", 50, prompt_tokens=60, prime=True)

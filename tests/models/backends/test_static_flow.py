@@ -37,6 +37,7 @@ from cosyedge_models.synthesis.synthesizer import load_synthesizer
 
 from tests.conftest import STATIC_FLOW_CACHE, STATIC_FLOW_WINDOWS
 from tests.models.flow_streams import Recording, flow_sessions, stream_mel
+from tests.support.components import require_cuda_provider
 
 WINDOWS = STATIC_FLOW_WINDOWS
 CACHE_FRAMES = STATIC_FLOW_CACHE
@@ -189,8 +190,7 @@ def test_auto_is_off_on_the_cpu_and_counts_the_bundles_caches(static_flow_bundle
 
 @pytest.mark.gpu
 def test_auto_turns_the_static_graphs_on_for_ort_cuda(static_flow_bundle: Path) -> None:
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        pytest.skip("onnxruntime has no CUDAExecutionProvider here")
+    require_cuda_provider()
     eng = load_synthesizer(static_flow_bundle, "ort-cuda", SynthesisSettings(backend="ort-cuda"))
     try:
         assert eng.static_flow is not None and eng.static_flow.capture
@@ -208,8 +208,7 @@ def test_graph_flow_on_needs_the_static_graphs(tiny_bundle: Path) -> None:
 
 @pytest.mark.gpu
 def test_cuda_graph_static_flow_matches_the_dynamic_graph(static_flow_bundle: Path) -> None:
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        pytest.skip("onnxruntime has no CUDAExecutionProvider here")
+    require_cuda_provider()
     _compare(static_flow_bundle, "cuda", 60)
     _compare(static_flow_bundle, "cuda", 190)
 
@@ -293,8 +292,7 @@ def test_concurrent_streams_on_the_static_graphs_match_serial_ones(static_flow_b
 
 @pytest.mark.gpu
 def test_cuda_graph_static_flow_eight_concurrent_streams_match_serial(static_flow_bundle: Path) -> None:
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        pytest.skip("onnxruntime has no CUDAExecutionProvider here")
+    require_cuda_provider()
     _concurrent_streams(static_flow_bundle, "cuda", 8)
 
 

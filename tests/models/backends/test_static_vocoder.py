@@ -25,6 +25,7 @@ from cosyedge_models.synthesis.synthesizer import load_synthesizer
 from cosyedge_models.synthesis.vocoder import HiftVocoder
 
 from tests.conftest import STATIC_VOCODER_FIRST_HOP
+from tests.support.components import require_cuda_provider
 
 
 def _names(bundle_dir: Path) -> list[str]:
@@ -124,8 +125,7 @@ def test_fixed_length_graphs_match_the_dynamic_pair(graph_bundle: Path) -> None:
 
 @pytest.mark.gpu
 def test_captured_fixed_length_graphs_match_the_dynamic_pair(graph_bundle: Path) -> None:
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        pytest.skip("onnxruntime has no CUDAExecutionProvider here")
+    require_cuda_provider()
     _compare(graph_bundle, "cuda", 5e-3)  # different kernels per shape, TF32
 
 

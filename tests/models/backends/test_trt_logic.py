@@ -51,7 +51,7 @@ from cosyedge_models.bundle.memory_budget import BOARDS, GIB, MIB, Board, bundle
 from cosyedge_models.errors import BundleError, SynthesisError
 from onnx import TensorProto, helper, numpy_helper
 
-from tests.support.components import require_module
+from tests.support.components import not_here, require_module
 
 # --- profiles ------------------------------------------------------------------------------
 
@@ -401,7 +401,7 @@ def test_probes_report_why_not(monkeypatch: pytest.MonkeyPatch) -> None:
     gpu = probe_gpu()
     trt = probe_tensorrt()
     if gpu.available:
-        pytest.skip("this machine has a GPU; the no-GPU path is checked elsewhere")
+        not_here("this machine has a GPU; the no-GPU path is checked elsewhere")
     assert not trt.available and trt.reason.startswith("no GPU:")
     status = tensorrt_status()
     assert status["usable"] is False and status["gpu"]["available"] is False
@@ -412,7 +412,7 @@ def test_stub_package_is_not_mistaken_for_tensorrt() -> None:
     mod = require_module("tensorrt", "tensorrt-stubs: pip install --no-deps -r .ci/requirements-nodeps.txt")
     # The import succeeds (an empty namespace package of .pyi files) ...
     if _is_real_tensorrt(mod):
-        pytest.skip("a real TensorRT is installed here")
+        not_here("a real TensorRT is installed here")
     # ... but it is recognised as not being TensorRT.
     assert not hasattr(mod, "Builder")
 

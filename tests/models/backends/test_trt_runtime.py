@@ -20,6 +20,7 @@ from cosyedge_models.synthesis.settings import SynthesisSettings
 from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, load_synthesizer
 
 from tests.models.synthesis.test_voice_cache import voice_bundle  # noqa: F401 (fixture)
+from tests.support.components import not_here
 from tests.support.trt_emulator import Emulation
 from tests.support.trt_runtime import build_trt_bundle
 
@@ -87,7 +88,7 @@ def test_page_locked_memory_is_freed_at_close(trt_runtime: Emulation | None, llm
     from cosyedge_models.backends.tensorrt.session import IoBuffers, thread_cuda
 
     if trt_runtime is None:
-        pytest.skip("counts the emulated GPU's page-locked memory")
+        not_here("a real TensorRT runs here: this counts the emulated GPU's page-locked memory")
     thread_cuda(0)
     before = trt_runtime.pinned_bytes()
     bufs = [IoBuffers.allocate(4096) for _ in range(3)]

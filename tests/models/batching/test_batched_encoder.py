@@ -17,7 +17,6 @@ from typing import Any
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from cosyedge_models.backends.encoder_cache import EncoderCache, HostEncoderCache
 from cosyedge_models.backends.graph_thread import GraphThread
@@ -31,6 +30,7 @@ from cosyedge_models.synthesis.voice_cache import build_flow_prefix
 
 from tests.conftest import BATCH_FLOW_SIZES, STATIC_FLOW_CACHE, STATIC_FLOW_WINDOWS
 from tests.models.flow_streams import Recording, flow_sessions, stream_mel
+from tests.support.components import require_cuda_provider
 
 
 def _prompt(bundle: Bundle, seed: int, tokens: int = 12) -> FlowPrompt:
@@ -135,8 +135,7 @@ def test_streams_waiting_together_share_a_replay_and_each_gets_its_mel_alone(sta
 
 @pytest.mark.gpu
 def test_captured_batched_encoder_streams_get_their_mel_alone(static_flow_bundle: Path) -> None:
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        pytest.skip("onnxruntime has no CUDAExecutionProvider here")
+    require_cuda_provider()
     # TF32 kernels on a GPU, as the single-stream encoder graphs' test allows
     assert _two_in_lanes_one_on_a_slot(static_flow_bundle, "cuda", 5e-3).capture
 

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from cosyedge_models.backends.factory import create_backend
 from cosyedge_models.backends.graph_thread import GraphPriority, GraphThread
@@ -25,6 +24,7 @@ from cosyedge_models.synthesis.api import SynthesisRequest
 from cosyedge_models.synthesis.settings import SynthesisSettings
 from cosyedge_models.synthesis.synthesizer import load_synthesizer
 
+from tests.support.components import require_cuda_provider
 from tests.support.concurrent import run_concurrently
 
 
@@ -112,8 +112,7 @@ def test_one_lengths_chunks_waiting_together_share_a_replay_and_sound_as_alone(e
 
 @pytest.mark.gpu
 def test_captured_batched_vocoder_rows_sound_as_alone(every_graph_bundle: Path) -> None:
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        pytest.skip("onnxruntime has no CUDAExecutionProvider here")
+    require_cuda_provider()
     _compare(every_graph_bundle, "cuda", 5e-3)  # different kernels per batch size, TF32
 
 

@@ -15,6 +15,8 @@ from cosyedge_models.synthesis.api import SynthesisRequest
 from cosyedge_models.synthesis.settings import SynthesisSettings
 from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, load_synthesizer
 
+from tests.support.components import require_cuda_provider
+
 pytestmark = pytest.mark.gpu
 
 STREAMS = 4
@@ -32,10 +34,7 @@ LANE_BUNDLES = {"fp32": "static_flow_bundle", "fp16": "static_flow_fp16_bundle",
 
 @pytest.mark.parametrize("lanes", sorted(LANE_BUNDLES))
 def test_captured_batched_windows_share_replays_and_sound_as_alone(lanes: str, request: pytest.FixtureRequest) -> None:
-    import onnxruntime as ort
-
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        pytest.skip("onnxruntime has no CUDAExecutionProvider here")
+    require_cuda_provider()
     # the fp16 lanes: build export --batch-flow-precision fp16 (--batch-flow-attention fused)
     static_flow_bundle: Path = request.getfixturevalue(LANE_BUNDLES[lanes])
     # the LLM and the encoder off the graph thread: only estimator windows and the vocoder replay there

@@ -22,6 +22,8 @@ from cosyedge_models.batching.batched_step import BatchedDecodeStep
 from cosyedge_models.batching.fused_step import FusedDecodeStep, fused_entries, fused_kv_dtypes, load_fused_step
 from cosyedge_models.errors import SynthesisError
 
+from tests.support.components import require_cuda_provider
+
 POSITIONS = 40
 PREFILL_LENGTHS = (4, 8)  # the fixed-length prefill graphs exported beside the steps
 TOLERANCE = 1e-4
@@ -153,10 +155,7 @@ def test_captured_fp16_rows_follow_the_fp32_plain_loop_alone_on_cuda(fused_dir: 
     """ort-cuda with the fp16 graphs: GroupQueryAttention on the CUDA provider (no node
     left on the CPU), every batch size captured, each row within fp16's error of the
     fp32 plain step alone and equal to the same fp16 graphs run alone."""
-    import onnxruntime as ort
-
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        pytest.skip("onnxruntime has no CUDAExecutionProvider here")
+    require_cuda_provider()
     # the fp32 side may use TF32 there; and the kernels cuBLAS picks per batch size may sum in
     # another order, so a row alone and batched may differ by two fp16 steps of the logits
     _compare_fp16(fused_dir, tiny_bundle, "cuda", 2 * FP16_LOGP_TOLERANCE, FP16_LOGP_TOLERANCE)
@@ -326,10 +325,7 @@ def test_a_batched_prefill_gives_each_row_its_prompt_alone(fused_dir: Path, tiny
 @pytest.mark.gpu
 def test_a_batched_prefill_on_cuda_follows_the_plain_loop(fused_dir: Path, tiny_bundle: Path) -> None:
     """The same on ort-cuda with the fp16 fused graphs (captured steps, the fp16 insert), within fp16's error."""
-    import onnxruntime as ort
-
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        pytest.skip("onnxruntime has no CUDAExecutionProvider here")
+    require_cuda_provider()
     _batched_prefill(fused_dir / "fp16", tiny_bundle, 4, "cuda", 2 * FP16_LOGP_TOLERANCE)
 
 
@@ -352,10 +348,7 @@ def test_a_captured_prefill_in_fp16_follows_the_fp32_plain_loop(fused_dir: Path,
 def test_a_captured_prefill_on_cuda_follows_the_plain_loop(fused_dir: Path, tiny_bundle: Path) -> None:
     """The fp16 prefill graphs captured on ort-cuda (each length once, the scratch row at a fixed address,
     then replayed for rows of other lengths and pasts)."""
-    import onnxruntime as ort
-
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        pytest.skip("onnxruntime has no CUDAExecutionProvider here")
+    require_cuda_provider()
     for prefix in (0, 4):
         _batched_prefill(fused_dir / "fp16", tiny_bundle, prefix, "cuda", 2 * FP16_LOGP_TOLERANCE, PREFILL_LENGTHS)
 
@@ -383,17 +376,24 @@ def _batched_prefill(fused_dir: Path, tiny_bundle: Path, prefix: int, device: st
         loops.append(loop)
     fused.prefill_rows(rows, [x[:, prefix:] for x in prompts], pasts if prefix else None)
     cache = [prefix + t - 1 for t in lengths]
-    logp = fused.step(rows, np.stack([x[0, -1] for x in prompts]), cache, 4)
-    for j, row in enumerate(rows):
-        assert _rel(logp[j], firsts[j][0]) < tolerance
-        plain = np.asarray(loops[j]._kv.numpy())[:, :, 0]  # noqa: SLF001
-        assert _rel(fused.row_cache(row, cache[j] + 1).astype(np.float32), plain) < tolerance
+    _first_steps_alone(fused, rows, prompts, cache, firsts, loops, tolerance)
     tokens = speech[rng.integers(0, speech.shape[0] - 3, len(rows))]
     logp = fused.step(rows, tokens, [c + 1 for c in cache], 4)
     for j in range(len(rows)):
         assert _rel(logp[j], loops[j].step(tokens[j].reshape(1, 1, d))[0]) < tolerance
     with pytest.raises(SynthesisError, match="do not fit"):
         fused.prefill_rows([1], [prompts[0][:, :1]], None)  # a one-position prompt has nothing to prefill
+
+
+def _first_steps_alone(fused: FusedDecodeStep, rows: list[int], prompts: list[np.ndarray], cache: list[int],
+                       firsts: list[np.ndarray], loops: list[BoundDecodeLoop], tolerance: float) -> None:
+    """After prefill_rows: each row's first step, fed its prompt's last position, gives the logp of the
+    prompt's whole prefill alone (`firsts`), and the row's cache is that loop's."""
+    logp = fused.step(rows, np.stack([x[0, -1] for x in prompts]), cache, 4)
+    for j, row in enumerate(rows):
+        assert _rel(logp[j], firsts[j][0]) < tolerance
+        plain = np.asarray(loops[j]._kv.numpy())[:, :, 0]  # noqa: SLF001
+        assert _rel(fused.row_cache(row, cache[j] + 1).astype(np.float32), plain) < tolerance
 
 
 def test_a_voice_prefix_stays_in_the_scratch_row_between_prompts(fused_dir: Path, tiny_bundle: Path) -> None:
@@ -408,10 +408,7 @@ def test_a_voice_prefix_stays_in_the_scratch_row_between_prompts(fused_dir: Path
 def test_a_voice_prefix_stays_in_the_scratch_row_on_cuda(fused_dir: Path, tiny_bundle: Path) -> None:
     """The same with the fp16 prefill graphs captured on ort-cuda (the scratch row written in place under
     capture keeps the prefix before the prompt's positions), within fp16's error."""
-    import onnxruntime as ort
-
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        pytest.skip("onnxruntime has no CUDAExecutionProvider here")
+    require_cuda_provider()
     _prefix_kept(fused_dir / "fp16", tiny_bundle, "cuda", 2 * FP16_LOGP_TOLERANCE)
 
 
@@ -435,12 +432,7 @@ def _prefix_kept(fused_dir: Path, tiny_bundle: Path, device: str, tolerance: flo
             loops.append(loop)
         fused.prefill_rows(rows, tails, None if past is None else [past] * len(rows))
         p = 0 if past is None else 4
-        cache = [p + t - 1 for t in lengths]
-        logp = fused.step(rows, np.stack([x[0, -1] for x in tails]), cache, 4)
-        for j, row in enumerate(rows):
-            assert _rel(logp[j], firsts[j][0]) < tolerance
-            plain = np.asarray(loops[j]._kv.numpy())[:, :, 0]  # noqa: SLF001
-            assert _rel(fused.row_cache(row, cache[j] + 1).astype(np.float32), plain) < tolerance
+        _first_steps_alone(fused, rows, tails, [p + t - 1 for t in lengths], firsts, loops, tolerance)
 
     check([0, 2, 3], [9, 3, 6], kv)  # in once, then kept for the two after it
     assert fused.prefix_reuses == 2

@@ -32,6 +32,8 @@ from cosyedge_models.synthesis.sampling import TokenSampler
 from cosyedge_models.synthesis.settings import SynthesisSettings
 from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, load_synthesizer
 
+from tests.support.components import require_cuda_provider
+
 TEXTS = ["Hello world one two.", "A quick fox", "A", "Numbers today", "Dates and times"]
 
 
@@ -312,10 +314,7 @@ def test_a_request_group_prefills_together_on_the_graph_path(static_engine: Cosy
 def test_captured_graph_batching_gives_the_tokens_alone(tiny_static_bundle: Path) -> None:
     """On ort-cuda: the steps replay captured graphs on the engine's graph thread; four concurrent
     seeded streams through the GraphBatcher give the tokens each gives alone through the captured loop."""
-    import onnxruntime as ort
-
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        pytest.skip("onnxruntime has no CUDAExecutionProvider here")
+    require_cuda_provider()
     plain = load_synthesizer(tiny_static_bundle, settings=SynthesisSettings(backend="ort-cuda", threads=1))
     try:
         assert plain.lm.fixed_size_decode is not None

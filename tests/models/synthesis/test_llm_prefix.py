@@ -17,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from cosyedge_models.backends.base import DecodeLoop, HostDecodeLoop
 from cosyedge_models.backends.ort import BoundDecodeLoop, OrtSession
@@ -36,6 +35,7 @@ from cosyedge_models.synthesis.voice_cache import MIB, VoiceCache
 from cosyedge_models.tools.voice_bench import llm_prefix_report
 
 from tests.models.synthesis.test_voice_cache import record_tokens, stream, voice_bundle  # noqa: F401 (fixture)
+from tests.support.components import require_cuda_provider
 
 ATOL = 1e-5
 RNG = np.random.default_rng(11)
@@ -310,8 +310,7 @@ def test_a_bundle_with_a_one_position_decode_runs_uncached(voice_bundle: Path, v
 @pytest.mark.gpu
 def test_llm_prefix_parity_on_ort_cuda(tiny_bundle: Path) -> None:
     """The bound loop on the CUDA provider: the host prefix copied to the device per request."""
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        pytest.skip(f"needs onnxruntime-gpu with the CUDA provider (available: {ort.get_available_providers()})")
+    require_cuda_provider()
     eng = load_synthesizer(tiny_bundle, settings=SynthesisSettings(backend="ort-cuda"))
     try:
         loop = eng.lm.decode_loop()

@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 from cosyedge_daemon.cli.main import main
 from cosyedge_models.backends.encoder_cache import EncoderPrefix
@@ -29,6 +28,7 @@ from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, load_syn
 from cosyedge_models.synthesis.voice_cache import MIB, FlowPrefix, VoiceCache, build_flow_prefix, bundle_identity
 
 from tests.models.synthesis.test_synthesizer import prompt_audio
+from tests.support.components import require_cuda_provider
 from tests.support.voices import bundle_with_voice
 
 ATOL = 1e-5  # the brief's bound; on one backend the two paths are the same graph calls (measured 0.0)
@@ -280,8 +280,7 @@ def test_bench_voice_reports_the_cache_off_and_on(voice_bundle: Path, tmp_path: 
 @pytest.mark.gpu
 def test_cached_voice_parity_on_ort_cuda(voice_bundle: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The same parity on the GPU: device step caches seeded from the host prefix."""
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        pytest.skip(f"needs onnxruntime-gpu with the CUDA provider (available: {ort.get_available_providers()})")
+    require_cuda_provider()
     tokens = record_tokens(monkeypatch)
     eng = load_synthesizer(voice_bundle, settings=SynthesisSettings(backend="ort-cuda"))
     try:
