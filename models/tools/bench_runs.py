@@ -6,6 +6,7 @@ percentiles, the slowest stream's RTF; the LLM alone with --llm-only). Used by
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import threading
 import time
@@ -173,12 +174,22 @@ def first_chunk_profile(timelines: list[list[StageEvent]],
 
 
 def run_concurrent(engine: CosyVoiceSynthesizer, text: str, n: int, stream: bool = True,
-                   voice: str | None = None) -> dict[str, Any]:
-    """n requests at once: completed requests/s, first-audio percentiles, the slowest stream's RTF,
-    the batchers' mean batch, the graph threads' order counters; `failed` (and the first `errors`):
-    requests that raised, left out of the figures."""
-    runs: list[dict[str, Any]] = [{} for _ in range(n)]
+                   voice: str | None = None, requests: int | None = None) -> dict[str, Any]:
+    """`requests` (default n) requests, n at a time (request i has seed 1000 + i): completed requests/s,
+    first-audio percentiles, the slowest stream's RTF, the batchers' mean batch, the graph threads' order
+    counters; `failed` (and the first `errors`): requests that raised, left out of the figures."""
+    total = n if requests is None else requests
+    if total < n:
+        raise ValueError(f"{total} requests cannot keep {n} at a time")
+    runs: list[dict[str, Any]] = [{} for _ in range(total)]
     errors: list[str] = []
+    taken = itertools.count()  # the next request's index, shared by the n threads (under `lock`)
+    lock = threading.Lock()
+
+    def take() -> int:
+        with lock:
+            return next(taken)
+
     before = {b.name: (b.stats.runs, b.stats.calls) for b in engine.stage_batchers}
     llm_before = dataclasses.replace(engine.batcher.stats) if engine.batcher else None
     order_before = engine.graphs.order_stats()
@@ -186,12 +197,13 @@ def run_concurrent(engine: CosyVoiceSynthesizer, text: str, n: int, stream: bool
     encoder_before = engine.graphs.encoder_batch_stats()
     cpu_before = ThreadCpu()
 
-    def worker(i: int) -> None:
-        try:
-            runs[i] = run_once(engine, text, stream=stream, seed=1000 + i, voice=voice)
-        except Exception as exc:  # a failed request is a figure of the level, not the end of the bench
-            log.error("bench request %d of %d failed: %s", i + 1, n, exc, exc_info=True)
-            errors.append(f"{type(exc).__name__}: {exc}")
+    def worker(_: int) -> None:
+        while (i := take()) < total:
+            try:
+                runs[i] = run_once(engine, text, stream=stream, seed=1000 + i, voice=voice)
+            except Exception as exc:  # a failed request is a figure of the level, not the end of the bench
+                log.error("bench request %d of %d failed: %s", i + 1, total, exc, exc_info=True)
+                errors.append(f"{type(exc).__name__}: {exc}")
 
     wall = run_parallel(n, worker)
     cpu = level_cpu(cpu_before, ThreadCpu(), wall)  # which threads spent the level's CPU (thread_cpu.py)
@@ -200,6 +212,7 @@ def run_concurrent(engine: CosyVoiceSynthesizer, text: str, n: int, stream: bool
     tokens = sum(int(r["stages_ms"].get("llm_tokens", 0)) for r in results)
     audio = sum(r["audio_s"] for r in results)
     out: dict[str, Any] = {
+        "requests": total,
         "requests_per_s": round(len(results) / wall, 4),  # completed requests
         "tokens_per_s": round(tokens / wall, 2),
         "first_audio_ms_p50": round(float(np.percentile(firsts, 50)), 1) if firsts else float("nan"),
@@ -233,17 +246,22 @@ def run_concurrent(engine: CosyVoiceSynthesizer, text: str, n: int, stream: bool
 
 def concurrency_report(engine: CosyVoiceSynthesizer, text: str, levels: list[int], mode: str,
                        voice: str | None = None) -> dict[str, Any]:
-    """`concurrency` (streaming requests) and/or `concurrency_offline`, per level. With a saved voice,
-    the voice is prepared first, as the daemon prepares its default voice at start
-    (`voice_lanes_seeded`: the batched estimator lanes that then hold its flow prefix)."""
+    """`concurrency` (streaming requests) and/or `concurrency_offline`, per level. Level n serves n
+    requests at once, and level 1 the largest level's requests one after another (the same seeds): a
+    level's requests/s and aggregate RTF then compare with one at a time on the same utterances, whose
+    lengths vary with the seed (68-116 tokens for one seed across GPU processes, twenty-fifth run), and
+    level 1's percentiles are over all of them. With a saved voice, the voice is prepared first, as the
+    daemon prepares its default voice at start (`voice_lanes_seeded`: the batched estimator lanes that
+    then hold its flow prefix)."""
     out: dict[str, Any] = {}
     if voice is not None:
         out["voice_lanes_seeded"] = engine.prepare_voice(voice)
-    if mode in ("stream", "both"):
-        out["concurrency"] = {str(n): run_concurrent(engine, text, n, stream=True, voice=voice) for n in levels}
-    if mode in ("offline", "both"):
-        out["concurrency_offline"] = {str(n): run_concurrent(engine, text, n, stream=False, voice=voice)
-                                      for n in levels}
+    largest = max(levels, default=1)
+    modes = [("concurrency", True)] if mode in ("stream", "both") else []
+    modes += [("concurrency_offline", False)] if mode in ("offline", "both") else []
+    for key, stream in modes:
+        out[key] = {str(n): run_concurrent(engine, text, n, stream=stream, voice=voice,
+                                           requests=largest if n == 1 else n) for n in levels}
     return out
 
 

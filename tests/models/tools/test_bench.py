@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +52,7 @@ def test_bench_json_with_first_hop_and_compare(tiny_bundle: Path, fp16_variant: 
     assert r["rtf"] > 0 and r["first_audio_ms"] > 0 and r["complete"] is True
     assert r["overlap_stages"] is resolve_overlap(None, "ort", os.cpu_count())
     assert r["fixed_size_decode"] is False  # the tiny bundle has no fixed-size step
-    assert set(r["concurrency"]["1"]) == {"requests_per_s", "tokens_per_s", "first_audio_ms_p50",
+    assert set(r["concurrency"]["1"]) == {"requests", "requests_per_s", "tokens_per_s", "first_audio_ms_p50",
                                           "first_audio_ms_p95", "rtf", "stream_rtf_max", "failed", "first_chunk_ms",
                                           "process_cpu_ms", "cores_busy", "thread_cpu_ms"}
     # the level's CPU by thread: the request's own thread ended before the snapshot
@@ -173,6 +174,42 @@ def test_a_failed_request_is_counted_and_the_level_measured_without_it(
     level = json.loads(out.read_text())["concurrency"]["3"]
     assert level["failed"] == 1 and level["errors"] == ["KeyError: (8, 64, 8)"]
     assert level["requests_per_s"] > 0 and level["stream_rtf_max"] > 0
+
+
+def test_level_one_serves_the_largest_levels_requests_one_after_another(
+        tiny_bundle: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Level 1 is the largest level's requests (the same seeds) one at a time, so a level's rate compares
+    with one at a time on the same utterances; level 3 serves the three at once."""
+    from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer
+
+    real = CosyVoiceSynthesizer.synthesize
+    started: list[tuple[int, int]] = []  # (seed, requests in flight then), the levels' requests only
+    in_flight = [0]
+    lock = threading.Lock()
+
+    def counted(self: CosyVoiceSynthesizer, request: Any) -> Any:
+        if request.seed < 1000:  # the warm-up
+            yield from real(self, request)
+            return
+        with lock:
+            in_flight[0] += 1
+            started.append((request.seed, in_flight[0]))
+        try:
+            yield from real(self, request)
+        finally:
+            with lock:
+                in_flight[0] -= 1
+
+    monkeypatch.setattr(CosyVoiceSynthesizer, "synthesize", counted)
+    out = tmp_path / "levels.json"
+    assert main(["bench", "--bundle", str(tiny_bundle), "--concurrency", "1,3", "--concurrency-only",
+                 "--json", str(out)]) == 0
+    levels = json.loads(out.read_text())["concurrency"]
+    assert levels["1"]["requests"] == 3 and levels["3"]["requests"] == 3
+    assert levels["1"]["failed"] == levels["3"]["failed"] == 0
+    one, three = started[:3], started[3:]
+    assert one == [(1000, 1), (1001, 1), (1002, 1)]
+    assert sorted(seed for seed, _ in three) == [1000, 1001, 1002] and max(n for _, n in three) <= 3
 
 
 def test_llm_delta_gives_a_levels_steps_and_where_the_graph_batchers_time_went() -> None:
