@@ -169,7 +169,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bundle", required=True)
     p.add_argument("--reference", action="store_true",
                    help="also run the official PyTorch pipeline on the same checkpoint")
-    p.add_argument("--concurrency", default="1", help="comma-separated request concurrency, e.g. 1,2,4")
+    p.add_argument("--concurrency", default="1", help="comma-separated request concurrency, e.g. 1,2,4 (level n "
+                   "serves n requests at once; level 1 the largest level's requests one after another)")
     p.add_argument("--json", help="write the results to this JSON file")
     p.add_argument("--backend", default="ort")
     p.add_argument("--repeats", type=int, default=3)
