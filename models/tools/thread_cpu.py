@@ -4,7 +4,8 @@ on the H200 the LLM step's host work was larger than its GPU call (sixteenth run
 seconds of each named thread over a level say which of them do: the graph threads, the LLM batcher, the
 prefill pool, the requests' own threads (those that ended during the level are `ended or unnamed`: the
 process's CPU time less the threads still there). A process near one core of CPU over the level's wall
-time is bound by the lock, not by the GPU."""
+time is bound by the lock, not by the GPU. The whole machine's busy cores over the level (/proc/stat) say
+what else ran beside it."""
 
 from __future__ import annotations
 
@@ -44,6 +45,25 @@ def thread_cpu_s(task_dir: Path = Path("/proc/self/task")) -> dict[int, float]:
     return out
 
 
+def host_cpu_s(stat: Path = Path("/proc/stat")) -> tuple[float, float] | None:
+    """The whole machine's CPU seconds since boot, busy (user, nice, system, irq, softirq, steal) and
+    waiting for I/O (iowait), from the `cpu` line of /proc/stat (proc(5), in clock ticks); None where it is
+    not there. Over a level, the busy seconds beyond the process's own are the rest of the machine's work:
+    other processes and the kernel's (page-cache writeback after the device setup wrote its graphs)."""
+    try:
+        fields = stat.read_text().split("\n", 1)[0].split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    try:
+        user, nice, system, _idle, iowait, irq, softirq, steal = ([int(v) for v in fields[1:9]] + [0] * 8)[:8]
+    except ValueError:
+        return None
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (user + nice + system + irq + softirq + steal) / ticks, iowait / ticks
+
+
 def process_cpu_s() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
@@ -63,6 +83,7 @@ class ThreadCpu:
         self.names = {t.native_id: group(t.name) for t in threading.enumerate() if t.native_id is not None}
         self.threads = thread_cpu_s()
         self.process = process_cpu_s()
+        self.host = host_cpu_s()
 
     def since(self, earlier: ThreadCpu) -> dict[str, float]:
         groups: dict[str, float] = {}
@@ -79,7 +100,14 @@ class ThreadCpu:
 
 
 def level_cpu(before: ThreadCpu, after: ThreadCpu, wall_s: float) -> Mapping[str, object]:
-    """A level's CPU: the process's ms, its share of one core over the level, the ms by thread group."""
+    """A level's CPU: the process's ms, its share of one core over the level, the ms by thread group; and
+    the whole machine's busy and I/O-waiting cores over the level (`host_cores_busy` less `cores_busy`:
+    what else ran beside the level), where /proc/stat is there."""
     total = after.process - before.process
-    return {"process_cpu_ms": round(total * 1e3, 1), "cores_busy": round(total / wall_s, 2) if wall_s > 0 else 0.0,
-            "thread_cpu_ms": after.since(before)}
+    out: dict[str, object] = {"process_cpu_ms": round(total * 1e3, 1),
+                              "cores_busy": round(total / wall_s, 2) if wall_s > 0 else 0.0,
+                              "thread_cpu_ms": after.since(before)}
+    if before.host is not None and after.host is not None and wall_s > 0:
+        out["host_cores_busy"] = round((after.host[0] - before.host[0]) / wall_s, 2)
+        out["host_iowait_cores"] = round((after.host[1] - before.host[1]) / wall_s, 2)
+    return out

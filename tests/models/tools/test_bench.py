@@ -54,7 +54,8 @@ def test_bench_json_with_first_hop_and_compare(tiny_bundle: Path, fp16_variant: 
     assert r["fixed_size_decode"] is False  # the tiny bundle has no fixed-size step
     assert set(r["concurrency"]["1"]) == {"requests", "requests_per_s", "tokens_per_s", "first_audio_ms_p50",
                                           "first_audio_ms_p95", "rtf", "stream_rtf_max", "failed", "first_chunk_ms",
-                                          "process_cpu_ms", "cores_busy", "thread_cpu_ms"}
+                                          "process_cpu_ms", "cores_busy", "thread_cpu_ms",
+                                          "host_cores_busy", "host_iowait_cores"}
     # the level's CPU by thread: the request's own thread ended before the snapshot
     level = r["concurrency"]["1"]
     assert level["process_cpu_ms"] > 0 and level["thread_cpu_ms"]["ended or unnamed"] > 0

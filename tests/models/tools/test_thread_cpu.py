@@ -4,12 +4,14 @@ its name, a pool's threads under one group, and a thread that ended during the l
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
-from cosyedge_models.tools.thread_cpu import ENDED, ThreadCpu, group, level_cpu, thread_cpu_s
+from cosyedge_models.tools.thread_cpu import ENDED, ThreadCpu, group, host_cpu_s, level_cpu, thread_cpu_s
 
 
 def _spin(seconds: float) -> None:
@@ -64,3 +66,28 @@ def test_without_schedstat_the_clock_ticks_of_stat_count(tmp_path: Path) -> None
     ticks = os.sysconf("SC_CLK_TCK")
     assert thread_cpu_s(tmp_path) == {4242: 200 / ticks}
     assert thread_cpu_s(tmp_path / "missing") == {}
+
+
+def test_the_machines_cpu_comes_from_the_cpu_line_of_proc_stat(tmp_path: Path) -> None:
+    """Busy: user, nice, system, irq, softirq, steal; iowait apart; idle in neither (proc(5))."""
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 20 30 5000 40 5 6 7 0 0\ncpu0 50 10 15 2500 20 2 3 3 0 0\n")
+    ticks = os.sysconf("SC_CLK_TCK")
+    assert host_cpu_s(stat) == ((100 + 20 + 30 + 5 + 6 + 7) / ticks, 40 / ticks)
+    stat.write_text("intr 1 2 3\n")
+    assert host_cpu_s(stat) is None
+    assert host_cpu_s(tmp_path / "missing") is None
+
+
+def test_a_level_counts_the_machines_busy_cores_beside_its_own() -> None:
+    """A second process spinning beside the level is in the machine's busy cores, not in the level's."""
+    before = ThreadCpu()
+    t0 = time.perf_counter()
+    with subprocess.Popen([sys.executable, "-c", "import time\nend = time.process_time() + 0.4\n"
+                           "while time.process_time() < end: pass"]) as other:
+        assert other.wait(timeout=60) == 0
+    wall = time.perf_counter() - t0
+    cpu = level_cpu(before, ThreadCpu(), wall)
+    host_busy, own = float(cpu["host_cores_busy"]), float(cpu["cores_busy"])  # type: ignore[arg-type]
+    assert host_busy * wall >= own * wall + 0.3  # the other process's 0.4 s, in clock ticks
+    assert float(cpu["host_iowait_cores"]) >= 0  # type: ignore[arg-type]
