@@ -6,7 +6,6 @@ percentiles, the slowest stream's RTF; the LLM alone with --llm-only). Used by
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import threading
 import time
@@ -183,13 +182,6 @@ def run_concurrent(engine: CosyVoiceSynthesizer, text: str, n: int, stream: bool
         raise ValueError(f"{total} requests cannot keep {n} at a time")
     runs: list[dict[str, Any]] = [{} for _ in range(total)]
     errors: list[str] = []
-    taken = itertools.count()  # the next request's index, shared by the n threads (under `lock`)
-    lock = threading.Lock()
-
-    def take() -> int:
-        with lock:
-            return next(taken)
-
     before = {b.name: (b.stats.runs, b.stats.calls) for b in engine.stage_batchers}
     llm_before = dataclasses.replace(engine.batcher.stats) if engine.batcher else None
     order_before = engine.graphs.order_stats()
@@ -197,8 +189,8 @@ def run_concurrent(engine: CosyVoiceSynthesizer, text: str, n: int, stream: bool
     encoder_before = engine.graphs.encoder_batch_stats()
     cpu_before = ThreadCpu()
 
-    def worker(_: int) -> None:
-        while (i := take()) < total:
+    def worker(k: int) -> None:
+        for i in range(k, total, n):  # thread k: requests k, k + n, ...; one at a time where n is 1
             try:
                 runs[i] = run_once(engine, text, stream=stream, seed=1000 + i, voice=voice)
             except Exception as exc:  # a failed request is a figure of the level, not the end of the bench
