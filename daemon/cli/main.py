@@ -223,6 +223,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                         "them (default: on where --graph-flow-batch's lanes load)")
     p.add_argument("--concurrency-mode", choices=("stream", "offline", "both"), default="stream",
                    help="whether the --concurrency requests stream (default), run offline, or both")
+    p.add_argument("--graph-trace-ms", type=float, default=1000.0, metavar="MS",
+                   help="each streaming --concurrency level records what the GPU graph threads ran in its first MS "
+                        "(graph_trace in the JSON, drawn on stderr; 0: off)")
     p.add_argument("--concurrency-only", action="store_true",
                    help="after a warm-up, measure only the --concurrency runs")
     p.add_argument("--llm-only", action="store_true",

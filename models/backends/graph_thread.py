@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Generic, TypeVar
 
+from cosyedge_models.backends.profiling import GraphTrace, TraceItem
 from cosyedge_models.errors import SynthesisError
 
 log = logging.getLogger(__name__)
@@ -269,7 +270,8 @@ class GraphThreadClosed(SynthesisError):
     """Work was submitted to a GraphThread that is closed (or never started)."""
 
 
-_Item = tuple[Callable[[], object], Future[object], str, float]  # work, its result, its label, submitted at
+# work, its result, its label, its priority when submitted, submitted at
+_Item = tuple[Callable[[], object], Future[object], str, GraphPriority, float]
 
 
 class GraphThread:
@@ -292,6 +294,7 @@ class GraphThread:
         self._local = threading.local()  # per caller thread: depth of its first_audio() blocks here
         self.ident: int | None = None  # the worker's thread id once started
         self.calls = 0  # work items run (tests, logs)
+        self.trace: GraphTrace | None = None  # where the worker records each item it runs (bench levels), or None
 
     def start(self) -> GraphThread:
         with self._lock:
@@ -368,8 +371,8 @@ class GraphThread:
                     break
                 self._changed.wait()  # full: close() and the worker's pops notify
             # Future[T] is stored as Future[object]: the worker only sets what work() returned
-            self.order.push((work, future, label or prio.name.lower(), time.perf_counter()),  # type: ignore[arg-type]
-                            prio)
+            item = (work, future, label or prio.name.lower(), prio, time.perf_counter())
+            self.order.push(item, prio)  # type: ignore[arg-type]
             self._changed.notify_all()
         return future
 
@@ -396,7 +399,7 @@ class GraphThread:
         self.ident = threading.get_ident()
         ready.set()
         while (item := self._next()) is not None:
-            work, future, label, submitted = item
+            work, future, label, prio, submitted = item
             if not future.set_running_or_notify_cancel():
                 continue
             t0 = time.perf_counter()
@@ -407,7 +410,11 @@ class GraphThread:
                 result = work()
             except BaseException as exc:  # delivered to the caller, the worker goes on
                 error = exc
-            busy = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            busy = t1 - t0
+            trace = self.trace
+            if trace is not None:
+                trace.add(TraceItem(self.name, label, prio.name.lower(), submitted, t0, t1))
             with self._lock:  # counted before the caller sees its result
                 stats = self.order.stats
                 stats.busy_s[label] = stats.busy_s.get(label, 0.0) + busy

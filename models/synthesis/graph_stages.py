@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from cosyedge_models.backends.base import FixedSizeDecode, Session
 from cosyedge_models.backends.graph_thread import GraphThread
+from cosyedge_models.backends.profiling import GraphTrace
 from cosyedge_models.bundle.loader import Bundle
 from cosyedge_models.errors import BundleError, SynthesisError
 from cosyedge_models.synthesis.settings import SynthesisSettings
@@ -144,6 +145,11 @@ class GraphStages:
             by_thread.setdefault(id(thread), []).append(stage)
         threads = {id(t): t for t in self.threads.values()}
         return {"+".join(stages): threads[key].order_stats() for key, stages in by_thread.items()}
+
+    def record_trace(self, trace: GraphTrace | None) -> None:
+        """Every graph thread records the items it runs into `trace` from now on (None: stops)."""
+        for thread in self.threads.values():
+            thread.trace = trace
 
     def flow_batch_stats(self) -> dict[str, object] | None:
         """What the batched estimator windows did (FlowBatchStats: replays, rows shared) and their seats

@@ -45,7 +45,7 @@ from cosyedge_models.tools.first_chunk_bench import first_chunk_sweep, parse_com
 from cosyedge_models.tools.host import machine
 from cosyedge_models.tools.precision_compare import accuracy
 from cosyedge_models.tools.progress import StageProgress
-from cosyedge_models.tools.timeline import render_timeline
+from cosyedge_models.tools.timeline import render_level_traces, render_timeline
 from cosyedge_models.tools.voice_bench import (
     check_voice,
     inline_first_audio_ms,
@@ -346,11 +346,12 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
                         "first_audio_first": settings.first_audio_first, "graph_batching": graph_batching,
                         "first_hop_tokens": settings.first_hop_tokens,
                         "first_chunk_euler_steps": settings.first_chunk_euler_steps,
-                        **concurrency_report(engine, text, concurrency, mode, voice),
+                        **concurrency_report(engine, text, concurrency, mode, voice, args.graph_trace_ms),
                         "graph_order": engine.graphs.order_stats(),
                         "graph_flow_batch": engine.graphs.flow_batch_stats(),
                         "graph_encoder_batch": engine.graphs.encoder_batch_stats(),
                         "graph_vocoder_batch": engine.graphs.vocoder_batch_stats()}
+            print(render_level_traces(report_c.get("concurrency", {})), file=sys.stderr)
             print(json.dumps(report_c, indent=2))
             if args.json:
                 Path(args.json).write_text(json.dumps(report_c, indent=2) + "\n")
@@ -425,7 +426,7 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
                                                                    args.repeats))
             progress.advance("voice cache off and on")
             save_partial(args.json, report)
-        report.update(concurrency_report(engine, text, concurrency, mode, voice))
+        report.update(concurrency_report(engine, text, concurrency, mode, voice, args.graph_trace_ms))
         if concurrency:
             progress.advance("concurrency")
         # what the graph thread's order did over the runs so far (first-audio holds, LLM steps held)
@@ -468,6 +469,7 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
         if not closed:
             engine.close()
     print(render_timeline(shown["timeline"]), file=sys.stderr)
+    print(render_level_traces(report.get("concurrency", {})), file=sys.stderr)
     report["complete"] = True
     text_out = json.dumps(report, indent=2)
     print(text_out)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from cosyedge_models.backends.profiling import GraphTrace
 from cosyedge_models.batching.llm_batcher import BatchStats
 from cosyedge_models.synthesis.api import StageEvent, SynthesisRequest
 from cosyedge_models.synthesis.llm import LlmInput
@@ -173,10 +174,12 @@ def first_chunk_profile(timelines: list[list[StageEvent]],
 
 
 def run_concurrent(engine: CosyVoiceSynthesizer, text: str, n: int, stream: bool = True,
-                   voice: str | None = None, requests: int | None = None) -> dict[str, Any]:
+                   voice: str | None = None, requests: int | None = None, trace_ms: float = 0.0) -> dict[str, Any]:
     """`requests` (default n) requests, n at a time (request i has seed 1000 + i): completed requests/s,
     first-audio percentiles, the slowest stream's RTF, the batchers' mean batch, the graph threads' order
-    counters; `failed` (and the first `errors`): requests that raised, left out of the figures."""
+    counters; `failed` (and the first `errors`): requests that raised, left out of the figures. `trace_ms`
+    > 0 with graph threads: `graph_trace`, the items they ran that started in the level's first trace_ms
+    (GraphTrace.as_dict; times since the level started)."""
     total = n if requests is None else requests
     if total < n:
         raise ValueError(f"{total} requests cannot keep {n} at a time")
@@ -188,6 +191,8 @@ def run_concurrent(engine: CosyVoiceSynthesizer, text: str, n: int, stream: bool
     flow_before = engine.graphs.flow_batch_stats()
     encoder_before = engine.graphs.encoder_batch_stats()
     cpu_before = ThreadCpu()
+    trace = GraphTrace(time.perf_counter(), trace_ms / 1e3) if trace_ms > 0 and engine.graphs.threads else None
+    engine.graphs.record_trace(trace)
 
     def worker(k: int) -> None:
         for i in range(k, total, n):  # thread k: requests k, k + n, ...; one at a time where n is 1
@@ -197,7 +202,10 @@ def run_concurrent(engine: CosyVoiceSynthesizer, text: str, n: int, stream: bool
                 log.error("bench request %d of %d failed: %s", i + 1, total, exc, exc_info=True)
                 errors.append(f"{type(exc).__name__}: {exc}")
 
-    wall = run_parallel(n, worker)
+    try:
+        wall = run_parallel(n, worker)
+    finally:
+        engine.graphs.record_trace(None)
     cpu = level_cpu(cpu_before, ThreadCpu(), wall)  # which threads spent the level's CPU (thread_cpu.py)
     results = [r for r in runs if r]  # the requests that completed
     firsts = [r["first_audio_ms"] for r in results if r.get("first_audio_ms") is not None]
@@ -230,6 +238,8 @@ def run_concurrent(engine: CosyVoiceSynthesizer, text: str, n: int, stream: bool
     if encoder is not None:
         out["graph_encoder_batch"] = encoder
     out.update(cpu)
+    if trace is not None:
+        out["graph_trace"] = trace.as_dict()
     if stream:
         out["first_chunk_ms"] = first_chunk_profile([r["timeline"] for r in results],
                                                     [r["first_token_ms"] for r in results])
@@ -237,14 +247,14 @@ def run_concurrent(engine: CosyVoiceSynthesizer, text: str, n: int, stream: bool
 
 
 def concurrency_report(engine: CosyVoiceSynthesizer, text: str, levels: list[int], mode: str,
-                       voice: str | None = None) -> dict[str, Any]:
+                       voice: str | None = None, trace_ms: float = 0.0) -> dict[str, Any]:
     """`concurrency` (streaming requests) and/or `concurrency_offline`, per level. Level n serves n
     requests at once, and level 1 the largest level's requests one after another (the same seeds): a
     level's requests/s and aggregate RTF then compare with one at a time on the same utterances, whose
     lengths vary with the seed (68-116 tokens for one seed across GPU processes, twenty-fifth run), and
     level 1's percentiles are over all of them. With a saved voice, the voice is prepared first, as the
     daemon prepares its default voice at start (`voice_lanes_seeded`: the batched estimator lanes that
-    then hold its flow prefix)."""
+    then hold its flow prefix). `trace_ms`: each streaming level's graph-thread trace (run_concurrent)."""
     out: dict[str, Any] = {}
     if voice is not None:
         out["voice_lanes_seeded"] = engine.prepare_voice(voice)
@@ -253,7 +263,8 @@ def concurrency_report(engine: CosyVoiceSynthesizer, text: str, levels: list[int
     modes += [("concurrency_offline", False)] if mode in ("offline", "both") else []
     for key, stream in modes:
         out[key] = {str(n): run_concurrent(engine, text, n, stream=stream, voice=voice,
-                                           requests=largest if n == 1 else n) for n in levels}
+                                           requests=largest if n == 1 else n, trace_ms=trace_ms if stream else 0.0)
+                    for n in levels}
     return out
 
 

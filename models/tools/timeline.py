@@ -1,12 +1,14 @@
 """A compact text rendering of a request's stage timeline (cosyedge_models.synthesis.api.StageEvent):
 one row per stage, time left to right, each cell showing the chunk (index mod
 10) that the stage worked on then, so that overlap between the LLM and the
-flow / vocoder of earlier chunks is visible at a glance in `cosyedge bench`."""
+flow / vocoder of earlier chunks is visible at a glance in `cosyedge bench`; and a bench level's
+graph-thread trace (models/backends/profiling.py) the same way, one row per kind of work."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from cosyedge_models.synthesis.api import StageEvent
 
@@ -31,3 +33,35 @@ def render_timeline(events: Sequence[StageEvent], width: int = 100) -> str:
     lines = [f"timeline: 0 to {end:.0f} ms, one column = {scale:.1f} ms, digits = chunk index (mod 10)"]
     lines += [f"{stage:<{label}} |{''.join(cells)}|" for stage, cells in rows.items()]
     return "\n".join(lines)
+
+
+def render_graph_trace(trace: Mapping[str, Any], width: int = 100, until_ms: float | None = None) -> str:
+    """A bench level's graph-thread trace (GraphTrace.as_dict) as text: one row per label, time left to
+    right from the level's start to `until_ms` (default: the last item's end); a cell is '#' where that
+    label's items fill at least half of it, '+' where they fill some of it, and the last row shows the
+    cells where no item ran ('.')."""
+    rows = [dict(zip(trace["fields"], item, strict=True)) for item in trace["items"]]
+    if not rows:
+        return "graph trace: no items"
+    end = until_ms if until_ms is not None else max(float(r["ended_ms"]) for r in rows)
+    scale = max(end / width, 1e-3)  # ms per column
+    filled: dict[str, list[float]] = {}
+    for r in rows:
+        cells = filled.setdefault(str(r["label"]), [0.0] * width)
+        start, stop = float(r["started_ms"]), min(float(r["ended_ms"]), end)
+        for col in range(max(int(start / scale), 0), min(math.ceil(stop / scale), width)):
+            cells[col] += max(0.0, min(stop, (col + 1) * scale) - max(start, col * scale))
+    label = max(max(len(k) for k in filled), len("idle"))
+    lines = [f"graph trace: 0 to {end:.0f} ms, one column = {scale:.1f} ms, {len(rows)} items"
+             + (f" ({trace['dropped']} past the limit)" if trace.get("dropped") else "")]
+    for name, cells in sorted(filled.items()):
+        lines.append(f"{name:<{label}} |{''.join('#' if c >= scale / 2 else '+' if c > 0 else ' ' for c in cells)}|")
+    idle = ["." if all(cells[col] == 0 for cells in filled.values()) else " " for col in range(width)]
+    lines.append(f"{'idle':<{label}} |{''.join(idle)}|")
+    return "\n".join(lines)
+
+
+def render_level_traces(levels: Mapping[str, Mapping[str, Any]], width: int = 100) -> str:
+    """Each bench level's graph trace (the levels of a `concurrency` report that have one), titled."""
+    return "\n".join(f"concurrency {n}: {render_graph_trace(level['graph_trace'], width)}"
+                     for n, level in levels.items() if "graph_trace" in level)

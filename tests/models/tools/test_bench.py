@@ -372,3 +372,35 @@ def test_bench_rejects_a_first_hop_shorter_than_the_vocoders_cross_fade(tiny_bun
     assert main(["bench", "--bundle", str(tiny_bundle), "--concurrency", "1", "--concurrency-only",
                  "--first-hop-tokens", "3"]) != 0
     assert "first_hop_tokens must be at least 5" in capsys.readouterr().err
+
+
+def test_each_streaming_level_records_what_the_graph_threads_ran(every_graph_bundle: Path, tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """graph_trace: every item the graph thread ran in the level's first --graph-trace-ms, in the order they
+    started, with their priority; its busy time per label is the level's graph_busy_ms."""
+    out = tmp_path / "trace.json"
+    assert main(["bench", "--bundle", str(every_graph_bundle), "--concurrency", "2", "--concurrency-only",
+                 "--concurrency-mode", "both", "--graph-flow", "--graph-trace-ms", "600000", "--json",
+                 str(out)]) == 0
+    r = json.loads(out.read_text())
+    level = r["concurrency"]["2"]
+    assert "graph_trace" not in r["concurrency_offline"]["2"]  # streaming levels only
+    trace = level["graph_trace"]
+    rows = [dict(zip(trace["fields"], item, strict=True)) for item in trace["items"]]
+    assert rows and trace["dropped"] == 0 and trace["window_ms"] == 600000.0
+    assert [row["started_ms"] for row in rows] == sorted(row["started_ms"] for row in rows)
+    assert all(0 <= row["submitted_ms"] <= row["started_ms"] <= row["ended_ms"] for row in rows)
+    assert {row["thread"] for row in rows} == {"cosyedge-cuda-graphs"}
+    # the first chunks' flow inside their first-audio holds, the later chunks' as normal work
+    assert {row["priority"] for row in rows} == {"first_audio", "normal"}
+    busy: dict[str, float] = {}
+    for row in rows:
+        busy[row["label"]] = busy.get(row["label"], 0.0) + row["ended_ms"] - row["started_ms"]
+    assert set(busy) == set(level["graph_busy_ms"])
+    for label, ms in busy.items():  # the same work as the per-label sums (rounded to 0.01 ms an item, 0.1 a sum)
+        assert ms == pytest.approx(level["graph_busy_ms"][label], abs=0.2 + 0.01 * len(rows))
+    assert "concurrency 2: graph trace: 0 to" in capsys.readouterr().err
+    off = tmp_path / "off.json"
+    assert main(["bench", "--bundle", str(every_graph_bundle), "--concurrency", "2", "--concurrency-only",
+                 "--graph-flow", "--graph-trace-ms", "0", "--json", str(off)]) == 0
+    assert "graph_trace" not in json.loads(off.read_text())["concurrency"]["2"]
