@@ -131,7 +131,8 @@ def engine_kwargs(params: dict[str, str], backend: str, bundle: Path | None = No
                                           graph_flow_batch=graph_flow,
                                           graph_encoder_batch=_switch(params, "GRAPH_ENCODER_BATCH"),
                                           llm_captured_prefill=_switch(params, "LLM_CAPTURED_PREFILL"),
-                                          graph_vocoder_batch=_switch(params, "GRAPH_VOCODER_BATCH"))}
+                                          graph_vocoder_batch=_switch(params, "GRAPH_VOCODER_BATCH"),
+                                          graph_flow_overflow_slots=_overflow_slots(params))}
 
 
 SWITCH_VALUES = ("true", "false")
@@ -146,6 +147,19 @@ def _switch(params: dict[str, str], name: str) -> bool:
     if value not in SWITCH_VALUES:
         raise CosyEdgeError(f"{name} must be one of {', '.join(SWITCH_VALUES)}, got {value!r}")
     return value == "true"
+
+
+def _overflow_slots(params: dict[str, str]) -> int:
+    """GRAPH_FLOW_OVERFLOW_SLOTS (graph_flow_overflow_slots): single-stream slots beside the batched lanes
+    (default the engine's; 0: every request on a lane, and their memory to the lanes)."""
+    from cosyedge_models.backends.fixed_shapes import OVERFLOW_FLOW_SLOTS
+
+    value = (params.get("GRAPH_FLOW_OVERFLOW_SLOTS") or "").strip()
+    if not value:
+        return OVERFLOW_FLOW_SLOTS
+    if not value.isdigit():
+        raise CosyEdgeError(f"GRAPH_FLOW_OVERFLOW_SLOTS must be a whole number of streams >= 0, got {value!r}")
+    return int(value)
 
 
 def _has_batched_flow(bundle: Path) -> bool:

@@ -191,6 +191,10 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--graph-flow-batch", action="store_true",
                    help="with the fixed-shape flow windows (--graph-flow) and a bundle exported with "
                         "--batch-flow-sizes: concurrent streams' estimator windows as one batched replay")
+    p.add_argument("--graph-flow-overflow-slots", type=int, default=None, metavar="STREAMS",
+                   help="with --graph-flow-batch: single-stream fixed-shape slots beside the batched lanes for the "
+                        "streams beyond them (default: the engine's; 0: every stream on a lane, and their memory to "
+                        "the lanes: 16 lanes instead of 8 on an 80 GB card with --graph-encoder-batch)")
     p.add_argument("--graph-encoder-batch", action="store_true",
                    help="with --graph-flow-batch and a bundle whose export has the batched encoder graphs: "
                         "concurrent streams' flow encoder calls waiting together as one batched replay")

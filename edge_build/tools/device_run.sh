@@ -56,7 +56,7 @@
 # LANES16=1 (also /tmp/full/lanes16: the bundle with those in fp16, device_fp16.py --lanes-only), LANESF=1 (also /tmp/full/lanesf: those exported again in fp16 with onnxruntime's
 # MultiHeadAttention, device_lanes.py), BUNDLE (the bench and batch steps' bundle under FULL_DIR: bundle, lanes16, lanesf;
 # its name then suffixes their JSON), GPU_TESTS (a subset
-# of the -m gpu test files, to repeat one), JSON_TAG (the batch step's JSON name suffix: two batch steps of one
+# of the -m gpu test files, to repeat one), JSON_TAG (the batch and cloud steps' JSON name suffix: two steps of one
 # plan keep both files), CONCURRENCY, FP16=0 (no fp16 bundle: for steps
 # that do not use it, when device time is short), FULL=0 (no full-size checkpoint or bundles at all:
 # the tests step only, on the tests' own tiny bundles, in a minute or two).
@@ -218,7 +218,7 @@ for step in ${steps//,/ }; do
         --engine-backend ort-cuda --max-batch-size 16 --queue-delay-us "${QUEUE_DELAY_US:-2000}" --max-in-flight 16 \
         --levels "${CONCURRENCY:-1,4,8,16}" --text "${CLOUD_TEXT:-Hello there, this is the cloud speaking.}" \
         ${CLOUD_PARAMS:+$(printf -- '--parameter %s ' $CLOUD_PARAMS)} \
-        --json "$out/cloud_h200.json" 2>&1 | grep -v -i warn | tee "$out/cloud.log" | grep -v " INFO " | tail -20
+        --json "$out/cloud_h200${JSON_TAG:+_$JSON_TAG}.json" 2>&1 | grep -v -i warn | tee "$out/cloud.log" | grep -v " INFO " | tail -20
       stamp "cloud load test done" ;;
     fp16)
       cp "$full/fp16/fp16_check.json" "$out/" 2>/dev/null || echo "no fp16_check.json (bundle made before the check)"

@@ -291,8 +291,8 @@ class SlotPool(Generic[SlotT]):
     thread counts replays."""
 
     def __init__(self, max_slots: int, thread: GraphThread) -> None:
-        if max_slots < 1:
-            raise ValueError(f"max_slots must be >= 1, got {max_slots}")
+        if max_slots < 0:  # 0: the sessions only (the batched lanes hold every stream: graph_flow_overflow_slots)
+            raise ValueError(f"max_slots must be >= 0, got {max_slots}")
         self.thread = thread  # where every capture and replay runs
         self.max_slots = max_slots
         self._slots: list[SlotT] = []

@@ -359,7 +359,7 @@ def load_static_flow(bundle: Bundle, backend_name: str, load: Callable[[str], Se
     if len(sizes) > 1:
         raise BundleError(f"{bundle.root}: fixed-shape estimator graphs with different cache sizes "
                           f"{sorted(sizes)}; re-export")
-    if setting is None:
+    if setting is None and slots > 0:  # none asked for (the batched lanes hold every stream): the sessions only
         per_request, fixed = request_bytes(ort_sessions, bundle.flow.n_timesteps)
         total = device_total_bytes(device[1])
         slots = slots_that_fit(slots, per_request, total, fixed_bytes=fixed)

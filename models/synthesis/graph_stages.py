@@ -239,13 +239,12 @@ class GraphStages:
             self.flow = load_trt_static_flow(self.bundle, self.backend_name, self._load, self.settings.graph_flow,
                                              self.settings.graph_flow_slots, functools.partial(self._thread, "flow"))
             return self._loaded("flow", t0, self.flow)
-        from cosyedge_models.backends.fixed_shapes import OVERFLOW_FLOW_SLOTS
         from cosyedge_models.backends.ort_static_flow import load_static_flow
         from cosyedge_models.bundle.loader import BATCH_FLOW_PREFIX
 
         slots = self.settings.graph_flow_slots
         if self.settings.graph_flow_batch and any(name.startswith(BATCH_FLOW_PREFIX) for name in self.bundle.stages):
-            slots = min(slots, OVERFLOW_FLOW_SLOTS)  # the batched lanes hold the streams
+            slots = min(slots, self.settings.graph_flow_overflow_slots)  # the batched lanes hold the streams
         self.flow = load_static_flow(self.bundle, self.backend_name, self._load, self.settings.graph_flow,
                                      slots, functools.partial(self._thread, "flow"))
         return self._loaded("flow", t0, self.flow)
@@ -254,6 +253,13 @@ class GraphStages:
         """With graph_flow_batch and the fixed-shape estimator graphs on onnxruntime (call static_flow
         first): the batched estimator windows, captured now, as the flow's cache factory (streams
         beyond their lanes take static_flow's slots), or None."""
+        made = self._batched_flow()
+        if made is None and self.settings.graph_flow_batch and self.flow is not None and self.flow.max_slots == 0:
+            log.warning("graph_flow_batch: no batched lanes, and graph_flow_overflow_slots = 0 left no single-stream "
+                        "fixed-shape slot: every stream runs the dynamic estimator graph (slower, more GPU memory)")
+        return made
+
+    def _batched_flow(self) -> BatchedFlowCaches | None:
         t0 = time.perf_counter()
         from cosyedge_models.backends.ort_static_flow import StaticFlowGraphs
 

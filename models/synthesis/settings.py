@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cosyedge_models.backends.fixed_shapes import OVERFLOW_FLOW_SLOTS
 from cosyedge_models.batching.policy import BatchSettings
 from cosyedge_models.synthesis.api import MAX_TEXT_CHARS
 from cosyedge_models.synthesis.flow import FINAL_CHUNK_MODES, FinalChunk
@@ -105,6 +106,12 @@ class SynthesisSettings:
     # replay on the graph thread (models/batching/flow_batcher.py; as many streams as the largest
     # batch size, more take graph_flow's slots). Off by default until measured on the GPU.
     graph_flow_batch: bool = False
+    # With graph_flow_batch's lanes: single-stream fixed-shape slots made beside them for the streams beyond
+    # the lanes (at most graph_flow_slots). On an 80 GB card at full size the default two took 15.2 GB (fp32
+    # caches, sessions and captures), and with the batched encoder windows that left room for 8 lanes where 0
+    # slots leave room for 16 (docs/gpu.md, twenty-sixth run): 0 puts every stream on a lane (the seats are the
+    # lanes; a stream that finds no lane takes the dynamic graph).
+    graph_flow_overflow_slots: int = OVERFLOW_FLOW_SLOTS
     # With graph_flow_batch's lanes and a bundle that has the batched encoder graphs (exported with
     # --batch-flow-sizes since issue 23): concurrent streams' flow encoder calls waiting together run as
     # one batched replay (models/batching/batched_encoder.py; as many streams as the largest batch size,
@@ -190,6 +197,9 @@ class SynthesisSettings:
             raise ValueError(f"vocoder_sessions must be >= 1 or None, got {self.vocoder_sessions}")
         if self.graph_flow_slots < 1:
             raise ValueError(f"graph_flow_slots must be >= 1, got {self.graph_flow_slots}")
+        if self.graph_flow_overflow_slots < 0:
+            raise ValueError(f"graph_flow_overflow_slots must be >= 0 streams (0: every stream on a batched lane), "
+                             f"got {self.graph_flow_overflow_slots}")
         if self.graph_threads not in GRAPH_THREAD_MODES:
             raise ValueError(f"graph_threads must be one of {', '.join(GRAPH_THREAD_MODES)}, "
                              f"got {self.graph_threads!r}")

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from cosyedge_models.backends.fixed_shapes import OVERFLOW_FLOW_SLOTS
 from cosyedge_models.batching.fused_step import FusedDecodeStep
 from cosyedge_models.batching.graph_batcher import GraphBatcher
 from cosyedge_models.batching.policy import BatchSettings
@@ -278,6 +279,8 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
                               first_audio_first=args.first_audio_first,
                               # (with the batched windows the engine keeps two: the streams beyond the lanes)
                               graph_flow_slots=max(4, min(8, max(concurrency, default=1))),
+                              graph_flow_overflow_slots=(OVERFLOW_FLOW_SLOTS if args.graph_flow_overflow_slots is None
+                                                         else args.graph_flow_overflow_slots),
                               # the iteration-level LLM batcher over the fixed-size decode, a slot per row
                               graph_batching=args.graph_batching,
                               graph_flow_batch=args.graph_flow_batch,

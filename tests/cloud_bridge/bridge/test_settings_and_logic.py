@@ -158,3 +158,19 @@ def test_triton_model_llm_batching_parameters() -> None:
     assert (flow.batching, flow.flow_batching) == (None, BatchSettings(max_batch_size=4, max_queue_delay_ms=1.0))
     with pytest.raises(CosyEdgeError, match="FLOW_MAX_BATCH_SIZE must be an integer"):
         engine_kwargs({"FLOW_MAX_BATCH_SIZE": "x"}, "ort")
+
+
+def test_triton_model_overflow_slots_parameter(static_flow_bundle: Path) -> None:
+    """GRAPH_FLOW_OVERFLOW_SLOTS: the single-stream slots beside the lanes (graph_flow_overflow_slots)."""
+    from cosyedge_cloud.triton.orchestrator import engine_kwargs
+    from cosyedge_models.backends.fixed_shapes import OVERFLOW_FLOW_SLOTS
+
+    params = {"LLM_MAX_BATCH_SIZE": "8"}
+    assert engine_kwargs(params, "ort-cuda", static_flow_bundle)["settings"].graph_flow_overflow_slots \
+        == OVERFLOW_FLOW_SLOTS
+    zero = engine_kwargs({**params, "GRAPH_FLOW_OVERFLOW_SLOTS": " 0 "}, "ort-cuda", static_flow_bundle)
+    assert zero["settings"].graph_flow_overflow_slots == 0
+    for bad in ("-1", "two", "1.5"):
+        with pytest.raises(CosyEdgeError, match=f"GRAPH_FLOW_OVERFLOW_SLOTS must be a whole number of streams >= 0, "
+                                                f"got '{bad}'"):
+            engine_kwargs({**params, "GRAPH_FLOW_OVERFLOW_SLOTS": bad}, "ort-cuda", static_flow_bundle)

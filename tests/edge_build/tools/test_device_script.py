@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -137,6 +138,8 @@ def test_a_wait_cut_short_keeps_the_steps_that_ended(tmp_path: Path) -> None:
         waiting.wait()
     assert (out / "batch_one.json").read_text() == "{}"
     assert (out / "logs.tgz").stat().st_size > 0
+    with tarfile.open(out / "results.tgz") as results:  # every step's JSON, whatever the files' count limit
+        assert results.getnames() == ["a/batch_one.json"]
 
 
 def test_steps_pick_and_order_the_plans_entries(tmp_path: Path) -> None:
