@@ -174,3 +174,24 @@ def test_batch_lanes_leave_room_for_the_stages_loaded_after_them() -> None:
     assert batch_lanes([1, 8, 16], lane, int(150.1 * gb), int(128.4 * gb), **rule, later_bytes=with_encoder) == 16
     # the tiny model's lanes (a MB each) and their later stages fit anywhere
     assert batch_lanes([1, 8, 16], 1 << 20, 8 * gb, 4 * gb, later_bytes=int((1 << 20) * 7)) == 16
+
+
+def test_an_80gb_card_fits_sixteen_lanes_beside_the_batched_encoder_windows_only_without_overflow_slots() -> None:
+    """The twenty-sixth run's H100 (85.0 GB, fused fp16 lanes of 2.64 GB, 21.7 GB in use when the lanes were
+    sized, of which the two single-stream overflow slots' 15.2 GB): 8 lanes with the batched encoder windows
+    (and vocoder lengths), as it loaded; 16 with graph_flow_overflow_slots = 0, as without the encoder windows."""
+    from cosyedge_models.backends.fixed_shapes import (
+        ENCODER_BATCH_LANES,
+        LATER_STAGES_LANES,
+        VOCODER_BATCH_LANES,
+    )
+
+    lane, total = int(2.64e9), int(85.0e9)
+    for later_lanes in (LATER_STAGES_LANES + ENCODER_BATCH_LANES,
+                        LATER_STAGES_LANES + ENCODER_BATCH_LANES + VOCODER_BATCH_LANES):
+        later = int(lane * later_lanes)
+        with_slots = batch_lanes([1, 8, 16], lane, total, total - int(21.7e9), groups=10, windows=2, later_bytes=later)
+        without = batch_lanes([1, 8, 16], lane, total, total - int(6.5e9), groups=10, windows=2, later_bytes=later)
+        assert (with_slots, without) == (8, 16)
+    no_encoder = int(lane * LATER_STAGES_LANES)  # the plan's `b` step: 16 lanes beside the slots
+    assert batch_lanes([1, 8, 16], lane, total, total - int(21.7e9), groups=10, windows=2, later_bytes=no_encoder) == 16
