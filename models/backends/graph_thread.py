@@ -295,6 +295,7 @@ class GraphThread:
         self.ident: int | None = None  # the worker's thread id once started
         self.calls = 0  # work items run (tests, logs)
         self.trace: GraphTrace | None = None  # where the worker records each item it runs (bench levels), or None
+        self._detail = ""  # what the running item noted of itself (note()); the worker's own
 
     def start(self) -> GraphThread:
         with self._lock:
@@ -310,6 +311,12 @@ class GraphThread:
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._closed
+
+    def note(self, detail: str) -> None:
+        """From work running on this thread: what the item did (a replay's rows, Euler step, window), kept with
+        it in the trace while one records (bench's graph_trace); elsewhere, or with no trace, nothing."""
+        if self.trace is not None and self.on_thread():
+            self._detail = detail
 
     def on_thread(self) -> bool:
         """True when called from the worker itself."""
@@ -402,6 +409,7 @@ class GraphThread:
             work, future, label, prio, submitted = item
             if not future.set_running_or_notify_cancel():
                 continue
+            self._detail = ""
             t0 = time.perf_counter()
             waited = t0 - submitted
             error: BaseException | None = None
@@ -414,7 +422,7 @@ class GraphThread:
             busy = t1 - t0
             trace = self.trace
             if trace is not None:
-                trace.add(TraceItem(self.name, label, prio.name.lower(), submitted, t0, t1))
+                trace.add(TraceItem(self.name, label, prio.name.lower(), submitted, t0, t1, self._detail))
             with self._lock:  # counted before the caller sees its result
                 stats = self.order.stats
                 stats.busy_s[label] = stats.busy_s.get(label, 0.0) + busy

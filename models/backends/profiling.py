@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 PROFILE_ENV = "COSYEDGE_ORT_PROFILE"
 
@@ -29,7 +30,8 @@ def profile_dir() -> Path | None:
     return Path(value) if value else None
 
 
-FIELDS = ("thread", "label", "priority", "submitted_ms", "started_ms", "ended_ms")  # an item's row in as_dict
+# an item's row in as_dict; detail: what the work noted of itself (GraphThread.note: a replay's rows, Euler step)
+FIELDS = ("thread", "label", "priority", "submitted_ms", "started_ms", "ended_ms", "detail")
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,7 @@ class TraceItem:
     submitted_s: float
     started_s: float
     ended_s: float
+    detail: str = ""
 
 
 class GraphTrace:
@@ -78,7 +81,7 @@ class GraphTrace:
         def ms(t: float) -> float:
             return round((t - self.since_s) * 1e3, 2)
 
-        rows = [[i.thread, i.label, i.priority, ms(i.submitted_s), ms(i.started_s), ms(i.ended_s)]
+        rows = [[i.thread, i.label, i.priority, ms(i.submitted_s), ms(i.started_s), ms(i.ended_s), i.detail]
                 for i in self.items()]
         return {"window_ms": round(self.window_s * 1e3, 1), "fields": list(FIELDS), "items": rows,
                 "dropped": self.dropped}
@@ -98,4 +101,15 @@ def busy_between(items: Sequence[TraceItem], start_s: float, end_s: float) -> di
             per_thread[i.thread] = per_thread.get(i.thread, 0.0) + inside
     out = {label: round(s * 1e3, 2) for label, s in sorted(busy.items())}
     out["idle"] = round(max(span - max(per_thread.values(), default=0.0), 0.0) * 1e3, 2)
+    return out
+
+
+def trace_items(trace: Mapping[str, Any]) -> list[TraceItem]:
+    """A GraphTrace.as_dict() (a bench level's graph_trace) back as items, times in seconds since the
+    level started."""
+    out = []
+    for row in trace["items"]:
+        r = dict(zip(trace["fields"], row, strict=True))
+        out.append(TraceItem(str(r["thread"]), str(r["label"]), str(r["priority"]), float(r["submitted_ms"]) / 1e3,
+                             float(r["started_ms"]) / 1e3, float(r["ended_ms"]) / 1e3, str(r.get("detail", ""))))
     return out

@@ -188,6 +188,7 @@ class BatchEncoderGraphs(SlotPool[EncoderLane]):
     def _counted(self, batch: list[_Pending]) -> list[EncoderOut]:
         """The group's replay, counted in the stats before its callers get their rows."""
         outs = self._replay(batch)
+        self.thread.note(f"rows {len(batch)}")
         with self._queue_lock:
             s = self.stats
             s.replays += 1

@@ -160,6 +160,7 @@ class BatchedVocoder:
         """One alone on the single-stream graph, several on the smallest batch size that holds them;
         counted in the stats before their callers get their outputs."""
         frames = batch[0].frames
+        self.thread.note(f"rows {len(batch)}, frames {frames}")
         if len(batch) == 1:
             call = batch[0]
             outs = [self.single.replay(frames, call.mel, call.noise, call.cache)]

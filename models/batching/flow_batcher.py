@@ -53,7 +53,7 @@ from cosyedge_models.batching.flow_order import (
     take,
     worth_waiting,
 )
-from cosyedge_models.batching.turns import TurnQueue
+from cosyedge_models.batching.turns import EMPTY_TURN, TurnQueue
 from cosyedge_models.errors import SynthesisError
 
 log = logging.getLogger(__name__)
@@ -275,6 +275,7 @@ class FlowBatcher:
         with self._lock:
             pending = self._turns.pending
             if not pending:
+                self.thread.note(EMPTY_TURN)
                 return  # this turn's call was served by an earlier one
             start = time.monotonic()
             deadline = start + self.partner_wait_s
@@ -299,6 +300,7 @@ class FlowBatcher:
         took = time.perf_counter() - t0
         n = len(batch)
         windows = {p.wait.window for p in batch}
+        self.thread.note(f"rows {n}, step {batch[0].wait.group}, window {max(windows)}")
         with self._lock:
             s = self.stats
             s.replay_s[n] = s.replay_s.get(n, 0.0) + took

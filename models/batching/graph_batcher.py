@@ -224,6 +224,12 @@ class GraphBatcher(BatchWorker):
             else:
                 self._lengths[request.key] = req.prompt.shape[1]
 
+    def _noted_step(self, rows: Sequence[int], embeds: np.ndarray, lengths: Sequence[int],
+                    batch_size: int) -> np.ndarray:
+        """The batched step on the graph thread, its rows noted in the trace (GraphThread.note)."""
+        self.thread.note(f"rows {len(rows)}, batch {batch_size}")
+        return self.step.step(rows, embeds, lengths, batch_size)
+
     def _step(self) -> bool:
         with self._cond:
             batch = self.scheduler.batch()
@@ -243,7 +249,7 @@ class GraphBatcher(BatchWorker):
             # As NORMAL work it still waits behind every first chunk's flow replay queued (H200, fourteenth run:
             # the last of eight streams' first-chunk tokens at 710 ms); as FIRST_AUDIO it takes its turn among them.
             urgent = any(r.decode.index < r.first_tokens for r in requests)
-            logps = self.thread.call(functools.partial(self.step.step, batch.rows, embeds, lengths, batch.batch_size),
+            logps = self.thread.call(functools.partial(self._noted_step, batch.rows, embeds, lengths, batch.batch_size),
                                      self.first_chunk_priority if urgent else GraphPriority.LLM, "llm_batched_step")
         except Exception as exc:
             # The rows' caches are not trusted after a failed step: every stream in it fails.

@@ -33,6 +33,10 @@ class QueuedCall(Protocol[ResultT]):
 CallT = TypeVar("CallT", bound=QueuedCall[Any])
 
 
+# a turn's note in the graph thread's trace (GraphThread.note) where its call was served by an earlier turn
+EMPTY_TURN = "none (served by an earlier turn)"
+
+
 class TurnQueue(Generic[CallT]):
     """The calls waiting for a turn on `thread`, and the turns that serve them. `serve` is the owner's
     turn: it takes a group (`take`, or `pending` under `lock`) and `settle`s it. `lock` may be the
@@ -93,6 +97,7 @@ class TurnQueue(Generic[CallT]):
         """`replay()` for the group, outside the lock: each call gets its row of the outputs, or every
         call the exception. An empty group (nothing was waiting) runs nothing."""
         if not group:
+            self.thread.note(EMPTY_TURN)
             return
         try:
             outs = replay()

@@ -25,7 +25,7 @@ def test_the_trace_keeps_the_items_that_start_in_its_window_up_to_its_limit() ->
     assert [i.label for i in trace.items()] == ["in0", "in1", "in2"] and trace.dropped == 1
     out = trace.as_dict()
     assert out["fields"] == list(FIELDS) and out["window_ms"] == 500.0 and out["dropped"] == 1
-    assert out["items"][1] == ["t", "in1", "normal", 200.0, 200.0, 250.0]  # ms since the window opened
+    assert out["items"][1] == ["t", "in1", "normal", 200.0, 200.0, 250.0, ""]  # ms since the window opened
     with pytest.raises(ValueError, match="window_s"):
         GraphTrace(0.0, 0.0)
     with pytest.raises(ValueError, match="limit"):
@@ -37,15 +37,15 @@ def test_a_graph_thread_records_what_it_ran_its_priority_and_how_long_it_waited(
         trace = GraphTrace(time.perf_counter(), 60.0)
         worker.trace = trace
         started = threading.Event()
-        first = worker.submit(lambda: (started.set(), time.sleep(0.05)), label="replay")
+        first = worker.submit(lambda: (started.set(), worker.note("rows 2"), time.sleep(0.05)), label="replay")
         assert started.wait(10)
         worker.submit(lambda: None, GraphPriority.LLM, label="step").result(10)  # queued behind the replay
         first.result(10)
         worker.trace = None
         worker.call(lambda: None, label="after")  # not recorded: the trace was taken off
     replay, step = trace.items()
-    assert (replay.thread, replay.label, replay.priority) == ("g", "replay", "normal")
-    assert (step.label, step.priority) == ("step", "llm")
+    assert (replay.thread, replay.label, replay.priority, replay.detail) == ("g", "replay", "normal", "rows 2")
+    assert (step.label, step.priority, step.detail) == ("step", "llm", "")  # a note is its own item's only
     assert replay.submitted_s <= replay.started_s < replay.ended_s <= step.started_s <= step.ended_s
     assert replay.ended_s - replay.started_s >= 0.045
     assert step.started_s - step.submitted_s >= 0.03  # it waited for the replay

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 from cosyedge_daemon.cli.main import main
+from cosyedge_models.batching.turns import EMPTY_TURN
 from cosyedge_models.bundle.memory_budget import BOARDS
 from cosyedge_models.synthesis.api import StageEvent
 from cosyedge_models.synthesis.synthesizer import resolve_overlap
@@ -380,8 +382,8 @@ def test_each_streaming_level_records_what_the_graph_threads_ran(every_graph_bun
     started, with their priority; its busy time per label is the level's graph_busy_ms."""
     out = tmp_path / "trace.json"
     assert main(["bench", "--bundle", str(every_graph_bundle), "--concurrency", "2", "--concurrency-only",
-                 "--concurrency-mode", "both", "--graph-flow", "--graph-trace-ms", "600000", "--json",
-                 str(out)]) == 0
+                 "--concurrency-mode", "both", "--graph-flow", "--graph-flow-batch", "--graph-trace-ms", "600000",
+                 "--json", str(out)]) == 0
     r = json.loads(out.read_text())
     level = r["concurrency"]["2"]
     assert "graph_trace" not in r["concurrency_offline"]["2"]  # streaming levels only
@@ -399,6 +401,13 @@ def test_each_streaming_level_records_what_the_graph_threads_ran(every_graph_bun
     assert set(busy) == set(level["graph_busy_ms"])
     for label, ms in busy.items():  # the same work as the per-label sums (rounded to 0.01 ms an item, 0.1 a sum)
         assert ms == pytest.approx(level["graph_busy_ms"][label], abs=0.2 + 0.01 * len(rows))
+    # each batched replay notes its rows, Euler step and window (together, the level's rows), and a turn
+    # whose call an earlier turn served notes that
+    turns = [row["detail"] for row in rows if row["label"] == "flow_batched_replay"]
+    replays = [re.fullmatch(r"rows (\d+), step (\d+), window (\d+)", detail) for detail in turns]
+    assert replays and all(m is not None or detail == EMPTY_TURN for m, detail in zip(replays, turns, strict=True))
+    assert sum(int(m.group(1)) for m in replays if m) == level["graph_flow_batch"]["rows"]
+    assert max(int(m.group(1)) for m in replays if m) == 2  # the two streams shared a replay
     assert "concurrency 2: graph trace: 0 to" in capsys.readouterr().err
     off = tmp_path / "off.json"
     assert main(["bench", "--bundle", str(every_graph_bundle), "--concurrency", "2", "--concurrency-only",
