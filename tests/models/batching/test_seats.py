@@ -88,6 +88,19 @@ def test_a_stream_whose_caches_fail_gives_its_seat_back(engine: CosyVoiceSynthes
     assert seats.free == 1
 
 
+def _speak_at_once(eng: CosyVoiceSynthesizer, n: int) -> list[int]:
+    """n streams started together; each one's samples (a request's error is raised here)."""
+    start = threading.Barrier(n)
+
+    def speak(i: int) -> int:
+        start.wait()
+        request = SynthesisRequest(text=f"Stream number {i} says a few words here.", seed=i, stream=True)
+        return sum(c.pcm.size for c in eng.synthesize(request))
+
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(speak, range(n), timeout=300))
+
+
 def test_more_streams_than_seats_all_speak_through_the_engine(static_flow_bundle: Path) -> None:
     """Six streams at once on two lanes and the single-stream slots beside them: the streams beyond
     the seats wait, none takes the dynamic graph for want of a seat, every one gives audio."""
@@ -101,15 +114,7 @@ def test_more_streams_than_seats_all_speak_through_the_engine(static_flow_bundle
         assert seats.count == batcher.graphs.lanes + OVERFLOW_FLOW_SLOTS
         assert eng.concurrent_streams() == seats.count  # what the daemon's scheduler bounds its local requests by
         n = seats.count + 2
-        start = threading.Barrier(n)
-
-        def speak(i: int) -> int:
-            start.wait()
-            request = SynthesisRequest(text=f"Stream number {i} says a few words here.", seed=i, stream=True)
-            return sum(c.pcm.size for c in eng.synthesize(request))
-
-        with ThreadPoolExecutor(n) as pool:  # a request's error is raised here
-            samples = list(pool.map(speak, range(n), timeout=300))
+        samples = _speak_at_once(eng, n)
         assert len(samples) == n and min(samples) > 0
         stats = eng.graphs.flow_batch_stats()
         assert stats is not None and stats["unseated"] == 0
@@ -145,17 +150,7 @@ def test_with_no_overflow_slots_the_seats_are_the_lanes_and_every_stream_takes_o
         assert flow.max_slots == 0 and flow.slot_count == 0  # the sessions only
         assert seats.count == batcher.graphs.lanes
         np.testing.assert_array_equal(np.concatenate([c.pcm for c in eng.synthesize(request)]), alone_default)
-        n = seats.count + 1
-        start = threading.Barrier(n)
-
-        def speak(i: int) -> int:
-            start.wait()
-            one = SynthesisRequest(text=f"Stream number {i} says a few words here.", seed=i, stream=True)
-            return sum(c.pcm.size for c in eng.synthesize(one))
-
-        with ThreadPoolExecutor(n) as pool:
-            samples = list(pool.map(speak, range(n), timeout=300))
-        assert min(samples) > 0
+        assert min(_speak_at_once(eng, seats.count + 1)) > 0
         stats = eng.graphs.flow_batch_stats()
         assert stats is not None and stats["fallbacks"] == 0 and stats["unseated"] == 0  # every stream on a lane
         assert int(str(stats["seat_waits"])) >= 1 and seats.free == seats.count
