@@ -353,3 +353,22 @@ def test_a_driver_buffer_larger_than_the_gpu_fails_clearly(emulated_tensorrt: Em
     with pytest.raises(SynthesisError, match=r"cuMemAlloc of \d+ bytes failed with CUDA error 2"):
         DriverBuffer(total + 1)
     assert emulated_tensorrt.device_bytes() == 0
+
+
+def test_a_free_collected_inside_a_locked_section_waits_until_the_thread_leaves_it(
+        emulated_tensorrt: Emulation) -> None:
+    """A collected allocation's free, whose implicit synchronization waits on the streams, runs once its
+    thread holds no emulator lock: inside one it could deadlock with a thread that drains a stream and
+    waits for that lock (machine.TrackedRLock; a CI run hung so)."""
+    from cosyedge_models.backends.cuda import ThreadCuda, pycuda_scope
+
+    ThreadCuda(0)
+    emu = emulated_tensorrt
+    with pycuda_scope(0):
+        alloc = emu.pycuda_driver.mem_alloc(4096)
+        before = emu.machine.used_bytes()
+        with emu.machine.lock:
+            del alloc  # its finalizer runs here, as the garbage collector's would inside any locked section
+            assert emu.machine.used_bytes() == before  # put off
+        assert emu.machine.used_bytes() == before - 4096
+    assert not emu.machine.errors and not emu.machine.skipped_frees

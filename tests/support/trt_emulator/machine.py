@@ -38,6 +38,44 @@ _BASE = 0x7F00_0000_0000  # where emulated device addresses start (any non-zero 
 _ALIGN = 256  # cuMemAlloc: "The allocated memory is suitably aligned for any kind of variable"; 256 in practice
 
 
+# per thread: how many emulator locks it holds (all of them together), and the frees put off until it holds none
+_held = threading.local()
+
+
+class TrackedRLock:
+    """A reentrant lock that counts the emulator locks the calling thread holds. A collected allocation's
+    finalizer runs wherever the garbage collector does, also inside a locked section, and the implicit
+    synchronization of its free waits on the streams' `running` locks; a thread that drains a stream holds
+    that lock while it waits for the machine's: a lock-order deadlock (a CI run of 2026-12-07 hung in
+    test_trt_backend.py so). Such a free waits until its thread holds no emulator lock (`defer`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+
+    def __enter__(self) -> TrackedRLock:
+        self._lock.acquire()
+        _held.depth = getattr(_held, "depth", 0) + 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _held.depth -= 1
+        self._lock.release()
+        if _held.depth == 0:
+            while deferred := getattr(_held, "deferred", None):
+                fn, args = deferred.pop(0)
+                fn(*args)
+
+
+def defer(fn: Callable[..., object], *args: object) -> bool:
+    """True where the calling thread holds an emulator lock: fn(*args) then runs once it holds none."""
+    if getattr(_held, "depth", 0) == 0:
+        return False
+    if not hasattr(_held, "deferred"):
+        _held.deferred = []
+    _held.deferred.append((fn, args))
+    return True
+
+
 def finalizer(obj: object, fn: Callable[..., object], *args: object) -> weakref.finalize:
     """A weakref finalizer that does not run at interpreter exit (the emulated GPU goes with the process;
     freeing at exit would only run queued work nobody waits for)."""
@@ -91,7 +129,7 @@ class StreamState:
     capture: Capture | None = None
     # held while the stream's work runs: a synchronize returns only after work that another
     # thread's synchronize (a cuMemFree's implicit one) took off the queue has finished too
-    running: threading.RLock = field(default_factory=threading.RLock)
+    running: TrackedRLock = field(default_factory=TrackedRLock)
 
 
 @dataclass
@@ -114,7 +152,7 @@ class Machine:
 
     def __init__(self, gpu: EmulatedGpu) -> None:
         self.gpu = gpu
-        self.lock = threading.RLock()
+        self.lock = TrackedRLock()
         self.initialized = False
         self._next = _BASE
         self._allocs: dict[int, DeviceAllocation] = {}
@@ -237,7 +275,9 @@ class Machine:
 
     def release(self, addr: int) -> None:
         """cuMemFree from a finalizer (TensorRT freeing what an engine or context owned): a failure is
-        recorded, not raised."""
+        recorded, not raised; inside a locked section, once the thread leaves it (TrackedRLock)."""
+        if defer(self.release, addr):
+            return
         try:
             self.free(addr)
         except CudaError as exc:

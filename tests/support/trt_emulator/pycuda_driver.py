@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from tests.support.trt_emulator.machine import ILLEGAL_ADDRESS, CudaError, Machine, Op, finalizer
+from tests.support.trt_emulator.machine import ILLEGAL_ADDRESS, CudaError, Machine, Op, defer, finalizer
 
 
 class Error(Exception):
@@ -413,6 +413,8 @@ def _free_device(machine: Machine, ptr: int, ctx: Any, may_free: Any) -> None:
     if not may_free(ctx):
         machine.skipped_frees.append(f"device allocation {ptr:#x}: freed outside its context (leaked)")
         return
+    if defer(_free_device, machine, ptr, ctx, lambda _ctx: True):  # collected in a locked section (TrackedRLock)
+        return
     try:
         machine.free(ptr)
     except CudaError as exc:
@@ -422,6 +424,8 @@ def _free_device(machine: Machine, ptr: int, ctx: Any, may_free: Any) -> None:
 def _free_host(machine: Machine, key: int, nbytes: int, ctx: Any, may_free: Any, explicit: bool = False) -> None:
     if not may_free(ctx):
         machine.skipped_frees.append(f"page-locked {nbytes} bytes: freed outside its context (leaked)")
+        return
+    if defer(_free_host, machine, key, nbytes, ctx, lambda _ctx: True, explicit):  # as _free_device
         return
     try:
         machine.unsafe_call("cuMemFreeHost")
