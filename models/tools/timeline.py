@@ -10,6 +10,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from cosyedge_models.backends.profiling import trace_items
 from cosyedge_models.synthesis.api import StageEvent
 
 ROWS = ("llm", "flow", "vocoder", "hold")  # hold: the first-audio hold on the GPU graph thread
@@ -40,19 +41,19 @@ def render_graph_trace(trace: Mapping[str, Any], width: int = 100, until_ms: flo
     right from the level's start to `until_ms` (default: the last item's end); a cell is '#' where that
     label's items fill at least half of it, '+' where they fill some of it, and the last row shows the
     cells where no item ran ('.')."""
-    rows = [dict(zip(trace["fields"], item, strict=True)) for item in trace["items"]]
-    if not rows:
+    items = trace_items(trace)
+    if not items:
         return "graph trace: no items"
-    end = until_ms if until_ms is not None else max(float(r["ended_ms"]) for r in rows)
+    end = until_ms if until_ms is not None else max(i.ended_s for i in items) * 1e3
     scale = max(end / width, 1e-3)  # ms per column
     filled: dict[str, list[float]] = {}
-    for r in rows:
-        cells = filled.setdefault(str(r["label"]), [0.0] * width)
-        start, stop = float(r["started_ms"]), min(float(r["ended_ms"]), end)
+    for i in items:
+        cells = filled.setdefault(i.label, [0.0] * width)
+        start, stop = i.started_s * 1e3, min(i.ended_s * 1e3, end)
         for col in range(max(int(start / scale), 0), min(math.ceil(stop / scale), width)):
             cells[col] += max(0.0, min(stop, (col + 1) * scale) - max(start, col * scale))
     label = max(max(len(k) for k in filled), len("idle"))
-    lines = [f"graph trace: 0 to {end:.0f} ms, one column = {scale:.1f} ms, {len(rows)} items"
+    lines = [f"graph trace: 0 to {end:.0f} ms, one column = {scale:.1f} ms, {len(items)} items"
              + (f" ({trace['dropped']} past the limit)" if trace.get("dropped") else "")]
     for name, cells in sorted(filled.items()):
         lines.append(f"{name:<{label}} |{''.join('#' if c >= scale / 2 else '+' if c > 0 else ' ' for c in cells)}|")
