@@ -230,6 +230,13 @@ def batch_flow_reserve(batch_sizes: Sequence[int], lanes: int, groups: int, wind
 LATER_STAGES_LANES = 3.4
 ENCODER_BATCH_LANES = 3.6
 VOCODER_BATCH_LANES = 0.7
+# A stream whose chunks outgrow the lanes' cached frames (a long utterance) moves to the dynamic estimator
+# graph: its caches grow by doubling, in the dynamic graph's precision (fp32: 4 lanes at twice a lane's
+# 1,024 frames), with the old and new buffers held during a growth, in onnxruntime's arena. On the H100 of
+# the twenty-seventh run (docs/benchmarks/h100-2026-12-07-run27.json), 16 lanes without overflow slots left
+# 12.2 GB and the bench's long utterance ran out of memory; with 23 GB or more left it served (the
+# twenty-third to twenty-seventh runs, 80-90 moves each). One such stream is counted: 6 lanes, 15.8 GB.
+MOVED_STREAM_LANES = 6.0
 
 
 def batch_lanes(batch_sizes: Sequence[int], per_lane_bytes: int, total_bytes: int, free_bytes: int,

@@ -288,6 +288,7 @@ class GraphStages:
                 BATCH_LANE_FRACTION,
                 ENCODER_BATCH_LANES,
                 LATER_STAGES_LANES,
+                MOVED_STREAM_LANES,
                 VOCODER_BATCH_LANES,
                 batch_lanes,
                 device_total_bytes,
@@ -300,8 +301,10 @@ class GraphStages:
             used = device_memory_used(flow.device[1])
             if total:
                 free = total - used if used is not None else total
-                # the stages loaded after the lanes (H100, twenty-second run: 16 lanes left 3.8 GB, too little to serve)
-                later = int(per_lane * (LATER_STAGES_LANES + (ENCODER_BATCH_LANES if self._encoder_lanes() else 0)
+                # the stages loaded after the lanes (H100, twenty-second run: 16 lanes left 3.8 GB, too little to
+                # serve), and one long stream moved to the dynamic estimator graph (twenty-seventh run)
+                later = int(per_lane * (LATER_STAGES_LANES + MOVED_STREAM_LANES
+                                        + (ENCODER_BATCH_LANES if self._encoder_lanes() else 0)
                                         + (VOCODER_BATCH_LANES if self.settings.graph_vocoder_batch else 0)))
                 lanes = batch_lanes(sorted({b for b, _ in sessions}), per_lane, total, free, groups=groups,
                                     windows=windows, later_bytes=later)

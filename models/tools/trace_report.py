@@ -1,5 +1,5 @@
 """Where a bench level's first chunks spent the GPU graph threads, from its graph_trace and first-chunk
-marks: python -m cosyedge_models.tools.trace_report BENCH.json [--level 8]
+marks: python -m cosyedge_models.tools.trace_report BENCH.json [--level 8] [--entry bench]
 
 Each streaming level (of more than one stream) is cut into the phases of its streams' way to first
 audio, by the marks bench reports (first_chunk_ms, ms since the request started: the level's requests
@@ -70,12 +70,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cosyedge_models.tools.trace_report", description=__doc__)
     parser.add_argument("bench_json", type=Path)
     parser.add_argument("--level", help="only this concurrency level")
+    parser.add_argument("--entry", help="a device run's file (docs/benchmarks/*-runN.json): the bench report under "
+                                        "this key (bench, batch_goals_levels, ...)")
     args = parser.parse_args(argv)
     try:
         report = json.loads(args.bench_json.read_text())
     except (OSError, ValueError) as exc:
         print(f"trace_report: cannot read {args.bench_json}: {exc}", file=sys.stderr)
         return 2
+    if args.entry is not None:
+        if not isinstance(report.get(args.entry), dict):
+            entries = ", ".join(k for k, v in report.items() if isinstance(v, dict) and "concurrency" in v)
+            print(f"trace_report: {args.bench_json} has no bench report '{args.entry}' (it has: {entries or 'none'})",
+                  file=sys.stderr)
+            return 2
+        report = report[args.entry]
     levels = {n: lv for n, lv in report.get("concurrency", {}).items()
               if "graph_trace" in lv and "first_chunk_ms" in lv and int(n) > 1 and (args.level in (None, n))}
     if not levels:

@@ -55,3 +55,8 @@ def test_the_command_reads_a_bench_json_and_says_what_it_lacks(tmp_path: Path,
     assert main([str(old)]) == 1 and "no streaming level of several streams with a graph_trace" in \
         capsys.readouterr().err
     assert main([str(tmp_path / "missing.json")]) == 2 and "cannot read" in capsys.readouterr().err
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps({"device": "H100", "bench": {"concurrency": {"2": _level()}}}))
+    assert main([str(run), "--entry", "bench"]) == 0 and capsys.readouterr().out.startswith("concurrency 2:")
+    assert main([str(run), "--entry", "batch_x"]) == 2 and "no bench report 'batch_x' (it has: bench)" in \
+        capsys.readouterr().err
