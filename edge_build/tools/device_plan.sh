@@ -20,23 +20,24 @@ case ${1:?start or wait} in
   start)
     rm -rf "$repo" "$res" && mkdir -p "$repo" "$res" && cp -a . "$repo"/
     # default: issue 23's next measurements (the goals are stated for an H200; the twenty-second to
-    # twenty-sixth runs got H100s): the goals' configuration as levels (x) right after the synced setup;
-    # the same with no single-stream overflow slots (o: graph_flow_overflow_slots 0, so that on an 80 GB
-    # card their 15.2 GB go to the lanes, 16 instead of 8, and sixteen streams need not wait for a seat);
+    # twenty-seventh runs got H100s): the goals' configuration as levels (x) right after the synced setup;
     # the goals' bench with the official pipeline and the batched vocoder lengths (e; after x it agreed with
-    # its levels in the twenty-sixth run); its levels at 15 tokens and 6 Euler steps (s); the cloud at full
-    # size (c, CLOUD_PARAMS) and with no overflow slots (k); t: the captured fp16 prefill's -m gpu tests;
-    # then the candidates for the defaults: the batched vocoder lengths (v: the best p95 at eight in the
-    # twenty-fifth and twenty-sixth runs), the batched prefill without the batched encoder windows (b: 16
-    # lanes on an 80 GB card, the best rate at sixteen), rounds gathered 4 ms (g, h), per-stage threads (p,
-    # q), and the goals' levels again (y). Every streaming level records the graph thread's trace
-    # (graph_trace: python -m cosyedge_models.tools.trace_report on a step's JSON).
-    # A short lease: STEPS="d x o e s" (no cloud without .device/cloud carried).
+    # its levels in the twenty-sixth and twenty-seventh runs); the bench of b's configuration with no
+    # single-stream overflow slots (n: 16 lanes on an 80 GB card, with room kept for the long utterance that
+    # ran out of memory beside 16 lanes in the twenty-seventh run; its rate at sixteen); its levels at 15
+    # tokens and 6 Euler steps (s); the cloud at full size (c, CLOUD_PARAMS) and without the batched encoder
+    # windows and overflow slots (k: 16 lanes on an 80 GB card); t: the captured fp16 prefill's -m gpu
+    # tests; then the candidates for the defaults: the batched vocoder lengths (v), the batched prefill
+    # without the batched encoder windows (b: 8 lanes and 2 slots on an 80 GB card since the long stream's
+    # room), rounds gathered 4 ms (g, h), per-stage threads (p, q), and the goals' levels again (y). Every
+    # streaming level records the graph thread's trace (graph_trace: python -m
+    # cosyedge_models.tools.trace_report on a step's JSON).
+    # A short lease: STEPS="d x e n s" (no cloud without .device/cloud carried).
     voice="VOICE_WAV=/tmp/voice/en8.wav VOICE_TEXT=And+then+later+on,+fully+acquiring+that+company.+So+keeping+management+in+line,+interest+in+line+with+the+asset"
     stage="--voice+en8+--graph-threads+per-stage+--llm-parallel-prefills+4"
     goals="--voice+en8+--first-chunk+15:6+--graph-batching+--batching+16+--graph-flow-batch+--graph-encoder-batch+--llm-captured-prefill+--graph-vocoder-batch+--concurrency-mode+both"
     levels="--voice+en8+--graph-encoder-batch+--llm-captured-prefill"  # the goals' configuration in a batch step
-    plan=${PLAN:-"d setup FP16=0 STATIC_FLOW_WINDOWS=64,128 FUSED_BATCHES=1,4,8,16 BATCH_FLOW_SIZES=1,8,16 BATCH_FLOW_PRECISION=fp16 BATCH_FLOW_ATTENTION=fused FUSED_PREFILL_LENGTHS=128,256,384 $voice;x batch FP16=0 JSON_TAG=goals_levels BENCH_ARGS=$levels CONCURRENCY=1,8,16;o batch FP16=0 JSON_TAG=goals_levels_no_overflow_slots BENCH_ARGS=$levels+--graph-flow-overflow-slots+0 CONCURRENCY=1,8,16;e bench FP16=0 BENCH_ARGS=$goals CONCURRENCY=1,8,16 BENCH_TIMEOUT_S=900;!f bench FP16=0 COSYEDGE_ORT_SHARE_WEIGHTS=0 BENCH_ARGS=$goals CONCURRENCY=1,8,16 BENCH_TIMEOUT_S=900;s batch FP16=0 JSON_TAG=goals_levels_first_15_6 BENCH_ARGS=$levels+--first-hop-tokens+15+--first-chunk-euler-steps+6 CONCURRENCY=1,8,16;c cloud FP16=0 CLOUD_TIMEOUT_S=480 CLOUD_PARAMS=GRAPH_ENCODER_BATCH=true+LLM_CAPTURED_PREFILL=true+GRAPH_VOCODER_BATCH=true;k cloud FP16=0 JSON_TAG=no_overflow_slots CLOUD_TIMEOUT_S=480 CLOUD_PARAMS=GRAPH_ENCODER_BATCH=true+LLM_CAPTURED_PREFILL=true+GRAPH_VOCODER_BATCH=true+GRAPH_FLOW_OVERFLOW_SLOTS=0;t tests FULL=0 PYCUDA_SDIST_DIR=/nonexistent GPU_TESTS=tests/models/batching/test_fused_step.py;v batch FP16=0 JSON_TAG=goals_levels_vocoder_batch BENCH_ARGS=$levels+--graph-vocoder-batch CONCURRENCY=1,8,16;b batch FP16=0 JSON_TAG=one_thread_batched_prefill_gather BENCH_ARGS=--voice+en8+--llm-batched-prefill+--max-queue-delay-ms+4 CONCURRENCY=1,8,16;g batch FP16=0 JSON_TAG=goals_levels_gather4 BENCH_ARGS=$levels+--max-queue-delay-ms+4 CONCURRENCY=1,8,16;h batch FP16=0 JSON_TAG=goals_levels_gather4_again BENCH_ARGS=$levels+--max-queue-delay-ms+4 CONCURRENCY=1,8,16;p batch FP16=0 JSON_TAG=per_stage_p4_gather4 BENCH_ARGS=$stage+--graph-encoder-batch+--max-queue-delay-ms+4 CONCURRENCY=1,8,16;q batch FP16=0 JSON_TAG=per_stage_p4_lone_hold BENCH_ARGS=$stage+--graph-encoder-batch CONCURRENCY=1,8,16;y batch FP16=0 JSON_TAG=goals_levels_again BENCH_ARGS=$levels CONCURRENCY=1,8,16"}
+    plan=${PLAN:-"d setup FP16=0 STATIC_FLOW_WINDOWS=64,128 FUSED_BATCHES=1,4,8,16 BATCH_FLOW_SIZES=1,8,16 BATCH_FLOW_PRECISION=fp16 BATCH_FLOW_ATTENTION=fused FUSED_PREFILL_LENGTHS=128,256,384 $voice;x batch FP16=0 JSON_TAG=goals_levels BENCH_ARGS=$levels CONCURRENCY=1,8,16;e bench FP16=0 BENCH_ARGS=$goals CONCURRENCY=1,8,16 BENCH_TIMEOUT_S=900;n bench FP16=0 JSON_TAG=batched_prefill_no_overflow_slots BENCH_ARGS=--voice+en8+--graph-batching+--batching+16+--graph-flow-batch+--llm-batched-prefill+--max-queue-delay-ms+4+--graph-flow-overflow-slots+0+--concurrency-mode+both CONCURRENCY=1,8,16 BENCH_TIMEOUT_S=900;!f bench FP16=0 COSYEDGE_ORT_SHARE_WEIGHTS=0 BENCH_ARGS=$goals CONCURRENCY=1,8,16 BENCH_TIMEOUT_S=900;s batch FP16=0 JSON_TAG=goals_levels_first_15_6 BENCH_ARGS=$levels+--first-hop-tokens+15+--first-chunk-euler-steps+6 CONCURRENCY=1,8,16;c cloud FP16=0 CLOUD_TIMEOUT_S=480 CLOUD_PARAMS=GRAPH_ENCODER_BATCH=true+LLM_CAPTURED_PREFILL=true+GRAPH_VOCODER_BATCH=true;k cloud FP16=0 JSON_TAG=no_encoder_batch_no_overflow_slots CLOUD_TIMEOUT_S=480 CLOUD_PARAMS=LLM_CAPTURED_PREFILL=true+GRAPH_VOCODER_BATCH=true+GRAPH_FLOW_OVERFLOW_SLOTS=0;t tests FULL=0 PYCUDA_SDIST_DIR=/nonexistent GPU_TESTS=tests/models/batching/test_fused_step.py;v batch FP16=0 JSON_TAG=goals_levels_vocoder_batch BENCH_ARGS=$levels+--graph-vocoder-batch CONCURRENCY=1,8,16;b batch FP16=0 JSON_TAG=one_thread_batched_prefill_gather BENCH_ARGS=--voice+en8+--llm-batched-prefill+--max-queue-delay-ms+4 CONCURRENCY=1,8,16;g batch FP16=0 JSON_TAG=goals_levels_gather4 BENCH_ARGS=$levels+--max-queue-delay-ms+4 CONCURRENCY=1,8,16;h batch FP16=0 JSON_TAG=goals_levels_gather4_again BENCH_ARGS=$levels+--max-queue-delay-ms+4 CONCURRENCY=1,8,16;p batch FP16=0 JSON_TAG=per_stage_p4_gather4 BENCH_ARGS=$stage+--graph-encoder-batch+--max-queue-delay-ms+4 CONCURRENCY=1,8,16;q batch FP16=0 JSON_TAG=per_stage_p4_lone_hold BENCH_ARGS=$stage+--graph-encoder-batch CONCURRENCY=1,8,16;y batch FP16=0 JSON_TAG=goals_levels_again BENCH_ARGS=$levels CONCURRENCY=1,8,16"}
     if [ -n "${STEPS:-}" ]; then
       # STEPS="d x e": only those entries of the plan, in that order (a short lease; "!f" is kept as "f")
       IFS=";" read -ra all <<<"$plan"; kept=()

@@ -56,7 +56,7 @@
 # LANES16=1 (also /tmp/full/lanes16: the bundle with those in fp16, device_fp16.py --lanes-only), LANESF=1 (also /tmp/full/lanesf: those exported again in fp16 with onnxruntime's
 # MultiHeadAttention, device_lanes.py), BUNDLE (the bench and batch steps' bundle under FULL_DIR: bundle, lanes16, lanesf;
 # its name then suffixes their JSON), GPU_TESTS (a subset
-# of the -m gpu test files, to repeat one), JSON_TAG (the batch and cloud steps' JSON name suffix: two steps of one
+# of the -m gpu test files, to repeat one), JSON_TAG (the bench, batch and cloud steps' JSON name suffix: two steps of one
 # plan keep both files), CONCURRENCY, FP16=0 (no fp16 bundle: for steps
 # that do not use it, when device time is short), FULL=0 (no full-size checkpoint or bundles at all:
 # the tests step only, on the tests' own tiny bundles, in a minute or two).
@@ -174,9 +174,9 @@ for step in ${steps//,/ }; do
       [ -f "$full/fp16/manifest.json" ] && compare=(--compare "$full/fp16")
       timeout "${BENCH_TIMEOUT_S:-480}" python3 -m cosyedge_daemon -v bench --bundle "$full/${BUNDLE:-bundle}" --backend ort-cuda \
         --repeats 1 --concurrency "${CONCURRENCY:-1,4,8,16}" ${compare[@]+"${compare[@]}"} --reference ${BENCH_ARGS:-} \
-        --json "$out/bench_h200${BUNDLE:+_$BUNDLE}.json" 2>&1 | grep -v -i warn > "$out/bench.log" \
+        --json "$out/bench_h200${BUNDLE:+_$BUNDLE}${JSON_TAG:+_$JSON_TAG}.json" 2>&1 | grep -v -i warn > "$out/bench.log" \
         || { tail -40 "$out/bench.log"; exit 1; }
-      python3 -m cosyedge_build.tools.device_summary "$out/bench_h200${BUNDLE:+_$BUNDLE}.json"
+      python3 -m cosyedge_build.tools.device_summary "$out/bench_h200${BUNDLE:+_$BUNDLE}${JSON_TAG:+_$JSON_TAG}.json"
       stamp "bench done" ;;
     batch)
       timeout "${BENCH_TIMEOUT_S:-480}" python3 -m cosyedge_daemon -v bench --bundle "$full/${BUNDLE:-bundle}" --backend ort-cuda \
