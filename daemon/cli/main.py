@@ -194,7 +194,11 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--graph-flow-overflow-slots", type=int, default=None, metavar="STREAMS",
                    help="with --graph-flow-batch: single-stream fixed-shape slots beside the batched lanes for the "
                         "streams beyond them (default: the engine's; 0: every stream on a lane, and their memory to "
-                        "the lanes: 16 lanes instead of 8 on an 80 GB card with --graph-encoder-batch)")
+                        "the lanes)")
+    p.add_argument("--graph-flow-gather-ms", type=float, default=0.0, metavar="MS",
+                   help="with --graph-flow-batch: a later chunk's flow waits up to MS, out of the audio its stream "
+                        "has queued ahead of playback, for other streams' chunks, so that they share the estimator "
+                        "replays (default 0: off)")
     p.add_argument("--graph-encoder-batch", action="store_true",
                    help="with --graph-flow-batch and a bundle whose export has the batched encoder graphs: "
                         "concurrent streams' flow encoder calls waiting together as one batched replay")

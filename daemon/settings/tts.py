@@ -80,6 +80,12 @@ class TtsSettings:
         "replay per stream's window",
         reload=True,
     )
+    graph_flow_gather_ms: float = setting(
+        0.0, "with graph_flow_batch: a stream's later chunk waits up to this long, and only out of the audio it has "
+        "queued ahead of playback (less 0.5 s), for other streams' chunks, so that their estimator steps share "
+        "batched replays; 0: off",
+        min=0, max=1000, reload=True,
+    )
     graph_encoder_batch: bool = setting(
         False, "with graph_flow_batch and a bundle exported by this version with --batch-flow-sizes: concurrent "
         "streams' flow encoder calls that wait together (a level's first chunks) run as one batched replay on the "

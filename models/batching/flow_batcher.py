@@ -40,7 +40,7 @@ import numpy as np
 from cosyedge_models.backends.base import Session
 from cosyedge_models.backends.fixed_shapes import CFG_ROWS, bucket, prefix_fits, trim_copy, visible_first
 from cosyedge_models.backends.flow_cache import PrefixRows, StepCache, StepCacheSpec
-from cosyedge_models.backends.graph_thread import GraphThread
+from cosyedge_models.backends.graph_thread import GraphPriority, GraphThread
 from cosyedge_models.backends.ort import OrtSession
 from cosyedge_models.backends.ort_cache import BoundStepCache, DeviceCopier
 from cosyedge_models.batching.batched_flow import BatchFlowGraphs, SlotCall
@@ -256,6 +256,12 @@ class FlowBatcher:
     def lanes_in_use(self) -> int:
         with self._lock:
             return self.graphs.slots - sum(len(f) for f in self._free)
+
+    def expect(self, streams: Sequence[int]) -> None:
+        """These streams' (threads') first Euler step calls come next (a gather released them together): the
+        next replay waits for them as for the streams of the last one (flow_order.worth_waiting)."""
+        with self._lock:
+            self._served = [*self._served, *(Served(s, -1, GraphPriority.NORMAL) for s in streams)]
 
     def run(self, call: SlotCall) -> np.ndarray:
         """The call's dphi_dt [2, C, T], from a replay it may share with other streams' calls."""

@@ -32,6 +32,7 @@ from cosyedge_models.errors import BundleError
 
 if TYPE_CHECKING:
     from cosyedge_models.batching.seats import StreamSeats
+    from cosyedge_models.synthesis.flow_gather import FlowGather
     from cosyedge_models.synthesis.voice_cache import FlowPrefix
 
 log = logging.getLogger(__name__)
@@ -168,7 +169,7 @@ class FlowDecoder:
     def __init__(self, bundle: Bundle, encoder: Session, estimator: Session,
                  cache_factory: CacheFactory = HostStepCache,
                  encoder_cache_factory: EncoderCacheFactory = host_encoder_cache,
-                 seats: StreamSeats | None = None) -> None:
+                 seats: StreamSeats | None = None, gather: FlowGather | None = None) -> None:
         self.config: FlowConfig = bundle.flow
         self.mel_bins = bundle.mel_bins
         self.token_mel_ratio = bundle.token_mel_ratio
@@ -185,6 +186,7 @@ class FlowDecoder:
         self.encoder_cache_factory = encoder_cache_factory
         # with the batched lanes: a streaming request takes a seat before its caches (models/batching/seats.py)
         self.seats = seats
+        self.gather = gather  # later chunks' first estimator steps held together (graph_flow_gather_ms)
 
     def cache_spec(self, visible: int = -1, initial_frames: int = 0) -> StepCacheSpec:
         d = self.cache_dims
@@ -342,6 +344,7 @@ class FlowStream:
         self.prompt_frames = prompt.feat.shape[0]
         self.emitted = self.prompt_frames  # frames (prompt included) returned so far
         self.committed = 0  # frames whose estimator state is in the caches
+        self.hold_s = 0.0  # the next window's hold before its estimator steps (decoder.gather; set per chunk)
         # Multi-level U-Nets (not CosyVoice 2's) are not chunk-causal: recompute the prefix as upstream.
         self.cached = decoder.cache_dims.stream_cache and self.chunk_frames > 0
         # left_chunks -1: every committed frame stays visible (exact). >= 0: only
@@ -451,6 +454,8 @@ class FlowStream:
             out = x[:, :, self.emitted - start:]
             self.emitted = end
             return out
+        if dec.gather is not None and self.hold_s > 0:  # after the encoder: the steps start with the others'
+            dec.gather.hold(self.hold_s)
         x = dec.euler(mu, spks, cond, start, self.chunk_frames, self.caches, commit, self.work)
         self.committed += commit
         for cache in self.caches:

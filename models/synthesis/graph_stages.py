@@ -20,6 +20,7 @@ from cosyedge_models.backends.graph_thread import GraphThread
 from cosyedge_models.backends.profiling import GraphTrace
 from cosyedge_models.bundle.loader import Bundle
 from cosyedge_models.errors import BundleError, SynthesisError
+from cosyedge_models.synthesis.flow_gather import FlowGather, hold_budget_s, queued_audio_s
 from cosyedge_models.synthesis.settings import SynthesisSettings
 
 if TYPE_CHECKING:  # onnxruntime is imported only where a stage is on (the trt backend runs without it)
@@ -36,6 +37,7 @@ if TYPE_CHECKING:  # onnxruntime is imported only where a stage is on (the trt b
     from cosyedge_models.batching.flow_batcher import BatchedFlowCaches, FlowBatcher
     from cosyedge_models.batching.fused_step import FusedDecodeStep
     from cosyedge_models.batching.seats import StreamSeats
+    from cosyedge_models.synthesis.request_state import RequestState
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +62,7 @@ class GraphStages:
         self.vocoder_batch: BatchedVocoder | None = None  # the batched vocoder graphs (graph_vocoder_batch)
         self.flow_batch: FlowBatcher | None = None  # the batched estimator windows (graph_flow_batch)
         self.flow_seats: StreamSeats | None = None  # the streams they and the single-stream slots serve at once
+        self.flow_gather: FlowGather | None = None  # later chunks' flow starts held together (graph_flow_gather_ms)
         self.encoder_batch: BatchEncoderGraphs | None = None  # the batched encoder windows (graph_encoder_batch)
         # seconds each stage took to load, make its slots and capture its graphs (bench, logs):
         # at full size on an H200 most of an engine's load (docs/gpu.md, fifth run)
@@ -156,7 +159,17 @@ class GraphStages:
         (SeatStats), or None (off)."""
         if self.flow_batch is None:
             return None
-        return {**self.flow_batch.report(), **(self.flow_seats.report() if self.flow_seats is not None else {})}
+        return {**self.flow_batch.report(), **(self.flow_seats.report() if self.flow_seats is not None else {}),
+                **(self.flow_gather.report() if self.flow_gather is not None else {})}
+
+    def gather_budget_s(self, state: RequestState) -> float:
+        """Before a chunk's flow: how long it may hold for other streams' chunks (FlowGather, with
+        graph_flow_gather_ms): a later chunk of a stream with audio queued ahead of playback; else 0."""
+        first_audio_ms = state.times.first_audio_ms
+        if self.flow_gather is None or first_audio_ms is None or not state.first_audio:
+            return 0.0
+        queued = queued_audio_s(state.audio_sent_s, state.started + first_audio_ms / 1e3, time.perf_counter())
+        return hold_budget_s(self.flow_gather.max_hold_s, queued)
 
     def encoder_batch_stats(self) -> dict[str, int] | None:
         """What the batched encoder windows did (EncoderBatchStats), or None (off)."""
@@ -341,7 +354,10 @@ class GraphStages:
         self._loaded("flow_batch", t0, graphs)
         # a stream beyond the lanes and the single-stream slots waits for one (FlowDecoder.seats), not the
         # dynamic graph
-        self.flow_seats = StreamSeats(graphs.lanes + flow.max_slots // max(1, groups))
+        self.flow_seats = seats = StreamSeats(graphs.lanes + flow.max_slots // max(1, groups))
+        if self.settings.graph_flow_gather_ms > 0:
+            self.flow_gather = FlowGather(self.settings.graph_flow_gather_ms / 1e3, lambda: seats.count - seats.free,
+                                          self.flow_batch.expect)
         return BatchedFlowCaches(self.flow_batch, flow, dynamic_cache_factory(flow.copier))
 
     def static_encoder(self, spec: EncoderCacheSpec) -> StaticEncoderGraphs | TrtStaticEncoder | None:

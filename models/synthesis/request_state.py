@@ -26,6 +26,7 @@ class RequestState:
     first_audio: bool = True
     index: int = 0
     tokens_before: int = 0  # speech tokens of the request's earlier segments
+    audio_sent_s: float = 0.0  # audio handed to the caller so far (the flow gather's queued audio)
     # Written by the LLM producer thread while stages overlap; the consumer reads
     # it for the running totals in each chunk (exact once the segment's LLM ended).
     llm: LlmStats = field(default_factory=LlmStats)

@@ -10,6 +10,7 @@ from cosyedge_models.backends.fixed_shapes import OVERFLOW_FLOW_SLOTS
 from cosyedge_models.batching.policy import BatchSettings
 from cosyedge_models.synthesis.api import MAX_TEXT_CHARS
 from cosyedge_models.synthesis.flow import FINAL_CHUNK_MODES, FinalChunk
+from cosyedge_models.synthesis.flow_gather import MAX_GATHER_MS
 from cosyedge_models.synthesis.modes import GRAPH_THREAD_MODES, LLM_FIRST_CHUNK_PRIORITIES, MAX_PARALLEL_PREFILLS
 
 
@@ -112,6 +113,11 @@ class SynthesisSettings:
     # slots leave room for 16 (docs/gpu.md, twenty-sixth run): 0 puts every stream on a lane (the seats are the
     # lanes; a stream that finds no lane takes the dynamic graph).
     graph_flow_overflow_slots: int = OVERFLOW_FLOW_SLOTS
+    # With graph_flow_batch's lanes: a later chunk's flow waits up to this long (and only out of the audio its
+    # stream has queued ahead of playback) for other streams' chunks, so that their Euler steps run as shared
+    # replays (models/synthesis/flow_gather.py: at sixteen streams most replays served one stream, docs/gpu.md,
+    # twenty-seventh run). 0: off (the default until measured on the GPU).
+    graph_flow_gather_ms: float = 0.0
     # With graph_flow_batch's lanes and a bundle that has the batched encoder graphs (exported with
     # --batch-flow-sizes since issue 23): concurrent streams' flow encoder calls waiting together run as
     # one batched replay (models/batching/batched_encoder.py; as many streams as the largest batch size,
@@ -200,6 +206,9 @@ class SynthesisSettings:
         if self.graph_flow_overflow_slots < 0:
             raise ValueError(f"graph_flow_overflow_slots must be >= 0 streams (0: every stream on a batched lane), "
                              f"got {self.graph_flow_overflow_slots}")
+        if not 0 <= self.graph_flow_gather_ms <= MAX_GATHER_MS:
+            raise ValueError(f"graph_flow_gather_ms must be 0 (off) to {MAX_GATHER_MS:.0f} ms, "
+                             f"got {self.graph_flow_gather_ms}")
         if self.graph_threads not in GRAPH_THREAD_MODES:
             raise ValueError(f"graph_threads must be one of {', '.join(GRAPH_THREAD_MODES)}, "
                              f"got {self.graph_threads!r}")

@@ -123,7 +123,8 @@ class CosyVoiceSynthesizer(SynthesizerDefaults):
         encoders = self.graphs.batched_encoder(encoder_spec(bundle)) or self.static_encoder  # after: its fallback
         self.flow = FlowDecoder(bundle, load("flow_encoder"), stages["flow_estimator"],
                                 batched or (self.static_flow if self.static_flow is not None else backend.flow_cache),
-                                encoders if encoders is not None else host_encoder_cache, self.graphs.flow_seats)
+                                encoders if encoders is not None else host_encoder_cache, self.graphs.flow_seats,
+                                self.graphs.flow_gather)
         self.static_vocoder = self.graphs.static_vocoder()
         self.vocoder = HiftVocoder(bundle, stages["hift_source"], stages["hift_decoder"], self.static_vocoder,
                                    settings.vocoder_pad_final if settings.vocoder_pad_final is not None
@@ -326,6 +327,7 @@ class CosyVoiceSynthesizer(SynthesizerDefaults):
         times.llm_batch_max = state.llm.batch_max
         if times.first_audio_ms is None and pcm.size:
             times.first_audio_ms = (time.perf_counter() - state.started) * 1e3
+        state.audio_sent_s += pcm.size / self.sample_rate
         chunk = AudioChunk(pcm=pcm.astype(np.float32, copy=False), sample_rate=self.sample_rate,
                            index=state.index, last=last, times=times)
         state.index += 1
@@ -430,6 +432,7 @@ class CosyVoiceSynthesizer(SynthesizerDefaults):
                 spans.add(state, timed)
                 while (chunk := schedule.next_chunk(len(tokens))) is not None:
                     spans.take(state, timed.end)
+                    flow.hold_s = self.graphs.gather_budget_s(state)  # a later chunk: graph_flow_gather_ms
                     with self._first_chunk(state):
                         # the frames of tokens [chunk.start, chunk.end): what upstream's full-prefix
                         # pass over tokens[:chunk.end + lookahead] gives for them

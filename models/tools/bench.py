@@ -281,6 +281,7 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
                               graph_flow_slots=max(4, min(8, max(concurrency, default=1))),
                               graph_flow_overflow_slots=(OVERFLOW_FLOW_SLOTS if args.graph_flow_overflow_slots is None
                                                          else args.graph_flow_overflow_slots),
+                              graph_flow_gather_ms=args.graph_flow_gather_ms,
                               # the iteration-level LLM batcher over the fixed-size decode, a slot per row
                               graph_batching=args.graph_batching,
                               graph_flow_batch=args.graph_flow_batch,

@@ -111,10 +111,12 @@ def flow_batch_delta(before: dict[str, Any] | None, after: dict[str, Any] | None
     if after is None:
         return None
     old = before or {}
-    seats = tuple(key for key in ("seat_waits", "seat_wait_ms", "unseated") if key in after)  # the engine's
+    # the engine's seats and its later chunks' gather (graph_flow_gather_ms), where it has them
+    extra = tuple(key for key in ("seat_waits", "seat_wait_ms", "unseated", "gather_holds", "gather_held_ms",
+                                  "gather_rounds", "gather_full_rounds") if key in after)
     out: dict[str, Any] = {key: round(float(after[key]) - float(old.get(key, 0)), 1)
                            for key in ("replays", "rows", "shared_replays", "fallbacks", "moves", "partner_wait_ms",
-                                       "seeds", "reuses", "mixed_windows", *seats)}
+                                       "seeds", "reuses", "mixed_windows", *extra)}
     sizes = {n: int(c) - int(old.get("batch_sizes", {}).get(n, 0)) for n, c in after["batch_sizes"].items()}
     spent = {n: float(ms) - float(old.get("replay_ms", {}).get(n, 0.0)) for n, ms in after["replay_ms"].items()}
     out["batch_sizes"] = {n: c for n, c in sorted(sizes.items()) if c > 0}

@@ -63,6 +63,12 @@ def test_a_replay_waits_only_for_a_stream_whose_next_call_would_run_or_join() ->
     assert not worth_waiting(first, [Served(2, 1, N)], 10)  # a later chunk's step 2 does not hold it
     assert worth_waiting(first, [Served(2, 4, N)], 10)  # ... but may join it
     assert coming_back([_call(3, 1), _call(9, 2)], 10) == [Served(1, 3, N)]  # step 9 of 10 was its last
+    # streams a gather released together (FlowBatcher.expect: group -1, their first step next): the first
+    # of them to queue waits for the others, and for them before a later step of another stream
+    released = [Served(2, -1, N), Served(3, -1, N)]
+    assert worth_waiting([_call(0, 1)], released, 10)
+    assert worth_waiting([_call(4, 9)], released, 10)
+    assert not worth_waiting([_call(0, 1), _call(0, 2), _call(0, 3)], released, 10)  # all there
 
 
 def _simulate(starts: Sequence[int], pick: Callable[[list[WaitingCall]], int], groups: int = 10,

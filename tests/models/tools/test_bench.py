@@ -274,6 +274,14 @@ def test_flow_batch_delta_gives_a_levels_replays_and_their_mean_time_by_streams_
                      "replay_ms_mean": {1: 13.0, 8: 30.0}, "windows": {64: 9}, "singles": {"alone": 4}}
     assert flow_batch_delta(None, None) is None
     assert flow_batch_delta(None, after)["replay_ms_mean"] == {1: 13.0, 8: 30.0}  # type: ignore[index]
+    # an engine with the later chunks' gather: its holds, held ms and rounds by level
+    gathered = flow_batch_delta({**before, "gather_holds": 3, "gather_held_ms": 40.0, "gather_rounds": 2,
+                                 "gather_full_rounds": 1, "gather_largest_round": 2},
+                                {**after, "gather_holds": 11, "gather_held_ms": 250.5, "gather_rounds": 5,
+                                 "gather_full_rounds": 3, "gather_largest_round": 4})
+    assert gathered is not None
+    assert {k: v for k, v in gathered.items() if k.startswith("gather")} == {
+        "gather_holds": 8, "gather_held_ms": 210.5, "gather_rounds": 3, "gather_full_rounds": 2}
 
 
 def test_first_chunk_profile_gives_each_milestone_over_the_streams() -> None:
