@@ -456,6 +456,7 @@ class FlowStream:
             return out
         if dec.gather is not None and self.hold_s > 0:  # after the encoder: the steps start with the others'
             dec.gather.hold(self.hold_s)
+            self.hold_s = 0.0  # once: the synthesizer sets it again before each chunk
         x = dec.euler(mu, spks, cond, start, self.chunk_frames, self.caches, commit, self.work)
         self.committed += commit
         for cache in self.caches:
