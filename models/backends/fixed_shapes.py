@@ -234,7 +234,7 @@ VOCODER_BATCH_LANES = 0.7
 # graph: its caches grow by doubling, in the dynamic graph's precision (fp32: 4 lanes at twice a lane's
 # 1,024 frames), with the old and new buffers held during a growth, in onnxruntime's arena. On the H100 of
 # the twenty-seventh run (docs/benchmarks/h100-2026-12-07-run27.json), 16 lanes without overflow slots left
-# 12.2 GB and the bench's long utterance ran out of memory; with 23 GB or more left it served (the
+# 12.2 GB and the bench's long utterance ran out of memory; with 21.8 GB or more left it served (the
 # twenty-third to twenty-seventh runs, 80-90 moves each). One such stream is counted: 6 lanes, 15.8 GB.
 MOVED_STREAM_LANES = 6.0
 
