@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import os
 import threading
 import time
@@ -132,7 +133,8 @@ def engine_kwargs(params: dict[str, str], backend: str, bundle: Path | None = No
                                           graph_encoder_batch=_switch(params, "GRAPH_ENCODER_BATCH"),
                                           llm_captured_prefill=_switch(params, "LLM_CAPTURED_PREFILL"),
                                           graph_vocoder_batch=_switch(params, "GRAPH_VOCODER_BATCH"),
-                                          graph_flow_overflow_slots=_overflow_slots(params))}
+                                          graph_flow_overflow_slots=_overflow_slots(params),
+                                          graph_flow_gather_ms=_gather_ms(params))}
 
 
 SWITCH_VALUES = ("true", "false")
@@ -160,6 +162,22 @@ def _overflow_slots(params: dict[str, str]) -> int:
     if not value.isdigit():
         raise CosyEdgeError(f"GRAPH_FLOW_OVERFLOW_SLOTS must be a whole number of streams >= 0, got {value!r}")
     return int(value)
+
+
+def _gather_ms(params: dict[str, str]) -> float:
+    """GRAPH_FLOW_GATHER_MS (graph_flow_gather_ms): how long a request's later chunk may wait for other
+    requests' chunks before its flow, out of the audio it has queued (unset or 0: off)."""
+    from cosyedge_models.synthesis.flow_gather import MAX_GATHER_MS
+
+    value = (params.get("GRAPH_FLOW_GATHER_MS") or "").strip()
+    try:
+        ms = float(value) if value else 0.0
+    except ValueError:
+        ms = math.nan
+    if not 0 <= ms <= MAX_GATHER_MS:
+        raise CosyEdgeError(f"GRAPH_FLOW_GATHER_MS must be a number of ms from 0 (off) to {MAX_GATHER_MS:.0f}, "
+                            f"got {value!r}")
+    return ms
 
 
 def _has_batched_flow(bundle: Path) -> bool:

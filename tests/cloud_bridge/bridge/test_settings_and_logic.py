@@ -174,3 +174,17 @@ def test_triton_model_overflow_slots_parameter(static_flow_bundle: Path) -> None
         with pytest.raises(CosyEdgeError, match=f"GRAPH_FLOW_OVERFLOW_SLOTS must be a whole number of streams >= 0, "
                                                 f"got '{bad}'"):
             engine_kwargs({**params, "GRAPH_FLOW_OVERFLOW_SLOTS": bad}, "ort-cuda", static_flow_bundle)
+
+
+def test_triton_model_gather_parameter(static_flow_bundle: Path) -> None:
+    """GRAPH_FLOW_GATHER_MS: later chunks' flow gathered (graph_flow_gather_ms), off when unset."""
+    from cosyedge_cloud.triton.orchestrator import engine_kwargs
+
+    params = {"LLM_MAX_BATCH_SIZE": "8"}
+    assert engine_kwargs(params, "ort-cuda", static_flow_bundle)["settings"].graph_flow_gather_ms == 0.0
+    got = engine_kwargs({**params, "GRAPH_FLOW_GATHER_MS": " 150 "}, "ort-cuda", static_flow_bundle)
+    assert got["settings"].graph_flow_gather_ms == 150.0
+    for bad in ("-1", "soon", "nan", "1001"):
+        with pytest.raises(CosyEdgeError, match=f"GRAPH_FLOW_GATHER_MS must be a number of ms from 0 \\(off\\) to "
+                                                f"1000, got '{bad}'"):
+            engine_kwargs({**params, "GRAPH_FLOW_GATHER_MS": bad}, "ort-cuda", static_flow_bundle)
