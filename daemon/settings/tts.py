@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from cosyedge_models.settings_schema import setting
 from cosyedge_models.synthesis.api import MAX_TEXT_CHARS
+from cosyedge_models.synthesis.flow_gather import GATHER_MARGIN_S, MAX_GATHER_MS
 from cosyedge_models.synthesis.modes import GRAPH_THREAD_MODES, LLM_FIRST_CHUNK_PRIORITIES, MAX_PARALLEL_PREFILLS
 
 AUTO_WORKERS_MAX = 4  # synthesis_workers = "auto": beyond this the flow/vocoder, not the LLM, bound a board
@@ -82,9 +83,9 @@ class TtsSettings:
     )
     graph_flow_gather_ms: float = setting(
         0.0, "with graph_flow_batch: a stream's later chunk waits up to this long, and only out of the audio it has "
-        "queued ahead of playback (less 0.5 s), for other streams' chunks, so that their estimator steps share "
-        "batched replays; 0: off",
-        min=0, max=1000, reload=True,
+        f"queued ahead of playback (less {GATHER_MARGIN_S} s), for other streams' chunks, so that their estimator "
+        "steps share batched replays; 0: off",
+        min=0, max=MAX_GATHER_MS, reload=True,
     )
     graph_encoder_batch: bool = setting(
         False, "with graph_flow_batch and a bundle exported by this version with --batch-flow-sizes: concurrent "

@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 # Queued audio a held stream keeps: its own chunk's flow and vocoder still run after the hold (at sixteen
 # streams on an H100 a chunk's flow took up to ~220 ms and its vocoder ~50: twenty-seventh run).
 GATHER_MARGIN_S = 0.5
-MAX_GATHER_MS = 1000.0  # the setting's bound: longer holds would be heard as a late chunk where slack is short
+MAX_GATHER_MS = 1000  # the setting's bound: longer holds would be heard as a late chunk where slack is short
 
 
 @dataclass
