@@ -127,23 +127,6 @@ class _Pair:
         self.session.run_bound(self.binding, self.options)
 
 
-# copies per DeviceCopier run in seed_many: powers of two up to this, so that few copy graphs are made
-COPY_RUNS = 16
-
-
-def copy_chunks(copies: Sequence[T]) -> list[Sequence[T]]:
-    """`copies` in runs of COPY_RUNS, the rest in descending powers of two (10: 8 + 2)."""
-    out: list[Sequence[T]] = []
-    i = 0
-    while i < len(copies):
-        n = COPY_RUNS
-        while n > len(copies) - i:
-            n //= 2
-        out.append(copies[i:i + n])
-        i += n
-    return out
-
-
 class BatchFlowGraphs:
     """The batched estimator graphs of one engine over `groups` groups of `lanes` stream
     slots (0: the largest batch size); slot g * lanes + l is lane l of group g. A batched
@@ -206,6 +189,10 @@ class BatchFlowGraphs:
         self._seeded: list[tuple[weakref.ref[object], int] | None] = [None] * self.slots
         self.seeds = 0  # prefixes written into a slot
         self.reuses = 0  # prefixes found still in their slot
+        # the conv history a seed last wrote into each slot while no call has run on it since: a seed of
+        # the same history writes nothing then (a lane refreshed at its stream's end: lanes.py)
+        self._fresh: list[np.ndarray | None] = [None] * self.slots
+        self.fresh = 0  # reuses that found the slot so (nothing written)
         ios = {key: _IO(self, sessions[key], *key) for key in sorted(sessions)}
         bases = {b: ([s for g in range(groups) for s in range(g * self.lanes, (g + 1) * self.lanes)] if b == 1
                      else [g * self.lanes for g in range(groups)] if b <= self.lanes else [])
@@ -247,8 +234,8 @@ class BatchFlowGraphs:
         for slot in slots:
             self._check_slot(slot)
             self.lengths[slot] = 0
-        for chunk in copy_chunks([(self.conv_ptr(CFG_ROWS * s), int(self._zero_conv.data_ptr()), row) for s in slots]):
-            self.copier.copy_many(chunk)
+            self._fresh[slot] = None
+        self.copier.copy_many([(self.conv_ptr(CFG_ROWS * s), int(self._zero_conv.data_ptr()), row) for s in slots])
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.slots:
@@ -307,6 +294,8 @@ class BatchFlowGraphs:
             if self.lengths[c.slot] < self._floor(c.slot):  # its window lands inside the kept prefix
                 self._seeded[c.slot] = None
         called = {c.slot for c in calls}
+        for slot in called:
+            self._fresh[slot] = None
         # an idle lane's window lands at its length, or past the prefix it keeps
         lengths = [self.lengths[s] if s in called else max(self.lengths[s], self._floor(s))
                    for s in range(base, base + b)]
@@ -396,19 +385,26 @@ class BatchFlowGraphs:
 
     def seed_many(self, items: Sequence[tuple[int, PrefixRows | None, np.ndarray | None]]) -> None:
         """seed() for several (slot, prefix, conv history) on one graph-thread turn: the lanes that still hold
-        their prefix get their conv histories in one upload and a copy run per COPY_RUNS chunk (each seed()
-        of those took ~1.2 ms of the graph thread on the H200, twenty-first run); the others seed() one by
-        one. An item without a prefix is a reset() (a new stream's lane), done first, all in one run."""
+        their prefix get their conv histories in one upload and few copy runs (each seed() of those took
+        ~1.2 ms of the graph thread on the H200, twenty-first run), and those whose history no call has
+        changed since a seed wrote it nothing (`fresh`: refreshed at their last stream's end, lanes.py);
+        the others seed() one by one. An item without a prefix is a reset() (a new stream's lane), done
+        first, all in one run."""
         self.reset_many([slot for slot, prefix, _ in items if prefix is None])
         kept = []
         for slot, prefix, conv in items:
             if prefix is None or conv is None:
                 continue
             self._check_slot(slot)
-            if self._holds(slot, prefix):
-                kept.append((slot, prefix.frames, np.asarray(conv, np.float32).reshape(CFG_ROWS, *self.conv_row)))
-            else:
+            history = np.asarray(conv, np.float32).reshape(CFG_ROWS, *self.conv_row)
+            if not self._holds(slot, prefix):
                 self.seed(slot, prefix, conv)
+            elif (fresh := self._fresh[slot]) is not None and np.array_equal(fresh, history):
+                self.lengths[slot] = prefix.frames
+                self.reuses += 1
+                self.fresh += 1
+            else:
+                kept.append((slot, prefix.frames, history))
         if len(kept) == 1:
             self._write_conv(kept[0][0], kept[0][2])
         elif kept:
@@ -416,11 +412,12 @@ class BatchFlowGraphs:
             kind, dev = self.device
             stage = ort.OrtValue.ortvalue_from_numpy(np.stack([k[2] for k in kept]), kind, dev)
             base = int(stage.data_ptr())
-            copies = [(self.conv_ptr(CFG_ROWS * slot), base + i * row, row) for i, (slot, _, _) in enumerate(kept)]
-            for chunk in copy_chunks(copies):  # a run returns once its copies are done: `stage` may go after
-                self.copier.copy_many(chunk)
-        for slot, frames, _ in kept:
+            # a run returns once its copies are done: `stage` may go after
+            self.copier.copy_many([(self.conv_ptr(CFG_ROWS * slot), base + i * row, row)
+                                   for i, (slot, _, _) in enumerate(kept)])
+        for slot, frames, history in kept:
             self.lengths[slot] = frames
+            self._fresh[slot] = history.copy()
         self.reuses += len(kept)
 
     def _holds(self, slot: int, prefix: PrefixRows) -> bool:
@@ -429,9 +426,11 @@ class BatchFlowGraphs:
         return kept is not None and kept[0]() is prefix and kept[1] == prefix.frames
 
     def _write_conv(self, slot: int, conv: np.ndarray) -> None:
-        self._conv_stage.update_inplace(np.ascontiguousarray(conv, np.float32).reshape(CFG_ROWS, *self.conv_row))
+        history = np.array(conv, np.float32).reshape(CFG_ROWS, *self.conv_row)
+        self._conv_stage.update_inplace(history)
         self.copier.copy(self.conv_ptr(CFG_ROWS * slot), int(self._conv_stage.data_ptr()),
                          CFG_ROWS * int(np.prod(self.conv_row)) * FLOAT_BYTES)
+        self._fresh[slot] = history
 
     def write_slot(self, slot: int, kv: np.ndarray, conv: np.ndarray) -> None:
         """A slot's committed K/V [L, 2, 2, H, n, D] and conv history [2, K, Cmax, 2] from the host

@@ -28,7 +28,6 @@ for want of a lane."""
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
@@ -53,6 +52,7 @@ from cosyedge_models.batching.flow_order import (
     take,
     worth_waiting,
 )
+from cosyedge_models.batching.lanes import FlowLanes, lane_history
 from cosyedge_models.batching.turns import EMPTY_TURN, TurnQueue
 from cosyedge_models.errors import SynthesisError
 
@@ -106,12 +106,6 @@ class _Pending:
     future: Future[np.ndarray] = field(default_factory=Future)
 
 
-def lane_history(conv: np.ndarray) -> np.ndarray:
-    """A step cache's conv history [K, 2, Cmax, 2] (a prefix's, StepCache.preload's) in a lane's rows-first
-    layout [2, K, Cmax, 2] (BatchFlowGraphs.seed)."""
-    return np.asarray(conv, np.float32).transpose(1, 0, 2, 3)
-
-
 class FlowBatcher:
     """The lanes of a BatchFlowGraphs and the calls waiting for a replay."""
 
@@ -120,7 +114,7 @@ class FlowBatcher:
         self.thread = thread
         self.stats = FlowBatchStats()
         self._lock = threading.Lock()
-        self._free = [list(range(graphs.lanes)) for _ in range(graphs.groups)]  # lowest lane first
+        self.lanes = FlowLanes(graphs, thread, self._lock)  # which are free, and their resets and seeds
         # the calls waiting, under the same lock (its `arrived`: a call was queued); a turn at the
         # caller's priority (first audio first)
         self._turns = TurnQueue[_Pending](thread, self._serve, "flow_batched_replay", self._lock)
@@ -128,124 +122,15 @@ class FlowBatcher:
         self._served: list[Served] = []
         self.partner_wait_s = PARTNER_WAIT_S
         self.max_passed = graphs.groups  # a stream ahead waits at most about one Euler loop
-        # preloads and resets queued for the graph thread (queue_seed, queue_reset): one turn writes all that
-        # wait then; a reset has no prefix
-        self._seeds: list[tuple[int, PrefixRows | None, np.ndarray | None, Future[None]]] = []
-
-    def acquire(self, group: int) -> int | None:
-        """A free slot of `group` (its lowest lane: batches stay small), nothing committed; None when all
-        are taken. Its conv history is zeroed by `queue_reset`, or overwritten by its seed."""
-        with self._lock:
-            if not 0 <= group < self.graphs.groups or not self._free[group]:
-                return None
-            lane = self._free[group].pop(0)
-        slot = group * self.graphs.lanes + lane
-        self.graphs.lengths[slot] = 0
-        return slot
-
-    def release(self, slot: int) -> None:
-        group, lane = divmod(slot, self.graphs.lanes)
-        with self._lock:
-            self._free[group].append(lane)
-            self._free[group].sort()
-
-    def seed_free_lanes(self, step_kv: Sequence[PrefixRows], step_conv: Sequence[np.ndarray]) -> int:
-        """A saved voice's flow prefix (per Euler step: its K/V rows and conv history, a FlowPrefix's)
-        into every free lane of that step's group, on the graph thread; how many lanes were seeded.
-        A lane keeps the prefix for its next stream of the voice, which then writes only the conv
-        history (BatchFlowGraphs.seed): without this the first streams of a voice seed their lanes
-        in the requests' time (H200, 2026-12-04: 70 seeds took 1.2 s of the graph thread at eight
-        cold streams). A prefix that leaves no room for a window, or of other Euler steps, seeds none."""
-        g = self.graphs
-        if len(step_kv) != g.groups or len(step_conv) != g.groups:
-            return 0
-        if not all(prefix_fits(rows.frames, g.windows, g.cache_frames) for rows in step_kv):
-            return 0
-        with self._lock:  # taken while they are written: no stream gets a lane half seeded
-            taken = [list(free) for free in self._free]
-            self._free = [[] for _ in range(g.groups)]
-        items = [(group * g.lanes + lane, step_kv[group], lane_history(step_conv[group]))
-                 for group, lanes in enumerate(taken) for lane in lanes]
-        try:
-            if items:  # one turn (seed_many: a lane that holds the prefix gets its conv history in one run)
-                self.thread.call(functools.partial(g.seed_many, items), label="flow_lane_seed")
-        finally:
-            with self._lock:
-                for group, lanes in enumerate(taken):
-                    self._free[group] = sorted(self._free[group] + lanes)
-        return len(items)
-
-    def queue_reset(self, slot: int) -> Future[None]:
-        """A new stream's lane reset (its conv history zeroed: BatchFlowGraphs.reset) queued for the graph
-        thread, not awaited, as the seeds are: ten synchronous device copies a stream stood before its
-        LLM, and those of streams opening together one after another. A seed queued for the lane
-        before the turn takes it replaces it (the seed writes the history)."""
-        return self._queue(slot, None, None)
-
-    def claim_reset(self, slot: int, done: Future[None]) -> None:
-        """A lane's first use before its queued reset's turn: the reset here and now, off the queue (the
-        graph thread may be busy with other streams' first chunks); where a turn took it, its end."""
-        with self._lock:
-            waiting = [item for item in self._seeds if item[3] is done]
-            self._seeds = [item for item in self._seeds if item[3] is not done]
-        if not waiting:
-            done.result()
-            return
-        try:
-            self.graphs.reset(slot)
-        except BaseException as exc:
-            done.set_exception(exc)
-            raise
-        done.set_result(None)
-
-    def queue_seed(self, slot: int, rows: PrefixRows, history: np.ndarray) -> Future[None]:
-        """A lane's seed (BatchFlowGraphs.seed) queued for the graph thread, not awaited: a stream opens
-        its ten Euler steps' lanes at once, and the seeds waiting when a turn runs are written together
-        (seed_many). The future fails where the turn failed (its lanes are not trusted)."""
-        return self._queue(slot, rows, history)
-
-    def _queue(self, slot: int, rows: PrefixRows | None, history: np.ndarray | None) -> Future[None]:
-        done: Future[None] = Future()
-        replaced: list[Future[None]] = []
-        with self._lock:
-            first = not self._seeds  # else a queued turn, not yet started, takes this one too
-            if rows is not None:  # the lane's reset still waiting: the seed writes what it would
-                replaced = [f for s, r, _, f in self._seeds if s == slot and r is None]
-                self._seeds = [item for item in self._seeds if not (item[0] == slot and item[1] is None)]
-            self._seeds.append((slot, rows, history, done))
-        if first:
-            try:
-                self.thread.submit(self._seed_waiting, label="flow_lane_seed")
-            except BaseException as exc:
-                self._fail_seeds(exc)
-        for future in replaced:
-            future.set_result(None)
-        return done
-
-    def _seed_waiting(self) -> None:
-        with self._lock:
-            seeds, self._seeds = self._seeds, []
-        try:
-            self.graphs.seed_many([(slot, rows, history) for slot, rows, history, _ in seeds])
-        except BaseException as exc:
-            for *_, done in seeds:
-                done.set_exception(exc)
-            return
-        for *_, done in seeds:
-            done.set_result(None)
-
-    def _fail_seeds(self, exc: BaseException) -> None:
-        """The turn could not be queued (the thread stopped): the seeds waiting fail with its error."""
-        with self._lock:
-            seeds, self._seeds = self._seeds, []
-        for *_, done in seeds:
-            done.set_exception(exc)
 
     def report(self) -> dict[str, object]:
         """FlowBatchStats as a dict, consistent (bench output), with the lanes' voice prefixes written
-        (`seeds`) and found still there (`reuses`: only the conv history written)."""
+        (`seeds`), found still there (`reuses`: only the conv history written) and found as a seed leaves
+        them (`fresh`: nothing written), and the lanes refreshed at their stream's end (lanes.py)."""
         with self._lock:
-            return {**self.stats.as_dict(), "seeds": self.graphs.seeds, "reuses": self.graphs.reuses}
+            g, lanes = self.graphs, self.lanes
+            return {**self.stats.as_dict(), "seeds": g.seeds, "reuses": g.reuses, "fresh": g.fresh,
+                    "refreshes": lanes.refreshes, "refreshes_dropped": lanes.dropped}
 
     @property
     def waiting(self) -> int:
@@ -254,8 +139,7 @@ class FlowBatcher:
 
     @property
     def lanes_in_use(self) -> int:
-        with self._lock:
-            return self.graphs.slots - sum(len(f) for f in self._free)
+        return self.lanes.in_use
 
     def expect(self, streams: Sequence[int]) -> None:
         """These streams' (threads') first Euler step calls come next (a gather released them together): the
@@ -338,8 +222,9 @@ class BatchedStepCache:
         self._closed = False
         # the lane's reset, then preload's seed (which replaces a reset still waiting), queued on the graph
         # thread; `length` needs neither (the slot's committed frames are 0 from acquire until the seed)
-        self._resetting: Future[None] | None = batcher.queue_reset(slot)
+        self._resetting: Future[None] | None = batcher.lanes.queue_reset(slot)
         self._seeding: Future[None] | None = None
+        self._voice: tuple[PrefixRows, np.ndarray] | None = None  # the seed's rows and history (the refresh)
 
     def _seeded(self) -> None:
         """Wait for a queued seed; one that failed raises here at every use (the lane is not trusted)."""
@@ -351,7 +236,7 @@ class BatchedStepCache:
         """The queued reset done (here, where its turn has not come) and the seed waited for: before the
         lane's first replay or read."""
         if self._resetting is not None and self._slot is not None:
-            self._batcher.claim_reset(self._slot, self._resetting)
+            self._batcher.lanes.claim_reset(self._slot, self._resetting)
         self._resetting = None
         self._seeded()
 
@@ -397,7 +282,8 @@ class BatchedStepCache:
         # Queued, not awaited: a stream opens its flow (ten Euler steps' lanes) before its LLM prefill is
         # submitted, and each seed awaited in turn waited behind other streams' replays (H200, sixteenth
         # run: 259 ms of waits over eight streams' level). The lane's first use waits for it (_seeded).
-        self._seeding = self._batcher.queue_seed(slot, rows, history)
+        self._seeding = self._batcher.lanes.queue_seed(slot, rows, history)
+        self._voice = (rows, history)
 
     def run(self, feeds: Mapping[str, np.ndarray], commit: int) -> np.ndarray:
         if self._closed:
@@ -440,7 +326,7 @@ class BatchedStepCache:
         # lane's first use fails nothing else (the stream closes unused)
         try:
             if self._resetting is not None and self._slot is not None:
-                self._batcher.claim_reset(self._slot, self._resetting)  # not waiting for a turn
+                self._batcher.lanes.claim_reset(self._slot, self._resetting)  # not waiting for a turn
         except Exception as exc:
             log.warning("a flow lane's reset failed before its first use: %s", exc)
         pending, self._resetting, self._seeding = self._seeding, None, None
@@ -448,8 +334,12 @@ class BatchedStepCache:
         if failed is not None:
             log.warning("a flow lane's seed failed before its first use: %s", failed)
         if self._slot is not None:
-            self._batcher.release(self._slot)
+            if self._voice is not None and failed is None:  # the voice's conv history again (lanes.py)
+                self._batcher.lanes.refresh(self._slot, *self._voice)
+            else:
+                self._batcher.lanes.release(self._slot)
             self._slot = None
+        self._voice = None
 
     def close(self) -> None:
         self._give_back()
@@ -479,7 +369,7 @@ class BatchedFlowCaches:
 
     def __call__(self, session: Session, spec: StepCacheSpec) -> StepCache:
         if isinstance(session, OrtSession) and self.matches(spec) and spec.euler_step >= 0:
-            slot = self.batcher.acquire(spec.euler_step)
+            slot = self.batcher.lanes.acquire(spec.euler_step)
             if slot is not None:
                 return BatchedStepCache(self.batcher, slot, session, spec, self._dynamic)
         with self.batcher._lock:

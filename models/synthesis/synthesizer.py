@@ -266,7 +266,7 @@ class CosyVoiceSynthesizer(SynthesizerDefaults):
             batcher = self.graphs.flow_batch
             if prefix is None or batcher is None:
                 return 0
-            return batcher.seed_free_lanes(prefix.step_kv, prefix.step_conv)
+            return batcher.lanes.seed_free_lanes(prefix.step_kv, prefix.step_conv)
         return 0
 
     def warm_vocoder(self) -> list[int]:

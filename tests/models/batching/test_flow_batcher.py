@@ -9,14 +9,14 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 from cosyedge_models.backends.factory import create_backend
 from cosyedge_models.backends.fixed_shapes import OVERFLOW_FLOW_SLOTS
-from cosyedge_models.backends.flow_cache import PrefixRows, StepCacheSpec
+from cosyedge_models.backends.flow_cache import PrefixRows, StepCache, StepCacheSpec
 from cosyedge_models.backends.graph_thread import GraphPriority, GraphThread
 from cosyedge_models.backends.ort import OrtSession
 from cosyedge_models.backends.ort_cache import DeviceCopier
@@ -232,7 +232,7 @@ def test_a_lane_keeps_its_saved_prefix_for_the_next_stream_of_that_voice(static_
     """Seeding a lane from the host took seconds a request at full size (10 Euler steps' lanes); a
     lane whose last stream had the same saved prefix still holds it (streams write past it), so
     the next stream of that voice writes only its conv history, and hears the same."""
-    with _one_group(static_flow_bundle, seed=11, windows=3) as (sessions, caches, spec, graphs, _, chunk, rows,
+    with _one_group(static_flow_bundle, seed=11, windows=3) as (sessions, caches, spec, graphs, thread, chunk, rows,
                                                                conv, feeds):
 
         def stream(prefix: PrefixRows | None) -> list[np.ndarray]:
@@ -244,15 +244,19 @@ def test_a_lane_keeps_its_saved_prefix_for_the_next_stream_of_that_voice(static_
             cache.close()
             return out
 
+        def counts() -> tuple[int, int, int, int]:
+            thread.call(lambda: None)  # after the refresh queued at the stream's end (lanes.py)
+            return graphs.seeds, graphs.reuses, graphs.fresh, caches.batcher.lanes.refreshes
+
         first = stream(rows)
-        assert (graphs.seeds, graphs.reuses) == (1, 0)
+        assert counts() == (1, 1, 0, 1)  # the seed, then at its end the lane's conv history again (a reuse)
         again = stream(rows)  # the same lane (the lowest free one), the prefix still there
-        assert (graphs.seeds, graphs.reuses) == (1, 1)
-        stream(None)  # a stream without a saved voice writes from frame 0, over the prefix
+        assert counts() == (1, 3, 1, 2)  # its seed found the lane as the refresh left it: nothing written
+        stream(None)  # a stream without a saved voice writes from frame 0, over the prefix (no refresh)
         third = stream(rows)
-        assert (graphs.seeds, graphs.reuses) == (2, 1)
+        assert counts() == (2, 4, 1, 3)
         stream(PrefixRows(rows.host.copy()))  # another voice's rows (equal values, another prefix)
-        assert (graphs.seeds, graphs.reuses) == (3, 1)
+        assert counts() == (3, 5, 1, 4)
         for got in (again, third):
             for a, b in zip(got, first, strict=True):
                 np.testing.assert_array_equal(a, b)
@@ -469,7 +473,8 @@ def test_the_seeds_waiting_for_the_graph_thread_are_written_in_one_turn(static_f
     """A stream opens its Euler steps' lanes at once; their seeds waiting when the graph thread comes to
     them are written in one turn (BatchFlowGraphs.seed_many), and where the lanes still hold the voice's
     prefix, their conv histories in one upload and one copy run (a seed each took ~1.2 ms of the graph
-    thread on the H200). Each lane then gives what a lane seeded alone gives."""
+    thread on the H200). At the streams' end the lanes get the voice's conv history again (lanes.py), so
+    the next streams' seeds write nothing. Each lane then gives what a lane seeded alone gives."""
     with _one_group(static_flow_bundle, seed=13, windows=1) as (sessions, caches, spec, graphs, thread, chunk, rows,
                                                                conv, feeds):
         turns: list[int] = []
@@ -480,38 +485,110 @@ def test_the_seeds_waiting_for_the_graph_thread_are_written_in_one_turn(static_f
             real(items)
 
         graphs.seed_many = counted  # type: ignore[method-assign]
+        copies: list[int] = []
+        real_copy = graphs.copier.copy_many
+
+        def copy_many(items: list[tuple[int, int, int]]) -> None:
+            if items:  # (a turn's resets: none)
+                copies.append(len(items))
+            real_copy(items)
+
+        graphs.copier.copy_many = copy_many  # type: ignore[method-assign]
         lanes = graphs.lanes
         assert lanes >= 2
 
-        def open_every_lane() -> list[np.ndarray]:
+        def behind_other_work(work: Callable[[], object]) -> None:
             release = threading.Event()
-            blocker = thread.submit(release.wait)  # the seeds queue behind other work
-            opened = [caches(sessions["flow_estimator"], spec) for _ in range(lanes)]
-            assert all(isinstance(c, BatchedStepCache) and c.on_graph for c in opened)
-            for cache in opened:
-                cache.preload(rows, conv)
+            blocker = thread.submit(release.wait)  # what `work` queues waits behind other work
+            work()
             release.set()
             assert blocker.result(timeout=30)
+            thread.call(lambda: None)
+
+        def open_every_lane() -> list[np.ndarray]:
+            opened: list[StepCache] = []
+
+            def open_them() -> None:
+                opened.extend(caches(sessions["flow_estimator"], spec) for _ in range(lanes))
+                assert all(isinstance(c, BatchedStepCache) and c.on_graph for c in opened)
+                for cache in opened:
+                    cache.preload(rows, conv)
+
+            behind_other_work(open_them)
             outs = [cache.run(feeds[0], chunk) for cache in opened]
-            for cache in opened:
-                cache.close()
+            behind_other_work(lambda: [cache.close() for cache in opened])
             return outs
 
-        first = open_every_lane()  # every lane seeded in full, in one turn
-        assert turns == [lanes] and (graphs.seeds, graphs.reuses) == (lanes, 0)
-        again = open_every_lane()  # every lane still holds the prefix: only the conv histories, together
-        assert turns == [lanes, lanes] and (graphs.seeds, graphs.reuses) == (lanes, lanes)
+        first = open_every_lane()  # every lane seeded in full, in one turn; at the end refreshed, in one turn
+        assert turns == [lanes, lanes] and (graphs.seeds, graphs.reuses, graphs.fresh) == (lanes, lanes, 0)
+        assert copies[-1:] == [lanes]  # the refresh: every lane's conv history in one copy run
+        written = len(copies)
+        again = open_every_lane()  # every lane as its refresh left it: the seeds wrote nothing
+        assert turns == [lanes] * 4 and (graphs.seeds, graphs.reuses, graphs.fresh) == (lanes, 3 * lanes, lanes)
+        assert copies[written:] == [lanes]  # only the second refresh copied
         for a, b in zip([*first[1:], *again], [first[0]] * (2 * lanes - 1), strict=True):
             np.testing.assert_array_equal(a, b)  # the lanes' streams wrote their own histories
 
 
-def test_copy_runs_in_powers_of_two() -> None:
-    from cosyedge_models.batching.batched_flow import COPY_RUNS, copy_chunks
+def test_a_lane_taken_during_its_refresh_is_the_new_streams_alone(static_flow_bundle: Path) -> None:
+    """A lane given back by a stream of a saved voice is refreshed in a queued turn (lanes.py). A new
+    stream that takes it first drops that refresh (its own reset writes the lane), and one that takes it
+    while the refresh is written waits for it: either way its length is 0 and it gives what a stream
+    without a voice gives on a lane no one used."""
+    with _one_group(static_flow_bundle, seed=15, windows=2) as (sessions, caches, spec, graphs, thread, chunk, rows,
+                                                               conv, feeds):
+        lanes = caches.batcher.lanes
 
-    assert [len(c) for c in copy_chunks(list(range(10)))] == [8, 2]
-    assert [len(c) for c in copy_chunks(list(range(2 * COPY_RUNS + 3)))] == [COPY_RUNS, COPY_RUNS, 2, 1]
-    assert copy_chunks([]) == []
-    assert [x for c in copy_chunks(list(range(37))) for x in c] == list(range(37))  # all, in order
+        def plain(cache: StepCache | None = None) -> list[np.ndarray]:
+            cache = cache or caches(sessions["flow_estimator"], spec)
+            assert isinstance(cache, BatchedStepCache) and cache.length == 0
+            out = [cache.run(f, chunk) for f in feeds]
+            cache.close()
+            return out
+
+        alone = plain()
+        voiced = caches(sessions["flow_estimator"], spec)
+        voiced.preload(rows, conv)
+        voiced.run(feeds[0], chunk)
+        release = threading.Event()
+        blocker = thread.submit(release.wait)
+        voiced.close()  # its refresh queued behind other work
+        new = caches(sessions["flow_estimator"], spec)  # the same lane, taken first: the refresh dropped
+        assert (lanes.refreshes, lanes.dropped) == (1, 1)
+        release.set()
+        assert blocker.result(timeout=30)
+        voiced_then_plain = plain(new)
+
+        # the refresh being written when the new stream takes the lane: acquire waits for it
+        writing, go_on = threading.Event(), threading.Event()
+        real = graphs.seed_many
+
+        def slow(items: list[tuple[int, PrefixRows | None, np.ndarray | None]]) -> None:
+            if any(prefix is not None for _, prefix, _ in items) and not go_on.is_set():
+                writing.set()
+                assert go_on.wait(30)
+            real(items)
+
+        graphs.seed_many = slow  # type: ignore[method-assign]
+        cache = caches(sessions["flow_estimator"], spec)
+        cache.preload(rows, conv)
+        go_on.set()  # its own seed goes on at once
+        cache.run(feeds[0], chunk)
+        go_on.clear()
+        cache.close()
+        assert writing.wait(30)  # the refresh's turn holds the graph thread
+        taken: list[list[np.ndarray]] = []
+        taker = threading.Thread(target=lambda: taken.append(plain()))
+        taker.start()
+        taker.join(0.3)
+        assert taker.is_alive()  # waiting for the refresh being written
+        go_on.set()
+        taker.join(60)
+        graphs.seed_many = real  # type: ignore[method-assign]
+        assert (lanes.refreshes, lanes.dropped, lanes.in_use) == (2, 1, 0)
+        for got in (voiced_then_plain, taken[0]):
+            for a, b in zip(got, alone, strict=True):
+                np.testing.assert_array_equal(a, b)
 
 
 def test_a_new_streams_lane_is_reset_off_its_opening_thread_and_before_its_first_window(

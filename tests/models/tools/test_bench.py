@@ -282,6 +282,12 @@ def test_flow_batch_delta_gives_a_levels_replays_and_their_mean_time_by_streams_
     assert gathered is not None
     assert {k: v for k, v in gathered.items() if k.startswith("gather")} == {
         "gather_holds": 8, "gather_held_ms": 210.5, "gather_rounds": 3, "gather_full_rounds": 2}
+    # the lanes refreshed at streams' ends and the seeds that then wrote nothing (lanes.py)
+    refreshed = flow_batch_delta({**before, "fresh": 2, "refreshes": 3, "refreshes_dropped": 0},
+                                 {**after, "fresh": 12, "refreshes": 14, "refreshes_dropped": 1})
+    assert refreshed is not None
+    assert {k: refreshed[k] for k in ("fresh", "refreshes", "refreshes_dropped")} == {
+        "fresh": 10, "refreshes": 11, "refreshes_dropped": 1}
 
 
 def test_first_chunk_profile_gives_each_milestone_over_the_streams() -> None:

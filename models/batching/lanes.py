@@ -1,0 +1,216 @@
+"""The lanes of the batched estimator graphs (batched_flow.py's BatchFlowGraphs): which are
+free, and what is written into them on the engine's graph thread before their streams use them.
+
+A stream's lane needs, before its first window, its conv history zeroed (a reset) or a saved
+voice's prefix and conv history (a seed). Both are queued, not awaited: the writes waiting when
+the graph thread comes to them go in one turn (BatchFlowGraphs.seed_many), and the lane's first
+use waits for its own.
+
+A lane that a stream of a saved voice gives back is refreshed: the voice's conv history written
+again in a queued turn (its K/V rows still hold the prefix: streams write past it). The next
+stream of that voice then finds the lane as a seed leaves it, and its own seed writes nothing
+(BatchFlowGraphs.fresh). Those writes were on every first chunk's path: sixteen streams opening
+together spent 115-131 ms of the graph thread writing conv histories before their first LLM
+step (H100, twenty-eighth run, docs/benchmarks/h100-2026-12-07-run28.json); at the stream's end
+the same write costs no one's first audio. A new stream that takes a lane whose refresh has not
+started drops it (its own reset or seed writes the lane); one being written is waited for."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import numpy as np
+from cosyedge_models.backends.fixed_shapes import prefix_fits
+from cosyedge_models.backends.flow_cache import PrefixRows
+from cosyedge_models.backends.graph_thread import GraphThread
+from cosyedge_models.batching.batched_flow import BatchFlowGraphs
+
+log = logging.getLogger(__name__)
+
+
+def lane_history(conv: np.ndarray) -> np.ndarray:
+    """A step cache's conv history [K, 2, Cmax, 2] (a prefix's, StepCache.preload's) in a lane's rows-first
+    layout [2, K, Cmax, 2] (BatchFlowGraphs.seed)."""
+    return np.asarray(conv, np.float32).transpose(1, 0, 2, 3)
+
+
+@dataclass
+class _Write:
+    """A queued write of one lane: a reset (no prefix) or a seed; `done` when the turn wrote it."""
+
+    slot: int
+    rows: PrefixRows | None
+    history: np.ndarray | None
+    done: Future[None]
+
+
+class FlowLanes:
+    """The free lanes of each group and the writes queued for them. `lock` is the FlowBatcher's
+    (its stats and the lanes in use are read under it too)."""
+
+    def __init__(self, graphs: BatchFlowGraphs, thread: GraphThread, lock: threading.Lock) -> None:
+        self.graphs = graphs
+        self.thread = thread
+        self._lock = lock
+        self._free = [list(range(graphs.lanes)) for _ in range(graphs.groups)]  # lowest lane first
+        self._writes: list[_Write] = []
+        self._refreshing: dict[int, Future[None]] = {}  # slot -> its refresh, queued or being written
+        self.refreshes = 0  # lanes given back with their voice's conv history queued again
+        self.dropped = 0  # refreshes a new stream took the lane before (its own write replaced them)
+
+    @property
+    def in_use(self) -> int:
+        with self._lock:
+            return self.graphs.slots - sum(len(f) for f in self._free)
+
+    def acquire(self, group: int) -> int | None:
+        """A free slot of `group` (its lowest lane: batches stay small), nothing committed; None when all
+        are taken. Its conv history is zeroed by `queue_reset`, or overwritten by its seed; a refresh of
+        the lane still queued is dropped, one being written is waited for (the turn sets the length)."""
+        with self._lock:
+            if not 0 <= group < self.graphs.groups or not self._free[group]:
+                return None
+            lane = self._free[group].pop(0)
+            slot = group * self.graphs.lanes + lane
+            refresh = self._refreshing.pop(slot, None)
+            queued = refresh is not None and any(w.done is refresh for w in self._writes)
+            if queued:
+                self._writes = [w for w in self._writes if w.done is not refresh]
+                self.dropped += 1
+        if refresh is not None:
+            if queued:
+                refresh.set_result(None)
+            elif refresh.exception() is not None:  # waits for its turn; the stream's own write follows anyway
+                log.debug("a flow lane's refresh failed: %s", refresh.exception())
+        self.graphs.lengths[slot] = 0
+        return slot
+
+    def release(self, slot: int) -> None:
+        group, lane = divmod(slot, self.graphs.lanes)
+        with self._lock:
+            self._free[group].append(lane)
+            self._free[group].sort()
+
+    def refresh(self, slot: int, rows: PrefixRows, history: np.ndarray) -> None:
+        """Give the lane back with the voice's conv history written again in a queued turn (the module's
+        docstring): the next stream of the voice writes nothing. Never raises (a stream's end)."""
+        done: Future[None] = Future()
+        group, lane = divmod(slot, self.graphs.lanes)
+        with self._lock:
+            self._refreshing[slot] = done
+            self.refreshes += 1
+            first = not self._writes
+            self._writes.append(_Write(slot, rows, history, done))
+            self._free[group] = sorted([*self._free[group], lane])
+        if first:
+            try:
+                self.thread.submit(self._write_waiting, label="flow_lane_seed")
+            except BaseException as exc:  # the engine closing: the lane stays free, unrefreshed
+                log.debug("a flow lane's refresh was not queued: %s", exc)
+                self._fail(exc)
+
+    def seed_free_lanes(self, step_kv: Sequence[PrefixRows], step_conv: Sequence[np.ndarray]) -> int:
+        """A saved voice's flow prefix (per Euler step: its K/V rows and conv history, a FlowPrefix's)
+        into every free lane of that step's group, on the graph thread; how many lanes were seeded.
+        A lane keeps the prefix for its next stream of the voice, which then writes only the conv
+        history (BatchFlowGraphs.seed): without this the first streams of a voice seed their lanes
+        in the requests' time (H200, 2026-12-04: 70 seeds took 1.2 s of the graph thread at eight
+        cold streams). A prefix that leaves no room for a window, or of other Euler steps, seeds none."""
+        g = self.graphs
+        if len(step_kv) != g.groups or len(step_conv) != g.groups:
+            return 0
+        if not all(prefix_fits(rows.frames, g.windows, g.cache_frames) for rows in step_kv):
+            return 0
+        with self._lock:  # taken while they are written: no stream gets a lane half seeded
+            taken = [list(free) for free in self._free]
+            self._free = [[] for _ in range(g.groups)]
+        items = [(group * g.lanes + lane, step_kv[group], lane_history(step_conv[group]))
+                 for group, lanes in enumerate(taken) for lane in lanes]
+        try:
+            if items:  # one turn (seed_many: a lane that holds the prefix gets its conv history in one run)
+                self.thread.call(functools.partial(g.seed_many, items), label="flow_lane_seed")
+        finally:
+            with self._lock:
+                for group, lanes in enumerate(taken):
+                    self._free[group] = sorted(self._free[group] + lanes)
+        return len(items)
+
+    def queue_reset(self, slot: int) -> Future[None]:
+        """A new stream's lane reset (its conv history zeroed: BatchFlowGraphs.reset) queued for the graph
+        thread, not awaited, as the seeds are: ten synchronous device copies a stream stood before its
+        LLM, and those of streams opening together one after another. A seed queued for the lane
+        before the turn takes it replaces it (the seed writes the history)."""
+        return self._queue(slot, None, None)
+
+    def claim_reset(self, slot: int, done: Future[None]) -> None:
+        """A lane's first use before its queued reset's turn: the reset here and now, off the queue (the
+        graph thread may be busy with other streams' first chunks); where a turn took it, its end."""
+        with self._lock:
+            waiting = [w for w in self._writes if w.done is done]
+            self._writes = [w for w in self._writes if w.done is not done]
+        if not waiting:
+            done.result()
+            return
+        try:
+            self.graphs.reset(slot)
+        except BaseException as exc:
+            done.set_exception(exc)
+            raise
+        done.set_result(None)
+
+    def queue_seed(self, slot: int, rows: PrefixRows, history: np.ndarray) -> Future[None]:
+        """A lane's seed (BatchFlowGraphs.seed) queued for the graph thread, not awaited: a stream opens
+        its ten Euler steps' lanes at once, and the seeds waiting when a turn runs are written together
+        (seed_many). The future fails where the turn failed (its lanes are not trusted)."""
+        return self._queue(slot, rows, history)
+
+    def _queue(self, slot: int, rows: PrefixRows | None, history: np.ndarray | None) -> Future[None]:
+        done: Future[None] = Future()
+        replaced: list[Future[None]] = []
+        with self._lock:
+            first = not self._writes  # else a queued turn, not yet started, takes this one too
+            if rows is not None:  # the lane's reset still waiting: the seed writes what it would
+                replaced = [w.done for w in self._writes if w.slot == slot and w.rows is None]
+                self._writes = [w for w in self._writes if not (w.slot == slot and w.rows is None)]
+            self._writes.append(_Write(slot, rows, history, done))
+        if first:
+            try:
+                self.thread.submit(self._write_waiting, label="flow_lane_seed")
+            except BaseException as exc:
+                self._fail(exc)
+        for future in replaced:
+            future.set_result(None)
+        return done
+
+    def _write_waiting(self) -> None:
+        """On the graph thread: every write waiting, in one seed_many."""
+        with self._lock:
+            writes, self._writes = self._writes, []
+        try:
+            self.graphs.seed_many([(w.slot, w.rows, w.history) for w in writes])
+        except BaseException as exc:
+            self._settle(writes, exc)
+            return
+        self._settle(writes, None)
+
+    def _settle(self, writes: Sequence[_Write], exc: BaseException | None) -> None:
+        with self._lock:
+            for w in writes:
+                if self._refreshing.get(w.slot) is w.done:
+                    del self._refreshing[w.slot]
+        for w in writes:
+            if exc is None:
+                w.done.set_result(None)
+            else:
+                w.done.set_exception(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        """The turn could not be queued (the thread stopped): the writes waiting fail with its error."""
+        with self._lock:
+            writes, self._writes = self._writes, []
+        self._settle(writes, exc)
