@@ -20,13 +20,14 @@ case ${1:?start or wait} in
   start)
     rm -rf "$repo" "$res" && mkdir -p "$repo" "$res" && cp -a . "$repo"/
     # default: issue 23's next measurements (the goals are stated for an H200; the twenty-second to
-    # twenty-seventh runs got H100s): the goals' configuration as levels (x) right after the synced setup;
-    # the goals' bench with the official pipeline and the batched vocoder lengths (e; after x it agreed with
-    # its levels in the twenty-sixth and twenty-seventh runs); the bench of b's configuration with no
-    # single-stream overflow slots (n: 16 lanes on an 80 GB card, with room kept for the long utterance that
-    # ran out of memory beside 16 lanes in the twenty-seventh run; its rate at sixteen); later chunks' flow
-    # gathered 150 ms (graph_flow_gather_ms) in the goals' levels (a) and in n's configuration as levels (j:
-    # whether the sixteen streams' estimator replays then serve more than one stream); the goals' levels at 15
+    # twenty-eighth runs got H100s): the goals' configuration as levels (x) right after the synced setup, and
+    # the goals' bench with the official pipeline and the batched vocoder lengths (e): with the lanes
+    # refreshed at their streams' ends (models/batching/lanes.py; their seeds took 35 ms before the first LLM
+    # step at eight streams in the twenty-eighth run's trace); the bench of b's configuration with no
+    # single-stream overflow slots (n: 16 lanes on an 80 GB card beside the long utterance's room, served in
+    # the twenty-eighth run; its seeds took 115 ms at sixteen); later chunks' flow gathered 150 ms
+    # (graph_flow_gather_ms) in the goals' levels (a) and in n's configuration as levels (j), a second run of
+    # each (the twenty-eighth: 5.26 against 4.12 and 7.92 against 7.18 requests/s at sixteen); the goals' levels at 15
     # tokens and 6 Euler steps (s); the cloud at full size (c, CLOUD_PARAMS) and without the batched encoder
     # windows and overflow slots (k: 16 lanes on an 80 GB card); t: the captured fp16 prefill's -m gpu
     # tests; then the candidates for the defaults: the batched vocoder lengths (v), the batched prefill
