@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 from cosyedge_models.backends.fixed_shapes import prefix_fits
 from cosyedge_models.backends.flow_cache import PrefixRows
-from cosyedge_models.backends.graph_thread import GraphThread
+from cosyedge_models.backends.graph_thread import GraphPriority, GraphThread
 from cosyedge_models.batching.batched_flow import BatchFlowGraphs
 
 log = logging.getLogger(__name__)
@@ -109,7 +109,8 @@ class FlowLanes:
             self._free[group] = sorted([*self._free[group], lane])
         if first:
             try:
-                self.thread.submit(self._write_waiting, label="flow_lane_seed")
+                # never first-audio work, whatever the closing thread is doing
+                self.thread.submit(self._write_waiting, GraphPriority.NORMAL, label="flow_lane_seed")
             except BaseException as exc:  # the engine closing: the lane stays free, unrefreshed
                 log.debug("a flow lane's refresh was not queued: %s", exc)
                 self._fail(exc)

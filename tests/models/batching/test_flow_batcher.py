@@ -354,7 +354,11 @@ def test_a_prepared_voice_is_in_every_lane_before_its_first_stream(static_flow_b
         assert eng.prepare_voice("alice") == graphs.slots == graphs.groups * graphs.lanes
         assert graphs.seeds == graphs.slots and batcher.lanes_in_use == 0
         got = audio(eng)
-        assert graphs.seeds == graphs.slots and graphs.reuses == graphs.groups  # the stream seeded nothing
+        batcher.thread.call(lambda: None)  # after the lanes' refreshes at the stream's end (lanes.py)
+        # the stream's seeds found its lanes as prepare_voice left them and wrote nothing; at its end its
+        # lanes got the voice's conv history again
+        assert graphs.seeds == graphs.slots and (graphs.fresh, batcher.lanes.refreshes) == (graphs.groups,) * 2
+        assert graphs.reuses == 2 * graphs.groups
         sft_only = next(n for n in eng.bundle.voices if n != "alice")
         assert eng.prepare_voice(sft_only) == 0 and graphs.seeds == graphs.slots
         with pytest.raises(RequestError, match="unknown voice 'nobody'"):
