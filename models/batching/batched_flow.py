@@ -48,7 +48,6 @@ from cosyedge_models.errors import BundleError, SynthesisError
 log = logging.getLogger(__name__)
 
 SessionT = TypeVar("SessionT")
-T = TypeVar("T")
 
 FLOAT_BYTES = 4  # the inputs, outputs and conv history (fp32 in every variant)
 # the K/V lanes' element type, as the graphs declare their key_cache inputs (fp16 variant: half the bytes)

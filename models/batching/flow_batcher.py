@@ -137,10 +137,6 @@ class FlowBatcher:
         """Calls waiting for a replay (tests, logs)."""
         return self._turns.waiting
 
-    @property
-    def lanes_in_use(self) -> int:
-        return self.lanes.in_use
-
     def expect(self, streams: Sequence[int]) -> None:
         """These streams' (threads') first Euler step calls come next (a gather released them together): the
         next replay waits for them as for the streams of the last one (flow_order.worth_waiting)."""

@@ -91,22 +91,24 @@ class FlowLanes:
         return slot
 
     def release(self, slot: int) -> None:
-        group, lane = divmod(slot, self.graphs.lanes)
         with self._lock:
-            self._free[group].append(lane)
-            self._free[group].sort()
+            self._free_slot(slot)
+
+    def _free_slot(self, slot: int) -> None:
+        """(under the lock) the slot's lane back among its group's free lanes, lowest first."""
+        group, lane = divmod(slot, self.graphs.lanes)
+        self._free[group] = sorted([*self._free[group], lane])
 
     def refresh(self, slot: int, rows: PrefixRows, history: np.ndarray) -> None:
         """Give the lane back with the voice's conv history written again in a queued turn (the module's
         docstring): the next stream of the voice writes nothing. Never raises (a stream's end)."""
         done: Future[None] = Future()
-        group, lane = divmod(slot, self.graphs.lanes)
         with self._lock:
             self._refreshing[slot] = done
             self.refreshes += 1
             first = not self._writes
             self._writes.append(_Write(slot, rows, history, done))
-            self._free[group] = sorted([*self._free[group], lane])
+            self._free_slot(slot)
         if first:
             try:
                 # never first-audio work, whatever the closing thread is doing

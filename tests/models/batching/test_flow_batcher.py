@@ -109,7 +109,7 @@ def test_concurrent_streams_share_replays_and_sound_as_alone(static_flow_bundle:
         assert eng.static_flow.max_slots == OVERFLOW_FLOW_SLOTS * eng.bundle.flow.n_timesteps  # a step cache each
         alone = {i: _audio(eng, i) for i in range(2)}
         assert batcher.stats.shared_replays == 0 and batcher.stats.replays > 0
-        assert batcher.lanes_in_use == 0  # every lane given back
+        assert batcher.lanes.in_use == 0  # every lane given back
         # hold the graph thread until both streams' first windows wait: they meet as one replay
         seen: dict[str, int] = {}
 
@@ -144,7 +144,7 @@ def test_concurrent_streams_share_replays_and_sound_as_alone(static_flow_bundle:
         # every replay counted by its window, every single-stream one by what else waited
         assert sum(stats["windows"].values()) == stats["replays"]  # type: ignore[union-attr]
         assert sum(stats["singles"].values()) == stats["batch_sizes"].get(1, 0)  # type: ignore[union-attr]
-        assert batcher.lanes_in_use == 0
+        assert batcher.lanes.in_use == 0
     finally:
         eng.close()
     for i in range(2):
@@ -184,7 +184,7 @@ def test_a_saved_prefix_in_a_lane_gives_the_single_stream_windows(static_flow_bu
         ref = single(sessions["flow_estimator"], spec)
         got = caches(sessions["flow_estimator"], spec)
         assert isinstance(ref, StaticStepCache) and isinstance(got, BatchedStepCache)
-        assert got.on_graph and batcher.lanes_in_use == 1
+        assert got.on_graph and batcher.lanes.in_use == 1
         for cache in (ref, got):
             cache.preload(rows, conv)
         for frames, commit in ((STATIC_FLOW_WINDOWS[0], chunk), (STATIC_FLOW_WINDOWS[1], 2 * chunk)):
@@ -197,7 +197,7 @@ def test_a_saved_prefix_in_a_lane_gives_the_single_stream_windows(static_flow_bu
                  "chunk_frames": np.full(2, chunk, np.int64), "commit": np.zeros(chunk, np.float32)}
         want = ref.run(feeds, chunk)
         np.testing.assert_allclose(got.run(feeds, chunk), want, rtol=0, atol=1e-5 * float(np.abs(want).max()))
-        assert not got.on_graph and batcher.stats.moves == 1 and batcher.lanes_in_use == 0
+        assert not got.on_graph and batcher.stats.moves == 1 and batcher.lanes.in_use == 0
         ref.close()
         got.close()
         with pytest.raises(RuntimeError, match="after close"):
@@ -222,10 +222,10 @@ def test_a_saved_prefix_in_a_lane_gives_the_single_stream_windows(static_flow_bu
         # more streams than lanes: the rest take the single-stream path, as without batching
         made = [caches(sessions["flow_estimator"], bounded) for _ in range(graphs.lanes + 1)]
         assert [isinstance(c, BatchedStepCache) for c in made] == [True] * graphs.lanes + [False]
-        assert batcher.stats.fallbacks == 1 and batcher.lanes_in_use == graphs.lanes
+        assert batcher.stats.fallbacks == 1 and batcher.lanes.in_use == graphs.lanes
         for cache in made:
             cache.close()
-        assert batcher.lanes_in_use == 0
+        assert batcher.lanes.in_use == 0
 
 
 def test_a_lane_keeps_its_saved_prefix_for_the_next_stream_of_that_voice(static_flow_bundle: Path) -> None:
@@ -309,7 +309,7 @@ def test_a_preload_is_queued_and_the_lanes_first_window_waits_for_it(static_flow
             unused.close()
         finally:
             graphs.seed = real_seed  # type: ignore[method-assign]
-        assert caches.batcher.lanes_in_use == 0
+        assert caches.batcher.lanes.in_use == 0
 
 
 def bundle_with_voice(src: Path, tmp_path: Path) -> Path:
@@ -352,7 +352,7 @@ def test_a_prepared_voice_is_in_every_lane_before_its_first_stream(static_flow_b
         assert batcher is not None
         graphs = batcher.graphs
         assert eng.prepare_voice("alice") == graphs.slots == graphs.groups * graphs.lanes
-        assert graphs.seeds == graphs.slots and batcher.lanes_in_use == 0
+        assert graphs.seeds == graphs.slots and batcher.lanes.in_use == 0
         got = audio(eng)
         batcher.thread.call(lambda: None)  # after the lanes' refreshes at the stream's end (lanes.py)
         # the stream's seeds found its lanes as prepare_voice left them and wrote nothing; at its end its
@@ -644,4 +644,4 @@ def test_a_new_streams_lane_is_reset_off_its_opening_thread_and_before_its_first
         assert len(resets) == 2 and resets[0][1] == resets[1][1]
         for a, b in zip(again, first, strict=True):
             np.testing.assert_array_equal(a, b)
-        assert caches.batcher.lanes_in_use == 0
+        assert caches.batcher.lanes.in_use == 0
