@@ -1,29 +1,21 @@
-"""One estimator window for several streams in one call, over the batched
-fixed-shape graphs of edge_build/export/flow_batch.py
-(`flow_estimator_batch_b<B>_w<W>`), on onnxruntime (CUDA graphs on ort-cuda,
-plainly on the CPU, where it is tested).
+"""One estimator window for several streams in one call, over the batched fixed-shape graphs of
+edge_build/export/flow_batch.py (`flow_estimator_batch_b<B>_w<W>`), on onnxruntime (CUDA graphs on ort-cuda, plainly
+on the CPU, where it is tested).
 
-A slot is one stream's estimator cache of one Euler step (as a StaticSlot of
-ort_static_flow.py): rows 2s and 2s + 1 (its guidance pair) of one K/V buffer
-`[L, 2, R, H, F, D]` and of one conv-history buffer `[R, K, Cmax, 2]`, with its
-committed length and first visible frame kept here. The slots come in groups
-of `lanes` (the engine: one group per Euler step, flow_batcher.py); a call of
-batch size B > 1 serves slots of one group at its lanes 0..B-1, and a call of
-one slot runs the B = 1 graph bound at that slot: every block's
-`key_cache_<i>` and `key_cache_out_<i>` (and the values) are bound to the SAME
-view `[i, 0|1, rows]`, so the graph writes the window's K/V in place; lanes of
-the batch that have no window this time are idle (zero inputs, commit 0: their
-cache and history are untouched, their K/V land past their length, where
-frames are free). The bindings of every (B, W, base slot) are made once (fixed
-addresses, so ort-cuda captures each once, its own `gpu_graph_id`). After the
-call the conv history of the call's rows is copied back from conv_cache_new by
-one device copy.
+A slot is one stream's estimator cache of one Euler step (as a StaticSlot of ort_static_flow.py): rows 2s and 2s + 1
+(its guidance pair) of one K/V buffer `[L, 2, R, H, F, D]` and of one conv-history buffer `[R, K, Cmax, 2]`, with
+its committed length and first visible frame kept here. The slots come in groups of `lanes` (the engine: one group
+per Euler step, flow_batcher.py); a call of batch size B > 1 serves slots of one group at its lanes 0..B-1, and a
+call of one slot runs the B = 1 graph bound at that slot: every block's `key_cache_<i>` and `key_cache_out_<i>` (and
+the values) are bound to the SAME view `[i, 0|1, rows]`, so the graph writes the window's K/V in place; lanes of the
+batch that have no window this time are idle (zero inputs, commit 0: their cache and history are untouched, their
+K/V land past their length, where frames are free). The bindings of every (B, W, base slot) are made once (fixed
+addresses, so ort-cuda captures each once, its own `gpu_graph_id`). After the call the conv history of the call's
+rows is copied back from conv_cache_new by one device copy.
 
-The buffers start zeroed and are only written with K/V of finite inputs, so a
-masked frame is never NaN (an additive mask does not hide a NaN). Like
-every onnxruntime CUDA-graph replay, run() belongs on the engine's one graph
-thread (models/backends/graph_thread.py); the scheduler that forms the
-batches (which slots, which window) is the caller."""
+The buffers start zeroed and are only written with K/V of finite inputs, so a masked frame is never NaN (an additive
+mask does not hide a NaN). Like every onnxruntime CUDA-graph replay, run() belongs on the engine's one graph thread
+(models/backends/graph_thread.py); the scheduler that forms the batches (which slots, which window) is the caller."""
 
 from __future__ import annotations
 
@@ -398,8 +390,7 @@ class BatchFlowGraphs:
             history = np.asarray(conv, np.float32).reshape(CFG_ROWS, *self.conv_row)
             if not self._holds(slot, prefix):
                 self.seed(slot, prefix, conv)
-            elif (fresh := self._fresh[slot]) is not None and np.array_equal(fresh, history):
-                self.lengths[slot] = prefix.frames
+            elif self.seat_fresh(slot, prefix, history):
                 self.reuses += 1
                 self.fresh += 1
             else:
@@ -418,6 +409,15 @@ class BatchFlowGraphs:
             self.lengths[slot] = frames
             self._fresh[slot] = history.copy()
         self.reuses += len(kept)
+
+    def seat_fresh(self, slot: int, prefix: PrefixRows, history: np.ndarray) -> bool:
+        """Whether the slot holds `prefix` and `history` ([2, K, Cmax, 2]) as a seed or refresh left them, no
+        call having changed them since; then its length is the prefix's, and a seed would write nothing."""
+        fresh = self._fresh[slot]
+        if fresh is None or not self._holds(slot, prefix) or not np.array_equal(fresh, history):
+            return False
+        self.lengths[slot] = prefix.frames
+        return True
 
     def _holds(self, slot: int, prefix: PrefixRows) -> bool:
         """Whether the slot still holds `prefix` from an earlier stream (streams only write past it)."""

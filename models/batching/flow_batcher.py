@@ -129,7 +129,8 @@ class FlowBatcher:
         them (`fresh`: nothing written), and the lanes refreshed at their stream's end (lanes.py)."""
         with self._lock:
             g, lanes = self.graphs, self.lanes
-            return {**self.stats.as_dict(), "seeds": g.seeds, "reuses": g.reuses, "fresh": g.fresh,
+            fresh = g.fresh + lanes.fresh  # in a turn, or taken on the stream's thread
+            return {**self.stats.as_dict(), "seeds": g.seeds, "reuses": g.reuses + lanes.fresh, "fresh": fresh,
                     "refreshes": lanes.refreshes, "refreshes_dropped": lanes.dropped}
 
     @property

@@ -8,12 +8,13 @@ use waits for its own.
 
 A lane that a stream of a saved voice gives back is refreshed: the voice's conv history written
 again in a queued turn (its K/V rows still hold the prefix: streams write past it). The next
-stream of that voice then finds the lane as a seed leaves it, and its own seed writes nothing
-(BatchFlowGraphs.fresh). Those writes were on every first chunk's path: sixteen streams opening
-together spent 115-131 ms of the graph thread writing conv histories before their first LLM
-step (H100, twenty-eighth run, docs/benchmarks/h100-2026-12-07-run28.json); at the stream's end
-the same write costs no one's first audio. A new stream that takes a lane whose refresh has not
-started drops it (its own reset or seed writes the lane); one being written is waited for."""
+stream of that voice then finds the lane as a seed leaves it (BatchFlowGraphs.seat_fresh) and
+takes it so on its own thread: no write, no graph-thread turn. Those writes were on every first
+chunk's path: sixteen streams opening together spent 115-131 ms of the graph thread writing conv
+histories before their first LLM step (H100, twenty-eighth run,
+docs/benchmarks/h100-2026-12-07-run28.json); at the stream's end the same write costs no one's
+first audio. A new stream that takes a lane whose refresh has not started drops it (its own
+reset or seed writes the lane); one being written is waited for."""
 
 from __future__ import annotations
 
@@ -60,8 +61,10 @@ class FlowLanes:
         self._free = [list(range(graphs.lanes)) for _ in range(graphs.groups)]  # lowest lane first
         self._writes: list[_Write] = []
         self._refreshing: dict[int, Future[None]] = {}  # slot -> its refresh, queued or being written
+        self._writing: set[int] = set()  # the slots of the writes a turn has taken and not yet settled
         self.refreshes = 0  # lanes given back with their voice's conv history queued again
         self.dropped = 0  # refreshes a new stream took the lane before (its own write replaced them)
+        self.fresh = 0  # seeds that found their lane fresh on the stream's thread (no turn: _queue)
 
     @property
     def in_use(self) -> int:
@@ -175,13 +178,22 @@ class FlowLanes:
     def _queue(self, slot: int, rows: PrefixRows | None, history: np.ndarray | None) -> Future[None]:
         done: Future[None] = Future()
         replaced: list[Future[None]] = []
+        fresh = False
         with self._lock:
             first = not self._writes  # else a queued turn, not yet started, takes this one too
-            if rows is not None:  # the lane's reset still waiting: the seed writes what it would
+            if rows is not None and history is not None:  # the lane's reset still waiting: the seed writes it
                 replaced = [w.done for w in self._writes if w.slot == slot and w.rows is None]
                 self._writes = [w for w in self._writes if not (w.slot == slot and w.rows is None)]
-            self._writes.append(_Write(slot, rows, history, done))
-        if first:
+                # A lane as its refresh left it, nothing of it being written: taken so here, no turn. A turn
+                # that wrote nothing still held the graph thread while its Python waited for the GIL among
+                # the streams' threads: 84 ms at sixteen streams (H100, twenty-ninth run).
+                fresh = slot not in self._writing and self.graphs.seat_fresh(slot, rows, history)
+                self.fresh += fresh
+            if not fresh:
+                self._writes.append(_Write(slot, rows, history, done))
+        if fresh:
+            done.set_result(None)
+        elif first:
             try:
                 self.thread.submit(self._write_waiting, label="flow_lane_seed")
             except BaseException as exc:
@@ -194,6 +206,9 @@ class FlowLanes:
         """On the graph thread: every write waiting, in one seed_many."""
         with self._lock:
             writes, self._writes = self._writes, []
+            self._writing.update(w.slot for w in writes)
+        if not writes:  # a fresh seed replaced the only write (_queue)
+            return
         try:
             self.graphs.seed_many([(w.slot, w.rows, w.history) for w in writes])
         except BaseException as exc:
@@ -204,6 +219,7 @@ class FlowLanes:
     def _settle(self, writes: Sequence[_Write], exc: BaseException | None) -> None:
         with self._lock:
             for w in writes:
+                self._writing.discard(w.slot)
                 if self._refreshing.get(w.slot) is w.done:
                     del self._refreshing[w.slot]
         for w in writes:

@@ -244,14 +244,16 @@ def test_a_lane_keeps_its_saved_prefix_for_the_next_stream_of_that_voice(static_
             cache.close()
             return out
 
-        def counts() -> tuple[int, int, int, int]:
+        def counts() -> tuple[object, ...]:
             thread.call(lambda: None)  # after the refresh queued at the stream's end (lanes.py)
-            return graphs.seeds, graphs.reuses, graphs.fresh, caches.batcher.lanes.refreshes
+            report = caches.batcher.report()
+            return tuple(report[k] for k in ("seeds", "reuses", "fresh", "refreshes"))
 
         first = stream(rows)
         assert counts() == (1, 1, 0, 1)  # the seed, then at its end the lane's conv history again (a reuse)
         again = stream(rows)  # the same lane (the lowest free one), the prefix still there
         assert counts() == (1, 3, 1, 2)  # its seed found the lane as the refresh left it: nothing written
+        assert (graphs.fresh, caches.batcher.lanes.fresh) == (0, 1)  # taken on the stream's thread, no turn
         stream(None)  # a stream without a saved voice writes from frame 0, over the prefix (no refresh)
         third = stream(rows)
         assert counts() == (2, 4, 1, 3)
@@ -355,10 +357,10 @@ def test_a_prepared_voice_is_in_every_lane_before_its_first_stream(static_flow_b
         assert graphs.seeds == graphs.slots and batcher.lanes.in_use == 0
         got = audio(eng)
         batcher.thread.call(lambda: None)  # after the lanes' refreshes at the stream's end (lanes.py)
-        # the stream's seeds found its lanes as prepare_voice left them and wrote nothing; at its end its
-        # lanes got the voice's conv history again
-        assert graphs.seeds == graphs.slots and (graphs.fresh, batcher.lanes.refreshes) == (graphs.groups,) * 2
-        assert graphs.reuses == 2 * graphs.groups
+        # the stream's seeds found its lanes as prepare_voice left them and took them so on its own thread
+        # (no turn); at its end its lanes got the voice's conv history again
+        assert graphs.seeds == graphs.slots and (batcher.lanes.fresh, batcher.lanes.refreshes) == (graphs.groups,) * 2
+        assert graphs.fresh == 0 and graphs.reuses == graphs.groups
         sft_only = next(n for n in eng.bundle.voices if n != "alice")
         assert eng.prepare_voice(sft_only) == 0 and graphs.seeds == graphs.slots
         with pytest.raises(RequestError, match="unknown voice 'nobody'"):
@@ -527,8 +529,9 @@ def test_the_seeds_waiting_for_the_graph_thread_are_written_in_one_turn(static_f
         assert turns == [lanes, lanes] and (graphs.seeds, graphs.reuses, graphs.fresh) == (lanes, lanes, 0)
         assert copies[-1:] == [lanes]  # the refresh: every lane's conv history in one copy run
         written = len(copies)
-        again = open_every_lane()  # every lane as its refresh left it: the seeds wrote nothing
-        assert turns == [lanes] * 4 and (graphs.seeds, graphs.reuses, graphs.fresh) == (lanes, 3 * lanes, lanes)
+        again = open_every_lane()  # every lane as its refresh left it: the seeds took them so, without a turn
+        assert turns == [lanes] * 3 and (graphs.seeds, graphs.reuses, graphs.fresh) == (lanes, 2 * lanes, 0)
+        assert caches.batcher.lanes.fresh == lanes
         assert copies[written:] == [lanes]  # only the second refresh copied
         for a, b in zip([*first[1:], *again], [first[0]] * (2 * lanes - 1), strict=True):
             np.testing.assert_array_equal(a, b)  # the lanes' streams wrote their own histories
@@ -645,3 +648,59 @@ def test_a_new_streams_lane_is_reset_off_its_opening_thread_and_before_its_first
         for a, b in zip(again, first, strict=True):
             np.testing.assert_array_equal(a, b)
         assert caches.batcher.lanes.in_use == 0
+
+
+def test_a_fresh_lane_is_taken_without_a_turn_unless_its_reset_is_being_written(static_flow_bundle: Path) -> None:
+    """A stream of a saved voice that finds its lane as the refresh left it takes it on its own thread,
+    with the graph thread busy (a turn that wrote nothing waited up to 84 ms for the GIL on the H100).
+    Where the turn writing the lane's reset has already started, the lane is not taken so (the reset
+    zeroes its conv history): the seed is queued and written after it. Both streams hear the voice."""
+    with _one_group(static_flow_bundle, seed=16, windows=2) as (sessions, caches, spec, graphs, thread, chunk, rows,
+                                                               conv, feeds):
+        lanes = caches.batcher.lanes
+
+        def voiced(cache: StepCache | None = None, busy: bool = False) -> list[np.ndarray]:
+            cache = cache or caches(sessions["flow_estimator"], spec)
+            assert isinstance(cache, BatchedStepCache)
+            release = threading.Event()
+            blocker = thread.submit(release.wait) if busy else None
+            cache.preload(rows, conv)
+            if busy:  # taken with the graph thread busy: the lane's length is the prefix's already
+                assert cache.length == 2 * chunk and lanes.fresh == 1
+                release.set()
+                assert blocker is not None and blocker.result(timeout=30)
+            out = [cache.run(f, chunk) for f in feeds]
+            cache.close()
+            thread.call(lambda: None)  # its refresh written
+            return out
+
+        want = voiced()  # seeded in a turn, refreshed at its end
+        taken = voiced(busy=True)
+        assert lanes.fresh == 1
+
+        resetting, go_on = threading.Event(), threading.Event()
+        real = graphs.reset_many
+
+        def slow(slots: list[int]) -> None:
+            if slots:  # the new stream's reset, taken by a turn: held there
+                resetting.set()
+                assert go_on.wait(30)
+            real(slots)
+
+        graphs.reset_many = slow  # type: ignore[method-assign]
+        try:
+            cache = caches(sessions["flow_estimator"], spec)  # its reset's turn starts and holds
+            assert resetting.wait(30)
+            seeded = threading.Thread(target=lambda: got.extend(voiced(cache)))
+            got: list[np.ndarray] = []
+            seeded.start()
+            seeded.join(0.3)
+            assert lanes.fresh == 1  # not taken fresh: its seed waits for a turn after the reset
+            go_on.set()
+            seeded.join(60)
+        finally:
+            graphs.reset_many = real  # type: ignore[method-assign]
+        assert len(got) == len(feeds) and lanes.in_use == 0
+        for out in (taken, got):
+            for a, b in zip(out, want, strict=True):
+                np.testing.assert_array_equal(a, b)
