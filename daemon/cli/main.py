@@ -164,6 +164,19 @@ def _add_vad(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", help="TOML config file whose [vad] section to use")
 
 
+def _switch_interval_ms(text: str) -> float:
+    from cosyedge_daemon.settings.tts import SWITCH_INTERVAL_MS  # the setting's range (numpy: only when given)
+
+    low, high = SWITCH_INTERVAL_MS
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of milliseconds") from None
+    if not low <= value <= high:
+        raise argparse.ArgumentTypeError(f"{value:g} ms is outside {low:g} .. {high:g} ms")
+    return value
+
+
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="engine and end-to-end benchmarks")
     p.add_argument("--bundle", required=True)
@@ -234,6 +247,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--graph-trace-ms", type=float, default=1000.0, metavar="MS",
                    help="each streaming --concurrency level records what the GPU graph threads ran in its first MS "
                         "(graph_trace in the JSON, drawn on stderr; 0: off)")
+    p.add_argument("--python-switch-interval-ms", type=_switch_interval_ms, default=None, metavar="MS",
+                   help="Python's thread switch interval for the bench's process ([tts] python_switch_interval_ms; "
+                        "default: Python's 5 ms)")
     p.add_argument("--concurrency-only", action="store_true",
                    help="after a warm-up, measure only the --concurrency runs")
     p.add_argument("--llm-only", action="store_true",

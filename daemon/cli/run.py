@@ -17,6 +17,7 @@ from cosyedge_daemon.mqtt.connection import max_packet_bytes
 from cosyedge_daemon.service.service import Service
 from cosyedge_daemon.service.wiring import open_sink, start_voice_input
 from cosyedge_daemon.settings.loader import load_settings, parse_broker_url
+from cosyedge_daemon.settings.schema import Settings
 from cosyedge_models.errors import CosyEdgeError, MissingExtraError
 
 log = logging.getLogger(__name__)
@@ -24,6 +25,7 @@ log = logging.getLogger(__name__)
 
 def run_command(args: argparse.Namespace) -> int:
     settings = load_settings(getattr(args, "config", None), args)
+    _apply_process_settings(settings)
     if settings.tts.engine == "cosyvoice" and not settings.tts.bundle:
         # No bundle configured: the tiny test bundle, built once with the build extra.
         try:
@@ -94,9 +96,18 @@ def _reload_config(service: Service, args: argparse.Namespace) -> None:
     service.notifier.reloading()
     try:
         new = load_settings(getattr(args, "config", None), args)
+        _apply_process_settings(new)
         restart = service.apply_settings(new)
         log.info("config reloaded%s", f"; needs a restart: {', '.join(restart)}" if restart else "")
     except CosyEdgeError as exc:
         log.error("config not reloaded: %s", exc)
     finally:
         service.notifier.ready("ready (config reloaded)")
+
+
+def _apply_process_settings(settings: Settings) -> None:
+    """What the settings set for the whole process (here, its entry point, not in a library)."""
+    interval_ms = settings.tts.python_switch_interval_ms
+    if interval_ms / 1e3 != sys.getswitchinterval():
+        sys.setswitchinterval(interval_ms / 1e3)
+        log.info("Python's thread switch interval: %g ms", interval_ms)

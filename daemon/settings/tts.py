@@ -12,6 +12,7 @@ from cosyedge_models.synthesis.modes import GRAPH_THREAD_MODES, LLM_FIRST_CHUNK_
 
 AUTO_WORKERS_MAX = 4  # synthesis_workers = "auto": beyond this the flow/vocoder, not the LLM, bound a board
 MAX_WORKERS = 64  # synthesis_workers' largest value
+SWITCH_INTERVAL_MS = (0.05, 100.0)  # python_switch_interval_ms' range (bench --python-switch-interval-ms too)
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,13 @@ class TtsSettings:
         "--fused-prefill-lengths): each new prompt through the shortest that fits it, captured on ort-cuda, "
         "instead of a run of the dynamic prefill graph; prompts longer than all take the dynamic graph",
         reload=True,
+    )
+    python_switch_interval_ms: float = setting(
+        5.0, "Python's thread switch interval (sys.setswitchinterval, for the whole daemon): how long a busy "
+        "thread keeps the interpreter lock while another waits for it. Lower: the GPU graph thread gets it back "
+        "sooner among the request threads (on an H100, graph-thread turns of little Python held the GPU's queue "
+        "84 ms among sixteen streams' threads); 5: Python's own", min=SWITCH_INTERVAL_MS[0], max=SWITCH_INTERVAL_MS[1],
+        live=True,
     )
     synthesis_workers: int | str = setting(
         "auto", "requests synthesized at once (each on its own worker thread, so the LLM batcher can batch "

@@ -348,6 +348,7 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
                         "load_ms": load_ms, "graph_load_s": engine.graphs.load_seconds, "voice": voice,
                         "graph_device_used_bytes": engine.graphs.device_used_bytes,
                         "first_audio_first": settings.first_audio_first, "graph_batching": graph_batching,
+                        "python_switch_interval_ms": round(sys.getswitchinterval() * 1e3, 3),
                         "first_hop_tokens": settings.first_hop_tokens,
                         "first_chunk_euler_steps": settings.first_chunk_euler_steps,
                         **concurrency_report(engine, text, concurrency, mode, voice, args.graph_trace_ms),
@@ -435,6 +436,7 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
             progress.advance("concurrency")
         # what the graph thread's order did over the runs so far (first-audio holds, LLM steps held)
         report["first_audio_first"] = settings.first_audio_first
+        report["python_switch_interval_ms"] = round(sys.getswitchinterval() * 1e3, 3)  # the entry point's
         report["first_hop_tokens"] = settings.first_hop_tokens  # None: upstream's aligned hop
         report["first_chunk_euler_steps"] = settings.first_chunk_euler_steps  # None: the bundle's
         report["offline_as_stream"] = engine.offline_as_stream

@@ -188,3 +188,15 @@ def test_run_without_bundle_or_build_extra_says_how_to_get_one(tmp_path: Path) -
     assert len(lines) == 1, proc.stderr
     assert "--bundle" in lines[0] and "pip install 'cosyedge[build]'" in lines[0]
     assert not (tmp_path / "cache" / "cosyedge" / "tiny-bundle").exists()
+
+
+@pytest.mark.parametrize(("value", "message"), [("0.01", "0.01 ms is outside 0.05 .. 100 ms"),
+                                                ("fast", "'fast' is not a number of milliseconds")])
+def test_bench_refuses_a_switch_interval_outside_the_settings_range(
+        value: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from cosyedge_daemon.cli.main import build_parser
+
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["bench", "--bundle", "b", "--python-switch-interval-ms", value])
+    assert exc.value.code == 2
+    assert f"--python-switch-interval-ms: {message}" in capsys.readouterr().err

@@ -44,10 +44,10 @@ class Daemon:
         )
         self.notes: list[str] = []
 
-    def write(self, mqtt_extra: str, rest: str) -> None:
+    def write(self, mqtt_extra: str, rest: str, tts_extra: str = "") -> None:
         self.config.write_text(
             f'device_id = "{self.device}"\n[mqtt]\nbroker = "{self.broker_url}"\n{mqtt_extra}'
-            '[tts]\nengine = "espeak-ng"\n[audio]\ndevice = "none"\n' + rest
+            f'[tts]\nengine = "espeak-ng"\n{tts_extra}[audio]\ndevice = "none"\n' + rest
         )
 
     def wait_note(self, prefix: str, timeout_s: float = 30.0) -> str:
@@ -89,12 +89,14 @@ def daemon_proc(tmp_path: Path, broker: Broker) -> Iterator[Daemon]:
 def test_sighup_reloads_config(daemon_proc: Daemon, broker: Broker) -> None:
     d = daemon_proc
     d.wait_note("READY=1")
-    d.write("keepalive_s = 45\n", "[scheduler]\nmax_queue = 7\n[health]\nmetrics_port = 0\n")
+    d.write("keepalive_s = 45\n", "[scheduler]\nmax_queue = 7\n[health]\nmetrics_port = 0\n",
+            "python_switch_interval_ms = 0.5\n")
     d.proc.send_signal(signal.SIGHUP)
     d.wait_note("RELOADING=1", 10)
     d.wait_note("READY=1", 10)
     out = d.output()
     assert "config reloaded; needs a restart: [mqtt] keepalive_s" in out
+    assert "Python's thread switch interval: 0.5 ms" in out  # a live setting, the whole process's
     d.write("", "[scheduler]\nmax_queue = 0\n")
     d.proc.send_signal(signal.SIGHUP)
     d.wait_note("READY=1", 10)
