@@ -87,6 +87,22 @@ class StepCache(Protocol):
         ...
 
 
+def read_only(a: np.ndarray) -> np.ndarray:
+    """`a` as an array of its own that cannot be written (a view's owner might be): what same_values trusts."""
+    owned = a if a.base is None else a.copy()
+    owned.flags.writeable = False
+    return owned
+
+
+def same_values(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether `a` and `b` view the same bytes of one read-only array alike (`read_only`): their values are
+    then equal, known without reading them (no numpy call: none that gives the GIL up and waits to get it
+    back among busy threads)."""
+    owner = a if a.base is None else a.base
+    return ((a is b or (a.base is not None and a.base is b.base)) and isinstance(owner, np.ndarray)
+            and not owner.flags.writeable and a.__array_interface__ == b.__array_interface__)
+
+
 class PrefixRows:
     """Saved K/V rows [frames, ...] (a voice's prompt chunks) in host memory,
     plus one copy per device, made by the first request there (`lease`), so

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 import numpy as np
 import onnxruntime as ort
 from cosyedge_models.backends.fixed_shapes import CFG_ROWS, bucket, lane_step_bytes, pad_window
-from cosyedge_models.backends.flow_cache import PrefixRows
+from cosyedge_models.backends.flow_cache import PrefixRows, same_values
 from cosyedge_models.backends.graph_thread import CAPTURE_RUNS
 from cosyedge_models.backends.ort import OrtSession
 from cosyedge_models.backends.ort_cache import DeviceCopier, FixedBuffer, helper_session, lane_layout_model
@@ -119,11 +119,10 @@ class _Pair:
 
 
 class BatchFlowGraphs:
-    """The batched estimator graphs of one engine over `groups` groups of `lanes` stream
-    slots (0: the largest batch size); slot g * lanes + l is lane l of group g. A batched
-    call serves slots of one group (the engine: one group per Euler step), at rows of its
-    lanes 0..B-1; a call of one slot runs the B = 1 graph bound at that slot, so a stream
-    alone never pays for padding rows. `warm_up()` (on the graph thread) before serving
+    """The batched estimator graphs of one engine over `groups` groups of `lanes` stream slots (0: the largest
+    batch size); slot g * lanes + l is lane l of group g. A batched call serves slots of one group (the engine:
+    one group per Euler step), at rows of its lanes 0..B-1; a call of one slot runs the B = 1 graph bound at
+    that slot, so a stream alone never pays for padding rows. `warm_up()` (on the graph thread) before serving
     captures every binding."""
 
     def __init__(self, sessions: Mapping[tuple[int, int], OrtSession], device: tuple[str, int],
@@ -166,12 +165,10 @@ class BatchFlowGraphs:
         # at full size), which onnxruntime's allocator would round up to a power of two
         self._kv = FixedBuffer((self.blocks, 2, rows, *self.kv_row), self.kv_dtype, device)
         self._conv = ort.OrtValue.ortvalue_from_numpy(np.zeros((rows, *self.conv_row), np.float32), kind, dev)
-        self._zero_conv = ort.OrtValue.ortvalue_from_numpy(
-            np.zeros((CFG_ROWS, *self.conv_row), np.float32), kind, dev)
-        # a slot's conv history from the host (seed, write_slot; on the graph thread): written in place,
-        # not a device allocation per seed
-        self._conv_stage = ort.OrtValue.ortvalue_from_numpy(
-            np.zeros((CFG_ROWS, *self.conv_row), np.float32), kind, dev)
+        self._zero_conv = ort.OrtValue.ortvalue_from_numpy(np.zeros((CFG_ROWS, *self.conv_row), np.float32), kind, dev)
+        # a slot's conv history from the host (seed, write_slot; on the graph thread): written in place, not a
+        # device allocation per seed
+        self._conv_stage = ort.OrtValue.ortvalue_from_numpy(np.zeros((CFG_ROWS, *self.conv_row), np.float32), kind, dev)
         self._staging: ort.OrtValue | None = None  # one slot's K/V [L, 2, 2, H, F, D] (read_slot, write_slot)
         self._layout: ort.InferenceSession | None = None  # seed(): a prefix into the lane layout
         self.lengths = [0] * self.slots
@@ -180,9 +177,9 @@ class BatchFlowGraphs:
         self._seeded: list[tuple[weakref.ref[object], int] | None] = [None] * self.slots
         self.seeds = 0  # prefixes written into a slot
         self.reuses = 0  # prefixes found still in their slot
-        # the conv history a seed last wrote into each slot while no call has run on it since: a seed of
-        # the same history writes nothing then (a lane refreshed at its stream's end: lanes.py)
-        self._fresh: list[np.ndarray | None] = [None] * self.slots
+        # the conv history a seed last wrote into each slot while no call has run on it since (as given, and
+        # its values): a seed of the same history writes nothing then (a lane refreshed at its stream's end)
+        self._fresh: list[tuple[np.ndarray, np.ndarray] | None] = [None] * self.slots
         self.fresh = 0  # reuses that found the slot so (nothing written)
         ios = {key: _IO(self, sessions[key], *key) for key in sorted(sessions)}
         bases = {b: ([s for g in range(groups) for s in range(g * self.lanes, (g + 1) * self.lanes)] if b == 1
@@ -205,8 +202,7 @@ class BatchFlowGraphs:
         return int(self._conv.data_ptr()) + row * int(np.prod(self.conv_row)) * FLOAT_BYTES
 
     def warm_up(self) -> None:
-        """Every binding with every slot idle (zero inputs, commit 0, lengths 0: nothing
-        committed), CAPTURE_RUNS times where captured; on the graph thread."""
+        """Every binding with every slot idle (zero inputs, commit 0, lengths 0), CAPTURE_RUNS times where captured."""
         for pair in self._pairs.values():
             for _ in range(CAPTURE_RUNS if pair.session.cuda_graph else 1):
                 pair.run()
@@ -233,13 +229,11 @@ class BatchFlowGraphs:
             raise ValueError(f"slot {slot} outside 0..{self.slots - 1}")
 
     def fits(self, slot: int, frames: int, commit: int) -> bool:
-        """Whether a window of `frames` committing `commit` fits the fixed shapes (else the
-        caller runs the stream on the dynamic graph)."""
+        """Whether a window of `frames` committing `commit` fits the fixed shapes (else the dynamic graph)."""
         return bucket(self.windows, frames) is not None and self.lengths[slot] + commit <= self.cache_frames
 
     def pair_for(self, slots: Sequence[int], frames: int) -> tuple[int, int, int]:
-        """(batch size, window, base slot) of the call serving `slots` (one group) over windows
-        of at most `frames` frames."""
+        """(batch size, window, base slot) of the call serving `slots` (one group), windows of <= `frames` frames."""
         groups = {s // self.lanes for s in slots}
         if len(groups) != 1:
             raise ValueError(f"a batched call serves slots of one group of {self.lanes}, got {sorted(slots)}")
@@ -336,12 +330,12 @@ class BatchFlowGraphs:
         return 0 if seeded is None or seeded[0]() is None else seeded[1]
 
     def seed(self, slot: int, prefix: PrefixRows, conv: np.ndarray) -> None:
-        """A saved voice's prefix (`prefix`: its rows [n, L, 2, 2, H, D], the voice cache's) as the
-        slot's committed frames, and its conv history [2, K, Cmax, 2]. Where the slot still holds
-        that prefix from an earlier stream (streams only write past it, idle lanes too) only the
-        conv history is written; else the prefix goes from the voice's copy on this device
-        (uploaded once per voice and device, shared with the single-stream slots) through one
-        Transpose/Pad run into the staging buffer, then 2 L device copies into the lane (one run)."""
+        """A saved voice's prefix (`prefix`: its rows [n, L, 2, 2, H, D], the voice cache's) as the slot's committed
+        frames, and its conv history [2, K, Cmax, 2]. Where the slot still holds that prefix from an earlier
+        stream (streams only write past it, idle lanes too) only the conv history is written; else the prefix
+        goes from the voice's copy on this device (uploaded once per voice and device, shared with the
+        single-stream slots) through one Transpose/Pad run into the staging buffer, then 2 L device copies
+        into the lane (one run)."""
         self._check_slot(slot)
         frames = prefix.frames
         if frames > self.cache_frames:
@@ -375,49 +369,56 @@ class BatchFlowGraphs:
         self.seeds += 1
 
     def seed_many(self, items: Sequence[tuple[int, PrefixRows | None, np.ndarray | None]]) -> None:
-        """seed() for several (slot, prefix, conv history) on one graph-thread turn: the lanes that still hold
-        their prefix get their conv histories in one upload and few copy runs (each seed() of those took
-        ~1.2 ms of the graph thread on the H200, twenty-first run), and those whose history no call has
-        changed since a seed wrote it nothing (`fresh`: refreshed at their last stream's end, lanes.py);
-        the others seed() one by one. An item without a prefix is a reset() (a new stream's lane), done
-        first, all in one run."""
+        """seed() for several (slot, prefix, conv history) on one graph-thread turn: the lanes that still hold their
+        prefix get their conv histories in one upload and few copy runs (each seed() of those took ~1.2 ms of the
+        graph thread on the H200, twenty-first run), and those whose history no call has changed since a seed
+        wrote it nothing (`fresh`: refreshed at their last stream's end, lanes.py); the others seed() one by
+        one. An item without a prefix is a reset() (a new stream's lane), done first, all in one run."""
         self.reset_many([slot for slot, prefix, _ in items if prefix is None])
         kept = []
         for slot, prefix, conv in items:
             if prefix is None or conv is None:
                 continue
             self._check_slot(slot)
-            history = np.asarray(conv, np.float32).reshape(CFG_ROWS, *self.conv_row)
             if not self._holds(slot, prefix):
                 self.seed(slot, prefix, conv)
-            elif self.seat_fresh(slot, prefix, history):
+            elif self.seat_fresh(slot, prefix, conv):
                 self.reuses += 1
                 self.fresh += 1
             else:
-                kept.append((slot, prefix.frames, history))
+                kept.append((slot, prefix.frames, conv))
         if len(kept) == 1:
             self._write_conv(kept[0][0], kept[0][2])
         elif kept:
             row = CFG_ROWS * int(np.prod(self.conv_row)) * FLOAT_BYTES
             kind, dev = self.device
-            stage = ort.OrtValue.ortvalue_from_numpy(np.stack([k[2] for k in kept]), kind, dev)
+            values = np.stack([self._rows(conv) for _, _, conv in kept])
+            stage = ort.OrtValue.ortvalue_from_numpy(values, kind, dev)
             base = int(stage.data_ptr())
             # a run returns once its copies are done: `stage` may go after
             self.copier.copy_many([(self.conv_ptr(CFG_ROWS * slot), base + i * row, row)
                                    for i, (slot, _, _) in enumerate(kept)])
-        for slot, frames, history in kept:
+            for i, (slot, _, conv) in enumerate(kept):
+                self._fresh[slot] = (conv, values[i])
+        for slot, frames, _ in kept:
             self.lengths[slot] = frames
-            self._fresh[slot] = history.copy()
         self.reuses += len(kept)
 
-    def seat_fresh(self, slot: int, prefix: PrefixRows, history: np.ndarray) -> bool:
+    def seat_fresh(self, slot: int, prefix: PrefixRows, history: np.ndarray, look: bool = True) -> bool:
         """Whether the slot holds `prefix` and `history` ([2, K, Cmax, 2]) as a seed or refresh left them, no
-        call having changed them since; then its length is the prefix's, and a seed would write nothing."""
+        call having changed them since; then its length is the prefix's, and a seed would write nothing.
+        Without `look` only a view of the same read-only history counts (flow_cache.same_values: a voice's)."""
         fresh = self._fresh[slot]
-        if fresh is None or not self._holds(slot, prefix) or not np.array_equal(fresh, history):
+        if fresh is None or not self._holds(slot, prefix):
+            return False
+        if not same_values(fresh[0], history) and not (look and np.array_equal(fresh[1], self._rows(history))):
             return False
         self.lengths[slot] = prefix.frames
         return True
+
+    def _rows(self, conv: np.ndarray) -> np.ndarray:
+        """A conv history [2, K, Cmax, 2] as the slot's rows (a copy where `conv` is a transposed view)."""
+        return np.asarray(conv, np.float32).reshape(CFG_ROWS, *self.conv_row)
 
     def _holds(self, slot: int, prefix: PrefixRows) -> bool:
         """Whether the slot still holds `prefix` from an earlier stream (streams only write past it)."""
@@ -429,7 +430,7 @@ class BatchFlowGraphs:
         self._conv_stage.update_inplace(history)
         self.copier.copy(self.conv_ptr(CFG_ROWS * slot), int(self._conv_stage.data_ptr()),
                          CFG_ROWS * int(np.prod(self.conv_row)) * FLOAT_BYTES)
-        self._fresh[slot] = history
+        self._fresh[slot] = (conv, history)
 
     def write_slot(self, slot: int, kv: np.ndarray, conv: np.ndarray) -> None:
         """A slot's committed K/V [L, 2, 2, H, n, D] and conv history [2, K, Cmax, 2] from the host

@@ -184,10 +184,11 @@ class FlowLanes:
             if rows is not None and history is not None:  # the lane's reset still waiting: the seed writes it
                 replaced = [w.done for w in self._writes if w.slot == slot and w.rows is None]
                 self._writes = [w for w in self._writes if not (w.slot == slot and w.rows is None)]
-                # A lane as its refresh left it, nothing of it being written: taken so here, no turn. A turn
-                # that wrote nothing still held the graph thread while its Python waited for the GIL among
-                # the streams' threads: 84 ms at sixteen streams (H100, twenty-ninth run).
-                fresh = slot not in self._writing and self.graphs.seat_fresh(slot, rows, history)
+                # A lane as its refresh left it (the voice's own read-only history: known without a look, no
+                # numpy call), nothing of it being written: taken so here, no turn. A turn that wrote nothing
+                # still held the graph thread while its Python waited for the GIL among the streams' threads:
+                # 84 ms at sixteen streams (H100, twenty-ninth run). Anything else is looked at in a turn.
+                fresh = slot not in self._writing and self.graphs.seat_fresh(slot, rows, history, look=False)
                 self.fresh += fresh
             if not fresh:
                 self._writes.append(_Write(slot, rows, history, done))

@@ -38,7 +38,7 @@ from typing import Protocol, TypeVar, cast
 
 import numpy as np
 from cosyedge_models.backends.encoder_cache import EncoderCache, EncoderPrefix, HostEncoderCache
-from cosyedge_models.backends.flow_cache import HostStepCache, PrefixRows, StepCache
+from cosyedge_models.backends.flow_cache import HostStepCache, PrefixRows, StepCache, read_only
 from cosyedge_models.synthesis.conditioning import Conditioning
 from cosyedge_models.synthesis.flow import FlowDecoder, FlowPrompt, commit_prompt, prompt_commit_frames
 from cosyedge_models.synthesis.llm import SpeechTokenLM
@@ -126,7 +126,7 @@ def build_flow_prefix(decoder: FlowDecoder, prompt: FlowPrompt) -> FlowPrefix | 
     return FlowPrefix(
         committed=commit,
         encoder=encoder.snapshot(),
-        step_kv=tuple(PrefixRows(_owned(c.kv)) for c in caches), step_conv=tuple(c.conv for c in caches),
+        step_kv=tuple(PrefixRows(_owned(c.kv)) for c in caches), step_conv=tuple(read_only(c.conv) for c in caches),
         build_ms=(time.perf_counter() - t0) * 1e3,
     )
 
