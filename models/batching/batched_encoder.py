@@ -12,6 +12,10 @@ histories into its lane. A turn whose call an earlier turn served is a no-op. On
 run) eight streams' first chunks ran their encoder calls one after another, ~8 ms each, on the thread
 that also runs their estimator windows; here the calls that wait together share one.
 
+A stream of a saved voice seeds its lane (the voice's prefix rows and conv histories, a queued turn);
+at its end the lane gets the voice's conv histories again (its rows are intact), so the voice's next
+stream there writes nothing and queues no turn; a stream without a voice zeroes such a lane first.
+
 Streams beyond the lanes take `fallback` (the single-stream slots, or the host caches). On the CPU
 the same code runs without capture (that is how it is tested)."""
 
@@ -21,6 +25,7 @@ import dataclasses
 import functools
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -106,6 +111,8 @@ class EncoderBatchStats:
     rows: int = 0
     shared_replays: int = 0
     peak_batch: int = 0
+    fresh: int = 0  # voice seeds that found their lane as the voice's last stream there left it: nothing written
+    refreshes: int = 0  # lanes given back with their voice's conv histories written again
 
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
@@ -136,6 +143,9 @@ class BatchEncoderGraphs(SlotPool[EncoderLane]):
         self._row_bytes = {n: int(np.prod(v.shape()[2:])) * 4 for n, v in self.lanes.items()}
         self.io = {key: _BatchIO(s, self, i) for i, (key, s) in enumerate(sorted(sessions.items()))}
         self._zeros = {n: device_zeros(_shape(first, n)[1:], np.float32, device) for n in ("pre_lanes", "upconv_lanes")}
+        # lane index -> the voice whose prefix rows and conv histories the lane holds, as a seed or its last
+        # stream's end (`refresh`) left them; a lane not here has zero histories (a reset's, or never used)
+        self._held: dict[int, weakref.ref[EncoderPrefix]] = {}
         self._queue_lock = threading.Lock()  # the calls waiting (SlotPool's own lock guards the lanes)
         self._turns = TurnQueue[_Pending](thread, self._serve, "flow_encoder_batched_replay", self._queue_lock,
                                           inline=True)  # on the graph thread: a turn would wait for itself
@@ -258,14 +268,42 @@ class BatchEncoderGraphs(SlotPool[EncoderLane]):
         return out[0], out[1], out[2], out[3]
 
     def seed(self, lane: EncoderLane, prefix: EncoderPrefix) -> None:
+        self._held.pop(lane.index, None)
         for rows, name in ((prefix.enc, "enc_lanes"), (prefix.up, "up_lanes")):
             copy_prefix(self.copier, self._lane_ptr(name, lane), rows, np.float32)
+        self._write_histories(lane, prefix)
+
+    def _write_histories(self, lane: EncoderLane, prefix: EncoderPrefix) -> None:
         for history, name in ((prefix.pre, "pre_lanes"), (prefix.upconv, "upconv_lanes")):
             value = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(history, np.float32), *self.device)
             self.copier.copy(self._lane_ptr(name, lane), int(value.data_ptr()), self._lane_bytes[name])
+        self._held[lane.index] = weakref.ref(prefix)
+
+    def seat_fresh(self, lane: EncoderLane, prefix: EncoderPrefix) -> bool:
+        """Whether the lane holds `prefix` as a seed writes it (its rows and conv histories): then a seed
+        of it would write nothing (counted in `fresh`)."""
+        held = self._held.get(lane.index)
+        if held is None or held() is not prefix:
+            return False
+        with self._queue_lock:
+            self.stats.fresh += 1
+        return True
+
+    def dirty(self, lane: EncoderLane) -> bool:
+        """Whether the lane's conv histories are a voice's, not zero (a stream without one resets it first)."""
+        return lane.index in self._held
+
+    def refresh(self, lane: EncoderLane, prefix: EncoderPrefix) -> None:
+        """A lane whose stream of `prefix` ended, back as its seed left it: the voice's conv histories
+        written again (its rows are intact: a stream writes past them), so that the voice's next stream
+        there writes nothing, and takes no graph-thread turn, as the flow lanes (lanes.py)."""
+        self._write_histories(lane, prefix)
+        with self._queue_lock:
+            self.stats.refreshes += 1
 
     def reset(self, lane: EncoderLane) -> None:
         """The lane's conv histories zeroed for its next stream (its free K/V rows are masked)."""
+        self._held.pop(lane.index, None)
         self.copier.copy_many([(self._lane_ptr(n, lane), int(z.data_ptr()), self._lane_bytes[n])
                                for n, z in self._zeros.items()])
 
@@ -281,12 +319,17 @@ class BatchedEncoderCache(PooledEncoderCache[EncoderLane]):
         super().__init__(graphs, lane, dynamic, graphs.spec)
         self._graphs = graphs
         self._seeding: QueuedOnce | None = None  # preload's seed, queued on the graph thread
+        self._voice: EncoderPrefix | None = None  # the seed's, refreshed into the lane at the stream's end
+        self._dirty = graphs.dirty(lane)  # a voice's histories left there: zeroed before a use without a seed
 
     def encode(self, tokens: np.ndarray, embedding: np.ndarray, lookahead: int,
                commit: int) -> tuple[np.ndarray, np.ndarray]:
         if self._seeding is not None:  # the lane's first use: its seed first (an error of it raises here)
             self._seeding.run()
             self._seeding = None
+        if self._dirty and self._slot is not None:  # a stream without a voice after one with it
+            self._graphs.reset(self._slot)
+        self._dirty = False
         return super().encode(tokens, embedding, lookahead, commit)
 
     def _replay(self, slot: EncoderLane, call: EncoderCall) -> EncoderOut:
@@ -296,16 +339,25 @@ class BatchedEncoderCache(PooledEncoderCache[EncoderLane]):
         return self._graphs.read_back(slot, tokens)
 
     def _seed(self, slot: EncoderLane, prefix: EncoderPrefix) -> None:
+        self._voice, self._dirty = prefix, False
+        if self._graphs.seat_fresh(slot, prefix):  # as the voice's last stream there left it: no write, no turn
+            return
         # Queued, not awaited: a stream opens its encoder lane before its LLM starts, and the seed's
         # synchronous uploads and copies stood before the LLM of every stream opening at once.
         self._seeding = QueuedOnce(functools.partial(self._graphs.seed, slot, prefix))
         self._seeding.queue(self._graphs.thread, "flow_encoder_seed")
 
     def _reset(self, slot: EncoderLane) -> None:
-        if self._seeding is not None:  # the stream ended before its first call: the seed never runs
-            self._seeding.cancel()
+        # the stream's end (or its move): the voice's histories again where its seed was written, else zero
+        seeded = True
+        if self._seeding is not None:  # one that never ran (the stream ended before its first call) or failed
+            seeded = self._seeding.cancel()
             self._seeding = None
-        self._graphs.reset(slot)
+        voice, self._voice = self._voice, None
+        if voice is not None and seeded:
+            self._graphs.refresh(slot, voice)
+        else:
+            self._graphs.reset(slot)
 
 
 def batch_encoder_sessions(bundle: Bundle, load: Callable[[str, Path], Session]) -> dict[tuple[int, int], Session]:

@@ -146,8 +146,9 @@ class QueuedOnce:
             if self._error is not None:
                 raise self._error
 
-    def cancel(self) -> None:
-        """Never run, where it has not yet (waits while it runs)."""
+    def cancel(self) -> bool:
+        """Never run, where it has not yet (waits while it runs); whether it had run and succeeded."""
         with self._lock:
             if self._state == "pending":
                 self._state = "cancelled"
+            return self._state == "done"

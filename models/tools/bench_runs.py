@@ -131,11 +131,12 @@ def flow_batch_delta(before: dict[str, Any] | None, after: dict[str, Any] | None
 
 def encoder_batch_delta(before: dict[str, int] | None, after: dict[str, int] | None) -> dict[str, int] | None:
     """What the batched encoder windows did between two EncoderBatchStats.as_dict() (None: off): replays,
-    rows they served, replays shared by streams; the most streams in one replay so far."""
+    rows they served, replays shared by streams, voice seeds that found their lane fresh and lanes
+    refreshed; the most streams in one replay so far."""
     if after is None:
         return None
     old = before or {}
-    return {**{k: after[k] - old.get(k, 0) for k in ("replays", "rows", "shared_replays")},
+    return {**{k: after[k] - old.get(k, 0) for k in ("replays", "rows", "shared_replays", "fresh", "refreshes")},
             "peak_batch": after["peak_batch"]}
 
 

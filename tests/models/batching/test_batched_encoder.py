@@ -262,11 +262,12 @@ def test_a_stream_closed_before_its_first_call_never_seeds_its_lane(static_flow_
         cache = s.graphs(s.enc, s.spec)
         assert isinstance(cache, BatchedEncoderCache)
         cache.preload(prefix.encoder)
-        cache.close()  # before its turn: the lane goes back unseeded, and stays so
+        cache.close()  # before its turn: the lane goes back unseeded, and stays so (reset, not refreshed)
         gate.set()
         hold.result()
         thread.call(lambda: None)
         assert seeds == [] and s.graphs.free_slots == free
+        assert s.graphs.stats.refreshes == 0
 
 
 def test_a_failed_seed_fails_the_streams_first_call(static_flow_bundle: Path) -> None:
@@ -297,3 +298,38 @@ def test_a_lanes_seed_runs_on_the_graph_thread_not_the_opening_one(static_flow_b
         thread.call(lambda: None)
         assert len(seeds) == 1 and seeds[0] != threading.current_thread().name
         cache.close()
+
+
+def test_a_voices_lane_is_refreshed_at_its_end_and_the_voices_next_stream_writes_nothing(
+        static_flow_bundle: Path) -> None:
+    """A lane given back by a stream of a saved voice gets the voice's conv histories again (its rows
+    are intact), so the voice's next stream there writes nothing and queues no turn (its seed took a
+    graph-thread turn before its LLM: 7.2 ms at eight streams on the H100, twenty-ninth run). A stream
+    without a voice after it zeroes the lane before its first call, and another voice seeds it in full;
+    each hears what it hears alone on the dynamic graph."""
+    with _on_lanes(static_flow_bundle) as (thread, s):
+        prompt, toks = _prompt(s.bundle, 3, 60), _toks(s.bundle, 4, 50)
+        other_prompt = _prompt(s.bundle, 5, 60)
+        prefix, other = (build_flow_prefix(s.decoder(False), p) for p in (prompt, other_prompt))
+        want = {name: stream_mel(s.decoder(False), p, toks, prefix=x)
+                for name, p, x in (("voice", prompt, prefix), ("none", prompt, None), ("other", other_prompt, other))}
+        seeds = _spied_seeds(s.graphs)
+        submitted: list[str] = []
+        real_submit = thread.submit
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            submitted.append(str(kwargs.get("label", "")))
+            return real_submit(*args, **kwargs)
+
+        thread.submit = counted  # type: ignore[method-assign]
+        got = {"first": stream_mel(s.decoder(), prompt, toks, prefix=prefix)}  # seeded, refreshed at its end
+        assert len(seeds) == 1 and submitted.count("flow_encoder_seed") == 1
+        assert (s.graphs.stats.fresh, s.graphs.stats.refreshes) == (0, 1)
+        got["again"] = stream_mel(s.decoder(), prompt, toks, prefix=prefix)  # the same lane (the last given back)
+        assert len(seeds) == 1 and submitted.count("flow_encoder_seed") == 1  # nothing written, no turn
+        assert (s.graphs.stats.fresh, s.graphs.stats.refreshes) == (1, 2)
+        got["none"] = stream_mel(s.decoder(), prompt, toks)  # the voice's histories there: zeroed first
+        got["other"] = stream_mel(s.decoder(), other_prompt, toks, prefix=other)
+        assert len(seeds) == 2 and (s.graphs.stats.fresh, s.graphs.stats.refreshes) == (1, 3)
+    for name, expected in (("first", "voice"), ("again", "voice"), ("none", "none"), ("other", "other")):
+        np.testing.assert_allclose(got[name], want[expected], rtol=0, atol=1e-5, err_msg=name)
