@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 import numpy as np
 import onnxruntime as ort
 from cosyedge_models.backends.fixed_shapes import CFG_ROWS, bucket, lane_step_bytes, pad_window
-from cosyedge_models.backends.flow_cache import PrefixRows, same_values
+from cosyedge_models.backends.flow_cache import PrefixRows, read_only, same_values
 from cosyedge_models.backends.graph_thread import CAPTURE_RUNS
 from cosyedge_models.backends.ort import OrtSession
 from cosyedge_models.backends.ort_cache import DeviceCopier, FixedBuffer, helper_session, lane_layout_model
@@ -59,9 +59,8 @@ def kv_dtype(session: OrtSession) -> type[np.floating[Any]]:
 
 @dataclass(frozen=True)
 class SlotCall:
-    """One stream's window in a batched call: `feeds` x, mask, mu, cond [2, C|1, T], t [2],
-    spks [2, C] (the guidance pair); its first `commit` frames are committed; `first`: the
-    first cached frame it attends to (bounded left context; 0: all)."""
+    """One stream's window in a batched call: `feeds` x, mask, mu, cond [2, C|1, T], t [2], spks [2, C] (the
+    guidance pair); its first `commit` frames are committed; `first`: the first cached frame it attends to."""
 
     slot: int
     feeds: Mapping[str, np.ndarray]
@@ -70,18 +69,15 @@ class SlotCall:
 
 
 class _IO:
-    """The host-written inputs and the outputs of one (batch size, window) graph, shared by
-    its bindings at every base slot (the thread runs one call at a time)."""
+    """The inputs and outputs of one (batch size, window) graph, shared by its bindings at every base slot."""
 
     def __init__(self, graphs: BatchFlowGraphs, session: OrtSession, batch: int, window: int) -> None:
         kind, dev = graphs.device
         self.session, self.batch, self.window = session, batch, window
-        self.values = {
-            name: ort.OrtValue.ortvalue_from_numpy(
-                np.zeros([int(d) for d in session.input_shapes[name]],
-                         np.int64 if name in _STREAM_INPUTS else np.float32), kind, dev)
-            for name in (*_WINDOW_INPUTS, *_ROW_INPUTS, *_STREAM_INPUTS)
-        }
+        shapes = {name: [int(d) for d in session.input_shapes[name]] for name in session.input_shapes}
+        self.values = {name: ort.OrtValue.ortvalue_from_numpy(np.zeros(
+            shapes[name], np.int64 if name in _STREAM_INPUTS else np.float32), kind, dev)
+            for name in (*_WINDOW_INPUTS, *_ROW_INPUTS, *_STREAM_INPUTS)}
         self.values["dphi_dt"] = ort.OrtValue.ortvalue_from_shape_and_type(
             [int(d) for d in session.output_shapes["dphi_dt"]], np.float32, kind, dev)
         self.values["conv_cache_new"] = ort.OrtValue.ortvalue_from_shape_and_type(
@@ -177,9 +173,12 @@ class BatchFlowGraphs:
         self._seeded: list[tuple[weakref.ref[object], int] | None] = [None] * self.slots
         self.seeds = 0  # prefixes written into a slot
         self.reuses = 0  # prefixes found still in their slot
-        # the conv history a seed last wrote into each slot while no call has run on it since (as given, and
-        # its values): a seed of the same history writes nothing then (a lane refreshed at its stream's end)
-        self._fresh: list[tuple[np.ndarray, np.ndarray] | None] = [None] * self.slots
+        # the conv history a seed (or a reset: the zeros) last wrote into each slot while no call has run on it
+        # since (as given, and its values): a seed of the same history writes nothing then (a lane refreshed
+        # at its stream's end); the buffers start zeroed
+        zeros = read_only(np.zeros((CFG_ROWS, *self.conv_row), np.float32))
+        self._zeroed = (zeros, zeros)
+        self._fresh: list[tuple[np.ndarray, np.ndarray] | None] = [self._zeroed] * self.slots
         self.fresh = 0  # reuses that found the slot so (nothing written)
         ios = {key: _IO(self, sessions[key], *key) for key in sorted(sessions)}
         bases = {b: ([s for g in range(groups) for s in range(g * self.lanes, (g + 1) * self.lanes)] if b == 1
@@ -221,8 +220,11 @@ class BatchFlowGraphs:
         for slot in slots:
             self._check_slot(slot)
             self.lengths[slot] = 0
-            self._fresh[slot] = None
+            self._fresh[slot] = self._zeroed
         self.copier.copy_many([(self.conv_ptr(CFG_ROWS * s), int(self._zero_conv.data_ptr()), row) for s in slots])
+
+    def zeroed(self, slot: int) -> bool:  # as a reset left it: a new stream without a voice needs nothing
+        return self._fresh[slot] is self._zeroed
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.slots:
@@ -453,10 +455,6 @@ class BatchFlowGraphs:
                                 nbytes) for i in range(self.blocks) for k in range(2)])
         self._write_conv(slot, conv)
         self.lengths[slot] = frames
-
-    def slot_cache(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
-        """Host copies of a slot's committed K/V [L, 2, 2, H, len, D] and conv history (tests)."""
-        return self.read_slot(slot)
 
 
 # a prefix's rows [n, L, 2, 2, H, D] (frame-major, flow_cache.PrefixRows) -> a lane's [L, 2, 2, H, n, D]

@@ -114,7 +114,7 @@ class FlowBatcher:
         self.thread = thread
         self.stats = FlowBatchStats()
         self._lock = threading.Lock()
-        self.lanes = FlowLanes(graphs, thread, self._lock)  # which are free, and their resets and seeds
+        self.lanes = FlowLanes(graphs, thread, self._lock)  # which are free, their seeds and end-of-stream writes
         # the calls waiting, under the same lock (its `arrived`: a call was queued); a turn at the
         # caller's priority (first audio first)
         self._turns = TurnQueue[_Pending](thread, self._serve, "flow_batched_replay", self._lock)
@@ -126,12 +126,12 @@ class FlowBatcher:
     def report(self) -> dict[str, object]:
         """FlowBatchStats as a dict, consistent (bench output), with the lanes' voice prefixes written
         (`seeds`), found still there (`reuses`: only the conv history written) and found as a seed leaves
-        them (`fresh`: nothing written), and the lanes refreshed at their stream's end (lanes.py)."""
+        them (`fresh`: nothing written), and the lanes refreshed or zeroed at their stream's end (lanes.py)."""
         with self._lock:
             g, lanes = self.graphs, self.lanes
             fresh = g.fresh + lanes.fresh  # in a turn, or taken on the stream's thread
             return {**self.stats.as_dict(), "seeds": g.seeds, "reuses": g.reuses + lanes.fresh, "fresh": fresh,
-                    "refreshes": lanes.refreshes, "refreshes_dropped": lanes.dropped}
+                    "refreshes": lanes.refreshes, "zeroings": lanes.zeroings, "refreshes_dropped": lanes.dropped}
 
     @property
     def waiting(self) -> int:
@@ -217,9 +217,10 @@ class BatchedStepCache:
         self._moved: StepCache | None = None
         self._bound = copier_cache  # makes the dynamic-graph cache (BoundStepCache)
         self._closed = False
-        # the lane's reset, then preload's seed (which replaces a reset still waiting), queued on the graph
-        # thread; `length` needs neither (the slot's committed frames are 0 from acquire until the seed)
-        self._resetting: Future[None] | None = batcher.lanes.queue_reset(slot)
+        # the lane as its last stream gave it back (lanes.py): zeroed, or a voice's, which a stream without
+        # that voice zeroes at its first use unless preload seeds it; the seed is queued on the graph thread,
+        # and `length` needs neither (the slot's committed frames are 0 from acquire until the seed)
+        self._needs_reset = not batcher.graphs.zeroed(slot)
         self._seeding: Future[None] | None = None
         self._voice: tuple[PrefixRows, np.ndarray] | None = None  # the seed's rows and history (the refresh)
 
@@ -230,11 +231,11 @@ class BatchedStepCache:
             self._seeding = None
 
     def _ready(self) -> None:
-        """The queued reset done (here, where its turn has not come) and the seed waited for: before the
-        lane's first replay or read."""
-        if self._resetting is not None and self._slot is not None:
-            self._batcher.lanes.claim_reset(self._slot, self._resetting)
-        self._resetting = None
+        """Before the lane's first replay or read: a voice's history zeroed here (a stream without a voice
+        on a lane a voice's stream gave back: rare, one device copy), or the seed waited for."""
+        if self._needs_reset and self._slot is not None:
+            self._graphs.reset(self._slot)
+        self._needs_reset = False
         self._seeded()
 
     @property
@@ -280,7 +281,7 @@ class BatchedStepCache:
         # submitted, and each seed awaited in turn waited behind other streams' replays (H200, sixteenth
         # run: 259 ms of waits over eight streams' level). The lane's first use waits for it (_seeded).
         self._seeding = self._batcher.lanes.queue_seed(slot, rows, history)
-        self._voice = (rows, history)
+        self._voice, self._needs_reset = (rows, history), False
 
     def run(self, feeds: Mapping[str, np.ndarray], commit: int) -> np.ndarray:
         if self._closed:
@@ -321,20 +322,12 @@ class BatchedStepCache:
     def _give_back(self) -> None:
         # the lane goes back only once nothing queued still writes it; a seed that failed before the
         # lane's first use fails nothing else (the stream closes unused)
-        try:
-            if self._resetting is not None and self._slot is not None:
-                self._batcher.lanes.claim_reset(self._slot, self._resetting)  # not waiting for a turn
-        except Exception as exc:
-            log.warning("a flow lane's reset failed before its first use: %s", exc)
-        pending, self._resetting, self._seeding = self._seeding, None, None
+        pending, self._seeding = self._seeding, None
         failed = pending.exception() if pending is not None else None
         if failed is not None:
             log.warning("a flow lane's seed failed before its first use: %s", failed)
-        if self._slot is not None:
-            if self._voice is not None and failed is None:  # the voice's conv history again (lanes.py)
-                self._batcher.lanes.refresh(self._slot, *self._voice)
-            else:
-                self._batcher.lanes.release(self._slot)
+        if self._slot is not None:  # with the voice's conv history again, or zeroed (lanes.py)
+            self._batcher.lanes.give_back(self._slot, self._voice if failed is None else None)
             self._slot = None
         self._voice = None
 

@@ -1,20 +1,21 @@
 """The lanes of the batched estimator graphs (batched_flow.py's BatchFlowGraphs): which are
-free, and what is written into them on the engine's graph thread before their streams use them.
+free, and what is written into them on the engine's graph thread around their streams.
 
-A stream's lane needs, before its first window, its conv history zeroed (a reset) or a saved
-voice's prefix and conv history (a seed). Both are queued, not awaited: the writes waiting when
-the graph thread comes to them go in one turn (BatchFlowGraphs.seed_many), and the lane's first
-use waits for its own.
-
-A lane that a stream of a saved voice gives back is refreshed: the voice's conv history written
-again in a queued turn (its K/V rows still hold the prefix: streams write past it). The next
-stream of that voice then finds the lane as a seed leaves it (BatchFlowGraphs.seat_fresh) and
-takes it so on its own thread: no write, no graph-thread turn. Those writes were on every first
-chunk's path: sixteen streams opening together spent 115-131 ms of the graph thread writing conv
-histories before their first LLM step (H100, twenty-eighth run,
-docs/benchmarks/h100-2026-12-07-run28.json); at the stream's end the same write costs no one's
-first audio. A new stream that takes a lane whose refresh has not started drops it (its own
-reset or seed writes the lane); one being written is waited for."""
+A stream's lane needs, before its first window, its conv history zero (a stream without a saved
+voice) or a saved voice's prefix and conv history (a seed). A lane is given back ready for the
+next stream like it: a stream of a saved voice gives it back with the voice's conv history written
+again in a queued turn (a refresh: its K/V rows still hold the prefix, streams write past them), a
+stream without one with its conv history zeroed in a queued turn. The next stream of that voice then
+finds the lane as a seed leaves it (BatchFlowGraphs.seat_fresh) and takes it so on its own thread,
+and the next stream without a voice finds it zeroed (BatchFlowGraphs.zeroed): no write, no
+graph-thread turn before its first audio. Those writes were on every first chunk's path: sixteen
+streams opening together spent 115-131 ms of the graph thread writing conv histories before their
+first LLM step (H100, twenty-eighth run, docs/benchmarks/h100-2026-12-07-run28.json), and turns that
+wrote nothing still held it 68-84 ms among the streams' busy threads (twenty-ninth run). Other
+seeds are queued, not awaited, and those waiting when the graph thread comes to them go in one
+turn (BatchFlowGraphs.seed_many); a stream without a voice on a lane a voice left zeroes it at its
+first use, on its own thread. A new stream that takes a lane whose end-of-stream write has not
+started drops it; one being written is waited for."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def lane_history(conv: np.ndarray) -> np.ndarray:
 
 @dataclass
 class _Write:
-    """A queued write of one lane: a reset (no prefix) or a seed; `done` when the turn wrote it."""
+    """A queued write of one lane: zeros (no prefix) or a seed; `done` when the turn wrote it."""
 
     slot: int
     rows: PrefixRows | None
@@ -60,11 +61,11 @@ class FlowLanes:
         self._lock = lock
         self._free = [list(range(graphs.lanes)) for _ in range(graphs.groups)]  # lowest lane first
         self._writes: list[_Write] = []
-        self._refreshing: dict[int, Future[None]] = {}  # slot -> its refresh, queued or being written
-        self._writing: set[int] = set()  # the slots of the writes a turn has taken and not yet settled
+        self._refreshing: dict[int, Future[None]] = {}  # slot -> its end-of-stream write, queued or being written
         self.refreshes = 0  # lanes given back with their voice's conv history queued again
-        self.dropped = 0  # refreshes a new stream took the lane before (its own write replaced them)
-        self.fresh = 0  # seeds that found their lane fresh on the stream's thread (no turn: _queue)
+        self.zeroings = 0  # lanes given back with their conv history queued to be zeroed (no voice)
+        self.dropped = 0  # end-of-stream writes a new stream took the lane before (its own write replaced them)
+        self.fresh = 0  # seeds that found their lane fresh on the stream's thread (no turn: queue_seed)
 
     @property
     def in_use(self) -> int:
@@ -73,8 +74,8 @@ class FlowLanes:
 
     def acquire(self, group: int) -> int | None:
         """A free slot of `group` (its lowest lane: batches stay small), nothing committed; None when all
-        are taken. Its conv history is zeroed by `queue_reset`, or overwritten by its seed; a refresh of
-        the lane still queued is dropped, one being written is waited for (the turn sets the length)."""
+        are taken. An end-of-stream write of the lane still queued is dropped (BatchFlowGraphs.zeroed and
+        seat_fresh then tell what the lane holds), one being written is waited for."""
         with self._lock:
             if not 0 <= group < self.graphs.groups or not self._free[group]:
                 return None
@@ -102,22 +103,30 @@ class FlowLanes:
         group, lane = divmod(slot, self.graphs.lanes)
         self._free[group] = sorted([*self._free[group], lane])
 
-    def refresh(self, slot: int, rows: PrefixRows, history: np.ndarray) -> None:
-        """Give the lane back with the voice's conv history written again in a queued turn (the module's
-        docstring): the next stream of the voice writes nothing. Never raises (a stream's end)."""
+    def give_back(self, slot: int, voice: tuple[PrefixRows, np.ndarray] | None) -> None:
+        """The lane back at its stream's end, ready for the next stream like it (the module's docstring):
+        with `voice`'s conv history written again (the rows and history its seed wrote), or zeroed, in a
+        queued turn; at once where it is zeroed already. Never raises (a stream's end)."""
+        if voice is None and self.graphs.zeroed(slot):
+            self.release(slot)
+            return
+        rows, history = voice if voice is not None else (None, None)
         done: Future[None] = Future()
         with self._lock:
             self._refreshing[slot] = done
-            self.refreshes += 1
+            if voice is not None:
+                self.refreshes += 1
+            else:
+                self.zeroings += 1
             first = not self._writes
             self._writes.append(_Write(slot, rows, history, done))
             self._free_slot(slot)
         if first:
             try:
                 # never first-audio work, whatever the closing thread is doing
-                self.thread.submit(self._write_waiting, GraphPriority.NORMAL, label="flow_lane_seed")
-            except BaseException as exc:  # the engine closing: the lane stays free, unrefreshed
-                log.debug("a flow lane's refresh was not queued: %s", exc)
+                self.thread.submit(self._write_waiting, GraphPriority.NORMAL, label="flow_lane_refresh")
+            except BaseException as exc:  # the engine closing: the lane stays free as it is (zeroed() tells)
+                log.debug("a flow lane's end-of-stream write was not queued: %s", exc)
                 self._fail(exc)
 
     def seed_free_lanes(self, step_kv: Sequence[PrefixRows], step_conv: Sequence[np.ndarray]) -> int:
@@ -146,51 +155,20 @@ class FlowLanes:
                     self._free[group] = sorted(self._free[group] + lanes)
         return len(items)
 
-    def queue_reset(self, slot: int) -> Future[None]:
-        """A new stream's lane reset (its conv history zeroed: BatchFlowGraphs.reset) queued for the graph
-        thread, not awaited, as the seeds are: ten synchronous device copies a stream stood before its
-        LLM, and those of streams opening together one after another. A seed queued for the lane
-        before the turn takes it replaces it (the seed writes the history)."""
-        return self._queue(slot, None, None)
-
-    def claim_reset(self, slot: int, done: Future[None]) -> None:
-        """A lane's first use before its queued reset's turn: the reset here and now, off the queue (the
-        graph thread may be busy with other streams' first chunks); where a turn took it, its end."""
-        with self._lock:
-            waiting = [w for w in self._writes if w.done is done]
-            self._writes = [w for w in self._writes if w.done is not done]
-        if not waiting:
-            done.result()
-            return
-        try:
-            self.graphs.reset(slot)
-        except BaseException as exc:
-            done.set_exception(exc)
-            raise
-        done.set_result(None)
-
     def queue_seed(self, slot: int, rows: PrefixRows, history: np.ndarray) -> Future[None]:
         """A lane's seed (BatchFlowGraphs.seed) queued for the graph thread, not awaited: a stream opens
         its ten Euler steps' lanes at once, and the seeds waiting when a turn runs are written together
-        (seed_many). The future fails where the turn failed (its lanes are not trusted)."""
-        return self._queue(slot, rows, history)
-
-    def _queue(self, slot: int, rows: PrefixRows | None, history: np.ndarray | None) -> Future[None]:
+        (seed_many). The future fails where the turn failed (its lanes are not trusted). A lane that its
+        last stream of the voice gave back refreshed is taken as it is, here: done at once, no turn (the
+        voice's own read-only history is known without a look, flow_cache.same_values; anything else
+        is looked at in the turn)."""
         done: Future[None] = Future()
-        replaced: list[Future[None]] = []
-        fresh = False
         with self._lock:
-            first = not self._writes  # else a queued turn, not yet started, takes this one too
-            if rows is not None and history is not None:  # the lane's reset still waiting: the seed writes it
-                replaced = [w.done for w in self._writes if w.slot == slot and w.rows is None]
-                self._writes = [w for w in self._writes if not (w.slot == slot and w.rows is None)]
-                # A lane as its refresh left it (the voice's own read-only history: known without a look, no
-                # numpy call), nothing of it being written: taken so here, no turn. A turn that wrote nothing
-                # still held the graph thread while its Python waited for the GIL among the streams' threads:
-                # 84 ms at sixteen streams (H100, twenty-ninth run). Anything else is looked at in a turn.
-                fresh = slot not in self._writing and self.graphs.seat_fresh(slot, rows, history, look=False)
-                self.fresh += fresh
-            if not fresh:
+            fresh = self.graphs.seat_fresh(slot, rows, history, look=False)
+            if fresh:
+                self.fresh += 1
+            else:
+                first = not self._writes  # else a queued turn, not yet started, takes this one too
                 self._writes.append(_Write(slot, rows, history, done))
         if fresh:
             done.set_result(None)
@@ -199,16 +177,13 @@ class FlowLanes:
                 self.thread.submit(self._write_waiting, label="flow_lane_seed")
             except BaseException as exc:
                 self._fail(exc)
-        for future in replaced:
-            future.set_result(None)
         return done
 
     def _write_waiting(self) -> None:
         """On the graph thread: every write waiting, in one seed_many."""
         with self._lock:
             writes, self._writes = self._writes, []
-            self._writing.update(w.slot for w in writes)
-        if not writes:  # a fresh seed replaced the only write (_queue)
+        if not writes:  # a new stream dropped the only write (acquire)
             return
         try:
             self.graphs.seed_many([(w.slot, w.rows, w.history) for w in writes])
@@ -220,7 +195,6 @@ class FlowLanes:
     def _settle(self, writes: Sequence[_Write], exc: BaseException | None) -> None:
         with self._lock:
             for w in writes:
-                self._writing.discard(w.slot)
                 if self._refreshing.get(w.slot) is w.done:
                     del self._refreshing[w.slot]
         for w in writes:

@@ -107,14 +107,15 @@ def order_delta(before: dict[str, dict[str, Any]], after: dict[str, dict[str, An
 def flow_batch_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any] | None:
     """What the batched estimator windows did between two FlowBatchStats.as_dict() (None: off):
     replays, rows, shared replays, replays by streams served and their mean ms, partner waits, the lanes'
-    seeds (`fresh`: found as a refresh left them, nothing written; `refreshes` at streams' ends, lanes.py),
+    seeds (`fresh`: found as a refresh left them, nothing written; `refreshes` and `zeroings` at streams' ends,
+    lanes.py),
     replays by window (and those that mixed windows) and single-stream replays by what else waited."""
     if after is None:
         return None
     old = before or {}
     # the lanes' refreshes, the engine's seats and its later chunks' gather (graph_flow_gather_ms), where it has them
-    extra = tuple(key for key in ("fresh", "refreshes", "refreshes_dropped", "seat_waits", "seat_wait_ms", "unseated",
-                                  "gather_holds", "gather_held_ms", "gather_rounds", "gather_full_rounds")
+    extra = tuple(key for key in ("fresh", "refreshes", "zeroings", "refreshes_dropped", "seat_waits", "seat_wait_ms",
+                                  "unseated", "gather_holds", "gather_held_ms", "gather_rounds", "gather_full_rounds")
                   if key in after)
     out: dict[str, Any] = {key: round(float(after[key]) - float(old.get(key, 0)), 1)
                            for key in ("replays", "rows", "shared_replays", "fallbacks", "moves", "partner_wait_ms",

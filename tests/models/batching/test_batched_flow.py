@@ -59,7 +59,7 @@ def test_batched_slots_equal_each_stream_alone(static_flow_bundle: Path) -> None
         """slot -> (frames, commit, first)."""
         calls = [SlotCall(slot, _feeds(rng, channels, frames), commit, first)
                  for slot, (frames, commit, first) in windows.items()]
-        before = {s: graphs.slot_cache(s) for s in range(graphs.slots) if s not in windows}
+        before = {s: graphs.read_slot(s) for s in range(graphs.slots) if s not in windows}
         outs = graphs.run(calls)
         for c, out in zip(calls, outs, strict=True):
             cache = alone[c.slot]
@@ -69,7 +69,7 @@ def test_batched_slots_equal_each_stream_alone(static_flow_bundle: Path) -> None
             np.testing.assert_allclose(out, ref, rtol=0, atol=1e-5 * float(np.abs(ref).max()))
             assert graphs.lengths[c.slot] == cache.length
         for s, (kv, conv) in before.items():  # idle slots: cache and history untouched
-            kv_now, conv_now = graphs.slot_cache(s)
+            kv_now, conv_now = graphs.read_slot(s)
             np.testing.assert_array_equal(kv_now, kv)
             np.testing.assert_array_equal(conv_now, conv)
 

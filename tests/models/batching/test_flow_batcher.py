@@ -542,9 +542,9 @@ def test_the_seeds_waiting_for_the_graph_thread_are_written_in_one_turn(static_f
 
 def test_a_lane_taken_during_its_refresh_is_the_new_streams_alone(static_flow_bundle: Path) -> None:
     """A lane given back by a stream of a saved voice is refreshed in a queued turn (lanes.py). A new
-    stream that takes it first drops that refresh (its own reset writes the lane), and one that takes it
-    while the refresh is written waits for it: either way its length is 0 and it gives what a stream
-    without a voice gives on a lane no one used."""
+    stream that takes it first drops that refresh (without a voice it zeroes the lane at its first use),
+    and one that takes it while the refresh is written waits for it: either way its length is 0 and it
+    gives what a stream without a voice gives on a lane no one used."""
     with _one_group(static_flow_bundle, seed=15, windows=2) as (sessions, caches, spec, graphs, thread, chunk, rows,
                                                                conv, feeds):
         lanes = caches.batcher.lanes
@@ -557,6 +557,8 @@ def test_a_lane_taken_during_its_refresh_is_the_new_streams_alone(static_flow_bu
             return out
 
         alone = plain()
+        thread.call(lambda: None)  # its lane zeroed at its end, in a queued turn
+        assert (lanes.zeroings, lanes.dropped) == (1, 0)
         voiced = caches(sessions["flow_estimator"], spec)
         voiced.preload(rows, conv)
         voiced.run(feeds[0], chunk)
@@ -568,6 +570,7 @@ def test_a_lane_taken_during_its_refresh_is_the_new_streams_alone(static_flow_bu
         release.set()
         assert blocker.result(timeout=30)
         voiced_then_plain = plain(new)
+        thread.call(lambda: None)  # its end's zeroing written
 
         # the refresh being written when the new stream takes the lane: acquire waits for it
         writing, go_on = threading.Event(), threading.Event()
@@ -601,109 +604,57 @@ def test_a_lane_taken_during_its_refresh_is_the_new_streams_alone(static_flow_bu
                 np.testing.assert_array_equal(a, b)
 
 
-def test_a_new_streams_lane_is_reset_off_its_opening_thread_and_before_its_first_window(
-        static_flow_bundle: Path) -> None:
-    """A stream opens its ten Euler steps' lanes before its LLM starts; their resets (the conv history
-    zeroed, a device copy each) are queued for the graph thread instead of run there and then. Where
-    the graph thread is busy when the lane's first window comes, that window's thread resets the lane
-    itself rather than wait. Either way the lane that the stream before wrote gives what a fresh one
-    gives."""
+def test_a_lane_is_given_back_ready_for_the_next_stream_like_its_own(static_flow_bundle: Path) -> None:
+    """A stream without a saved voice gives its lane back zeroed in a queued turn at its end, so the next
+    such stream writes nothing before its first window; a stream of a saved voice gives it back refreshed,
+    and the voice's next stream there takes it on its own thread with the graph thread busy (a turn that
+    wrote nothing waited up to 84 ms for the GIL on the H100). A stream without a voice on a lane the voice
+    left zeroes it at its first window, on that window's thread. Each gives what it gives on a fresh lane."""
     with _one_group(static_flow_bundle, seed=14, windows=2) as (sessions, caches, spec, graphs, thread, chunk, rows,
                                                                conv, feeds):
-        resets: list[tuple[str, list[int]]] = []
+        lanes = caches.batcher.lanes
+        resets: list[str] = []
         real = graphs.reset_many
 
         def counted(slots: list[int]) -> None:
             if slots:
-                resets.append((threading.current_thread().name, list(slots)))
+                resets.append(threading.current_thread().name)
             real(slots)
 
         graphs.reset_many = counted  # type: ignore[method-assign]
 
-        def stream(busy: bool) -> list[np.ndarray]:
+        def stream(voice: bool, busy: bool = False) -> list[np.ndarray]:
             release = threading.Event()
             blocker = thread.submit(release.wait) if busy else None
             cache = caches(sessions["flow_estimator"], spec)
             assert isinstance(cache, BatchedStepCache)
-            assert len(resets) == (0 if not busy else 1)  # the opening thread reset nothing
-            if not busy:
-                thread.call(lambda: None)  # the reset's turn (the LLM would run meanwhile)
+            if voice:
+                cache.preload(rows, conv)
+            if busy:  # nothing waits for the graph thread: the lane is ready as it was given back
+                assert cache.length == (2 * chunk if voice else 0)
+                release.set()
+                assert blocker is not None and blocker.result(timeout=30)
             out: list[np.ndarray] = []
             runner = threading.Thread(target=lambda: out.extend(cache.run(f, chunk) for f in feeds),
                                       name="first-window")
             runner.start()
-            if busy:
-                deadline = time.monotonic() + 30
-                while len(resets) < 2 and time.monotonic() < deadline:
-                    time.sleep(0.005)
-                assert resets[-1][0] == "first-window"  # its turn had not come: the window reset the lane
-                release.set()
-                assert blocker is not None and blocker.result(timeout=30)
             runner.join(60)
             cache.close()
+            thread.call(lambda: None)  # its end's write (zeros or the voice's history) done
             return out
 
-        first = stream(busy=False)
-        assert len(resets) == 1 and resets[0][0] not in ("MainThread", "first-window")  # on the graph thread
-        again = stream(busy=True)  # the same lane (the lowest free), its conv history the first stream's
-        thread.call(lambda: None)  # the queued turn, after the claim, resets nothing more
-        assert len(resets) == 2 and resets[0][1] == resets[1][1]
-        for a, b in zip(again, first, strict=True):
-            np.testing.assert_array_equal(a, b)
-        assert caches.batcher.lanes.in_use == 0
-
-
-def test_a_fresh_lane_is_taken_without_a_turn_unless_its_reset_is_being_written(static_flow_bundle: Path) -> None:
-    """A stream of a saved voice that finds its lane as the refresh left it takes it on its own thread,
-    with the graph thread busy (a turn that wrote nothing waited up to 84 ms for the GIL on the H100).
-    Where the turn writing the lane's reset has already started, the lane is not taken so (the reset
-    zeroes its conv history): the seed is queued and written after it. Both streams hear the voice."""
-    with _one_group(static_flow_bundle, seed=16, windows=2) as (sessions, caches, spec, graphs, thread, chunk, rows,
-                                                               conv, feeds):
-        lanes = caches.batcher.lanes
-
-        def voiced(cache: StepCache | None = None, busy: bool = False) -> list[np.ndarray]:
-            cache = cache or caches(sessions["flow_estimator"], spec)
-            assert isinstance(cache, BatchedStepCache)
-            release = threading.Event()
-            blocker = thread.submit(release.wait) if busy else None
-            cache.preload(rows, conv)
-            if busy:  # taken with the graph thread busy: the lane's length is the prefix's already
-                assert cache.length == 2 * chunk and lanes.fresh == 1
-                release.set()
-                assert blocker is not None and blocker.result(timeout=30)
-            out = [cache.run(f, chunk) for f in feeds]
-            cache.close()
-            thread.call(lambda: None)  # its refresh written
-            return out
-
-        want = voiced()  # seeded in a turn, refreshed at its end
-        taken = voiced(busy=True)
-        assert lanes.fresh == 1
-
-        resetting, go_on = threading.Event(), threading.Event()
-        real = graphs.reset_many
-
-        def slow(slots: list[int]) -> None:
-            if slots:  # the new stream's reset, taken by a turn: held there
-                resetting.set()
-                assert go_on.wait(30)
-            real(slots)
-
-        graphs.reset_many = slow  # type: ignore[method-assign]
-        try:
-            cache = caches(sessions["flow_estimator"], spec)  # its reset's turn starts and holds
-            assert resetting.wait(30)
-            seeded = threading.Thread(target=lambda: got.extend(voiced(cache)))
-            got: list[np.ndarray] = []
-            seeded.start()
-            seeded.join(0.3)
-            assert lanes.fresh == 1  # not taken fresh: its seed waits for a turn after the reset
-            go_on.set()
-            seeded.join(60)
-        finally:
-            graphs.reset_many = real  # type: ignore[method-assign]
-        assert len(got) == len(feeds) and lanes.in_use == 0
-        for out in (taken, got):
-            for a, b in zip(out, want, strict=True):
+        first = stream(voice=False)  # the lane as the graphs made it: zero, nothing written before its use
+        assert len(resets) == 1
+        assert lanes.zeroings == 1 and resets[0] not in ("MainThread", "first-window")  # at its end, in a turn
+        again = stream(voice=False, busy=True)  # the lane its end zeroed: nothing to write
+        assert lanes.zeroings == 2 and len(resets) == 2
+        voiced = stream(voice=True)  # seeded in a turn, refreshed at its end
+        assert (lanes.refreshes, lanes.zeroings, len(resets)) == (1, 2, 2)
+        voiced_again = stream(voice=True, busy=True)  # taken as the refresh left it: no turn
+        assert (lanes.fresh, lanes.refreshes) == (1, 2)
+        after_voice = stream(voice=False)  # the voice's history there: zeroed at its first window
+        assert resets[2] == "first-window" and lanes.zeroings == 3
+        assert lanes.in_use == 0 and lanes.dropped == 0
+        for got, want in ((again, first), (after_voice, first), (voiced_again, voiced)):
+            for a, b in zip(got, want, strict=True):
                 np.testing.assert_array_equal(a, b)
