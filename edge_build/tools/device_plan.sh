@@ -24,7 +24,8 @@ case ${1:?start or wait} in
     # the goals' bench with the official pipeline and the batched vocoder lengths (e): a voice's seeds that
     # find their lanes fresh now take them on the stream's thread, with no graph-thread turn (lanes.py; in the
     # twenty-ninth run such turns wrote nothing and still held the thread 15.6 ms at eight streams and 110.8
-    # ms at sixteen, their Python waiting for the GIL); the bench of b's configuration with no single-stream
+    # ms at sixteen, their Python waiting for the GIL), and the encoder lanes are refreshed too (their seeds
+    # took 7.2 ms at eight, before the first prefill); the bench of b's configuration with no single-stream
     # overflow slots (n: 16 lanes on an 80 GB card beside the long utterance's room); later chunks' flow
     # gathered 150 ms (graph_flow_gather_ms) in the goals' levels (a) and in n's configuration as levels (j);
     # Python's thread switch interval at 0.5 ms instead of 5 in the goals' levels (w) and in n's (m): how
