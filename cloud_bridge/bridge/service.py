@@ -286,11 +286,9 @@ class BridgeService:
                 return
             with self._running_lock:
                 self._running[job.key] = job
-            self.metrics.in_flight.inc()
             try:
                 self._serve(job)
             finally:
-                self.metrics.in_flight.dec()
                 with self._running_lock:
                     self._running.pop(job.key, None)
                 for tag in self.admission.finish(job.key):
@@ -314,38 +312,41 @@ class BridgeService:
             attempts, seq, audio_s = 0, 0, 0.0
             first_at: float | None = None
             times: dict[str, Any] = {}
-            while True:
-                attempts += 1
-                try:
-                    tag = f"{job.device_id}/{req.id}/{attempts}"
-                    for chunk in self.streamer.stream(req, choice.version, tag, job.cancel, job.first_chunk_by):
-                        if chunk.model_version:
-                            version_label = chunk.model_version
-                        payload, props = encode_audio(
-                            req.id,
-                            chunk.pcm,
-                            chunk.sample_rate,
-                            seq,
-                            chunk.last,
-                            chunk.model_version,
-                            req.audio_header,
-                        )
-                        self._publish(topic, payload, props, job.correlation)
-                        if first_at is None:
-                            first_at = time.monotonic()
-                            self.metrics.first_chunk.labels(version_label).observe(first_at - job.received)
-                        seq += 1
-                        audio_s += chunk.pcm.size / max(1, chunk.sample_rate)
-                        times = chunk.times
-                    break
-                except SynthesisFailed as exc:
-                    if not self._should_retry(exc, job, seq, attempts):
-                        raise
-                    self.metrics.retries.labels(version_label).inc()
-                    delay = t.retry_backoff_ms / 1e3 * 2 ** (attempts - 1)
-                    log.info("request %s/%s: %s; retry %d in %.2f s", job.device_id, req.id, exc, attempts, delay)
-                    if job.cancel.wait(delay):
+            # in flight while it streams from Triton, no longer once its answer goes out: a client that reads
+            # /metrics after its done message or error finds it 0 (it raced: CI, 2026-12-07)
+            with self.metrics.in_flight.track_inprogress():
+                while True:
+                    attempts += 1
+                    try:
+                        tag = f"{job.device_id}/{req.id}/{attempts}"
+                        for chunk in self.streamer.stream(req, choice.version, tag, job.cancel, job.first_chunk_by):
+                            if chunk.model_version:
+                                version_label = chunk.model_version
+                            payload, props = encode_audio(
+                                req.id,
+                                chunk.pcm,
+                                chunk.sample_rate,
+                                seq,
+                                chunk.last,
+                                chunk.model_version,
+                                req.audio_header,
+                            )
+                            self._publish(topic, payload, props, job.correlation)
+                            if first_at is None:
+                                first_at = time.monotonic()
+                                self.metrics.first_chunk.labels(version_label).observe(first_at - job.received)
+                            seq += 1
+                            audio_s += chunk.pcm.size / max(1, chunk.sample_rate)
+                            times = chunk.times
                         break
+                    except SynthesisFailed as exc:
+                        if not self._should_retry(exc, job, seq, attempts):
+                            raise
+                        self.metrics.retries.labels(version_label).inc()
+                        delay = t.retry_backoff_ms / 1e3 * 2 ** (attempts - 1)
+                        log.info("request %s/%s: %s; retry %d in %.2f s", job.device_id, req.id, exc, attempts, delay)
+                        if job.cancel.wait(delay):
+                            break
             if job.cancel.is_set():
                 raise SynthesisFailed("draining", "the bridge shut down before the request finished")
             done_at = time.monotonic()
