@@ -144,8 +144,9 @@ class BatchEncoderGraphs(SlotPool[EncoderLane]):
         self.io = {key: _BatchIO(s, self, i) for i, (key, s) in enumerate(sorted(sessions.items()))}
         self._zeros = {n: device_zeros(_shape(first, n)[1:], np.float32, device) for n in ("pre_lanes", "upconv_lanes")}
         # lane index -> the voice whose prefix rows and conv histories the lane holds, as a seed or its last
-        # stream's end (`refresh`) left them; a lane not here has zero histories (a reset's, or never used)
-        self._held: dict[int, weakref.ref[EncoderPrefix]] = {}
+        # stream's end (`refresh`) left them (None: histories not zero, no voice's for sure: a write that
+        # failed midway); a lane not here has zero histories (a reset's, or never used)
+        self._held: dict[int, weakref.ref[EncoderPrefix] | None] = {}
         self._queue_lock = threading.Lock()  # the calls waiting (SlotPool's own lock guards the lanes)
         self._turns = TurnQueue[_Pending](thread, self._serve, "flow_encoder_batched_replay", self._queue_lock,
                                           inline=True)  # on the graph thread: a turn would wait for itself
@@ -268,12 +269,13 @@ class BatchEncoderGraphs(SlotPool[EncoderLane]):
         return out[0], out[1], out[2], out[3]
 
     def seed(self, lane: EncoderLane, prefix: EncoderPrefix) -> None:
-        self._held.pop(lane.index, None)
+        self._held[lane.index] = None
         for rows, name in ((prefix.enc, "enc_lanes"), (prefix.up, "up_lanes")):
             copy_prefix(self.copier, self._lane_ptr(name, lane), rows, np.float32)
         self._write_histories(lane, prefix)
 
     def _write_histories(self, lane: EncoderLane, prefix: EncoderPrefix) -> None:
+        self._held[lane.index] = None
         for history, name in ((prefix.pre, "pre_lanes"), (prefix.upconv, "upconv_lanes")):
             value = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(history, np.float32), *self.device)
             self.copier.copy(self._lane_ptr(name, lane), int(value.data_ptr()), self._lane_bytes[name])
@@ -283,7 +285,7 @@ class BatchEncoderGraphs(SlotPool[EncoderLane]):
         """Whether the lane holds `prefix` as a seed writes it (its rows and conv histories): then a seed
         of it would write nothing (counted in `fresh`)."""
         held = self._held.get(lane.index)
-        if held is None or held() is not prefix:
+        if held is None or held() is not prefix:  # (not a voice's for sure, or another's)
             return False
         with self._queue_lock:
             self.stats.fresh += 1
@@ -303,9 +305,9 @@ class BatchEncoderGraphs(SlotPool[EncoderLane]):
 
     def reset(self, lane: EncoderLane) -> None:
         """The lane's conv histories zeroed for its next stream (its free K/V rows are masked)."""
-        self._held.pop(lane.index, None)
         self.copier.copy_many([(self._lane_ptr(n, lane), int(z.data_ptr()), self._lane_bytes[n])
                                for n, z in self._zeros.items()])
+        self._held.pop(lane.index, None)
 
     def close(self) -> None:
         self.drop_slots()

@@ -220,8 +220,10 @@ class BatchFlowGraphs:
         for slot in slots:
             self._check_slot(slot)
             self.lengths[slot] = 0
-            self._fresh[slot] = self._zeroed
+            self._fresh[slot] = None
         self.copier.copy_many([(self.conv_ptr(CFG_ROWS * s), int(self._zero_conv.data_ptr()), row) for s in slots])
+        for slot in slots:  # once written (a failed copy leaves them unknown)
+            self._fresh[slot] = self._zeroed
 
     def zeroed(self, slot: int) -> bool:  # as a reset left it: a new stream without a voice needs nothing
         return self._fresh[slot] is self._zeroed

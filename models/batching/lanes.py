@@ -61,7 +61,7 @@ class FlowLanes:
         self._lock = lock
         self._free = [list(range(graphs.lanes)) for _ in range(graphs.groups)]  # lowest lane first
         self._writes: list[_Write] = []
-        self._refreshing: dict[int, Future[None]] = {}  # slot -> its end-of-stream write, queued or being written
+        self._at_end: dict[int, Future[None]] = {}  # slot -> its end-of-stream write, queued or being written
         self.refreshes = 0  # lanes given back with their voice's conv history queued again
         self.zeroings = 0  # lanes given back with their conv history queued to be zeroed (no voice)
         self.dropped = 0  # end-of-stream writes a new stream took the lane before (its own write replaced them)
@@ -81,16 +81,16 @@ class FlowLanes:
                 return None
             lane = self._free[group].pop(0)
             slot = group * self.graphs.lanes + lane
-            refresh = self._refreshing.pop(slot, None)
-            queued = refresh is not None and any(w.done is refresh for w in self._writes)
+            ending = self._at_end.pop(slot, None)
+            queued = ending is not None and any(w.done is ending for w in self._writes)
             if queued:
-                self._writes = [w for w in self._writes if w.done is not refresh]
+                self._writes = [w for w in self._writes if w.done is not ending]
                 self.dropped += 1
-        if refresh is not None:
+        if ending is not None:
             if queued:
-                refresh.set_result(None)
-            elif refresh.exception() is not None:  # waits for its turn; the stream's own write follows anyway
-                log.debug("a flow lane's refresh failed: %s", refresh.exception())
+                ending.set_result(None)
+            elif ending.exception() is not None:  # waits for its turn; what the lane holds is tracked anyway
+                log.debug("a flow lane's end-of-stream write failed: %s", ending.exception())
         self.graphs.lengths[slot] = 0
         return slot
 
@@ -113,7 +113,7 @@ class FlowLanes:
         rows, history = voice if voice is not None else (None, None)
         done: Future[None] = Future()
         with self._lock:
-            self._refreshing[slot] = done
+            self._at_end[slot] = done
             if voice is not None:
                 self.refreshes += 1
             else:
@@ -195,8 +195,8 @@ class FlowLanes:
     def _settle(self, writes: Sequence[_Write], exc: BaseException | None) -> None:
         with self._lock:
             for w in writes:
-                if self._refreshing.get(w.slot) is w.done:
-                    del self._refreshing[w.slot]
+                if self._at_end.get(w.slot) is w.done:
+                    del self._at_end[w.slot]
         for w in writes:
             if exc is None:
                 w.done.set_result(None)
