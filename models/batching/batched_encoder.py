@@ -44,7 +44,7 @@ from cosyedge_models.backends.encoder_cache import (
     EncoderPrefix,
     PooledEncoderCache,
 )
-from cosyedge_models.backends.fixed_shapes import SlotPool
+from cosyedge_models.backends.fixed_shapes import SlotPool, prefix_fits
 from cosyedge_models.backends.graph_thread import CAPTURE_RUNS, GraphThread
 from cosyedge_models.backends.ort import OrtSession
 from cosyedge_models.backends.ort_cache import DeviceCopier, copy_prefix, device_zeros
@@ -290,6 +290,23 @@ class BatchEncoderGraphs(SlotPool[EncoderLane]):
         with self._queue_lock:
             self.stats.fresh += 1
         return True
+
+    def seed_free(self, prefix: EncoderPrefix) -> int:
+        """A saved voice's encoder prefix into every free lane, on the graph thread (prepare_voice, with the
+        flow lanes' FlowLanes.seed_free_lanes), so its first streams find their lanes fresh; how many. A
+        prefix that leaves no room for a window seeds none."""
+        if self.disabled is not None or not prefix_fits(prefix.tokens, self.windows, self.cache_tokens):
+            return 0
+        lanes = []
+        while (lane := self.take_slot()) is not None:  # taken while they are written
+            lanes.append(lane)
+        try:
+            if lanes:
+                self.thread.call(lambda: [self.seed(lane, prefix) for lane in lanes], label="flow_encoder_seed")
+        finally:
+            for lane in lanes:
+                self.release(lane)
+        return len(lanes)
 
     def dirty(self, lane: EncoderLane) -> bool:
         """Whether the lane's conv histories are a voice's, not zero (a stream without one resets it first)."""

@@ -252,8 +252,8 @@ class CosyVoiceSynthesizer(SynthesizerDefaults):
 
     def prepare_voice(self, name: str) -> int:
         """The saved voice `name` ready for its first requests (the daemon's default voice at start, bench
-        --voice): its prompt caches (warm_voice; zero_shot, else cross_lingual) and its flow prefix in every
-        free batched lane. Returns the lanes seeded; 0 for a voice without a recording (sft only)."""
+        --voice): its prompt caches (warm_voice; zero_shot, else cross_lingual) and its flow prefix in every free
+        batched lane (estimator and encoder). The estimator lanes seeded; 0 for a voice without a recording."""
         for mode in ("zero_shot", "cross_lingual"):
             request = SynthesisRequest(text="voice", mode=mode, voice=name)
             try:
@@ -266,6 +266,8 @@ class CosyVoiceSynthesizer(SynthesizerDefaults):
             batcher = self.graphs.flow_batch
             if prefix is None or batcher is None:
                 return 0
+            if self.graphs.encoder_batch is not None:
+                self.graphs.encoder_batch.seed_free(prefix.encoder)
             return batcher.lanes.seed_free_lanes(prefix.step_kv, prefix.step_conv)
         return 0
 

@@ -333,3 +333,30 @@ def test_a_voices_lane_is_refreshed_at_its_end_and_the_voices_next_stream_writes
         assert len(seeds) == 2 and (s.graphs.stats.fresh, s.graphs.stats.refreshes) == (1, 3)
     for name, expected in (("first", "voice"), ("again", "voice"), ("none", "none"), ("other", "other")):
         np.testing.assert_allclose(got[name], want[expected], rtol=0, atol=1e-5, err_msg=name)
+
+
+def test_a_prepared_voice_is_in_every_free_encoder_lane(static_flow_bundle: Path) -> None:
+    """prepare_voice seeds the voice's encoder prefix into every free lane (seed_free, beside the flow
+    lanes'), so its first streams, however many open at once, find their lanes fresh: no seed, no turn;
+    each hears what it hears alone. A prefix that leaves no room for a window seeds none."""
+    with _on_lanes(static_flow_bundle) as (thread, s):
+        prompt, toks = _prompt(s.bundle, 3, 60), _toks(s.bundle, 4, 50)
+        prefix = build_flow_prefix(s.decoder(False), prompt)
+        assert prefix is not None
+        alone = stream_mel(s.decoder(False), prompt, toks, prefix=prefix)
+        free = s.graphs.free_slots
+        assert free >= 2 and s.graphs.seed_free(prefix.encoder) == free and s.graphs.free_slots == free
+        seeds = _spied_seeds(s.graphs)
+        got: list[np.ndarray] = []
+        streams = [threading.Thread(target=lambda: got.append(stream_mel(s.decoder(), prompt, toks, prefix=prefix)))
+                   for _ in range(2)]
+        for t in streams:
+            t.start()
+        for t in streams:
+            t.join(60)
+        assert seeds == [] and s.graphs.stats.fresh == 2 and len(got) == 2
+        too_long = build_flow_prefix(s.decoder(False), _prompt(s.bundle, 5, 190))
+        assert too_long is not None and too_long.encoder.tokens > s.graphs.cache_tokens - s.graphs.windows[0]
+        assert s.graphs.seed_free(too_long.encoder) == 0 and seeds == []
+    for mel in got:
+        np.testing.assert_allclose(mel, alone, rtol=0, atol=1e-5)

@@ -7,6 +7,7 @@ slot's windows."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -370,7 +371,18 @@ def test_a_prepared_voice_is_in_every_lane_before_its_first_stream(static_flow_b
             eng.prepare_voice("nobody")
     finally:
         eng.close()
+    # with the batched encoder windows: the voice's encoder prefix in every encoder lane too
+    encoders_on = dataclasses.replace(_settings(True), graph_encoder=True, graph_encoder_batch=True)
+    eng = load_synthesizer(bundle, "ort", encoders_on)
+    try:
+        encoders = eng.graphs.encoder_batch
+        assert encoders is not None and eng.prepare_voice("alice") > 0
+        with_encoders = audio(eng)
+        assert (encoders.stats.fresh, encoders.stats.refreshes, encoders.stats.rows > 0) == (1, 1, True)
+    finally:
+        eng.close()
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(with_encoders, want, rtol=0, atol=1e-4)
 
 
 def test_a_stream_behind_catches_up_and_then_shares_each_euler_step(static_flow_bundle: Path) -> None:
