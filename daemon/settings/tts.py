@@ -145,8 +145,8 @@ class TtsSettings:
     python_switch_interval_ms: float = setting(
         5.0, "Python's thread switch interval (sys.setswitchinterval, for the whole daemon): how long a busy "
         "thread keeps the interpreter lock while another waits for it. Lower: the GPU graph thread gets it back "
-        "sooner among the request threads (on an H100, graph-thread turns of little Python held the GPU's queue "
-        "84 ms among sixteen streams' threads); 5: Python's own", min=SWITCH_INTERVAL_MS[0], max=SWITCH_INTERVAL_MS[1],
+        "sooner among the request threads (on an H100 a graph-thread turn of a little Python took 84 ms among "
+        "sixteen streams' threads); 5: Python's own", min=SWITCH_INTERVAL_MS[0], max=SWITCH_INTERVAL_MS[1],
         live=True,
     )
     synthesis_workers: int | str = setting(
