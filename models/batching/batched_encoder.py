@@ -300,9 +300,13 @@ class BatchEncoderGraphs(SlotPool[EncoderLane]):
         lanes = []
         while (lane := self.take_slot()) is not None:  # taken while they are written
             lanes.append(lane)
+        def seed_all() -> None:
+            for lane in lanes:
+                self.seed(lane, prefix)
+
         try:
             if lanes:
-                self.thread.call(lambda: [self.seed(lane, prefix) for lane in lanes], label="flow_encoder_seed")
+                self.thread.call(seed_all, label="flow_encoder_seed")
         finally:
             for lane in lanes:
                 self.release(lane)

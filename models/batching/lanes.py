@@ -66,6 +66,7 @@ class FlowLanes:
         self.zeroings = 0  # lanes given back with their conv history queued to be zeroed (no voice)
         self.dropped = 0  # end-of-stream writes a new stream took the lane before (its own write replaced them)
         self.fresh = 0  # seeds that found their lane fresh on the stream's thread (no turn: queue_seed)
+        self._turns: list[Future[None]] = []  # the turns submitted and maybe not yet run (settle)
 
     @property
     def in_use(self) -> int:
@@ -124,7 +125,7 @@ class FlowLanes:
         if first:
             try:
                 # never first-audio work, whatever the closing thread is doing
-                self.thread.submit(self._write_waiting, GraphPriority.NORMAL, label="flow_lane_refresh")
+                self._submit(GraphPriority.NORMAL, "flow_lane_refresh")
             except BaseException as exc:  # the engine closing: the lane stays free as it is (zeroed() tells)
                 log.debug("a flow lane's end-of-stream write was not queued: %s", exc)
                 self._fail(exc)
@@ -174,10 +175,23 @@ class FlowLanes:
             done.set_result(None)
         elif first:
             try:
-                self.thread.submit(self._write_waiting, label="flow_lane_seed")
+                self._submit(None, "flow_lane_seed")
             except BaseException as exc:
                 self._fail(exc)
         return done
+
+    def _submit(self, priority: GraphPriority | None, label: str) -> None:
+        turn = self.thread.submit(self._write_waiting, priority, label=label)
+        with self._lock:
+            self._turns = [t for t in self._turns if not t.done()] + [turn]
+
+    def settle(self) -> None:
+        """Wait for every turn submitted so far, counted and traced (a bench level's end-of-stream writes
+        in its own figures: GraphStages.settle)."""
+        with self._lock:
+            turns = list(self._turns)
+        for turn in turns:
+            turn.exception()  # waits; a failed turn's error is its writes' (their futures carry it)
 
     def _write_waiting(self) -> None:
         """On the graph thread: every write waiting, in one seed_many."""

@@ -149,6 +149,12 @@ class GraphStages:
         threads = {id(t): t for t in self.threads.values()}
         return {"+".join(stages): threads[key].order_stats() for key, stages in by_thread.items()}
 
+    def settle(self) -> None:
+        """Wait for the work requests queued at their ends (the flow lanes' end-of-stream writes): a bench
+        level's own, in its figures, not the next level's."""
+        if self.flow_batch is not None:
+            self.flow_batch.lanes.settle()
+
     def record_trace(self, trace: GraphTrace | None) -> None:
         """Every graph thread records the items it runs into `trace` from now on (None: stops)."""
         for thread in self.threads.values():

@@ -191,6 +191,7 @@ def run_concurrent(engine: CosyVoiceSynthesizer, text: str, n: int, stream: bool
         raise ValueError(f"{total} requests cannot keep {n} at a time")
     runs: list[dict[str, Any]] = [{} for _ in range(total)]
     errors: list[str] = []
+    engine.graphs.settle()  # the requests before left nothing queued (their lanes' end-of-stream writes)
     before = {b.name: (b.stats.runs, b.stats.calls) for b in engine.stage_batchers}
     llm_before = dataclasses.replace(engine.batcher.stats) if engine.batcher else None
     order_before = engine.graphs.order_stats()
@@ -210,6 +211,7 @@ def run_concurrent(engine: CosyVoiceSynthesizer, text: str, n: int, stream: bool
 
     try:
         wall = run_parallel(n, worker)
+        engine.graphs.settle()  # the level's own end-of-stream writes, in its figures
     finally:
         engine.graphs.record_trace(None)
     cpu = level_cpu(cpu_before, ThreadCpu(), wall)  # which threads spent the level's CPU (thread_cpu.py)
