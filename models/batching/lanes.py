@@ -95,10 +95,6 @@ class FlowLanes:
         self.graphs.lengths[slot] = 0
         return slot
 
-    def release(self, slot: int) -> None:
-        with self._lock:
-            self._free_slot(slot)
-
     def _free_slot(self, slot: int) -> None:
         """(under the lock) the slot's lane back among its group's free lanes, lowest first."""
         group, lane = divmod(slot, self.graphs.lanes)
@@ -109,7 +105,8 @@ class FlowLanes:
         with `voice`'s conv history written again (the rows and history its seed wrote), or zeroed, in a
         queued turn; at once where it is zeroed already. Never raises (a stream's end)."""
         if voice is None and self.graphs.zeroed(slot):
-            self.release(slot)
+            with self._lock:
+                self._free_slot(slot)
             return
         rows, history = voice if voice is not None else (None, None)
         done: Future[None] = Future()
