@@ -31,7 +31,7 @@ from cosyedge_models.batching.batched_step import BatchedDecodeStep
 from cosyedge_models.batching.fused_step import FusedDecodeStep
 from cosyedge_models.batching.group import GroupGate, RequestGroup
 from cosyedge_models.batching.iteration import IterationScheduler, IterationSettings
-from cosyedge_models.batching.llm_batcher import _END, BatchStats, TokenStream, _as_engine_error, _Request
+from cosyedge_models.batching.llm_batcher import BatchStats, TokenStream, _as_engine_error, _Request
 from cosyedge_models.batching.looped_step import LoopedGraphStep
 from cosyedge_models.batching.policy import BatchSettings
 from cosyedge_models.batching.worker import BatchWorker
@@ -118,13 +118,19 @@ class GraphBatcher(BatchWorker):
         request longer than the step's positions (prompt + most speech tokens: a long text) runs
         alone on the ordinary loop instead of failing. `first_tokens`: the tokens its stream's first
         chunk waits for (until then its steps are first-audio work: _step)."""
+        return iter(self.open(inp, sampler, stats, priority=priority, cancel=cancel, first_tokens=first_tokens))
+
+    def open(self, inp: LlmInput, sampler: TokenSampler, stats: LlmStats | None = None, *,
+             priority: int = 0, cancel: threading.Event | None = None,
+             first_tokens: int = 0) -> TokenStream | Iterator[int]:
+        """`generate`'s request: its `TokenStream`, or the ordinary loop's tokens for a long one."""
         decode = self.lm.start(inp, sampler, stats)
         if decode.prompt.shape[1] + decode.max_len > self.step.positions:
             self.stats.unbatched += 1
             log.info("LLM graph batching: a request of %d positions exceeds the step's %d: the ordinary loop",
                      decode.prompt.shape[1] + decode.max_len, self.step.positions)
             return self.lm.generate(inp, sampler, stats)
-        return iter(self._submit(decode, priority, cancel, first_tokens))
+        return self._submit(decode, priority, cancel, first_tokens)
 
     def group(self, size: int, timeout_s: float) -> AbstractContextManager[RequestGroup]:
         """A request group: its members start their prefills in one round."""
@@ -211,7 +217,7 @@ class GraphBatcher(BatchWorker):
             logp = self.step.prefill(row, planned.embeds, planned.past)
             req.stats.prefill_ms += (time.perf_counter() - t0) * 1e3
             if not req.finished:
-                _emit(request, req.accept(logp[0]))
+                _emit(request, req.accept(logp[0]), time.perf_counter())
         except Exception as exc:
             # Only this stream fails: a prefill writes its own row only.
             with self._cond:
@@ -276,9 +282,10 @@ class GraphBatcher(BatchWorker):
                 for key in batch.keys:
                     self._leave(key, err)
             return True
+        now = time.perf_counter()
         for request, token in zip(requests, tokens, strict=True):
             if not isinstance(token, SynthesisError):
-                _emit(request, token)
+                _emit(request, token, now)
         with self._cond:  # once a step, not once a row: the lock is shared with the submitting threads
             for request, token in zip(requests, tokens, strict=True):
                 if isinstance(token, SynthesisError):
@@ -297,7 +304,8 @@ class GraphBatcher(BatchWorker):
         self._lengths.pop(key, None)
         request = self._requests.pop(key, None)
         if request is not None:
-            request.out.put_nowait(_END if error is None else error)
+            request.out.finish(error)
+            self.stats.count_handovers(request.out)
 
     # --- lifecycle (start/stop: BatchWorker) -------------------------------------------
     def _stopped(self) -> None:
@@ -376,6 +384,6 @@ def prefill_batches(planned: Sequence[_Prefill], smallest: int = 2) -> list[list
     return batches
 
 
-def _emit(request: _Request, token: int | None) -> None:
+def _emit(request: _Request, token: int | None, stamp: float) -> None:
     if token is not None and not request.cancelled():
-        request.out.put_nowait(token)
+        request.out.put(token, stamp)

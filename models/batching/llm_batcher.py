@@ -2,8 +2,8 @@
 batched decode (models/batching/kv.py) and runs, round after round, (1) drop
 cancelled requests, (2) admit waiting requests (models/batching/policy.py),
 prefill each alone and add its cache to the batch, (3) one decode step for
-every active request. Each request's tokens go to its own queue; its
-`generate` iterator reads them. Sampling and the length/EOS/fill rules are
+every active request. Each request's tokens go to its own mailbox
+(models/batching/mailbox.py); its `generate` iterator reads them. Sampling and the length/EOS/fill rules are
 per request (`RequestDecode`, shared with the unbatched path), so a seeded
 request yields the same tokens alone or in a batch.
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -25,6 +24,7 @@ import numpy as np
 from cosyedge_models.backends.profiles import stage_profiles
 from cosyedge_models.batching.group import GroupGate, RequestGroup
 from cosyedge_models.batching.kv import BatchDecoder
+from cosyedge_models.batching.mailbox import BatchedTokens, TokenMailbox
 from cosyedge_models.batching.policy import BatchSettings, Waiting, admit
 from cosyedge_models.batching.worker import BatchWorker
 from cosyedge_models.bundle.loader import Bundle
@@ -34,13 +34,6 @@ from cosyedge_models.synthesis.sampling import TokenSampler
 
 log = logging.getLogger(__name__)
 
-
-
-class _End:
-    """Queue marker: the request is done."""
-
-
-_END = _End()
 
 
 @dataclass(eq=False)
@@ -54,11 +47,11 @@ class _Request:
     # first-audio work (GraphBatcher: not held by another stream's first chunk); 0: none
     first_tokens: int = 0
     closed: threading.Event = field(default_factory=threading.Event)  # the consumer went away
-    # Never blocks the worker: a request yields at most max_len tokens, plus the end marker.
-    out: queue.Queue[int | _End | BaseException] = field(init=False)
+    # Never blocks the worker: a request yields at most max_len tokens (and the prefill's one).
+    out: TokenMailbox = field(init=False)
 
     def __post_init__(self) -> None:
-        self.out = queue.Queue(maxsize=self.decode.max_len + 2)
+        self.out = TokenMailbox(self.decode.max_len + 1)
 
     def cancelled(self) -> bool:
         return self.closed.is_set() or (self.cancel is not None and self.cancel.is_set())
@@ -84,11 +77,21 @@ class BatchStats:
     step_host_s: float = 0.0
     batched_prefills: int = 0  # GraphBatcher: prefill runs that served several streams (llm_batched_prefill)
     captured_prefills: int = 0  # GraphBatcher: prompts prefilled through captured graphs (llm_captured_prefill)
+    # tokens handed to the streams and the wake-ups that took them there (models/batching/mailbox.py): a
+    # stream is woken when its next chunk's tokens are in, not a token at a time (counted as requests leave)
+    handed_tokens: int = 0
+    handovers: int = 0
+
+    def count_handovers(self, mailbox: TokenMailbox) -> None:
+        """A finished request's tokens and wake-ups."""
+        self.handed_tokens += mailbox.count
+        self.handovers += mailbox.wakes
 
 
 class TokenStream:
     """The consumer side of one batched request: iterate for tokens; close()
-    (or leaving a for loop early and dropping it) frees its batch row."""
+    (or leaving a for loop early and dropping it) frees its batch row. The
+    streaming loop reads it through `timed()` (models/batching/mailbox.py)."""
 
     def __init__(self, batcher: BatchWorker, request: _Request) -> None:
         self._batcher = batcher
@@ -96,15 +99,15 @@ class TokenStream:
 
     def __iter__(self) -> Iterator[int]:
         try:
-            while True:
-                item = self._request.out.get()
-                if isinstance(item, _End):
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
+            with self.timed() as source:
+                for timed in source:
+                    yield timed.token
         finally:
             self.close()
+
+    def timed(self) -> BatchedTokens:
+        """The stamped tokens, handed over in batches of the count the consumer `want`s."""
+        return BatchedTokens(self._request.out, self._request.cancelled, self.close)
 
     def close(self) -> None:
         if not self._request.closed.is_set():
@@ -154,7 +157,12 @@ class LlmBatcher(BatchWorker):
                  priority: int = 0, cancel: threading.Event | None = None, first_tokens: int = 0) -> Iterator[int]:
         """Like `SpeechTokenLM.generate`, with the decode steps shared with the other active requests
         (`first_tokens`: kept with the request; this batcher's steps are not on a graph thread)."""
-        return iter(self.submit(inp, sampler, stats, priority=priority, cancel=cancel, first_tokens=first_tokens))
+        return iter(self.open(inp, sampler, stats, priority=priority, cancel=cancel, first_tokens=first_tokens))
+
+    def open(self, inp: LlmInput, sampler: TokenSampler, stats: LlmStats | None = None, *,
+             priority: int = 0, cancel: threading.Event | None = None, first_tokens: int = 0) -> TokenStream:
+        """`generate`'s request as its `TokenStream` (the streaming loop reads it `timed()`)."""
+        return self.submit(inp, sampler, stats, priority=priority, cancel=cancel, first_tokens=first_tokens)
 
     def group(self, size: int, timeout_s: float) -> AbstractContextManager[RequestGroup]:
         """A request group (models/batching/group.py): its members join at one step boundary."""
@@ -194,7 +202,7 @@ class LlmBatcher(BatchWorker):
             gone = [r for r in self._waiting if r.cancelled()]
             self._waiting = [r for r in self._waiting if not r.cancelled()]
         for r in gone:
-            r.out.put_nowait(_END)
+            r.out.finish()
         for r in [r for r in self._active.values() if r.cancelled()]:
             self._finish(r)
 
@@ -205,14 +213,14 @@ class LlmBatcher(BatchWorker):
             logp, cache = self.decoder.prefill(*req.prefill_inputs(takes_past=True))  # plain Session.run
             req.stats.prefill_ms += (time.perf_counter() - t0) * 1e3
             if not req.finished:
-                self._emit(request, req.accept(logp[0]))
+                self._emit(request, req.accept(logp[0]), time.perf_counter())
             if req.finished:
-                request.out.put_nowait(_END)
+                request.out.finish()
                 return
             self.decoder.join(request.key, cache)
         except Exception as exc:
             # Only this request fails: the batch's cache is untouched until join's ops ran.
-            request.out.put_nowait(_as_engine_error(exc, "LLM prefill failed"))
+            request.out.finish(_as_engine_error(exc, "LLM prefill failed"))
             return
         self._active[request.key] = request
 
@@ -244,37 +252,39 @@ class LlmBatcher(BatchWorker):
             for request in requests:
                 self._finish(request, err)
             return True
+        now = time.perf_counter()
         for request, token in zip(requests, tokens, strict=True):
             if isinstance(token, SynthesisError):
                 self._finish(request, _as_engine_error(token, "LLM sampling failed"))
                 continue
-            self._emit(request, token)
+            self._emit(request, token, now)
             if request.decode.finished:
                 self._finish(request)
         return True
 
     @staticmethod
-    def _emit(request: _Request, token: int | None) -> None:
+    def _emit(request: _Request, token: int | None, stamp: float) -> None:
         if token is not None and not request.cancelled():
-            request.out.put_nowait(token)
+            request.out.put(token, stamp)
 
     def _finish(self, request: _Request, error: BaseException | None = None) -> None:
         self._active.pop(request.key, None)
         if request.key in self.decoder.slots:
             self.decoder.leave(request.key)
-        request.out.put_nowait(_END if error is None else error)
+        request.out.finish(error)
+        self.stats.count_handovers(request.out)
 
     def _fail_active(self, error: SynthesisError) -> None:
         active, self._active = list(self._active.values()), {}
         self.decoder.reset()
         for r in active:
-            r.out.put_nowait(error)
+            r.out.finish(error)
 
     def _fail_all(self, error: SynthesisError) -> None:
         with self._cond:
             waiting, self._waiting = self._waiting, []
         for r in waiting:
-            r.out.put_nowait(error)
+            r.out.finish(error)
         self._fail_active(error)
 
 

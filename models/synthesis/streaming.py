@@ -69,6 +69,10 @@ class ChunkSchedule:
         """The speech tokens the first chunk waits for (its hop and the look-ahead)."""
         return self._first_hop() + self.lookahead
 
+    def next_chunk_tokens(self) -> int:
+        """The tokens (in all) at which `next_chunk` gives the next chunk."""
+        return self.offset + self._this_hop() + self.lookahead
+
     def next_chunk(self, n_tokens: int) -> Chunk | None:
         """The next chunk that `n_tokens` generated tokens allow, or None. Call
         repeatedly: several chunks may be ready at once."""

@@ -5,7 +5,7 @@ One `CosyVoiceSynthesizer` serves concurrent requests: the sessions are shared
 request carries its own state (sampler, noise, chunk schedule, vocoder cache).
 
 Streaming requests overlap their stages (SynthesisSettings.overlap_stages): the
-LLM decodes on a producer thread into a bounded token queue while the
+LLM decodes on a producer thread (batched: on the batcher's worker) while the
 request's own thread runs flow + vocoder on the chunk before, so time to first
 audio is the first chunk's cost and throughput is bounded by the slowest
 stage (models/synthesis/token_stream.py)."""
@@ -17,6 +17,7 @@ import functools
 import json
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator
@@ -30,7 +31,7 @@ from cosyedge_models.backends.graph_thread import GraphPriority
 from cosyedge_models.backends.shape_pinned import ShapePinnedSession
 from cosyedge_models.batching.graph_batcher import GraphBatcher, start_graph_batcher
 from cosyedge_models.batching.group import RequestGroup
-from cosyedge_models.batching.llm_batcher import LlmBatcher, start_batcher
+from cosyedge_models.batching.llm_batcher import LlmBatcher, TokenStream, start_batcher
 from cosyedge_models.batching.stage_batcher import call_priority, start_stage_batching
 from cosyedge_models.bundle.loader import Bundle, load_bundle
 from cosyedge_models.bundle.precision_speed import AUTO_BACKENDS, auto_precision
@@ -57,7 +58,7 @@ from cosyedge_models.synthesis.request_state import LlmSpans, RequestState
 from cosyedge_models.synthesis.sampling import TokenSampler
 from cosyedge_models.synthesis.settings import SynthesisSettings
 from cosyedge_models.synthesis.streaming import ChunkSchedule, check_first_hop, recurring_mel_frames
-from cosyedge_models.synthesis.token_stream import ProducedTokens, ProducerPool, SerialTokens
+from cosyedge_models.synthesis.token_stream import ProducedTokens, ProducerPool, SerialTokens, TokenSource
 from cosyedge_models.synthesis.vocoder import HiftVocoder, NoiseSource, VocoderStream
 from cosyedge_models.synthesis.voice_cache import (
     MIB,
@@ -126,9 +127,9 @@ class CosyVoiceSynthesizer(SynthesizerDefaults):
                                 encoders if encoders is not None else host_encoder_cache, self.graphs.flow_seats,
                                 self.graphs.flow_gather)
         self.static_vocoder = self.graphs.static_vocoder()
+        pad_final = settings.vocoder_pad_final if settings.vocoder_pad_final is not None else backend.name == "ort-cuda"
         self.vocoder = HiftVocoder(bundle, stages["hift_source"], stages["hift_decoder"], self.static_vocoder,
-                                   settings.vocoder_pad_final if settings.vocoder_pad_final is not None
-                                   else backend.name == "ort-cuda")
+                                   pad_final)
         self._pinned_vocoder = pinned > 1
         self.warm_vocoder()
         self.tokenizer = TextTokenizer.from_file(bundle.file("tokenizer"))
@@ -138,10 +139,9 @@ class CosyVoiceSynthesizer(SynthesizerDefaults):
         self.voice_cache = VoiceCache(settings.voice_cache_mb * MIB, bundle_identity(
             str(bundle.root), json.dumps(bundle.manifest, sort_keys=True), str(bundle.precision)))
         if settings.voice_cache_mb > 0 and not self.lm.takes_prefix:
-            log.info("LLM prefix cache off: %s; saved voices cache their flow prefix only",
-                     "TensorRT engines run single decode steps" if bundle.backend == "trt" else
-                     "this bundle's llm_decode takes one new position (re-export it with this version's "
-                     "'cosyedge build export' to cache sos + transcript of saved zero_shot voices)")
+            log.info("LLM prefix cache off: %s; saved voices cache their flow prefix only", "TensorRT engines run "
+                     "single decode steps" if bundle.backend == "trt" else "this bundle's llm_decode takes one new "
+                     "position (re-export it with 'cosyedge build export' to cache sos + transcript of saved voices)")
         # The LLM batch on the fixed-shape step (iteration-level scheduler), else on the dynamic graphs.
         self.batcher: LlmBatcher | GraphBatcher | None = None
         if settings.graph_batching:
@@ -155,11 +155,8 @@ class CosyVoiceSynthesizer(SynthesizerDefaults):
         # Offline requests as streams joined: the streams' batched replays then serve them too.
         self.offline_as_stream = (settings.offline_as_stream if settings.offline_as_stream is not None
                                   else self.graphs.flow_batch is not None)
-        self._producers: ProducerPool | None = None
         self.overlap = resolve_overlap(settings.overlap_stages, backend.name, os.cpu_count())
-        if self.overlap:
-            self._producers = ProducerPool(settings.producer_threads)
-            self._producers.start()
+        self._producers = ProducerPool(settings.producer_threads).start() if self.overlap else None
 
     def concurrent_streams(self) -> int | None:
         """The GPU flow's stream seats (models/batching/seats.py), where the batched lanes load."""
@@ -335,19 +332,19 @@ class CosyVoiceSynthesizer(SynthesizerDefaults):
         state.index += 1
         return chunk
 
-    def _tokens(self, llm_in: LlmInput, state: RequestState, first_tokens: int = 0) -> Iterator[int]:
+    def _token_source(self, llm_in: LlmInput, state: RequestState, first_tokens: int = 0,
+                      overlap: bool = True) -> TokenSource:
+        """The segment's tokens: a batched request's from the batcher's worker, handed over a chunk's
+        worth at a time; else from a producer thread when stages overlap. `first_tokens`: before first audio."""
         # The token list is per segment (upstream's repetition window); the count is per request.
         state.tokens_before += len(state.llm.tokens)
         state.llm.tokens.clear()
-        if self.batcher is not None:
-            return self.batcher.generate(llm_in, state.sampler, state.llm, priority=state.priority,
-                                         cancel=state.cancel, first_tokens=first_tokens)
-        return self.lm.generate(llm_in, state.sampler, state.llm)
-
-    def _token_source(self, llm_in: LlmInput, state: RequestState, first_tokens: int) -> SerialTokens | ProducedTokens:
-        """The segment's tokens (from a producer thread when stages overlap); `first_tokens`: before first audio."""
-        tokens = self._tokens(llm_in, state, first_tokens)  # created here: it resets the per-segment stats
-        if self._producers is None:
+        tokens = (self.batcher.open(llm_in, state.sampler, state.llm, priority=state.priority, cancel=state.cancel,
+                                    first_tokens=first_tokens) if self.batcher is not None
+                  else self.lm.generate(llm_in, state.sampler, state.llm))
+        if isinstance(tokens, TokenStream):
+            return tokens.timed()
+        if self._producers is None or not overlap:
             return SerialTokens(tokens)
         return self._producers.submit(ProducedTokens(tokens, state.cancelled, self.settings.overlap_queue_tokens))
 
@@ -381,7 +378,8 @@ class CosyVoiceSynthesizer(SynthesizerDefaults):
                          speed: float) -> Generator[tuple[np.ndarray, bool], None, None]:
         tokens = []
         spans = LlmSpans()
-        with SerialTokens(self._tokens(llm_in, state)) as source:  # flow needs every token first
+        with self._token_source(llm_in, state, overlap=False) as source:
+            source.want(sys.maxsize)  # flow needs every token first
             for timed in source:
                 tokens.append(timed.token)
                 spans.add(state, timed)
@@ -429,11 +427,13 @@ class CosyVoiceSynthesizer(SynthesizerDefaults):
         with self._token_source(llm_in, state, first_tokens) as source:
             if prime:  # while the LLM producer (if stages overlap) decodes
                 self._flow_stream(flow, [], state, final=False, prime=True)
+            source.want(schedule.next_chunk_tokens())
             for timed in source:
                 tokens.append(timed.token)
                 spans.add(state, timed)
                 while (chunk := schedule.next_chunk(len(tokens))) is not None:
                     spans.take(state, timed.end)
+                    source.want(schedule.next_chunk_tokens())
                     flow.hold_s = self.graphs.gather_budget_s(state)  # a later chunk: graph_flow_gather_ms
                     with self._first_chunk(state):
                         # the frames of tokens [chunk.start, chunk.end): what upstream's full-prefix

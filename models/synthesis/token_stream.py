@@ -1,9 +1,10 @@
 """Speech tokens for the engine's consumer side (flow + vocoder), timed, from
 either the request's own thread (serial) or an LLM producer thread that runs
 the decode loop ahead while the consumer turns the previous chunk into audio
-(stage overlap, DESIGN.md "Data flow").
+(stage overlap, DESIGN.md "Data flow"); a batched request's tokens come from
+the batcher's worker (models/batching/mailbox.py, no producer thread).
 
-Both sources are context managers yielding `TimedToken`s; leaving the `with`
+Every source is a `TokenSource`: a context manager yielding `TimedToken`s; leaving the `with`
 block (end of stream, an error, a cancel, or the consumer generator being
 closed) stops the producer and closes the LLM generator, which frees its
 decode loop (KV cache) on the thread that ran it."""
@@ -17,6 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Protocol
 
 from cosyedge_models.errors import SynthesisError
 
@@ -49,6 +51,25 @@ class _Failed:
 _Item = TimedToken | LlmEnd | _Failed
 
 
+class TokenSource(Protocol):
+    """What the streaming loop reads a segment's tokens from."""
+
+    end: LlmEnd | None  # set once the LLM finished and every token was read
+
+    def __iter__(self) -> Iterator[TimedToken]: ...
+
+    def want(self, count: int) -> None:
+        """The loop can use tokens once `count` of the segment's exist (the next chunk's): a source
+        that hands them over from another thread need not wake it before."""
+
+    def close(self) -> None: ...
+
+    def __enter__(self) -> TokenSource: ...
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None: ...
+
+
 def close_tokens(tokens: Iterator[int]) -> None:
     """Close the LLM's token iterator if it can be (a generator: its `finally`
     releases the decode loop); plain iterators hold nothing."""
@@ -73,6 +94,9 @@ class SerialTokens:
                 self.end = LlmEnd(t0, time.perf_counter())
                 return
             yield TimedToken(token, t0, time.perf_counter())
+
+    def want(self, count: int) -> None:
+        """Pulled one at a time on this thread: nothing to wait for."""
 
     def close(self) -> None:
         close_tokens(self._tokens)
@@ -142,6 +166,9 @@ class ProducedTokens:
         self._done.set()
 
     # --- consumer side -----------------------------------------------------------------
+    def want(self, count: int) -> None:
+        """The producer paces itself by the queue's bound (the LLM's own loop); each token is handed over."""
+
     def __iter__(self) -> Iterator[TimedToken]:
         while True:
             try:
@@ -204,13 +231,14 @@ class ProducerPool:
         self._lock = threading.Lock()
         self._closed = False
 
-    def start(self) -> None:
+    def start(self) -> ProducerPool:
         """Start the first producer thread now, so the first request does not pay for it."""
         with self._lock:
             if self._closed:
                 raise SynthesisError("the engine is closed")
             if not self._threads:
                 self._spawn()
+        return self
 
     def _spawn(self, idle: bool = True) -> None:  # with the lock held; idle=False: for the job being queued
         thread = threading.Thread(target=self._work, name=f"{self.name}-{len(self._threads)}", daemon=True)

@@ -72,6 +72,9 @@ def llm_delta(before: BatchStats | None, after: BatchStats) -> dict[str, float]:
         out["llm_batched_prefills"] = after.batched_prefills - old.batched_prefills
     if after.captured_prefills > old.captured_prefills:  # prompts through the captured prefill graphs
         out["llm_captured_prefills"] = after.captured_prefills - old.captured_prefills
+    if after.handed_tokens > old.handed_tokens:  # the streams' wake-ups that took their tokens to them
+        out["llm_handed_tokens"] = after.handed_tokens - old.handed_tokens
+        out["llm_handovers"] = after.handovers - old.handovers
     spent = {"llm_prefill_ms": after.prefill_s - old.prefill_s, "llm_step_call_ms": after.step_call_s - old.step_call_s,
              "llm_step_host_ms": after.step_host_s - old.step_host_s}
     out.update({name: round(s * 1e3, 1) for name, s in spent.items() if s > 0})  # the graph batcher's

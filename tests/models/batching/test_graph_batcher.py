@@ -264,8 +264,12 @@ def test_a_request_that_does_not_fit_runs_alone_on_the_ordinary_loop(static_engi
 
 def test_engine_with_graph_batching_gives_the_same_audio(static_engine: CosyVoiceSynthesizer,
                                                          tiny_static_bundle: Path) -> None:
+    chunks: list[int] = []
+
     def audio(eng: CosyVoiceSynthesizer, seed: int) -> np.ndarray:
-        return np.concatenate([c.pcm for c in eng.synthesize(SynthesisRequest(text=TEXTS[0], seed=seed))])
+        pcm = [c.pcm for c in eng.synthesize(SynthesisRequest(text=TEXTS[0], seed=seed))]
+        chunks.append(len(pcm))
+        return np.concatenate(pcm)
 
     plain = {seed: audio(static_engine, seed) for seed in (3, 5)}
     settings = SynthesisSettings(threads=1, graph_decode=True, graph_decode_slots=2, graph_batching=True,
@@ -281,11 +285,14 @@ def test_engine_with_graph_batching_gives_the_same_audio(static_engine: CosyVoic
             t.start()
         for t in threads:
             t.join(120)
-        assert batched.batcher.stats.steps > 0
+        stats = batched.batcher.stats
+        assert stats.steps > 0
     finally:
         batched.close()
     for seed in (3, 5):
         assert np.array_equal(results[seed], plain[seed])
+    # Each stream's thread was woken once a chunk at most (models/batching/mailbox.py), not once a token.
+    assert 0 < stats.handovers <= sum(chunks[2:]) < stats.handed_tokens
 
 
 def test_a_request_group_prefills_together_on_the_graph_path(static_engine: CosyVoiceSynthesizer) -> None:
