@@ -25,7 +25,9 @@ case ${1:?start or wait} in
     # find their lanes fresh now take them on the stream's thread, with no graph-thread turn (lanes.py; in the
     # twenty-ninth run such turns wrote nothing and still held the thread 15.6 ms at eight streams and 110.8
     # ms at sixteen, their Python waiting for the GIL), and the encoder lanes are refreshed too (their seeds
-    # took 7.2 ms at eight, before the first prefill); the bench of b's configuration with no single-stream
+    # took 7.2 ms at eight, before the first prefill), and a batched stream's tokens come a chunk at a time,
+    # with no producer thread (mailbox.py; llm_handovers: the gap between the LLM steps, ~1.5 ms beyond their
+    # GPU work at eight streams in the twenty-ninth run); the bench of b's configuration with no single-stream
     # overflow slots (n: 16 lanes on an 80 GB card beside the long utterance's room); later chunks' flow
     # gathered 150 ms (graph_flow_gather_ms) in the goals' levels (a) and in n's configuration as levels (j);
     # Python's thread switch interval at 0.5 ms instead of 5 in the goals' levels (w) and in n's (m): how
