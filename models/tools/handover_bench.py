@@ -42,18 +42,22 @@ from cosyedge_models.tools.host import machine
 
 MODES = ("producer", "mailbox")
 HOP, LOOKAHEAD = 25, 3  # CosyVoice 2's token hop and the flow's look-ahead (full size)
+POOL = 61  # log-probability rows the steps cycle through
 TEXT = "The quick brown fox jumps over the lazy dog while the robot reads the news aloud."
 
 
 class SleepStep:
-    """A `BatchedDecodeStep` whose steps take `step_ms` of a graph thread's time and sample from one
-    fixed row of log-probabilities (EOS held back: each stream runs to its maximum length)."""
+    """A `BatchedDecodeStep` whose steps take `step_ms` of a graph thread's time and give every row the
+    next of `POOL` fixed rows of log-probabilities (EOS held back: each stream runs to its maximum
+    length). Rows that change from step to step keep the repetition-aware redraws from the full
+    distribution about as rare as in speech; one row for all steps made them a third of the draws."""
 
     def __init__(self, vocab: int, eos: int, rows: int, step_ms: float, prefill_ms: float, seed: int = 0) -> None:
         rng = np.random.default_rng(seed)
-        logits = rng.standard_normal(vocab).astype(np.float32) * 2.0
-        logits[eos:] = -1e4  # neither EOS nor fill tokens
-        self._logp = logits - np.log(np.exp(logits - logits.max()).sum()) - logits.max()
+        logits = rng.standard_normal((POOL, vocab)).astype(np.float32) * 3.0
+        logits[:, eos:] = -1e4  # neither EOS nor fill tokens
+        top = logits.max(axis=1, keepdims=True)
+        self._pool = logits - top - np.log(np.exp(logits - top).sum(axis=1, keepdims=True))
         self.batch_sizes = tuple(b for b in (1, 2, 4, 8, 16) if b < rows) + (rows,)
         self.rows, self.positions = rows, 1 << 20
         self.takes_past = self.batched_prefill = self.captured_prefill = False
@@ -62,7 +66,7 @@ class SleepStep:
 
     def prefill(self, row: int, inputs_embeds: np.ndarray, past: np.ndarray | None = None) -> np.ndarray:
         time.sleep(self._prefill_s)
-        return self._logp[None]
+        return self._pool[row % POOL][None]
 
     def prefill_rows(self, rows: Sequence[int], prompts: Sequence[np.ndarray],
                      pasts: Sequence[np.ndarray] | None = None) -> None:
@@ -72,7 +76,7 @@ class SleepStep:
              batch_size: int) -> np.ndarray:
         self.starts.append(time.perf_counter())
         time.sleep(self._step_s)
-        return np.repeat(self._logp[None], len(rows), axis=0)
+        return self._pool[(len(self.starts) + np.asarray(rows)) % POOL]
 
 
 def _consume(source: TokenSource, chunk_s: float, submitted: float, out: dict[str, float]) -> None:

@@ -3,6 +3,8 @@ and memory estimate and its refusal message."""
 
 from __future__ import annotations
 
+import dataclasses
+import shutil
 from pathlib import Path
 
 import pytest
@@ -59,4 +61,9 @@ def test_check_says_what_does_not_fit(tmp_path: Path) -> None:
     assert f"disk: about {needs.disk_bytes / 2**30:.1f} GiB needed in {tmp_path}" in text and "1.0 GiB free" in text
     assert "download 3.7 GiB" in text and "memory: the build needs about" in text and "8.0 GiB available" in text
     assert "--skip-resource-check" in text and "docs/models.md" in text
-    resources.check(needs, tmp_path / "not" / "there", free_memory=None)  # free space read from the parent
+    # a folder not made yet: the free space is read from its nearest parent (the real disk, whatever it holds)
+    free = shutil.disk_usage(tmp_path).free
+    resources.check(dataclasses.replace(needs, disk_bytes=free // 2), tmp_path / "not" / "there", free_memory=None)
+    with pytest.raises(resources.ResourceError, match=f"needed in {tmp_path / 'not' / 'there'}"):
+        resources.check(dataclasses.replace(needs, disk_bytes=free + 2**40), tmp_path / "not" / "there",
+                        free_memory=None)
