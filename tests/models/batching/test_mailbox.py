@@ -13,25 +13,22 @@ from cosyedge_models.errors import SynthesisError
 from cosyedge_models.synthesis.token_stream import TimedToken
 
 
-def _taker(box: TokenMailbox, out: list) -> threading.Thread:
-    t = threading.Thread(target=lambda: out.append(box.take(10.0)))
+def _waiting_taker(want: int) -> tuple[TokenMailbox, threading.Thread, list]:
+    """A mailbox (opened at 1.0) and a consumer thread waiting in it for `want` tokens; what it took."""
+    box = TokenMailbox(capacity=10, opened=1.0)
+    box.want(want)
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(box.take(10.0)))
     t.start()
-    return t
-
-
-def _waiting(box: TokenMailbox) -> None:
     deadline = time.monotonic() + 10
     while not box._waiting:  # the consumer is inside its wait (test-only peek)
         assert time.monotonic() < deadline, "the consumer never waited"
         time.sleep(0.001)
+    return box, t, got
 
 
 def test_a_waiting_consumer_is_woken_once_when_its_wanted_tokens_are_in() -> None:
-    box = TokenMailbox(capacity=10, opened=1.0)
-    box.want(4)
-    got: list = []
-    t = _taker(box, got)
-    _waiting(box)
+    box, t, got = _waiting_taker(4)
     for i in range(3):
         box.put(100 + i, 2.0 + i)
     time.sleep(0.05)
@@ -58,11 +55,7 @@ def test_tokens_already_in_are_handed_out_at_once_below_the_wanted_count() -> No
 
 
 def test_the_end_wakes_a_consumer_short_of_its_wanted_count_with_every_token() -> None:
-    box = TokenMailbox(capacity=10, opened=1.0)
-    box.want(9)
-    got: list = []
-    t = _taker(box, got)
-    _waiting(box)
+    box, t, got = _waiting_taker(9)
     box.put(1, 2.0)
     box.finish()
     t.join(10)
