@@ -11,6 +11,8 @@ import pytest
 from cosyedge_models.batching.mailbox import BatchedTokens, TokenMailbox
 from cosyedge_models.errors import SynthesisError
 from cosyedge_models.synthesis.token_stream import TimedToken
+from hypothesis import given
+from hypothesis import strategies as st
 
 
 def _waiting_taker(want: int) -> tuple[TokenMailbox, threading.Thread, list]:
@@ -100,3 +102,31 @@ def test_the_source_stops_on_cancel_while_it_waits_and_closes_its_stream() -> No
     with source:
         assert list(source) == []
     assert closed == [True] and source.end is None
+
+
+@given(st.lists(st.one_of(st.tuples(st.just("put"), st.integers(1, 5)), st.tuples(st.just("want"), st.integers(0, 40)),
+                          st.tuples(st.just("take"), st.just(0))), max_size=40),
+       st.booleans())
+def test_every_token_is_handed_over_once_in_order_whatever_the_calls(ops: list[tuple[str, int]],
+                                                                      error: bool) -> None:
+    box = TokenMailbox(capacity=10_000, opened=0.0)
+    put: list[int] = []
+    taken: list[TimedToken] = []
+    for op, n in ops:
+        if op == "put":
+            for _ in range(n):
+                put.append(len(put))
+                box.put(put[-1], float(len(put)))
+        elif op == "want":
+            box.want(n)
+        elif (got := box.take(0.0)) is not None:
+            taken += got[0]
+    failure = SynthesisError("late") if error else None
+    box.finish(failure)
+    last = box.take(0.0)
+    assert last is not None
+    rest, end, err = last
+    taken += rest
+    assert [t.token for t in taken] == put  # each once, in order
+    assert all(t.start == float(t.token) and t.end == float(t.token + 1) for t in taken)  # stamps kept
+    assert end is not None and err is failure and box.wakes == 0  # no consumer ever waited
