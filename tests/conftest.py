@@ -15,6 +15,7 @@ import pytest
 from tests.support import hypothesis_seed
 from tests.support.broker import Broker, mosquitto_binary, running_broker
 from tests.support.components import missing, not_here
+from tests.support.module_tmp import ModuleTmp
 
 if TYPE_CHECKING:
     from tests.support.trt_emulator import Emulation
@@ -45,6 +46,14 @@ def _code_hash(*packages: str) -> str:
             h.update(path.relative_to(ROOT).as_posix().encode())
             h.update(path.read_bytes())
     return h.hexdigest()[:16]
+
+
+@pytest.fixture(scope="module")
+def module_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ModuleTmp]:
+    """Folders for the module's shared fixtures, removed when its tests end (tests/support/module_tmp.py)."""
+    tmp = ModuleTmp(tmp_path_factory)
+    yield tmp
+    tmp.remove()
 
 
 def _cached_dir(name: str, key: str, build) -> Path:  # type: ignore[no-untyped-def]

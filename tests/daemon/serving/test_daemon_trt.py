@@ -13,6 +13,7 @@ from cosyedge_models.synthesis.synthesizer import load_synthesizer
 from wyoming.tts import Synthesize
 
 from tests.daemon.conftest import DaemonFactory
+from tests.support.module_tmp import ModuleTmp
 from tests.support.trt_emulator import Emulation
 from tests.support.trt_runtime import build_trt_bundle, trt_runtime
 from tests.support.wyoming_client import exchange, run, tts_port
@@ -22,8 +23,8 @@ __all__ = ["trt_runtime"]
 
 @pytest.fixture(scope="module")
 def trt_bundle(trt_runtime: Emulation | None, tiny_bundle: Path,  # noqa: F811
-               tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_trt_bundle(tiny_bundle, tmp_path_factory.mktemp("trt-daemon") / "bundle")
+               module_tmp: ModuleTmp) -> Path:
+    return build_trt_bundle(tiny_bundle, module_tmp.mktemp("trt-daemon") / "bundle")
 
 
 def test_mqtt_say_and_wyoming_synthesize_on_trt(daemons: DaemonFactory, trt_bundle: Path) -> None:

@@ -22,11 +22,12 @@ from cosyedge_models.synthesis.settings import SynthesisSettings
 from cosyedge_models.synthesis.synthesizer import load_synthesizer
 
 from tests.models.backends.test_graph_decode import _compare_with_dynamic
+from tests.support.module_tmp import ModuleTmp
 
 
 @pytest.fixture(scope="module")
-def fp16_graph_bundle(graph_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
-    out = tmp_path_factory.mktemp("qc") / "b16"
+def fp16_graph_bundle(graph_bundle: Path, module_tmp: ModuleTmp) -> tuple[Path, dict[str, Any]]:
+    out = module_tmp.mktemp("qc") / "b16"
     settings = QuantizeSettings(precision="fp16", calibration_size=4, held_out_size=2, feeds_per_stage=12,
                                 budget=AccuracyBudget(e2e_match_min=0.0, llm_top1_min=0.85))
     return out, quantize_bundle(graph_bundle, out, settings)

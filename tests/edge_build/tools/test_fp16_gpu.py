@@ -24,13 +24,14 @@ from cosyedge_models.synthesis.settings import SynthesisSettings
 from cosyedge_models.synthesis.synthesizer import load_synthesizer
 
 from tests.support.components import require_cuda_provider
+from tests.support.module_tmp import ModuleTmp
 
 FP16_STAGES = ("llm_prefill", "llm_decode", "flow_estimator", "hift_decoder")
 
 
 @pytest.fixture(scope="module")
-def gpu_fp16(static_flow_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
-    out = fp16_bundle(static_flow_bundle, tmp_path_factory.mktemp("fp16gpu") / "b")
+def gpu_fp16(static_flow_bundle: Path, module_tmp: ModuleTmp) -> tuple[Path, dict[str, Any]]:
+    out = fp16_bundle(static_flow_bundle, module_tmp.mktemp("fp16gpu") / "b")
     feeds = capture_feeds(static_flow_bundle, calibration_texts(4), cap_per_stage=12).feeds
     return out, feeds
 

@@ -32,6 +32,7 @@ from cosyedge_models.synthesis.streaming import ChunkSchedule
 from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer
 
 from tests.support.components import require_cuda_provider, require_module
+from tests.support.module_tmp import ModuleTmp
 from tests.support.trt_emulator import Emulation
 
 
@@ -220,13 +221,13 @@ def test_engine_closes_the_stream_caches(engine: CosyVoiceSynthesizer, monkeypat
 
 
 @pytest.fixture(scope="module")
-def fp16_flow_bundle(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def fp16_flow_bundle(tiny_bundle: Path, module_tmp: ModuleTmp) -> Path:
     """The tiny bundle with only its estimator in fp16 (fp16 K/V cache I/O)."""
     require_module("onnx")
     from cosyedge_build.quantize.fp16 import FP16_IO, convert_fp16
     from cosyedge_build.quantize.writer import add_variants, link_bundle
 
-    out = tmp_path_factory.mktemp("fp16flow")
+    out = module_tmp.mktemp("fp16flow")
     link_bundle(tiny_bundle, out)
     est = out / "flow_estimator.fp16.onnx"
     convert_fp16(tiny_bundle / "flow_estimator.onnx", est, (), FP16_IO["flow_estimator"])

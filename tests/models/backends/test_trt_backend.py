@@ -22,13 +22,14 @@ from cosyedge_models.bundle.loader import STAGES, load_bundle
 from cosyedge_models.errors import BundleError
 from cosyedge_models.synthesis.api import SynthesisRequest
 
+from tests.support.module_tmp import ModuleTmp
 from tests.support.trt_emulator import Emulation
 from tests.support.trt_runtime import build_trt_bundle
 
 
 @pytest.fixture(scope="module")
-def trt_bundle(trt_runtime: Emulation | None, tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_trt_bundle(tiny_bundle, tmp_path_factory.mktemp("trt") / "bundle")
+def trt_bundle(trt_runtime: Emulation | None, tiny_bundle: Path, module_tmp: ModuleTmp) -> Path:
+    return build_trt_bundle(tiny_bundle, module_tmp.mktemp("trt") / "bundle")
 
 
 class Recorder:

@@ -21,6 +21,7 @@ from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, load_syn
 
 from tests.models.synthesis.test_voice_cache import voice_bundle  # noqa: F401 (fixture)
 from tests.support.components import not_here
+from tests.support.module_tmp import ModuleTmp
 from tests.support.trt_emulator import Emulation
 from tests.support.trt_runtime import build_trt_bundle
 
@@ -29,9 +30,9 @@ TEXT = "Hello from the board, one two three."
 
 @pytest.fixture(scope="module")
 def trt_voice_bundle(trt_runtime: Emulation | None, voice_bundle: Path,  # noqa: F811
-                     tmp_path_factory: pytest.TempPathFactory) -> Path:
+                     module_tmp: ModuleTmp) -> Path:
     """The tiny bundle with the saved voice "alice", and its engines."""
-    return build_trt_bundle(voice_bundle, tmp_path_factory.mktemp("trt-voice") / "bundle")
+    return build_trt_bundle(voice_bundle, module_tmp.mktemp("trt-voice") / "bundle")
 
 
 @pytest.fixture()
@@ -275,11 +276,11 @@ def _int32_mask(onnx_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def int32_mask_bundle(trt_voice_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def int32_mask_bundle(trt_voice_bundle: Path, module_tmp: ModuleTmp) -> Path:
     """trt_voice_bundle with its LLM engine rebuilt from graphs that take an int32 mask."""
     from cosyedge_build.tensorrt.engines import EngineBuildSettings, build_engines
 
-    dst = tmp_path_factory.mktemp("mask32") / "bundle"
+    dst = module_tmp.mktemp("mask32") / "bundle"
     shutil.copytree(trt_voice_bundle, dst)
     for stage in ("llm_prefill", "llm_decode"):
         _int32_mask(dst / f"{stage}.onnx")

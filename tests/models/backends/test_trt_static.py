@@ -35,6 +35,7 @@ from cosyedge_models.synthesis.voice_cache import build_flow_prefix
 
 from tests.conftest import STATIC_FLOW_CACHE
 from tests.models.flow_streams import stream_mel
+from tests.support.module_tmp import ModuleTmp
 from tests.support.trt_emulator import Emulation
 from tests.support.trt_runtime import build_trt_bundle
 
@@ -43,8 +44,8 @@ TOL = 2e-2  # relative, as test_trt_backend.py's stage checks (TF32 / other tact
 
 @pytest.fixture(scope="module")
 def trt_graph_bundle(trt_runtime: Emulation | None, graph_bundle: Path,
-                     tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_trt_bundle(graph_bundle, tmp_path_factory.mktemp("trt-static") / "bundle")
+                     module_tmp: ModuleTmp) -> Path:
+    return build_trt_bundle(graph_bundle, module_tmp.mktemp("trt-static") / "bundle")
 
 
 def _fixed(bundle: Bundle, prefix: str) -> list[str]:

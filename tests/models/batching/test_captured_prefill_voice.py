@@ -18,15 +18,16 @@ from cosyedge_models.synthesis.settings import SynthesisSettings
 from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, load_synthesizer
 
 from tests.support.concurrent import run_concurrently
+from tests.support.module_tmp import ModuleTmp
 from tests.support.voices import bundle_with_voice
 
 TEXTS = ("Hello world one two.", "A quick fox jumps.", "Numbers today")
 
 
 @pytest.fixture(scope="module")
-def voiced_bundle(every_graph_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def voiced_bundle(every_graph_bundle: Path, module_tmp: ModuleTmp) -> Path:
     """every_graph_bundle with a saved 1 s voice (its prompt then fits the 64-position prefill graph)."""
-    return bundle_with_voice(every_graph_bundle, tmp_path_factory.mktemp("voiced") / "bundle", 1.0,
+    return bundle_with_voice(every_graph_bundle, module_tmp.mktemp("voiced") / "bundle", 1.0,
                              "Hello, Alice here.")
 
 

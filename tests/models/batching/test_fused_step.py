@@ -23,6 +23,7 @@ from cosyedge_models.batching.fused_step import FusedDecodeStep, fused_entries, 
 from cosyedge_models.errors import SynthesisError
 
 from tests.support.components import require_cuda_provider
+from tests.support.module_tmp import ModuleTmp
 
 POSITIONS = 40
 PREFILL_LENGTHS = (4, 8)  # the fixed-length prefill graphs exported beside the steps
@@ -34,7 +35,7 @@ FP16_LOGP_TOLERANCE = 0.03
 
 
 @pytest.fixture(scope="module")
-def fused_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def fused_dir(tiny_model_dir: Path, module_tmp: ModuleTmp) -> Path:
     """The fused graphs as `build export` writes them: fp32 here, fp16 under fp16/, each set's step and
     prefill graphs with their weights in one shared data file (on CUDA served through REGISTRY, as
     load_fused_step does; on the CPU each session reads it)."""
@@ -43,7 +44,7 @@ def fused_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     from cosyedge_build.reference.modules import load_reference
 
     llm = load_reference(tiny_model_dir).llm
-    out = tmp_path_factory.mktemp("fused")
+    out = module_tmp.mktemp("fused")
     (out / "fp16").mkdir()
     for root, precision in ((out, "fp32"), (out / "fp16", "fp16")):
         stages = export_fused_decode(llm, root, [1, 2, 4], POSITIONS, precision, prefill_lengths=PREFILL_LENGTHS)

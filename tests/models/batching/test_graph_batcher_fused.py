@@ -24,17 +24,18 @@ from cosyedge_models.synthesis.settings import SynthesisSettings
 from cosyedge_models.synthesis.synthesizer import CosyVoiceSynthesizer, load_synthesizer
 
 from tests.conftest import FUSED_DECODE_BATCHES
+from tests.support.module_tmp import ModuleTmp
 
 POSITIONS = 256
 TEXTS = ["Hello world one two.", "A quick fox", "A", "Numbers today"]
 
 
 @pytest.fixture(scope="module")
-def fused_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def fused_dir(tiny_model_dir: Path, module_tmp: ModuleTmp) -> Path:
     from cosyedge_build.export.llm_fused import export_fused_decode
     from cosyedge_build.reference.modules import load_reference
 
-    out = tmp_path_factory.mktemp("fused")
+    out = module_tmp.mktemp("fused")
     export_fused_decode(load_reference(tiny_model_dir).llm, out, [1, 2, 4], POSITIONS)
     return out
 

@@ -29,6 +29,7 @@ from cosyedge_models.synthesis.voice_cache import MIB, FlowPrefix, VoiceCache, b
 
 from tests.models.synthesis.test_synthesizer import prompt_audio
 from tests.support.components import require_cuda_provider
+from tests.support.module_tmp import ModuleTmp
 from tests.support.voices import bundle_with_voice
 
 ATOL = 1e-5  # the brief's bound; on one backend the two paths are the same graph calls (measured 0.0)
@@ -36,9 +37,9 @@ TEXT = "The voice cache keeps what the prompt costs, so this sentence starts soo
 
 
 @pytest.fixture(scope="module")
-def voice_bundle(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def voice_bundle(tiny_bundle: Path, module_tmp: ModuleTmp) -> Path:
     """The tiny bundle with a saved 4 s voice (several complete flow chunks)."""
-    return bundle_with_voice(tiny_bundle, tmp_path_factory.mktemp("vcache") / "bundle", 4.0,
+    return bundle_with_voice(tiny_bundle, module_tmp.mktemp("vcache") / "bundle", 4.0,
                              "Hello, this is Alice speaking, slowly and clearly.")
 
 

@@ -20,14 +20,16 @@ from cosyedge_models.synthesis.api import StageEvent
 from cosyedge_models.synthesis.synthesizer import resolve_overlap
 from cosyedge_models.tools.timeline import render_timeline
 
+from tests.support.module_tmp import ModuleTmp
+
 
 @pytest.fixture(scope="module")
-def fp16_variant(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def fp16_variant(tiny_bundle: Path, module_tmp: ModuleTmp) -> Path:
     """The cheapest quantized variant: fp16 with the fewest calibration feeds."""
     from cosyedge_build.quantize.pipeline import quantize_bundle
     from cosyedge_build.quantize.settings import AccuracyBudget, QuantizeSettings
 
-    out = tmp_path_factory.mktemp("bench") / "b16"
+    out = module_tmp.mktemp("bench") / "b16"
     quantize_bundle(tiny_bundle, out, QuantizeSettings(precision="fp16", calibration_size=1, held_out_size=1,
                                                        feeds_per_stage=2, budget=AccuracyBudget(e2e_match_min=0.0)))
     return out
