@@ -304,8 +304,7 @@ class GraphBatcher(BatchWorker):
         self._lengths.pop(key, None)
         request = self._requests.pop(key, None)
         if request is not None:
-            request.out.finish(error)
-            self.stats.count_handovers(request.out)
+            request.end(self.stats, error)
 
     # --- lifecycle (start/stop: BatchWorker) -------------------------------------------
     def _stopped(self) -> None:

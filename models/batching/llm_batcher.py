@@ -3,9 +3,10 @@ batched decode (models/batching/kv.py) and runs, round after round, (1) drop
 cancelled requests, (2) admit waiting requests (models/batching/policy.py),
 prefill each alone and add its cache to the batch, (3) one decode step for
 every active request. Each request's tokens go to its own mailbox
-(models/batching/mailbox.py); its `generate` iterator reads them. Sampling and the length/EOS/fill rules are
-per request (`RequestDecode`, shared with the unbatched path), so a seeded
-request yields the same tokens alone or in a batch.
+(models/batching/mailbox.py); its `generate` iterator reads them. Sampling
+and the length/EOS/fill rules are per request (`RequestDecode`, shared with
+the unbatched path), so a seeded request yields the same tokens alone or in
+a batch.
 
 `run_once` is one round; the worker calls it in a loop, tests call it
 directly to place joins and leaves at chosen steps."""
@@ -59,6 +60,12 @@ class _Request:
     def waiting(self) -> Waiting:
         return Waiting(self.key, self.priority, self.arrived)
 
+    def end(self, stats: BatchStats, error: BaseException | None = None) -> None:
+        """Its end (error None) or its error to the consumer, once; its tokens and wake-ups counted."""
+        if self.out.finish(error):
+            stats.handed_tokens += self.out.count
+            stats.handovers += self.out.wakes
+
 
 @dataclass
 class BatchStats:
@@ -81,11 +88,6 @@ class BatchStats:
     # stream is woken when its next chunk's tokens are in, not a token at a time (counted as requests leave)
     handed_tokens: int = 0
     handovers: int = 0
-
-    def count_handovers(self, mailbox: TokenMailbox) -> None:
-        """A finished request's tokens and wake-ups."""
-        self.handed_tokens += mailbox.count
-        self.handovers += mailbox.wakes
 
 
 class TokenStream:
@@ -202,7 +204,7 @@ class LlmBatcher(BatchWorker):
             gone = [r for r in self._waiting if r.cancelled()]
             self._waiting = [r for r in self._waiting if not r.cancelled()]
         for r in gone:
-            r.out.finish()
+            r.end(self.stats)
         for r in [r for r in self._active.values() if r.cancelled()]:
             self._finish(r)
 
@@ -215,12 +217,12 @@ class LlmBatcher(BatchWorker):
             if not req.finished:
                 self._emit(request, req.accept(logp[0]), time.perf_counter())
             if req.finished:
-                request.out.finish()
+                request.end(self.stats)
                 return
             self.decoder.join(request.key, cache)
         except Exception as exc:
             # Only this request fails: the batch's cache is untouched until join's ops ran.
-            request.out.finish(_as_engine_error(exc, "LLM prefill failed"))
+            request.end(self.stats, _as_engine_error(exc, "LLM prefill failed"))
             return
         self._active[request.key] = request
 
@@ -271,20 +273,19 @@ class LlmBatcher(BatchWorker):
         self._active.pop(request.key, None)
         if request.key in self.decoder.slots:
             self.decoder.leave(request.key)
-        request.out.finish(error)
-        self.stats.count_handovers(request.out)
+        request.end(self.stats, error)
 
     def _fail_active(self, error: SynthesisError) -> None:
         active, self._active = list(self._active.values()), {}
         self.decoder.reset()
         for r in active:
-            r.out.finish(error)
+            r.end(self.stats, error)
 
     def _fail_all(self, error: SynthesisError) -> None:
         with self._cond:
             waiting, self._waiting = self._waiting, []
         for r in waiting:
-            r.out.finish(error)
+            r.end(self.stats, error)
         self._fail_active(error)
 
 

@@ -53,16 +53,18 @@ class TokenMailbox:
                 self.wakes += 1
                 self._cond.notify()
 
-    def finish(self, error: BaseException | None = None) -> None:
-        """The end (error None) or the request's error; a second call is ignored (the first owner wins)."""
+    def finish(self, error: BaseException | None = None) -> bool:
+        """The end (error None) or the request's error; whether it took effect (a second call is
+        ignored: the first owner wins)."""
         with self._cond:
             if self._done:
-                return
+                return False
             self._done, self._error, self._end_stamp = True, error, time.perf_counter()
             if self._waiting:
                 self._waiting = False
                 self.wakes += 1
             self._cond.notify()
+            return True
 
     # --- consumer side -----------------------------------------------------------------
     def want(self, count: int) -> None:

@@ -59,13 +59,13 @@ def test_tokens_already_in_are_handed_out_at_once_below_the_wanted_count() -> No
 def test_the_end_wakes_a_consumer_short_of_its_wanted_count_with_every_token() -> None:
     box, t, got = _waiting_taker(9)
     box.put(1, 2.0)
-    box.finish()
+    assert box.finish()
     t.join(10)
     timed, end, error = got[0]
     assert [x.token for x in timed] == [1] and error is None
     assert end is not None and end.start == 2.0 and end.end >= end.start
     assert box.wakes == 1
-    box.finish(SynthesisError("late"))  # the first owner wins
+    assert not box.finish(SynthesisError("late"))  # the first owner wins
     assert box.take(0.0) == ([], end, None)
 
 
