@@ -174,13 +174,14 @@ def static_flow_fused_fp16_bundle(tiny_model_dir: Path) -> Path:
 
 
 STATIC_VOCODER_FIRST_HOP = 15  # graph_bundle's fixed-length vocoder graphs also hold this first hop's first chunk
+STATIC_VOCODER_LATER_HOP = 50  # ... and the steady chunk of this later hop (a growing hop capped there)
 
 
 @pytest.fixture(scope="session")
 def graph_bundle(tiny_model_dir: Path) -> Path:
     """The tiny bundle with every CUDA-graph stage: the fixed-size decode step, the fixed-shape flow
-    graphs and the fixed-length vocoder graphs (the default chunks and a first hop of
-    STATIC_VOCODER_FIRST_HOP tokens)."""
+    graphs and the fixed-length vocoder graphs (the default chunks, a first hop of
+    STATIC_VOCODER_FIRST_HOP tokens and a later hop of STATIC_VOCODER_LATER_HOP)."""
     from cosyedge_build.export import export_bundle
 
     key = _code_hash("edge_build", "models")
@@ -188,7 +189,8 @@ def graph_bundle(tiny_model_dir: Path) -> Path:
                        lambda out: export_bundle(tiny_model_dir, out, static_decode_len=STATIC_DECODE_LEN,
                                                  static_flow_windows=STATIC_FLOW_WINDOWS,
                                                  static_flow_cache=STATIC_FLOW_CACHE, static_vocoder=True,
-                                                 static_vocoder_first_hops=(STATIC_VOCODER_FIRST_HOP,)))
+                                                 static_vocoder_first_hops=(STATIC_VOCODER_FIRST_HOP,),
+                                                 static_vocoder_hops=(STATIC_VOCODER_LATER_HOP,)))
 
 
 @pytest.fixture()

@@ -33,7 +33,8 @@ def build_command(args: argparse.Namespace) -> int:
                             args.static_flow_cache, args.static_vocoder, batches, args.fused_decode_len,
                             flow_batches, args.fused_decode_precision, first_hops, args.batch_flow_precision,
                             args.batch_flow_attention,
-                            tuple(int(t) for t in args.fused_prefill_lengths.split(",") if t.strip()), args.jobs)
+                            tuple(int(t) for t in args.fused_prefill_lengths.split(",") if t.strip()), args.jobs,
+                            tuple(int(h) for h in args.static_vocoder_hops.split(",") if h.strip()))
         print(f"exported {args.model_dir} to the bundle {out} in {time.monotonic() - started:.1f} s")
         return 0
     if cmd == "engines":

@@ -98,6 +98,10 @@ def _add_build(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--static-vocoder-first-hops", default="", metavar="TOKENS,...",
                    help="with --static-vocoder: also a fixed-length vocoder graph for the first chunk of these "
                         "first hops in speech tokens ([tts] first_hop_tokens), e.g. 15")
+    e.add_argument("--static-vocoder-hops", default="", metavar="TOKENS,...",
+                   help="with --static-vocoder: also a fixed-length vocoder graph for the steady chunk of these later "
+                        "hops in speech tokens, the ones a growing hop reaches ([tts] stream_hop_scale 2 with "
+                        "stream_max_hop_tokens 50: 50)")
     e.add_argument("--fused-decode-batches", default="", metavar="B,...",
                    help="also export the onnxruntime-fused batched LLM decode step (GroupQueryAttention over an "
                         "in-place KV cache) for these batch sizes, e.g. 1,2,4,8,16 (TensorRT keeps the plain graphs)")
@@ -294,6 +298,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hop-scale", type=float, default=1.0,
                    help="grow the streaming hop by this factor after each chunk, up to 4x "
                         "(upstream: stream_scale_factor)")
+    p.add_argument("--max-hop-tokens", type=int, default=None, metavar="TOKENS",
+                   help="the growing hop's cap ([tts] stream_max_hop_tokens; default: 4x the hop)")
     p.add_argument("--overlap", action="store_true", default=None,
                    help="overlap the streaming stages even on a CPU of fewer than 4 cores (default: auto)")
     p.add_argument("--flow-final-chunk", choices=("cached", "upstream"), default="cached",

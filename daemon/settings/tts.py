@@ -186,8 +186,17 @@ class TtsSettings:
     )
     stream_hop_scale: float = setting(
         1.0, "grow the streaming hop by this factor after each chunk, up to 4x (upstream's stream_scale_factor; "
-        "2: chunks of 25, 50, then 100 tokens, less total work, same first audio); 1: a fixed hop",
+        "2: chunks of 25, 50, then 100 tokens, less total work, same first audio; stream_max_hop_tokens caps it); "
+        "1: a fixed hop",
         min=1.0, max=4.0, reload=True,
+    )
+    stream_max_hop_tokens: int = setting(
+        0, "the growing hop's cap in speech tokens (stream_hop_scale above 1); 0: 4x the hop (upstream). On the "
+        "GPU a cap whose chunks fit the bundle's largest fixed-shape estimator window keeps them on the captured "
+        "graphs (the engine's log says which cap fits: 50 with windows of 128 frames; a multiple of the hop keeps "
+        "each chunk on the flow's attention chunks, as upstream); a bundle exported with "
+        "--static-vocoder-hops N replays that chunk's vocoder as a fixed-length graph; at least the bundle's hop",
+        min=0, max=1000, reload=True,
     )
     flow_final_chunk: str = setting(
         "cached", "streaming's last flow chunk: through the per-request caches (linear cost) or upstream's "

@@ -47,6 +47,7 @@ def load_local_synthesizer(settings: Settings, bundle: str | None = None) -> Ser
         first_hop_tokens=tts.first_hop_tokens or None,  # 0: upstream's aligned hop
         first_chunk_euler_steps=tts.first_chunk_euler_steps or None,  # 0: the bundle's n_timesteps
         hop_scale=tts.stream_hop_scale,
+        max_hop_tokens=tts.stream_max_hop_tokens or None,  # 0: 4 x the hop (upstream)
     )
     engine = load_synthesizer(path, settings=SynthesisSettings(**values))
     log.info("loaded %s from %s (%d Hz)", engine.name, path, engine.sample_rate)

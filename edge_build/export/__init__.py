@@ -28,7 +28,8 @@ def export_bundle(model_dir: Path, out: Path, static_decode_len: int = 0,
                   fused_decode_len: int = 0, batch_flow_sizes: tuple[int, ...] = (),
                   fused_decode_precision: str = "fp32", static_vocoder_first_hops: tuple[int, ...] = (),
                   batch_flow_precision: str = "fp32", batch_flow_attention: str = "plain",
-                  fused_prefill_lengths: tuple[int, ...] = (), jobs: int = 1) -> Path:
+                  fused_prefill_lengths: tuple[int, ...] = (), jobs: int = 1,
+                  static_vocoder_hops: tuple[int, ...] = ()) -> Path:
     """`static_decode_len` > 0 adds the fixed-size decode step (CUDA graphs on ort-cuda) for that many
     positions; `static_flow_windows` the fixed-shape estimator graphs (flow_static.py) over a cache
     of `static_flow_cache` frames, and the streaming encoder's over the same windows
@@ -38,7 +39,8 @@ def export_bundle(model_dir: Path, out: Path, static_decode_len: int = 0,
     `fused_decode_precision` (fp16: what onnxruntime's CUDA GroupQueryAttention runs), with one row's
     prefill graph of each of `fused_prefill_lengths` positions (captured on ort-cuda);
     `static_vocoder_first_hops` (with `static_vocoder`) a fixed-length vocoder graph for the first
-    chunk of each of these first hops too;
+    chunk of each of these first hops too, and `static_vocoder_hops` the steady chunk of each of these
+    later hops (a schedule that grows its hop: `hop_scale`, `max_hop_tokens`);
     `batch_flow_sizes` (with `static_flow_windows`) the estimator windows batched across that many
     streams, K/V cache in place (flow_batch.py), in `batch_flow_precision` (fp16: the lanes' K/V in
     fp16 too), their attention `batch_flow_attention` (fused: onnxruntime's MultiHeadAttention), and the
@@ -51,6 +53,9 @@ def export_bundle(model_dir: Path, out: Path, static_decode_len: int = 0,
     if static_vocoder_first_hops and (not static_vocoder or min(static_vocoder_first_hops) < 1):
         raise ValueError("fixed-length vocoder graphs for first hops (--static-vocoder-first-hops) need "
                          f"--static-vocoder and hops >= 1 speech token, got {list(static_vocoder_first_hops)}")
+    if static_vocoder_hops and (not static_vocoder or min(static_vocoder_hops) < 1):
+        raise ValueError("fixed-length vocoder graphs for later hops (--static-vocoder-hops) need "
+                         f"--static-vocoder and hops >= 1 speech token, got {list(static_vocoder_hops)}")
     if batch_flow_sizes and not static_flow_windows:
         raise ValueError("batched flow graphs (--batch-flow-sizes) need --static-flow-windows")
     if jobs not in (1, 2):
@@ -67,7 +72,7 @@ def export_bundle(model_dir: Path, out: Path, static_decode_len: int = 0,
     started = time.monotonic()
     refs = reference.load_reference(model_dir)
     flow_opts = FlowSideOptions(static_flow_windows, static_flow_cache, static_vocoder, static_vocoder_first_hops,
-                                batch_flow_sizes, batch_flow_precision, batch_flow_attention)
+                                batch_flow_sizes, batch_flow_precision, batch_flow_attention, static_vocoder_hops)
     with scratch_for(out) as scratch, ExitStack() as stack:
         hyper = hyperparams.collect(refs)
         flow_side: Future[tuple[list[StageGraph], dict[str, Path]]] | None = None

@@ -25,6 +25,7 @@ class FlowSideOptions:
     batch_flow_sizes: tuple[int, ...]
     batch_flow_precision: str
     batch_flow_attention: str
+    static_vocoder_hops: tuple[int, ...] = ()
 
 
 def export_flow_side(flow: Any, vocoder: Any, scratch: Path, hyper: dict[str, Any],
@@ -70,7 +71,7 @@ def export_flow_side(flow: Any, vocoder: Any, scratch: Path, hyper: dict[str, An
     stages.extend(hift.export_hift(vocoder, scratch))
     if opts.static_vocoder:
         frames = hift_static.static_vocoder_frames(hyper["streaming"], int(hyper["token_mel_ratio"]),
-                                                   opts.static_vocoder_first_hops)
+                                                   opts.static_vocoder_first_hops, opts.static_vocoder_hops)
         # with --batch-flow-sizes, the streams' chunks of a length batched the same way
         stages.extend(hift_static.export_static_vocoder(vocoder, scratch, frames,
                                                         int(hyper["streaming"]["source_cache_len"]), batches))

@@ -105,7 +105,7 @@ fi
 if [ "${FULL:-1}" = 1 ] && [ ! -f "$full/bundle/manifest.json" ]; then
   python3 -m cosyedge_daemon build export --model-dir "$full/ckpt" --out "$full/bundle" --static-decode-len 1536 \
     --static-flow-windows "${STATIC_FLOW_WINDOWS-64,128,640}" --static-flow-cache "${STATIC_FLOW_CACHE:-1024}" --static-vocoder \
-    --static-vocoder-first-hops "${VOCODER_FIRST_HOPS:-15}" \
+    --static-vocoder-first-hops "${VOCODER_FIRST_HOPS:-15}" --static-vocoder-hops "${VOCODER_HOPS:-50}" \
     --fused-decode-batches "${FUSED_BATCHES:-1,2,4,8,16}" --fused-decode-precision fp16 \
     --fused-prefill-lengths "${FUSED_PREFILL_LENGTHS:-}" \
     --batch-flow-sizes "${BATCH_FLOW_SIZES-1,8}" --batch-flow-precision "${BATCH_FLOW_PRECISION:-fp32}" \

@@ -29,6 +29,9 @@ class SynthesisSettings:
     # After each streaming chunk the hop grows by this factor up to 4x (upstream's
     # stream_scale_factor); 1.0: a fixed hop, as CosyVoice 2 upstream.
     hop_scale: float = 1.0
+    # The grown hop's cap in speech tokens; None: 4 x the hop (upstream). On the GPU a cap whose chunks fit the
+    # bundle's largest fixed-shape estimator window keeps them on the captured graphs (a warning at load says).
+    max_hop_tokens: int | None = None
     batching: BatchSettings | None = None  # None: every request decodes alone (batch 1)
     # Flow estimator and HiFT calls of concurrent requests merged into one run
     # (models/batching/stage_batcher.py); max_batch_size counts requests. None: each runs alone.
@@ -172,6 +175,8 @@ class SynthesisSettings:
             raise ValueError(f"max_text_chars must be >= 1, got {self.max_text_chars}")
         if self.hop_scale < 1.0:
             raise ValueError(f"hop_scale must be >= 1.0, got {self.hop_scale}")
+        if self.max_hop_tokens is not None and self.max_hop_tokens < 1:
+            raise ValueError(f"max_hop_tokens must be >= 1 or None (4 x the hop), got {self.max_hop_tokens}")
         if self.first_hop_tokens is not None and self.first_hop_tokens < 1:
             raise ValueError(f"first_hop_tokens must be >= 1 or None, got {self.first_hop_tokens}")
         if self.first_chunk_euler_steps is not None and self.first_chunk_euler_steps < 1:

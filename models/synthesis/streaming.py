@@ -10,7 +10,14 @@ its own schedule (upstream keeps the hop on the shared model instance)."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cosyedge_models.bundle.loader import Bundle
+
+log = logging.getLogger(__name__)
 
 
 def check_first_hop(first_hop: int | None, samples_per_token: int, held_back_samples: int) -> None:
@@ -22,6 +29,39 @@ def check_first_hop(first_hop: int | None, samples_per_token: int, held_back_sam
         raise ValueError(f"first_hop_tokens must be at least {least} for this bundle (its vocoder holds back "
                          f"{held_back_samples} samples for the cross-fade, {samples_per_token} a token), "
                          f"got {first_hop}")
+
+
+def check_hops(bundle: Bundle, first_hop: int | None, hop_scale: float, max_hop: int | None) -> None:
+    """At load: the first hop (check_first_hop) and the grown hop's cap against `bundle`. A cap below
+    the bundle's hop: ValueError. With the hop growing, a cap whose chunks' estimator window outgrows
+    the bundle's largest fixed-shape window: a warning, with the largest cap that fits and is a multiple
+    of the hop (such chunks would move their stream off the captured graphs, the batched lanes included;
+    a multiple keeps every chunk's end on the flow's attention chunks, as upstream's growth does)."""
+    check_first_hop(first_hop, bundle.token_mel_ratio * bundle.hift.upsample_factor,
+                    bundle.streaming.source_cache_len)
+    hop = bundle.streaming.token_hop_len
+    if max_hop is not None and max_hop < hop:
+        raise ValueError(f"max_hop_tokens must be at least the bundle's hop of {hop} speech tokens, got {max_hop}")
+    from cosyedge_models.bundle.loader import STATIC_FLOW_PREFIX
+
+    windows = [int(name[len(STATIC_FLOW_PREFIX):]) for name in bundle.stages if name.startswith(STATIC_FLOW_PREFIX)]
+    grown = grown_hops(hop, hop_scale, max_hop)[-1]
+    ratio, lookahead = bundle.token_mel_ratio, bundle.flow.pre_lookahead_len
+    if windows and (grown + lookahead) * ratio > max(windows):
+        log.warning("streaming: later chunks of %d speech tokens need estimator windows of %d frames, more than "
+                    "the bundle's largest fixed-shape window (%d): those chunks leave the captured graphs; "
+                    "max_hop_tokens %d would keep them there", grown, (grown + lookahead) * ratio, max(windows),
+                    max(hop, (max(windows) // ratio - lookahead) // hop * hop))
+
+
+def grown_hops(hop: int, hop_scale: float, max_hop: int | None = None) -> list[int]:
+    """The hops a stream's later chunks take, in order, each once (ChunkSchedule's growth: times
+    `hop_scale` after each chunk, up to `max_hop`, None: 4 x the hop as upstream); [hop] for a fixed hop."""
+    cap = max_hop if max_hop is not None else 4 * hop
+    hops = [hop]
+    while hop_scale > 1.0 and (nxt := min(cap, int(hops[-1] * hop_scale))) > hops[-1]:
+        hops.append(nxt)
+    return hops
 
 
 @dataclass(frozen=True)
@@ -99,3 +139,12 @@ def recurring_mel_frames(hop: int, token_mel_ratio: int, mel_cache_len: int,
     repeats: its first chunk (the first hop's frames) and a steady chunk
     (a hop's frames after the kept mel overlap)."""
     return (first_hop or hop) * token_mel_ratio, hop * token_mel_ratio + mel_cache_len
+
+
+def stream_mel_frames(hop: int, token_mel_ratio: int, mel_cache_len: int, first_hop: int | None = None,
+                      hop_scale: float = 1.0, max_hop: int | None = None) -> list[int]:
+    """Every mel length the vocoder repeats in each stream of a prompt-less voice: the first chunk's
+    and the steady chunk's of each hop the schedule grows to (grown_hops), in order, each once."""
+    first, steady = recurring_mel_frames(hop, token_mel_ratio, mel_cache_len, first_hop)
+    later = [recurring_mel_frames(h, token_mel_ratio, mel_cache_len)[1] for h in grown_hops(hop, hop_scale, max_hop)]
+    return list(dict.fromkeys([first, steady, *later]))

@@ -57,7 +57,7 @@ from cosyedge_models.synthesis.offline import joined, linear_resize
 from cosyedge_models.synthesis.request_state import LlmSpans, RequestState
 from cosyedge_models.synthesis.sampling import TokenSampler
 from cosyedge_models.synthesis.settings import SynthesisSettings
-from cosyedge_models.synthesis.streaming import ChunkSchedule, check_first_hop, recurring_mel_frames
+from cosyedge_models.synthesis.streaming import ChunkSchedule, check_hops, stream_mel_frames
 from cosyedge_models.synthesis.token_stream import ProducedTokens, ProducerPool, SerialTokens, TokenSource
 from cosyedge_models.synthesis.vocoder import HiftVocoder, NoiseSource, VocoderStream
 from cosyedge_models.synthesis.voice_cache import (
@@ -95,8 +95,7 @@ class CosyVoiceSynthesizer(SynthesizerDefaults):
 
     def __init__(self, bundle: Bundle, backend: Backend, settings: SynthesisSettings) -> None:
         step_grid(bundle.flow.n_timesteps, settings.first_chunk_euler_steps)  # at most the bundle's: ValueError
-        check_first_hop(settings.first_hop_tokens, bundle.token_mel_ratio * bundle.hift.upsample_factor,
-                        bundle.streaming.source_cache_len)
+        check_hops(bundle, settings.first_hop_tokens, settings.hop_scale, settings.max_hop_tokens)
         self.bundle = bundle
         self.settings = settings
         self.backend = backend
@@ -274,11 +273,10 @@ class CosyVoiceSynthesizer(SynthesizerDefaults):
         request would pay). At load, and by bench after it changes the first hop; the lengths set up."""
         if not self._pinned_vocoder:
             return []
-        b = self.bundle
+        b, s = self.bundle, self.settings
         fixed = set(self.static_vocoder.frames) if self.static_vocoder is not None else set()
-        lengths = [n for n in recurring_mel_frames(b.streaming.token_hop_len, b.token_mel_ratio,
-                                                   b.streaming.mel_cache_len, self.settings.first_hop_tokens)
-                   if n not in fixed]
+        lengths = [n for n in stream_mel_frames(b.streaming.token_hop_len, b.token_mel_ratio, b.streaming.mel_cache_len,
+                                                s.first_hop_tokens, s.hop_scale, s.max_hop_tokens) if n not in fixed]
         self.vocoder.warm_up(lengths)
         return lengths
 
@@ -417,7 +415,7 @@ class CosyVoiceSynthesizer(SynthesizerDefaults):
         lookahead = self.bundle.flow.pre_lookahead_len
         schedule = ChunkSchedule(self.bundle.streaming.token_hop_len, lookahead,
                                  prompt_tokens=len(cond.flow.tokens), first_hop=self.settings.first_hop_tokens,
-                                 hop_scale=self.settings.hop_scale)
+                                 hop_scale=self.settings.hop_scale, max_hop=self.settings.max_hop_tokens)
         stream = VocoderStream(self.vocoder, state.noise)
         tokens: list[int] = []
         spans = LlmSpans()

@@ -269,7 +269,7 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
     settings = SynthesisSettings(backend=args.backend, overlap_stages=overlap,
                               batching=batching, flow_batching=flow_batching,
                               flow_final_chunk=args.flow_final_chunk,
-                              hop_scale=args.hop_scale,
+                              hop_scale=args.hop_scale, max_hop_tokens=args.max_hop_tokens,
                               first_hop_tokens=args.first_hop_tokens,
                               first_chunk_euler_steps=args.first_chunk_euler_steps,
                               # fixed-shape flow caches for every concurrent stream measured
@@ -350,6 +350,7 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
                         "first_audio_first": settings.first_audio_first, "graph_batching": graph_batching,
                         "python_switch_interval_ms": round(sys.getswitchinterval() * 1e3, 3),
                         "first_hop_tokens": settings.first_hop_tokens,
+                        "hop_scale": settings.hop_scale, "max_hop_tokens": settings.max_hop_tokens,
                         "first_chunk_euler_steps": settings.first_chunk_euler_steps,
                         **concurrency_report(engine, text, concurrency, mode, voice, args.graph_trace_ms),
                         "graph_order": engine.graphs.order_stats(),
@@ -438,6 +439,7 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
         report["first_audio_first"] = settings.first_audio_first
         report["python_switch_interval_ms"] = round(sys.getswitchinterval() * 1e3, 3)  # the entry point's
         report["first_hop_tokens"] = settings.first_hop_tokens  # None: upstream's aligned hop
+        report["hop_scale"], report["max_hop_tokens"] = settings.hop_scale, settings.max_hop_tokens  # None: 4 x hop
         report["first_chunk_euler_steps"] = settings.first_chunk_euler_steps  # None: the bundle's
         report["offline_as_stream"] = engine.offline_as_stream
         report["vocoder_pad_final"] = engine.vocoder.pad_final

@@ -46,7 +46,8 @@ def stream_chunks(engine: CosyVoiceSynthesizer, prompt: FlowPrompt, tokens: np.n
     mode), and the estimator frames (summed over Euler steps) before the first chunk was out."""
     look = engine.bundle.flow.pre_lookahead_len
     schedule = ChunkSchedule(engine.bundle.streaming.token_hop_len, look, prompt_tokens=len(prompt.tokens),
-                             first_hop=first_hop, hop_scale=engine.settings.hop_scale)
+                             first_hop=first_hop, hop_scale=engine.settings.hop_scale,
+                             max_hop=engine.settings.max_hop_tokens)
     with engine.flow.stream(prompt, engine.settings.flow_final_chunk, engine.settings.flow_left_chunks,
                             first_steps=first_steps) as flow:
         mels = []

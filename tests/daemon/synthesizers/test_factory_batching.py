@@ -39,7 +39,8 @@ def test_streaming_settings_reach_the_engine(tiny_bundle: Path, tmp_path: Path) 
     defaults = load_local_synthesizer(Settings(device_id="t"), bundle=str(tiny_bundle))
     config = tmp_path / "cosyedge.toml"
     config.write_text('device_id = "t"\n[tts]\noverlap_stages = "off"\nfirst_hop_tokens = 7\nstream_hop_scale = 2.0\n'
-                      'flow_final_chunk = "upstream"\nflow_left_chunks = 4\ncpu_memory_arena = true\n'
+                      'stream_max_hop_tokens = 50\nflow_final_chunk = "upstream"\nflow_left_chunks = 4\n'
+                      'cpu_memory_arena = true\n'
                       'max_text_chars = 1234\noffline_as_stream = "on"\nvocoder_pad_final = "off"\n')
     custom = load_local_synthesizer(load_settings(config), bundle=str(tiny_bundle))
     try:
@@ -50,6 +51,7 @@ def test_streaming_settings_reach_the_engine(tiny_bundle: Path, tmp_path: Path) 
         assert (c.overlap_stages, c.first_hop_tokens, c.flow_final_chunk, c.flow_left_chunks) == (
             False, 7, "upstream", 4)
         assert (d.hop_scale, c.hop_scale) == (1.0, 2.0)
+        assert (d.max_hop_tokens, c.max_hop_tokens) == (None, 50)  # 0: upstream's 4 x the hop
         # auto: off without batched lanes; "on" reaches the engine
         assert (d.offline_as_stream, c.offline_as_stream) == (None, True)
         assert (defaults.offline_as_stream, custom.offline_as_stream) == (False, True)

@@ -24,7 +24,7 @@ from cosyedge_models.synthesis.settings import SynthesisSettings
 from cosyedge_models.synthesis.synthesizer import load_synthesizer
 from cosyedge_models.synthesis.vocoder import HiftVocoder
 
-from tests.conftest import STATIC_VOCODER_FIRST_HOP
+from tests.conftest import STATIC_VOCODER_FIRST_HOP, STATIC_VOCODER_LATER_HOP
 from tests.support.components import require_cuda_provider
 
 
@@ -37,12 +37,13 @@ def test_graphs_cover_the_recurring_chunk_lengths(graph_bundle: Path) -> None:
     a stream of a prompt-less voice gives the vocoder first 25 tokens x 2 mel frames per token = 50
     frames, then each hop's 50 frames after the 8 kept frames of the previous chunk (mel_cache_len)
     = 58; the tiny bundle keeps upstream's streaming numbers. graph_bundle also asked for a first
-    hop of 15 tokens (`--static-vocoder-first-hops 15`): its first chunk, 15 x 2 = 30 frames."""
+    hop of 15 tokens (`--static-vocoder-first-hops 15`): its first chunk, 15 x 2 = 30 frames; and a
+    later hop of 50 (`--static-vocoder-hops 50`): its steady chunk, 50 x 2 + 8 = 108."""
     bundle = load_bundle(graph_bundle)
     s = bundle.streaming
     assert (s.token_hop_len, bundle.token_mel_ratio, s.mel_cache_len) == (25, 2, 8)
-    assert STATIC_VOCODER_FIRST_HOP == 15
-    assert _names(graph_bundle) == [f"{STATIC_VOCODER_PREFIX}{n}" for n in (30, 50, 58)]
+    assert (STATIC_VOCODER_FIRST_HOP, STATIC_VOCODER_LATER_HOP) == (15, 50)
+    assert set(_names(graph_bundle)) == {f"{STATIC_VOCODER_PREFIX}{n}" for n in (30, 50, 58, 108)}
 
 
 def test_first_hops_need_the_fixed_length_graphs(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -52,6 +53,9 @@ def test_first_hops_need_the_fixed_length_graphs(tiny_model_dir: Path, tmp_path:
         with pytest.raises(ValueError, match=r"--static-vocoder-first-hops\) need --static-vocoder and hops >= 1"):
             export_bundle(tiny_model_dir, tmp_path / "bundle", static_vocoder=fixed, static_vocoder_first_hops=hops)
         assert not (tmp_path / "bundle").exists()  # refused before any export work
+        with pytest.raises(ValueError, match=r"--static-vocoder-hops\) need --static-vocoder and hops >= 1"):
+            export_bundle(tiny_model_dir, tmp_path / "bundle", static_vocoder=fixed, static_vocoder_hops=hops)
+        assert not (tmp_path / "bundle").exists()
 
 
 def test_graphs_have_only_fixed_shapes(graph_bundle: Path, tmp_path: Path) -> None:

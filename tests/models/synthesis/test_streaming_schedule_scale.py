@@ -2,8 +2,21 @@
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+
+import numpy as np
 import pytest
-from cosyedge_models.synthesis.streaming import ChunkSchedule
+from cosyedge_models.bundle.loader import load_bundle
+from cosyedge_models.synthesis.api import SynthesisRequest
+from cosyedge_models.synthesis.settings import SynthesisSettings
+from cosyedge_models.synthesis.streaming import ChunkSchedule, check_hops, grown_hops, stream_mel_frames
+from cosyedge_models.synthesis.synthesizer import load_synthesizer
+from cosyedge_models.tools.first_chunk_bench import stream_chunks
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import STATIC_FLOW_WINDOWS
 
 
 def _chunks(schedule: ChunkSchedule, n_tokens: int) -> list[tuple[int, int]]:
@@ -35,11 +48,6 @@ def test_fixed_hop_by_default_and_custom_cap() -> None:
 
 
 def test_engine_streams_with_growing_hop(tiny_bundle: object) -> None:
-    import numpy as np
-    from cosyedge_models.synthesis.api import SynthesisRequest
-    from cosyedge_models.synthesis.settings import SynthesisSettings
-    from cosyedge_models.synthesis.synthesizer import load_synthesizer
-
     text = "The kiosk greets every visitor and explains the opening hours of the museum."
     counts, lengths = [], []
     for scale in (1.0, 2.0):
@@ -64,3 +72,90 @@ def test_first_chunk_tokens_is_where_the_first_chunk_becomes_ready(first_hop: in
     assert schedule.next_chunk(need - 1) is None
     chunk = schedule.next_chunk(need)
     assert chunk is not None and chunk.start == 0 and chunk.end == need - 3
+
+
+def _later_sizes(schedule: ChunkSchedule, n_tokens: int) -> list[int]:
+    return [end - start for start, end in _chunks(schedule, n_tokens)[1:]]
+
+
+@settings(max_examples=200, deadline=None)
+@given(hop=st.integers(1, 40), scale=st.floats(1.0, 4.0), cap_over=st.one_of(st.none(), st.integers(0, 120)))
+def test_grown_hops_are_the_schedule_s_later_hops(hop: int, scale: float, cap_over: int | None) -> None:
+    cap = None if cap_over is None else hop + cap_over
+    hops = grown_hops(hop, scale, cap)
+    sizes = _later_sizes(ChunkSchedule(hop, 3, hop_scale=scale, max_hop=cap), 40 * (cap or 4 * hop))
+    # ChunkSchedule grows the hop after the first chunk too: its later chunks take the grown hops
+    # (the first of them, the hop itself, only when the factor cannot grow it) and then the last for good
+    grown = hops[1:] or hops
+    assert sizes[:len(grown)] == grown and set(sizes) == set(grown)
+    assert hops == sorted(set(hops)) and hops[0] == hop and hops[-1] <= (cap if cap is not None else 4 * hop)
+
+
+def test_grown_hops_and_the_vocoder_lengths_they_repeat() -> None:
+    assert grown_hops(25, 1.0) == [25]
+    assert grown_hops(25, 2.0) == [25, 50, 100]  # upstream's cap: 4 x the hop
+    assert grown_hops(25, 2.0, 50) == [25, 50]
+    assert grown_hops(10, 1.5, 20) == [10, 15, 20]
+    # hop 25 at 2 mel frames a token with 8 kept frames: the first chunk 50, the steady 58, and 50 tokens' 108
+    assert stream_mel_frames(25, 2, 8) == [50, 58]
+    assert stream_mel_frames(25, 2, 8, hop_scale=2.0, max_hop=50) == [50, 58, 108]
+    assert stream_mel_frames(25, 2, 8, first_hop=15, hop_scale=2.0, max_hop=50) == [30, 58, 108]
+
+
+def test_the_cap_is_checked_against_the_bundle_and_its_windows(static_flow_bundle: Path,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """The tiny bundle: hop 25, 2 mel frames a token, 3 look-ahead tokens, fixed-shape windows up to 160
+    frames: chunks of 75 tokens need (75 + 3) x 2 = 156 frames and fit, upstream's cap (100: 206) does not."""
+    bundle = load_bundle(static_flow_bundle)
+    assert max(STATIC_FLOW_WINDOWS) == 160 and bundle.flow.pre_lookahead_len == 3
+    with pytest.raises(ValueError, match="max_hop_tokens must be at least the bundle's hop of 25 speech tokens"):
+        check_hops(bundle, None, 2.0, 20)
+    with caplog.at_level(logging.WARNING, logger="cosyedge_models.synthesis.streaming"):
+        check_hops(bundle, None, 2.0, None)
+        assert "206 frames" in caplog.text and "max_hop_tokens 75 would keep them there" in caplog.text
+        caplog.clear()
+        check_hops(bundle, None, 2.0, 75)
+        check_hops(bundle, None, 1.0, None)  # a fixed hop never grows past the windows
+        assert caplog.text == ""
+
+
+def _lanes(**kw: object) -> SynthesisSettings:
+    base: dict[str, object] = dict(backend="ort", threads=1, overlap_stages=False, graph_flow=True,
+                                   graph_encoder=False, graph_flow_batch=True, graph_flow_overflow_slots=0,
+                                   hop_scale=4.0)
+    return SynthesisSettings(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def test_a_cap_that_fits_keeps_the_grown_chunks_on_the_lanes(static_flow_bundle: Path) -> None:
+    """On the batched lanes (the GPU's path; no capture on the CPU), 110 speech tokens with the hop growing
+    fourfold: capped at 50 the chunks are 25, 50 and the last 35 tokens (windows of 56, 106 and 70 frames,
+    150 committed: all within the tiny bundle's 160-frame windows and cache), and the mel is the dynamic
+    estimator's for the same chunks; upstream's cap (100) makes the second chunk the last 85 tokens, 170
+    frames, which moves the stream to the dynamic graph."""
+    tokens = np.random.default_rng(7).integers(0, 64, 110).astype(np.int64)
+    mels, stats = {}, {}
+    for name, kw in (("fits", dict(max_hop_tokens=50)), ("upstream", {}),
+                     ("dynamic", dict(max_hop_tokens=50, graph_flow=False, graph_flow_batch=False))):
+        eng = load_synthesizer(static_flow_bundle, "ort", _lanes(**kw))
+        try:
+            prompt = eng.conditioning.build(SynthesisRequest(text="a prompt-less voice", stream=True)).flow
+            assert len(prompt.tokens) == 0
+            mels[name] = stream_chunks(eng, prompt, tokens, None, None)[0]
+            stats[name] = eng.graphs.flow_batch_stats()
+        finally:
+            eng.close()
+    fits, upstream = stats["fits"], stats["upstream"]
+    assert fits is not None and upstream is not None
+    # 10 Euler steps a chunk; the windows of 56, 106 and 70 frames in the buckets of 64, 160 and 160
+    assert fits["moves"] == 0 and fits["windows"] == {64: 10, 160: 20}
+    assert upstream["moves"] == 10  # every Euler step's cache, at the second chunk
+    assert [m.shape[2] for m in mels["fits"]] == [50, 100, 70]
+    for a, b in zip(mels["fits"], mels["dynamic"], strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-4 * float(np.abs(b).max()))
+
+
+def test_the_engine_refuses_a_cap_below_the_hop(tiny_bundle: Path) -> None:
+    with pytest.raises(ValueError, match=r"max_hop_tokens must be >= 1 or None \(4 x the hop\), got 0"):
+        SynthesisSettings(max_hop_tokens=0)
+    with pytest.raises(ValueError, match="must be at least the bundle's hop of 25 speech tokens, got 24"):
+        load_synthesizer(tiny_bundle, settings=SynthesisSettings(hop_scale=2.0, max_hop_tokens=24))
