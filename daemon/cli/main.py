@@ -99,9 +99,9 @@ def _add_build(sub: argparse._SubParsersAction) -> None:
                    help="with --static-vocoder: also a fixed-length vocoder graph for the first chunk of these "
                         "first hops in speech tokens ([tts] first_hop_tokens), e.g. 15")
     e.add_argument("--static-vocoder-hops", default="", metavar="TOKENS,...",
-                   help="with --static-vocoder: also a fixed-length vocoder graph for the steady chunk of these later "
-                        "hops in speech tokens, the ones a growing hop reaches ([tts] stream_hop_scale 2 with "
-                        "stream_max_hop_tokens 50: 50)")
+                   help="with --static-vocoder: also the fixed-length vocoder graphs of these later hops in speech "
+                        "tokens (the steady chunk, and an offline request's first chunk), the ones a growing hop "
+                        "reaches ([tts] stream_hop_scale 2 with stream_max_hop_tokens 50: 50)")
     e.add_argument("--fused-decode-batches", default="", metavar="B,...",
                    help="also export the onnxruntime-fused batched LLM decode step (GroupQueryAttention over an "
                         "in-place KV cache) for these batch sizes, e.g. 1,2,4,8,16 (TensorRT keeps the plain graphs)")

@@ -39,8 +39,9 @@ def export_bundle(model_dir: Path, out: Path, static_decode_len: int = 0,
     `fused_decode_precision` (fp16: what onnxruntime's CUDA GroupQueryAttention runs), with one row's
     prefill graph of each of `fused_prefill_lengths` positions (captured on ort-cuda);
     `static_vocoder_first_hops` (with `static_vocoder`) a fixed-length vocoder graph for the first
-    chunk of each of these first hops too, and `static_vocoder_hops` the steady chunk of each of these
-    later hops (a schedule that grows its hop: `hop_scale`, `max_hop_tokens`);
+    chunk of each of these first hops too, and `static_vocoder_hops` both chunks of each of these later
+    hops (a schedule that grows its hop: `hop_scale`, `max_hop_tokens`; the steady chunk, and an offline
+    request's first chunk);
     `batch_flow_sizes` (with `static_flow_windows`) the estimator windows batched across that many
     streams, K/V cache in place (flow_batch.py), in `batch_flow_precision` (fp16: the lanes' K/V in
     fp16 too), their attention `batch_flow_attention` (fused: onnxruntime's MultiHeadAttention), and the

@@ -63,13 +63,15 @@ def static_vocoder_frames(streaming: dict[str, Any], token_mel_ratio: int,
                           first_hops: Sequence[int] = (), hops: Sequence[int] = ()) -> list[int]:
     """The mel lengths to export: the recurring ones of the engine's default schedule, the
     first chunk of each of `first_hops` (speech tokens: the engine's `first_hop_tokens`), which a
-    device that answers sooner repeats in every stream, and the steady chunk of each of `hops` (the
-    later hops a growing schedule reaches: `hop_scale` with `max_hop_tokens`)."""
+    device that answers sooner repeats in every stream, and both chunks of each of `hops` (the later
+    hops a growing schedule reaches, `hop_scale` with `max_hop_tokens`: its steady chunk, and an offline
+    request's first chunk, which starts there: ChunkSchedule.grown_start)."""
     hop, mel_cache = int(streaming["token_hop_len"]), int(streaming["mel_cache_len"])
     lengths = set(recurring_mel_frames(hop, token_mel_ratio, mel_cache))
     for first_hop in first_hops:
         lengths.add(recurring_mel_frames(hop, token_mel_ratio, mel_cache, first_hop)[0])
-    lengths.update(recurring_mel_frames(later, token_mel_ratio, mel_cache)[1] for later in hops)
+    for later in hops:
+        lengths.update(recurring_mel_frames(later, token_mel_ratio, mel_cache))
     return sorted(lengths)
 
 

@@ -82,6 +82,9 @@ class ChunkSchedule:
     # less per frame once the first audio is out; 1.0: a fixed hop.
     hop_scale: float = 1.0
     max_hop: int | None = None  # None: 4 x hop
+    # No first audio to hurry (an offline request served as a stream): with a growing hop every chunk
+    # takes the grown one at once, the first aligned down to the prompt (first_hop is for first audio).
+    grown_start: bool = False
     offset: int = 0
     _hop: int = 0  # the hop after the first chunk, grown by hop_scale
 
@@ -95,8 +98,12 @@ class ChunkSchedule:
         if self.max_hop is not None and self.max_hop < self.hop:
             raise ValueError(f"max_hop must be >= hop ({self.hop}), got {self.max_hop}")
         self._hop = self.hop
+        if self.grown_start and self.hop_scale > 1.0:
+            self._hop = self.max_hop if self.max_hop is not None else 4 * self.hop
 
     def _first_hop(self) -> int:
+        if self._hop > self.hop:  # grown_start: the largest hop up to the grown one ending on a whole chunk
+            return self._hop - (self.prompt_tokens + self._hop) % self.hop
         if self.first_hop is not None:
             return self.first_hop
         pad = -self.prompt_tokens % self.hop
@@ -144,7 +151,10 @@ def recurring_mel_frames(hop: int, token_mel_ratio: int, mel_cache_len: int,
 def stream_mel_frames(hop: int, token_mel_ratio: int, mel_cache_len: int, first_hop: int | None = None,
                       hop_scale: float = 1.0, max_hop: int | None = None) -> list[int]:
     """Every mel length the vocoder repeats in each stream of a prompt-less voice: the first chunk's
-    and the steady chunk's of each hop the schedule grows to (grown_hops), in order, each once."""
+    and the steady chunk's of each hop the schedule grows to (grown_hops), and with a growing hop an
+    offline request's first chunk at the grown hop (ChunkSchedule.grown_start); in order, each once."""
     first, steady = recurring_mel_frames(hop, token_mel_ratio, mel_cache_len, first_hop)
-    later = [recurring_mel_frames(h, token_mel_ratio, mel_cache_len)[1] for h in grown_hops(hop, hop_scale, max_hop)]
-    return list(dict.fromkeys([first, steady, *later]))
+    hops = grown_hops(hop, hop_scale, max_hop)
+    later = [recurring_mel_frames(h, token_mel_ratio, mel_cache_len)[1] for h in hops[1:]]
+    offline = [hops[-1] * token_mel_ratio] if len(hops) > 1 else []
+    return list(dict.fromkeys([first, steady, *later, *offline]))

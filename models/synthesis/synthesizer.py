@@ -415,7 +415,8 @@ class CosyVoiceSynthesizer(SynthesizerDefaults):
         lookahead = self.bundle.flow.pre_lookahead_len
         schedule = ChunkSchedule(self.bundle.streaming.token_hop_len, lookahead,
                                  prompt_tokens=len(cond.flow.tokens), first_hop=self.settings.first_hop_tokens,
-                                 hop_scale=self.settings.hop_scale, max_hop=self.settings.max_hop_tokens)
+                                 hop_scale=self.settings.hop_scale, max_hop=self.settings.max_hop_tokens,
+                                 grown_start=not state.first_audio)  # offline: no first audio to hurry
         stream = VocoderStream(self.vocoder, state.noise)
         tokens: list[int] = []
         spans = LlmSpans()

@@ -132,13 +132,14 @@ def test_a_first_hop_the_fixed_length_graphs_lack_is_set_up_on_the_dynamic_vocod
         assert 10 * ratio not in eng.static_vocoder.frames
         assert eng.warm_vocoder() == [10 * ratio]
         assert {key[0][2] for key in decoder.pinned_shapes()} == {10 * ratio}
-        # a growing hop: its exported later hop's chunk has its graph, one capped at 75 a steady chunk of
-        # 75 x 2 + 8 frames that none has (the 50-token chunk on its way there has one)
+        # a growing hop: its exported later hop's chunks have their graphs; one capped at 75, a steady chunk
+        # of 75 x 2 + 8 frames and an offline request's first chunk of 75 x 2 that none has (the 50-token
+        # chunk on its way there has one)
         eng.settings = dataclasses.replace(eng.settings, first_hop_tokens=None, hop_scale=2.0,
                                            max_hop_tokens=STATIC_VOCODER_LATER_HOP)
         assert eng.warm_vocoder() == []
         eng.settings = dataclasses.replace(eng.settings, max_hop_tokens=75)
-        assert eng.warm_vocoder() == [75 * ratio + eng.bundle.streaming.mel_cache_len]
+        assert eng.warm_vocoder() == [75 * ratio + eng.bundle.streaming.mel_cache_len, 75 * ratio]
     finally:
         eng.close()
     eng = load_synthesizer(graph_bundle, "ort", SynthesisSettings(backend="ort", vocoder_sessions=3, graph_vocoder=True,

@@ -38,12 +38,13 @@ def test_graphs_cover_the_recurring_chunk_lengths(graph_bundle: Path) -> None:
     frames, then each hop's 50 frames after the 8 kept frames of the previous chunk (mel_cache_len)
     = 58; the tiny bundle keeps upstream's streaming numbers. graph_bundle also asked for a first
     hop of 15 tokens (`--static-vocoder-first-hops 15`): its first chunk, 15 x 2 = 30 frames; and a
-    later hop of 50 (`--static-vocoder-hops 50`): its steady chunk, 50 x 2 + 8 = 108."""
+    later hop of 50 (`--static-vocoder-hops 50`): its steady chunk, 50 x 2 + 8 = 108, and an offline
+    request's first chunk there, 50 x 2 = 100."""
     bundle = load_bundle(graph_bundle)
     s = bundle.streaming
     assert (s.token_hop_len, bundle.token_mel_ratio, s.mel_cache_len) == (25, 2, 8)
     assert (STATIC_VOCODER_FIRST_HOP, STATIC_VOCODER_LATER_HOP) == (15, 50)
-    assert set(_names(graph_bundle)) == {f"{STATIC_VOCODER_PREFIX}{n}" for n in (30, 50, 58, 108)}
+    assert set(_names(graph_bundle)) == {f"{STATIC_VOCODER_PREFIX}{n}" for n in (30, 50, 58, 100, 108)}
 
 
 def test_first_hops_need_the_fixed_length_graphs(tiny_model_dir: Path, tmp_path: Path) -> None:

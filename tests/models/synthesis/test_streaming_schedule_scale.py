@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -98,8 +99,23 @@ def test_grown_hops_and_the_vocoder_lengths_they_repeat() -> None:
     assert grown_hops(10, 1.5, 20) == [10, 15, 20]
     # hop 25 at 2 mel frames a token with 8 kept frames: the first chunk 50, the steady 58, and 50 tokens' 108
     assert stream_mel_frames(25, 2, 8) == [50, 58]
-    assert stream_mel_frames(25, 2, 8, hop_scale=2.0, max_hop=50) == [50, 58, 108]
-    assert stream_mel_frames(25, 2, 8, first_hop=15, hop_scale=2.0, max_hop=50) == [30, 58, 108]
+    # ... and with the hop growing, an offline request's first chunk at the grown hop: 50 x 2 = 100
+    assert stream_mel_frames(25, 2, 8, hop_scale=2.0, max_hop=50) == [50, 58, 108, 100]
+    assert stream_mel_frames(25, 2, 8, first_hop=15, hop_scale=2.0, max_hop=50) == [30, 58, 108, 100]
+    assert stream_mel_frames(25, 2, 8, hop_scale=2.0) == [50, 58, 108, 208, 200]
+
+
+@pytest.mark.parametrize(("prompt_tokens", "first"), [(0, 50), (10, 40), (24, 26), (25, 50), (49, 26)])
+def test_an_offline_schedule_starts_at_the_grown_hop_on_a_whole_chunk(prompt_tokens: int, first: int) -> None:
+    """grown_start (an offline request served as a stream): the first chunk is the largest hop up to the
+    grown one whose end, after the prompt, is a whole chunk of the hop; every later chunk the grown hop.
+    A first hop set for first audio does not apply; a fixed hop keeps the streaming schedule."""
+    s = ChunkSchedule(25, 3, prompt_tokens=prompt_tokens, first_hop=15, hop_scale=2.0, max_hop=50, grown_start=True)
+    assert s.first_chunk_tokens() == first + 3
+    sizes = [end - start for start, end in _chunks(s, 400)]
+    assert sizes[0] == first and set(sizes[1:]) == {50} and (prompt_tokens + first) % 25 == 0
+    fixed = ChunkSchedule(25, 3, prompt_tokens=prompt_tokens, grown_start=True)
+    assert _chunks(fixed, 200) == _chunks(ChunkSchedule(25, 3, prompt_tokens=prompt_tokens), 200)
 
 
 def test_the_cap_is_checked_against_the_bundle_and_its_windows(static_flow_bundle: Path,
@@ -159,3 +175,43 @@ def test_the_engine_refuses_a_cap_below_the_hop(tiny_bundle: Path) -> None:
         SynthesisSettings(max_hop_tokens=0)
     with pytest.raises(ValueError, match="must be at least the bundle's hop of 25 speech tokens, got 24"):
         load_synthesizer(tiny_bundle, settings=SynthesisSettings(hop_scale=2.0, max_hop_tokens=24))
+
+
+def _windows(n_tokens: int, grown_start: bool) -> dict[int, int]:
+    """The tiny lanes' replays by window (64 or 160 frames) for `n_tokens` at hop 25 growing to 50."""
+    schedule = ChunkSchedule(25, 3, hop_scale=2.0, max_hop=50, grown_start=grown_start)
+    frames = [(c.end - c.start + 3) * 2 for c in iter(lambda: schedule.next_chunk(n_tokens), None)]
+    final = schedule.final_chunk(n_tokens)
+    out: dict[int, int] = {}
+    for f in [*frames, (final.end - final.start) * 2]:
+        out[64 if f <= 64 else 160] = out.get(64 if f <= 64 else 160, 0) + 10  # ten Euler steps a chunk
+    return out
+
+
+def test_an_offline_request_on_the_lanes_takes_the_grown_hop_from_its_first_chunk(static_flow_bundle: Path) -> None:
+    """Served as a stream (offline_as_stream), an offline request with the hop growing to 50 runs its first
+    chunk at 50 tokens too (ChunkSchedule.grown_start), with no move off the lanes, and its audio is the
+    dynamic estimator's for the same chunks; a streamed request keeps its 25-token first chunk."""
+    request = SynthesisRequest(text="The shop opens at nine.", seed=0, stream=False)
+    audio, windows = {}, {}
+    for name, kw in (("lanes", {}), ("dynamic", dict(graph_flow=False, graph_flow_batch=False))):
+        eng = load_synthesizer(static_flow_bundle, "ort", _lanes(**kw, offline_as_stream=True, max_hop_tokens=50))
+        try:
+            (audio[name],) = [c.pcm for c in eng.synthesize(request)]
+            stats = eng.graphs.flow_batch_stats()
+            if stats is not None:
+                assert stats["moves"] == 0
+                windows["offline"] = dict(stats["windows"])  # type: ignore[call-overload]
+                streamed = [c.pcm for c in eng.synthesize(dataclasses.replace(request, stream=True))]
+                after = dict(eng.graphs.flow_batch_stats()["windows"])  # type: ignore[index, call-overload]
+                windows["streamed"] = {w: n - windows["offline"].get(w, 0) for w, n in after.items()}
+        finally:
+            eng.close()
+    n_tokens = audio["lanes"].size // 960  # 2 mel frames a token, 480 samples a frame
+    assert _windows(n_tokens, True) != _windows(n_tokens, False)  # this request tells the schedules apart
+    assert windows["offline"] == _windows(n_tokens, True)
+    assert {w: n for w, n in windows["streamed"].items() if n} == _windows(n_tokens, False)
+    assert len(streamed) >= 2
+    assert audio["lanes"].size == audio["dynamic"].size
+    np.testing.assert_allclose(audio["lanes"], audio["dynamic"], rtol=0,
+                               atol=1e-4 * float(np.abs(audio["dynamic"]).max()))
