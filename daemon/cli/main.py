@@ -249,8 +249,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--concurrency-mode", choices=("stream", "offline", "both"), default="stream",
                    help="whether the --concurrency requests stream (default), run offline, or both")
     p.add_argument("--graph-trace-ms", type=float, default=1000.0, metavar="MS",
-                   help="each streaming --concurrency level records what the GPU graph threads ran in its first MS "
-                        "(graph_trace in the JSON, drawn on stderr; 0: off)")
+                   help="each --concurrency level (streamed and offline) records what the GPU graph threads ran in its "
+                        "first MS (graph_trace in the JSON, drawn on stderr; 0: off)")
     p.add_argument("--python-switch-interval-ms", type=_switch_interval_ms, default=None, metavar="MS",
                    help="Python's thread switch interval for the bench's process ([tts] python_switch_interval_ms; "
                         "default: Python's 5 ms)")

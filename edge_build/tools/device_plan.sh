@@ -40,7 +40,7 @@ case ${1:?start or wait} in
     # fp16 prefill's -m gpu tests; then the candidates for the defaults: the batched vocoder lengths (v), the
     # batched prefill without the batched encoder windows (b: 8 lanes and 2 slots on an 80 GB card since the
     # long stream's room), rounds gathered 4 ms (g, h), per-stage threads (p, q), and the goals' levels again
-    # (y). Every streaming level records the graph thread's trace (graph_trace: python -m
+    # (y). Every level (offline too) records the graph thread's trace (graph_trace: python -m
     # cosyedge_models.tools.trace_report on a step's JSON).
     # A short lease: STEPS="d x e l u n w m s j" (no cloud without .device/cloud carried).
     voice="VOICE_WAV=/tmp/voice/en8.wav VOICE_TEXT=And+then+later+on,+fully+acquiring+that+company.+So+keeping+management+in+line,+interest+in+line+with+the+asset"

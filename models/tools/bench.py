@@ -358,6 +358,7 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
                         "graph_encoder_batch": engine.graphs.encoder_batch_stats(),
                         "graph_vocoder_batch": engine.graphs.vocoder_batch_stats()}
             print(render_level_traces(report_c.get("concurrency", {})), file=sys.stderr)
+            print(render_level_traces(report_c.get("concurrency_offline", {}), offline=True), file=sys.stderr)
             print(json.dumps(report_c, indent=2))
             if args.json:
                 Path(args.json).write_text(json.dumps(report_c, indent=2) + "\n")
@@ -478,6 +479,7 @@ def bench_command(args: argparse.Namespace, reference: ReferenceRunner | None = 
             engine.close()
     print(render_timeline(shown["timeline"]), file=sys.stderr)
     print(render_level_traces(report.get("concurrency", {})), file=sys.stderr)
+    print(render_level_traces(report.get("concurrency_offline", {}), offline=True), file=sys.stderr)
     report["complete"] = True
     text_out = json.dumps(report, indent=2)
     print(text_out)

@@ -62,7 +62,9 @@ def render_graph_trace(trace: Mapping[str, Any], width: int = 100, until_ms: flo
     return "\n".join(lines)
 
 
-def render_level_traces(levels: Mapping[str, Mapping[str, Any]], width: int = 100) -> str:
-    """Each bench level's graph trace (the levels of a `concurrency` report that have one), titled."""
-    return "\n".join(f"concurrency {n}: {render_graph_trace(level['graph_trace'], width)}"
+def render_level_traces(levels: Mapping[str, Mapping[str, Any]], width: int = 100, offline: bool = False) -> str:
+    """Each bench level's graph trace (the levels of a `concurrency` or, `offline`, a `concurrency_offline`
+    report that have one), titled."""
+    kind = " offline" if offline else ""
+    return "\n".join(f"concurrency {n}{kind}: {render_graph_trace(level['graph_trace'], width)}"
                      for n, level in levels.items() if "graph_trace" in level)

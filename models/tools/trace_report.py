@@ -1,6 +1,9 @@
 """Where a bench level's first chunks spent the GPU graph threads, from its graph_trace and first-chunk
 marks: python -m cosyedge_models.tools.trace_report BENCH.json [--level 8] [--entry bench]
 
+An offline level (`concurrency_offline`, traced since 2026-12-08) has no first chunk: its whole traced
+window is one phase (where its aggregate RTF goes: the replays' rows, the idle time).
+
 Each streaming level (of more than one stream) is cut into the phases of its streams' way to first
 audio, by the marks bench reports (first_chunk_ms, ms since the request started: the level's requests
 start together): the set-up and prefills (to the first token's p50), the first chunk's tokens (to the
@@ -47,10 +50,13 @@ def replay_rows(items: Sequence[TraceItem], start_s: float, end_s: float) -> dic
 
 
 def level_report(level: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """Each phase of one level: span, busy ms by label and idle ms, replays by rows."""
+    """Each phase of one level: span, busy ms by label and idle ms, replays by rows (an offline level:
+    its traced window, to the last traced item's end)."""
     items = trace_items(level["graph_trace"])
+    cuts = (phases(level["first_chunk_ms"]) if "first_chunk_ms" in level else
+            [("traced window", 0.0, max((i.ended_s for i in items), default=0.0) * 1e3)])
     out = []
-    for name, start, end in phases(level["first_chunk_ms"]):
+    for name, start, end in cuts:
         out.append({"phase": name, "from_ms": round(start, 1), "to_ms": round(end, 1),
                     "busy_ms": busy_between(items, start / 1e3, end / 1e3),
                     "flow_replays_by_rows": replay_rows(items, start / 1e3, end / 1e3)})
@@ -85,13 +91,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
         report = report[args.entry]
-    levels = {n: lv for n, lv in report.get("concurrency", {}).items()
-              if "graph_trace" in lv and "first_chunk_ms" in lv and int(n) > 1 and (args.level in (None, n))}
+    levels = {(key, n): lv for key in ("concurrency", "concurrency_offline") for n, lv in report.get(key, {}).items()
+              if "graph_trace" in lv and int(n) > 1 and (args.level in (None, n))}
     if not levels:
-        print(f"trace_report: {args.bench_json} has no streaming level of several streams with a graph_trace "
-              "(bench --graph-trace-ms, since the twenty-sixth run)", file=sys.stderr)
+        print(f"trace_report: {args.bench_json} has no level of several streams with a graph_trace "
+              "(bench --graph-trace-ms, since the twenty-sixth run; offline levels since 2026-12-08)", file=sys.stderr)
         return 1
-    print("\n".join(render(n, level_report(lv)) for n, lv in levels.items()))
+    print("\n".join(render(n if key == "concurrency" else f"{n} offline", level_report(lv))
+                    for (key, n), lv in levels.items()))
     return 0
 
 

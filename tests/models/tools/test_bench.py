@@ -399,17 +399,20 @@ def test_bench_rejects_a_first_hop_shorter_than_the_vocoders_cross_fade(tiny_bun
     assert "first_hop_tokens must be at least 5" in capsys.readouterr().err
 
 
-def test_each_streaming_level_records_what_the_graph_threads_ran(every_graph_bundle: Path, tmp_path: Path,
+def test_each_level_records_what_the_graph_threads_ran(every_graph_bundle: Path, tmp_path: Path,
                                                                    capsys: pytest.CaptureFixture[str]) -> None:
     """graph_trace: every item the graph thread ran in the level's first --graph-trace-ms, in the order they
-    started, with their priority; its busy time per label is the level's graph_busy_ms."""
+    started, with their priority; its busy time per label is the level's graph_busy_ms. Offline levels too
+    (where their aggregate RTF goes), whose requests open no first-audio hold."""
     out = tmp_path / "trace.json"
     assert main(["bench", "--bundle", str(every_graph_bundle), "--concurrency", "2", "--concurrency-only",
                  "--concurrency-mode", "both", "--graph-flow", "--graph-flow-batch", "--graph-trace-ms", "600000",
                  "--json", str(out)]) == 0
     r = json.loads(out.read_text())
     level = r["concurrency"]["2"]
-    assert "graph_trace" not in r["concurrency_offline"]["2"]  # streaming levels only
+    offline = r["concurrency_offline"]["2"]["graph_trace"]
+    assert offline["items"] and {dict(zip(offline["fields"], item, strict=True))["priority"]
+                                 for item in offline["items"]} == {"normal"}
     trace = level["graph_trace"]
     rows = [dict(zip(trace["fields"], item, strict=True)) for item in trace["items"]]
     assert rows and trace["dropped"] == 0 and trace["window_ms"] == 600000.0

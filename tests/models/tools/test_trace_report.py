@@ -52,7 +52,7 @@ def test_the_command_reads_a_bench_json_and_says_what_it_lacks(tmp_path: Path,
            "2 rows x2" in out
     old = tmp_path / "old.json"
     old.write_text(json.dumps({"concurrency": {"2": {"requests": 2}}}))
-    assert main([str(old)]) == 1 and "no streaming level of several streams with a graph_trace" in \
+    assert main([str(old)]) == 1 and "no level of several streams with a graph_trace" in \
         capsys.readouterr().err
     assert main([str(tmp_path / "missing.json")]) == 2 and "cannot read" in capsys.readouterr().err
     run = tmp_path / "run.json"
@@ -60,3 +60,19 @@ def test_the_command_reads_a_bench_json_and_says_what_it_lacks(tmp_path: Path,
     assert main([str(run), "--entry", "bench"]) == 0 and capsys.readouterr().out.startswith("concurrency 2:")
     assert main([str(run), "--entry", "batch_x"]) == 2 and "no bench report 'batch_x' (it has: bench)" in \
         capsys.readouterr().err
+
+
+def test_an_offline_level_is_one_phase_its_traced_window(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An offline level has no first-chunk marks: its trace to the last item's end is one phase."""
+    level = _level()
+    del level["first_chunk_ms"]
+    (only,) = level_report(level)
+    assert (only["phase"], only["from_ms"], only["to_ms"]) == ("traced window", 0.0, 64.0)
+    assert only["busy_ms"] == {"flow_lane_seed": 4.0, "llm_batched_step": 4.0, "flow_batched_replay": 26.0,
+                               "vocoder_graph": 4.0, "idle": 26.0}
+    assert only["flow_replays_by_rows"] == {1: 1, 2: 2}
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"concurrency": {"2": _level()}, "concurrency_offline": {"2": level}}))
+    assert main([str(bench)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("concurrency 2:") and "concurrency 2 offline:\n  traced window (0.0 to 64.0 ms)" in out
