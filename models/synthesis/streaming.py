@@ -83,10 +83,11 @@ class ChunkSchedule:
     hop_scale: float = 1.0
     max_hop: int | None = None  # None: 4 x hop
     # No first audio to hurry (an offline request served as a stream): with a growing hop every chunk
-    # takes the grown one at once, the first aligned down to the prompt (first_hop is for first audio).
+    # takes the hop it grows to at once, the first aligned down to the prompt (first_hop is for first audio).
     grown_start: bool = False
     offset: int = 0
     _hop: int = 0  # the hop after the first chunk, grown by hop_scale
+    _grown_first: int = 0  # grown_start's first hop (0: the streaming first hop)
 
     def __post_init__(self) -> None:
         if self.hop <= 0:
@@ -98,12 +99,16 @@ class ChunkSchedule:
         if self.max_hop is not None and self.max_hop < self.hop:
             raise ValueError(f"max_hop must be >= hop ({self.hop}), got {self.max_hop}")
         self._hop = self.hop
-        if self.grown_start and self.hop_scale > 1.0:
-            self._hop = self.max_hop if self.max_hop is not None else 4 * self.hop
+        grown = grown_hops(self.hop, self.hop_scale, self.max_hop)[-1]
+        # the largest first hop up to the grown one that ends on a whole chunk after the prompt; one shorter
+        # than the hop (a cap below twice the hop) would be a tiny chunk: the streaming first hop then
+        first = grown - (self.prompt_tokens + grown) % self.hop
+        if self.grown_start and grown > self.hop and first >= self.hop:
+            self._hop, self._grown_first = grown, first
 
     def _first_hop(self) -> int:
-        if self._hop > self.hop:  # grown_start: the largest hop up to the grown one ending on a whole chunk
-            return self._hop - (self.prompt_tokens + self._hop) % self.hop
+        if self._grown_first:
+            return self._grown_first
         if self.first_hop is not None:
             return self.first_hop
         pad = -self.prompt_tokens % self.hop
@@ -156,5 +161,6 @@ def stream_mel_frames(hop: int, token_mel_ratio: int, mel_cache_len: int, first_
     first, steady = recurring_mel_frames(hop, token_mel_ratio, mel_cache_len, first_hop)
     hops = grown_hops(hop, hop_scale, max_hop)
     later = [recurring_mel_frames(h, token_mel_ratio, mel_cache_len)[1] for h in hops[1:]]
-    offline = [hops[-1] * token_mel_ratio] if len(hops) > 1 else []
-    return list(dict.fromkeys([first, steady, *later, *offline]))
+    offline = ChunkSchedule(hop, 0, first_hop=first_hop, hop_scale=hop_scale, max_hop=max_hop,
+                            grown_start=True).first_chunk_tokens()
+    return list(dict.fromkeys([first, steady, *later, offline * token_mel_ratio]))

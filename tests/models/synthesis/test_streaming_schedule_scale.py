@@ -215,3 +215,31 @@ def test_an_offline_request_on_the_lanes_takes_the_grown_hop_from_its_first_chun
     assert audio["lanes"].size == audio["dynamic"].size
     np.testing.assert_allclose(audio["lanes"], audio["dynamic"], rtol=0,
                                atol=1e-4 * float(np.abs(audio["dynamic"]).max()))
+
+
+@settings(max_examples=300, deadline=None)
+@given(hop=st.integers(2, 40), scale=st.floats(1.0, 4.0), cap_over=st.one_of(st.none(), st.integers(0, 120)),
+       prompt=st.integers(0, 200), first_hop=st.one_of(st.none(), st.integers(5, 30)))
+def test_an_offline_schedule_covers_the_tokens_on_whole_chunks(hop: int, scale: float, cap_over: int | None,
+                                                              prompt: int, first_hop: int | None) -> None:
+    """For any hop, growth, cap and prompt: grown_start's chunks tile the tokens, each of at least the hop and
+    at most the hop the schedule grows to, the first ending on a whole chunk after the prompt (and every one
+    where that hop is a multiple of the hop), the rest of that hop; where its first would be shorter than
+    the hop, or with no growth, it is the streaming schedule; first_chunk_tokens does not change once
+    chunks have gone."""
+    cap = None if cap_over is None else hop + cap_over
+    grown = grown_hops(hop, scale, cap)[-1]
+    s = ChunkSchedule(hop, 3, prompt_tokens=prompt, first_hop=first_hop, hop_scale=scale, max_hop=cap,
+                      grown_start=True)
+    need = s.first_chunk_tokens()
+    chunks = _chunks(s, 12 * max(grown, hop + 24))
+    assert s.first_chunk_tokens() == need == chunks[0][1] + 3
+    assert chunks[0][0] == 0 and all(a[1] == b[0] for a, b in zip(chunks, chunks[1:], strict=False))
+    if grown > hop and (grown - (prompt + grown) % hop) >= hop:
+        assert all(hop <= end - start <= grown for start, end in chunks) and (prompt + chunks[0][1]) % hop == 0
+        assert {end - start for start, end in chunks[1:]} == {grown}
+        if grown % hop == 0:  # a multiple of the hop (upstream's growth): every chunk on whole chunks
+            assert all((prompt + end) % hop == 0 for _, end in chunks)
+    else:
+        plain = ChunkSchedule(hop, 3, prompt_tokens=prompt, first_hop=first_hop, hop_scale=scale, max_hop=cap)
+        assert chunks == _chunks(plain, 12 * max(grown, hop + 24))
