@@ -195,7 +195,7 @@ class TtsSettings:
         "GPU a cap whose chunks fit the bundle's largest fixed-shape estimator window keeps them on the captured "
         "graphs (the engine's log says which cap fits: 50 with windows of 128 frames; a multiple of the hop keeps "
         "each chunk on the flow's attention chunks, as upstream); a bundle exported with "
-        "--static-vocoder-hops N replays that chunk's vocoder as a fixed-length graph; at least the bundle's hop",
+        "--static-vocoder-hops N replays those chunks' vocoder as fixed-length graphs; at least the bundle's hop",
         min=0, max=1000, reload=True,
     )
     flow_final_chunk: str = setting(
