@@ -11,7 +11,7 @@ its own schedule (upstream keeps the hop on the shared model instance)."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -88,6 +88,7 @@ class ChunkSchedule:
     offset: int = 0
     _hop: int = 0  # the hop after the first chunk, grown by hop_scale
     _grown_first: int = 0  # grown_start's first hop (0: the streaming first hop)
+    _grown: list[int] = field(default_factory=list)  # the hops it grows through (grown_hops)
 
     def __post_init__(self) -> None:
         if self.hop <= 0:
@@ -99,7 +100,8 @@ class ChunkSchedule:
         if self.max_hop is not None and self.max_hop < self.hop:
             raise ValueError(f"max_hop must be >= hop ({self.hop}), got {self.max_hop}")
         self._hop = self.hop
-        grown = grown_hops(self.hop, self.hop_scale, self.max_hop)[-1]
+        self._grown = grown_hops(self.hop, self.hop_scale, self.max_hop)
+        grown = self._grown[-1]
         # the largest first hop up to the grown one that ends on a whole chunk after the prompt; one shorter
         # than the hop (a cap below twice the hop) would be a tiny chunk: the streaming first hop then
         first = grown - (self.prompt_tokens + grown) % self.hop
@@ -131,9 +133,7 @@ class ChunkSchedule:
         hop = self._this_hop()
         if n_tokens - self.offset >= hop + self.lookahead:
             chunk = Chunk(self.offset, self.offset + hop, final=False)
-            if self.hop_scale > 1.0:
-                cap = self.max_hop if self.max_hop is not None else 4 * self.hop
-                self._hop = min(cap, int(self._hop * self.hop_scale))
+            self._hop = self._grown[min(self._grown.index(self._hop) + 1, len(self._grown) - 1)]
             self.offset += hop
             return chunk
         return None
