@@ -105,7 +105,8 @@ def engine_kwargs(params: dict[str, str], backend: str, bundle: Path | None = No
     dynamic flow batching is then off (it would turn the fixed-shape flow off).
     GRAPH_ENCODER_BATCH, LLM_CAPTURED_PREFILL and GRAPH_VOCODER_BATCH (true, false;
     false by default) add the batched encoder windows, the captured prefill and the
-    batched vocoder graphs there (_switch)."""
+    batched vocoder graphs there (_switch). STREAM_HOP_SCALE and STREAM_MAX_HOP_TOKENS grow the
+    streaming hop (_hop_growth), with or without batching."""
     from cosyedge_models.batching.policy import BatchSettings
 
     def batching(prefix: str) -> BatchSettings | None:
@@ -121,14 +122,15 @@ def engine_kwargs(params: dict[str, str], backend: str, bundle: Path | None = No
     if graph not in GRAPH_BATCHING_VALUES:
         raise CosyEdgeError(f"GRAPH_BATCHING must be one of {', '.join(GRAPH_BATCHING_VALUES)}, got {graph!r}")
     llm, flow = batching("LLM"), batching("FLOW")
-    if llm is None and flow is None:
+    hop = _hop_growth(params)
+    if llm is None and flow is None and not hop:
         return {}
     from cosyedge_models.synthesis.settings import SynthesisSettings
 
-    if not (graph == "true" or (graph == "auto" and backend == "ort-cuda")):
-        return {"settings": SynthesisSettings(backend=backend, batching=llm, flow_batching=flow)}
+    if llm is None and flow is None or not (graph == "true" or (graph == "auto" and backend == "ort-cuda")):
+        return {"settings": SynthesisSettings(backend=backend, batching=llm, flow_batching=flow, **hop)}
     graph_flow = graph == "true" or (bundle is not None and _has_batched_flow(bundle))
-    return {"settings": SynthesisSettings(backend=backend, batching=llm, graph_batching=llm is not None,
+    return {"settings": SynthesisSettings(backend=backend, batching=llm, graph_batching=llm is not None, **hop,
                                           graph_flow_batch=graph_flow,
                                           graph_encoder_batch=_switch(params, "GRAPH_ENCODER_BATCH"),
                                           llm_captured_prefill=_switch(params, "LLM_CAPTURED_PREFILL"),
@@ -178,6 +180,29 @@ def _gather_ms(params: dict[str, str]) -> float:
         raise CosyEdgeError(f"GRAPH_FLOW_GATHER_MS must be a number of ms from 0 (off) to {MAX_GATHER_MS:.0f}, "
                             f"got {value!r}")
     return ms
+
+
+def _hop_growth(params: dict[str, str]) -> dict[str, Any]:
+    """STREAM_HOP_SCALE (hop_scale, 1 to 4; unset: 1, a fixed hop) and STREAM_MAX_HOP_TOKENS (max_hop_tokens;
+    unset or 0: 4x the hop), as the daemon's [tts] stream_hop_scale and stream_max_hop_tokens: fewer, longer
+    later chunks (50 keeps them on the 128-frame fixed-shape windows, docs/gpu.md). Only what is set."""
+    out: dict[str, Any] = {}
+    scale = (params.get("STREAM_HOP_SCALE") or "").strip()
+    if scale:
+        try:
+            out["hop_scale"] = float(scale)
+        except ValueError:
+            out["hop_scale"] = math.nan
+        if not 1.0 <= out["hop_scale"] <= 4.0:
+            raise CosyEdgeError(f"STREAM_HOP_SCALE must be a number from 1 (a fixed hop) to 4, got {scale!r}")
+    cap = (params.get("STREAM_MAX_HOP_TOKENS") or "").strip()
+    if cap:
+        if not cap.isdigit():
+            raise CosyEdgeError(f"STREAM_MAX_HOP_TOKENS must be a whole number of speech tokens (0: 4x the hop), "
+                                f"got {cap!r}")
+        if int(cap):
+            out["max_hop_tokens"] = int(cap)
+    return out
 
 
 def _has_batched_flow(bundle: Path) -> bool:

@@ -188,3 +188,28 @@ def test_triton_model_gather_parameter(static_flow_bundle: Path) -> None:
         with pytest.raises(CosyEdgeError, match=f"GRAPH_FLOW_GATHER_MS must be a number of ms from 0 \\(off\\) to "
                                                 f"1000, got '{bad}'"):
             engine_kwargs({**params, "GRAPH_FLOW_GATHER_MS": bad}, "ort-cuda", static_flow_bundle)
+
+
+def test_triton_model_hop_growth_parameters(static_flow_bundle: Path) -> None:
+    """STREAM_HOP_SCALE and STREAM_MAX_HOP_TOKENS: the growing hop and its cap, with the batch on the graphs, on
+    the dynamic batchers, and with no batching; unset, the engine's fixed hop."""
+    from cosyedge_cloud.triton.orchestrator import engine_kwargs
+
+    grow = {"STREAM_HOP_SCALE": "2", "STREAM_MAX_HOP_TOKENS": " 50 "}
+    graphs = engine_kwargs({"LLM_MAX_BATCH_SIZE": "8", **grow}, "ort-cuda", static_flow_bundle)["settings"]
+    assert graphs.graph_batching and (graphs.hop_scale, graphs.max_hop_tokens) == (2.0, 50)
+    dynamic = engine_kwargs({"LLM_MAX_BATCH_SIZE": "8", **grow}, "ort", static_flow_bundle)["settings"]
+    assert not dynamic.graph_batching and (dynamic.hop_scale, dynamic.max_hop_tokens) == (2.0, 50)
+    alone = engine_kwargs({"STREAM_HOP_SCALE": "1.5", "STREAM_MAX_HOP_TOKENS": "0"}, "ort")["settings"]
+    assert alone.batching is None and (alone.hop_scale, alone.max_hop_tokens) == (1.5, None)
+    assert engine_kwargs({}, "ort") == {}
+    fixed = engine_kwargs({"LLM_MAX_BATCH_SIZE": "8"}, "ort-cuda", static_flow_bundle)["settings"]
+    assert (fixed.hop_scale, fixed.max_hop_tokens) == (1.0, None)
+    for bad in ("0.5", "fast", "nan", "5"):
+        with pytest.raises(CosyEdgeError, match=f"STREAM_HOP_SCALE must be a number from 1 \\(a fixed hop\\) to 4, "
+                                                f"got '{bad}'"):
+            engine_kwargs({"STREAM_HOP_SCALE": bad}, "ort")
+    for bad in ("-1", "fifty", "2.5"):
+        with pytest.raises(CosyEdgeError, match=f"STREAM_MAX_HOP_TOKENS must be a whole number of speech tokens "
+                                                f"\\(0: 4x the hop\\), got '{bad}'"):
+            engine_kwargs({"STREAM_MAX_HOP_TOKENS": bad}, "ort")
