@@ -127,7 +127,7 @@ def engine_kwargs(params: dict[str, str], backend: str, bundle: Path | None = No
         return {}
     from cosyedge_models.synthesis.settings import SynthesisSettings
 
-    if llm is None and flow is None or not (graph == "true" or (graph == "auto" and backend == "ort-cuda")):
+    if (llm is None and flow is None) or not (graph == "true" or (graph == "auto" and backend == "ort-cuda")):
         return {"settings": SynthesisSettings(backend=backend, batching=llm, flow_batching=flow, **hop)}
     graph_flow = graph == "true" or (bundle is not None and _has_batched_flow(bundle))
     return {"settings": SynthesisSettings(backend=backend, batching=llm, graph_batching=llm is not None, **hop,

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from cosyedge_models.bundle.loader import Bundle
+from cosyedge_models.bundle.loader import STATIC_FLOW_PREFIX, Bundle
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +40,6 @@ def check_hops(bundle: Bundle, first_hop: int | None, hop_scale: float, max_hop:
     hop = bundle.streaming.token_hop_len
     if max_hop is not None and max_hop < hop:
         raise ValueError(f"max_hop_tokens must be at least the bundle's hop of {hop} speech tokens, got {max_hop}")
-    from cosyedge_models.bundle.loader import STATIC_FLOW_PREFIX
-
     windows = [int(name[len(STATIC_FLOW_PREFIX):]) for name in bundle.stages if name.startswith(STATIC_FLOW_PREFIX)]
     grown = grown_hops(hop, hop_scale, max_hop)[-1]
     ratio, lookahead = bundle.token_mel_ratio, bundle.flow.pre_lookahead_len

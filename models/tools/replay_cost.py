@@ -27,9 +27,9 @@ from typing import Any
 
 from cosyedge_models.backends.fixed_shapes import bucket
 from cosyedge_models.backends.profiling import trace_items
+from cosyedge_models.tools.trace_report import FLOW_REPLAY
 
-REPLAY = re.compile(r"rows (\d+), step \d+, window (\d+)")
-FLOW_REPLAY = "flow_batched_replay"
+REPLAY = re.compile(r"rows (\d+), step \d+, window (\d+)")  # FlowBatcher's note of a replay
 
 
 def _traces(report: Any) -> Iterator[Mapping[str, Any]]:
